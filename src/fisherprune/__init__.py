@@ -1,0 +1,33 @@
+"""fisherprune: remove whole channels by their Fisher pruning signal weighed against their cost.
+
+Public API (see docs/api.md):
+
+    MaskLayer, find_masks             masks placed by hand
+    update_pruning_signals            fold a batch's Fisher estimate into the signal EMA
+    computational_cost, CostReport    cost per example and marginal cost per channel
+    prune, PruneEvent                 zero the one channel with the lowest score
+    PruningOptimizer                  SGD (or any optimizer) + signals + pruning schedule
+"""
+
+from fisherprune._version import __version__
+from fisherprune.cost import CostModel, CostReport, computational_cost, register_cost_formula
+from fisherprune.graph import register_channel_rule
+from fisherprune.masks import MaskLayer, find_masks
+from fisherprune.pruner import PruneEvent, PruningOptimizer, prune, score
+from fisherprune.signals import update_pruning_signals
+
+__all__ = [
+    "CostModel",
+    "CostReport",
+    "MaskLayer",
+    "PruneEvent",
+    "PruningOptimizer",
+    "__version__",
+    "computational_cost",
+    "find_masks",
+    "prune",
+    "register_channel_rule",
+    "register_cost_formula",
+    "score",
+    "update_pruning_signals",
+]

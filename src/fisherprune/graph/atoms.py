@@ -1,0 +1,126 @@
+"""Channel atoms and their union-find.
+
+Every index of every parameter, buffer and model input dimension that the trace
+sees is an *atom*. Operations that tie indices together (an element-wise add
+ties channel k of both operands; a convolution ties input channel k to column
+k of its weight) union atoms. After the trace each connected component is one
+unit that can only be kept or removed as a whole: one prunable channel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["AtomBlock", "Atoms"]
+
+
+@dataclass(frozen=True)
+class AtomBlock:
+    """A run of consecutive atoms: the indices of one dimension of one leaf tensor.
+
+    kind: ``"param"`` (parameter or buffer, ``name`` is its qualified name) or
+    ``"input"`` (model input, ``name`` is its position).
+    """
+
+    kind: str
+    name: str
+    dim: int
+    start: int
+    size: int
+
+
+class Atoms:
+    """Atom allocation, union-find, and per-atom flags (blocked, producer, output)."""
+
+    def __init__(self) -> None:
+        self._parent = np.zeros(0, dtype=np.int64)
+        self.blocks: list[AtomBlock] = []
+        self._blocked: list[tuple[np.ndarray, str]] = []
+        self._producer: list[np.ndarray] = []
+        self._frozen_roots: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        return int(self._parent.size)
+
+    def new_block(self, kind: str, name: str, dim: int, size: int) -> np.ndarray:
+        """Allocate ``size`` fresh atoms for one dimension of a leaf tensor; return their ids."""
+        start = len(self)
+        self._parent = np.concatenate([self._parent, np.arange(start, start + size)])
+        self.blocks.append(AtomBlock(kind, name, dim, start, size))
+        return np.arange(start, start + size, dtype=np.int64)
+
+    # ------------------------------------------------------------- union-find
+    def find(self, a: np.ndarray) -> np.ndarray:
+        """Roots of atoms ``a`` (vectorised, with path halving)."""
+        p = self._parent
+        r = p[a]
+        while True:
+            rr = p[r]
+            if np.array_equal(rr, r):
+                return r
+            p[a] = rr
+            r = rr
+
+    def union(self, a: np.ndarray, b: np.ndarray) -> None:
+        """Tie atom ``a[i]`` to atom ``b[i]`` for every i."""
+        if a.size == 0:
+            return
+        ra, rb = self.find(a), self.find(b)
+        diff = ra != rb
+        if not diff.any():
+            return
+        pairs = np.unique(np.stack([ra[diff], rb[diff]], 1), axis=0)
+        p = self._parent
+        for x, y in pairs:
+            while p[x] != x:
+                x = p[x]
+            while p[y] != y:
+                y = p[y]
+            if x != y:
+                if x < y:
+                    p[y] = x
+                else:
+                    p[x] = y
+
+    def union_all(self, a: np.ndarray) -> None:
+        """Tie every atom of ``a`` together."""
+        if a.size > 1:
+            self.union(a[:-1], a[1:])
+
+    # ------------------------------------------------------------------ flags
+    def block(self, a: np.ndarray, reason: str) -> None:
+        """Mark atoms ``a`` as not prunable, with the reason reported to the user."""
+        if a.size:
+            self._blocked.append((a.copy(), reason))
+
+    def mark_producer(self, a: np.ndarray) -> None:
+        """Mark atoms ``a`` as output channels of a layer (what makes a component a channel)."""
+        if a.size:
+            self._producer.append(a.copy())
+
+    def roots(self) -> np.ndarray:
+        """Root of every atom."""
+        return self.find(np.arange(len(self)))
+
+    def blocked_reasons(self, roots: np.ndarray) -> dict[int, str]:
+        """First reason each blocked component (by root) was blocked for."""
+        out: dict[int, str] = {}
+        for a, reason in self._blocked:
+            for r in np.unique(roots[a]):
+                out.setdefault(int(r), reason)
+        return out
+
+    def producer_roots(self, roots: np.ndarray) -> np.ndarray:
+        """Roots of the components that contain a producer atom."""
+        if not self._producer:
+            return np.zeros(0, dtype=np.int64)
+        return np.unique(roots[np.concatenate(self._producer)])
+
+    def locate(self, atom: int) -> tuple[AtomBlock, int]:
+        """The block an atom belongs to and its index within that dimension."""
+        starts = [b.start for b in self.blocks]
+        i = int(np.searchsorted(starts, atom, side="right") - 1)
+        b = self.blocks[i]
+        return b, atom - b.start

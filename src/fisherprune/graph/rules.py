@@ -1,0 +1,777 @@
+"""Channel rules: how labels flow through each ATen operator.
+
+One registry keyed by operator (``aten.<name>`` packets). A rule receives a
+``RuleContext`` and returns a ``TensorInfo`` for every tensor output, in order.
+It may tie atoms together (``ctx.atoms.union``), mark layer outputs
+(``mark_producer``), record consumers and block atoms that cannot be pruned.
+
+An operator with no rule blocks every channel that reaches it (it is reported,
+never pruned wrongly). Register a rule for a custom operator with::
+
+    @register_channel_rule(torch.ops.mylib.myop)
+    def _myop(ctx): ...
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from fisherprune.graph.trace import Labels, RuleContext, TensorInfo
+
+__all__ = ["ChannelRule", "apply_rule", "register_channel_rule", "registered_ops"]
+
+aten = torch.ops.aten
+ChannelRule = Callable[[RuleContext], list[TensorInfo]]
+_RULES: dict[Any, ChannelRule] = {}
+
+
+def register_channel_rule(*ops: Any) -> Callable[[ChannelRule], ChannelRule]:
+    """Register ``fn`` as the channel rule of each operator packet in ``ops``.
+
+    Raises:
+        ValueError: an operator already has a rule (rules never silently replace each other).
+        TypeError: a key is not an operator.
+    """
+
+    def deco(fn: ChannelRule) -> ChannelRule:
+        for op in ops:
+            key = getattr(op, "overloadpacket", op)
+            if not isinstance(key, torch._ops.OpOverloadPacket):
+                raise TypeError(f"register_channel_rule expects ATen operators, got {op!r}")
+            if key in _RULES:
+                raise ValueError(f"{key} already has a channel rule")
+            _RULES[key] = fn
+        return fn
+
+    return deco
+
+
+def registered_ops() -> list[Any]:
+    """Every operator packet that has a channel rule."""
+    return list(_RULES)
+
+
+def apply_rule(ctx: RuleContext) -> list[TensorInfo]:
+    key = getattr(ctx.func, "overloadpacket", None)
+    rule = _RULES.get(key)
+    if rule is None:
+        return _opaque(ctx, f"{ctx.where()} has no channel rule")
+    return rule(ctx)
+
+
+# ------------------------------------------------------------------ helpers
+def _out_blank(ctx: RuleContext) -> list[TensorInfo]:
+    return [TensorInfo.blank(tuple(t.shape)) for t in ctx.out_tensors]
+
+
+def _opaque(ctx: RuleContext, reason: str) -> list[TensorInfo]:
+    """Block every labelled dim of every input; outputs carry no channels."""
+    for t in ctx.in_tensors:
+        info = ctx.info(t)
+        for lab, cov in zip(info.labels, info.cover, strict=True):
+            if lab is not None:
+                ctx.block(lab, reason)
+                ctx.consume(lab, cov, reason)
+    return _out_blank(ctx)
+
+
+def _same_as_input(ctx: RuleContext, keep_cover: bool = True) -> list[TensorInfo]:
+    src = ctx.info(ctx.in_tensors[0])
+    outs = []
+    for t in ctx.out_tensors:
+        if tuple(t.shape) == src.shape:
+            cover = list(src.cover) if keep_cover else [None] * len(src.shape)
+            outs.append(TensorInfo(src.shape, list(src.labels), cover))
+        else:
+            outs.append(TensorInfo.blank(tuple(t.shape)))
+    return outs
+
+
+def _merge_cover(a: Labels, b: Labels, mode: str) -> Labels:
+    """Cover of an element-wise result: which mask entry still zeroes each index."""
+    if mode == "none":
+        return None
+    if mode == "either":  # a * b is zero when either is
+        if a is None:
+            return b
+        if b is None:
+            return a
+        return np.where(a >= 0, a, b)
+    # "both": a + b is zero only when both are zeroed by the same entry
+    if a is None or b is None:
+        return None
+    return np.where(a == b, a, -1)
+
+
+def _elementwise(ctx: RuleContext, operands: Sequence[Any], mode: str) -> list[TensorInfo]:
+    """Broadcasting element-wise op: ties equal-size dims of all labelled operands."""
+    out_shape = tuple(ctx.out_tensors[0].shape)
+    nd = len(out_shape)
+    labels: list[Labels] = [None] * nd
+    cover: list[Labels] = [None] * nd
+    infos = [ctx.info(o) for o in operands if isinstance(o, Tensor)]
+    has_scalar_nonzero = any(
+        isinstance(o, (int, float)) and o != 0 and not isinstance(o, bool) for o in operands[1:]
+    )
+    for d in range(nd):
+        off = nd - d
+        present: list[tuple[Labels, Labels]] = []
+        unlabelled_full = False
+        for info in infos:
+            if len(info.shape) < off:
+                continue
+            dd = len(info.shape) - off
+            if info.shape[dd] != out_shape[d] or out_shape[d] == 1:
+                continue  # broadcast along this dim: no tie
+            if info.labels[dd] is None:
+                unlabelled_full = True
+            else:
+                present.append((info.labels[dd], info.cover[dd]))
+        if not present:
+            continue
+        base = present[0][0]
+        for lab, _ in present[1:]:
+            ctx.atoms.union(base, lab)
+        if unlabelled_full:
+            for lab, cov in present:
+                ctx.block(lab, f"{ctx.where()} combines channels with an untracked tensor")
+                ctx.consume(lab, cov, ctx.where())
+        labels[d] = base
+        cov = present[0][1]
+        for _, c in present[1:]:
+            cov = _merge_cover(cov, c, mode)
+        if mode == "both" and (len(present) < len(infos) or has_scalar_nonzero):
+            cov = None  # something else is added to these channels: zeroing them is not enough
+        cover[d] = None if mode == "none" else cov
+    outs = [TensorInfo(out_shape, labels, cover)]
+    for t in ctx.out_tensors[1:]:
+        outs.append(TensorInfo.blank(tuple(t.shape)))
+    return outs
+
+
+# ----------------------------------------------------------- element-wise
+_ZERO_PRESERVING = [
+    aten.relu,
+    aten.relu_,
+    aten.gelu,
+    aten.silu,
+    aten.silu_,
+    aten.tanh,
+    aten.hardtanh,
+    aten.hardtanh_,
+    aten.leaky_relu,
+    aten.leaky_relu_,
+    aten.elu,
+    aten.elu_,
+    aten.neg,
+    aten.abs,
+    aten.sqrt,
+    aten.hardswish,
+    aten.hardswish_,
+    aten.mish,
+    aten.relu6,
+    aten.sign,
+    aten.sin,
+    aten.clone,
+    aten.contiguous,
+    aten.detach,
+    aten.alias,
+    aten._to_copy,
+    aten.lift_fresh,
+    aten.lift_fresh_copy,
+    aten.dropout,
+    aten.feature_dropout,
+    aten.alpha_dropout,
+    aten.native_dropout,
+    aten.celu,
+    aten.selu,
+]
+_NOT_ZERO_PRESERVING = [
+    aten.sigmoid,
+    aten.sigmoid_,
+    aten.exp,
+    aten.rsqrt,
+    aten.hardsigmoid,
+    aten.softplus,
+    aten.log,
+    aten.cos,
+    aten.reciprocal,
+    aten.erf,
+    aten.pow,
+    aten.log_sigmoid_forward,
+    aten.masked_fill,
+    aten.masked_fill_,
+]
+
+
+@register_channel_rule(*_ZERO_PRESERVING)
+def _unary_zero(ctx: RuleContext) -> list[TensorInfo]:
+    return _elementwise(ctx, ctx.args[:1], "either")
+
+
+@register_channel_rule(*_NOT_ZERO_PRESERVING)
+def _unary_nonzero(ctx: RuleContext) -> list[TensorInfo]:
+    return _elementwise(ctx, ctx.args[:1], "none")
+
+
+@register_channel_rule(aten.clamp, aten.clamp_, aten.clamp_min, aten.clamp_max)
+def _clamp(ctx: RuleContext) -> list[TensorInfo]:
+    bounds = [b for b in ctx.args[1:3] if isinstance(b, (int, float))]
+    zero_ok = (
+        all((b <= 0 if i == 0 else b >= 0) for i, b in enumerate(ctx.args[1:3]) if b is not None)
+        if bounds
+        else False
+    )
+    return _elementwise(ctx, ctx.args[:1], "either" if zero_ok else "none")
+
+
+@register_channel_rule(aten.mul, aten.mul_)
+def _mul(ctx: RuleContext) -> list[TensorInfo]:
+    return _elementwise(ctx, ctx.args[:2], "either")
+
+
+@register_channel_rule(aten.div, aten.div_)
+def _div(ctx: RuleContext) -> list[TensorInfo]:
+    out = _elementwise(ctx, ctx.args[:2], "none")
+    a = ctx.info(ctx.args[0]) if isinstance(ctx.args[0], Tensor) else None
+    if a is not None and a.shape == out[0].shape:
+        out[0].cover = list(a.cover)  # x / y is zero where x is
+    return out
+
+
+@register_channel_rule(aten.add, aten.add_, aten.sub, aten.sub_)
+def _add(ctx: RuleContext) -> list[TensorInfo]:
+    return _elementwise(ctx, ctx.args[:2], "both")
+
+
+@register_channel_rule(aten.where, aten.maximum, aten.minimum, aten.lerp, aten.addcmul)
+def _other_elementwise(ctx: RuleContext) -> list[TensorInfo]:
+    return _elementwise(ctx, [a for a in ctx.args if isinstance(a, Tensor)], "none")
+
+
+@register_channel_rule(
+    aten.zeros_like,
+    aten.ones_like,
+    aten.empty_like,
+    aten.full_like,
+    aten.rand_like,
+    aten.randn_like,
+)
+def _like(ctx: RuleContext) -> list[TensorInfo]:
+    return _same_as_input(ctx, keep_cover=False)
+
+
+# ------------------------------------------------------------- contractions
+def _grouped_conv_ties(ctx: RuleContext, in_ch: Labels, w_out: np.ndarray, groups: int) -> None:
+    """Grouped conv: a group's input and output channels can only go together."""
+    cin_g = (in_ch.size // groups) if in_ch is not None else 0
+    cout_g = w_out.size // groups
+    for g in range(groups):
+        parts = [w_out[g * cout_g : (g + 1) * cout_g]]
+        if in_ch is not None:
+            parts.append(in_ch[g * cin_g : (g + 1) * cin_g])
+        ctx.atoms.union_all(np.concatenate(parts))
+
+
+@register_channel_rule(aten.convolution, aten._convolution)
+def _conv(ctx: RuleContext) -> list[TensorInfo]:
+    x, w, b = ctx.args[0], ctx.args[1], ctx.args[2]
+    transposed, groups = bool(ctx.args[6]), int(ctx.args[8])
+    xi, wi = ctx.info(x), ctx.info(w)
+    out_dim, in_dim = (1, 0) if transposed else (0, 1)
+    in_ch, in_cov = xi.labels[1], xi.cover[1]
+    w_out = wi.labels[out_dim]
+    for d in range(2, len(wi.shape)):
+        ctx.block(wi.labels[d], "kernel dimension")
+    if w_out is None:
+        return _opaque(ctx, f"{ctx.where()}: weight is computed inside forward")
+    if groups == 1:
+        if in_ch is not None and wi.labels[in_dim] is not None:
+            ctx.atoms.union(in_ch, wi.labels[in_dim])
+        out_ch = w_out
+    else:
+        # output channel o of group g is tied to input channels of group g
+        if transposed:  # weight (Cin, Cout/g, ...): output labels are per group slices of dim 1
+            ctx.atoms.union_all(w_out) if groups else None
+            return _opaque(ctx, f"{ctx.where()}: grouped transposed convolution is not supported")
+        _grouped_conv_ties(ctx, in_ch, w_out, groups)
+        ctx.block(wi.labels[in_dim], "per-group kernel dimension")
+        out_ch = w_out
+    ctx.consume(in_ch, in_cov, ctx.where())
+    ctx.atoms.mark_producer(out_ch)
+    if isinstance(b, Tensor):
+        bi = ctx.info(b)
+        if bi.labels[0] is not None:
+            ctx.atoms.union(bi.labels[0], out_ch)
+    shape = tuple(ctx.out_tensors[0].shape)
+    labels: list[Labels] = [xi.labels[0], out_ch] + [None] * (len(shape) - 2)
+    return [TensorInfo(shape, labels, [None] * len(shape))]
+
+
+def _matmul_core(
+    ctx: RuleContext, a: TensorInfo, b: TensorInfo, shape: tuple[int, ...], batch: bool
+) -> TensorInfo:
+    """(..., n, k) @ (..., k, m): ties the k dims, output (..., n, m)."""
+    ka, kb = a.labels[-1], b.labels[-2]
+    if ka is not None and kb is not None:
+        ctx.atoms.union(ka, kb)
+    if not a.param:
+        ctx.consume(ka, a.cover[-1], ctx.where())
+    if not b.param:
+        ctx.consume(kb, b.cover[-2], ctx.where())
+    n_lab, m_lab = a.labels[-2], b.labels[-1]
+    if m_lab is not None:
+        ctx.atoms.mark_producer(m_lab)
+    labels: list[Labels] = [None] * len(shape)
+    labels[-2], labels[-1] = n_lab, m_lab
+    if batch:
+        if a.labels[0] is not None and b.labels[0] is not None:
+            ctx.atoms.union(a.labels[0], b.labels[0])
+        labels[0] = a.labels[0] if a.labels[0] is not None else b.labels[0]
+    return TensorInfo(shape, labels, [None] * len(shape))
+
+
+@register_channel_rule(aten.mm, aten.bmm)
+def _mm(ctx: RuleContext) -> list[TensorInfo]:
+    a, b = ctx.info(ctx.args[0]), ctx.info(ctx.args[1])
+    shape = tuple(ctx.out_tensors[0].shape)
+    return [_matmul_core(ctx, a, b, shape, ctx.func.overloadpacket is aten.bmm)]
+
+
+@register_channel_rule(aten.addmm, aten.baddbmm)
+def _addmm(ctx: RuleContext) -> list[TensorInfo]:
+    bias, a, b = (ctx.info(t) if isinstance(t, Tensor) else None for t in ctx.args[:3])
+    shape = tuple(ctx.out_tensors[0].shape)
+    out = _matmul_core(ctx, a, b, shape, ctx.func.overloadpacket is aten.baddbmm)
+    if bias is not None:
+        for d in range(1, len(bias.shape) + 1):
+            bl = bias.labels[-d]
+            if bl is not None and bias.shape[-d] == shape[-d] and shape[-d] > 1:
+                if out.labels[-d] is None:
+                    return _opaque(ctx, f"{ctx.where()}: bias on an untracked dimension")
+                ctx.atoms.union(bl, out.labels[-d])
+    return [out]
+
+
+@register_channel_rule(aten.embedding)
+def _embedding(ctx: RuleContext) -> list[TensorInfo]:
+    w, idx = ctx.info(ctx.args[0]), ctx.info(ctx.args[1])
+    ctx.block(w.labels[0], "embedding rows (vocabulary)")
+    shape = tuple(ctx.out_tensors[0].shape)
+    labels: list[Labels] = [*list(idx.labels), w.labels[1]]
+    if w.labels[1] is not None:
+        ctx.atoms.mark_producer(w.labels[1])
+    return [TensorInfo(shape, labels, [None] * len(shape))]
+
+
+# ------------------------------------------------------------- normalisation
+def _tie_params_to(ctx: RuleContext, ch: Labels, params: Sequence[Any]) -> None:
+    for p in params:
+        if isinstance(p, Tensor):
+            pi = ctx.info(p)
+            if pi.labels and pi.labels[0] is not None and ch is not None:
+                ctx.atoms.union(pi.labels[0], ch)
+
+
+@register_channel_rule(
+    aten.native_batch_norm,
+    aten._native_batch_norm_legit_no_training,
+    aten._native_batch_norm_legit,
+    aten.batch_norm,
+    aten._native_batch_norm_legit_functional,
+)
+def _batch_norm(ctx: RuleContext) -> list[TensorInfo]:
+    x = ctx.info(ctx.args[0])
+    _tie_params_to(ctx, x.labels[1], ctx.args[1:5])
+    outs = [TensorInfo(x.shape, list(x.labels), [None] * len(x.shape))]
+    for t in ctx.out_tensors[1:]:
+        shape = tuple(t.shape)
+        lab: list[Labels] = [None] * len(shape)
+        if len(shape) == 1 and shape[0] == x.shape[1]:
+            lab[0] = x.labels[1]
+        outs.append(TensorInfo(shape, lab, [None] * len(shape)))
+    return outs
+
+
+@register_channel_rule(aten.native_group_norm)
+def _group_norm(ctx: RuleContext) -> list[TensorInfo]:
+    x = ctx.info(ctx.args[0])
+    ch = x.labels[1]
+    groups = int(ctx.args[6])
+    _tie_params_to(ctx, ch, ctx.args[1:3])
+    if ch is not None:
+        per = ch.size // groups
+        for g in range(groups):  # a normalisation group is removed whole or not at all
+            ctx.atoms.union_all(ch[g * per : (g + 1) * per])
+    outs = [TensorInfo(x.shape, list(x.labels), [None] * len(x.shape))]
+    outs += [TensorInfo.blank(tuple(t.shape)) for t in ctx.out_tensors[1:]]
+    return outs
+
+
+@register_channel_rule(aten.native_layer_norm)
+def _layer_norm(ctx: RuleContext) -> list[TensorInfo]:
+    x = ctx.info(ctx.args[0])
+    k = len(ctx.args[1])
+    reason = f"{ctx.where()} normalises across this dimension (removing one changes the rest)"
+    for d in range(len(x.shape) - k, len(x.shape)):
+        _tie_params_to(ctx, x.labels[d], ctx.args[2:4])
+        ctx.block(x.labels[d], reason)
+        ctx.consume(x.labels[d], x.cover[d], reason)
+    outs = [TensorInfo(x.shape, list(x.labels), [None] * len(x.shape))]
+    outs += [TensorInfo.blank(tuple(t.shape)) for t in ctx.out_tensors[1:]]
+    return outs
+
+
+# --------------------------------------------------------- pooling, reductions
+@register_channel_rule(
+    aten.max_pool1d,
+    aten.max_pool2d,
+    aten.max_pool3d,
+    aten.max_pool2d_with_indices,
+    aten.max_pool3d_with_indices,
+    aten.avg_pool1d,
+    aten.avg_pool2d,
+    aten.avg_pool3d,
+    aten.adaptive_avg_pool1d,
+    aten.adaptive_avg_pool2d,
+    aten.adaptive_avg_pool3d,
+    aten._adaptive_avg_pool2d,
+    aten._adaptive_avg_pool3d,
+    aten.adaptive_max_pool1d,
+    aten.adaptive_max_pool2d,
+    aten.adaptive_max_pool3d,
+    aten.upsample_nearest2d,
+    aten.upsample_bilinear2d,
+    aten.constant_pad_nd,
+    aten.reflection_pad2d,
+    aten.replication_pad2d,
+)
+def _pool(ctx: RuleContext) -> list[TensorInfo]:
+    """(N, C, *spatial) -> (N, C, *spatial'): batch and channel pass through."""
+    x = ctx.info(ctx.args[0])
+    outs = []
+    for t in ctx.out_tensors:
+        shape = tuple(t.shape)
+        lab: list[Labels] = [None] * len(shape)
+        cov: list[Labels] = [None] * len(shape)
+        if len(shape) == len(x.shape):
+            lead = 2 if len(shape) >= 3 else 1
+            for d in range(lead):
+                if shape[d] == x.shape[d]:
+                    lab[d], cov[d] = x.labels[d], x.cover[d]
+        outs.append(TensorInfo(shape, lab, cov))
+    if ctx.func.overloadpacket in (aten.constant_pad_nd,) and ctx.args[2:] and ctx.args[2] != 0:
+        for o in outs:
+            o.cover = [None] * len(o.shape)
+    return outs
+
+
+@register_channel_rule(
+    aten.mean,
+    aten.sum,
+    aten.amax,
+    aten.amin,
+    aten.prod,
+    aten.var,
+    aten.std,
+    aten.logsumexp,
+    aten.norm,
+    aten.linalg_vector_norm,
+)
+def _reduce(ctx: RuleContext) -> list[TensorInfo]:
+    x = ctx.info(ctx.args[0])
+    nd = len(x.shape)
+    dims = ctx.args[1] if len(ctx.args) > 1 else ctx.kwargs.get("dim")
+    if isinstance(dims, int):
+        dims = [dims]
+    if dims is None or (isinstance(dims, (list, tuple)) and len(dims) == 0):
+        dims = list(range(nd))
+    dims = {d % nd for d in dims if isinstance(d, int)} if nd else set()
+    shape = tuple(ctx.out_tensors[0].shape)
+    zero_ok = ctx.func.overloadpacket in (
+        aten.mean,
+        aten.sum,
+        aten.amax,
+        aten.amin,
+        aten.norm,
+        aten.linalg_vector_norm,
+    )
+    kept = [d for d in range(nd) if d not in dims]
+    keepdim = len(shape) == nd
+    reason = f"{ctx.where()} reduces across channels"
+    for d in dims:
+        if x.labels[d] is not None:
+            ctx.block(x.labels[d], reason)
+            ctx.consume(x.labels[d], x.cover[d], reason)
+    lab: list[Labels] = [None] * len(shape)
+    cov: list[Labels] = [None] * len(shape)
+    for j, d in enumerate(range(nd) if keepdim else kept):
+        if d in dims:
+            continue
+        lab[j] = x.labels[d]
+        cov[j] = x.cover[d] if zero_ok else None
+    return [TensorInfo(shape, lab, cov)] + [
+        TensorInfo.blank(tuple(t.shape)) for t in ctx.out_tensors[1:]
+    ]
+
+
+@register_channel_rule(
+    aten._softmax, aten._log_softmax, aten.softmax, aten.log_softmax, aten.cumsum
+)
+def _softmax(ctx: RuleContext) -> list[TensorInfo]:
+    x = ctx.info(ctx.args[0])
+    d = int(ctx.args[1]) % len(x.shape)
+    reason = f"{ctx.where()} mixes channels along its dimension"
+    ctx.block(x.labels[d], reason)
+    ctx.consume(x.labels[d], x.cover[d], reason)
+    return [TensorInfo(x.shape, list(x.labels), [None] * len(x.shape))]
+
+
+# -------------------------------------------------------------- shape ops
+@register_channel_rule(aten.t, aten.transpose, aten.permute, aten.numpy_T)
+def _permute(ctx: RuleContext) -> list[TensorInfo]:
+    x = ctx.info(ctx.args[0])
+    nd = len(x.shape)
+    packet = ctx.func.overloadpacket
+    if packet is aten.permute:
+        order = [d % nd for d in ctx.args[1]]
+    elif packet is aten.transpose:
+        a, b = int(ctx.args[1]) % nd, int(ctx.args[2]) % nd
+        order = list(range(nd))
+        order[a], order[b] = order[b], order[a]
+    else:
+        order = list(reversed(range(nd)))
+    shape = tuple(ctx.out_tensors[0].shape)
+    return [
+        TensorInfo(shape, [x.labels[d] for d in order], [x.cover[d] for d in order], param=x.param)
+    ]
+
+
+@register_channel_rule(
+    aten.unsqueeze,
+    aten.squeeze,
+    aten.view,
+    aten._unsafe_view,
+    aten.reshape,
+    aten.expand,
+    aten.flatten,
+    aten.unflatten,
+)
+def _view(ctx: RuleContext) -> list[TensorInfo]:
+    x = ctx.info(ctx.args[0])
+    shape = tuple(ctx.out_tensors[0].shape)
+    if ctx.func.overloadpacket is aten.expand:
+        lab: list[Labels] = [None] * len(shape)
+        cov: list[Labels] = [None] * len(shape)
+        off = len(shape) - len(x.shape)
+        for d in range(len(x.shape)):
+            if x.shape[d] == shape[d + off]:
+                lab[d + off], cov[d + off] = x.labels[d], x.cover[d]
+        return [TensorInfo(shape, lab, cov, param=x.param)]
+    out = _reshape_labels(ctx, x, shape)
+    out.param = x.param
+    return [out]
+
+
+def _reshape_labels(ctx: RuleContext, x: TensorInfo, shape: tuple[int, ...]) -> TensorInfo:
+    """Map labels across a reshape by matching runs of dims with equal products."""
+    lab: list[Labels] = [None] * len(shape)
+    cov: list[Labels] = [None] * len(shape)
+    src = [d for d in range(len(x.shape)) if x.shape[d] != 1]
+    dst = [d for d in range(len(shape)) if shape[d] != 1]
+    i = j = 0
+    reason = f"{ctx.where()} reshapes channels together with another labelled dimension"
+    while i < len(src) and j < len(dst):
+        si, sj = [src[i]], [dst[j]]
+        pi, pj = x.shape[src[i]], shape[dst[j]]
+        while pi != pj:
+            if pi < pj:
+                i += 1
+                si.append(src[i])
+                pi *= x.shape[src[i]]
+            else:
+                j += 1
+                sj.append(dst[j])
+                pj *= shape[dst[j]]
+        i += 1
+        j += 1
+        labelled = [d for d in si if x.labels[d] is not None]
+        if len(si) == 1 and len(sj) == 1:
+            lab[sj[0]], cov[sj[0]] = x.labels[si[0]], x.cover[si[0]]
+        elif len(sj) == 1 and len(labelled) <= 1:
+            if labelled:  # merge dims (flatten): each channel index repeats over the others
+                d = labelled[0]
+                inner = math.prod(x.shape[e] for e in si if e > d)
+                outer = math.prod(x.shape[e] for e in si if e < d)
+                lab[sj[0]] = np.tile(np.repeat(x.labels[d], inner), outer)
+                if x.cover[d] is not None:
+                    cov[sj[0]] = np.tile(np.repeat(x.cover[d], inner), outer)
+        else:
+            for d in labelled:
+                ctx.block(x.labels[d], reason)
+                ctx.consume(x.labels[d], x.cover[d], reason)
+    return TensorInfo(shape, lab, cov)
+
+
+@register_channel_rule(aten.slice)
+def _slice(ctx: RuleContext) -> list[TensorInfo]:
+    x = ctx.info(ctx.args[0])
+    nd = len(x.shape)
+    d = int(ctx.args[1]) % nd if len(ctx.args) > 1 else 0
+    shape = tuple(ctx.out_tensors[0].shape)
+    lab, cov = list(x.labels), list(x.cover)
+    if shape[d] != x.shape[d]:
+        if x.labels[d] is not None:
+            reason = f"{ctx.where()} slices channels at fixed positions"
+            ctx.block(x.labels[d], reason)
+            ctx.consume(x.labels[d], x.cover[d], reason)
+        lab[d], cov[d] = None, None
+    return [TensorInfo(shape, lab, cov)]
+
+
+@register_channel_rule(aten.select)
+def _select(ctx: RuleContext) -> list[TensorInfo]:
+    x = ctx.info(ctx.args[0])
+    d = int(ctx.args[1]) % len(x.shape)
+    if x.labels[d] is not None:
+        reason = f"{ctx.where()} selects one channel by position"
+        ctx.block(x.labels[d], reason)
+        ctx.consume(x.labels[d], x.cover[d], reason)
+    keep = [e for e in range(len(x.shape)) if e != d]
+    shape = tuple(ctx.out_tensors[0].shape)
+    return [TensorInfo(shape, [x.labels[e] for e in keep], [x.cover[e] for e in keep])]
+
+
+@register_channel_rule(aten.split, aten.split_with_sizes, aten.chunk, aten.unbind)
+def _split(ctx: RuleContext) -> list[TensorInfo]:
+    """Equal splits (``chunk``) tie index i of every piece, so pieces stay equal when pruned."""
+    x = ctx.info(ctx.args[0])
+    nd = len(x.shape)
+    packet = ctx.func.overloadpacket
+    if packet is aten.unbind:
+        d = int(ctx.args[1]) % nd if len(ctx.args) > 1 else 0
+    else:
+        d = int(ctx.args[2]) % nd if len(ctx.args) > 2 else int(ctx.kwargs.get("dim", 0)) % nd
+    sizes = [int(t.shape[d]) if packet is not aten.unbind else 1 for t in ctx.out_tensors]
+    lab_d, cov_d = x.labels[d], x.cover[d]
+    equal = len(set(sizes)) == 1 and packet in (aten.split, aten.chunk)
+    outs = []
+    if lab_d is not None:
+        if equal and len(sizes) > 1:
+            pieces = lab_d.reshape(len(sizes), sizes[0])
+            for p in pieces[1:]:
+                ctx.atoms.union(pieces[0], p)
+        elif len(sizes) > 1:
+            reason = f"{ctx.where()} splits channels at fixed sizes"
+            ctx.block(lab_d, reason)
+            ctx.consume(lab_d, cov_d, reason)
+    start = 0
+    for t, s in zip(ctx.out_tensors, sizes, strict=True):
+        shape = tuple(t.shape)
+        if packet is aten.unbind:
+            keep = [e for e in range(nd) if e != d]
+            outs.append(TensorInfo(shape, [x.labels[e] for e in keep], [x.cover[e] for e in keep]))
+            continue
+        lab, cov = list(x.labels), list(x.cover)
+        if lab_d is not None:
+            lab[d] = lab_d[start : start + s]
+            cov[d] = None if cov_d is None else cov_d[start : start + s]
+        start += s
+        outs.append(TensorInfo(shape, lab, cov))
+    return outs
+
+
+@register_channel_rule(aten.cat, aten.concat, aten.stack)
+def _cat(ctx: RuleContext) -> list[TensorInfo]:
+    tensors = [t for t in ctx.args[0] if isinstance(t, Tensor) and t.numel() > 0]
+    infos = [ctx.info(t) for t in tensors]
+    shape = tuple(ctx.out_tensors[0].shape)
+    nd = len(shape)
+    stack = ctx.func.overloadpacket is aten.stack
+    d = int(ctx.args[1]) if len(ctx.args) > 1 else int(ctx.kwargs.get("dim", 0))
+    d %= nd
+    lab: list[Labels] = [None] * nd
+    cov: list[Labels] = [None] * nd
+    for e in range(nd):
+        if e == d:
+            continue
+        src_e = e - 1 if stack and e > d else e
+        present = [(i.labels[src_e], i.cover[src_e]) for i in infos if i.labels[src_e] is not None]
+        if len(present) != len(infos) and present:
+            for pl, pc in present:
+                ctx.block(pl, f"{ctx.where()} joins channels with an untracked tensor")
+                ctx.consume(pl, pc, ctx.where())
+            continue
+        if present:
+            for pl, _ in present[1:]:
+                ctx.atoms.union(present[0][0], pl)
+            lab[e] = present[0][0]
+            c = present[0][1]
+            for _, pc in present[1:]:
+                c = _merge_cover(c, pc, "both")
+            cov[e] = c
+    if not stack:
+        parts_l, parts_c, complete = [], [], True
+        for i in infos:
+            if i.labels[d] is None:
+                complete = False
+                break
+            parts_l.append(i.labels[d])
+            parts_c.append(i.cover[d] if i.cover[d] is not None else np.full(i.shape[d], -1))
+        if complete and infos:
+            lab[d] = np.concatenate(parts_l)
+            cov[d] = np.concatenate(parts_c).astype(np.int64)
+        else:
+            for i in infos:
+                if i.labels[d] is not None:
+                    ctx.block(i.labels[d], f"{ctx.where()} concatenates with an untracked tensor")
+                    ctx.consume(i.labels[d], i.cover[d], ctx.where())
+    return [TensorInfo(shape, lab, cov)]
+
+
+# ------------------------------------------------- ops that carry no channels
+@register_channel_rule(
+    aten.empty,
+    aten.zeros,
+    aten.ones,
+    aten.full,
+    aten.arange,
+    aten.randn,
+    aten.rand,
+    aten.scalar_tensor,
+    aten.empty_strided,
+    aten.randint,
+    aten.eye,
+    aten.linspace,
+    aten.fill_,
+    aten.zero_,
+    aten.copy_,
+    aten.normal_,
+    aten.uniform_,
+    aten._local_scalar_dense,
+    aten.ne,
+    aten.eq,
+    aten.gt,
+    aten.lt,
+    aten.ge,
+    aten.le,
+    aten.isnan,
+    aten.isinf,
+    aten.logical_not,
+    aten.any,
+    aten.all,
+    aten.argmax,
+    aten.argmin,
+    aten.sym_size,
+    aten.is_nonzero,
+    aten.equal,
+    aten.item,
+)
+def _no_channels(ctx: RuleContext) -> list[TensorInfo]:
+    return _out_blank(ctx)

@@ -1,0 +1,359 @@
+"""Trace a model once, at the level of ATen operators, and label channels.
+
+Why a dispatch mode: ``torch.fx`` fails on data-dependent Python control flow
+and needs the model's code to be symbolically traceable; ``torch.export`` is
+strict about the same things and slow. A ``TorchDispatchMode`` sees every
+operator a real forward pass runs, with real shapes, whatever the Python code
+around it does, and PyTorch's own ``FlopCounterMode`` counts at this very
+level, so our FLOP counts agree with it by construction.
+
+While the forward pass runs, every dimension of every tensor carries a label
+array: for each index, the atom (see ``atoms.py``) it descends from, or no
+labels for a dimension that holds no channel (spatial dims, constants). Per-op
+rules (``rules.py``) say how labels flow through each operator and which atoms
+an operator ties together. Each dimension also carries a *cover* array: the
+mask entry that zeroes that index, or -1, propagated through operators that
+map zero to zero; it tells which mask entries remove which channels.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+from fisherprune.graph.atoms import Atoms
+from fisherprune.masks import _trace_hook
+from fisherprune.masks.layer import MaskLayer
+
+__all__ = ["ConsumerPoint", "DimInfo", "OpRecord", "TensorInfo", "Trace", "trace_model"]
+
+Labels = np.ndarray | None
+
+
+@dataclass
+class TensorInfo:
+    """What the trace knows of one tensor: shape, per-dim labels and covers."""
+
+    shape: tuple[int, ...]
+    labels: list[Labels]
+    cover: list[Labels]
+    param: bool = False  # a parameter or buffer, or a view of one: never needs masking
+
+    @staticmethod
+    def blank(shape: tuple[int, ...]) -> TensorInfo:
+        return TensorInfo(tuple(shape), [None] * len(shape), [None] * len(shape))
+
+
+DimInfo = tuple[Labels, Labels]
+
+
+@dataclass
+class OpRecord:
+    """One traced operator call.
+
+    ``args`` / ``kwargs`` are the call's arguments with every tensor replaced by
+    its slot number in ``slots``; cost formulas substitute (pruned) shapes.
+    """
+
+    op: Any
+    args: tuple
+    kwargs: dict
+    slots: list[TensorInfo]
+    n_inputs: int
+    is_mask: bool = False
+    module: str = ""
+
+
+@dataclass
+class ConsumerPoint:
+    """A place that uses a channel dimension: a layer's input, the model output, an opaque op.
+
+    ``labels`` / ``cover`` are arrays of equal length: the atom of each index and
+    the mask entry that zeroes it (-1: none).
+    """
+
+    labels: np.ndarray
+    cover: np.ndarray
+    what: str
+    op_index: int
+
+
+@dataclass
+class Trace:
+    """The result of tracing: op records, atoms, consumer points and mask entries."""
+
+    ops: list[OpRecord] = field(default_factory=list)
+    atoms: Atoms = field(default_factory=Atoms)
+    consumers: list[ConsumerPoint] = field(default_factory=list)
+    mask_names: list[str] = field(default_factory=list)
+    mask_starts: list[int] = field(default_factory=list)
+    param_infos: dict[str, TensorInfo] = field(default_factory=dict)
+    output_infos: list[TensorInfo] = field(default_factory=list)
+    batch_size: int = 1
+
+    def entry_count(self) -> int:
+        return self.mask_starts[-1] if self.mask_starts else 0
+
+
+class _Tracer(TorchDispatchMode):
+    def __init__(self, trace: Trace, names: dict[int, str], masks: dict[int, str]) -> None:
+        super().__init__()
+        self.trace = trace
+        self.infos: dict[int, TensorInfo] = {}
+        self.keep: list[Tensor] = []  # keep traced tensors alive so ids stay unique
+        self.param_names = names
+        self.mask_names = masks
+        self.mask_index: dict[str, int] = {}
+        self._suspended = 0
+        self.module_stack: list[str] = []
+
+    # ------------------------------------------------------------ bookkeeping
+    @contextlib.contextmanager
+    def suspended(self) -> Iterator[None]:
+        self._suspended += 1
+        try:
+            yield
+        finally:
+            self._suspended -= 1
+
+    def info(self, t: Tensor) -> TensorInfo:
+        got = self.infos.get(id(t))
+        if got is not None and got.shape == tuple(t.shape):
+            return got
+        name = self.param_names.get(id(t))
+        if name is not None:
+            return self.leaf(t, "param", name)
+        return TensorInfo.blank(tuple(t.shape))  # a constant made inside forward
+
+    def leaf(self, t: Tensor, kind: str, name: str) -> TensorInfo:
+        labels: list[Labels] = [
+            self.trace.atoms.new_block(kind, name, d, s) for d, s in enumerate(t.shape)
+        ]
+        info = TensorInfo(tuple(t.shape), labels, [None] * t.dim(), param=kind == "param")
+        self.set_info(t, info)
+        if kind == "param":
+            self.trace.param_infos[name] = info
+        return info
+
+    def set_info(self, t: Tensor, info: TensorInfo) -> None:
+        self.infos[id(t)] = info
+        self.keep.append(t)
+
+    # --------------------------------------------------------------- dispatch
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self._suspended:
+            return out
+        from fisherprune.graph.rules import apply_rule
+
+        flat_in, _ = tree_flatten((args, kwargs))
+        in_tensors = [a for a in flat_in if isinstance(a, Tensor)]
+        flat_out, _ = tree_flatten(out)
+        out_tensors = [o for o in flat_out if isinstance(o, Tensor)]
+        slot_of: dict[int, int] = {}
+        slots: list[TensorInfo] = []
+        for t in in_tensors:
+            if id(t) not in slot_of:
+                slot_of[id(t)] = len(slots)
+                slots.append(self.info(t))
+        in_infos = list(slots)
+        n_in = len(slots)
+        ctx = RuleContext(self, func, args, kwargs, in_tensors, out_tensors)
+        out_infos = apply_rule(ctx)
+        for t, oi in zip(out_tensors, out_infos, strict=True):
+            self.set_info(t, oi)
+            slots.append(oi)
+        placeholder = _slot_replacer(slot_of, n_in)
+        rec = OpRecord(
+            func,
+            tree_map(placeholder, args),
+            tree_map(placeholder, kwargs),
+            slots,
+            n_in,
+            module=self.module_stack[-1] if self.module_stack else "",
+        )
+        del in_infos
+        self.trace.ops.append(rec)
+        return out
+
+    # ------------------------------------------------------------------ masks
+    def record_mask(self, mask: MaskLayer, x: Tensor, out: Tensor, dim: int, index) -> None:
+        name = self.mask_names.get(id(mask))
+        if name is None:
+            raise RuntimeError("a MaskLayer that is not part of the traced model was applied")
+        if name not in self.mask_index:
+            self.mask_index[name] = len(self.trace.mask_names)
+            start = self.trace.entry_count()
+            self.trace.mask_names.append(name)
+            self.trace.mask_starts.append(start + mask.num_channels)
+        k = self.mask_index[name]
+        start = self.trace.mask_starts[k] - mask.num_channels
+        idx = np.arange(mask.num_channels) if index is None else index.cpu().numpy()
+        src = self.info(x)
+        cover = list(src.cover)
+        cover[dim] = (start + idx).astype(np.int64)
+        oi = TensorInfo(tuple(out.shape), list(src.labels), cover)
+        self.set_info(out, oi)
+        self.trace.ops.append(OpRecord("mask", (0,), {}, [src, oi], 1, is_mask=True, module=name))
+
+
+class _Slot:
+    __slots__ = ("i",)
+
+    def __init__(self, i: int) -> None:
+        self.i = i
+
+    def __repr__(self) -> str:
+        return f"<slot {self.i}>"
+
+
+def _slot_replacer(slot_of: dict[int, int], n_in: int) -> Callable[[Any], Any]:
+    def rep(a: Any) -> Any:
+        if isinstance(a, Tensor):
+            return _Slot(slot_of[id(a)])
+        return a
+
+    return rep
+
+
+class RuleContext:
+    """What a channel rule sees: the call, the input infos, and the tracer's atoms."""
+
+    def __init__(self, tracer: _Tracer, func, args, kwargs, ins: list[Tensor], outs: list[Tensor]):
+        self.tracer = tracer
+        self.func = func
+        self.args = args
+        self.kwargs = kwargs
+        self.in_tensors = ins
+        self.out_tensors = outs
+        self.atoms = tracer.trace.atoms
+        self.op_index = len(tracer.trace.ops)
+
+    @property
+    def name(self) -> str:
+        packet = getattr(self.func, "overloadpacket", None)
+        return str(packet.__name__) if packet is not None else str(self.func)
+
+    def info(self, t: Any) -> TensorInfo | None:
+        return self.tracer.info(t) if isinstance(t, Tensor) else None
+
+    def consume(self, labels: Labels, cover: Labels, what: str) -> None:
+        """Record a place where a channel dimension is used up."""
+        if labels is None:
+            return
+        cv = cover if cover is not None else np.full(labels.size, -1, dtype=np.int64)
+        self.tracer.trace.consumers.append(ConsumerPoint(labels, cv, what, self.op_index))
+
+    def block(self, labels: Labels, reason: str) -> None:
+        if labels is not None:
+            self.atoms.block(labels, reason)
+
+    def where(self) -> str:
+        mod = self.tracer.module_stack[-1] if self.tracer.module_stack else "<model>"
+        return f"aten.{self.name} in {mod}"
+
+
+def _param_names(model: nn.Module) -> dict[int, str]:
+    names: dict[int, str] = {}
+    for n, p in model.named_parameters(remove_duplicate=True):
+        names.setdefault(id(p), n)
+    for n, b in model.named_buffers(remove_duplicate=True):
+        names.setdefault(id(b), n)
+    return names
+
+
+def _as_args(example_inputs: Any) -> tuple:
+    if isinstance(example_inputs, tuple):
+        return example_inputs
+    if isinstance(example_inputs, list):
+        return tuple(example_inputs)
+    return (example_inputs,)
+
+
+def trace_model(
+    model: nn.Module,
+    example_inputs: Any,
+    loss_fn: Callable[[Any], Tensor] | None = None,
+) -> Trace:
+    """Run one forward pass of ``model`` in eval mode under the tracer.
+
+    The model's parameters, buffers and training flags are left as they were.
+
+    Args:
+        model: the network.
+        example_inputs: a tensor or a tuple of positional inputs; dim 0 is the batch.
+        loss_fn: optional; called on the model's output inside the trace, so
+            that its operators are traced too (the seed counted the loss).
+
+    Raises:
+        ValueError: no tensor input, or inputs with no batch dimension.
+    """
+    args = _as_args(example_inputs)
+    tensors = [a for a in tree_flatten(args)[0] if isinstance(a, Tensor)]
+    if not tensors or tensors[0].dim() == 0:
+        raise ValueError("example_inputs must hold at least one tensor with a batch dimension")
+    trace = Trace(batch_size=int(tensors[0].shape[0]))
+    masks = {id(m): n for n, m in model.named_modules() if isinstance(m, MaskLayer)}
+    tracer = _Tracer(trace, _param_names(model), masks)
+    for i, t in enumerate(tensors):
+        info = tracer.leaf(t, "input", str(i))
+        tracer.trace.atoms.block(info.labels[0], "batch dimension")
+        for lab in info.labels[1:]:
+            tracer.trace.atoms.block(lab, "model input")
+    handles = _module_stack_hooks(model, tracer)
+    was_training = {m: m.training for m in model.modules()}
+    model.eval()
+    _trace_hook.set_active(tracer)
+    try:
+        with torch.no_grad(), tracer:
+            out = model(*args)
+            if loss_fn is not None:
+                tracer.module_stack.append("<loss>")
+                out = loss_fn(out)
+        for t in (o for o in tree_flatten(out)[0] if isinstance(o, Tensor)):
+            info = tracer.info(t)
+            trace.output_infos.append(info)
+            for lab, cov in zip(info.labels, info.cover, strict=True):
+                if lab is not None:
+                    trace.atoms.block(lab, "reaches the model output")
+                    trace.consumers.append(
+                        ConsumerPoint(
+                            lab,
+                            cov if cov is not None else np.full(lab.size, -1, np.int64),
+                            "model output",
+                            len(trace.ops),
+                        )
+                    )
+    finally:
+        _trace_hook.set_active(None)
+        for h in handles:
+            h.remove()
+        for m, flag in was_training.items():
+            m.training = flag
+    return trace
+
+
+def _module_stack_hooks(model: nn.Module, tracer: _Tracer) -> list:
+    handles = []
+    for name, mod in model.named_modules():
+        label = name or "<model>"
+
+        def pre(_m, _a, label=label):
+            tracer.module_stack.append(label)
+
+        def post(_m, _a, _o, label=label):
+            if tracer.module_stack and tracer.module_stack[-1] == label:
+                tracer.module_stack.pop()
+
+        handles.append(mod.register_forward_pre_hook(pre))
+        handles.append(mod.register_forward_hook(post))
+    return handles

@@ -1,0 +1,335 @@
+"""PruningOptimizer: train, gather Fisher signals, and prune one channel every few steps."""
+
+from __future__ import annotations
+
+import logging
+import math
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from fisherprune.cost import CostModel, CostReport
+from fisherprune.masks import MaskLayer, find_masks
+from fisherprune.pruner.prune import PruneEvent, prune
+from fisherprune.pruner.scoring import FlopsWeight, check_flops_weight, score_all
+from fisherprune.signals import LOSS_REDUCTIONS, update_pruning_signals
+
+__all__ = ["PruningOptimizer", "resolve_target"]
+
+log = logging.getLogger("fisherprune")
+
+
+def resolve_target(flops_target: float | int | str, start_cost: float) -> float:
+    """Absolute cost target per example from a user's ``flops_target``.
+
+    ``"25%"`` and numbers in (0, 1) are fractions of ``start_cost``; numbers
+    >= 1 are absolute; 0 or less means "no target" (prune until nothing can be).
+
+    Raises:
+        ValueError: a string that is not a percentage, or a non-finite number.
+    """
+    if isinstance(flops_target, str):
+        text = flops_target.strip()
+        try:
+            if text.endswith("%"):
+                frac = float(text[:-1]) / 100.0
+            else:
+                return resolve_target(float(text), start_cost)
+        except ValueError:
+            raise ValueError(
+                f"flops_target {flops_target!r} is not a number or a percentage such as '25%'"
+            ) from None
+        if not frac > 0:
+            raise ValueError(f"flops_target {flops_target!r} must be a positive percentage")
+        return frac * start_cost
+    if isinstance(flops_target, bool) or not isinstance(flops_target, (int, float)):
+        raise ValueError(f"flops_target must be a number or a percentage, got {flops_target!r}")
+    t = float(flops_target)
+    if not math.isfinite(t):
+        raise ValueError(f"flops_target must be finite, got {flops_target!r}")
+    if 0 < t < 1:
+        return t * start_cost
+    return t
+
+
+def _check_int(name: str, value: Any, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+    return value
+
+
+class PruningOptimizer:
+    """Momentum SGD (or any torch optimizer) that also prunes channels by Fisher signal.
+
+    Each ``step()``: (1) the parameters are updated, (2) while pruning is still
+    possible, each mask's Fisher signal EMA is updated from the batch, (3) with
+    ``counter`` starting at 1, one channel is pruned iff ``counter > burn_in``,
+    ``counter % prune_every == 0`` and the cost is above the target. Once the
+    target is reached (or nothing more can be pruned) signals are no longer
+    collected and the masks stay as they are.
+
+    Args:
+        model: the network, holding MaskLayers (placed by hand or by ``apply_masks``).
+        example_inputs: inputs used once to trace the model for its cost.
+        lr, momentum, nesterov, weight_decay: the default SGD's settings.
+        prune_every: steps between prunes (>= 1).
+        burn_in: steps of statistics before the first prune (>= 0).
+        decay: signal EMA factor in [0, 1).
+        flops_weight: ``"auto"`` (signal / cost), a float ``w`` (signal - w * cost) or 0.
+        flops_target: cost per example to stop at: absolute (>= 1), a fraction in
+            (0, 1) or a percentage string of the starting cost, or 0 (no target).
+        optimizer: any ``torch.optim.Optimizer`` to use instead of SGD (the seed's
+            ``update_params``); ``lr`` etc. are then ignored.
+        min_channels: the fewest channels any mask keeps.
+        convention: cost convention (see ``computational_cost``).
+        loss_reduction: ``"mean"`` or ``"sum"``: how the loss reduces over the batch.
+        masks: the masks to prune (default: every MaskLayer in ``model``).
+
+    Raises:
+        ValueError: a bad setting (named in the message), or a model with no masks.
+
+    Example:
+        >>> opt = PruningOptimizer(net, x[:1], lr=0.05, prune_every=10, flops_target="50%")
+        >>> for xb, yb in data:
+        ...     opt.minimize(loss_fn(net(xb), yb))
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        example_inputs: Any,
+        lr: float = 0.01,
+        momentum: float = 0.9,
+        *,
+        nesterov: bool = False,
+        weight_decay: float = 0.0,
+        prune_every: int = 100,
+        burn_in: int = 0,
+        decay: float = 0.96,
+        flops_weight: FlopsWeight = "auto",
+        flops_target: float | int | str = 0,
+        optimizer: torch.optim.Optimizer | None = None,
+        min_channels: int = 1,
+        convention: str = "flops",
+        loss_reduction: str = "mean",
+        masks: dict[str, MaskLayer] | None = None,
+    ) -> None:
+        self.prune_every = _check_int("prune_every", prune_every, 1)
+        self.burn_in = _check_int("burn_in", burn_in, 0)
+        self.min_channels = _check_int("min_channels", min_channels, 0)
+        if not (isinstance(decay, (int, float)) and 0.0 <= float(decay) < 1.0):
+            raise ValueError(f"decay must be in [0, 1), got {decay!r}")
+        self.decay = float(decay)
+        self.flops_weight = check_flops_weight(flops_weight)
+        if loss_reduction not in LOSS_REDUCTIONS:
+            raise ValueError(
+                f"loss_reduction must be one of {LOSS_REDUCTIONS}, got {loss_reduction!r}"
+            )
+        self.loss_reduction = loss_reduction
+        self.model = model
+        self.masks = dict(masks) if masks is not None else find_masks(model)
+        if not self.masks:
+            raise ValueError(
+                "the model has no MaskLayer: place fisherprune.MaskLayer modules where channels "
+                "may be pruned, or call fisherprune.apply_masks(model, example_inputs) first"
+            )
+        if optimizer is None:
+            if nesterov and momentum <= 0:
+                raise ValueError("nesterov=True needs momentum > 0")
+            optimizer = torch.optim.SGD(
+                model.parameters(),
+                lr=lr,
+                momentum=momentum,
+                nesterov=nesterov,
+                weight_decay=weight_decay,
+            )
+        elif not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
+            )
+        self.optimizer = optimizer
+        self.cost_model = CostModel(model, example_inputs, convention)
+        self.start_cost = self.cost_model.total()
+        self.target = resolve_target(flops_target, self.start_cost)
+        self.counter = 1
+        self.history: list[PruneEvent] = []
+        self.finished = False
+        self._floor_reported = False
+        self._warned_silent: set[str] = set()
+        if self.target > 0 and self.start_cost <= self.target:
+            warnings.warn(
+                f"flops_target {self.target:.6g} is not below the starting cost "
+                f"{self.start_cost:.6g} per example: nothing will be pruned",
+                stacklevel=2,
+            )
+            self._finish("the starting cost is already at or below the target")
+        else:
+            self._check_floor()
+
+    # ------------------------------------------------------------- torch API
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the gradients of the wrapped optimizer's parameters."""
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def minimize(self, loss: Tensor) -> Tensor:
+        """``zero_grad()``, ``loss.backward()`` and ``step()``; returns ``loss``."""
+        self.zero_grad()
+        loss.backward()
+        self.step()
+        return loss
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Update parameters, then signals, then maybe prune one channel (in that order).
+
+        Raises:
+            ValueError: on the first step, if a collecting mask received no gradient
+                (no loss reaches it); later steps only warn.
+        """
+        collecting = not self.finished
+        if collecting:
+            self._check_received()
+        out = self.optimizer.step(closure) if closure is not None else self.optimizer.step()
+        if collecting:
+            update_pruning_signals(self.masks, self.decay, loss_reduction=self.loss_reduction)
+            if self.counter > self.burn_in and self.counter % self.prune_every == 0:
+                self._maybe_prune()
+        self.counter += 1
+        return out
+
+    # --------------------------------------------------------------- pruning
+    def cost(self) -> CostReport:
+        """Cost report of the model as masked now (no re-trace)."""
+        return self.cost_model.report()
+
+    def _maybe_prune(self) -> None:
+        report = self.cost_model.report()
+        if self.target > 0 and report.total <= self.target:
+            self._finish(f"cost {report.total:.6g} reached the target {self.target:.6g}")
+            return
+        signals = {n: m.signal for n, m in self.masks.items()}
+        scores = score_all(signals, {n: report.marginal[n] for n in self.masks}, self.flops_weight)
+        event = prune(self.masks, scores, self.min_channels, cost=report, step=self.counter)
+        if event is None:
+            self._finish(
+                f"every mask is down to min_channels={self.min_channels}; cost "
+                f"{report.total:.6g} per example"
+                + (f" stays above the target {self.target:.6g}" if self.target > 0 else ""),
+                level=logging.WARNING if self.target > 0 else logging.INFO,
+            )
+            return
+        self.history.append(event)
+        log.info(
+            "step %d: pruned %s[%d] (score %.4g, signal %.4g); cost %.6g -> %.6g",
+            event.step,
+            event.mask,
+            event.channel,
+            event.score,
+            event.signal,
+            event.cost_before,
+            event.cost_after,
+        )
+        if self.target > 0 and event.cost_after <= self.target:
+            self._finish(f"cost {event.cost_after:.6g} reached the target {self.target:.6g}")
+
+    def _finish(self, why: str, level: int = logging.INFO) -> None:
+        self.finished = True
+        for m in self.masks.values():
+            m.collecting = False
+            m.reset_statistics()
+        if not self._floor_reported:
+            self._floor_reported = True
+            log.log(level, "pruning finished: %s", why)
+            if level >= logging.WARNING:
+                warnings.warn(f"pruning stopped: {why}", stacklevel=3)
+
+    def _check_floor(self) -> None:
+        if self.target <= 0:
+            return
+        floor = self.cost_model.entries().copy()
+        for n, m in self.masks.items():
+            start = self.cost_model._entry_start.get(n)
+            if start is None:
+                continue
+            alive = [k for k in range(m.num_channels) if floor[start + k] > 0.5]
+            for k in alive[self.min_channels :]:
+                floor[start + k] = 0.0
+        lowest = self.cost_model.total(floor)
+        if lowest > self.target:
+            warnings.warn(
+                f"flops_target {self.target:.6g} is below what min_channels="
+                f"{self.min_channels} allows (about {lowest:.6g} per example); pruning will "
+                "stop at that floor",
+                stacklevel=3,
+            )
+
+    def _check_received(self) -> None:
+        silent = [n for n, m in self.masks.items() if m.collecting and not m._received]
+        if not silent:
+            return
+        msg = (
+            f"mask(s) {', '.join(repr(s) for s in silent)} received no gradient this step: "
+            "no loss reaches them (call loss.backward() before step(), and make sure the "
+            "masked channels feed the loss)"
+        )
+        if self.counter == 1:
+            raise ValueError(msg)
+        new = [s for s in silent if s not in self._warned_silent]
+        if new:
+            self._warned_silent.update(new)
+            warnings.warn(msg, RuntimeWarning, stacklevel=3)
+
+    # ----------------------------------------------------------------- state
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume: counter, masks, signals, history, inner optimizer."""
+        return {
+            "counter": self.counter,
+            "finished": self.finished,
+            "floor_reported": self._floor_reported,
+            "target": self.target,
+            "start_cost": self.start_cost,
+            "history": [e.as_dict() for e in self.history],
+            "optimizer": self.optimizer.state_dict(),
+            "masks": {
+                n: {"mask": m.mask.detach().clone(), "signal": m.signal.detach().clone()}
+                for n, m in self.masks.items()
+            },
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a ``state_dict()``: masks and signals are copied into the buffers in place.
+
+        Raises:
+            ValueError: the saved masks do not match this model's masks.
+        """
+        saved = state["masks"]
+        if set(saved) != set(self.masks):
+            raise ValueError(
+                f"saved masks {sorted(saved)} do not match this model's masks {sorted(self.masks)}"
+            )
+        for n, m in self.masks.items():
+            if saved[n]["mask"].shape != m.mask.shape:
+                raise ValueError(
+                    f"mask {n!r}: saved {tuple(saved[n]['mask'].shape)} channels, "
+                    f"model has {tuple(m.mask.shape)}"
+                )
+        with torch.no_grad():
+            for n, m in self.masks.items():
+                m.mask.copy_(saved[n]["mask"])
+                m.signal.copy_(saved[n]["signal"])
+                m.reset_statistics()
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.counter = int(state["counter"])
+        self.target = float(state["target"])
+        self.start_cost = float(state["start_cost"])
+        self.history = [PruneEvent(**e) for e in state["history"]]
+        self._floor_reported = bool(state["floor_reported"])
+        self.finished = bool(state["finished"])
+        for m in self.masks.values():
+            m.collecting = not self.finished

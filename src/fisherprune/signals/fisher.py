@@ -1,0 +1,87 @@
+"""Fold the Fisher statistics of the last batch into each mask's signal.
+
+Per example n and channel k, with ``g[n, k]`` the derivative of example n's
+loss with respect to mask entry k (summed over every place the mask acts),
+the batch estimate is ``Delta_k = 1/2 * mean_n g[n, k]^2`` (Theis et al. 2018,
+Eq. 8). It does not depend on the batch size: with a mean-reduced loss each
+``g`` carries a factor 1/N, which is undone here (the seed did not, SEED.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from fisherprune.masks import MaskSet, as_mask_dict
+
+__all__ = ["LOSS_REDUCTIONS", "update_pruning_signals"]
+
+log = logging.getLogger("fisherprune")
+LOSS_REDUCTIONS = ("mean", "sum")
+
+
+def update_pruning_signals(
+    masks: MaskSet,
+    decay: float = 0.96,
+    *,
+    loss_reduction: str = "mean",
+    process_group: dist.ProcessGroup | None = None,
+) -> list[Tensor]:
+    """Update every collecting mask's ``signal`` with the batch gathered since the last call.
+
+    Call after ``loss.backward()``. Changes, for each mask that received gradients,
+    ``mask.signal <- decay * signal + (1 - decay) * batch_estimate`` in place and
+    clears the gathered statistics. A batch whose estimate is not finite (NaN or
+    inf gradients) is skipped with a warning, leaving the signal as it was. With
+    ``torch.distributed`` initialised, the sums are all-reduced first, so every
+    rank gets the same signal.
+
+    Args:
+        masks: the masks, as ``{name: MaskLayer}`` or a sequence.
+        decay: EMA factor in [0, 1); 0 makes the signal equal the batch estimate.
+        loss_reduction: ``"mean"`` if the loss was averaged over the batch (the
+            per-example gradients are rescaled by the batch size), ``"sum"`` if summed.
+        process_group: the group to all-reduce over (default: the world, when initialised).
+
+    Returns:
+        The signal tensors, in the order of ``masks``.
+
+    Raises:
+        ValueError: ``decay`` outside [0, 1) or an unknown ``loss_reduction``.
+    """
+    if not (isinstance(decay, (int, float)) and 0.0 <= float(decay) < 1.0):
+        raise ValueError(f"decay must be in [0, 1), got {decay!r}")
+    if loss_reduction not in LOSS_REDUCTIONS:
+        raise ValueError(f"loss_reduction must be one of {LOSS_REDUCTIONS}, got {loss_reduction!r}")
+    md = as_mask_dict(masks)
+    distributed = dist.is_available() and dist.is_initialized()
+    for name, m in md.items():
+        stats = m._take_statistics(loss_reduction)
+        m._received = False
+        if distributed:
+            sq = stats[0] if stats else torch.zeros_like(m.signal)
+            cnt = torch.tensor(
+                [float(stats[1]) if stats else 0.0], dtype=sq.dtype, device=sq.device
+            )
+            dist.all_reduce(sq, group=process_group)
+            dist.all_reduce(cnt, group=process_group)
+            stats = (sq, int(cnt.item())) if cnt.item() > 0 else None
+        if stats is None:
+            continue
+        sq, count = stats
+        estimate = 0.5 * sq / count
+        if not torch.isfinite(estimate).all():
+            warnings.warn(
+                f"mask {name!r}: the batch's Fisher estimate is not finite (NaN or inf "
+                "gradients); this batch is skipped and the signal is unchanged",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            continue
+        with torch.no_grad():
+            m.signal.mul_(decay).add_(estimate.to(m.signal), alpha=1.0 - decay)
+    return [m.signal for m in md.values()]
