@@ -11,12 +11,15 @@ Public API (see docs/api.md):
 
 from fisherprune._version import __version__
 from fisherprune.cost import CostModel, CostReport, computational_cost, register_cost_formula
-from fisherprune.graph import register_channel_rule
+from fisherprune.graph import AppliedMasks, apply_masks, register_channel_rule, remove_masks
 from fisherprune.masks import MaskLayer, find_masks
 from fisherprune.pruner import PruneEvent, PruningOptimizer, prune, score
 from fisherprune.signals import update_pruning_signals
 
 __all__ = [
+    "AppliedMasks",
+    "apply_masks",
+    "remove_masks",
     "CostModel",
     "CostReport",
     "MaskLayer",

@@ -119,16 +119,7 @@ class CostModel:
         self.trace = trace_model(model, example_inputs, loss_fn)
         self.graph = ChannelGraph(self.trace)
         self._names = {id(m): n for n, m in self.masks.items()}
-        self._entry_start = dict(
-            zip(
-                self.trace.mask_names,
-                [
-                    s - self.masks[n].num_channels
-                    for n, s in zip(self.trace.mask_names, self.trace.mask_starts, strict=True)
-                ],
-                strict=True,
-            )
-        )
+        self._entry_start = self.trace.entry_starts()
         unused = [n for n in self.masks if n not in self._entry_start]
         for n in unused:
             warnings.warn(

@@ -2,7 +2,21 @@
 
 from fisherprune.graph import rules as _rules  # noqa: F401  (registers the channel rules)
 from fisherprune.graph.channels import ChannelGraph
+from fisherprune.graph.groups import ChannelGroup, Skipped, find_groups
+from fisherprune.graph.placement import AppliedMasks, apply_masks, remove_masks
 from fisherprune.graph.rules import register_channel_rule, registered_ops
 from fisherprune.graph.trace import Trace, trace_model
 
-__all__ = ["ChannelGraph", "Trace", "register_channel_rule", "registered_ops", "trace_model"]
+__all__ = [
+    "AppliedMasks",
+    "ChannelGraph",
+    "ChannelGroup",
+    "Skipped",
+    "Trace",
+    "apply_masks",
+    "find_groups",
+    "register_channel_rule",
+    "registered_ops",
+    "remove_masks",
+    "trace_model",
+]

@@ -100,6 +100,10 @@ class Atoms:
         if a.size:
             self._producer.append(a.copy())
 
+    def producer_arrays(self) -> list[np.ndarray]:
+        """The atom arrays marked as layer outputs, one per producing op."""
+        return list(self._producer)
+
     def roots(self) -> np.ndarray:
         """Root of every atom."""
         return self.find(np.arange(len(self)))

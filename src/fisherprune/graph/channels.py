@@ -39,8 +39,9 @@ class ChannelGraph:
         self.n_entries = trace.entry_count()
         self._consumed_count = np.bincount(r, minlength=len(self.roots))
 
-    def root_of(self, labels: np.ndarray) -> np.ndarray:
-        return self.roots[labels]
+    def is_consumed(self, root: int) -> bool:
+        """Whether some layer, op or output reads component ``root``."""
+        return bool(self._consumed_count[root] > 0)
 
     def removed(self, entries: np.ndarray) -> np.ndarray:
         """Boolean per root: removed under mask entry values ``entries`` (0/1 floats)."""

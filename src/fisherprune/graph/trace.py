@@ -33,7 +33,15 @@ from fisherprune.graph.atoms import Atoms
 from fisherprune.masks import _trace_hook
 from fisherprune.masks.layer import MaskLayer
 
-__all__ = ["ConsumerPoint", "DimInfo", "OpRecord", "TensorInfo", "Trace", "trace_model"]
+__all__ = [
+    "ConsumerPoint",
+    "DimInfo",
+    "ModuleCall",
+    "OpRecord",
+    "TensorInfo",
+    "Trace",
+    "trace_model",
+]
 
 Labels = np.ndarray | None
 
@@ -73,6 +81,14 @@ class OpRecord:
 
 
 @dataclass
+class ModuleCall:
+    """One call of a module during the trace, with what its positional tensor inputs held."""
+
+    name: str
+    args: list[TensorInfo | None]
+
+
+@dataclass
 class ConsumerPoint:
     """A place that uses a channel dimension: a layer's input, the model output, an opaque op.
 
@@ -84,6 +100,7 @@ class ConsumerPoint:
     cover: np.ndarray
     what: str
     op_index: int
+    calls: tuple[int, ...] = ()  # module calls in progress, outermost first
 
 
 @dataclass
@@ -94,13 +111,22 @@ class Trace:
     atoms: Atoms = field(default_factory=Atoms)
     consumers: list[ConsumerPoint] = field(default_factory=list)
     mask_names: list[str] = field(default_factory=list)
-    mask_starts: list[int] = field(default_factory=list)
+    mask_ends: list[int] = field(default_factory=list)  # end of each mask's entry range
+    calls: list[ModuleCall] = field(default_factory=list)
     param_infos: dict[str, TensorInfo] = field(default_factory=dict)
     output_infos: list[TensorInfo] = field(default_factory=list)
     batch_size: int = 1
 
     def entry_count(self) -> int:
-        return self.mask_starts[-1] if self.mask_starts else 0
+        return self.mask_ends[-1] if self.mask_ends else 0
+
+    def entry_starts(self) -> dict[str, int]:
+        """First entry id of each traced mask, by name."""
+        starts, prev = {}, 0
+        for name, end in zip(self.mask_names, self.mask_ends, strict=True):
+            starts[name] = prev
+            prev = end
+        return starts
 
 
 class _Tracer(TorchDispatchMode):
@@ -114,6 +140,7 @@ class _Tracer(TorchDispatchMode):
         self.mask_index: dict[str, int] = {}
         self._suspended = 0
         self.module_stack: list[str] = []
+        self.call_stack: list[int] = []
 
     # ------------------------------------------------------------ bookkeeping
     @contextlib.contextmanager
@@ -186,23 +213,43 @@ class _Tracer(TorchDispatchMode):
         return out
 
     # ------------------------------------------------------------------ masks
-    def record_mask(self, mask: MaskLayer, x: Tensor, out: Tensor, dim: int, index) -> None:
+    def _entry_start(self, mask: MaskLayer) -> int:
         name = self.mask_names.get(id(mask))
         if name is None:
             raise RuntimeError("a MaskLayer that is not part of the traced model was applied")
         if name not in self.mask_index:
             self.mask_index[name] = len(self.trace.mask_names)
-            start = self.trace.entry_count()
             self.trace.mask_names.append(name)
-            self.trace.mask_starts.append(start + mask.num_channels)
-        k = self.mask_index[name]
-        start = self.trace.mask_starts[k] - mask.num_channels
-        idx = np.arange(mask.num_channels) if index is None else index.cpu().numpy()
+            self.trace.mask_ends.append(self.trace.entry_count() + mask.num_channels)
+        return self.trace.mask_ends[self.mask_index[name]] - mask.num_channels
+
+    def record_mask(
+        self,
+        x: Tensor,
+        out: Tensor,
+        dim: int,
+        parts: list[tuple[MaskLayer, np.ndarray | None, np.ndarray | None]],
+    ) -> None:
+        """Record ``out = x * mask`` along ``dim``.
+
+        ``parts``: for each mask acting here, the positions of ``dim`` it covers
+        (None: all) and the mask entry used at each of them (None: 0, 1, ...).
+        """
         src = self.info(x)
+        cov = src.cover[dim]
+        cov = np.full(x.shape[dim], -1, dtype=np.int64) if cov is None else cov.copy()
+        for mask, positions, index in parts:
+            start = self._entry_start(mask)
+            idx = np.arange(mask.num_channels) if index is None else index
+            if positions is None:
+                cov[:] = start + idx
+            else:
+                cov[positions] = start + idx
         cover = list(src.cover)
-        cover[dim] = (start + idx).astype(np.int64)
+        cover[dim] = cov
         oi = TensorInfo(tuple(out.shape), list(src.labels), cover)
         self.set_info(out, oi)
+        name = self.module_stack[-1] if self.module_stack else ""
         self.trace.ops.append(OpRecord("mask", (0,), {}, [src, oi], 1, is_mask=True, module=name))
 
 
@@ -251,7 +298,9 @@ class RuleContext:
         if labels is None:
             return
         cv = cover if cover is not None else np.full(labels.size, -1, dtype=np.int64)
-        self.tracer.trace.consumers.append(ConsumerPoint(labels, cv, what, self.op_index))
+        self.tracer.trace.consumers.append(
+            ConsumerPoint(labels, cv, what, self.op_index, tuple(self.tracer.call_stack))
+        )
 
     def block(self, labels: Labels, reason: str) -> None:
         if labels is not None:
@@ -347,12 +396,16 @@ def _module_stack_hooks(model: nn.Module, tracer: _Tracer) -> list:
     for name, mod in model.named_modules():
         label = name or "<model>"
 
-        def pre(_m, _a, label=label):
+        def pre(_m, args, label=label):
             tracer.module_stack.append(label)
+            infos = [tracer.info(a) if isinstance(a, Tensor) else None for a in args]
+            tracer.call_stack.append(len(tracer.trace.calls))
+            tracer.trace.calls.append(ModuleCall(label, infos))
 
         def post(_m, _a, _o, label=label):
             if tracer.module_stack and tracer.module_stack[-1] == label:
                 tracer.module_stack.pop()
+                tracer.call_stack.pop()
 
         handles.append(mod.register_forward_pre_hook(pre))
         handles.append(mod.register_forward_hook(post))

@@ -137,12 +137,12 @@ class MaskLayer(nn.Module):
         if tracer is not None:
             with tracer.suspended():
                 out = x * self._multiplier(x, dim, index)
-            tracer.record_mask(self, x, out, dim, index)
+            idx = None if index is None else index.cpu().numpy()
+            tracer.record_mask(x, out, dim, [(self, None, idx)])
             return out
         mult = self._multiplier(x, dim, index)
         if self.collecting and torch.is_grad_enabled() and x.dim() >= 2:
-            if self._backward_seen:  # a new forward pass after a backward: close the last one
-                self._commit()
+            self._start_pass()
             return _MaskMultiply.apply(x, mult, self, index, dim)
         return x * mult
 
@@ -153,6 +153,11 @@ class MaskLayer(nn.Module):
         return mult.to(dtype=x.dtype).view(shape)
 
     # ---------------------------------------------------------------- signals
+    def _start_pass(self) -> None:
+        """Called at each forward use: a forward after a backward closes the last pass."""
+        if self._backward_seen:
+            self._commit()
+
     def _accumulate(self, g: Tensor, index: Tensor | None) -> None:
         """Add one place's per-example gradient (N, C_place) to the current pass."""
         g = g.detach()

@@ -1,0 +1,215 @@
+"""Channel groups: the prunable channels of a traced model and where to mask them.
+
+Each prunable component (one channel, see ``channels.py``) belongs to a group:
+the components that touch exactly the same parameter dimensions (all output
+channels of one conv, together with the BatchNorm after it, the convs that read
+them, and every layer tied to them by residual adds) form one group with one
+mask. A group is masked where it is consumed: at the input of every module that
+contracts it (conv, linear), so that every consumer sees zero for a removed
+channel; this is exact whatever lies between producer and consumer (BatchNorm
+bias, sigmoid gates, residual adds), and it is where the Fisher signal is
+defined (DESIGN.md).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from fisherprune.graph.channels import ChannelGraph
+from fisherprune.graph.trace import Trace
+
+__all__ = ["ChannelGroup", "MaskPointSpec", "Skipped", "find_groups"]
+
+_EXPECTED = ("reaches the model output", "model input", "batch dimension")
+
+
+@dataclass
+class ChannelGroup:
+    """Channels that share one mask.
+
+    Attributes:
+        name: readable name (the first producing parameter's module and dim).
+        roots: component root of each channel, in channel order.
+        params: parameter dims the group's channels live in: ``(name, dim)``.
+        producers: modules whose outputs make these channels.
+        consumers: modules whose inputs read them (where the mask acts).
+        channel_atoms: for each parameter dim, the indices each channel owns there.
+    """
+
+    name: str
+    roots: np.ndarray
+    params: list[tuple[str, int]]
+    producers: list[str] = field(default_factory=list)
+    consumers: list[str] = field(default_factory=list)
+
+    @property
+    def num_channels(self) -> int:
+        return int(self.roots.size)
+
+
+@dataclass
+class MaskPointSpec:
+    """Where a mask multiplies: positional input ``arg`` of ``module``, along ``dim``.
+
+    ``parts``: (group index, positions along dim, channel of the group at each position).
+    """
+
+    module: str
+    arg: int
+    dim: int
+    size: int
+    parts: list[tuple[int, np.ndarray, np.ndarray]]
+
+
+@dataclass
+class Skipped:
+    """Channels left unmasked, and why."""
+
+    params: list[tuple[str, int]]
+    channels: int
+    reason: str
+    expected: bool
+
+    def __str__(self) -> str:
+        where = ", ".join(f"{n}[dim {d}]" for n, d in self.params[:4])
+        more = f" (+{len(self.params) - 4} more)" if len(self.params) > 4 else ""
+        return f"{self.channels} channel(s) of {where}{more}: {self.reason}"
+
+
+def _module_of(param: str) -> str:
+    return param.rpartition(".")[0] or "<model>"
+
+
+def find_groups(
+    trace: Trace, graph: ChannelGraph
+) -> tuple[list[ChannelGroup], list[MaskPointSpec], list[Skipped]]:
+    """Group the prunable channels of ``trace`` and say where each group is masked."""
+    roots = graph.roots
+    atoms = trace.atoms
+    blocked = atoms.blocked_reasons(roots)
+    producers = set(atoms.producer_roots(roots).tolist())
+
+    # parameter dims each component touches (its signature) and its first atom there
+    sig: dict[int, set[int]] = defaultdict(set)
+    first: dict[tuple[int, int], int] = {}
+    for bi, b in enumerate(atoms.blocks):
+        if b.kind != "param":
+            continue
+        r = roots[b.start : b.start + b.size]
+        for idx, rr in enumerate(r.tolist()):
+            sig[rr].add(bi)
+            first.setdefault((rr, bi), idx)
+
+    # consumer points per component, resolved to module inputs
+    point_of: dict[tuple[str, int, int], list] = defaultdict(list)
+    unhookable: dict[int, str] = {}
+    for cp in trace.consumers:
+        spot = _hook_spot(trace, cp)
+        r = roots[cp.labels]
+        if spot is None:
+            for rr in np.unique(r).tolist():
+                unhookable.setdefault(
+                    rr, f"{cp.what} reads it from a tensor that is not a module's positional input"
+                )
+            continue
+        point_of[spot].append(r)
+
+    # a module called several times must see the same channel layout every time
+    layout: dict[tuple[str, int, int], np.ndarray] = {}
+    for spot, rs in point_of.items():
+        base = rs[0]
+        for other in rs[1:]:
+            if other.shape != base.shape or not np.array_equal(other, base):
+                for rr in np.unique(np.concatenate([base, other])).tolist():
+                    unhookable.setdefault(
+                        rr, f"module {spot[0]!r} is called several times with different channels"
+                    )
+        layout[spot] = base
+
+    groups_by_sig: dict[frozenset[int], list[int]] = defaultdict(list)
+    skipped_by: dict[tuple[frozenset[int], str], int] = defaultdict(int)
+    for rr in sorted(producers):
+        s = frozenset(sig.get(rr, ()))
+        reason = blocked.get(rr) or unhookable.get(rr)
+        if reason is None and not graph.is_consumed(rr):
+            reason = "never read by a layer"
+        if reason is not None:
+            skipped_by[(s, reason)] += 1
+            continue
+        groups_by_sig[s].append(rr)
+
+    groups: list[ChannelGroup] = []
+    group_of: dict[int, tuple[int, int]] = {}
+    for s, rs in groups_by_sig.items():
+        blocks = sorted(s, key=lambda bi: atoms.blocks[bi].start)
+        params = [(atoms.blocks[bi].name, atoms.blocks[bi].dim) for bi in blocks]
+        lead = blocks[0]
+        rs = sorted(rs, key=lambda rr, lead=lead: first.get((rr, lead), 0))
+        g = ChannelGroup(_group_name(trace, params), np.asarray(rs, dtype=np.int64), params)
+        g.producers = _producer_modules(trace, graph, np.asarray(rs))
+        for k, rr in enumerate(rs):
+            group_of[rr] = (len(groups), k)
+        groups.append(g)
+
+    specs: list[MaskPointSpec] = []
+    for (module, arg, dim), r in layout.items():
+        by_group: dict[int, tuple[list[int], list[int]]] = defaultdict(lambda: ([], []))
+        for pos, rr in enumerate(r.tolist()):
+            hit = group_of.get(rr)
+            if hit is not None:
+                by_group[hit[0]][0].append(pos)
+                by_group[hit[0]][1].append(hit[1])
+        if not by_group:
+            continue
+        parts = [(gi, np.asarray(p), np.asarray(c)) for gi, (p, c) in sorted(by_group.items())]
+        specs.append(MaskPointSpec(module, arg, dim, int(r.size), parts))
+        for gi, _, _ in parts:
+            if module not in groups[gi].consumers:
+                groups[gi].consumers.append(module)
+
+    skipped = [
+        Skipped(
+            [(atoms.blocks[bi].name, atoms.blocks[bi].dim) for bi in sorted(s)],
+            n,
+            reason,
+            any(reason.startswith(e) for e in _EXPECTED),
+        )
+        for (s, reason), n in skipped_by.items()
+    ]
+    return groups, specs, skipped
+
+
+def _hook_spot(trace: Trace, cp) -> tuple[str, int, int] | None:
+    """The innermost module call whose positional input holds exactly the consumed labels."""
+    for ci in reversed(cp.calls):
+        call = trace.calls[ci]
+        if call.name == "<model>":
+            continue
+        for ai, info in enumerate(call.args):
+            if info is None:
+                continue
+            for d, lab in enumerate(info.labels):
+                if d == 0 or lab is None or lab.shape != cp.labels.shape:
+                    continue
+                if lab is cp.labels or np.array_equal(lab, cp.labels):
+                    return (call.name, ai, d)
+    return None
+
+
+def _group_name(trace: Trace, params: list[tuple[str, int]]) -> str:
+    name, dim = params[0]
+    return f"{_module_of(name)}:{'out' if dim == 0 else f'dim{dim}'}"
+
+
+def _producer_modules(trace: Trace, graph: ChannelGraph, rs: np.ndarray) -> list[str]:
+    mods: list[str] = []
+    for arr in trace.atoms.producer_arrays():
+        if np.isin(graph.roots[arr], rs).any():
+            b, _ = trace.atoms.locate(int(arr[0]))
+            m = _module_of(b.name)
+            if m not in mods:
+                mods.append(m)
+    return mods

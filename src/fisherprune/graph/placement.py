@@ -1,0 +1,132 @@
+"""apply_masks / remove_masks: find every prunable channel group of a model and mask it."""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Any
+
+from torch import nn
+
+from fisherprune.graph.channels import ChannelGraph
+from fisherprune.graph.groups import ChannelGroup, Skipped, find_groups
+from fisherprune.graph.trace import trace_model
+from fisherprune.masks import MaskLayer, find_masks
+from fisherprune.masks.points import MASKS_ATTR, install_mask_points, remove_mask_points
+
+__all__ = ["AppliedMasks", "apply_masks", "remove_masks"]
+
+log = logging.getLogger("fisherprune")
+
+
+class AppliedMasks(dict[str, MaskLayer]):
+    """``{qualified mask name: MaskLayer}``, plus what was found.
+
+    Attributes:
+        groups: the ``ChannelGroup`` of each mask, by the same names.
+        skipped: channels left unmasked, each with the reason (which module or op, and why).
+    """
+
+    def __init__(
+        self, masks: dict[str, MaskLayer], groups: dict[str, ChannelGroup], skipped: list[Skipped]
+    ) -> None:
+        super().__init__(masks)
+        self.groups = groups
+        self.skipped = skipped
+
+    def summary(self) -> str:
+        """A readable table of groups and skipped channels."""
+        lines = [f"{len(self)} channel group(s) masked:"]
+        for name, g in self.groups.items():
+            lines.append(
+                f"  {name}: {g.num_channels} ch; produced by {', '.join(g.producers) or '-'}; "
+                f"masked at {', '.join(g.consumers)}"
+            )
+        if self.skipped:
+            lines.append("not masked:")
+            lines += [f"  {s}" for s in self.skipped]
+        return "\n".join(lines)
+
+
+def _key(name: str, taken: set[str]) -> str:
+    base = re.sub(r"[^0-9A-Za-z_:]", "_", name) or "group"
+    key, i = base, 1
+    while key in taken:
+        i += 1
+        key = f"{base}_{i}"
+    taken.add(key)
+    return key
+
+
+def apply_masks(model: nn.Module, example_inputs: Any, *, strict: bool = False) -> AppliedMasks:
+    """Find every set of coupled prunable channels in ``model`` and give each one mask.
+
+    Traces one forward pass with ``example_inputs`` (eval mode; the model's
+    state is left as it was), groups the channels that must be removed together
+    (residual adds, concatenation, depthwise and grouped convs, flatten into
+    Linear, normalisation layers), and masks each group at the input of every
+    module that reads it. Channels that cannot be removed safely (they reach the
+    output, or an op with no channel rule, or a reshape that mixes them with
+    another dim) stay unmasked and are listed in ``.skipped``.
+
+    Changes: adds the submodule ``model.fisherprune_masks`` (MaskLayers, in
+    ``state_dict``) and forward pre-hooks on the consuming modules. The model's
+    class, ``forward`` and parameters are untouched; ``remove_masks`` undoes it.
+
+    Args:
+        model: any ``nn.Module``.
+        example_inputs: a tensor or tuple of positional inputs; dim 0 is the batch.
+        strict: raise instead of skipping channels for a reason other than
+            reaching the model's input or output.
+
+    Returns:
+        ``AppliedMasks``: ``{name: MaskLayer}`` with ``.groups`` and ``.skipped``.
+
+    Raises:
+        ValueError: the model already has masks; or, with ``strict``, some
+            channels cannot be pruned safely (the message lists them).
+
+    Example:
+        >>> masks = fisherprune.apply_masks(resnet, torch.randn(1, 3, 32, 32))
+        >>> print(masks.summary())
+    """
+    if find_masks(model):
+        raise ValueError(
+            "the model already has MaskLayers (placed by hand or by an earlier apply_masks); "
+            "call fisherprune.remove_masks(model) or use them as they are"
+        )
+    trace = trace_model(model, example_inputs)
+    graph = ChannelGraph(trace)
+    groups, specs, skipped = find_groups(trace, graph)
+    problems = [s for s in skipped if not s.expected]
+    if strict and problems:
+        raise ValueError(
+            "some channels cannot be pruned safely (strict=True):\n"
+            + "\n".join(f"  {s}" for s in problems)
+        )
+    for s in problems:
+        log.warning("apply_masks: not masked: %s", s)
+    taken: set[str] = set()
+    keys = [_key(g.name, taken) for g in groups]
+    masks = {k: MaskLayer(g.num_channels) for k, g in zip(keys, groups, strict=True)}
+    points = [
+        (sp.module, sp.arg, sp.dim, sp.size, [(keys[gi], pos, ch) for gi, pos, ch in sp.parts])
+        for sp in specs
+    ]
+    install_mask_points(model, masks, points)
+    prefix = MASKS_ATTR + "."
+    return AppliedMasks(
+        {prefix + k: m for k, m in masks.items()},
+        {prefix + k: g for k, g in zip(keys, groups, strict=True)},
+        skipped,
+    )
+
+
+def remove_masks(model: nn.Module) -> None:
+    """Remove what ``apply_masks`` added (hooks and ``fisherprune_masks``); the model is
+    then exactly as before: same parameters, buffers, ``state_dict`` keys and outputs.
+
+    Hand-placed MaskLayer modules are part of the user's model and are not touched.
+    A model without applied masks is left unchanged.
+    """
+    remove_mask_points(model)
