@@ -18,19 +18,19 @@ from fisherprune.signals import update_pruning_signals
 
 __all__ = [
     "AppliedMasks",
-    "apply_masks",
-    "remove_masks",
     "CostModel",
     "CostReport",
     "MaskLayer",
     "PruneEvent",
     "PruningOptimizer",
     "__version__",
+    "apply_masks",
     "computational_cost",
     "find_masks",
     "prune",
     "register_channel_rule",
     "register_cost_formula",
+    "remove_masks",
     "score",
     "update_pruning_signals",
 ]
