@@ -11,6 +11,15 @@ Public API (see docs/api.md):
 
 from fisherprune._version import __version__
 from fisherprune.cost import CostModel, CostReport, computational_cost, register_cost_formula
+from fisherprune.export import (
+    PlanMismatchError,
+    PruningPlan,
+    ShrinkError,
+    export_model,
+    load_state_dict_export,
+    register_shrink_rule,
+    shrink,
+)
 from fisherprune.graph import AppliedMasks, apply_masks, register_channel_rule, remove_masks
 from fisherprune.masks import MaskLayer, find_masks
 from fisherprune.pruner import PruneEvent, PruningOptimizer, prune, score
@@ -21,16 +30,23 @@ __all__ = [
     "CostModel",
     "CostReport",
     "MaskLayer",
+    "PlanMismatchError",
     "PruneEvent",
     "PruningOptimizer",
+    "PruningPlan",
+    "ShrinkError",
     "__version__",
     "apply_masks",
     "computational_cost",
+    "export_model",
     "find_masks",
+    "load_state_dict_export",
     "prune",
     "register_channel_rule",
     "register_cost_formula",
+    "register_shrink_rule",
     "remove_masks",
     "score",
+    "shrink",
     "update_pruning_signals",
 ]

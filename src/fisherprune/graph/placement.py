@@ -6,7 +6,8 @@ import logging
 import re
 from typing import Any
 
-from torch import nn
+from torch import Tensor, nn
+from torch.utils._pytree import tree_map
 
 from fisherprune.graph.channels import ChannelGraph
 from fisherprune.graph.groups import ChannelGroup, Skipped, find_groups
@@ -114,12 +115,22 @@ def apply_masks(model: nn.Module, example_inputs: Any, *, strict: bool = False) 
         for sp in specs
     ]
     install_mask_points(model, masks, points)
+    getattr(model, MASKS_ATTR)._fp_example = _one_example(example_inputs)
     prefix = MASKS_ATTR + "."
     return AppliedMasks(
         {prefix + k: m for k, m in masks.items()},
         {prefix + k: g for k, g in zip(keys, groups, strict=True)},
         skipped,
     )
+
+
+def _one_example(example_inputs: Any) -> Any:
+    """A detached batch-of-one copy of the example inputs, kept for shrink and export."""
+
+    def first(t: Any) -> Any:
+        return t[:1].detach().clone() if isinstance(t, Tensor) and t.dim() > 0 else t
+
+    return tree_map(first, example_inputs)
 
 
 def remove_masks(model: nn.Module) -> None:

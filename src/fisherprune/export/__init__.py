@@ -1,0 +1,17 @@
+"""Export: the physically smaller network, its pruning plan, and files to serve it."""
+
+from fisherprune.export.files import FORMATS, export_model, load_state_dict_export
+from fisherprune.export.modules import register_shrink_rule
+from fisherprune.export.plan import PlanMismatchError, PruningPlan
+from fisherprune.export.shrink import ShrinkError, shrink
+
+__all__ = [
+    "FORMATS",
+    "PlanMismatchError",
+    "PruningPlan",
+    "ShrinkError",
+    "export_model",
+    "load_state_dict_export",
+    "register_shrink_rule",
+    "shrink",
+]

@@ -1,0 +1,108 @@
+"""export_model: write the shrunk network as TorchScript, ONNX, or a state_dict plus its plan."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from fisherprune.export.plan import PruningPlan, _example_inputs
+from fisherprune.export.shrink import _eval_output, shrink
+from fisherprune.export.storage import atomic_save
+from fisherprune.graph.trace import _as_args
+from fisherprune.masks import find_masks
+
+__all__ = ["FORMATS", "export_model", "load_state_dict_export"]
+
+FORMATS = ("state_dict", "torchscript", "onnx")
+
+
+def export_model(
+    model: nn.Module,
+    path: str | os.PathLike,
+    example_inputs: Any = None,
+    format: str = "state_dict",
+) -> Path:
+    """Shrink ``model`` if it still has masks, then write it to ``path`` atomically.
+
+    Formats:
+        ``"state_dict"``: ``torch.save`` of ``{"state_dict", "plan"}`` (plain tensors
+            and JSON-able data; loads with ``weights_only=True``, no pickled classes).
+            Rebuild with ``load_state_dict_export(path, fresh_model)``.
+        ``"torchscript"``: ``torch.jit.trace`` of the shrunk model in eval mode.
+        ``"onnx"``: ONNX (needs the ``onnx`` package: ``pip install fisherprune[onnx]``).
+
+    The file is written whole or not at all; a failure leaves no partial file and
+    leaves an existing file at ``path`` as it was. The masked model is not changed.
+
+    Returns:
+        The path written.
+
+    Raises:
+        ValueError: unknown format, or no example inputs.
+        ImportError: ONNX requested without the onnx package.
+        FileNotFoundError: the target directory does not exist.
+    """
+    if format not in FORMATS:
+        raise ValueError(f"unknown export format {format!r}; choose one of {', '.join(FORMATS)}")
+    path = Path(path)
+    if not path.parent.is_dir():
+        raise FileNotFoundError(f"cannot write {path}: directory {path.parent} does not exist")
+    if format == "onnx" and importlib.util.find_spec("onnx") is None:
+        raise ImportError("ONNX export needs the onnx package: pip install 'fisherprune[onnx]'")
+    masked = bool(find_masks(model))
+    if masked:
+        example_inputs = _example_inputs(model, example_inputs)
+        plan = PruningPlan.from_model(model, example_inputs)
+        small = shrink(model, example_inputs)
+    else:
+        if example_inputs is None and format != "state_dict":
+            raise ValueError(f"{format} export needs example_inputs for an unmasked model")
+        plan, small = PruningPlan(), model
+    small.eval()
+    args = _as_args(example_inputs) if example_inputs is not None else ()
+    if format == "state_dict":
+        state = {k: v.detach().cpu() for k, v in small.state_dict().items()}
+        payload = {"state_dict": state, "plan": plan.to_dict()}
+        atomic_save(path, lambda tmp: torch.save(payload, tmp))
+    elif format == "torchscript":
+        with torch.no_grad():
+            scripted = torch.jit.trace(small, args)
+        atomic_save(path, lambda tmp: torch.jit.save(scripted, str(tmp)))
+    else:
+        atomic_save(path, lambda tmp: _onnx(small, args, tmp))
+    return path
+
+
+def _onnx(model: nn.Module, args: tuple, tmp: Path) -> None:
+    with torch.no_grad():
+        if importlib.util.find_spec("onnxscript") is not None:
+            prog = torch.onnx.export(model, args, dynamo=True, external_data=False)
+            prog.save(str(tmp))
+        else:
+            torch.onnx.export(model, args, str(tmp), dynamo=False)
+
+
+def load_state_dict_export(path: str | os.PathLike, model: nn.Module) -> nn.Module:
+    """Rebuild an exported ``state_dict`` model: shrink the fresh ``model`` by the saved plan
+    (in place) and load the weights. Nothing is unpickled but tensors and plain data.
+
+    Raises:
+        PlanMismatchError: ``model`` is not the architecture the plan was made for.
+    """
+    payload = torch.load(path, map_location="cpu", weights_only=True)
+    plan = PruningPlan.from_dict(payload["plan"])
+    plan.apply(model)
+    model.load_state_dict(payload["state_dict"])
+    return model
+
+
+def outputs_match(a: nn.Module, b: Any, example_inputs: Any, rtol: float = 1e-4) -> bool:
+    """Whether two models (or a model and a loaded TorchScript module) agree in eval mode."""
+    oa = _eval_output(a, example_inputs)
+    ob = _eval_output(b, example_inputs)
+    return all(torch.allclose(x, y, rtol=rtol, atol=rtol) for x, y in zip(oa, ob, strict=True))

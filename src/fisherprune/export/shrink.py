@@ -1,0 +1,110 @@
+"""shrink: the physically smaller network (the seed left this as a TODO)."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten
+
+from fisherprune.export.plan import PruningPlan, _example_inputs
+from fisherprune.graph.trace import _as_args
+from fisherprune.masks import MaskLayer
+from fisherprune.masks.points import MASKS_ATTR
+
+__all__ = ["ShrinkError", "shrink"]
+
+# the shrunk output must match the masked one to this relative tolerance (float32 reorders sums)
+_RTOL = {torch.float64: 1e-9, torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 1e-2}
+
+
+class ShrinkError(RuntimeError):
+    """A shrunk model failed a postcondition (the input model is left untouched)."""
+
+
+def shrink(
+    model: nn.Module,
+    example_inputs: Any = None,
+    *,
+    inplace: bool = False,
+    check: bool = True,
+) -> nn.Module:
+    """Return the physically smaller network: pruned channels removed, no masks left.
+
+    Works on a deep copy by default (the masked model is left as it is); with
+    ``inplace=True`` the model itself is shrunk. Every pruned channel is removed
+    from its producers and consumers (conv in/out, depthwise and grouped conv with
+    ``groups`` updated, BatchNorm, GroupNorm, Linear, flatten into Linear, biases);
+    module metadata follows; the model's class and forward code are kept.
+
+    Postconditions, checked when ``check`` (default): in eval mode the shrunk model
+    gives the masked model's output on ``example_inputs``; it has no more
+    parameters (fewer when anything was pruned); no mask is left.
+
+    Args:
+        model: a masked model (``apply_masks`` or hand-placed MaskLayers).
+        example_inputs: inputs to trace and check with; defaults to those kept by
+            ``apply_masks``.
+        inplace: shrink ``model`` itself instead of a copy.
+        check: verify the postconditions.
+
+    Returns:
+        The shrunk model (``model`` itself when ``inplace``).
+
+    Raises:
+        ValueError: no masks, no example inputs, or a zeroed channel that cannot be
+            removed exactly (the message says which and why).
+        ShrinkError: a postcondition failed; with ``inplace=False`` nothing changed.
+    """
+    example_inputs = _example_inputs(model, example_inputs)
+    plan = PruningPlan.from_model(model, example_inputs)
+    ref = _eval_output(model, example_inputs) if check else None
+    n_before = sum(p.numel() for n, p in model.named_parameters() if MASKS_ATTR not in n)
+    target = model if inplace else copy.deepcopy(model)
+    plan.apply(target)
+    if check:
+        _check(target, example_inputs, ref, n_before, pruned=bool(plan.modules))
+    return target
+
+
+def _eval_output(model: nn.Module, example_inputs: Any) -> list[Tensor]:
+    flags = {m: m.training for m in model.modules()}
+    model.eval()
+    try:
+        with torch.no_grad():
+            out = model(*_as_args(example_inputs))
+    finally:
+        for m, f in flags.items():
+            m.training = f
+    return [t.detach().clone() for t in tree_flatten(out)[0] if isinstance(t, Tensor)]
+
+
+def _check(
+    small: nn.Module, example_inputs: Any, ref: list[Tensor] | None, n_before: int, pruned: bool
+) -> None:
+    if any(isinstance(m, MaskLayer) for m in small.modules()) or hasattr(small, MASKS_ATTR):
+        raise ShrinkError("a mask is left in the shrunk model")
+    n_after = sum(p.numel() for p in small.parameters())
+    if n_after > n_before or (pruned and n_after == n_before):
+        raise ShrinkError(f"parameters did not drop: {n_before} before, {n_after} after")
+    out = _eval_output(small, example_inputs)
+    if ref is None:
+        return
+    if len(out) != len(ref):
+        raise ShrinkError("the shrunk model returns a different number of tensors")
+    for a, b in zip(out, ref, strict=True):
+        if a.shape != b.shape:
+            raise ShrinkError(f"output shape changed: {tuple(b.shape)} -> {tuple(a.shape)}")
+        if a.is_floating_point():
+            rtol = _RTOL.get(a.dtype, 1e-4)
+            scale = b.abs().max().clamp_min(1.0)
+            err = (a - b).abs().max()
+            if err > rtol * scale:
+                raise ShrinkError(
+                    f"the shrunk model's output differs from the masked model's by {err:.3g} "
+                    f"(tolerance {rtol * float(scale):.3g}); please report this with the model"
+                )
+        elif not torch.equal(a, b):
+            raise ShrinkError("the shrunk model's output differs from the masked model's")
