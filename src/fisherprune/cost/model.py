@@ -270,10 +270,11 @@ class CostModel:
             size = self.masks[n].num_channels
             if not any(start + k in effective for k in range(size)):
                 warnings.warn(
-                    f"zeroing mask {n!r} removes no channel: something between it and the next "
-                    "layer keeps the channel alive (a BatchNorm, a sigmoid, an add with an "
-                    "unmasked tensor). Place masks after normalisation and activation, or use "
-                    "fisherprune.apply_masks",
+                    f"zeroing mask {n!r} removes no channel on its own: either something "
+                    "between it and the next layer keeps the channel alive (a BatchNorm, a "
+                    "sigmoid, an add with an unmasked tensor), or other masks act on the same "
+                    "channels and must be zeroed too. Place masks after normalisation and "
+                    "activation, or use fisherprune.apply_masks",
                     stacklevel=3,
                 )
 

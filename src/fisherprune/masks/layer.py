@@ -143,7 +143,9 @@ class MaskLayer(nn.Module):
         mult = self._multiplier(x, dim, index)
         if self.collecting and torch.is_grad_enabled() and x.dim() >= 2:
             self._start_pass()
-            return _MaskMultiply.apply(x, mult, self, index, dim)
+            # the multiplier requires grad so that backward runs even when x does not
+            # (a mask on the model input, or after frozen layers)
+            return _MaskMultiply.apply(x, mult.detach().requires_grad_(), self, index, dim)
         return x * mult
 
     def _multiplier(self, x: Tensor, dim: int, index: Tensor | None) -> Tensor:

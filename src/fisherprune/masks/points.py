@@ -49,9 +49,9 @@ class MaskPoint:
         self._direct = (
             len(self.parts) == 1
             and p0.numel() == size
+            and i0.numel() == m0.num_channels
             and bool((p0 == torch.arange(size)).all())
             and bool((i0 == torch.arange(m0.num_channels)).all())
-            and i0.numel() == m0.num_channels
         )
         self._masks = list(dict.fromkeys(m for m, _, _ in self.parts))
         self._versions: tuple[int, ...] | None = None
@@ -101,7 +101,8 @@ class MaskPoint:
         if torch.is_grad_enabled() and any(m.collecting for m in self._masks):
             for m in self._masks:
                 m._start_pass()
-            return _MaskMultiply.apply(x, self.multiplier(x), self, None, self.dim)
+            mult = self.multiplier(x).detach().requires_grad_()  # backward runs even if x is frozen
+            return _MaskMultiply.apply(x, mult, self, None, self.dim)
         if self._nothing_pruned():
             return x
         return x * self.multiplier(x)

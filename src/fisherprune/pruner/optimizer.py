@@ -193,9 +193,14 @@ class PruningOptimizer:
                 (no loss reaches it); later steps only warn.
         """
         collecting = not self.finished
-        if collecting:
-            self._check_received()
-        out = self.optimizer.step(closure) if closure is not None else self.optimizer.step()
+        if closure is None:
+            if collecting:
+                self._check_received()
+            out = self.optimizer.step()
+        else:  # the closure runs the backward pass, so check after it
+            out = self.optimizer.step(closure)
+            if collecting:
+                self._check_received()
         if collecting:
             update_pruning_signals(self.masks, self.decay, loss_reduction=self.loss_reduction)
             if self.counter > self.burn_in and self.counter % self.prune_every == 0:

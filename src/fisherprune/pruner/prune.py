@@ -78,9 +78,10 @@ def prune(
     if isinstance(scores, Mapping):
         sd = {str(k): v for k, v in scores.items()}
     else:
-        sd = {str(i): v for i, v in enumerate(scores)}
-        if len(md) == len(sd) and not set(sd) <= set(md):
-            sd = dict(zip(md, scores, strict=True))
+        seq = list(scores)
+        if len(seq) != len(md):
+            raise ValueError(f"{len(seq)} score tensors given for {len(md)} masks")
+        sd = dict(zip(md, seq, strict=True))  # a sequence follows the order of masks
     best: tuple[float, int, int, str] | None = None
     for order, (name, m) in enumerate(md.items()):
         if name not in sd:
@@ -97,9 +98,7 @@ def prune(
         s = torch.where(torch.isnan(s), torch.full_like(s, math.inf), s)
         s = torch.where(alive, s, torch.full_like(s, math.inf))
         v = float(s.min())
-        if v == math.inf and not bool((alive & torch.isinf(s)).any()):
-            continue
-        k = int(torch.nonzero(s == v)[0, 0])
+        k = int(torch.nonzero(alive & (s == v))[0, 0])  # never an already pruned channel
         cand = (v, order, k, name)
         if best is None or cand[:3] < best[:3]:
             best = cand

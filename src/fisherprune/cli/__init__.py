@@ -1,0 +1,1 @@
+"""Command line: one module per subcommand, each with ``<cmd>_parser`` and ``<cmd>_command``."""

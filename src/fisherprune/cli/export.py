@@ -1,0 +1,60 @@
+"""``fisherprune export``: write the shrunk model of a training checkpoint."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["export_command", "export_parser", "model_from_checkpoint"]
+
+
+def export_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("export", help="export the shrunk model of a checkpoint")
+    p.add_argument("--checkpoint", required=True, help="ckpt-*.pt written by fisherprune train")
+    p.add_argument("--format", default="state_dict", choices=["state_dict", "torchscript", "onnx"])
+    p.add_argument("--out", required=True, help="file to write")
+    p.set_defaults(func=export_command)
+    return p
+
+
+def model_from_checkpoint(path: str) -> tuple[nn.Module, Any]:
+    """Rebuild the masked model of a training checkpoint, and an example input for it.
+
+    Raises:
+        FileNotFoundError / ValueError: missing or foreign checkpoint.
+    """
+    from fisherprune.graph import apply_masks
+    from fisherprune.train.checkpoint import CheckpointManager
+    from fisherprune.train.models import build_model
+
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"checkpoint {p} does not exist")
+    state = CheckpointManager.load(p)
+    meta = state.get("model_meta")
+    if meta is None:
+        raise ValueError(f"{p} does not record its model; it was not written by fisherprune train")
+    model = build_model(
+        meta["name"],
+        tuple(meta["input_shape"]),
+        meta["num_outputs"],
+        meta.get("width"),
+        meta.get("depth"),
+    )
+    example = torch.zeros(1, *meta["input_shape"])
+    apply_masks(model, example)
+    model.load_state_dict(state["model"])
+    return model, example
+
+
+def export_command(args: argparse.Namespace) -> int:
+    from fisherprune.export import export_model
+
+    model, example = model_from_checkpoint(args.checkpoint)
+    path = export_model(model, args.out, example, format=args.format)
+    print(f"wrote {path}")
+    return 0

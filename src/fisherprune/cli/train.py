@@ -1,0 +1,77 @@
+"""``fisherprune train``: train with pruning to a cost target, fine-tune, evaluate, export."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+from typing import Any
+
+from fisherprune.train.config import ALIASES, TrainConfig
+
+__all__ = ["train_command", "train_parser"]
+
+
+def _parse_list(kind: type) -> Any:
+    def parse(text: str) -> list:
+        return [kind(v) for v in text.split(",") if v.strip()]
+
+    return parse
+
+
+def _flag_type(tp: Any) -> Any:
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    base = args[0] if args else tp
+    if typing.get_origin(base) is list:
+        return _parse_list(typing.get_args(base)[0])
+    return {"int": int, "float": float, "str": str}.get(getattr(base, "__name__", ""), str)
+
+
+def train_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "train",
+        help="train, prune to a cost target, fine-tune and export (no arguments: digits demo)",
+        description="Train with Fisher pruning from records on disk or built-in data, then "
+        "export the physically smaller model with a report. Every setting is a flag; seed "
+        "spellings such as --pruning.iter / --pruning_iter both work. Values from --config "
+        "are overridden by flags.",
+    )
+    p.add_argument("--config", help="JSON file of settings (unknown keys are errors)")
+    reverse: dict[str, list[str]] = {}
+    for alias, name in ALIASES.items():
+        reverse.setdefault(name, []).append(alias)
+    hints = typing.get_type_hints(TrainConfig)
+    for f in dataclasses.fields(TrainConfig):
+        flags = [f"--{f.name}"]
+        if "_" in f.name:
+            flags.append(f"--{f.name.replace('_', '-')}")
+        flags += [f"--{a}" for a in reverse.get(f.name, [])]
+        if f.name.startswith("pruning_"):
+            flags.append(f"--pruning.{f.name[len('pruning_') :]}")
+        flags = list(dict.fromkeys(flags))
+        if hints[f.name] is bool:
+            p.add_argument(*flags, dest=f.name, action="store_true", default=argparse.SUPPRESS)
+        else:
+            p.add_argument(
+                *flags,
+                dest=f.name,
+                type=_flag_type(hints[f.name]),
+                default=argparse.SUPPRESS,
+                metavar=f.name.upper(),
+            )
+    p.set_defaults(func=train_command)
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    given = {k: v for k, v in vars(args).items() if k not in ("func", "config", "command")}
+    if args.config:
+        return TrainConfig.from_file(args.config, given)
+    return TrainConfig.from_dict(given)
+
+
+def train_command(args: argparse.Namespace) -> int:
+    from fisherprune.train.trainer import PruningTrainer
+
+    PruningTrainer(config_from_args(args)).run()
+    return 0

@@ -1,0 +1,1 @@
+"""Training: data loading, built-in models and the pruning trainer."""

@@ -1,0 +1,108 @@
+"""The run report: Markdown with PNG plots (plots need matplotlib: ``fisherprune[report]``)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+from fisherprune.pruner import PruningOptimizer
+from fisherprune.train.config import TrainConfig
+
+__all__ = ["write_report"]
+
+
+def _plots(
+    save_dir: Path, metrics: list[dict[str, Any]], popt: PruningOptimizer, metric_name: str
+) -> dict[str, str]:
+    if importlib.util.find_spec("matplotlib") is None:
+        return {}
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    files: dict[str, str] = {}
+    evals = [m for m in metrics if m["kind"] in ("dense", "eval", "final")]
+    if evals:
+        fig, ax1 = plt.subplots(figsize=(6, 3.5))
+        steps = [m["step"] for m in evals]
+        ax1.plot(steps, [m[metric_name] for m in evals], "o-", color="tab:blue")
+        ax1.set_xlabel("step")
+        ax1.set_ylabel(f"eval {metric_name}", color="tab:blue")
+        ax2 = ax1.twinx()
+        ax2.plot(steps, [m["cost"] / popt.start_cost for m in evals], "s--", color="tab:red")
+        ax2.set_ylabel("cost / starting cost", color="tab:red")
+        ax2.set_ylim(0, 1.05)
+        fig.tight_layout()
+        path = save_dir / "training.png"
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        files["plot_training"] = str(path)
+    names = list(popt.masks)
+    if names:
+        fig, ax = plt.subplots(figsize=(6, 0.35 * len(names) + 1))
+        total = [popt.masks[n].num_channels for n in names]
+        kept = [popt.masks[n].kept for n in names]
+        labels = [n.removeprefix("fisherprune_masks.") for n in names]
+        ax.barh(labels, total, color="lightgray", label="dense")
+        ax.barh(labels, kept, color="tab:green", label="kept")
+        ax.invert_yaxis()
+        ax.set_xlabel("channels")
+        ax.legend(loc="lower right")
+        fig.tight_layout()
+        path = save_dir / "channels.png"
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        files["plot_channels"] = str(path)
+    return files
+
+
+def write_report(
+    save_dir: Path,
+    config: TrainConfig,
+    metrics: list[dict[str, Any]],
+    popt: PruningOptimizer,
+    dense: dict[str, Any],
+    final: float,
+    cost: float,
+    dense_params: int,
+    small_params: int,
+    latency: dict[str, float],
+    metric_name: str,
+) -> dict[str, str]:
+    """Write ``report.md`` (and plots) into ``save_dir``; return the files written."""
+    files = _plots(save_dir, metrics, popt, metric_name)
+    conv = config.pruning_convention
+    lines = [
+        "# fisherprune run report",
+        "",
+        f"Data `{config.data}`, model `{config.model}`, target `{config.pruning_flops_target}` "
+        f"({conv}), flops_weight `{config.pruning_flops_weight}`, seed {config.seed}.",
+        "",
+        "| | dense | pruned | ratio |",
+        "|---|---:|---:|---:|",
+        f"| eval {metric_name} | {dense[metric_name]:.4f} | {final:.4f} | |",
+        f"| {conv} per example | {dense['cost']:,.0f} | {cost:,.0f} | {cost / dense['cost']:.3f} |",
+        f"| parameters | {dense_params:,} | {small_params:,} | {small_params / dense_params:.3f} |",
+        f"| CPU latency, batch 1 (ms) | {latency['dense_b1_ms']:.3f} | "
+        f"{latency['pruned_b1_ms']:.3f} | {latency['speedup_b1']:.2f}x faster |",
+        f"| CPU latency, batch 64 (ms) | {latency['dense_b64_ms']:.3f} | "
+        f"{latency['pruned_b64_ms']:.3f} | {latency['speedup_b64']:.2f}x faster |",
+        "",
+        "## Channels kept per group",
+        "",
+        "| group | kept | of |",
+        "|---|---:|---:|",
+    ]
+    for n, m in popt.masks.items():
+        lines.append(f"| {n.removeprefix('fisherprune_masks.')} | {m.kept} | {m.num_channels} |")
+    if files:
+        lines += ["", "## Plots", ""]
+        lines += [f"![{k}]({Path(v).name})" for k, v in files.items()]
+    else:
+        lines += ["", "(plots skipped: install matplotlib, `pip install 'fisherprune[report]'`)"]
+    path = save_dir / "report.md"
+    path.write_text("\n".join(lines) + "\n")
+    files["report"] = str(path)
+    return files

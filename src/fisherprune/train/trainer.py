@@ -1,0 +1,496 @@
+"""PruningTrainer: data on disk -> trained, pruned, fine-tuned, exported model (the seed's
+PruningDataRecordTrainer, with the export it left as a TODO)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import math
+import os
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from fisherprune.export import PruningPlan, export_model, shrink
+from fisherprune.export.latency import measure_latency
+from fisherprune.graph import apply_masks, remove_masks
+from fisherprune.masks import find_masks
+from fisherprune.pruner import PruningOptimizer
+from fisherprune.train.checkpoint import CheckpointManager, rng_state, set_rng_state
+from fisherprune.train.config import TrainConfig
+from fisherprune.train.data import Dataset, DataSpec, load_data
+from fisherprune.train.models import build_model
+from fisherprune.train.progress import Progress
+
+__all__ = ["PruningTrainer", "TrainResult"]
+
+log = logging.getLogger("fisherprune")
+
+
+@dataclass
+class TrainResult:
+    """What a run produced. Costs are per example in the run's convention."""
+
+    dense_metric: float
+    final_metric: float
+    metric_name: str
+    dense_cost: float
+    final_cost: float
+    dense_params: int
+    final_params: int
+    latency: dict[str, float]
+    steps: int
+    prunes: int
+    files: dict[str, str] = field(default_factory=dict)
+
+
+def _dist_info() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+class PruningTrainer:
+    """Train with ``PruningOptimizer``, prune to the target, fine-tune, evaluate and export.
+
+    Args:
+        config: the run's settings.
+        model: optional model instead of ``config.model`` (masks are applied if it has none).
+        data: optional ``Dataset`` instead of reading ``config.data``.
+
+    Under ``torchrun`` (WORLD_SIZE > 1) it joins the gloo process group, trains with
+    DistributedDataParallel, and only rank 0 writes files; Fisher statistics are
+    all-reduced so that every rank prunes the same channels.
+    """
+
+    def __init__(
+        self, config: TrainConfig, model: nn.Module | None = None, data: Dataset | None = None
+    ) -> None:
+        self.config = config
+        self._model = model
+        self._data = data
+
+    # ------------------------------------------------------------------ setup
+    def _setup(self) -> None:
+        cfg = self.config
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+            dist.init_process_group("gloo")
+        self.rank, self.world = _dist_info()
+        random.seed(cfg.seed)
+        np.random.seed(cfg.seed)
+        torch.manual_seed(cfg.seed)
+        self.save_dir = Path(cfg.save_dir)
+        self.export_dir = Path(cfg.export_dir) if cfg.export_dir else self.save_dir / "export"
+        if self.rank == 0:
+            self.save_dir.mkdir(parents=True, exist_ok=True)
+            self.export_dir.mkdir(parents=True, exist_ok=True)
+        self.progress = Progress(None, cfg.progress, enabled=self.rank == 0)
+
+    def _load(self) -> None:
+        cfg = self.config
+        if self._data is None:
+            if cfg.data_spec:
+                spec = DataSpec.from_file(cfg.data_spec)
+            else:
+                spec = DataSpec(
+                    source=cfg.data,
+                    label=cfg.label,
+                    features=cfg.features,
+                    labels=cfg.labels,
+                    task=cfg.task,
+                    eval_source=cfg.eval_data,
+                    eval_fraction=cfg.eval_fraction,
+                    image_shape=tuple(cfg.image_shape) if cfg.image_shape else None,
+                    seed=cfg.seed,
+                )
+            self._data = load_data(spec)
+        self.data = self._data
+        self.classify = self.data.num_classes is not None
+        outputs = self.data.num_classes if self.classify else _regression_outputs(self.data)
+        self._outputs = outputs
+        if self._model is None:
+            name = cfg.model
+            if name in ("cnn", "resnet", "densenet") and len(self.data.input_shape) != 3:
+                raise ValueError(
+                    f"--model {name} needs image data; {self.data.source} has features of shape "
+                    f"{self.data.input_shape} (use --model mlp, or --image_shape C,H,W)"
+                )
+            self._model = build_model(name, self.data.input_shape, outputs, cfg.width, cfg.depth)
+        self.model = self._model
+        self.example = self.data.x_train[:1]
+        self.masks = find_masks(self.model) or apply_masks(self.model, self.example)
+        for s in getattr(self.masks, "skipped", []):
+            log.info("not masked: %s", s)
+
+    def _optimizer(self) -> PruningOptimizer:
+        cfg = self.config
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        if cfg.optimizer == "sgd":
+            inner: torch.optim.Optimizer = torch.optim.SGD(
+                params, lr=cfg.learning_rate, momentum=cfg.momentum, weight_decay=cfg.weight_decay
+            )
+        elif cfg.optimizer == "adam":
+            inner = torch.optim.Adam(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+        else:
+            inner = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+        n = self.data.x_train.shape[0]
+        self.global_batch = min(cfg.batch_size * self.world, n)
+        self.batches_per_epoch = max(1, n // self.global_batch)
+        burn_in = cfg.pruning_burn_in
+        if burn_in is None:
+            burn_in = math.ceil(cfg.epochs * self.batches_per_epoch)
+        self.burn_in = burn_in
+        fw: Any = cfg.pruning_flops_weight
+        if isinstance(fw, str) and fw.lower() != "auto":
+            try:
+                fw = float(fw)
+            except ValueError:
+                raise ValueError(f"pruning_flops_weight must be 'auto' or a number, got {fw!r}")
+        return PruningOptimizer(
+            self.model,
+            self.example,
+            optimizer=inner,
+            prune_every=cfg.pruning_iter,
+            burn_in=burn_in,
+            decay=cfg.pruning_decay,
+            flops_weight=fw,
+            flops_target=cfg.pruning_flops_target,
+            min_channels=cfg.pruning_min_channels,
+            convention=cfg.pruning_convention,
+        )
+
+    # -------------------------------------------------------------- batches
+    def _batch(self, step: int) -> tuple[Tensor, Tensor]:
+        epoch, b = divmod(step, self.batches_per_epoch)
+        if getattr(self, "_perm_epoch", None) != epoch:
+            g = torch.Generator().manual_seed(self.config.seed * 100_003 + epoch)
+            self._perm = torch.randperm(self.data.x_train.shape[0], generator=g)
+            self._perm_epoch = epoch
+        lo = b * self.global_batch
+        idx = self._perm[lo : lo + self.global_batch]
+        per = math.ceil(idx.numel() / self.world)
+        idx = idx[self.rank * per : (self.rank + 1) * per]
+        return self.data.x_train[idx], self.data.y_train[idx]
+
+    def _loss(self, out: Tensor, y: Tensor) -> Tensor:
+        if self.classify:
+            return F.cross_entropy(out, y)
+        return F.mse_loss(out.reshape(y.shape), y)
+
+    def evaluate(self, model: nn.Module | None = None) -> float:
+        """Accuracy (classification) or mean squared error (regression) on the eval split."""
+        model = model or self.model
+        flags = {m: m.training for m in model.modules()}
+        model.eval()
+        correct, total, sq = 0, 0, 0.0
+        with torch.no_grad():
+            for lo in range(0, self.data.x_eval.shape[0], 512):
+                x = self.data.x_eval[lo : lo + 512]
+                y = self.data.y_eval[lo : lo + 512]
+                out = model(x)
+                if self.classify:
+                    correct += int((out.argmax(1) == y).sum())
+                else:
+                    sq += float(((out.reshape(y.shape) - y) ** 2).sum())
+                total += y.shape[0]
+        for m, f in flags.items():
+            m.training = f
+        return correct / total if self.classify else sq / total
+
+    # ------------------------------------------------------------------- run
+    def run(self) -> TrainResult:
+        """Train, prune, fine-tune, evaluate, export and report; return the result."""
+        self._setup()
+        self._load()
+        cfg = self.config
+        popt = self._optimizer()
+        net: nn.Module = self.model
+        if self.world > 1:
+            net = nn.parallel.DistributedDataParallel(self.model)
+        ckpts = CheckpointManager(self.save_dir / "checkpoints", cfg.keep_checkpoints)
+        metric_name = "accuracy" if self.classify else "mse"
+        state: dict[str, Any] = {"step": 0, "dense": None, "finished_at": None, "metrics": []}
+        if cfg.resume:
+            state = self._resume(ckpts, popt, state)
+        total_channels = sum(m.num_channels for m in popt.masks.values())
+        cap = (
+            cfg.steps
+            if cfg.steps is not None
+            else (self.burn_in + cfg.pruning_iter * (total_channels + 1) + cfg.fine_tune_steps + 1)
+        )
+        self.progress.total = cap
+        self.progress.line(
+            f"fisherprune train: {self.data.source}: {self.data.x_train.shape[0]} train / "
+            f"{self.data.x_eval.shape[0]} eval examples; model {cfg.model}; "
+            f"{len(popt.masks)} channel groups, {total_channels} prunable channels; "
+            f"cost {popt.start_cost:,.0f} {cfg.pruning_convention}/example; target "
+            f"{popt.target:,.0f}; world size {self.world}"
+        )
+        metrics_path = self.save_dir / "metrics.jsonl"
+        if self.rank == 0:
+            metrics_path.write_text("".join(json.dumps(m) + "\n" for m in state["metrics"]))
+
+        def record(entry: dict[str, Any]) -> None:
+            state["metrics"].append(entry)
+            if self.rank == 0:
+                with metrics_path.open("a") as f:
+                    f.write(json.dumps(entry) + "\n")
+
+        n_events = len(popt.history)
+        if state["dense"] is None and self.burn_in == 0:
+            state["dense"] = self._dense_point(popt, record, 0)
+        while state["step"] < cap:
+            if popt.finished:
+                if state["finished_at"] is None:
+                    state["finished_at"] = state["step"]
+                    self.progress.line(
+                        f"step {state['step']}: {len(popt.history)} channels "
+                        f"pruned; fine-tuning for {cfg.fine_tune_steps} steps"
+                    )
+                if state["step"] - state["finished_at"] >= cfg.fine_tune_steps:
+                    break
+            x, y = self._batch(state["step"])
+            net.train()
+            loss = self._loss(net(x), y)
+            popt.minimize(loss)
+            state["step"] += 1
+            step = state["step"]
+            if state["dense"] is None and step >= self.burn_in:
+                state["dense"] = self._dense_point(popt, record, step)
+            for ev in popt.history[n_events:]:
+                record(
+                    {
+                        "step": ev.step,
+                        "kind": "prune",
+                        "mask": ev.mask,
+                        "channel": ev.channel,
+                        "cost": ev.cost_after,
+                    }
+                )
+            n_events = len(popt.history)
+            self.progress.update(step, f"loss {float(loss):.4f} pruned {n_events}")
+            if step % cfg.eval_every == 0:
+                value = self.evaluate()
+                cost = popt.cost().total
+                record(
+                    {
+                        "step": step,
+                        "kind": "eval",
+                        metric_name: value,
+                        "cost": cost,
+                        "loss": float(loss),
+                        "kept": self._kept(popt),
+                    }
+                )
+                self.progress.line(
+                    f"step {step}: loss {float(loss):.4f}, eval {metric_name} "
+                    f"{value:.4f}, cost {cost:,.0f} "
+                    f"({cost / popt.start_cost:.1%} of start)"
+                )
+            if step % cfg.checkpoint_every == 0 and self.rank == 0:
+                ckpts.save(step, self._checkpoint(popt, state))
+        if not popt.finished:
+            log.warning(
+                "the step cap %d was reached before the target: cost %.6g > %.6g",
+                cap,
+                popt.cost().total,
+                popt.target,
+            )
+        if self.rank == 0:
+            ckpts.save(state["step"], self._checkpoint(popt, state))
+        result = self._finish(popt, state, record, metric_name)
+        self.progress.close()
+        return result
+
+    def _dense_point(self, popt: PruningOptimizer, record: Any, step: int) -> dict[str, float]:
+        value = self.evaluate()
+        metric = "accuracy" if self.classify else "mse"
+        entry = {"step": step, "kind": "dense", metric: value, "cost": popt.cost().total}
+        record(entry)
+        self.progress.line(
+            f"dense model (step {step}): eval {metric} {value:.4f}, cost "
+            f"{entry['cost']:,.0f} {self.config.pruning_convention}/example"
+        )
+        return entry
+
+    @staticmethod
+    def _kept(popt: PruningOptimizer) -> dict[str, int]:
+        return {n: m.kept for n, m in popt.masks.items()}
+
+    def _checkpoint(self, popt: PruningOptimizer, state: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "model": self.model.state_dict(),
+            "pruner": popt.state_dict(),
+            "rng": rng_state(),
+            "state": copy.deepcopy(state),
+            "config": self.config.to_dict(),
+            "model_meta": {
+                "name": self.config.model,
+                "input_shape": list(self.data.input_shape),
+                "num_outputs": self._outputs,
+                "width": self.config.width,
+                "depth": self.config.depth,
+            },
+        }
+
+    def _resume(
+        self, ckpts: CheckpointManager, popt: PruningOptimizer, state: dict[str, Any]
+    ) -> dict[str, Any]:
+        path = ckpts.latest()
+        if path is None:
+            self.progress.line(f"--resume: no checkpoint in {ckpts.directory}; starting afresh")
+            return state
+        saved = ckpts.load(path)
+        self.model.load_state_dict(saved["model"])
+        popt.load_state_dict(saved["pruner"])
+        set_rng_state(saved["rng"])
+        self.progress.line(f"resumed from {path} (step {saved['state']['step']})")
+        return saved["state"]
+
+    # ----------------------------------------------------------------- end
+    def _finish(
+        self, popt: PruningOptimizer, state: dict[str, Any], record: Any, metric_name: str
+    ) -> TrainResult:
+        final = self.evaluate()
+        cost = popt.cost().total
+        dense = state["dense"] or {metric_name: float("nan"), "cost": popt.start_cost}
+        record(
+            {
+                "step": state["step"],
+                "kind": "final",
+                metric_name: final,
+                "cost": cost,
+                "kept": self._kept(popt),
+            }
+        )
+        dense_model = copy.deepcopy(self.model)
+        remove_masks(dense_model)
+        small = shrink(self.model, self.example)
+        dense_params = sum(p.numel() for p in dense_model.parameters())
+        small_params = sum(p.numel() for p in small.parameters())
+        latency: dict[str, float] = {}
+        for bs in (1, 64):
+            x = self.data.x_train[:bs]
+            t = measure_latency({"dense": dense_model, "pruned": small}, x, repeats=10, rounds=3)
+            latency[f"dense_b{bs}_ms"] = t["dense"] * 1e3
+            latency[f"pruned_b{bs}_ms"] = t["pruned"] * 1e3
+            latency[f"speedup_b{bs}"] = t["dense"] / t["pruned"]
+        files: dict[str, str] = {}
+        if self.rank == 0:
+            files = self._export(small, popt)
+            files.update(
+                self._report(
+                    popt,
+                    state,
+                    dense,
+                    final,
+                    cost,
+                    dense_params,
+                    small_params,
+                    latency,
+                    metric_name,
+                )
+            )
+        result = TrainResult(
+            dense[metric_name],
+            final,
+            metric_name,
+            dense["cost"],
+            cost,
+            dense_params,
+            small_params,
+            latency,
+            state["step"],
+            len(popt.history),
+            files,
+        )
+        if self.rank == 0:
+            (self.save_dir / "result.json").write_text(json.dumps(result.__dict__, indent=1))
+            files["result"] = str(self.save_dir / "result.json")
+            self._print_summary(result, popt)
+        return result
+
+    def _export(self, small: nn.Module, popt: PruningOptimizer) -> dict[str, str]:
+        files: dict[str, str] = {}
+        plan = PruningPlan.from_model(self.model, self.example, popt.cost_model.convention)
+        plan_path = self.export_dir / "plan.json"
+        plan.save(plan_path)
+        files["plan"] = str(plan_path)
+        names = {
+            "state_dict": "model.pt",
+            "torchscript": "model.torchscript.pt",
+            "onnx": "model.onnx",
+        }
+        for fmt in self.config.export_formats:
+            try:
+                path = export_model(
+                    self.model, self.export_dir / names[fmt], self.example, format=fmt
+                )
+                files[fmt] = str(path)
+            except ImportError as e:
+                self.progress.line(f"skipped {fmt} export: {e}")
+        return files
+
+    def _report(
+        self,
+        popt: PruningOptimizer,
+        state: dict[str, Any],
+        dense: dict[str, Any],
+        final: float,
+        cost: float,
+        dense_params: int,
+        small_params: int,
+        latency: dict[str, float],
+        metric_name: str,
+    ) -> dict[str, str]:
+        from fisherprune.train.report import write_report
+
+        return write_report(
+            self.save_dir,
+            self.config,
+            state["metrics"],
+            popt,
+            dense,
+            final,
+            cost,
+            dense_params,
+            small_params,
+            latency,
+            metric_name,
+        )
+
+    def _print_summary(self, r: TrainResult, popt: PruningOptimizer) -> None:
+        conv = self.config.pruning_convention
+        lines = [
+            "",
+            f"dense:  {r.metric_name} {r.dense_metric:.4f}, {r.dense_cost:,.0f} {conv}/example, "
+            f"{r.dense_params:,} parameters",
+            f"pruned: {r.metric_name} {r.final_metric:.4f}, {r.final_cost:,.0f} {conv}/example "
+            f"({r.final_cost / r.dense_cost:.1%}), {r.final_params:,} parameters "
+            f"({r.final_params / r.dense_params:.1%}); {r.prunes} channels removed in "
+            f"{r.steps} steps",
+            f"latency (CPU, {torch.get_num_threads()} threads): batch 1 "
+            f"{r.latency['dense_b1_ms']:.3f} -> {r.latency['pruned_b1_ms']:.3f} ms "
+            f"({r.latency['speedup_b1']:.2f}x); batch 64 {r.latency['dense_b64_ms']:.3f} -> "
+            f"{r.latency['pruned_b64_ms']:.3f} ms ({r.latency['speedup_b64']:.2f}x)",
+            "files:",
+        ]
+        lines += [f"  {k}: {v}" for k, v in r.files.items()]
+        lines.append(f"  checkpoints: {self.save_dir / 'checkpoints'}")
+        lines.append(f"  metrics: {self.save_dir / 'metrics.jsonl'}")
+        for line in lines:
+            self.progress.line(line)
+
+
+def _regression_outputs(data: Dataset) -> int:
+    return 1 if data.y_train.dim() == 1 else int(data.y_train.shape[1])

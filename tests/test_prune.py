@@ -1,0 +1,409 @@
+"""Tests of the one-channel prune step (``fisherprune.prune``) and of channel scores.
+
+Each test states one invariant in its docstring. Everything is deterministic
+(fixed seeds, hand-written scores) and runs in well under a second.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import fisherprune as fp
+from fisherprune.pruner import check_flops_weight, score
+
+# tolerances
+SCORE_RTOL = 1e-12  # score() works in float64
+SCORE_ATOL = 0.0
+COST_ATOL = 1e-9  # costs are sums of integer FLOP counts in float64
+EPS = 1e-6  # the documented epsilon of the "auto" score
+
+
+# ---------------------------------------------------------------- helpers
+def make_masks(*sizes: int, names: str | None = None) -> dict[str, fp.MaskLayer]:
+    """Fresh masks (all ones) named by the letters of ``names`` (default a, b, c...)."""
+    names = names or "abcdefgh"[: len(sizes)]
+    return {n: fp.MaskLayer(k) for n, k in zip(names, sizes, strict=True)}
+
+
+def t(*values: float) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float64)
+
+
+def snapshot(masks: dict[str, fp.MaskLayer]) -> dict[str, torch.Tensor]:
+    return {n: m.mask.detach().clone() for n, m in masks.items()}
+
+
+def zeroed(before: dict[str, torch.Tensor], masks: dict[str, fp.MaskLayer]) -> list[tuple]:
+    """The (mask, channel) entries that went from 1 to 0 since ``before``."""
+    out = []
+    for n, m in masks.items():
+        for k in torch.nonzero(before[n] != m.mask).flatten().tolist():
+            assert before[n][k] == 1 and m.mask[k] == 0, "a mask entry changed other than 1 -> 0"
+            out.append((n, k))
+    return out
+
+
+def mlp_with_masks() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(10, 8),
+        nn.Tanh(),
+        fp.MaskLayer(8),
+        nn.Linear(8, 6),
+        nn.Tanh(),
+        fp.MaskLayer(6),
+        nn.Linear(6, 2),
+    )
+
+
+# ------------------------------------------------------------ the choice
+def test_zeroes_exactly_the_global_minimum():
+    """One call zeroes exactly one entry: the lowest score over all masks."""
+    masks = make_masks(4, 3, 5)
+    scores = {
+        "a": t(4.0, 3.0, 9.0, 7.0),
+        "b": t(8.0, 2.5, 6.0),
+        "c": t(5.0, 2.0, 3.0, 4.0, 2.1),  # global min: c[1]
+    }
+    before = snapshot(masks)
+    event = fp.prune(masks, scores)
+    assert zeroed(before, masks) == [("c", 1)]
+    assert (event.mask, event.channel) == ("c", 1)
+
+
+def test_already_pruned_channels_are_excluded():
+    """A pruned channel is never chosen again, even when its score is the lowest."""
+    masks = make_masks(3, 3)
+    masks["a"].mask[0] = 0.0
+    masks["b"].mask[2] = 0.0
+    scores = {"a": t(-100.0, 5.0, 6.0), "b": t(7.0, 4.0, -math.inf)}
+    before = snapshot(masks)
+    event = fp.prune(masks, scores)
+    assert zeroed(before, masks) == [("b", 1)]
+    assert (event.mask, event.channel, event.score) == ("b", 1, 4.0)
+
+
+def test_tie_break_lowest_score_beats_mask_order():
+    """Tie-break level 1: a lower score wins even when it is in a later mask."""
+    masks = make_masks(2, 2)
+    scores = {"a": t(1.0, 1.0), "b": t(1.0, 1.0 - 1e-12)}
+    event = fp.prune(masks, scores)
+    assert (event.mask, event.channel) == ("b", 1)
+
+
+@pytest.mark.parametrize("order", ["ab", "ba"])
+def test_tie_break_equal_scores_earlier_mask_in_given_order(order):
+    """Tie-break level 2: equal scores in two masks -> the mask given first is pruned."""
+    base = make_masks(3, 3)
+    masks = {n: base[n] for n in order}
+    scores = {"a": t(5.0, 2.0, 5.0), "b": t(5.0, 5.0, 2.0)}
+    event = fp.prune(masks, scores)
+    expected = {"a": ("a", 1), "b": ("b", 2)}[order[0]]
+    assert (event.mask, event.channel) == expected
+    assert int(masks[order[1]].mask.sum()) == 3
+
+
+def test_tie_break_equal_scores_in_a_sequence_of_masks():
+    """Tie-break level 2 with masks given as a list: the earlier list entry ("0") wins."""
+    masks = [fp.MaskLayer(2), fp.MaskLayer(2)]
+    event = fp.prune(masks, [t(3.0, 1.0), t(1.0, 3.0)])
+    assert (event.mask, event.channel) == ("0", 1)
+    assert masks[0].mask.tolist() == [1.0, 0.0]
+    assert masks[1].mask.tolist() == [1.0, 1.0]
+
+
+def test_tie_break_equal_scores_lower_channel_index():
+    """Tie-break level 3: equal scores in one mask -> the lower channel index, then the next."""
+    masks = make_masks(5)
+    scores = {"a": t(3.0, 1.0, 9.0, 1.0, 1.0)}
+    chosen = [fp.prune(masks, scores).channel for _ in range(3)]
+    assert chosen == [1, 3, 4]
+
+
+def test_nan_scores_never_chosen_before_finite_ones():
+    """Pruning repeatedly: every finite-score channel goes before any NaN-score channel."""
+    masks = make_masks(3, 4)
+    nan = math.nan
+    scores = {"a": t(nan, 1e30, nan), "b": t(7.0, nan, 1e300, -1.0)}
+    finite = {("a", 1), ("b", 0), ("b", 2), ("b", 3)}
+    order = []
+    for _ in range(len(finite)):
+        event = fp.prune(masks, scores, min_channels=0)
+        order.append((event.mask, event.channel))
+    assert set(order) == finite
+    assert masks["a"].mask.tolist() == [1.0, 0.0, 1.0]
+    assert masks["b"].mask.tolist() == [0.0, 1.0, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_non_finite_scored_channels_are_pruned_once_each_then_none(bad):
+    """Channels whose score is NaN or +inf are still pruned each exactly once, then None."""
+    masks = make_masks(2, 3)
+    scores = {"a": t(bad, bad), "b": t(bad, 1.0, bad)}
+    events = []
+    for _ in range(5):
+        event = fp.prune(masks, scores, min_channels=0)
+        assert event is not None
+        events.append((event.mask, event.channel))
+    assert len(set(events)) == 5, f"a channel was pruned twice: {events}"
+    assert all(m.kept == 0 for m in masks.values())
+    assert fp.prune(masks, scores, min_channels=0) is None
+
+
+def test_nan_score_loses_to_a_huge_finite_score():
+    """A single call prefers any finite score, however large, to NaN."""
+    masks = make_masks(2, 2)
+    event = fp.prune(masks, {"a": t(math.nan, math.nan), "b": t(math.nan, 1e308)})
+    assert (event.mask, event.channel) == ("b", 1)
+
+
+@pytest.mark.parametrize("min_channels", [0, 1, 2, 3])
+def test_never_below_min_channels(min_channels):
+    """A mask at min_channels kept channels is skipped even if it holds the lowest score."""
+    masks = make_masks(4, 5)
+    for k in range(4 - min_channels):  # leave exactly min_channels alive in "a"
+        masks["a"].mask[k] = 0.0
+    scores = {"a": t(-9.0, -9.0, -9.0, -9.0), "b": t(1.0, 2.0, 0.5, 3.0, 4.0)}
+    event = fp.prune(masks, scores, min_channels=min_channels)
+    assert (event.mask, event.channel) == ("b", 2)
+    assert masks["a"].kept == min_channels
+
+
+def test_returns_none_and_changes_nothing_at_the_floor():
+    """When every mask is at min_channels, prune returns None and leaves all masks as they were."""
+    masks = make_masks(3, 2)
+    masks["a"].mask[1] = 0.0
+    masks["a"].mask[2] = 0.0
+    masks["b"].mask[0] = 0.0
+    before = snapshot(masks)
+    signals_before = {n: m.signal.clone() for n, m in masks.items()}
+    assert fp.prune(masks, {"a": t(0.0, 0.0, 0.0), "b": t(0.0, 0.0)}, min_channels=1) is None
+    assert all(torch.equal(before[n], m.mask) for n, m in masks.items())
+    assert all(torch.equal(signals_before[n], m.signal) for n, m in masks.items())
+
+
+@pytest.mark.parametrize("min_channels", [0, 1, 2])
+@pytest.mark.parametrize("score_kind", ["random", "constant"])
+def test_repeated_calls_terminate_without_repruning(min_channels, score_kind):
+    """Calling prune repeatedly prunes each channel at most once, stops at the floor, then None."""
+    sizes = (4, 3, 5)
+    masks = make_masks(*sizes)
+    gen = torch.Generator().manual_seed(1234)
+    total = sum(sizes)
+    events = []
+    for _ in range(total):  # more calls than there can ever be prunes
+        if score_kind == "random":
+            scores = {n: torch.rand(m.num_channels, generator=gen) for n, m in masks.items()}
+        else:
+            scores = {n: torch.zeros(m.num_channels) for n, m in masks.items()}
+        event = fp.prune(masks, scores, min_channels=min_channels)
+        if event is None:
+            break
+        events.append((event.mask, event.channel))
+    pairs = set(events)
+    assert len(pairs) == len(events), "a channel was pruned twice"
+    assert len(events) == total - min_channels * len(sizes)
+    assert all(m.kept == min_channels for m in masks.values())
+    for _ in range(2):
+        assert (
+            fp.prune(
+                masks,
+                {n: torch.zeros(m.num_channels) for n, m in masks.items()},
+                min_channels=min_channels,
+            )
+            is None
+        )
+
+
+# ---------------------------------------------------------------- events
+def test_event_fields_without_cost():
+    """The event names the mask and channel, its score and signal; costs NaN; step recorded."""
+    masks = make_masks(3, 3)
+    masks["b"].signal.copy_(torch.tensor([0.25, 0.5, 0.125]))
+    event = fp.prune(masks, {"a": t(3.0, 4.0, 5.0), "b": t(6.0, 7.0, 2.0)}, step=17)
+    assert isinstance(event, fp.PruneEvent)
+    assert event.mask == "b"
+    assert event.channel == 2
+    assert event.score == 2.0
+    assert event.signal == 0.125
+    assert math.isnan(event.cost_before) and math.isnan(event.cost_after)
+    assert event.step == 17
+    assert fp.prune(masks, {"a": t(3.0, 4.0, 5.0), "b": t(6.0, 7.0, 2.0)}).step == 0
+
+
+def test_event_costs_come_from_the_cost_report():
+    """With cost=, cost_before is the report's total and cost_after = before - marginal."""
+    net = mlp_with_masks()
+    x = torch.randn(2, 10)
+    report = fp.computational_cost(net, x)
+    masks = fp.find_masks(net)
+    scores = {
+        n: torch.arange(m.num_channels, 0, -1, dtype=torch.float64) for n, m in masks.items()
+    }  # lowest: the last channel of each, tie -> first mask
+    event = fp.prune(masks, scores, cost=report)
+    assert (event.mask, event.channel) == ("2", 7)
+    assert event.cost_before == report.total
+    expected_after = report.total - float(report.marginal["2"][7])
+    assert event.cost_after == pytest.approx(expected_after, abs=COST_ATOL)
+    assert event.cost_after < event.cost_before
+
+
+def test_event_cost_after_matches_the_recomputed_cost():
+    """cost_after equals the cost of the network measured again after the prune."""
+    net = mlp_with_masks()
+    x = torch.randn(2, 10)
+    masks = fp.find_masks(net)
+    gen = torch.Generator().manual_seed(7)
+    for _ in range(4):
+        report = fp.computational_cost(net, x)
+        scores = {n: torch.rand(m.num_channels, generator=gen) for n, m in masks.items()}
+        event = fp.prune(masks, scores, cost=report)
+        assert event.cost_after == pytest.approx(fp.computational_cost(net, x).total, abs=COST_ATOL)
+
+
+def test_event_as_dict_round_trips():
+    """PruneEvent.as_dict() rebuilds an equal event."""
+    masks = make_masks(2)
+    event = fp.prune(masks, {"a": t(2.0, 1.0)}, step=3)
+    again = fp.PruneEvent(**event.as_dict())
+    assert again.mask == event.mask and again.channel == event.channel
+    assert again.step == 3 and again.score == event.score
+
+
+# ------------------------------------------------------------------ errors
+@pytest.mark.parametrize("length", [2, 4])
+def test_mismatched_score_length_raises(length):
+    """Scores whose length differs from the mask's channel count raise ValueError."""
+    masks = make_masks(3, 3)
+    before = snapshot(masks)
+    with pytest.raises(ValueError, match=r"'b'.*3 channels"):
+        fp.prune(masks, {"a": t(1.0, 2.0, 3.0), "b": torch.zeros(length)})
+    assert all(torch.equal(before[n], m.mask) for n, m in masks.items())
+
+
+def test_missing_scores_for_a_mask_raise():
+    """A mask without scores raises ValueError naming it."""
+    masks = make_masks(2, 2)
+    with pytest.raises(ValueError, match="'b'"):
+        fp.prune(masks, {"a": t(1.0, 2.0)})
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, "1"])
+def test_bad_min_channels_raises(bad):
+    """min_channels must be an int >= 0."""
+    with pytest.raises(ValueError, match="min_channels"):
+        fp.prune(make_masks(2), {"a": t(1.0, 2.0)}, min_channels=bad)
+
+
+def test_positional_scores_follow_the_order_of_masks():
+    """A sequence of scores is matched to the masks in their given order, whatever their names."""
+    first, second = fp.MaskLayer(3), fp.MaskLayer(3)
+    masks = {"1": first, "0": second}  # e.g. masks picked out of a Sequential in a custom order
+    event = fp.prune(masks, [t(5.0, 0.0, 5.0), t(9.0, 9.0, 9.0)])
+    assert (event.mask, event.channel) == ("1", 1)
+    assert first.mask.tolist() == [1.0, 0.0, 1.0]
+    assert second.mask.tolist() == [1.0, 1.0, 1.0]
+
+
+# ------------------------------------------------------------------ scores
+S = torch.tensor([0.0, 1.0, 2.5, 3.0], dtype=torch.float64)
+C = torch.tensor([0.0, 100.0, 4.0, 0.5], dtype=torch.float64)
+
+
+def test_score_auto_is_signal_over_cost_plus_eps():
+    """Mode "auto": s / (c + 1e-6), compared with hand-computed values."""
+    expected = torch.tensor(
+        [0.0 / (0.0 + EPS), 1.0 / (100.0 + EPS), 2.5 / (4.0 + EPS), 3.0 / (0.5 + EPS)],
+        dtype=torch.float64,
+    )
+    got = score(S, C, "auto")
+    assert got.dtype == torch.float64
+    torch.testing.assert_close(got, expected, rtol=SCORE_RTOL, atol=SCORE_ATOL)
+
+
+def test_score_auto_free_channel_ranks_last_and_dead_channel_first():
+    """Mode "auto": a dead channel (s=0) scores 0; a costless live channel scores s * 1e6."""
+    got = score(t(0.0, 2.0), t(50.0, 0.0), "auto")
+    assert got[0] == 0.0
+    assert got[1] == pytest.approx(2.0e6, rel=SCORE_RTOL)
+
+
+@pytest.mark.parametrize(
+    ("w", "expected"),
+    [
+        (0.5, [0.0 - 0.0, 1.0 - 50.0, 2.5 - 2.0, 3.0 - 0.25]),
+        (2, [0.0, 1.0 - 200.0, 2.5 - 8.0, 3.0 - 1.0]),
+        (1e-3, [0.0, 1.0 - 0.1, 2.5 - 0.004, 3.0 - 0.0005]),
+    ],
+)
+def test_score_float_weight_is_signal_minus_weighted_cost(w, expected):
+    """A float w: s - w * c, compared with hand-computed values."""
+    got = score(S, C, check_flops_weight(w))
+    torch.testing.assert_close(got, t(*expected), rtol=SCORE_RTOL, atol=SCORE_ATOL)
+
+
+@pytest.mark.parametrize("w", [0, 0.0])
+def test_score_zero_weight_is_plain_signal(w):
+    """Weight 0: the score is the signal itself, whatever the cost."""
+    got = score(S, C, check_flops_weight(w))
+    torch.testing.assert_close(got, S, rtol=0.0, atol=0.0)
+
+
+def test_score_does_not_modify_its_inputs():
+    """score() returns a new tensor; the signal it was given is untouched."""
+    s = S.clone()
+    out = score(s, C, 0.0)
+    out += 1.0
+    assert torch.equal(s, S)
+
+
+@pytest.mark.parametrize("spelling", ["auto", "AUTO", "Auto"])
+def test_check_flops_weight_accepts_auto_in_any_case(spelling):
+    """The seed's spelling "AUTO" and other cases normalise to "auto"."""
+    assert check_flops_weight(spelling) == "auto"
+
+
+@pytest.mark.parametrize(("value", "expected"), [(0, 0.0), (2, 2.0), (0.25, 0.25)])
+def test_check_flops_weight_normalises_numbers_to_float(value, expected):
+    """Non-negative finite numbers become floats."""
+    out = check_flops_weight(value)
+    assert isinstance(out, float) and out == expected
+
+
+@pytest.mark.parametrize("bad", ["fisher", "", "autoo", "0.5"])
+def test_check_flops_weight_rejects_unknown_strings(bad):
+    """Strings other than "auto" raise ValueError naming flops_weight and the string."""
+    with pytest.raises(ValueError, match=r"flops_weight.*'auto'"):
+        check_flops_weight(bad)
+
+
+@pytest.mark.parametrize("bad", [-1, -0.5, -1e-12])
+def test_check_flops_weight_rejects_negatives(bad):
+    """Negative weights raise ValueError saying it must be >= 0."""
+    with pytest.raises(ValueError, match=r"flops_weight.*>= 0"):
+        check_flops_weight(bad)
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_check_flops_weight_rejects_non_finite(bad):
+    """NaN and inf raise ValueError saying the weight must be finite."""
+    with pytest.raises(ValueError, match=r"flops_weight.*finite"):
+        check_flops_weight(bad)
+
+
+@pytest.mark.parametrize("bad", [True, False])
+def test_check_flops_weight_rejects_booleans(bad):
+    """Booleans are not weights: rejected with a message naming flops_weight and bool."""
+    with pytest.raises((TypeError, ValueError), match=r"flops_weight.*bool"):
+        check_flops_weight(bad)
+
+
+@pytest.mark.parametrize("bad", [None, [0.5], torch.tensor(0.5)])
+def test_check_flops_weight_rejects_other_types(bad):
+    """Neither a string nor a number: TypeError naming flops_weight."""
+    with pytest.raises(TypeError, match="flops_weight"):
+        check_flops_weight(bad)

@@ -1,0 +1,344 @@
+"""The Fisher signal gathered in backward, against a float64 per-example reference loop.
+
+Reference (Theis et al. 2018; SEED.md): for every example n alone, a fresh leaf mask ``m``
+of ones replaces each MaskLayer, ``g_n = d loss_n / d m`` by ``torch.autograd.grad``, and
+``Delta = 0.5 * mean_n g_n^2``. A mask applied at several places is one leaf used at every
+place, so autograd sums ``g`` over the places before it is squared.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+import fisherprune as fp
+from fisherprune import MaskLayer
+
+RTOL = 1e-9  # float64 everywhere: the only differences are summation order
+ATOL = 1e-14
+
+LossFn = Callable[[Tensor, Tensor], Tensor]
+
+
+# ------------------------------------------------------------------ models
+class _SharedMaskNet(nn.Module):
+    """One MaskLayer applied at two places of one forward (coupled channels)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(5, 6)
+        self.fc2 = nn.Linear(6, 6)
+        self.mask = MaskLayer(6)
+        self.out = nn.Linear(6, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h1 = self.mask(torch.relu(self.fc1(x)))
+        h2 = self.mask(torch.relu(self.fc2(h1)))
+        return self.out(h1 + h2)
+
+
+class _ChannelsLastNet(nn.Module):
+    """(N, L, C) activations masked on dim=-1, then averaged over L."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(4, 6)
+        self.mask = MaskLayer(6, dim=-1)
+        self.fc2 = nn.Linear(6, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc2(self.mask(torch.relu(self.fc1(x)))).mean(1)
+
+
+def _mlp() -> tuple[nn.Module, Tensor]:
+    net = nn.Sequential(
+        nn.Linear(5, 7), nn.Tanh(), MaskLayer(7), nn.Linear(7, 6), nn.ReLU(), MaskLayer(6),
+        nn.Linear(6, 3),
+    )  # fmt: skip
+    return net, torch.randn(9, 5)
+
+
+def _cnn_bn() -> tuple[nn.Module, Tensor]:
+    net = nn.Sequential(
+        nn.Conv2d(2, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), MaskLayer(4),
+        nn.Conv2d(4, 3, 3), nn.BatchNorm2d(3), nn.ReLU(), MaskLayer(3),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(3, 3),
+    )  # fmt: skip
+    for bn in (net[1], net[5]):  # non-trivial running statistics and affine parameters
+        bn.running_mean.uniform_(-0.5, 0.5)
+        bn.running_var.uniform_(0.5, 2.0)
+        nn.init.uniform_(bn.weight, 0.5, 1.5)
+        nn.init.uniform_(bn.bias, -0.2, 0.2)
+    # BatchNorm in training mode normalises with the statistics of the whole batch, so one
+    # example's output (and loss) depends on every other example and a "per-example gradient"
+    # of the batch loss is not the gradient of that example's loss alone; a batch-of-one loop
+    # would even use different statistics. In eval mode BN uses its running statistics, each
+    # example's loss depends on that example only, and the per-example loop is exact.
+    net.eval()
+    return net, torch.randn(6, 2, 6, 6)
+
+
+def _shared() -> tuple[nn.Module, Tensor]:
+    return _SharedMaskNet(), torch.randn(8, 5)
+
+
+def _channels_last() -> tuple[nn.Module, Tensor]:
+    return _ChannelsLastNet(), torch.randn(7, 5, 4)
+
+
+MODELS = {
+    "mlp": _mlp,
+    "cnn_bn_eval": _cnn_bn,
+    "shared_mask": _shared,
+    "channels_last": _channels_last,
+}
+
+
+def _make(name: str, seed: int = 0) -> tuple[nn.Module, Tensor, Tensor]:
+    torch.manual_seed(seed)
+    net, x = MODELS[name]()
+    net = net.double()
+    y = torch.randint(0, 3, (x.shape[0],))
+    return net, x.double(), y
+
+
+def _loss(reduction: str) -> LossFn:
+    return lambda out, y: F.cross_entropy(out, y, reduction=reduction)
+
+
+# --------------------------------------------------------------- reference
+class _LeafMask(nn.Module):
+    """Stand-in for a MaskLayer in the reference: multiplies by leaf tensors of ones.
+
+    ``per_place=False``: one leaf for the whole forward (what a shared mask is).
+    ``per_place=True``: a fresh leaf at every call (only to show that summing matters).
+    """
+
+    def __init__(self, size: int, dim: int, per_place: bool) -> None:
+        super().__init__()
+        self.size, self.dim, self.per_place = size, dim, per_place
+        self.leaves: list[Tensor] = []
+
+    def reset(self) -> None:
+        self.leaves = [] if self.per_place else [self._fresh()]
+
+    def _fresh(self) -> Tensor:
+        return torch.ones(self.size, dtype=torch.float64, requires_grad=True)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.per_place:
+            self.leaves.append(self._fresh())
+        shape = [1] * x.dim()
+        shape[self.dim % x.dim()] = -1
+        return x * self.leaves[-1].view(shape)
+
+
+def _reference_per_example(
+    model: nn.Module, x: Tensor, y: Tensor, per_place: bool = False
+) -> dict[str, Tensor]:
+    """Per MaskLayer name, per-example gradients g[n] = d loss_n / d m: (N, C), float64.
+
+    With ``per_place=True``: (N, P, C), one gradient per place the mask is applied at.
+    """
+    ref = copy.deepcopy(model)  # the library model is never touched
+    stand_ins: dict[str, _LeafMask] = {}
+    by_id = {id(m): n for n, m in ref.named_modules() if isinstance(m, MaskLayer)}
+    for parent in list(ref.modules()):
+        for child_name, child in list(parent._modules.items()):
+            if isinstance(child, MaskLayer):
+                name = by_id[id(child)]  # a module used twice maps to one stand-in
+                if name not in stand_ins:
+                    stand_ins[name] = _LeafMask(child.num_channels, child.dim, per_place)
+                parent._modules[child_name] = stand_ins[name]
+    grads: dict[str, list[Tensor]] = {n: [] for n in stand_ins}
+    for n in range(x.shape[0]):
+        for leaf in stand_ins.values():
+            leaf.reset()
+        loss_n = F.cross_entropy(ref(x[n : n + 1]), y[n : n + 1])
+        for name, leaf in stand_ins.items():
+            g = torch.autograd.grad(loss_n, leaf.leaves, retain_graph=True)
+            grads[name].append(torch.stack(g) if per_place else g[0])
+    return {k: torch.stack(v) for k, v in grads.items()}
+
+
+def _reference_signal(model: nn.Module, x: Tensor, y: Tensor) -> dict[str, Tensor]:
+    """0.5 * mean over examples of g^2, per mask."""
+    return {k: 0.5 * (g**2).mean(0) for k, g in _reference_per_example(model, x, y).items()}
+
+
+def _library_estimate(
+    model: nn.Module, x: Tensor, y: Tensor, reduction: str = "mean", decay: float = 0.0
+) -> dict[str, Tensor]:
+    masks = fp.find_masks(model)
+    model.zero_grad(set_to_none=True)
+    _loss(reduction)(model(x), y).backward()
+    fp.update_pruning_signals(masks, decay=decay, loss_reduction=reduction)
+    return {k: m.signal.clone() for k, m in masks.items()}
+
+
+def _assert_close(a: dict[str, Tensor], b: dict[str, Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=RTOL, atol=ATOL)
+
+
+# ------------------------------------------------------------------- tests
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_signal_matches_per_example_reference(name: str, reduction: str) -> None:
+    """With decay 0 the signal equals 0.5 * mean_n (d loss_n / d m)^2 of the per-example loop."""
+    model, x, y = _make(name)
+    got = _library_estimate(model, x, y, reduction)
+    want = _reference_signal(model, x, y)
+    assert all(v.abs().max() > 0 for v in want.values())
+    _assert_close(got, want)
+
+
+def test_shared_mask_sums_before_squaring() -> None:
+    """A mask used at two places gets (g_1 + g_2)^2, which differs from g_1^2 + g_2^2."""
+    model, x, y = _make("shared_mask")
+    got = _library_estimate(model, x, y)["mask"]
+    shared = _reference_per_example(model, x, y)["mask"]  # (N, C)
+    per_place = _reference_per_example(model, x, y, per_place=True)["mask"]  # (N, 2, C)
+    assert per_place.shape[1] == 2
+    torch.testing.assert_close(per_place.sum(1), shared, rtol=RTOL, atol=ATOL)  # chain rule
+    sum_then_square = 0.5 * (shared**2).mean(0)
+    square_then_sum = 0.5 * (per_place**2).sum(1).mean(0)
+    torch.testing.assert_close(got, sum_then_square, rtol=RTOL, atol=ATOL)
+    assert not torch.allclose(got, square_then_sum, rtol=1e-3)
+
+
+@pytest.mark.parametrize("batch_size", [1, 7, 64])
+def test_batch_size_invariance(batch_size: int) -> None:
+    """Size-weighted mean of batch estimates over any partition = the all-example mean of g^2/2."""
+    torch.manual_seed(0)
+    model, _ = _mlp()
+    model = model.double()
+    x = torch.randn(64, 5, dtype=torch.float64)
+    y = torch.randint(0, 3, (64,))
+    want = _reference_signal(model, x, y)
+    acc = {k: torch.zeros_like(v) for k, v in want.items()}
+    for start in range(0, 64, batch_size):  # 7 -> nine batches of 7 and one of 1
+        xb, yb = x[start : start + batch_size], y[start : start + batch_size]
+        est = _library_estimate(model, xb, yb, "mean")
+        for k in acc:
+            acc[k] += est[k] * xb.shape[0] / 64
+    _assert_close(acc, want)
+
+
+def test_several_backwards_then_one_update_pool_all_examples() -> None:
+    """Several backward passes folded by one update give the estimate over their union."""
+    torch.manual_seed(0)
+    model, _ = _mlp()
+    model = model.double()
+    x = torch.randn(20, 5, dtype=torch.float64)
+    y = torch.randint(0, 3, (20,))
+    masks = fp.find_masks(model)
+    for start, stop in [(0, 7), (7, 8), (8, 20)]:
+        F.cross_entropy(model(x[start:stop]), y[start:stop]).backward()
+    fp.update_pruning_signals(masks, decay=0.0)
+    _assert_close({k: m.signal for k, m in masks.items()}, _reference_signal(model, x, y))
+
+
+@pytest.mark.parametrize("decay", [0.0, 0.5, 0.96])
+def test_ema_of_two_updates(decay: float) -> None:
+    """Two updates from zero give d*(1-d)*f1 + (1-d)*f2 with f1, f2 the reference estimates."""
+    model, x, y = _make("cnn_bn_eval")
+    x1, y1, x2, y2 = x[:3], y[:3], x[3:], y[3:]
+    f1, f2 = _reference_signal(model, x1, y1), _reference_signal(model, x2, y2)
+    _library_estimate(model, x1, y1, decay=decay)
+    got = _library_estimate(model, x2, y2, decay=decay)
+    want = {k: decay * (1 - decay) * f1[k] + (1 - decay) * f2[k] for k in f1}
+    _assert_close(got, want)
+
+
+@pytest.mark.parametrize("decay", [-0.1, 1.0, 1.5, math.nan, math.inf])
+def test_decay_outside_unit_interval_raises(decay: float) -> None:
+    """A decay outside [0, 1) is a ValueError that names decay and the interval."""
+    model, x, y = _make("mlp")
+    F.cross_entropy(model(x), y).backward()
+    with pytest.raises(ValueError, match=r"decay must be in \[0, 1\)"):
+        fp.update_pruning_signals(fp.find_masks(model), decay=decay)
+
+
+def test_unknown_loss_reduction_raises() -> None:
+    """A loss_reduction other than 'mean' or 'sum' is a ValueError naming it."""
+    model, _, _ = _make("mlp")
+    with pytest.raises(ValueError, match=r"loss_reduction.*'none'"):
+        fp.update_pruning_signals(fp.find_masks(model), decay=0.0, loss_reduction="none")
+
+
+def _nan_batch(x: Tensor) -> Tensor:
+    bad = x.clone()
+    bad[1, 0] = math.nan
+    return bad
+
+
+def test_nan_batch_is_skipped_with_warning() -> None:
+    """A batch with NaN gradients warns (RuntimeWarning) and leaves every signal unchanged."""
+    model, x, y = _make("mlp")
+    masks = fp.find_masks(model)
+    _library_estimate(model, x, y, decay=0.5)
+    before = {k: m.signal.clone() for k, m in masks.items()}
+    assert all(v.abs().max() > 0 for v in before.values())
+    F.cross_entropy(model(_nan_batch(x)), y).backward()
+    with pytest.warns(RuntimeWarning, match="not finite"):
+        fp.update_pruning_signals(masks, decay=0.5)
+    for k, m in masks.items():
+        assert torch.equal(m.signal, before[k])
+
+
+def test_clean_batch_after_nan_batch_is_exact() -> None:
+    """A skipped NaN batch leaves nothing behind: the next clean batch's estimate is exact."""
+    model, x, y = _make("mlp")
+    masks = fp.find_masks(model)
+    F.cross_entropy(model(_nan_batch(x)), y).backward()
+    with pytest.warns(RuntimeWarning):
+        fp.update_pruning_signals(masks, decay=0.0)
+    assert all(torch.equal(m.signal, torch.zeros_like(m.signal)) for m in masks.values())
+    _assert_close(_library_estimate(model, x[:5], y[:5]), _reference_signal(model, x[:5], y[:5]))
+
+
+def test_one_backward_and_no_per_example_mask() -> None:
+    """One loss.backward() yields the exact signal; the mask stays one (C,) buffer, no copies."""
+    model, x, y = _make("cnn_bn_eval")
+    masks = fp.find_masks(model)
+    buffers_before = {k: (tuple(b.shape), b.data_ptr()) for k, b in model.named_buffers()}
+    backward_calls = []
+    out = model(x)
+    out.register_hook(lambda g: backward_calls.append(g.shape))
+    F.cross_entropy(out, y).backward()
+    fp.update_pruning_signals(masks, decay=0.0)
+    assert len(backward_calls) == 1
+    _assert_close({k: m.signal for k, m in masks.items()}, _reference_signal(model, x, y))
+    assert {k: (tuple(b.shape), b.data_ptr()) for k, b in model.named_buffers()} == buffers_before
+    for m in masks.values():
+        assert m.mask.shape == (m.num_channels,)
+        assert m.signal.shape == (m.num_channels,)
+        assert not m.mask.requires_grad
+        assert list(m.parameters()) == []
+
+
+def _no_grad_upstream(case: str) -> nn.Module:
+    if case == "mask_on_model_input":
+        return nn.Sequential(MaskLayer(5), nn.Linear(5, 3))
+    frozen = nn.Linear(5, 6).requires_grad_(False)  # e.g. a frozen pretrained feature extractor
+    return nn.Sequential(frozen, nn.ReLU(), MaskLayer(6), nn.Linear(6, 3))
+
+
+@pytest.mark.parametrize("case", ["mask_on_model_input", "mask_after_frozen_layers"])
+def test_signal_when_nothing_upstream_requires_grad(case: str) -> None:
+    """The signal matches the reference even when the masked tensor does not require grad."""
+    torch.manual_seed(0)
+    model = _no_grad_upstream(case).double()
+    x = torch.randn(6, 5, dtype=torch.float64)
+    y = torch.randint(0, 3, (6,))
+    want = _reference_signal(model, x, y)
+    assert all(v.abs().max() > 0 for v in want.values())
+    _assert_close(_library_estimate(model, x, y), want)
