@@ -13,7 +13,9 @@ def _shape(text: str) -> tuple[int, ...]:
     try:
         dims = tuple(int(v) for v in text.split(","))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"input shape must look like 1,28,28, got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"input shape must look like 1,28,28, got {text!r}"
+        ) from None
     if not dims or any(d < 1 for d in dims):
         raise argparse.ArgumentTypeError(f"input shape needs positive sizes, got {text!r}")
     return dims

@@ -34,7 +34,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; with no subcommand, ``train`` on built-in data."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    if not argv or argv[0].startswith("--") and argv[0] not in ("--help", "--version", "-h"):
+    if not argv or (argv[0].startswith("--") and argv[0] not in ("--help", "--version")):
         argv = ["train", *argv]
     args = parser.parse_args(argv)
     logging.basicConfig(

@@ -155,7 +155,9 @@ class PruningTrainer:
             try:
                 fw = float(fw)
             except ValueError:
-                raise ValueError(f"pruning_flops_weight must be 'auto' or a number, got {fw!r}")
+                raise ValueError(
+                    f"pruning_flops_weight must be 'auto' or a number, got {fw!r}"
+                ) from None
         return PruningOptimizer(
             self.model,
             self.example,
