@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import io
 import os
 from pathlib import Path
 from typing import Any
@@ -79,12 +81,32 @@ def export_model(
 
 
 def _onnx(model: nn.Module, args: tuple, tmp: Path) -> None:
+    """ONNX with a dynamic batch dimension (traced at batch 2: size 1 would be specialised)."""
+    args2 = tuple(torch.cat([a, a]) if isinstance(a, torch.Tensor) else a for a in args)
     with torch.no_grad():
         if importlib.util.find_spec("onnxscript") is not None:
-            prog = torch.onnx.export(model, args, dynamo=True, external_data=False)
-            prog.save(str(tmp))
+            batch = torch.export.Dim("batch", min=1)
+            dyn = tuple({0: batch} if isinstance(a, torch.Tensor) else None for a in args2)
+            with contextlib.redirect_stdout(io.StringIO()):
+                prog = torch.onnx.export(
+                    model,
+                    args2,
+                    dynamo=True,
+                    external_data=False,
+                    dynamic_shapes=dyn,
+                    verbose=False,
+                )
+                prog.save(str(tmp))
         else:
-            torch.onnx.export(model, args, str(tmp), dynamo=False)
+            names = [f"input{i}" for i in range(len(args2))]
+            torch.onnx.export(
+                model,
+                args2,
+                str(tmp),
+                dynamo=False,
+                input_names=names,
+                dynamic_axes={n: {0: "batch"} for n in names},
+            )
 
 
 def load_state_dict_export(path: str | os.PathLike, model: nn.Module) -> nn.Module:

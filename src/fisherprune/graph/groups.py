@@ -36,7 +36,8 @@ class ChannelGroup:
         params: parameter dims the group's channels live in: ``(name, dim)``.
         producers: modules whose outputs make these channels.
         consumers: modules whose inputs read them (where the mask acts).
-        channel_atoms: for each parameter dim, the indices each channel owns there.
+        members: for each parameter dim ``(name, dim)`` the group touches, the channel
+            of the group each index along that dim belongs to (-1: another group's).
     """
 
     name: str
@@ -44,6 +45,7 @@ class ChannelGroup:
     params: list[tuple[str, int]]
     producers: list[str] = field(default_factory=list)
     consumers: list[str] = field(default_factory=list)
+    members: dict[tuple[str, int], np.ndarray] = field(default_factory=dict)
 
     @property
     def num_channels(self) -> int:
@@ -152,6 +154,11 @@ def find_groups(
         g.producers = _producer_modules(trace, graph, np.asarray(rs))
         for k, rr in enumerate(rs):
             group_of[rr] = (len(groups), k)
+        channel_of = np.full(len(roots), -1, dtype=np.int64)
+        channel_of[np.asarray(rs)] = np.arange(len(rs))
+        for bi in blocks:
+            b = atoms.blocks[bi]
+            g.members[(b.name, b.dim)] = channel_of[roots[b.start : b.start + b.size]]
         groups.append(g)
 
     specs: list[MaskPointSpec] = []

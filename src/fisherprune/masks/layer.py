@@ -92,8 +92,7 @@ class MaskLayer(nn.Module):
         self.collecting = True
         self._g: Tensor | None = None  # (N, C) sum of g over the places of the current pass
         self._backward_seen = False
-        self._sq_sum: Tensor | None = None  # (C,) sum over examples of g^2, raw
-        self._sq_sum_mean: Tensor | None = None  # (C,) same with g rescaled by the batch size
+        self._stats: dict[str, Tensor] = {}  # per-channel sums over examples, see _commit
         self._count = 0
         self._received = False  # a gradient arrived since the last update
 
@@ -174,34 +173,43 @@ class MaskLayer(nn.Module):
         self._received = True
 
     def _commit(self) -> None:
-        """Fold the current pass's summed gradient into the running sums of squares."""
+        """Fold the current pass's summed gradient into the running per-channel sums.
+
+        Kept: sums over examples of ``g^2`` and ``|g|``, both raw (a summed loss) and
+        with ``g`` rescaled by the pass's batch size (a mean-reduced loss).
+        """
         g, self._g, self._backward_seen = self._g, None, False
         if g is None:
             return
         g = g.to(self.signal.dtype)
-        sq = (g * g).sum(0)
         n = g.shape[0]
-        if self._sq_sum is None:
-            self._sq_sum, self._sq_sum_mean = sq, sq * (n * n)
-        else:
-            self._sq_sum = self._sq_sum + sq
-            self._sq_sum_mean = self._sq_sum_mean + sq * (n * n)
+        sq, ab = (g * g).sum(0), g.abs().sum(0)
+        add = {"sq": sq, "sq_mean": sq * (n * n), "abs": ab, "abs_mean": ab * n}
+        for k, v in add.items():
+            self._stats[k] = v if k not in self._stats else self._stats[k] + v
         self._count += n
 
-    def _take_statistics(self, loss_reduction: str) -> tuple[Tensor, int] | None:
-        """Return (sum over examples of per-example g^2, example count) and reset; None if empty."""
+    def _take_statistics(
+        self, loss_reduction: str, method: str = "fisher"
+    ) -> tuple[Tensor, int] | None:
+        """Return (per-channel sum over examples, example count) and reset; None if empty.
+
+        The sum is of ``g^2`` for ``method="fisher"`` and of ``|g|`` for ``"taylor"``.
+        """
         self._commit()
         if self._count == 0:
             return None
-        sq = self._sq_sum_mean if loss_reduction == "mean" else self._sq_sum
-        out = (sq, self._count)
-        self._sq_sum, self._sq_sum_mean, self._count = None, None, 0
+        key = ("sq" if method == "fisher" else "abs") + (
+            "_mean" if loss_reduction == "mean" else ""
+        )
+        out = (self._stats[key], self._count)
+        self._stats, self._count = {}, 0
         return out
 
     def reset_statistics(self) -> None:
         """Drop gradients gathered since the last update (the signal EMA is kept)."""
         self._g, self._backward_seen = None, False
-        self._sq_sum, self._sq_sum_mean, self._count = None, None, 0
+        self._stats, self._count = {}, 0
         self._received = False
 
     # ------------------------------------------------------------------ state

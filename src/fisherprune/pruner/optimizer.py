@@ -15,7 +15,7 @@ from fisherprune.cost import CostModel, CostReport
 from fisherprune.masks import MaskLayer, find_masks
 from fisherprune.pruner.prune import PruneEvent, prune
 from fisherprune.pruner.scoring import FlopsWeight, check_flops_weight, score_all
-from fisherprune.signals import LOSS_REDUCTIONS, update_pruning_signals
+from fisherprune.signals import LOSS_REDUCTIONS, METHODS, update_pruning_signals
 
 __all__ = ["PruningOptimizer", "resolve_target"]
 
@@ -87,6 +87,7 @@ class PruningOptimizer:
         convention: cost convention (see ``computational_cost``).
         loss_reduction: ``"mean"`` or ``"sum"``: how the loss reduces over the batch.
         masks: the masks to prune (default: every MaskLayer in ``model``).
+        method: pruning signal, ``"fisher"`` (the seed's only one) or ``"taylor"``.
 
     Raises:
         ValueError: a bad setting (named in the message), or a model with no masks.
@@ -116,6 +117,7 @@ class PruningOptimizer:
         convention: str = "flops",
         loss_reduction: str = "mean",
         masks: dict[str, MaskLayer] | None = None,
+        method: str = "fisher",
     ) -> None:
         self.prune_every = _check_int("prune_every", prune_every, 1)
         self.burn_in = _check_int("burn_in", burn_in, 0)
@@ -129,6 +131,9 @@ class PruningOptimizer:
                 f"loss_reduction must be one of {LOSS_REDUCTIONS}, got {loss_reduction!r}"
             )
         self.loss_reduction = loss_reduction
+        if not isinstance(method, str) or method.lower() not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+        self.method = method.lower()
         self.model = model
         self.masks = dict(masks) if masks is not None else find_masks(model)
         if not self.masks:
@@ -202,7 +207,9 @@ class PruningOptimizer:
             if collecting:
                 self._check_received()
         if collecting:
-            update_pruning_signals(self.masks, self.decay, loss_reduction=self.loss_reduction)
+            update_pruning_signals(
+                self.masks, self.decay, loss_reduction=self.loss_reduction, method=self.method
+            )
             if self.counter > self.burn_in and self.counter % self.prune_every == 0:
                 self._maybe_prune()
         self.counter += 1

@@ -18,10 +18,11 @@ from torch import Tensor
 
 from fisherprune.masks import MaskSet, as_mask_dict
 
-__all__ = ["LOSS_REDUCTIONS", "update_pruning_signals"]
+__all__ = ["LOSS_REDUCTIONS", "METHODS", "update_pruning_signals"]
 
 log = logging.getLogger("fisherprune")
 LOSS_REDUCTIONS = ("mean", "sum")
+METHODS = ("fisher", "taylor")
 
 
 def update_pruning_signals(
@@ -29,6 +30,7 @@ def update_pruning_signals(
     decay: float = 0.96,
     *,
     loss_reduction: str = "mean",
+    method: str = "fisher",
     process_group: dist.ProcessGroup | None = None,
 ) -> list[Tensor]:
     """Update every collecting mask's ``signal`` with the batch gathered since the last call.
@@ -45,6 +47,8 @@ def update_pruning_signals(
         decay: EMA factor in [0, 1); 0 makes the signal equal the batch estimate.
         loss_reduction: ``"mean"`` if the loss was averaged over the batch (the
             per-example gradients are rescaled by the batch size), ``"sum"`` if summed.
+        method: ``"fisher"`` (default): ``1/2 mean_n g^2``; ``"taylor"``: ``mean_n |g|``,
+            the first-order Taylor criterion of Molchanov et al. 2017, for comparison.
         process_group: the group to all-reduce over (default: the world, when initialised).
 
     Returns:
@@ -55,12 +59,15 @@ def update_pruning_signals(
     """
     if not (isinstance(decay, (int, float)) and 0.0 <= float(decay) < 1.0):
         raise ValueError(f"decay must be in [0, 1), got {decay!r}")
+    if not isinstance(method, str) or method.lower() not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    method = method.lower()
     if loss_reduction not in LOSS_REDUCTIONS:
         raise ValueError(f"loss_reduction must be one of {LOSS_REDUCTIONS}, got {loss_reduction!r}")
     md = as_mask_dict(masks)
     distributed = dist.is_available() and dist.is_initialized()
     for name, m in md.items():
-        stats = m._take_statistics(loss_reduction)
+        stats = m._take_statistics(loss_reduction, method)
         m._received = False
         if distributed:
             sq = stats[0] if stats else torch.zeros_like(m.signal)
@@ -73,7 +80,7 @@ def update_pruning_signals(
         if stats is None:
             continue
         sq, count = stats
-        estimate = 0.5 * sq / count
+        estimate = (0.5 if method == "fisher" else 1.0) * sq / count
         if not torch.isfinite(estimate).all():
             warnings.warn(
                 f"mask {name!r}: the batch's Fisher estimate is not finite (NaN or inf "

@@ -856,7 +856,8 @@ def _load_table(path: str, fmt: str, spec: DataSpec, train: _Part | None) -> _Pa
     if errors:
         raise ValueError(min(errors)[2])
     x64 = np.stack(cols, axis=1)
-    x32 = x64.astype(np.float32)
+    with np.errstate(over="ignore"):  # overflow is reported by _check_finite
+        x32 = x64.astype(np.float32)
     _check_finite(path, x32, x64, lambda r, c: f"column {features[c]!r}, {table.where(r)}")
     return _Part(
         file=path,
@@ -914,7 +915,8 @@ def _array_features(path: str, x: np.ndarray, what: str) -> np.ndarray:
         x = x[:, None]
     if x.shape[0] == 0:
         raise ValueError(f"{path}: {prefix}has no rows")
-    x32 = x.astype(np.float32)
+    with np.errstate(over="ignore"):  # overflow is reported by _check_finite
+        x32 = x.astype(np.float32)
     sample = x.shape[1:]
 
     def at(r: int, c: int) -> str:
@@ -1102,13 +1104,15 @@ def _finish_labels(
     if task == "regression":
         out = []
         for p, (_, y, _) in zip(parts, kinds, strict=True):
-            bad = np.flatnonzero(~np.isfinite(y.astype(np.float32)))
+            with np.errstate(over="ignore"):  # overflow is reported just below
+                y32 = y.astype(np.float32)
+            bad = np.flatnonzero(~np.isfinite(y32))
             if len(bad):
                 raise ValueError(
                     f"{p.y_file}: label {y[bad[0]].item()!r} in "
                     f"{p.y_at(int(bad[0]))} is not a finite float32 number"
                 )
-            out.append(y.astype(np.float32))
+            out.append(y32)
         return out, None, None
     text = [k == "text" for k, _, _ in kinds]
     if any(text) and not all(text):
