@@ -20,11 +20,12 @@ def _parse_list(kind: type) -> Any:
 
 
 def _flag_type(tp: Any) -> Any:
-    args = [a for a in typing.get_args(tp) if a is not type(None)]
-    base = args[0] if args else tp
-    if typing.get_origin(base) is list:
-        return _parse_list(typing.get_args(base)[0])
-    return {"int": int, "float": float, "str": str}.get(getattr(base, "__name__", ""), str)
+    if typing.get_origin(tp) is list:
+        return _parse_list(typing.get_args(tp)[0])
+    args = [a for a in typing.get_args(tp) if a is not type(None)]  # X | None -> X
+    if args:
+        return _flag_type(args[0])
+    return {"int": int, "float": float, "str": str}.get(getattr(tp, "__name__", ""), str)
 
 
 def train_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -64,7 +65,9 @@ def train_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPar
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
-    given = {k: v for k, v in vars(args).items() if k not in ("func", "config", "command")}
+    given = {
+        k: v for k, v in vars(args).items() if k not in ("func", "config", "command", "verbose")
+    }
     if args.config:
         return TrainConfig.from_file(args.config, given)
     return TrainConfig.from_dict(given)

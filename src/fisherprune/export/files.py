@@ -5,7 +5,10 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import io
+import logging
 import os
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -87,7 +90,7 @@ def _onnx(model: nn.Module, args: tuple, tmp: Path) -> None:
         if importlib.util.find_spec("onnxscript") is not None:
             batch = torch.export.Dim("batch", min=1)
             dyn = tuple({0: batch} if isinstance(a, torch.Tensor) else None for a in args2)
-            with contextlib.redirect_stdout(io.StringIO()):
+            with _quiet_onnx():
                 prog = torch.onnx.export(
                     model,
                     args2,
@@ -107,6 +110,22 @@ def _onnx(model: nn.Module, args: tuple, tmp: Path) -> None:
                 input_names=names,
                 dynamic_axes={n: {0: "batch"} for n in names},
             )
+
+
+@contextlib.contextmanager
+def _quiet_onnx() -> Iterator[None]:
+    """Silence the exporter's progress prints and its warnings about absent torchvision ops."""
+    loggers = [logging.getLogger(n) for n in ("torch.onnx", "torch.onnx._internal")]
+    levels = [lg.level for lg in loggers]
+    try:
+        for lg in loggers:
+            lg.setLevel(logging.ERROR)
+        with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        for lg, lv in zip(loggers, levels, strict=True):
+            lg.setLevel(lv)
 
 
 def load_state_dict_export(path: str | os.PathLike, model: nn.Module) -> nn.Module:

@@ -265,6 +265,7 @@ class PruningTrainer:
             net.train()
             loss = self._loss(net(x), y)
             popt.minimize(loss)
+            loss_value = loss.item()
             state["step"] += 1
             step = state["step"]
             if state["dense"] is None and step >= self.burn_in:
@@ -280,7 +281,7 @@ class PruningTrainer:
                     }
                 )
             n_events = len(popt.history)
-            self.progress.update(step, f"loss {float(loss):.4f} pruned {n_events}")
+            self.progress.update(step, f"loss {loss_value:.4f} pruned {n_events}")
             if step % cfg.eval_every == 0:
                 value = self.evaluate()
                 cost = popt.cost().total
@@ -290,12 +291,12 @@ class PruningTrainer:
                         "kind": "eval",
                         metric_name: value,
                         "cost": cost,
-                        "loss": float(loss),
+                        "loss": loss_value,
                         "kept": self._kept(popt),
                     }
                 )
                 self.progress.line(
-                    f"step {step}: loss {float(loss):.4f}, eval {metric_name} "
+                    f"step {step}: loss {loss_value:.4f}, eval {metric_name} "
                     f"{value:.4f}, cost {cost:,.0f} "
                     f"({cost / popt.start_cost:.1%} of start)"
                 )
