@@ -7,7 +7,7 @@ import dataclasses
 import typing
 from typing import Any
 
-from fisherprune.train.config import ALIASES, TrainConfig
+from fisherprune.train.config import ALIASES, HELP, TrainConfig
 
 __all__ = ["train_command", "train_parser"]
 
@@ -51,15 +51,25 @@ def train_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPar
             flags.append(f"--pruning.{f.name[len('pruning_') :]}")
         flags = list(dict.fromkeys(flags))
         if hints[f.name] is bool:
-            p.add_argument(*flags, dest=f.name, action="store_true", default=argparse.SUPPRESS)
-        else:
             p.add_argument(
                 *flags,
                 dest=f.name,
-                type=_flag_type(hints[f.name]),
+                action="store_true",
                 default=argparse.SUPPRESS,
-                metavar=f.name.upper(),
+                help=HELP.get(f.name),
             )
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else None
+        if f.default_factory is not dataclasses.MISSING:
+            default = ",".join(map(str, f.default_factory()))
+        p.add_argument(
+            *flags,
+            dest=f.name,
+            type=_flag_type(hints[f.name]),
+            default=argparse.SUPPRESS,
+            metavar=f.name.split("_")[-1].upper(),
+            help=f"{HELP.get(f.name, '')} (default: {default})",
+        )
     p.set_defaults(func=train_command)
     return p
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ALIASES", "TrainConfig"]
+__all__ = ["ALIASES", "HELP", "TrainConfig"]
 
 # seed flag spellings (dotted and underscore) -> config field
 ALIASES: dict[str, str] = {
@@ -34,6 +34,47 @@ ALIASES: dict[str, str] = {
     "train.epochs": "epochs",
     "eval.period": "eval_every",
     "eval.steps": "eval_every",
+}
+
+
+HELP: dict[str, str] = {
+    "data": "data file (.csv, .csv.gz, .parquet, .npy, .npz) or built-in: digits, mnist5k",
+    "data_spec": "JSON data spec file (source, label, features, task, ...)",
+    "label": "label column (tables) or array key (npz); default 'label' / 'y'",
+    "features": "comma-separated feature columns; default all but the label",
+    "labels": "label array file for .npy features",
+    "task": "classification or regression",
+    "eval_data": "separate evaluation file (else a split of --data)",
+    "eval_fraction": "fraction held out for evaluation when no --eval_data",
+    "image_shape": "reshape features to C,H,W, e.g. 1,28,28",
+    "model": "mlp, cnn, resnet, densenet, or package.module:function",
+    "width": "width of a built-in model",
+    "depth": "depth of a built-in model",
+    "optimizer": "sgd (momentum, the seed's), adam or adamw",
+    "learning_rate": "learning rate",
+    "momentum": "SGD momentum",
+    "weight_decay": "weight decay",
+    "batch_size": "examples per step (per process under torchrun)",
+    "steps": "hard cap on training steps (default: burn-in + pruning + fine-tuning)",
+    "epochs": "dense epochs before the first prune, when --pruning.burn_in is not set",
+    "fine_tune_steps": "training steps after the target is reached",
+    "eval_every": "steps between evaluations",
+    "pruning_iter": "prune one channel every this many steps",
+    "pruning_burn_in": "steps before the first prune (default: --epochs epochs)",
+    "pruning_flops_target": "stop at this cost per example: absolute, 0.25 or 25%% of the start",
+    "pruning_decay": "EMA factor of the pruning signal, in [0, 1)",
+    "pruning_flops_weight": "auto (signal/cost), a number w (signal - w*cost), or 0",
+    "pruning_min_channels": "fewest channels any group keeps",
+    "pruning_convention": "cost: flops, macs, twml, memory or params",
+    "save_dir": "directory for checkpoints, metrics, report",
+    "export_dir": "directory for exported models (default SAVE_DIR/export)",
+    "checkpoint_every": "steps between checkpoints",
+    "keep_checkpoints": "how many checkpoints to keep",
+    "resume": "continue from the newest checkpoint in SAVE_DIR",
+    "export_formats": "comma-separated: state_dict, torchscript, onnx",
+    "seed": "random seed (data order, initialisation)",
+    "threads": "torch CPU threads",
+    "progress": "auto, bar, plain or none",
 }
 
 
