@@ -68,7 +68,7 @@ def train_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPar
             type=_flag_type(hints[f.name]),
             default=argparse.SUPPRESS,
             metavar=f.name.split("_")[-1].upper(),
-            help=f"{HELP.get(f.name, '')} (default: {default})",
+            help=f"{HELP.get(f.name, '')} (default: {str(default).replace('%', '%%')})",
         )
     p.set_defaults(func=train_command)
     return p
