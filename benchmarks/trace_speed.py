@@ -1,0 +1,248 @@
+"""How long ``apply_masks`` and ``computational_cost`` take on a ResNet-50-sized network.
+
+What is measured
+----------------
+A bottleneck ResNet-50 written here by hand (torchvision layout: 7x7 stem, max-pool, stages of
+[3, 4, 6, 3] bottleneck blocks with widths 64..512 and expansion 4, so 256..2048 output
+channels, projection shortcuts, in-place ReLU and ``out += identity``; 25.6 M parameters) on one
+224x224 image (batch 1), CPU, ``torch.set_num_threads`` pinned:
+
+* ``forward``: one plain ``torch.no_grad`` forward pass (the unit everything else is compared to);
+* ``apply_masks``: tracing + grouping + installing the masks (``remove_masks`` between repeats,
+  not timed), and its parts: ``trace`` (``trace_model``), ``group`` (``ChannelGraph`` +
+  ``find_groups``);
+* ``computational_cost``: trace + cost report (total and marginal cost of every channel) on the
+  masked model.
+
+Each figure is the median of ``--repeats`` runs (default 3) after one warm-up run. The target is
+``apply_masks`` under 10 s. ``--profile`` also runs ``apply_masks`` and ``computational_cost``
+once under cProfile and prints the functions with the largest own time.
+
+Run ``python benchmarks/trace_speed.py``; the table is printed and the JSON written to ``--out``
+(default ``benchmarks/results/trace_speed.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import gc
+import io
+import json
+import os
+import platform
+import pstats
+import statistics
+import time
+from collections.abc import Callable
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+import fisherprune as fp
+from fisherprune.graph import ChannelGraph, find_groups, trace_model
+
+TARGET_APPLY_S = 10.0
+
+
+# ------------------------------------------------------------------ ResNet-50
+class Bottleneck(nn.Module):
+    """1x1 (width) - 3x3 stride (width) - 1x1 (4 * width), BN after each; projection if needed."""
+
+    expansion = 4
+
+    def __init__(self, cin: int, width: int, stride: int) -> None:
+        super().__init__()
+        cout = width * self.expansion
+        self.conv1 = nn.Conv2d(cin, width, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(width)
+        self.conv2 = nn.Conv2d(width, width, 3, stride, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(width)
+        self.conv3 = nn.Conv2d(width, cout, 1, bias=False)
+        self.bn3 = nn.BatchNorm2d(cout)
+        self.relu = nn.ReLU(inplace=True)
+        self.downsample = (
+            nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+            if stride != 1 or cin != cout
+            else None
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        identity = x if self.downsample is None else self.downsample(x)
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.relu(self.bn2(self.conv2(out)))
+        out = self.bn3(self.conv3(out))
+        out += identity
+        return self.relu(out)
+
+
+class ResNet50(nn.Module):
+    """ResNet-50 (He et al. 2016), torchvision module names; (N, 3, 224, 224) -> (N, 1000)."""
+
+    def __init__(self, layers: tuple[int, ...] = (3, 4, 6, 3), classes: int = 1000) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 64, 7, 2, 3, bias=False)
+        self.bn1 = nn.BatchNorm2d(64)
+        self.relu = nn.ReLU(inplace=True)
+        self.maxpool = nn.MaxPool2d(3, 2, 1)
+        cin, stages = 64, []
+        for i, (n, width) in enumerate(zip(layers, (64, 128, 256, 512), strict=True)):
+            blocks = []
+            for j in range(n):
+                blocks.append(Bottleneck(cin, width, 2 if i > 0 and j == 0 else 1))
+                cin = width * Bottleneck.expansion
+            stages.append(nn.Sequential(*blocks))
+        self.layer1, self.layer2, self.layer3, self.layer4 = stages
+        self.avgpool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(cin, classes)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
+        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
+        return self.fc(torch.flatten(self.avgpool(x), 1))
+
+
+# -------------------------------------------------------------------- timing
+def _time(fn: Callable[[], Any], repeats: int, between: Callable[[], Any] | None = None) -> dict:
+    fn()  # warm-up
+    if between is not None:
+        between()
+    runs = []
+    for _ in range(repeats):
+        gc.collect()
+        gc.disable()
+        t0 = time.perf_counter()
+        fn()
+        runs.append(time.perf_counter() - t0)
+        gc.enable()
+        if between is not None:
+            between()
+    return {"median_s": statistics.median(runs), "runs_s": runs}
+
+
+def _profile(fn: Callable[[], Any], top: int) -> str:
+    prof = cProfile.Profile()
+    prof.enable()
+    fn()
+    prof.disable()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(top)
+    return out.getvalue()
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--size", type=int, default=224, help="input height and width")
+    ap.add_argument("--profile", action="store_true", help="cProfile apply_masks and cost once")
+    ap.add_argument("--top", type=int, default=25, help="rows of the profile to print")
+    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results/trace_speed.json")
+    args = ap.parse_args(argv)
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    model = ResNet50().eval()
+    x = torch.randn(1, 3, args.size, args.size)
+    n_params = sum(p.numel() for p in model.parameters())
+    with torch.no_grad():
+        plain = model(x)
+
+    def forward() -> None:
+        with torch.no_grad():
+            model(x)
+
+    def trace() -> None:
+        trace_model(model, x)
+
+    holder: dict[str, Any] = {}
+
+    def group() -> None:
+        t = holder["trace"]
+        find_groups(t, ChannelGraph(t))
+
+    def apply() -> None:
+        holder["masks"] = fp.apply_masks(model, x)
+
+    def cost() -> None:
+        holder["cost"] = fp.computational_cost(model, x)
+
+    results: dict[str, dict] = {}
+    results["forward"] = _time(forward, args.repeats)
+    results["trace"] = _time(trace, args.repeats)
+    holder["trace"] = trace_model(model, x)
+    results["group"] = _time(group, args.repeats)
+    results["apply_masks"] = _time(apply, args.repeats, between=lambda: fp.remove_masks(model))
+    apply()
+    results["computational_cost"] = _time(cost, args.repeats)
+
+    masks = holder["masks"]
+    report = holder["cost"]
+    with torch.no_grad():
+        masked_equal = bool(torch.equal(model(x), plain))
+    facts = {
+        "groups": len(masks),
+        "masked_channels": sum(m.num_channels for m in masks.values()),
+        "skipped": [str(s) for s in masks.skipped],
+        "flops_per_example": report.total,
+        "all_ones_output_unchanged": masked_equal,
+    }
+    fwd = results["forward"]["median_s"]
+    load = ", ".join(f"{v:.1f}" for v in os.getloadavg())
+    print(
+        f"ResNet-50 ({n_params / 1e6:.1f} M params), input 1x3x{args.size}x{args.size}, "
+        f"{args.threads} threads, median of {args.repeats}; load average {load}"
+    )
+    print(f"{'step':<22}{'median s':>10}{'x forward':>11}   runs (s)")
+    for name, r in results.items():
+        runs = ", ".join(f"{v:.3f}" for v in r["runs_s"])
+        print(f"{name:<22}{r['median_s']:>10.3f}{r['median_s'] / fwd:>11.1f}   {runs}")
+    apply_s = results["apply_masks"]["median_s"]
+    verdict = "met" if apply_s < TARGET_APPLY_S else "NOT met"
+    print(f"target apply_masks < {TARGET_APPLY_S:.0f} s: {verdict} ({apply_s:.2f} s)")
+    print(
+        f"{facts['groups']} groups, {facts['masked_channels']} masked channels, "
+        f"{report.total / 1e9:.3f} GFLOPs per example, "
+        f"all-ones output unchanged: {masked_equal}"
+    )
+
+    profiles = {}
+    if args.profile:
+        fp.remove_masks(model)
+        profiles["apply_masks"] = _profile(apply, args.top)
+        profiles["computational_cost"] = _profile(cost, args.top)
+        for name, text in profiles.items():
+            print(f"\n===== cProfile: {name} (sorted by own time)\n{text}")
+
+    out = {
+        "benchmark": "trace_speed",
+        "when": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "fisherprune": fp.__version__,
+            "threads": args.threads,
+            "processor": platform.processor() or platform.machine(),
+            "cpus": os.cpu_count(),
+            "load_average_1_5_15": list(os.getloadavg()),  # other processes share the machine
+        },
+        "model": {"name": "resnet50", "params": n_params, "input": [1, 3, args.size, args.size]},
+        "repeats": args.repeats,
+        "results": results,
+        "ratios_to_forward": {k: v["median_s"] / fwd for k, v in results.items()},
+        "target_apply_s": TARGET_APPLY_S,
+        "target_met": apply_s < TARGET_APPLY_S,
+        "facts": facts,
+        "profiles": profiles,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=2) + "\n")
+    print(f"\nwrote {args.out}")
+    return out
+
+
+if __name__ == "__main__":
+    main()
