@@ -25,7 +25,7 @@ from fisherprune.cost import CostModel
 from fisherprune.export.modules import update_metadata
 from fisherprune.export.storage import atomic_write_bytes
 from fisherprune.masks import MaskLayer
-from fisherprune.masks.points import MASKS_ATTR
+from fisherprune.masks.points import find_holder
 
 __all__ = ["PlanMismatchError", "PruningPlan"]
 
@@ -92,10 +92,12 @@ class PruningPlan:
                 tname, {"shape": list(trace.param_infos[b.name].shape), "kept": {}}
             )
             entry["kept"][str(b.dim)] = np.flatnonzero(~gone).tolist()
+        holder = find_holder(model)
+        applied = holder[0] + "." if holder else None
         plan.mask_modules = [
             n
             for n, m in model.named_modules()
-            if isinstance(m, MaskLayer) and not n.startswith(MASKS_ATTR + ".")
+            if isinstance(m, MaskLayer) and not (applied and n.startswith(applied))
         ]
         return plan
 
@@ -202,8 +204,8 @@ class PruningPlan:
 def _example_inputs(model: nn.Module, example_inputs: Any) -> Any:
     if example_inputs is not None:
         return example_inputs
-    holder = getattr(model, MASKS_ATTR, None)
-    kept = getattr(holder, "_fp_example", None)
+    found = find_holder(model)
+    kept = getattr(found[1], "_fp_example", None) if found else None
     if kept is None:
         raise ValueError(
             "example_inputs are needed to trace this model (only masks added by apply_masks "

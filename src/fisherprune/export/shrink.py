@@ -12,7 +12,7 @@ from torch.utils._pytree import tree_flatten
 from fisherprune.export.plan import PruningPlan, _example_inputs
 from fisherprune.graph.trace import _as_args
 from fisherprune.masks import MaskLayer
-from fisherprune.masks.points import MASKS_ATTR
+from fisherprune.masks.points import find_holder
 
 __all__ = ["ShrinkError", "shrink"]
 
@@ -61,7 +61,7 @@ def shrink(
     example_inputs = _example_inputs(model, example_inputs)
     plan = PruningPlan.from_model(model, example_inputs)
     ref = _eval_output(model, example_inputs) if check else None
-    n_before = sum(p.numel() for n, p in model.named_parameters() if MASKS_ATTR not in n)
+    n_before = sum(p.numel() for p in model.parameters())  # masks hold buffers, not parameters
     target = model if inplace else copy.deepcopy(model)
     plan.apply(target)
     if check:
@@ -84,7 +84,7 @@ def _eval_output(model: nn.Module, example_inputs: Any) -> list[Tensor]:
 def _check(
     small: nn.Module, example_inputs: Any, ref: list[Tensor] | None, n_before: int, pruned: bool
 ) -> None:
-    if any(isinstance(m, MaskLayer) for m in small.modules()) or hasattr(small, MASKS_ATTR):
+    if any(isinstance(m, MaskLayer) for m in small.modules()) or find_holder(small):
         raise ShrinkError("a mask is left in the shrunk model")
     n_after = sum(p.numel() for p in small.parameters())
     if n_after > n_before or (pruned and n_after == n_before):

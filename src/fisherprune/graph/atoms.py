@@ -64,25 +64,19 @@ class Atoms:
             r = rr
 
     def union(self, a: np.ndarray, b: np.ndarray) -> None:
-        """Tie atom ``a[i]`` to atom ``b[i]`` for every i."""
+        """Tie atom ``a[i]`` to atom ``b[i]`` for every i (vectorised: roots point to the
+        smaller id; when one root gets several parents in a round, the rest wait a round)."""
         if a.size == 0:
             return
-        ra, rb = self.find(a), self.find(b)
-        diff = ra != rb
-        if not diff.any():
-            return
-        pairs = np.unique(np.stack([ra[diff], rb[diff]], 1), axis=0)
         p = self._parent
-        for x, y in pairs:
-            while p[x] != x:
-                x = p[x]
-            while p[y] != y:
-                y = p[y]
-            if x != y:
-                if x < y:
-                    p[y] = x
-                else:
-                    p[x] = y
+        while True:
+            ra, rb = self.find(a), self.find(b)
+            diff = ra != rb
+            if not diff.any():
+                return
+            lo = np.minimum(ra[diff], rb[diff])
+            hi = np.maximum(ra[diff], rb[diff])
+            p[hi] = lo
 
     def union_all(self, a: np.ndarray) -> None:
         """Tie every atom of ``a`` together."""

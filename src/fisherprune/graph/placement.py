@@ -6,14 +6,15 @@ import logging
 import re
 from typing import Any
 
+import numpy as np
 from torch import Tensor, nn
 from torch.utils._pytree import tree_map
 
 from fisherprune.graph.channels import ChannelGraph
-from fisherprune.graph.groups import ChannelGroup, Skipped, find_groups
+from fisherprune.graph.groups import ChannelGroup, MaskPointSpec, Skipped, find_groups
 from fisherprune.graph.trace import trace_model
 from fisherprune.masks import MaskLayer, find_masks
-from fisherprune.masks.points import MASKS_ATTR, install_mask_points, remove_mask_points
+from fisherprune.masks.points import find_holder, install_mask_points, remove_mask_points
 
 __all__ = ["AppliedMasks", "apply_masks", "remove_masks"]
 
@@ -99,14 +100,60 @@ def apply_masks(model: nn.Module, example_inputs: Any, *, strict: bool = False) 
     trace = trace_model(model, example_inputs)
     graph = ChannelGraph(trace)
     groups, specs, skipped = find_groups(trace, graph)
+    keys = _install(model, groups, specs)
+    # check by a second trace that each mask really removes its channels: a module may
+    # read its input through a BatchNorm or a gate before the layer that contracts it
+    unsafe = _ineffective(model, example_inputs, keys)
+    if unsafe:
+        remove_mask_points(model)
+        for gi in sorted(unsafe):
+            g = groups[gi]
+            skipped.append(
+                Skipped(
+                    g.params, g.num_channels, _UNSAFE.format(", ".join(g.consumers)), expected=False
+                )
+            )
+        keep = [gi for gi in range(len(groups)) if gi not in unsafe]
+        renumber = {old: new for new, old in enumerate(keep)}
+        specs = [
+            MaskPointSpec(
+                sp.module,
+                sp.arg,
+                sp.dim,
+                sp.size,
+                [(renumber[gi], p, c) for gi, p, c in sp.parts if gi in renumber],
+            )
+            for sp in specs
+        ]
+        specs = [sp for sp in specs if sp.parts]
+        groups = [groups[gi] for gi in keep]
+        keys = _install(model, groups, specs)
     problems = [s for s in skipped if not s.expected]
     if strict and problems:
+        remove_mask_points(model)
         raise ValueError(
             "some channels cannot be pruned safely (strict=True):\n"
             + "\n".join(f"  {s}" for s in problems)
         )
     for s in problems:
         log.warning("apply_masks: not masked: %s", s)
+    holder_name, holder = find_holder(model)  # type: ignore[misc]
+    holder._fp_example = _one_example(example_inputs)
+    prefix = holder_name + "."
+    return AppliedMasks(
+        {prefix + k: holder[k] for k in keys},
+        {prefix + k: g for k, g in zip(keys, groups, strict=True)},
+        skipped,
+    )
+
+
+_UNSAFE = (
+    "masking the input of {} would not remove these channels (a BatchNorm, a gate or an "
+    "add inside the module, before the layer that reads them, keeps them alive)"
+)
+
+
+def _install(model: nn.Module, groups: list[ChannelGroup], specs: list[MaskPointSpec]) -> list[str]:
     taken: set[str] = set()
     keys = [_key(g.name, taken) for g in groups]
     masks = {k: MaskLayer(g.num_channels) for k, g in zip(keys, groups, strict=True)}
@@ -115,13 +162,29 @@ def apply_masks(model: nn.Module, example_inputs: Any, *, strict: bool = False) 
         for sp in specs
     ]
     install_mask_points(model, masks, points)
-    getattr(model, MASKS_ATTR)._fp_example = _one_example(example_inputs)
-    prefix = MASKS_ATTR + "."
-    return AppliedMasks(
-        {prefix + k: m for k, m in masks.items()},
-        {prefix + k: g for k, g in zip(keys, groups, strict=True)},
-        skipped,
-    )
+    return keys
+
+
+def _ineffective(model: nn.Module, example_inputs: Any, keys: list[str]) -> set[int]:
+    """Indices (into ``keys``) of masks some of whose entries remove nothing."""
+    if not keys:
+        return set()
+    trace = trace_model(model, example_inputs)
+    graph = ChannelGraph(trace)
+    ones = np.ones(graph.n_entries)
+    killer = graph.killers(ones, np.zeros(len(graph.roots), dtype=bool))
+    effective = np.zeros(graph.n_entries, dtype=bool)
+    effective[killer[killer >= 0]] = True
+    starts = trace.entry_starts()
+    holder_name, holder = find_holder(model)  # type: ignore[misc]
+    bad: set[int] = set()
+    for gi, k in enumerate(keys):
+        name = f"{holder_name}.{k}"
+        n = holder[k].num_channels
+        start = starts.get(name)
+        if start is None or not effective[start : start + n].all():
+            bad.add(gi)
+    return bad
 
 
 def _one_example(example_inputs: Any) -> Any:

@@ -586,7 +586,10 @@ def _reshape_labels(ctx: RuleContext, x: TensorInfo, shape: tuple[int, ...]) -> 
     src = [d for d in range(len(x.shape)) if x.shape[d] != 1]
     dst = [d for d in range(len(shape)) if shape[d] != 1]
     i = j = 0
-    reason = f"{ctx.where()} reshapes channels together with another labelled dimension"
+    reason = (
+        f"{ctx.where()} reshapes channels together with another dimension "
+        "(e.g. splits them into heads): no per-channel index mapping"
+    )
     while i < len(src) and j < len(dst):
         si, sj = [src[i]], [dst[j]]
         pi, pj = x.shape[src[i]], shape[dst[j]]

@@ -308,7 +308,8 @@ class RuleContext:
 
     def where(self) -> str:
         mod = self.tracer.module_stack[-1] if self.tracer.module_stack else "<model>"
-        return f"aten.{self.name} in {mod}"
+        packet = getattr(self.func, "overloadpacket", self.func)
+        return f"{packet} in {mod}"
 
 
 def _param_names(model: nn.Module) -> dict[int, str]:

@@ -18,7 +18,13 @@ from torch import Tensor, nn
 from fisherprune.masks import _trace_hook
 from fisherprune.masks.layer import MaskLayer, _MaskMultiply
 
-__all__ = ["MASKS_ATTR", "MaskPoint", "install_mask_points", "remove_mask_points"]
+__all__ = [
+    "MASKS_ATTR",
+    "MaskPoint",
+    "find_holder",
+    "install_mask_points",
+    "remove_mask_points",
+]
 
 MASKS_ATTR = "fisherprune_masks"
 
@@ -60,7 +66,7 @@ class MaskPoint:
     def multiplier(self, x: Tensor) -> Tensor:
         """The (broadcastable) multiplier for input ``x``."""
         if self._direct:
-            mult = self.parts[0][0].mask.to(dtype=x.dtype)
+            mult = self.parts[0][0].mask.to(dtype=x.dtype, device=x.device)
         else:
             mult = torch.ones(self.size, dtype=x.dtype, device=x.device)
             for m, pos, idx in self.parts:
@@ -113,27 +119,52 @@ class MaskPoint:
                 m._accumulate(g[:, pos.to(g.device)], idx)
 
 
+def find_holder(model: nn.Module) -> tuple[str, nn.ModuleDict] | None:
+    """Where ``apply_masks`` put its masks: ``(qualified name, ModuleDict)``, or None."""
+    for name, mod in model.named_modules():
+        holder = mod._modules.get(MASKS_ATTR)
+        if holder is not None:
+            return (f"{name}.{MASKS_ATTR}" if name else MASKS_ATTR), holder  # type: ignore[return-value]
+    return None
+
+
+def _holder_parent(model: nn.Module, consumers: Sequence[str]) -> nn.Module:
+    """The module to hold the masks: the model itself, unless its forward runs every child
+    (a root ``nn.Sequential``); then the first consuming layer, whose forward does not."""
+    if not isinstance(model, (nn.Sequential, nn.ModuleList, nn.ModuleDict)):
+        return model
+    modules = dict(model.named_modules())
+    for name in consumers:
+        mod = modules[name]
+        if not isinstance(mod, (nn.Sequential, nn.ModuleList, nn.ModuleDict)):
+            return mod
+    raise ValueError("cannot find a module to hold the masks of this container model")
+
+
 def install_mask_points(
     model: nn.Module,
     masks: dict[str, MaskLayer],
     points: Sequence[tuple[str, int, int, int, list[tuple[str, np.ndarray, np.ndarray]]]],
-) -> None:
-    """Add ``masks`` as ``model.fisherprune_masks`` and hook each point's module.
+) -> str:
+    """Add ``masks`` as a ``fisherprune_masks`` ModuleDict and hook each point's module.
 
-    ``points``: (module name, arg, dim, size, [(mask key, positions, channels)]).
-    Changes: adds one submodule and one forward pre-hook per point; on failure
-    everything added is removed again.
+    The ModuleDict goes on the model itself (on the first consuming layer when the model
+    is an ``nn.Sequential``, whose forward would call it). Changes: adds one submodule and
+    one forward pre-hook per point; on failure everything added is removed again.
+
+    Returns:
+        The qualified name of the ModuleDict (``"fisherprune_masks"`` usually).
 
     Raises:
         ValueError: the model already has ``fisherprune_masks``.
     """
-    if hasattr(model, MASKS_ATTR):
+    if find_holder(model) is not None:
         raise ValueError(
             f"the model already has {MASKS_ATTR!r}: call fisherprune.remove_masks(model) first"
         )
     holder = nn.ModuleDict(masks)
     holder._fp_handles = []  # type: ignore[attr-defined]
-    model.add_module(MASKS_ATTR, holder)
+    _holder_parent(model, [p[0] for p in points]).add_module(MASKS_ATTR, holder)
     modules = dict(model.named_modules())
     try:
         for name, arg, dim, size, parts in points:
@@ -142,14 +173,19 @@ def install_mask_points(
     except Exception:
         remove_mask_points(model)
         raise
+    found = find_holder(model)
+    assert found is not None
+    return found[0]
 
 
 def remove_mask_points(model: nn.Module) -> bool:
     """Remove the hooks and the ``fisherprune_masks`` submodule; return whether there were any."""
-    holder = getattr(model, MASKS_ATTR, None)
-    if holder is None:
+    found = find_holder(model)
+    if found is None:
         return False
+    name, holder = found
     for h in getattr(holder, "_fp_handles", []):
         h.remove()
-    delattr(model, MASKS_ATTR)
+    parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
+    delattr(parent, MASKS_ATTR)
     return True
