@@ -14,11 +14,27 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import types
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 __all__ = ["ALIASES", "HELP", "TrainConfig"]
+
+
+def _is_instance(value: Any, tp: Any) -> bool:
+    """isinstance for the setting types used here: bool, int, float (ints allowed), str, lists."""
+    origin = typing.get_origin(tp)
+    if origin is list:
+        (item,) = typing.get_args(tp)
+        return isinstance(value, list) and all(_is_instance(v, item) for v in value)
+    if tp is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, tp)
+
 
 # seed flag spellings (dotted and underscore) -> config field
 ALIASES: dict[str, str] = {
@@ -159,6 +175,7 @@ class TrainConfig:
 
     def validate(self) -> None:
         """Raises ValueError naming the first bad setting."""
+        self._check_types()
         pos_int = [
             "batch_size",
             "pruning_iter",
@@ -195,6 +212,19 @@ class TrainConfig:
             raise ValueError(f"unknown export format(s) {bad}; use state_dict, torchscript, onnx")
         if isinstance(self.pruning_min_channels, bool) or self.pruning_min_channels < 0:
             raise ValueError("pruning_min_channels must be an integer >= 0")
+
+    def _check_types(self) -> None:
+        hints = typing.get_type_hints(type(self))
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            tp = hints[f.name]
+            union = typing.get_origin(tp) in (typing.Union, types.UnionType)
+            allowed = [a for a in typing.get_args(tp) if a is not type(None)] if union else [tp]
+            if v is None and union and type(None) in typing.get_args(tp):
+                continue
+            if not any(_is_instance(v, a) for a in allowed):
+                want = " or ".join(getattr(a, "__name__", str(a)) for a in allowed)
+                raise ValueError(f"{f.name} must be {want}, got {v!r}")
 
     # ------------------------------------------------------------- building
     @classmethod

@@ -93,7 +93,6 @@ class PruningTrainer:
         self.export_dir = Path(cfg.export_dir) if cfg.export_dir else self.save_dir / "export"
         if self.rank == 0:
             self.save_dir.mkdir(parents=True, exist_ok=True)
-            self.export_dir.mkdir(parents=True, exist_ok=True)
         self.progress = Progress(None, cfg.progress, enabled=self.rank == 0)
 
     def _load(self) -> None:
@@ -354,8 +353,15 @@ class PruningTrainer:
             self.progress.line(f"--resume: no checkpoint in {ckpts.directory}; starting afresh")
             return state
         saved = ckpts.load(path)
-        self.model.load_state_dict(saved["model"])
-        popt.load_state_dict(saved["pruner"])
+        try:
+            self.model.load_state_dict(saved["model"])
+            popt.load_state_dict(saved["pruner"])
+        except (RuntimeError, ValueError, KeyError) as e:
+            first = str(e).strip().splitlines()[0]
+            raise ValueError(
+                f"cannot resume from {path}: it was written for a different model or settings "
+                f"({first}); use another --save_dir or the original settings"
+            ) from None
         set_rng_state(saved["rng"])
         self.progress.line(f"resumed from {path} (step {saved['state']['step']})")
         return saved["state"]
@@ -418,13 +424,14 @@ class PruningTrainer:
             files,
         )
         if self.rank == 0:
-            (self.save_dir / "result.json").write_text(json.dumps(result.__dict__, indent=1))
             files["result"] = str(self.save_dir / "result.json")
+            (self.save_dir / "result.json").write_text(json.dumps(result.__dict__, indent=1))
             self._print_summary(result, popt)
         return result
 
     def _export(self, small: nn.Module, popt: PruningOptimizer) -> dict[str, str]:
         files: dict[str, str] = {}
+        self.export_dir.mkdir(parents=True, exist_ok=True)
         plan = PruningPlan.from_model(self.model, self.example, popt.cost_model.convention)
         plan_path = self.export_dir / "plan.json"
         plan.save(plan_path)

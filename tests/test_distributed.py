@@ -1,0 +1,251 @@
+"""Pruning under torch.distributed (gloo, 2 processes on 127.0.0.1): every rank prunes the same
+channels, and only rank 0 writes files.
+
+Both runs are subprocesses with bounded waits: ``torchrun`` of the real ``fisherprune train``
+(through a small driver that records each rank's masks after every step), and a
+``torch.multiprocessing.spawn`` driver using the library (``apply_masks``, DDP,
+``PruningOptimizer``) that all-gathers every mask after every step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+TIMEOUT = 120  # seconds
+
+# Run by torchrun on every rank: chdir into rank<r>/ so that a relative --save_dir gives each
+# rank its own directory (anything rank 1 writes shows up there), record the masks and signals
+# after every optimizer step and the batch each rank trained on, then run `fisherprune train`.
+TORCHRUN_DRIVER = """
+import json
+import os
+import sys
+from pathlib import Path
+
+rank = int(os.environ["RANK"])
+root = Path(sys.argv[1])
+os.chdir(root / f"rank{rank}")
+
+from fisherprune.pruner import PruningOptimizer
+from fisherprune.train.trainer import PruningTrainer
+
+masks, signals, batches = [], [], []
+_step, _batch = PruningOptimizer.step, PruningTrainer._batch
+
+
+def step(self, closure=None):
+    out = _step(self, closure)
+    masks.append({n: m.mask.tolist() for n, m in self.masks.items()})
+    signals.append({n: m.signal.tolist() for n, m in self.masks.items()})
+    return out
+
+
+def batch(self, i):
+    x, y = _batch(self, i)
+    batches.append(float(x.double().sum()))
+    return x, y
+
+
+PruningOptimizer.step, PruningTrainer._batch = step, batch
+
+from fisherprune.cli.main import main
+
+code = main(sys.argv[2:])
+record = {"masks": masks, "signals": signals, "batches": batches}
+(root / f"record{rank}.json").write_text(json.dumps(record))
+sys.exit(code)
+"""
+
+# Library-level: DDP over a masked model, PruningOptimizer(prune_every=2), a different data
+# shard per rank; after every step every mask and signal is all-gathered and compared.
+SPAWN_DRIVER = """
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+
+import fisherprune
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(8, 16)
+        self.fc2 = nn.Linear(16, 12)
+        self.out = nn.Linear(12, 3)
+
+    def forward(self, x):
+        return self.out(F.relu(self.fc2(F.relu(self.fc1(x)))))
+
+
+def worker(rank, world, port, out):
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    torch.manual_seed(0)
+    model = Net()
+    example = torch.zeros(1, 8)
+    fisherprune.apply_masks(model, example)
+    ddp = nn.parallel.DistributedDataParallel(model)
+    popt = fisherprune.PruningOptimizer(
+        model, example, lr=0.05, prune_every=2, burn_in=2, decay=0.5, flops_target=0.3
+    )
+    shard = torch.Generator().manual_seed(1000 + rank)  # this rank's own data
+    w = torch.randn(8, 3, generator=torch.Generator().manual_seed(7))
+    history, first_batch = [], None
+    for step in range(24):
+        x = torch.randn(32, 8, generator=shard)
+        if first_batch is None:
+            first_batch = float(x.sum())
+        loss = F.cross_entropy(ddp(x), (x @ w).argmax(1))
+        popt.minimize(loss)
+        state = {}
+        for name, m in popt.masks.items():
+            for kind, t in (("mask", m.mask), ("signal", m.signal)):
+                got = [torch.empty_like(t) for _ in range(world)]
+                dist.all_gather(got, t.detach().contiguous())
+                if not all(torch.equal(g, got[0]) for g in got):
+                    raise AssertionError(f"step {step}: {name} {kind} differs across ranks: {got}")
+            state[name] = m.mask.tolist()
+        history.append(state)
+    record = {"masks": history, "first_batch": first_batch, "prunes": len(popt.history)}
+    (Path(out) / f"rank{rank}.json").write_text(json.dumps(record))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    mp.spawn(worker, args=(2, int(sys.argv[1]), sys.argv[2]), nprocs=2, join=True)
+"""
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def _write_table(path: Path, n: int = 200) -> Path:
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(n, 4))
+    y = (x[:, 0] > 0).astype(int) + (x[:, 1] > 0).astype(int)
+    rows = [",".join(f"{v:.6f}" for v in r) + f",{t}" for r, t in zip(x, y, strict=True)]
+    path.write_text("a,b,c,d,label\n" + "\n".join(rows) + "\n")
+    return path
+
+
+def _files(root: Path) -> list[Path]:
+    return sorted(p.relative_to(root) for p in root.rglob("*") if p.is_file())
+
+
+# =================================================================== torchrun of the trainer
+@dataclass
+class TorchrunRun:
+    root: Path
+    done: subprocess.CompletedProcess
+    records: list[dict[str, Any]]
+
+
+@pytest.fixture(scope="module")
+def torchrun(tmp_path_factory: pytest.TempPathFactory) -> TorchrunRun:
+    """`torchrun --nproc_per_node=2` of `fisherprune train` on a 200-row CSV, each rank in its
+    own working directory with the relative --save_dir `out`."""
+    root = tmp_path_factory.mktemp("torchrun")
+    for r in (0, 1):
+        (root / f"rank{r}").mkdir()
+    data = _write_table(root / "t.csv")
+    driver = root / "driver.py"
+    driver.write_text(textwrap.dedent(TORCHRUN_DRIVER))
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
+        "--master_addr=127.0.0.1", f"--master_port={_free_port()}", str(driver), str(root),
+        "train", "--data", str(data), "--model", "mlp", "--width", "8", "--depth", "1",
+        "--train.steps", "30", "--pruning.burn_in", "5", "--pruning_iter", "2",
+        "--eval_every", "10", "--fine_tune_steps", "5", "--checkpoint_every", "10",
+        "--export_formats", "state_dict", "--threads", "1", "--progress", "plain",
+        "--save_dir", "out",
+    ]  # fmt: skip
+    done = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=TIMEOUT, env=_env(), cwd=root
+    )
+    records = []
+    for r in (0, 1):
+        path = root / f"record{r}.json"
+        records.append(json.loads(path.read_text()) if path.exists() else {})
+    return TorchrunRun(root, done, records)
+
+
+def test_torchrun_exits_0_and_only_rank_0_writes(torchrun: TorchrunRun) -> None:
+    """Two processes under torchrun finish with exit code 0; rank 0 writes the checkpoints,
+    metrics, report and export, and rank 1 writes nothing at all."""
+    t = torchrun
+    assert t.done.returncode == 0, t.done.stderr[-3000:]
+    written = {str(p) for p in _files(t.root / "rank0")}
+    for rel in ("result.json", "metrics.jsonl", "report.md", "export/model.pt", "export/plan.json"):
+        assert f"out/{rel}" in written, sorted(written)
+    assert any(p.startswith("out/checkpoints/ckpt-") for p in written)
+    assert list((t.root / "rank1").iterdir()) == []
+
+
+def test_torchrun_ranks_hold_the_same_masks_after_every_step(torchrun: TorchrunRun) -> None:
+    """Under torchrun each rank trains on its own share of every batch, yet after every
+    optimizer step (so after every prune) both ranks hold identical masks and signals."""
+    r0, r1 = torchrun.records
+    assert r0 and r1, torchrun.done.stderr[-3000:]
+    assert r0["batches"] != r1["batches"]  # different data on each rank
+    assert len(r0["masks"]) == len(r1["masks"]) > 0
+    kept = [sum(sum(m) for m in s.values()) for s in r0["masks"]]
+    assert kept[-1] < kept[0], "nothing was pruned"
+    for step, (a, b) in enumerate(zip(r0["masks"], r1["masks"], strict=True), 1):
+        assert a == b, f"masks differ across ranks after step {step}"
+    assert r0["signals"] == r1["signals"]
+
+
+def test_torchrun_prints_the_summary_once(torchrun: TorchrunRun) -> None:
+    """Only rank 0 prints: the end-of-run summary appears once in the combined output."""
+    out = torchrun.done.stdout
+    assert torchrun.done.returncode == 0, torchrun.done.stderr[-3000:]
+    assert out.count("\npruned: accuracy") == 1, out
+    assert out.count("world size 2") == 1, out
+
+
+# ============================================================ library under mp.spawn and DDP
+def test_spawned_ddp_ranks_prune_identically_on_different_shards(tmp_path: Path) -> None:
+    """Two spawned processes (gloo, DDP, PruningOptimizer with prune_every=2) fed different data
+    hold the same masks and signals after every step, and do prune."""
+    driver = tmp_path / "spawn_driver.py"
+    driver.write_text(textwrap.dedent(SPAWN_DRIVER))
+    done = subprocess.run(
+        [sys.executable, str(driver), str(_free_port()), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        env=_env(),
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert r0["first_batch"] != r1["first_batch"]
+    assert r0["prunes"] == r1["prunes"] > 1
+    assert r0["masks"] == r1["masks"]
