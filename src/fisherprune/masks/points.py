@@ -10,6 +10,7 @@ removes exactly those, restoring the original model.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -43,6 +44,7 @@ class MaskPoint:
         dim: int,
         size: int,
         parts: Sequence[tuple[MaskLayer, np.ndarray, np.ndarray]],
+        foldable: bool = False,
     ) -> None:
         self.module_name = module_name
         self.arg, self.dim, self.size = arg, dim, size
@@ -62,18 +64,27 @@ class MaskPoint:
         self._masks = list(dict.fromkeys(m for m, _, _ in self.parts))
         self._versions: tuple[int, ...] | None = None
         self._all_ones = True
+        #: whether the channels may be removed in the layer's weight once pruning is over
+        self.foldable = foldable
+        self._fold_versions: tuple[int, ...] | None = None
+        self._keep: Tensor | None = None
+        self._pruned_cols: Tensor | None = None
+        self._grad_hook: Any = None
+
+    def _vector(self, dtype: torch.dtype, device: torch.device) -> Tensor:
+        """The multiplier of each position of the masked dim, shape (size,)."""
+        if self._direct:
+            return self.parts[0][0].mask.to(dtype=dtype, device=device)
+        mult = torch.ones(self.size, dtype=dtype, device=device)
+        for m, pos, idx in self.parts:
+            mult[pos.to(device)] = m.mask[idx.to(m.mask.device)].to(dtype=dtype, device=device)
+        return mult
 
     def multiplier(self, x: Tensor) -> Tensor:
         """The (broadcastable) multiplier for input ``x``."""
-        if self._direct:
-            mult = self.parts[0][0].mask.to(dtype=x.dtype, device=x.device)
-        else:
-            mult = torch.ones(self.size, dtype=x.dtype, device=x.device)
-            for m, pos, idx in self.parts:
-                mult[pos.to(x.device)] = m.mask[idx.to(m.mask.device)].to(dtype=x.dtype)
         shape = [1] * x.dim()
         shape[self.dim] = self.size
-        return mult.view(shape)
+        return self._vector(x.dtype, x.device).view(shape)
 
     def _nothing_pruned(self) -> bool:
         versions = tuple(m.mask._version for m in self._masks)
@@ -82,7 +93,7 @@ class MaskPoint:
             self._all_ones = all(bool((m.mask > 0.5).all()) for m in self._masks)
         return self._all_ones
 
-    def __call__(self, module: nn.Module, args: tuple) -> tuple:
+    def __call__(self, module: nn.Module, args: tuple) -> tuple | None:
         if len(args) <= self.arg or not isinstance(args[self.arg], Tensor):
             raise RuntimeError(
                 f"fisherprune mask on {self.module_name!r} expects a tensor as positional input "
@@ -94,7 +105,40 @@ class MaskPoint:
                 f"fisherprune mask on {self.module_name!r}: input of shape {tuple(x.shape)} has "
                 f"no dim {self.dim} of size {self.size}, as traced; call apply_masks again"
             )
+        linear_last = not isinstance(module, nn.Linear) or self.dim == x.dim() - 1
+        if self.foldable and linear_last and self._fold(module):
+            return None  # the pruned channels are zeroed in the layer's weight instead
         return (*args[: self.arg], self.apply(x), *args[self.arg + 1 :])
+
+    def _fold(self, module: nn.Module) -> bool:
+        """Once pruning is over, zero the weight columns that read pruned channels instead of
+        multiplying the input (the same output and gradients, at the cost of a weight-sized
+        check instead of an activation-sized product). Returns whether it did so."""
+        if _trace_hook.active() is not None or any(m.collecting for m in self._masks):
+            return False
+        if self._nothing_pruned():
+            return True
+        w = module.weight
+        versions = tuple(m.mask._version for m in self._masks)
+        if versions != self._fold_versions:
+            keep = self._vector(w.dtype, w.device) > 0.5
+            shape = [1] * w.dim()
+            shape[1] = self.size
+            self._keep = keep.to(w.dtype).view(shape)
+            self._pruned_cols = torch.nonzero(~keep).flatten()
+            self._fold_versions = versions
+        with torch.no_grad():
+            if bool(w.index_select(1, self._pruned_cols).any()):  # moved by an optimizer step
+                w.index_fill_(1, self._pruned_cols, 0.0)
+        if self._grad_hook is None:
+            self._grad_hook = w.register_hook(lambda g: g * self._keep.to(g.dtype))
+        return True
+
+    def release(self) -> None:
+        """Remove the weight-gradient hook added by folding, if any."""
+        if self._grad_hook is not None:
+            self._grad_hook.remove()
+            self._grad_hook = None
 
     def apply(self, x: Tensor) -> Tensor:
         """Return ``x`` times the masks; gathers per-example gradients while collecting."""
@@ -117,6 +161,31 @@ class MaskPoint:
         for m, pos, idx in self.parts:
             if m.collecting:
                 m._accumulate(g[:, pos.to(g.device)], idx)
+
+
+_FOLD_TYPES = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear)
+
+
+def _foldable(mod: nn.Module, arg: int, dim: int, size: int) -> bool:
+    """A plain conv (groups 1) or linear layer whose masked input dim is its weight's dim 1."""
+    if type(mod) not in _FOLD_TYPES or arg != 0:
+        return False
+    w = getattr(mod, "weight", None)
+    if not isinstance(w, Tensor) or w.dim() < 2 or w.shape[1] != size:
+        return False
+    if isinstance(mod, nn.Linear):
+        return True  # the input's last dim; ``dim`` is checked against it per call
+    return dim == 1 and mod.groups == 1
+
+
+def _shared_weights(model: nn.Module) -> set[int]:
+    """Ids of parameters used by more than one module (tied weights are never folded)."""
+    seen: dict[int, int] = {}
+    for mod in model.modules():
+        for p in mod._parameters.values():
+            if p is not None:
+                seen[id(p)] = seen.get(id(p), 0) + 1
+    return {k for k, n in seen.items() if n > 1}
 
 
 def find_holder(model: nn.Module) -> tuple[str, nn.ModuleDict] | None:
@@ -164,12 +233,17 @@ def install_mask_points(
         )
     holder = nn.ModuleDict(masks)
     holder._fp_handles = []  # type: ignore[attr-defined]
+    holder._fp_points = []  # type: ignore[attr-defined]
     _holder_parent(model, [p[0] for p in points]).add_module(MASKS_ATTR, holder)
     modules = dict(model.named_modules())
     try:
+        shared = _shared_weights(model)
         for name, arg, dim, size, parts in points:
-            mp = MaskPoint(name, arg, dim, size, [(holder[k], p, i) for k, p, i in parts])
-            holder._fp_handles.append(modules[name].register_forward_pre_hook(mp))
+            mod = modules[name]
+            fold = _foldable(mod, arg, dim, size) and id(mod.weight) not in shared
+            mp = MaskPoint(name, arg, dim, size, [(holder[k], p, i) for k, p, i in parts], fold)
+            holder._fp_points.append(mp)
+            holder._fp_handles.append(mod.register_forward_pre_hook(mp))
     except Exception:
         remove_mask_points(model)
         raise
@@ -186,6 +260,8 @@ def remove_mask_points(model: nn.Module) -> bool:
     name, holder = found
     for h in getattr(holder, "_fp_handles", []):
         h.remove()
+    for mp in getattr(holder, "_fp_points", []):
+        mp.release()
     parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
     delattr(parent, MASKS_ATTR)
     return True
