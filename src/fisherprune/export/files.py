@@ -68,7 +68,19 @@ def export_model(
         if example_inputs is None and format != "state_dict":
             raise ValueError(f"{format} export needs example_inputs for an unmasked model")
         plan, small = PruningPlan(), model
+    flags = {m: m.training for m in small.modules()}  # the caller's model when unmasked
     small.eval()
+    try:
+        _write(small, path, example_inputs, format, plan)
+    finally:
+        for m, f in flags.items():
+            m.training = f
+    return path
+
+
+def _write(
+    small: nn.Module, path: Path, example_inputs: Any, format: str, plan: PruningPlan
+) -> None:
     args = _as_args(example_inputs) if example_inputs is not None else ()
     if format == "state_dict":
         state = {k: v.detach().cpu() for k, v in small.state_dict().items()}
@@ -80,7 +92,6 @@ def export_model(
         atomic_save(path, lambda tmp: torch.jit.save(scripted, str(tmp)))
     else:
         atomic_save(path, lambda tmp: _onnx(small, args, tmp))
-    return path
 
 
 def _onnx(model: nn.Module, args: tuple, tmp: Path) -> None:

@@ -43,6 +43,8 @@ class PruningPlan:
     Attributes:
         modules: ``{module name: {tensor name: {"shape": [...], "kept": {dim: [indices]}}}}``;
             only tensors that lose channels are listed, with their original shape.
+        shapes: original shape of every parameter and buffer of the model (masks excluded),
+            to recognise the architecture it was made for.
         mask_modules: hand-placed MaskLayer modules, replaced by ``nn.Identity``.
         convention: cost convention of the recorded costs.
         cost: ``{"dense": ..., "pruned": ...}`` per example, when known.
@@ -50,6 +52,7 @@ class PruningPlan:
     """
 
     modules: dict[str, dict[str, dict[str, Any]]] = field(default_factory=dict)
+    shapes: dict[str, list[int]] = field(default_factory=dict)
     mask_modules: list[str] = field(default_factory=list)
     convention: str = "flops"
     cost: dict[str, float] = field(default_factory=dict)
@@ -94,6 +97,11 @@ class PruningPlan:
             entry["kept"][str(b.dim)] = np.flatnonzero(~gone).tolist()
         holder = find_holder(model)
         applied = holder[0] + "." if holder else None
+        plan.shapes = {
+            n: list(t.shape)
+            for n, t in _all_tensors(model)
+            if not (applied and n.startswith(applied)) and not _is_mask_tensor(model, n)
+        }
         plan.mask_modules = [
             n
             for n, m in model.named_modules()
@@ -115,35 +123,45 @@ class PruningPlan:
             PlanMismatchError: naming the first module or tensor that does not match.
         """
         modules = dict(model.named_modules())
-        todo: list[tuple[nn.Module, str, str, dict[str, Any]]] = []
-        for mname, tensors in self.modules.items():
-            mod = modules.get(mname)
-            if mod is None:
+        for mname in self.modules:
+            if mname not in modules:
                 raise PlanMismatchError(f"the model has no module {mname!r} that the plan names")
-            for tname, spec in tensors.items():
-                t = _get_tensor(mod, tname)
-                if t is None:
-                    raise PlanMismatchError(
-                        f"module {mname!r} has no parameter or buffer {tname!r}"
-                    )
-                shrunk = [
-                    len(spec["kept"][d]) if str(i) in spec["kept"] else s
-                    for i, s in enumerate(spec["shape"])
-                    for d in [str(i)]
-                ]
-                if list(t.shape) == shrunk:
-                    continue  # already shrunk
-                if list(t.shape) != list(spec["shape"]):
-                    raise PlanMismatchError(
-                        f"{mname}.{tname} has shape {list(t.shape)}; the plan was made for "
-                        f"{spec['shape']}: a different architecture or width"
-                    )
-                todo.append((mod, mname, tname, spec))
         for mname in self.mask_modules:
             if mname not in modules:
                 raise PlanMismatchError(
                     f"the model has no mask module {mname!r} that the plan names"
                 )
+        todo: list[tuple[nn.Module, str, str, dict[str, Any]]] = []
+        for mname, mod in modules.items():  # in the model's order: the first mismatch is named
+            for tname, t in _own_tensors(mod):
+                full = f"{mname}.{tname}" if mname else tname
+                spec = self.modules.get(mname, {}).get(tname)
+                original = self.shapes.get(full)
+                if spec is None:
+                    if original is not None and list(t.shape) != list(original):
+                        raise PlanMismatchError(
+                            f"{full} has shape {list(t.shape)}; the plan was made for "
+                            f"{original}: a different architecture or width"
+                        )
+                    continue
+                shrunk = [
+                    len(spec["kept"][str(i)]) if str(i) in spec["kept"] else s
+                    for i, s in enumerate(spec["shape"])
+                ]
+                if list(t.shape) == shrunk:
+                    continue  # already shrunk
+                if list(t.shape) != list(spec["shape"]):
+                    raise PlanMismatchError(
+                        f"{full} has shape {list(t.shape)}; the plan was made for "
+                        f"{spec['shape']}: a different architecture or width"
+                    )
+                todo.append((mod, mname, tname, spec))
+        for mname, tensors in self.modules.items():
+            for tname in tensors:
+                if _get_tensor(modules[mname], tname) is None:
+                    raise PlanMismatchError(
+                        f"module {mname!r} has no parameter or buffer {tname!r}"
+                    )
         _remove_masks(model, self.mask_modules)
         changed: dict[int, tuple[nn.Module, dict[str, tuple[int, ...]]]] = {}
         with torch.no_grad():
@@ -169,23 +187,32 @@ class PruningPlan:
             "cost": self.cost,
             "mask_modules": self.mask_modules,
             "modules": self.modules,
+            "shapes": self.shapes,
         }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> PruningPlan:
-        """Raises ValueError for data that is not a fisherprune plan."""
+        """Raises ValueError for data that is not a well-formed fisherprune plan."""
         if not isinstance(data, dict) or data.get("format") != FORMAT or "modules" not in data:
             raise ValueError("not a fisherprune pruning plan (format 1)")
+        _validate_modules(data["modules"])
+        shapes = data.get("shapes", {})
+        if not isinstance(shapes, dict) or not all(_int_list(v) for v in shapes.values()):
+            raise ValueError("pruning plan: 'shapes' must map tensor names to lists of sizes")
+        masks = data.get("mask_modules", [])
+        if not isinstance(masks, list) or not all(isinstance(m, str) for m in masks):
+            raise ValueError("pruning plan: 'mask_modules' must be a list of module names")
         return cls(
             modules=data["modules"],
-            mask_modules=list(data.get("mask_modules", [])),
-            convention=data.get("convention", "flops"),
+            shapes=dict(shapes),
+            mask_modules=list(masks),
+            convention=str(data.get("convention", "flops")),
             cost=dict(data.get("cost", {})),
-            version=data.get("fisherprune_version", "?"),
+            version=str(data.get("fisherprune_version", "?")),
         )
 
     def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=1, sort_keys=True)
+        return json.dumps(self.to_dict(), indent=1)  # keeps the model's module order
 
     @classmethod
     def from_json(cls, text: str) -> PruningPlan:
@@ -224,24 +251,83 @@ def _check_removable(cm: CostModel, entries: np.ndarray, removed: np.ndarray) ->
                 f"a zeroed mask entry removes a channel that cannot be removed physically: "
                 f"{reason}. Unprune it (set the mask entry back to 1) or move the mask"
             )
-    # a zeroed entry that removes nothing changes the output: shrinking would not be exact
+    # a zeroed entry must only zero channels that are removed; one that zeroes a live
+    # channel (or whose zeros never reach a consumer, e.g. lost at a BatchNorm) changes the
+    # output in a way the shrunk model cannot reproduce
     c = graph.consumers
     zero_entries = set(np.flatnonzero(entries < 0.5).tolist())
     if not zero_entries:
         return
-    live = ~removed[c.roots] & (c.cover >= 0)
-    hit = set(c.cover[live].tolist()) & zero_entries
-    if hit:
-        e = min(hit)
-        name = next(
-            n for n, s in cm.trace.entry_starts().items() if s <= e < s + cm.masks[n].num_channels
-        )
-        k = e - cm.trace.entry_starts()[name]
+    covered = c.cover >= 0
+    live_hit = set(c.cover[covered & ~removed[c.roots]].tolist()) & zero_entries
+    used = set(c.cover[covered & removed[c.roots]].tolist())
+    bad = sorted(live_hit | (zero_entries - used))
+    if bad:
+        e = bad[0]
+        starts = cm.trace.entry_starts()
+        name = next(n for n, s in starts.items() if s <= e < s + cm.masks[n].num_channels)
         raise ValueError(
-            f"mask {name!r} zeroes channel {k}, but that channel stays alive elsewhere (a "
-            "BatchNorm, a gate or an add with an unmasked tensor lies after the mask), so it "
-            "cannot be removed exactly; use apply_masks, or place masks after normalisation"
+            f"mask {name!r} zeroes channel {e - starts[name]}, but that does not remove the "
+            "channel (a BatchNorm, a gate or an add with an unmasked tensor lies after the "
+            "mask), so the shrunk model could not give the same output; use apply_masks, or "
+            "place masks after normalisation and activation"
         )
+
+
+def _int_list(v: Any) -> bool:
+    return isinstance(v, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in v)
+
+
+def _validate_modules(modules: Any) -> None:
+    """Check ``{module: {tensor: {"shape": [...], "kept": {dim: [indices]}}}}``."""
+    bad = "pruning plan: "
+    if not isinstance(modules, dict):
+        raise ValueError(bad + "'modules' must be an object keyed by module name")
+    for mname, tensors in modules.items():
+        if not isinstance(tensors, dict):
+            raise ValueError(bad + f"module {mname!r} must map tensor names to specs")
+        for tname, spec in tensors.items():
+            where = f"{mname}.{tname}"
+            if not isinstance(spec, dict) or not _int_list(spec.get("shape")):
+                raise ValueError(bad + f"{where} needs a 'shape' list of sizes")
+            kept = spec.get("kept")
+            if not isinstance(kept, dict):
+                raise ValueError(bad + f"{where} needs a 'kept' object of dims")
+            shape = spec["shape"]
+            for d, idx in kept.items():
+                if not (isinstance(d, str) and d.isdigit() and int(d) < len(shape)):
+                    raise ValueError(bad + f"{where}: dim {d!r} is not a dim of {shape}")
+                size = shape[int(d)]
+                if (
+                    not _int_list(idx)
+                    or any(i < 0 or i >= size for i in idx)
+                    or (idx != sorted(set(idx)))
+                ):
+                    raise ValueError(
+                        bad
+                        + f"{where} dim {d}: kept indices must be sorted, unique, in [0, {size})"
+                    )
+
+
+def _own_tensors(mod: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    own = [(n, t) for n, t in mod._parameters.items() if t is not None]
+    return own + [(n, t) for n, t in mod._buffers.items() if t is not None]
+
+
+def _all_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    out = []
+    for mname, mod in model.named_modules():
+        for tname, t in _own_tensors(mod):
+            out.append((f"{mname}.{tname}" if mname else tname, t))
+    return out
+
+
+def _is_mask_tensor(model: nn.Module, name: str) -> bool:
+    owner = name.rpartition(".")[0]
+    try:
+        return isinstance(model.get_submodule(owner), MaskLayer) if owner else False
+    except AttributeError:
+        return False
 
 
 def _get_tensor(mod: nn.Module, name: str) -> torch.Tensor | None:
