@@ -10,7 +10,10 @@ picks them again).
   filters for efficient ConvNets*, ICLR 2017): for every producer module of the group (a conv
   or linear whose output makes the channel; several for channels coupled by a residual add)
   the absolute values of its ``weight`` along the group's parameter dim are summed over every
-  other dim, and mapped to the group's channels with ``ChannelGroup.members``. Raw L1 norms
+  other dim, and mapped to the group's channels with ``ChannelGroup.members``. Weight slices
+  that read an already pruned channel of another group (e.g. the input columns of a conv whose
+  input lost channels) are left out, so the norm is that of the network as it would be after
+  ``shrink``, whatever the masks' state. Raw L1 norms
   are not comparable between layers (they grow with fan-in and, before a BatchNorm, their
   scale is arbitrary), so by default each group's scores are divided by their mean over the
   group's unpruned channels (the layer-wise normalisation Torch-Pruning applies by default).
@@ -84,6 +87,14 @@ def l1_norm_scores(
         raise ValueError(f"normalize must be one of {NORMALIZE}, got {normalize!r}")
     groups = _groups_of(masks)
     params = dict(model.named_parameters())
+    # for each parameter dim a group touches: is each index along it still alive?
+    alive_along: dict[tuple[str, int], Tensor] = {}
+    for name, mask in masks.items():
+        alive = torch.cat([mask.mask.detach().cpu() > 0.5, torch.ones(1, dtype=torch.bool)])
+        for key, channel in groups[name].members.items():
+            idx = torch.as_tensor(channel, dtype=torch.long)  # -1: another group's -> last = True
+            here = alive[idx]
+            alive_along[key] = alive_along[key] & here if key in alive_along else here
     out: dict[str, Tensor] = {}
     for name, mask in masks.items():
         group = groups[name]
@@ -94,10 +105,16 @@ def l1_norm_scores(
             if p is None:
                 continue
             found = True
-            rows = p.detach().abs().double().movedim(dim, 0).flatten(1).sum(1)  # (size of dim,)
+            w = p.detach().abs().double().cpu()
+            for (other, odim), keep_idx in alive_along.items():  # drop slices of pruned inputs
+                if other == pname and odim != dim and keep_idx.numel() == w.shape[odim]:
+                    shape = [1] * w.dim()
+                    shape[odim] = -1
+                    w = w * keep_idx.to(w.dtype).view(shape)
+            rows = w.movedim(dim, 0).flatten(1).sum(1)  # (size of dim,)
             channel = torch.as_tensor(group.members[(pname, dim)], dtype=torch.long)
             keep = channel >= 0  # indices along dim that belong to this group
-            scores.index_add_(0, channel[keep], rows.cpu()[keep])
+            scores.index_add_(0, channel[keep], rows[keep])
         if not found:
             raise ValueError(
                 f"mask {name!r}: none of its producers {group.producers} has a 'weight' "
