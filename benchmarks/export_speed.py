@@ -1,0 +1,668 @@
+"""CPU latency of shrunk networks against their FLOPs: does removing channels make them faster?
+
+What is measured
+----------------
+For four networks defined here (32x32x3 images, 10 classes, except the MLP):
+
+* ``vgg``: VGG-style, conv-BN-ReLU x8 with max-pooling, flatten (256 x 2 x 2) -> fc-ReLU-fc;
+* ``resnet18``: ResNet-18 layout (CIFAR stem, 4 stages x 2 basic blocks, widths 16-32-64-128);
+* ``mobilenetv2``: MobileNetV2 layout (inverted residuals, depthwise 3x3, width 0.5, CIFAR
+  strides);
+* ``mlp``: 512-1024-1024-512-10 with ReLU,
+
+each is pruned to 50% and to 25% of its FLOPs, shrunk with ``fisherprune.shrink``, and the CPU
+latency of one forward pass (eval mode, inference mode) of the dense and the shrunk networks is
+measured at batch 1 and batch 64 with ``fisherprune.export.latency.measure_latency``, which times
+the models round-robin so that all of them see the same machine load. Every figure reported is
+a ratio taken inside one such round-robin run.
+
+How the networks are pruned
+---------------------------
+Greedy Fisher pruning without the SGD updates in between: ``apply_masks`` masks every prunable
+channel group, and ``fisherprune.prune`` zeroes, one channel at a time, the channel with the
+lowest ``"auto"`` score ``signal / marginal FLOPs`` (``fisherprune.score``), with exact marginal
+costs from a ``fisherprune.CostModel``, until the cost reaches the target. This is the selection
+``PruningOptimizer(prune_every=1, flops_weight="auto")`` makes, minus its weight updates: weights
+do not change latency, and a real optimizer run costs one training step per pruned channel
+(thousands of steps, many minutes per network on this machine). To keep it quick the costs are
+re-evaluated after every chunk of prunes (about ``chunks`` evaluations in all, ~0.5% of the
+channels per chunk), and after every single prune once the estimate reaches the target. Two
+signal sources, each a row of the table:
+
+* ``fisher``: Fisher signals of the masks (``update_pruning_signals``) from backward passes of
+  the untrained network in train mode, cross-entropy on random inputs and random labels,
+  refreshed every ``refresh`` evaluations. Signals of an untrained network fall with depth, so
+  this prunes the deep, wide layers hardest;
+* ``random``: fixed i.i.d. log-normal signals, so that the choice is driven by the marginal
+  FLOPs: pruning spreads over the layers, most where a channel costs most.
+
+A trained network's Fisher signals lie somewhere between; the kept fraction per mask
+(min / median / max) is printed so that the pattern behind each latency figure is visible.
+
+Figures
+-------
+``FLOPs ratio``: shrunk / dense, both from ``torch.utils.flop_counter.FlopCounterMode``.
+``speed-up``: dense latency / shrunk latency. ``eff``: speed-up / FLOPs reduction, i.e. speed-up
+x FLOPs ratio (1.0 means latency falls exactly as FLOPs do). The issue's target, for the conv
+nets at batch 64, is ``eff >= 0.7``; whether each row meets it is printed and stored as measured.
+
+Run ``python benchmarks/export_speed.py`` (a few minutes) or ``--quick`` (half-width networks,
+fewer rounds; under a minute on an idle machine). The table is printed, the JSON goes to
+``--out`` (default ``benchmarks/results/export_speed.json``) and the plot to ``--plot`` (default
+``docs/export_speed.png``); a quick run writes ``benchmarks/results/export_speed_quick.json``
+and ``.png`` instead, so that it never overwrites the full run's results. Threads are pinned
+(``--threads``, default 2). This machine is shared: the load average is recorded before and
+after, noisy rows are flagged by the spread of the per-round ratios, and a thread check times
+each dense network with ``--threads`` threads against one thread: on a 2-CPU machine with
+another busy process, 2 threads can be many times slower than 1 (every op waits for its second
+worker to get a CPU), and then latency counts ops, not FLOPs; the script says so, and
+``--threads 1`` gives the meaningful figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import dataclasses
+import json
+import logging
+import os
+import platform
+import statistics
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.flop_counter import FlopCounterMode
+
+import fisherprune as fp
+from fisherprune.export.latency import measure_latency
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_OUT = ROOT / "benchmarks/results/export_speed.json"
+DEFAULT_PLOT = ROOT / "docs/export_speed.png"
+QUICK_OUT = ROOT / "benchmarks/results/export_speed_quick"  # .json and .png
+NUM_CLASSES = 10
+TARGETS = (0.50, 0.25)  # FLOPs targets, fractions of the dense network's FLOPs
+BATCHES = (1, 64)
+CONV_NETS = ("vgg", "resnet18", "mobilenetv2")  # the issue's target applies to these
+EFF_TARGET = 0.7  # latency speed-up >= 0.7 x FLOPs reduction, at batch 64
+SIGNAL_BATCH = 16  # batch of the backward passes that gather Fisher signals
+DECAY = 0.96  # signal EMA factor (the library's default)
+
+
+# ===================================================================== models
+def conv_bn(cin: int, cout: int, k: int = 3, stride: int = 1, groups: int = 1) -> nn.Sequential:
+    return nn.Sequential(
+        nn.Conv2d(cin, cout, k, stride, k // 2, groups=groups, bias=False), nn.BatchNorm2d(cout)
+    )
+
+
+class VGG(nn.Module):
+    """conv-BN-ReLU stages (2 convs each) with max-pooling, flatten 2x2, fc-ReLU-fc."""
+
+    def __init__(self, w: float = 1.0) -> None:
+        super().__init__()
+        widths = [int(c * w) for c in (32, 64, 128, 256)]
+        layers: list[nn.Module] = []
+        cin = 3
+        for c in widths:
+            layers += [conv_bn(cin, c), nn.ReLU(), conv_bn(c, c), nn.ReLU(), nn.MaxPool2d(2)]
+            cin = c
+        self.features = nn.Sequential(*layers)  # (N, c, 2, 2)
+        self.fc1 = nn.Linear(cin * 4, int(256 * w))
+        self.fc2 = nn.Linear(int(256 * w), NUM_CLASSES)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = torch.flatten(self.features(x), 1)
+        return self.fc2(F.relu(self.fc1(x)))
+
+
+class BasicBlock(nn.Module):
+    def __init__(self, cin: int, cout: int, stride: int) -> None:
+        super().__init__()
+        self.conv1, self.conv2 = conv_bn(cin, cout, 3, stride), conv_bn(cout, cout, 3)
+        project = stride != 1 or cin != cout
+        self.down = conv_bn(cin, cout, 1, stride) if project else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = self.conv2(F.relu(self.conv1(x)))
+        return F.relu(out + (x if self.down is None else self.down(x)))
+
+
+class ResNet18(nn.Module):
+    """CIFAR ResNet-18 layout: 3x3 stem, 4 stages of 2 basic blocks, strides 1-2-2-2."""
+
+    def __init__(self, w: float = 1.0) -> None:
+        super().__init__()
+        widths = [int(c * w) for c in (16, 32, 64, 128)]
+        self.stem = conv_bn(3, widths[0])
+        blocks: list[nn.Module] = []
+        cin = widths[0]
+        for i, c in enumerate(widths):
+            blocks += [BasicBlock(cin, c, 1 if i == 0 else 2), BasicBlock(c, c, 1)]
+            cin = c
+        self.blocks = nn.Sequential(*blocks)
+        self.fc = nn.Linear(cin, NUM_CLASSES)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = self.blocks(F.relu(self.stem(x)))
+        return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
+
+
+class InvertedResidual(nn.Module):
+    def __init__(self, cin: int, cout: int, stride: int, expand: int) -> None:
+        super().__init__()
+        hidden = cin * expand
+        self.expand = conv_bn(cin, hidden, 1) if expand != 1 else None
+        self.dw = conv_bn(hidden, hidden, 3, stride, groups=hidden)
+        self.project = conv_bn(hidden, cout, 1)
+        self.residual = stride == 1 and cin == cout
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = x if self.expand is None else F.relu6(self.expand(x))
+        out = self.project(F.relu6(self.dw(out)))
+        return x + out if self.residual else out
+
+
+class MobileNetV2(nn.Module):
+    """MobileNetV2 (t, c, n, s) layout at width ``0.5 * w``, CIFAR strides (stem stride 1)."""
+
+    SETTINGS = ((1, 16, 1, 1), (6, 24, 2, 1), (6, 32, 3, 2), (6, 64, 4, 2), (6, 96, 3, 1))
+    SETTINGS += ((6, 160, 3, 2), (6, 320, 1, 1))
+
+    def __init__(self, w: float = 1.0) -> None:
+        super().__init__()
+        mult = 0.5 * w
+        cin = int(32 * mult)
+        self.stem = conv_bn(3, cin)
+        blocks: list[nn.Module] = []
+        for t, c, n, s in self.SETTINGS:
+            cout = max(8, int(c * mult))
+            for i in range(n):
+                blocks.append(InvertedResidual(cin, cout, s if i == 0 else 1, t))
+                cin = cout
+        self.blocks = nn.Sequential(*blocks)
+        self.head = conv_bn(cin, int(1280 * mult), 1)
+        self.fc = nn.Linear(int(1280 * mult), NUM_CLASSES)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = F.relu6(self.head(self.blocks(F.relu6(self.stem(x)))))
+        return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
+
+
+class MLP(nn.Module):
+    """512 - 1024 - 1024 - 512 - 10 (ReLU)."""
+
+    def __init__(self, w: float = 1.0) -> None:
+        super().__init__()
+        h = [int(c * w) for c in (1024, 1024, 512)]
+        self.fc1, self.fc2 = nn.Linear(512, h[0]), nn.Linear(h[0], h[1])
+        self.fc3, self.out = nn.Linear(h[1], h[2]), nn.Linear(h[2], NUM_CLASSES)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = F.relu(self.fc3(F.relu(self.fc2(F.relu(self.fc1(x))))))
+        return self.out(x)
+
+
+@dataclass(frozen=True)
+class Spec:
+    build: Callable[[float], nn.Module]
+    input_shape: tuple[int, ...]  # one example
+
+
+MODELS: dict[str, Spec] = {
+    "vgg": Spec(VGG, (3, 32, 32)),
+    "resnet18": Spec(ResNet18, (3, 32, 32)),
+    "mobilenetv2": Spec(MobileNetV2, (3, 32, 32)),
+    "mlp": Spec(MLP, (512,)),
+}
+
+
+# ==================================================================== pruning
+@dataclass(frozen=True)
+class Config:
+    """How much work a run does (full or ``--quick``)."""
+
+    width: float  # width multiplier of the networks
+    rounds: int  # round-robin timing rounds
+    block_seconds: float  # length of one timed block of the dense network
+    chunks: int  # about this many cost re-evaluations while pruning to the last target
+    refresh: int  # Fisher signals are re-gathered every ``refresh`` re-evaluations
+    passes: int  # backward passes per gathering
+
+
+@dataclass
+class Pruned:
+    """The shrunk networks of one model, by target, and how pruning went."""
+
+    shrunk: dict[float, nn.Module] = field(default_factory=dict)
+    cost_ratio: dict[float, float] = field(default_factory=dict)  # fisherprune's cost model
+    prunes: dict[float, int] = field(default_factory=dict)
+    kept: dict[float, dict[str, float]] = field(default_factory=dict)  # kept fraction per mask
+    seconds: float = 0.0
+
+
+def gather_signals(
+    model: nn.Module, masks: dict[str, fp.MaskLayer], spec: Spec, passes: int, gen: torch.Generator
+) -> None:
+    """``passes`` backward passes on random data, folded into the masks' Fisher signals."""
+    model.train()
+    for _ in range(passes):
+        x = torch.randn(SIGNAL_BATCH, *spec.input_shape, generator=gen)
+        y = torch.randint(0, NUM_CLASSES, (SIGNAL_BATCH,), generator=gen)
+        model.zero_grad(set_to_none=True)
+        F.cross_entropy(model(x), y).backward()
+        fp.update_pruning_signals(masks, DECAY)
+    model.zero_grad(set_to_none=True)
+    model.eval()
+
+
+def prune_to_targets(model: nn.Module, spec: Spec, signals: str, cfg: Config) -> Pruned:
+    """Prune ``model`` (masked, in place) to every target in ``TARGETS``; shrink a copy at each.
+
+    ``signals="fisher"``: Fisher signals gathered from backward passes, refreshed as pruning
+    goes; ``"random"``: fixed i.i.d. log-normal signals, so that the choice is driven by the
+    marginal FLOPs. Channels are zeroed one at a time by ``fisherprune.prune`` (lowest
+    ``signal / marginal cost`` first); the exact costs are re-evaluated after every ``chunk``
+    prunes, and after every single prune once the estimate reaches the target.
+    """
+    t0 = time.perf_counter()
+    gen = torch.Generator().manual_seed(0)
+    x1 = torch.randn(1, *spec.input_shape, generator=gen)
+    masks = dict(fp.apply_masks(model, x1))
+    cost_model = fp.CostModel(model, x1)
+    start = cost_model.total()
+    if signals == "random":
+        for m in masks.values():
+            m.collecting = False
+            m.signal.copy_(torch.randn(m.num_channels, generator=gen).exp())
+    channels = sum(m.num_channels for m in masks.values())
+    full_chunk = max(1, round(channels * (1 - min(TARGETS) ** 0.5) / cfg.chunks))
+    chunk = full_chunk
+    result = Pruned()
+    n = evaluations = 0
+    for target in sorted(TARGETS, reverse=True):
+        while True:
+            report = cost_model.report()
+            if report.total <= target * start:
+                break
+            if signals == "fisher" and evaluations % cfg.refresh == 0:
+                gather_signals(model, masks, spec, cfg.passes, gen)
+            evaluations += 1
+            scores = {k: fp.score(m.signal, report.marginal[k], "auto") for k, m in masks.items()}
+            estimate, stuck = report.total, False
+            for _ in range(chunk):
+                event = fp.prune(masks, scores, min_channels=1, cost=report)
+                if event is None:
+                    stuck = True
+                    break
+                n += 1
+                estimate -= event.cost_before - event.cost_after
+                if estimate <= target * start:
+                    chunk = 1  # near the target: re-evaluate after every prune
+                    break
+            if stuck:
+                warnings.warn(f"{signals}: cannot reach {target:.0%} of the FLOPs", stacklevel=1)
+                break
+        result.shrunk[target] = fp.shrink(model, x1)  # a copy; checks outputs against the masks
+        result.cost_ratio[target] = cost_model.total() / start
+        result.prunes[target] = n
+        result.kept[target] = {k: float(m.mask.mean()) for k, m in masks.items()}
+        chunk = full_chunk
+    result.seconds = time.perf_counter() - t0
+    return result
+
+
+# ==================================================================== timing
+def flops_per_example(model: nn.Module, x: Tensor) -> float:
+    counter = FlopCounterMode(display=False)
+    with counter, torch.inference_mode():
+        model(x)
+    return counter.get_total_flops() / x.shape[0]
+
+
+def n_params(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def calibrate_repeats(model: nn.Module, x: Tensor, block_seconds: float) -> int:
+    """Calls per timed block so that a block of the dense model takes about ``block_seconds``."""
+    model.eval()
+    with torch.inference_mode():
+        model(x)
+        t0 = time.perf_counter()
+        model(x)
+        one = time.perf_counter() - t0
+    return max(2, min(400, round(block_seconds / max(one, 1e-6))))
+
+
+def time_round_robin(
+    models: dict[str, nn.Module], x: Tensor, repeats: int, rounds: int
+) -> tuple[dict[str, float], dict[str, list[float]]]:
+    """Median latency per model over ``rounds`` round-robin rounds (``measure_latency`` called
+    once per round, with the order rotated), and every round's figures for the spread."""
+    names = list(models)
+    per_round: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(rounds):
+        order = names[r % len(names) :] + names[: r % len(names)]
+        lat = measure_latency(
+            {n: models[n] for n in order}, x, repeats=repeats, warmup=2 if r == 0 else 1, rounds=1
+        )
+        for n in names:
+            per_round[n].append(lat[n])
+    return {n: statistics.median(v) for n, v in per_round.items()}, per_round
+
+
+def spread(dense: list[float], small: list[float]) -> float:
+    """Relative spread (max/min - 1) of the per-round speed-ups: a noise indicator."""
+    ratios = [d / s for d, s in zip(dense, small, strict=True)]
+    return max(ratios) / min(ratios) - 1.0
+
+
+# ====================================================================== main
+@dataclass
+class Row:
+    model: str
+    signals: str
+    target: float
+    flops_ratio: float
+    cost_model_ratio: float
+    params_ratio: float
+    prunes: int
+    kept_min: float
+    kept_median: float
+    kept_max: float
+    kept_per_mask: dict[str, float]
+    latency_dense: dict[str, float]
+    latency_shrunk: dict[str, float]
+    speedup: dict[str, float]
+    efficiency: dict[str, float]
+    spread: dict[str, float]
+    target_met: bool | None  # None: not a conv net, the issue's target does not apply
+
+
+def thread_check(model: nn.Module, x: Tensor, threads: int, rounds: int = 5) -> float:
+    """Latency with ``threads`` threads over latency with one thread (median of per-round
+    ratios, alternating). Below 1 on an idle machine; above 1 when the CPUs are shared and the
+    worker threads of each op wait for a CPU, which makes multi-thread timings meaningless."""
+    if threads == 1:
+        return 1.0
+    repeats = calibrate_repeats(model, x, 0.05)
+    ratios = []
+    try:
+        for _ in range(rounds):
+            t: dict[int, float] = {}
+            for n in (1, threads):
+                torch.set_num_threads(n)
+                t[n] = measure_latency({"m": model}, x, repeats=repeats, warmup=1, rounds=1)["m"]
+            ratios.append(t[threads] / t[1])
+    finally:
+        torch.set_num_threads(threads)
+    return statistics.median(ratios)
+
+
+def run_model(
+    name: str, spec: Spec, signal_modes: list[str], cfg: Config
+) -> tuple[list[Row], dict[str, float], float]:
+    """Prune one network with each signal mode, then time the dense network and every shrunk
+    one side by side (one round-robin per batch size). Also returns the ``thread_check`` of
+    the dense network at the largest batch."""
+    torch.manual_seed(0)
+    dense = spec.build(cfg.width).eval()
+    pruned: dict[str, Pruned] = {}
+    for mode in signal_modes:
+        masked = copy.deepcopy(dense)
+        pruned[mode] = prune_to_targets(masked, spec, mode, cfg)
+    x1 = torch.randn(1, *spec.input_shape)
+    f_dense, p_dense = flops_per_example(dense, x1), n_params(dense)
+    models: dict[str, nn.Module] = {"dense": dense}
+    for mode, pr in pruned.items():
+        models.update({f"{mode} {t:.0%}": m.eval() for t, m in pr.shrunk.items()})
+    lat: dict[int, dict[str, float]] = {}
+    rounds_lat: dict[int, dict[str, list[float]]] = {}
+    for b in BATCHES:
+        x = torch.randn(b, *spec.input_shape)
+        repeats = calibrate_repeats(dense, x, cfg.block_seconds)
+        lat[b], rounds_lat[b] = time_round_robin(models, x, repeats, cfg.rounds)
+    rows = [
+        make_row(name, mode, t, small, pr, f_dense, p_dense, x1, lat, rounds_lat)
+        for mode, pr in pruned.items()
+        for t, small in pr.shrunk.items()
+    ]
+    x = torch.randn(BATCHES[-1], *spec.input_shape)
+    check = thread_check(dense, x, torch.get_num_threads())
+    return rows, {mode: pr.seconds for mode, pr in pruned.items()}, check
+
+
+def make_row(
+    name: str,
+    mode: str,
+    t: float,
+    small: nn.Module,
+    pruned: Pruned,
+    f_dense: float,
+    p_dense: int,
+    x1: Tensor,
+    lat: dict[int, dict[str, float]],
+    rounds_lat: dict[int, dict[str, list[float]]],
+) -> Row:
+    """One table row: a shrunk network against the dense one."""
+    key = f"{mode} {t:.0%}"
+    fr = flops_per_example(small, x1) / f_dense
+    speed = {str(b): lat[b]["dense"] / lat[b][key] for b in BATCHES}
+    eff = {k: v * fr for k, v in speed.items()}
+    kept = sorted(pruned.kept[t].values())
+    return Row(
+        model=name,
+        signals=mode,
+        target=t,
+        flops_ratio=fr,
+        cost_model_ratio=pruned.cost_ratio[t],
+        params_ratio=n_params(small) / p_dense,
+        prunes=pruned.prunes[t],
+        kept_min=kept[0],
+        kept_median=statistics.median(kept),
+        kept_max=kept[-1],
+        kept_per_mask=pruned.kept[t],
+        latency_dense={str(b): lat[b]["dense"] for b in BATCHES},
+        latency_shrunk={str(b): lat[b][key] for b in BATCHES},
+        speedup=speed,
+        efficiency=eff,
+        spread={str(b): spread(rounds_lat[b]["dense"], rounds_lat[b][key]) for b in BATCHES},
+        target_met=(eff[str(BATCHES[-1])] >= EFF_TARGET) if name in CONV_NETS else None,
+    )
+
+
+def print_table(rows: list[Row]) -> None:
+    b1, b64 = (str(b) for b in BATCHES)
+    head = (
+        f"{'model':<12}{'signals':<8}{'target':>7}{'FLOPs':>8}{'params':>8}{'kept/mask':>16}"
+        f"{'speed-up':>10}{'speed-up':>10}{'eff':>7}{'eff':>7}{'spread':>8}  target"
+    )
+    sub = (
+        f"{'':<12}{'':<8}{'':>7}{'ratio':>8}{'ratio':>8}{'min/med/max':>16}"
+        f"{'b=' + b1:>10}{'b=' + b64:>10}{'b=' + b1:>7}{'b=' + b64:>7}{'b=' + b64:>8}  "
+        f"eff>={EFF_TARGET} @b={b64}"
+    )
+    print(head)
+    print(sub)
+    print("-" * len(sub))
+    for r in rows:
+        kept = f"{r.kept_min:.2f}/{r.kept_median:.2f}/{r.kept_max:.2f}"
+        met = "n/a (MLP)" if r.target_met is None else ("met" if r.target_met else "NOT met")
+        print(
+            f"{r.model:<12}{r.signals:<8}{r.target:>7.0%}{r.flops_ratio:>8.3f}{r.params_ratio:>8.3f}{kept:>16}"
+            f"{r.speedup[b1]:>9.2f}x{r.speedup[b64]:>9.2f}x{r.efficiency[b1]:>7.2f}"
+            f"{r.efficiency[b64]:>7.2f}{r.spread[b64]:>7.0%}  {met}"
+        )
+
+
+def plot(rows: list[Row], path: Path, threads: int, note: str = "") -> None:
+    """Speed-up against FLOPs reduction, with the lines y = x and y = 0.7 x."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.0, 5.4))
+    colours = dict(zip(MODELS, ("C0", "C1", "C2", "C3"), strict=True))
+    markers = {"fisher": "o", "random": "^"}
+    top = 1.0
+    for r in rows:
+        red = 1.0 / r.flops_ratio
+        top = max(top, red, *r.speedup.values())
+        for b in BATCHES:
+            ax.scatter(
+                red,
+                r.speedup[str(b)],
+                marker=markers.get(r.signals, "s"),
+                s=50,
+                facecolors=colours[r.model] if b == BATCHES[-1] else "none",
+                edgecolors=colours[r.model],
+            )
+    xs = [1.0, top * 1.1]
+    ax.plot(xs, xs, "k-", lw=1, label="y = x (latency falls as FLOPs do)")
+    ax.plot(xs, [EFF_TARGET * v for v in xs], "k--", lw=1, label=f"y = {EFF_TARGET}x (target)")
+    for name in sorted({r.model for r in rows}, key=list(MODELS).index):
+        ax.scatter([], [], marker="s", color=colours[name], label=name)
+    for mode in sorted({r.signals for r in rows}):
+        ax.scatter([], [], marker=markers.get(mode, "s"), color="grey", label=f"{mode} signals")
+    ax.scatter([], [], marker="o", facecolors="none", edgecolors="k", label=f"batch {BATCHES[0]}")
+    ax.scatter([], [], marker="o", color="k", label=f"batch {BATCHES[-1]} (filled)")
+    ax.set_xlabel("FLOPs reduction (dense / shrunk, FlopCounterMode)")
+    ax.set_ylabel("latency speed-up (dense / shrunk, CPU)")
+    ax.set_title(
+        f"fisherprune.shrink: CPU latency vs FLOPs ({threads} thread{'s' * (threads > 1)})"
+        + (f"\n{note}" if note else ""),
+        fontsize=10,
+    )
+    ax.set_xlim(0.9, top * 1.1)
+    ax.set_ylim(0, top * 1.1)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+FULL = Config(width=1.0, rounds=9, block_seconds=0.25, chunks=150, refresh=10, passes=2)
+QUICK = Config(width=0.5, rounds=3, block_seconds=0.04, chunks=20, refresh=10, passes=1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
+    ap.add_argument("--quick", action="store_true", help="half-width nets, fewer rounds")
+    ap.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
+    ap.add_argument(
+        "--signals",
+        nargs="*",
+        default=None,
+        choices=["fisher", "random"],
+        help="signal sources to prune with (default: fisher random; quick: fisher)",
+    )
+    ap.add_argument("--rounds", type=int, default=None, help="round-robin rounds (9; quick 3)")
+    ap.add_argument("--out", type=Path, default=None, help=f"JSON (default {DEFAULT_OUT})")
+    ap.add_argument("--plot", type=Path, default=None, help=f"PNG (default {DEFAULT_PLOT})")
+    args = ap.parse_args(argv)
+    cfg = QUICK if args.quick else FULL
+    if args.rounds:
+        cfg = dataclasses.replace(cfg, rounds=args.rounds)
+    signal_modes = args.signals or (["fisher"] if args.quick else ["fisher", "random"])
+    if args.quick:  # a quick run does not overwrite the full run's results
+        args.out = args.out or QUICK_OUT.with_suffix(".json")
+        args.plot = args.plot or QUICK_OUT.with_suffix(".png")
+    args.out, args.plot = args.out or DEFAULT_OUT, args.plot or DEFAULT_PLOT
+    torch.set_num_threads(args.threads)
+    with contextlib.suppress(RuntimeError):  # already set in this process
+        torch.set_num_interop_threads(1)
+    logging.getLogger("fisherprune").setLevel(logging.ERROR)
+    load_before = os.getloadavg()
+    t0 = time.perf_counter()
+    rows: list[Row] = []
+    prune_seconds: dict[str, dict[str, float]] = {}
+    checks: dict[str, float] = {}
+    for name in args.models:
+        print(f"{name}: pruning and timing...", file=sys.stderr, flush=True)
+        r, secs, checks[name] = run_model(name, MODELS[name], signal_modes, cfg)
+        rows += r
+        prune_seconds[name] = secs
+    load_after = os.getloadavg()
+    print(
+        f"\nfisherprune.shrink latency, torch {torch.__version__}, {args.threads} threads, "
+        f"{'quick' if args.quick else 'full'} run ({cfg.rounds} rounds), "
+        f"{time.perf_counter() - t0:.0f} s; load average before {load_before[0]:.2f}, "
+        f"after {load_after[0]:.2f} ({os.cpu_count()} CPUs)"
+    )
+    print_table(rows)
+    print(
+        "\neff = speed-up / FLOPs reduction = speed-up x FLOPs ratio; spread = max/min - 1 of "
+        "the per-round speed-ups at batch 64 (noise).\nkept/mask: the kept fraction of each "
+        "mask's channels (min/median/max over masks)."
+    )
+    if args.threads > 1:
+        print(
+            f"thread check (dense, batch {BATCHES[-1]}): latency with {args.threads} threads / "
+            "with 1 thread: " + ", ".join(f"{n} {v:.2f}" for n, v in checks.items())
+        )
+        if max(checks.values()) > 1.0:
+            print(
+                f"WARNING: {args.threads} threads are slower than 1 on this machine now: the CPUs "
+                "are shared and each op's worker threads wait for a CPU, so latency follows the "
+                "number of ops, not FLOPs. These figures are not meaningful; rerun with "
+                "--threads 1 or on a quiet machine."
+            )
+    if max(load_before[0], load_after[0]) > args.threads:
+        print(
+            "NOTE: the load average exceeded the thread count: other processes shared the CPUs; "
+            "ratios are side by side, but expect noise (see spread)."
+        )
+    result: dict[str, Any] = {
+        "benchmark": "export_speed",
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "fisherprune": fp.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "threads": args.threads,
+        "quick": args.quick,
+        "config": asdict(cfg),
+        "batches": list(BATCHES),
+        "targets": list(TARGETS),
+        "efficiency_target": EFF_TARGET,
+        "load_average_before": load_before,
+        "load_average_after": load_after,
+        "thread_check": checks,
+        "pruning": {
+            "method": "fisherprune.prune on signal / exact marginal FLOPs ('auto'), costs "
+            f"re-evaluated about {cfg.chunks} times; fisher: Fisher signals from "
+            f"{cfg.passes} backward pass(es) on random {SIGNAL_BATCH}-example batches every "
+            f"{cfg.refresh} re-evaluations (decay {DECAY}); random: i.i.d. log-normal signals",
+            "seconds": prune_seconds,
+        },
+        "rows": [asdict(r) for r in rows],
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    contended = args.threads > 1 and max(checks.values()) > 1.0
+    note = "CONTENDED: more threads were slower than 1; not meaningful" if contended else ""
+    plot(rows, args.plot, args.threads, note)
+    print(f"wrote {args.out} and {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,680 @@
+"""Write ``docs/benchmarks.md`` from the benchmarks' JSON files, without rerunning anything.
+
+Reads (each optional; a missing file is said so in the page):
+
+* ``benchmarks/results/quality.json`` (``benchmarks/quality.py``): accuracy at equal FLOPs, with
+  its plot ``docs/quality.png``;
+* ``benchmarks/results/overhead.json`` (``benchmarks/overhead.py``): training-step overhead;
+* ``benchmarks/results/export_speed.json`` (``benchmarks/export_speed.py``): latency of the
+  shrunk network, with its plot ``docs/export_speed.png``;
+* ``benchmarks/results/quality_<name>.json``: supplementary quality runs (other methods or
+  settings, ``--note`` says which), shown after the main run; ``*_quick.json`` files are skipped;
+* ``benchmarks/quality_findings.md``: the hand-written discussion of the quality numbers. Its
+  first line may be ``<!-- written for quality.json <timestamp> -->``; if that timestamp is not
+  the one in ``quality.json``, the page says the discussion was written for another run.
+
+The tables and the "what the numbers say" lists are computed here from the JSON, so they are
+always those of the files read. Run ``python benchmarks/make_report.py [--out docs/benchmarks.md]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import statistics
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+DOCS = ROOT / "docs"
+FINDINGS = ROOT / "benchmarks" / "quality_findings.md"
+
+# main-run methods shown again beside a supplementary run with the same checkpoints
+COMPARATORS = ("fisher_auto", "fisher_0", "taylor", "l1", "random")
+
+
+def _load(path: Path) -> dict[str, Any] | None:
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        print(f"cannot read {path}: {e}")
+        return None
+    return data if isinstance(data, dict) else {"value": data}
+
+
+def _rel(path: Path, out: Path) -> str:
+    """Path of ``path`` relative to the directory of ``out`` (for Markdown links)."""
+    try:
+        return str(path.resolve().relative_to(out.resolve().parent))
+    except ValueError:
+        return str(path)
+
+
+def _fmt(v: Any, digits: int = 3) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, float):
+        if math.isnan(v):
+            return "nan"
+        if v != 0 and (abs(v) >= 1e5 or abs(v) < 1e-3):
+            return f"{v:.3g}"
+        return f"{v:.{digits}f}".rstrip("0").rstrip(".") if "." in f"{v:.{digits}f}" else f"{v}"
+    return str(v)
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
+    out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    out += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return out
+
+
+def _environment(data: dict[str, Any]) -> str:
+    """One line: when, threads, machine and versions, from whichever keys a benchmark wrote."""
+    versions = data.get("versions")
+    if not isinstance(versions, dict):
+        versions = {
+            k.removesuffix("_version"): data[k]
+            for k in (
+                "python",
+                "torch",
+                "fisherprune",
+                "python_version",
+                "torch_version",
+                "fisherprune_version",
+            )
+            if isinstance(data.get(k), str)
+        }
+    vtxt = ", ".join(f"{k} {v}" for k, v in versions.items() if v) or "not recorded"
+    m = data.get("machine") if isinstance(data.get("machine"), dict) else data
+    cpu = m.get("cpu") or m.get("processor") or m.get("machine") or m.get("platform")
+    mtxt = ", ".join(str(x) for x in (cpu, f"{m.get('cpu_count', '?')} CPUs") if x)
+    threads = data.get("threads", "?")
+    jobs = data.get("jobs")
+    ttxt = f"{threads} torch thread(s)" + (f" x {jobs} worker process(es)" if jobs else "")
+    when = data.get("timestamp") or data.get("when") or data.get("date") or "?"
+    return f"Run {when}; {ttxt}; {mtxt}; {vtxt}."
+
+
+# ====================================================================== quality
+def _paired(
+    records: list[dict[str, Any]], a: str, b: str, panel: tuple[str, str], t: float
+) -> tuple[float, int, int, int] | None:
+    """Mean of acc(a) - acc(b) over seeds run by both, and a/b wins, ties."""
+    d, m = panel
+    acc: dict[str, dict[int, float]] = {a: {}, b: {}}
+    for r in records:
+        same = r["dataset"] == d and r["model"] == m and r["target"] == t
+        if same and "accuracy" in r and r["method"] in acc:
+            acc[r["method"]][r["seed"]] = r["accuracy"]
+    seeds = sorted(set(acc[a]) & set(acc[b]))
+    if not seeds:
+        return None
+    diffs = [acc[a][s] - acc[b][s] for s in seeds]
+    wins = sum(x > 1e-12 for x in diffs)
+    losses = sum(x < -1e-12 for x in diffs)
+    return statistics.fmean(diffs), wins, losses, len(seeds) - wins - losses
+
+
+def quality_section(q: dict[str, Any], out: Path) -> list[str]:
+    labels: dict[str, str] = q.get("method_labels", {})
+    summary: list[dict[str, Any]] = q.get("summary", [])
+    records: list[dict[str, Any]] = q.get("records", [])
+    dense: dict[str, dict[str, float]] = q.get("dense_summary", {})
+    s = q.get("settings", {})
+    lines = ["## Accuracy at equal FLOPs (`benchmarks/quality.py`)", ""]
+    lines.append(_environment(q) + f" Wall time {q.get('elapsed_s', 0) / 60:.1f} min.")
+    lines.append("")
+    if q.get("quick"):
+        lines += [
+            "**This is a `--quick` run (one seed, one panel): a smoke test, not a result.**",
+            "",
+        ]
+    cells = q.get("cells", {})
+    dense_rows = q.get("dense", [])
+    first = {f"{d['dataset']}/{d['model']}": d for d in dense_rows}
+    lines.append(
+        f"Protocol (details in the script's docstring): {q.get('seeds')} seed(s) per panel; the "
+        f"test split ({100 * s.get('test_fraction', 0.2):.0f}% of each data set, fixed) is used "
+        "only for the accuracies below. Every method starts from the same dense checkpoint "
+        "(per data set x model x seed) and gets the same steps: a pruning phase of fixed length "
+        f"(burn-in {s.get('burn_in')} steps, then one channel every {s.get('prune_every')} "
+        "steps until the target; the rest of the phase trains the pruned network) and "
+        f"{s.get('finetune_steps')} fine-tuning steps of the shrunk network (fresh SGD, lr "
+        f"{s.get('lr_finetune')}, cosine). Signal EMA decay {s.get('decay')}, batch "
+        f'{s.get("batch")}. FLOPs: `computational_cost(convention="flops")`, checked against '
+        "`FlopCounterMode` on every shrunk network."
+    )
+    lines.append("")
+    rows = []
+    for key, c in cells.items():
+        dn = dense.get(key, {})
+        info = first.get(key, {})
+        phase = info.get("phase_steps", {})
+        rows.append(
+            [
+                key,
+                f"{c.get('model')} width {c.get('width')}",
+                "x".join(str(v) for v in info.get("input_shape", [])),
+                f"{info.get('train_examples', '?')} / {info.get('test_examples', '?')}",
+                f"{info.get('dense_flops_counter', 0):,.0f}",
+                c.get("dense_steps"),
+                " / ".join(str(phase[k]) for k in sorted(phase, key=float, reverse=True)),
+                f"{100 * dn.get('accuracy_mean', float('nan')):.2f} ± "
+                f"{100 * dn.get('accuracy_std', float('nan')):.2f}",
+            ]
+        )
+    lines += _table(
+        [
+            "panel",
+            "model",
+            "input",
+            "train / test",
+            "dense FLOPs/example",
+            "dense steps",
+            "pruning-phase steps (50/25/10%)",
+            "dense test acc. %",
+        ],
+        rows,
+    )
+    lines.append("")
+    plot = DOCS / "quality.png"
+    if plot.is_file():
+        lines += [f"![accuracy against FLOPs fraction]({_rel(plot, out)})", ""]
+    panels = sorted({(r["dataset"], r["model"]) for r in summary})
+    lines += _panel_tables(summary, labels, panels, "###")
+    lines.append(
+        "Cells: test accuracy %, mean ± std over seeds [min–max] @ FLOPs fraction actually "
+        "reached (mean; FlopCounterMode on the shrunk network)."
+    )
+    lines.append("")
+    lines += _observations(q, panels, labels)
+    lines += _allocation(q, panels, labels)
+    problems = [
+        r for r in records if "error" in r or r.get("flops_match") is False or r.get("overrun")
+    ]
+    if problems:
+        lines += ["Runs with a problem:", ""]
+        for r in problems:
+            why = r.get("error") or (
+                "cost model and FlopCounterMode disagree"
+                if r.get("flops_match") is False
+                else "needed more steps than the pruning phase"
+            )
+            lines.append(
+                f"- {r['dataset']}/{r['model']} seed {r['seed']} {r['method']} {r['target']}: {why}"
+            )
+        lines.append("")
+    else:
+        checked = sum(1 for r in records if r.get("flops_match") is True)
+        lines += [
+            f"FLOPs check: on all {checked} shrunk networks of ours, the cost model's FLOPs equal "
+            "FlopCounterMode's exactly; every run reached its target within the pruning phase.",
+            "",
+        ]
+    if q.get("skipped_methods"):
+        lines += [f"Skipped (not installed): {', '.join(q['skipped_methods'])}.", ""]
+    return lines
+
+
+def _panel_tables(
+    summary: list[dict[str, Any]],
+    labels: dict[str, str],
+    panels: list[tuple[str, str]],
+    level: str,
+) -> list[str]:
+    """One table per panel: methods as rows, targets as columns."""
+    lines: list[str] = []
+    for d, m in panels:
+        rs = [r for r in summary if r["dataset"] == d and r["model"] == m]
+        targets = sorted({r["target"] for r in rs}, reverse=True)
+        methods = [k for k in labels if any(r["method"] == k for r in rs)]
+        lines += [f"{level} {d} / {m}", ""]
+        header = ["method"] + [f"{round(100 * t)}% FLOPs" for t in targets]
+        body = []
+        for k in methods:
+            row: list[Any] = [labels.get(k, k)]
+            for t in targets:
+                r = next((x for x in rs if x["method"] == k and x["target"] == t), None)
+                if r is None:
+                    row.append("-")
+                    continue
+                row.append(
+                    f"{100 * r['accuracy_mean']:.2f} ± {100 * r['accuracy_std']:.2f} "
+                    f"[{100 * r['accuracy_min']:.1f}–{100 * r['accuracy_max']:.1f}] "
+                    f"@{r['flops_fraction_mean']:.3f}"
+                )
+            body.append(row)
+        lines += _table(header, body)
+        lines.append("")
+    return lines
+
+
+def supplementary_section(q: dict[str, Any], extra: dict[str, Any], name: str) -> list[str]:
+    """A supplementary quality run (``quality_*.json``), next to the main run when comparable.
+
+    When its settings equal the main run's, the dense checkpoints and batches are the same, so
+    the main run's rows for the same panels are shown beside it and compared seed by seed.
+    """
+    labels: dict[str, str] = dict(extra.get("method_labels", {}))
+    note = extra.get("note") or "supplementary run"
+    lines = [f"### Supplementary: {note} (`benchmarks/results/{name}`)", ""]
+    lines.append(_environment(extra) + f" Wall time {extra.get('elapsed_s', 0) / 60:.1f} min.")
+    lines.append("")
+    main_s, s = q.get("settings", {}), extra.get("settings", {})
+    diff = {k: v for k, v in s.items() if main_s.get(k) != v}
+
+    def dense_acc(run: dict[str, Any]) -> dict[tuple[str, str, int], float]:
+        return {(x["dataset"], x["model"], x["seed"]): x["dense_accuracy"] for x in run["dense"]}
+
+    ours_dense, main_dense = dense_acc(extra), dense_acc(q)
+    same_dense = all(main_dense.get(k) == v for k, v in ours_dense.items())
+    same = not diff and extra.get("seeds") == q.get("seeds") and same_dense
+    if diff:
+        lines += [
+            "Settings that differ from the main run: "
+            + ", ".join(f"{k} = {v} (main: {main_s.get(k)})" for k, v in diff.items())
+            + ".",
+            "",
+        ]
+    summary: list[dict[str, Any]] = list(extra.get("summary", []))
+    records: list[dict[str, Any]] = list(extra.get("records", []))
+    panels = sorted({(r["dataset"], r["model"]) for r in summary})
+    if same:
+        lines += [
+            "Same settings and seeds as the main run, and the same dense test accuracies seed "
+            "by seed (the same dense checkpoints and batches): the main run's rows are repeated "
+            "for comparison.",
+            "",
+        ]
+        ours = set(labels)
+        shown = [k for k in COMPARATORS if k not in ours]
+        for r in q.get("summary", []):
+            if (r["dataset"], r["model"]) in panels and r["method"] in shown:
+                summary.append(r)
+        for r in q.get("records", []):
+            if (r["dataset"], r["model"]) in panels and r["method"] in shown:
+                records.append(r)
+        labels = {**q.get("method_labels", {}), **labels}
+    dsum = extra.get("dense_summary", {})
+    for key, dn in dsum.items():
+        lines.append(
+            f"- dense {key}: {100 * dn['accuracy_mean']:.2f} ± {100 * dn['accuracy_std']:.2f}%"
+        )
+    lines.append("")
+    lines += _panel_tables(summary, labels, panels, "####")
+    merged = {**extra, "summary": summary, "records": records}
+    lines += _observations(merged, panels, labels, heading=False)
+    if diff and same_dense:
+        lines += _versus_main(q, extra, panels, labels, diff)
+    return lines
+
+
+def _versus_main(
+    q: dict[str, Any],
+    extra: dict[str, Any],
+    panels: list[tuple[str, str]],
+    labels: dict[str, str],
+    diff: dict[str, Any],
+) -> list[str]:
+    """Same dense checkpoints, other settings: this run minus the main run, seed by seed."""
+    main_acc = {
+        (r["dataset"], r["model"], r["method"], r["target"], r["seed"]): r["accuracy"]
+        for r in q.get("records", [])
+        if "accuracy" in r
+    }
+    rows = []
+    for d, m in panels:
+        for k in labels:
+            for t in sorted({r["target"] for r in extra.get("records", [])}, reverse=True):
+                pairs = [
+                    (r["accuracy"], main_acc[(d, m, k, t, r["seed"])])
+                    for r in extra.get("records", [])
+                    if (r["dataset"], r["model"], r["method"], r["target"]) == (d, m, k, t)
+                    and "accuracy" in r
+                    and (d, m, k, t, r["seed"]) in main_acc
+                ]
+                if not pairs:
+                    continue
+                new = statistics.fmean(a for a, _ in pairs)
+                old = statistics.fmean(b for _, b in pairs)
+                rows.append(
+                    [
+                        f"{d}/{m}",
+                        labels.get(k, k),
+                        f"{round(100 * t)}%",
+                        f"{100 * old:.2f}",
+                        f"{100 * new:.2f}",
+                        f"{100 * (new - old):+.2f}",
+                    ]
+                )
+    if not rows:
+        return []
+    what = ", ".join(f"{k} {v}" for k, v in diff.items())
+    return [
+        f"Against the main run (same dense checkpoints; only {what} differs), mean over seeds:",
+        "",
+        *_table(["panel", "method", "FLOPs", "main run %", "this run %", "change"], rows),
+        "",
+    ]
+
+
+def _observations(
+    q: dict[str, Any],
+    panels: list[tuple[str, str]],
+    labels: dict[str, str],
+    heading: bool = True,
+) -> list[str]:
+    summary: list[dict[str, Any]] = q.get("summary", [])
+    records: list[dict[str, Any]] = q.get("records", [])
+    lines = ["### What the numbers say (computed from the JSON)", ""] if heading else []
+    lines.append(
+        "Paired by seed (same dense checkpoint, same batches): mean accuracy difference in "
+        "percentage points, and on how many seeds the first method was better / worse / equal."
+    )
+    lines.append("")
+    for d, m in panels:
+        rs = [r for r in summary if r["dataset"] == d and r["model"] == m]
+        for t in sorted({r["target"] for r in rs}, reverse=True):
+            at = sorted((r for r in rs if r["target"] == t), key=lambda r: -r["accuracy_mean"])
+            if not at:
+                continue
+            best = at[0]
+            fa = next((r for r in at if r["method"] == "fisher_auto"), None)
+            rank = at.index(fa) + 1 if fa else None
+            parts = [
+                f"best {labels.get(best['method'], best['method'])} "
+                f"{100 * best['accuracy_mean']:.2f}%"
+            ]
+            if fa is not None:
+                parts.append(f"Fisher auto ranks {rank} of {len(at)}")
+                comps = []
+                for other in at:
+                    if other["method"] == "fisher_auto":
+                        continue
+                    p = _paired(records, "fisher_auto", other["method"], (d, m), t)
+                    if p is None:
+                        continue
+                    diff, w, lo, tie = p
+                    comps.append(f"{other['method']} {100 * diff:+.2f} ({w}/{lo}/{tie})")
+                if comps:
+                    parts.append("Fisher auto minus: " + ", ".join(comps))
+            lines.append(f"- **{d}/{m} at {round(100 * t)}%**: " + "; ".join(parts) + ".")
+    lines.append("")
+    # spread: how large is seed noise compared with the gaps
+    stds = [r["accuracy_std"] for r in summary if r["n"] > 1]
+    if stds:
+        lines.append(
+            f"Seed spread: the median std over seeds of one method at one target is "
+            f"{100 * statistics.median(stds):.2f} points (largest {100 * max(stds):.2f}); "
+            "differences smaller than that are not evidence of anything."
+        )
+        lines.append("")
+    return lines
+
+
+def _short(name: str) -> str:
+    """``fisherprune_masks.blocks_2_conv2:out`` -> ``blocks_2_conv2``."""
+    return name.rpartition(".")[2].removesuffix(":out")
+
+
+def _allocation(
+    q: dict[str, Any], panels: list[tuple[str, str]], labels: dict[str, str]
+) -> list[str]:
+    """Channels kept per group at the lowest target, mean over seeds (where methods differ)."""
+    records: list[dict[str, Any]] = q.get("records", [])
+    lines: list[str] = []
+    for d, m in panels:
+        rs = [r for r in records if r["dataset"] == d and r["model"] == m and "kept" in r]
+        if not rs:
+            continue
+        low = min(r["target"] for r in rs)
+        ours = [r for r in rs if r["target"] == low and not r["method"].startswith("tp_")]
+        tps = [r for r in rs if r["target"] == low and r["method"].startswith("tp_")]
+        groups = list(ours[0]["kept"]) if ours else []
+        if not groups:
+            continue
+        sizes = next(
+            (
+                x.get("groups", {})
+                for x in q.get("dense", [])
+                if x["dataset"] == d and x["model"] == m
+            ),
+            {},
+        )
+        if not lines:
+            lines += [
+                "### Where the channels went",
+                "",
+                "Channels kept per channel group at the lowest target (mean over seeds"
+                + ("; the dense count in brackets" if sizes else "")
+                + "), and the mean test accuracy there. Torch-Pruning reports per conv "
+                "layer, listed after its accuracy.",
+                "",
+            ]
+        lines.append(f"{d} / {m} at {round(100 * low)}% FLOPs:")
+        lines.append("")
+        header = [
+            "method",
+            *[f"{_short(g)} ({sizes[g]})" if g in sizes else _short(g) for g in groups],
+            "acc. %",
+        ]
+        body = []
+        for k in labels:
+            mine = [r for r in ours if r["method"] == k]
+            if not mine:
+                continue
+            kept = [statistics.fmean(r["kept"][g] for r in mine) for g in groups]
+            acc = statistics.fmean(r["accuracy"] for r in mine)
+            body.append([labels[k], *[f"{v:.1f}" for v in kept], f"{100 * acc:.1f}"])
+        lines += _table(header, body)
+        for k in labels:
+            mine = [r for r in tps if r["method"] == k]
+            if not mine:
+                continue
+            convs = list(mine[0]["kept"])
+            kept_txt = ", ".join(
+                f"{c} {statistics.fmean(r['kept'][c] for r in mine):.1f}" for c in convs
+            )
+            acc = statistics.fmean(r["accuracy"] for r in mine)
+            lines.append("")
+            lines.append(f"- {labels[k]}: {100 * acc:.1f}%; kept per conv: {kept_txt}")
+        lines.append("")
+    return lines
+
+
+def _findings(q: dict[str, Any] | None) -> list[str]:
+    if not FINDINGS.is_file():
+        return []
+    text = FINDINGS.read_text()
+    lines = text.splitlines()
+    note: list[str] = []
+    m = re.match(r"<!--\s*written for quality.json\s+(\S+)\s*-->", lines[0]) if lines else None
+    if m and q is not None and m.group(1) != q.get("timestamp"):
+        note = [
+            f"> Note: this discussion was written for the run of {m.group(1)}; the tables above "
+            f"are from the run of {q.get('timestamp')}. Check it against them.",
+            "",
+        ]
+    body = lines[1:] if m else lines
+    return note + body + [""]
+
+
+# ====================================================================== overhead
+def overhead_section(o: dict[str, Any]) -> list[str]:
+    lines = ["## Training-step overhead (`benchmarks/overhead.py`)", "", _environment(o), ""]
+    variants: dict[str, str] = o.get("variants", {})
+    models: dict[str, Any] = o.get("models", {})
+    if not models:
+        lines += ["(no per-model results in the file)", ""]
+        return lines
+    rows = []
+    for name, mres in models.items():
+        for v, vr in mres.get("variants", {}).items():
+            rows.append(
+                [
+                    name,
+                    f"{v}: {variants.get(v, '')}".strip(": "),
+                    _fmt(vr.get("median_ms")),
+                    _fmt(vr.get("ratio_to_a")),
+                    _fmt(vr.get("paired_ratio_to_a")),
+                ]
+            )
+    lines += _table(["model", "variant", "ms / step (median)", "ratio to a", "paired ratio"], rows)
+    lines.append("")
+    for name, mres in models.items():
+        if mres.get("architecture"):
+            lines.append(f"- `{name}`: {mres['architecture']}")
+    lines.append("")
+    for t in o.get("targets", []):
+        verdict = "met" if t.get("met") else "missed"
+        if t.get("reliable") is False:
+            verdict += " (unreliable: CPU contention)"
+        lines.append(
+            f"- target {t.get('model')} {t.get('ratio')} ≤ {t.get('limit')}: "
+            f"{_fmt(t.get('value'))} → {verdict}"
+        )
+    stall = o.get("cpu_stall_fraction")
+    if stall is not None:
+        lines.append(f"- CPU contention while timing (Linux PSI): {100 * stall:.0f}% of the time")
+    lines.append("")
+    return lines
+
+
+# ====================================================================== export speed
+def _row_dicts(data: Any, depth: int = 0) -> list[dict[str, Any]] | None:
+    """The first list of flat dicts found in ``data`` (for a generic table)."""
+    if depth > 3:
+        return None
+    if isinstance(data, list) and data and all(isinstance(x, dict) for x in data):
+        return data
+    if isinstance(data, dict):
+        for key in ("results", "rows", "records", "models", "summary"):
+            if key in data:
+                found = _row_dicts(data[key], depth + 1)
+                if found:
+                    return found
+                if isinstance(data[key], dict) and all(
+                    isinstance(v, dict) for v in data[key].values()
+                ):
+                    return [{"name": k, **v} for k, v in data[key].items()]
+    return None
+
+
+def _flat(row: dict[str, Any], skip: Sequence[str] = ()) -> dict[str, Any]:
+    """Scalars of ``row``; a dict of scalars becomes one column per key (``speedup b64``)."""
+    out: dict[str, Any] = {}
+    for k, v in row.items():
+        if k in skip:
+            continue
+        if isinstance(v, dict):
+            for kk, vv in v.items():
+                if not isinstance(vv, (dict, list)):
+                    out[f"{k} {kk}"] = vv
+        elif not isinstance(v, list):
+            out[k] = v
+    return out
+
+
+def export_section(e: dict[str, Any], out: Path) -> list[str]:
+    lines = ["## Export speed (`benchmarks/export_speed.py`)", "", _environment(e), ""]
+    if e.get("quick"):
+        lines += ["**This is a `--quick` run.**", ""]
+    plot = DOCS / "export_speed.png"
+    if plot.is_file():
+        lines += [f"![latency speed-up against FLOPs ratio]({_rel(plot, out)})", ""]
+    rows = _row_dicts(e)
+    if rows:
+        # latencies in seconds are in the JSON; the table keeps the ratios
+        flat = [_flat(r, skip=("latency_dense", "latency_shrunk")) for r in rows]
+        keys: list[str] = []
+        for r in flat:
+            keys += [k for k in r if k not in keys]
+        lines += _table(keys, [[_fmt(r.get(k)) for k in keys] for r in flat])
+        lines.append("")
+    else:
+        lines += ["(no table found in the file; see the JSON)", ""]
+    for key in ("pruning", "efficiency_target"):
+        v = e.get(key)
+        if isinstance(v, dict) and "method" in v:
+            lines.append(f"- pruning: {v['method']}")
+        elif v is not None and not isinstance(v, dict):
+            lines.append(f"- {key.replace('_', ' ')}: {_fmt(v)}")
+    lines.append("")
+    return lines
+
+
+# ====================================================================== main
+def build(out: Path, results: Path = RESULTS) -> str:
+    """The Markdown page for the JSON files in ``results``."""
+    q = _load(results / "quality.json")
+    o = _load(results / "overhead.json")
+    e = _load(results / "export_speed.json")
+    lines = [
+        "# Benchmarks",
+        "",
+        "Generated by `benchmarks/make_report.py` from `benchmarks/results/*.json` "
+        "(`benchmarks/run_all` reruns everything). Each benchmark records the versions, thread "
+        "count and machine it ran on; this machine is a shared 2-core x86_64 box, so timings "
+        "are ratios taken side by side within one run.",
+        "",
+    ]
+    if q is not None:
+        lines += quality_section(q, out)
+        for path in sorted(results.glob("quality_*.json")):
+            extra = _load(path)
+            if extra is None or extra.get("quick") or path.stem.endswith("_quick"):
+                continue  # smoke runs are not results
+            if extra.get("benchmark") == "quality":
+                lines += supplementary_section(q, extra, path.name)
+        lines += _findings(q)
+    else:
+        lines += [
+            "## Accuracy at equal FLOPs",
+            "",
+            "`benchmarks/results/quality.json` is missing: run `python benchmarks/quality.py`.",
+            "",
+        ]
+    if o is not None:
+        lines += overhead_section(o)
+    else:
+        lines += [
+            "## Training-step overhead",
+            "",
+            "`benchmarks/results/overhead.json` is missing: run `python benchmarks/overhead.py`.",
+            "",
+        ]
+    if e is not None:
+        lines += export_section(e, out)
+    else:
+        lines += [
+            "## Export speed",
+            "",
+            "`benchmarks/results/export_speed.json` is missing: run "
+            "`python benchmarks/export_speed.py`.",
+            "",
+        ]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, default=DOCS / "benchmarks.md", help="Markdown output")
+    p.add_argument("--results", type=Path, default=RESULTS, help="directory of the JSON files")
+    args = p.parse_args(argv)
+    text = build(args.out, args.results)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(text)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,590 @@
+"""Training-step overhead of fisherprune's masks and Fisher signal, measured side by side.
+
+What is measured
+----------------
+Wall-clock time of one training step -- ``zero_grad``, forward, cross-entropy loss,
+``loss.backward()``, ``optimizer.step()`` (SGD, momentum 0.9) -- at batch 64 on CPU, for two
+small models fed synthetic data of the right shape:
+
+* ``mlp``: 784-512-256-10, a MaskLayer after each hidden ReLU;
+* ``cnn``: 1x28x28 input, conv16-BN-ReLU-mask-maxpool, conv32-BN-ReLU-mask-maxpool, flatten,
+  fc (the "small CNN, ~10 ms per step" of docs ENV.md),
+
+each in four variants:
+
+* ``a`` plain: the same network without any MaskLayer (the reference);
+* ``b`` collecting: MaskLayers with ``collecting = True``; each step also calls
+  ``fisherprune.update_pruning_signals(masks, decay)``, so the per-example mask gradient is
+  gathered inside the ordinary backward and folded into the signal EMA;
+* ``c`` pruned: MaskLayers with half of each mask's channels zeroed and ``collecting = False``
+  (pruning is over; masks only multiply, no signal work);
+* ``d`` naive: the ordinary step of ``c`` with all-ones masks, plus the same signal computed the
+  textbook way: per-example gradients of the loss with respect to the masks by
+  ``torch.func.vmap(torch.func.grad(...))`` over ``functional_call``, then
+  ``Delta = 1/2 * mean_n g^2`` folded into the EMA. BatchNorm is evaluated with its running
+  statistics (eval mode) inside this per-example pass: in train mode the examples of a batch
+  interact through the batch statistics, so "the gradient of one example's loss" is not defined.
+
+Before timing, a check computes the signal of one batch both ways (fisherprune's in-backward
+estimate and the ``vmap`` estimate, both models in eval mode so that they are the same function)
+and stops if they disagree: ``d`` is a baseline for the same quantity, not a different one.
+
+Method: ``torch.set_num_threads`` is pinned (``--threads``); every variant is warmed up; then,
+for each model, ``--rounds`` rounds each run a block of ``--steps`` steps of every variant, in
+round-robin order (rotated every round), with the garbage collector off inside a block. Each step
+is timed on its own and a block is summarised by its median step, so a stall caused by another
+process on this shared 2-core machine (seen here: single steps 10-30x slower) does not swamp the
+block. A variant's figure is the median over rounds of its block medians; its ratio is that over
+the plain variant's figure from the same run (``paired`` is the median over rounds of the
+per-round ratio, a check against drift). The issue's targets on the CNN are ``b/a <= 1.10`` and
+``c/a <= 1.02``; whether each is met is printed and stored as measured, with a 95% bootstrap
+interval over rounds (when it spans the limit, the run cannot tell) and the number of rounds in
+which Linux PSI saw other tasks waiting for a CPU (above 20% of rounds the verdict is flagged
+unreliable). ``--wait-quiet SECONDS`` first waits for the machine to go quiet.
+
+Run ``python benchmarks/overhead.py`` (about 2-3 minutes) or ``--quick`` (well under a minute);
+the table is printed and the JSON written to ``--out`` (default
+``benchmarks/results/overhead.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.func import functional_call, grad, vmap
+
+import fisherprune
+from fisherprune import MaskLayer
+
+BATCH = 64
+NUM_CLASSES = 10
+DECAY = 0.96
+LR = 0.01
+MOMENTUM = 0.9
+NUM_BATCHES = 4  # distinct synthetic batches cycled through
+SIGNAL_RTOL = 1e-3  # relative agreement required between the in-backward and vmap signals
+QUIET_PSI_AVG10 = 5.0  # --wait-quiet: start once PSI cpu "some avg10" is below this (%)
+MAX_STALL = 0.10  # a round in which tasks waited for a CPU more than this share is "contended"
+MAX_CONTENDED_ROUNDS = 0.20  # a verdict is unreliable above this share of contended rounds
+TARGETS: tuple[tuple[str, str, float], ...] = (("cnn", "b", 1.10), ("cnn", "c", 1.02))
+VARIANTS: dict[str, str] = {
+    "a": "plain (no masks)",
+    "b": "masks, collecting",
+    "c": "masks, pruned 50%, not collecting",
+    "d": "naive per-example (vmap)",
+}
+DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "overhead.json"
+
+StepFn = Callable[[Tensor, Tensor], None]
+
+
+# ------------------------------------------------------------------ models
+def build_mlp(masked: bool) -> nn.Sequential:
+    """784-512-256-10 MLP; with ``masked`` a MaskLayer follows each hidden ReLU."""
+    layers: list[nn.Module] = [nn.Flatten(), nn.Linear(784, 512), nn.ReLU()]
+    if masked:
+        layers.append(MaskLayer(512))
+    layers += [nn.Linear(512, 256), nn.ReLU()]
+    if masked:
+        layers.append(MaskLayer(256))
+    layers.append(nn.Linear(256, NUM_CLASSES))
+    return nn.Sequential(*layers)
+
+
+def build_cnn(masked: bool) -> nn.Sequential:
+    """conv16-BN-ReLU-[mask]-pool, conv32-BN-ReLU-[mask]-pool, fc; input (N, 1, 28, 28)."""
+    layers: list[nn.Module] = []
+    for c_in, c_out in ((1, 16), (16, 32)):
+        layers += [nn.Conv2d(c_in, c_out, 3, padding=1), nn.BatchNorm2d(c_out), nn.ReLU()]
+        if masked:
+            layers.append(MaskLayer(c_out))
+        layers.append(nn.MaxPool2d(2))  # (N, C, 28, 28) -> (N, C, 14, 14) -> (N, C, 7, 7)
+    layers += [nn.Flatten(), nn.Linear(32 * 7 * 7, NUM_CLASSES)]
+    return nn.Sequential(*layers)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    description: str
+    build: Callable[[bool], nn.Sequential]
+    input_shape: tuple[int, ...]  # one example
+
+
+MODELS: dict[str, ModelSpec] = {
+    "mlp": ModelSpec("mlp", "784-512-ReLU-mask-256-ReLU-mask-10", build_mlp, (784,)),
+    "cnn": ModelSpec(
+        "cnn",
+        "1x28x28: conv16-BN-ReLU-mask-pool, conv32-BN-ReLU-mask-pool, fc10",
+        build_cnn,
+        (1, 28, 28),
+    ),
+}
+
+
+def make_model(spec: ModelSpec, masked: bool) -> nn.Sequential:
+    """The same initial weights for every variant (MaskLayers hold no parameters)."""
+    torch.manual_seed(0)
+    return spec.build(masked)
+
+
+def make_batches(spec: ModelSpec, count: int) -> list[tuple[Tensor, Tensor]]:
+    gen = torch.Generator().manual_seed(1)
+    return [
+        (
+            torch.randn((BATCH, *spec.input_shape), generator=gen),
+            torch.randint(0, NUM_CLASSES, (BATCH,), generator=gen),
+        )
+        for _ in range(count)
+    ]
+
+
+# ------------------------------------------------------------------ naive signal
+class PerExampleSignal:
+    """``Delta_k = 1/2 * mean_n g[n, k]^2`` from per-example mask gradients by vmap(grad(...)).
+
+    The model's masks must not be collecting (``_MaskMultiply`` has no vmap rule); each mask
+    buffer is swapped for a differentiated input through ``functional_call``.
+    """
+
+    def __init__(self, model: nn.Module, masks: dict[str, MaskLayer]) -> None:
+        self.model = model
+        self.masks = masks
+        self.mask_keys = {name: f"{name}.mask" for name in masks}
+        self.has_batchnorm = any(
+            isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()
+        )
+        self._per_example_grad = vmap(grad(self._loss_one), in_dims=(None, None, 0, 0))
+
+    def _loss_one(
+        self, mask_values: dict[str, Tensor], rest: dict[str, Tensor], x: Tensor, y: Tensor
+    ) -> Tensor:
+        out = functional_call(self.model, {**rest, **mask_values}, (x.unsqueeze(0),))
+        return F.cross_entropy(out, y.unsqueeze(0))
+
+    def estimate(self, x: Tensor, y: Tensor) -> dict[str, Tensor]:
+        """Per mask name, the batch estimate of shape (C,)."""
+        mask_keys = set(self.mask_keys.values())
+        state = {
+            k: v.detach()
+            for k, v in (*self.model.named_parameters(), *self.model.named_buffers())
+            if k not in mask_keys
+        }
+        mask_values = {key: self.masks[name].mask for name, key in self.mask_keys.items()}
+        was_training = self.model.training
+        if self.has_batchnorm:
+            self.model.eval()  # BN from running statistics: see the module docstring
+        try:
+            g = self._per_example_grad(mask_values, state, x, y)  # {key: (N, C)}
+        finally:
+            self.model.train(was_training)
+        return {name: 0.5 * g[key].pow(2).mean(0) for name, key in self.mask_keys.items()}
+
+    def update(self, x: Tensor, y: Tensor, decay: float) -> None:
+        """Fold this batch's estimate into each ``mask.signal`` (same EMA as fisherprune)."""
+        with torch.no_grad():
+            for name, est in self.estimate(x, y).items():
+                self.masks[name].signal.mul_(decay).add_(est, alpha=1.0 - decay)
+
+
+def check_signal(spec: ModelSpec) -> dict[str, Any]:
+    """Compare fisherprune's in-backward estimate with the vmap one on one batch (eval mode)."""
+    model = make_model(spec, masked=True).eval()
+    masks = fisherprune.find_masks(model)
+    x, y = make_batches(spec, 1)[0]
+    F.cross_entropy(model(x), y).backward()
+    fisherprune.update_pruning_signals(masks, decay=0.0)  # signal = this batch's estimate
+    ours = {n: m.signal.clone() for n, m in masks.items()}
+    for m in masks.values():
+        m.collecting = False
+    naive = PerExampleSignal(model, masks).estimate(x, y)
+    worst = 0.0
+    for n in masks:
+        scale = float(naive[n].abs().max().clamp_min(1e-30))
+        worst = max(worst, float((ours[n] - naive[n]).abs().max()) / scale)
+    return {"max_rel_diff": worst, "rtol": SIGNAL_RTOL, "ok": worst <= SIGNAL_RTOL}
+
+
+# ------------------------------------------------------------------ variants
+def make_step(
+    model: nn.Module,
+    after_backward: Callable[[Tensor, Tensor], None] | None = None,
+    after_step: Callable[[], None] | None = None,
+) -> StepFn:
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    model.train()
+
+    def step(x: Tensor, y: Tensor) -> None:
+        opt.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        if after_backward is not None:
+            after_backward(x, y)
+        opt.step()
+        if after_step is not None:
+            after_step()
+
+    return step
+
+
+def make_variants(spec: ModelSpec, decay: float) -> dict[str, StepFn]:
+    steps: dict[str, StepFn] = {"a": make_step(make_model(spec, masked=False))}
+
+    model_b = make_model(spec, masked=True)
+    masks_b = fisherprune.find_masks(model_b)
+    steps["b"] = make_step(
+        model_b, after_step=lambda: fisherprune.update_pruning_signals(masks_b, decay)
+    )
+
+    model_c = make_model(spec, masked=True)
+    with torch.no_grad():
+        for m in fisherprune.find_masks(model_c).values():
+            m.mask[: m.num_channels // 2] = 0.0
+            m.collecting = False
+    steps["c"] = make_step(model_c)
+
+    model_d = make_model(spec, masked=True)
+    masks_d = fisherprune.find_masks(model_d)
+    for m in masks_d.values():
+        m.collecting = False
+    naive = PerExampleSignal(model_d, masks_d)
+    steps["d"] = make_step(model_d, after_backward=lambda x, y: naive.update(x, y, decay))
+    return steps
+
+
+# ------------------------------------------------------------------ timing
+def time_block(step: StepFn, batches: Sequence[tuple[Tensor, Tensor]], steps: int) -> list[float]:
+    """Wall-clock ms of each of ``steps`` consecutive steps, garbage collector off."""
+    gc.collect()
+    gc.disable()
+    times: list[float] = []
+    try:
+        for i in range(steps):
+            x, y = batches[i % len(batches)]
+            t0 = time.perf_counter()
+            step(x, y)
+            times.append((time.perf_counter() - t0) * 1e3)
+    finally:
+        gc.enable()
+    return times
+
+
+@dataclass
+class ModelResult:
+    spec: ModelSpec
+    # variant -> one entry per round: the median / the mean of that block's per-step ms
+    times: dict[str, list[float]] = field(default_factory=dict)
+    means: dict[str, list[float]] = field(default_factory=dict)
+    round_stall: list[float | None] = field(default_factory=list)  # CPU contention per round
+
+    def median(self, v: str) -> float:
+        return statistics.median(self.times[v])
+
+    def ratio(self, v: str) -> float:
+        return self.median(v) / self.median("a")
+
+    def paired_ratio(self, v: str) -> float:
+        return statistics.median(t / a for t, a in zip(self.times[v], self.times["a"], strict=True))
+
+    def contended_rounds(self) -> int:
+        """Rounds in which tasks waited for a CPU more than ``MAX_STALL`` of the time."""
+        return sum(1 for st in self.round_stall if st is not None and st > MAX_STALL)
+
+    def ratio_ci(self, v: str, resamples: int = 2000) -> tuple[float, float]:
+        """95% bootstrap interval of ``ratio(v)``, resampling whole rounds (keeps pairing)."""
+        rng = random.Random(0)
+        n = len(self.times["a"])
+        ratios = []
+        for _ in range(resamples):
+            idx = [rng.randrange(n) for _ in range(n)]
+            num = statistics.median(self.times[v][i] for i in idx)
+            ratios.append(num / statistics.median(self.times["a"][i] for i in idx))
+        ratios.sort()
+        return ratios[int(0.025 * resamples)], ratios[int(0.975 * resamples) - 1]
+
+
+def run_model(spec: ModelSpec, args: argparse.Namespace) -> ModelResult:
+    variants = make_variants(spec, DECAY)
+    batches = make_batches(spec, NUM_BATCHES)
+    for step in variants.values():
+        time_block(step, batches, args.warmup)
+    keys = list(variants)
+    result = ModelResult(spec, {k: [] for k in keys}, {k: [] for k in keys})
+    for r in range(args.rounds):
+        shift = r % len(keys)
+        stall_start, t0 = cpu_stall_us(), time.perf_counter()
+        for k in keys[shift:] + keys[:shift]:
+            block = time_block(variants[k], batches, args.steps)
+            result.times[k].append(statistics.median(block))
+            result.means[k].append(statistics.fmean(block))
+        result.round_stall.append(
+            stall_fraction(stall_start, cpu_stall_us(), time.perf_counter() - t0)
+        )
+        if sys.stderr.isatty():
+            print(f"  {spec.name}: round {r + 1}/{args.rounds}", file=sys.stderr, end="\r")
+    if sys.stderr.isatty():
+        print(file=sys.stderr)
+    return result
+
+
+# ------------------------------------------------------------------ report
+def quartiles(xs: Sequence[float]) -> tuple[float, float]:
+    if len(xs) < 2:
+        return xs[0], xs[0]
+    q = statistics.quantiles(xs, n=4, method="inclusive")
+    return q[0], q[2]
+
+
+def print_table(results: Sequence[ModelResult]) -> None:
+    header = f"{'model':<5} {'variant':<38} {'ms/step':>8} {'IQR':>15} {'ratio':>6} {'paired':>7}"
+    print(header)
+    print("-" * len(header))
+    for res in results:
+        for v, label in VARIANTS.items():
+            q1, q3 = quartiles(res.times[v])
+            print(
+                f"{res.spec.name:<5} {f'({v}) {label}':<38} {res.median(v):>8.3f} "
+                f"{f'{q1:.2f}-{q3:.2f}':>15} {res.ratio(v):>6.3f} {res.paired_ratio(v):>7.3f}"
+            )
+
+
+def evaluate_targets(results: Sequence[ModelResult]) -> list[dict[str, Any]]:
+    """Each target's measured ratio, its 95% interval over rounds, and whether it is met.
+
+    ``met`` compares the point estimate with the limit. ``resolved`` says whether the whole
+    interval lies on one side of the limit (otherwise the run cannot tell). ``reliable`` is
+    False when more than ``MAX_CONTENDED_ROUNDS`` of the model's rounds had CPU contention.
+    """
+    by_name = {r.spec.name: r for r in results}
+    out = []
+    for model, variant, limit in TARGETS:
+        if model not in by_name:
+            continue
+        res = by_name[model]
+        value = res.ratio(variant)
+        lo, hi = res.ratio_ci(variant)
+        contended = res.contended_rounds()
+        out.append(
+            {
+                "model": model,
+                "ratio": f"{variant}/a",
+                "limit": limit,
+                "value": value,
+                "ci95": [lo, hi],
+                "paired_value": res.paired_ratio(variant),
+                "met": value <= limit,
+                "resolved": hi <= limit or lo > limit,
+                "contended_rounds": contended,
+                "reliable": contended <= MAX_CONTENDED_ROUNDS * len(res.round_stall),
+            }
+        )
+    return out
+
+
+def verdict(t: dict[str, Any]) -> str:
+    text = "met" if t["met"] else "MISSED"
+    if not t["resolved"]:
+        text += " (within noise: the 95% interval spans the limit)"
+    if not t["reliable"]:
+        text += f" (unreliable: {t['contended_rounds']} rounds with CPU contention; rerun)"
+    return text
+
+
+def machine_info() -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "processor": platform.processor(),
+        "python": platform.python_version(),
+        "cpu_count": os.cpu_count(),
+    }
+    if hasattr(os, "sched_getaffinity"):
+        info["cpus_available"] = len(os.sched_getaffinity(0))
+    return info
+
+
+def load_average() -> list[float] | None:
+    return list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+
+
+def cpu_pressure() -> tuple[float, int] | None:
+    """Linux PSI for the CPU: (% of the last 10 s, total us) some task waited for a CPU."""
+    try:
+        first = Path("/proc/pressure/cpu").read_text().splitlines()[0].split()
+    except (OSError, IndexError):
+        return None
+    fields = dict(item.split("=", 1) for item in first[1:])  # avg10=.. avg60=.. total=..
+    return float(fields["avg10"]), int(fields["total"])
+
+
+def cpu_stall_us() -> int | None:
+    pressure = cpu_pressure()
+    return None if pressure is None else pressure[1]
+
+
+def stall_fraction(stall_start: int | None, stall_end: int | None, seconds: float) -> float | None:
+    if stall_start is None or stall_end is None or seconds <= 0:
+        return None
+    return (stall_end - stall_start) / (seconds * 1e6)
+
+
+def wait_for_quiet(max_seconds: float) -> float:
+    """Wait (at most ``max_seconds``) until CPU pressure over the last 10 s is below 5%."""
+    waited = 0.0
+    while waited < max_seconds:
+        pressure = cpu_pressure()
+        if pressure is None or pressure[0] < QUIET_PSI_AVG10:
+            break
+        if waited == 0.0:
+            print(f"waiting up to {max_seconds:.0f} s for a quiet CPU ...", file=sys.stderr)
+        time.sleep(5.0)
+        waited += 5.0
+    return waited
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--threads", type=int, default=2, help="torch intra-op threads (default 2)")
+    p.add_argument("--rounds", type=int, default=None, help="round-robin rounds (default 40)")
+    p.add_argument("--steps", type=int, default=None, help="steps per timed block (default 25)")
+    p.add_argument("--warmup", type=int, default=None, help="warm-up steps per variant (def. 30)")
+    p.add_argument("--quick", action="store_true", help="8 rounds x 10 steps, 10 warm-up steps")
+    p.add_argument(
+        "--models", nargs="+", choices=sorted(MODELS), default=["mlp", "cnn"], help="models to run"
+    )
+    p.add_argument(
+        "--wait-quiet",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="first wait up to this long for other processes to leave the CPU (default 0)",
+    )
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON output path")
+    args = p.parse_args(argv)
+    defaults = (8, 10, 10) if args.quick else (40, 25, 30)
+    for name, default in zip(("rounds", "steps", "warmup"), defaults, strict=True):
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+    for name in ("threads", "rounds", "steps"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be >= 1")
+    if args.warmup < 0:
+        p.error("--warmup must be >= 0")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    started = time.perf_counter()
+    load_start = load_average()
+    specs = [MODELS[m] for m in args.models]
+
+    checks = {spec.name: check_signal(spec) for spec in specs}
+    for name, chk in checks.items():
+        if not chk["ok"]:
+            print(
+                f"{name}: the vmap signal differs from fisherprune's by {chk['max_rel_diff']:.2e} "
+                f"(> {SIGNAL_RTOL}); the naive baseline is wrong, not timing it",
+                file=sys.stderr,
+            )
+            return 1
+
+    waited = wait_for_quiet(args.wait_quiet)
+    stall_start, timing_start = cpu_stall_us(), time.perf_counter()
+    results = [run_model(spec, args) for spec in specs]
+    stall = stall_fraction(stall_start, cpu_stall_us(), time.perf_counter() - timing_start)
+    print(
+        f"\nfisherprune {fisherprune.__version__}, torch {torch.__version__}, "
+        f"{args.threads} threads, batch {BATCH}, {args.rounds} rounds x {args.steps} steps "
+        "(ms/step: median over rounds of each block's median step; ratio = ms/step over (a)'s; "
+        "paired = median of per-round ratios)"
+    )
+    print_table(results)
+    if stall is not None:
+        rounds = ", ".join(
+            f"{res.spec.name} {res.contended_rounds()}/{len(res.round_stall)}" for res in results
+        )
+        print(
+            f"CPU contention (Linux PSI): some task waited for a CPU {stall:.0%} of the timing "
+            f"time; rounds with more than {MAX_STALL:.0%}: {rounds}"
+        )
+    targets = evaluate_targets(results)
+    if targets:
+        print()
+    for t in targets:
+        lo, hi = t["ci95"]
+        print(
+            f"target {t['model']} {t['ratio']} <= {t['limit']:.2f}: {t['value']:.3f} "
+            f"[95% CI {lo:.3f}-{hi:.3f}, paired {t['paired_value']:.3f}] -> {verdict(t)}"
+        )
+
+    payload: dict[str, Any] = {
+        "benchmark": "overhead",
+        "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "fisherprune_version": fisherprune.__version__,
+        "torch_version": torch.__version__,
+        "threads": args.threads,
+        "quick": args.quick,
+        "machine": machine_info(),
+        "load_average_start": load_start,
+        "load_average_end": load_average(),
+        "cpu_stall_fraction": stall,
+        "waited_for_quiet_s": waited,
+        "settings": {
+            "batch": BATCH,
+            "rounds": args.rounds,
+            "steps_per_block": args.steps,
+            "warmup_steps": args.warmup,
+            "quick": args.quick,
+            "decay": DECAY,
+            "optimizer": f"SGD(lr={LR}, momentum={MOMENTUM})",
+        },
+        "variants": VARIANTS,
+        "signal_check": checks,
+        "models": {
+            res.spec.name: {
+                "architecture": res.spec.description,
+                "round_cpu_stall_fraction": res.round_stall,
+                "variants": {
+                    v: {
+                        "median_ms": res.median(v),
+                        "quartiles_ms": list(quartiles(res.times[v])),
+                        "ratio_to_a": res.ratio(v),
+                        "paired_ratio_to_a": res.paired_ratio(v),
+                        "ratio_ci95": list(res.ratio_ci(v)),
+                        "per_round_median_ms": res.times[v],
+                        "per_round_mean_ms": res.means[v],
+                    }
+                    for v in VARIANTS
+                },
+            }
+            for res in results
+        },
+        "targets": targets,
+        "elapsed_s": time.perf_counter() - started,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(payload, indent=2) + "\n")
+    print(f"\nwrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
