@@ -15,6 +15,8 @@ turns what was gathered into ``Delta_k = 1/2 * mean_n g[n, k]^2`` (Theis et al. 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor, nn
 
@@ -34,21 +36,36 @@ def _per_example_channel_dot(grad: Tensor, x: Tensor, dim: int) -> Tensor:
 
 
 class _MaskMultiply(torch.autograd.Function):
-    """``x * mult`` whose backward also reports the per-example mask gradient to ``owner``."""
+    """``x * mult`` whose backward also reports the per-example mask gradient to ``owner``.
+
+    With ``identity`` (nothing pruned yet) the products by ones are skipped: the forward
+    returns an alias of ``x`` and the backward passes the gradient through unchanged.
+    """
 
     @staticmethod
-    def forward(ctx, x, mult, owner, index, dim):  # type: ignore[override]
+    def forward(ctx, x, mult, owner, index, dim, identity):  # type: ignore[override]
         ctx.save_for_backward(x, mult)
-        ctx.owner, ctx.index, ctx.dim = owner, index, dim
-        return x * mult
+        ctx.owner, ctx.index, ctx.dim, ctx.identity = owner, index, dim, identity
+        return x.view_as(x) if identity else x * mult
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         x, mult = ctx.saved_tensors
         g = _per_example_channel_dot(grad, x, ctx.dim)  # (N, C at this place)
         ctx.owner._accumulate(g, ctx.index)
-        grad_x = grad * mult if ctx.needs_input_grad[0] else None
-        return grad_x, None, None, None, None
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            grad_x = grad if ctx.identity else grad * mult
+        return grad_x, None, None, None, None, None
+
+
+def _all_ones(masks: list[MaskLayer], cache: dict[str, Any]) -> bool:
+    """Whether every mask is all ones, recomputed only when a mask buffer changed."""
+    versions = tuple(m.mask._version for m in masks)
+    if cache.get("versions") != versions:
+        cache["versions"] = versions
+        cache["ones"] = all(bool((m.mask > 0.5).all()) for m in masks)
+    return bool(cache["ones"])
 
 
 class MaskLayer(nn.Module):
@@ -95,6 +112,7 @@ class MaskLayer(nn.Module):
         self._stats: dict[str, Tensor] = {}  # per-channel sums over examples, see _commit
         self._count = 0
         self._received = False  # a gradient arrived since the last update
+        self._ones_cache: dict[str, Any] = {}
 
     def extra_repr(self) -> str:
         kept = int(self.mask.sum().item())
@@ -144,7 +162,8 @@ class MaskLayer(nn.Module):
             self._start_pass()
             # the multiplier requires grad so that backward runs even when x does not
             # (a mask on the model input, or after frozen layers)
-            return _MaskMultiply.apply(x, mult.detach().requires_grad_(), self, index, dim)
+            ident = _all_ones([self], self._ones_cache)
+            return _MaskMultiply.apply(x, mult.detach().requires_grad_(), self, index, dim, ident)
         return x * mult
 
     def _multiplier(self, x: Tensor, dim: int, index: Tensor | None) -> Tensor:

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from fisherprune.masks import _trace_hook
-from fisherprune.masks.layer import MaskLayer, _MaskMultiply
+from fisherprune.masks.layer import MaskLayer, _all_ones, _MaskMultiply
 
 __all__ = [
     "MASKS_ATTR",
@@ -62,8 +62,7 @@ class MaskPoint:
             and bool((i0 == torch.arange(m0.num_channels)).all())
         )
         self._masks = list(dict.fromkeys(m for m, _, _ in self.parts))
-        self._versions: tuple[int, ...] | None = None
-        self._all_ones = True
+        self._ones_cache: dict[str, Any] = {}
         #: whether the channels may be removed in the layer's weight once pruning is over
         self.foldable = foldable
         self._fold_versions: tuple[int, ...] | None = None
@@ -87,11 +86,7 @@ class MaskPoint:
         return self._vector(x.dtype, x.device).view(shape)
 
     def _nothing_pruned(self) -> bool:
-        versions = tuple(m.mask._version for m in self._masks)
-        if versions != self._versions:
-            self._versions = versions
-            self._all_ones = all(bool((m.mask > 0.5).all()) for m in self._masks)
-        return self._all_ones
+        return _all_ones(self._masks, self._ones_cache)
 
     def __call__(self, module: nn.Module, args: tuple) -> tuple | None:
         if len(args) <= self.arg or not isinstance(args[self.arg], Tensor):
@@ -152,7 +147,7 @@ class MaskPoint:
             for m in self._masks:
                 m._start_pass()
             mult = self.multiplier(x).detach().requires_grad_()  # backward runs even if x is frozen
-            return _MaskMultiply.apply(x, mult, self, None, self.dim)
+            return _MaskMultiply.apply(x, mult, self, None, self.dim, self._nothing_pruned())
         if self._nothing_pruned():
             return x
         return x * self.multiplier(x)
