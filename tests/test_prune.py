@@ -407,3 +407,20 @@ def test_check_flops_weight_rejects_other_types(bad):
     """Neither a string nor a number: TypeError naming flops_weight."""
     with pytest.raises(TypeError, match="flops_weight"):
         check_flops_weight(bad)
+
+
+def test_fractional_min_channels_keeps_that_share_of_each_mask() -> None:
+    """min_channels=0.5 stops each mask at ceil(half its width): 2 of 3 and 3 of 6 channels."""
+    small, big = fp.MaskLayer(3), fp.MaskLayer(6)
+    scores = {"small": torch.arange(3.0), "big": torch.arange(6.0) + 0.5}
+    for _ in range(20):
+        if fp.prune({"small": small, "big": big}, scores, min_channels=0.5) is None:
+            break
+    assert (small.kept, big.kept) == (2, 3)
+
+
+@pytest.mark.parametrize("bad", [1.0, 1.5, -0.1, 0.0, True])
+def test_min_channels_outside_int_or_fraction_raises(bad: object) -> None:
+    """min_channels must be an int >= 0 or a fraction in (0, 1); anything else is refused."""
+    with pytest.raises(ValueError, match="min_channels"):
+        fp.prune([fp.MaskLayer(3)], [torch.zeros(3)], min_channels=bad)  # type: ignore[arg-type]

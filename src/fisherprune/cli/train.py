@@ -19,10 +19,20 @@ def _parse_list(kind: type) -> Any:
     return parse
 
 
+def _number(text: str) -> int | float:
+    """An int if the text is one, else a float."""
+    try:
+        return int(text)
+    except ValueError:
+        return float(text)
+
+
 def _flag_type(tp: Any) -> Any:
     if typing.get_origin(tp) is list:
         return _parse_list(typing.get_args(tp)[0])
     args = [a for a in typing.get_args(tp) if a is not type(None)]  # X | None -> X
+    if set(args) == {int, float}:
+        return _number
     if args:
         return _flag_type(args[0])
     return {"int": int, "float": float, "str": str}.get(getattr(tp, "__name__", ""), str)

@@ -13,7 +13,7 @@ from torch import Tensor, nn
 
 from fisherprune.cost import CostModel, CostReport
 from fisherprune.masks import MaskLayer, find_masks
-from fisherprune.pruner.prune import PruneEvent, prune
+from fisherprune.pruner.prune import PruneEvent, check_min_channels, floor_of, prune
 from fisherprune.pruner.scoring import FlopsWeight, check_flops_weight, score_all
 from fisherprune.signals import LOSS_REDUCTIONS, METHODS, update_pruning_signals
 
@@ -79,11 +79,16 @@ class PruningOptimizer:
         burn_in: steps of statistics before the first prune (>= 0).
         decay: signal EMA factor in [0, 1).
         flops_weight: ``"auto"`` (signal / cost), a float ``w`` (signal - w * cost) or 0.
+            A float has no stable meaning over a long run: the Fisher signal grows by orders
+            of magnitude while pruning (and the EMA starts at 0 without bias correction, as
+            in the seed), so a fixed ``w`` weighs cost ever less; ``"auto"`` is a ratio and
+            does not drift (see docs/benchmarks.md).
         flops_target: cost per example to stop at: absolute (>= 1), a fraction in
             (0, 1) or a percentage string of the starting cost, or 0 (no target).
         optimizer: any ``torch.optim.Optimizer`` to use instead of SGD (the seed's
             ``update_params``); ``lr`` etc. are then ignored.
-        min_channels: the fewest channels any mask keeps.
+        min_channels: the fewest channels any mask keeps: an int, or a fraction in (0, 1)
+            of each mask's width.
         convention: cost convention (see ``computational_cost``).
         loss_reduction: ``"mean"`` or ``"sum"``: how the loss reduces over the batch.
         masks: the masks to prune (default: every MaskLayer in ``model``).
@@ -113,7 +118,7 @@ class PruningOptimizer:
         flops_weight: FlopsWeight = "auto",
         flops_target: float | int | str = 0,
         optimizer: torch.optim.Optimizer | None = None,
-        min_channels: int = 1,
+        min_channels: int | float = 1,
         convention: str = "flops",
         loss_reduction: str = "mean",
         masks: dict[str, MaskLayer] | None = None,
@@ -121,7 +126,8 @@ class PruningOptimizer:
     ) -> None:
         self.prune_every = _check_int("prune_every", prune_every, 1)
         self.burn_in = _check_int("burn_in", burn_in, 0)
-        self.min_channels = _check_int("min_channels", min_channels, 0)
+        check_min_channels(min_channels)
+        self.min_channels = min_channels
         if not (isinstance(decay, (int, float)) and 0.0 <= float(decay) < 1.0):
             raise ValueError(f"decay must be in [0, 1), got {decay!r}")
         self.decay = float(decay)
@@ -270,7 +276,7 @@ class PruningOptimizer:
             if start is None:
                 continue
             alive = [k for k in range(m.num_channels) if floor[start + k] > 0.5]
-            for k in alive[self.min_channels :]:
+            for k in alive[floor_of(self.min_channels, m.num_channels) :]:
                 floor[start + k] = 0.0
         lowest = self.cost_model.total(floor)
         if lowest > self.target:

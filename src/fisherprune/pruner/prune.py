@@ -12,7 +12,7 @@ from torch import Tensor
 
 from fisherprune.masks import MaskSet, as_mask_dict
 
-__all__ = ["PruneEvent", "prune"]
+__all__ = ["PruneEvent", "check_min_channels", "floor_of", "prune"]
 
 
 @dataclass(frozen=True)
@@ -41,10 +41,29 @@ class PruneEvent:
         return asdict(self)
 
 
+def check_min_channels(min_channels: Any) -> None:
+    """Raises ValueError unless ``min_channels`` is an int >= 0 or a fraction in (0, 1)."""
+    ok_int = isinstance(min_channels, int) and not isinstance(min_channels, bool)
+    if ok_int and min_channels >= 0:
+        return
+    if isinstance(min_channels, float) and 0.0 < min_channels < 1.0:
+        return
+    raise ValueError(
+        f"min_channels must be an int >= 0 or a fraction in (0, 1), got {min_channels!r}"
+    )
+
+
+def floor_of(min_channels: int | float, width: int) -> int:
+    """Channels a mask of ``width`` channels keeps at least."""
+    if isinstance(min_channels, float):
+        return max(1, math.ceil(min_channels * width))
+    return min_channels
+
+
 def prune(
     masks: MaskSet,
     scores: Mapping[str, Tensor] | Sequence[Tensor],
-    min_channels: int = 1,
+    min_channels: int | float = 1,
     *,
     cost: Any = None,
     step: int = 0,
@@ -61,7 +80,9 @@ def prune(
     Args:
         masks: ``{name: MaskLayer}`` or a sequence (named "0", "1", ...).
         scores: per mask, a tensor of scores (same keys or order as ``masks``).
-        min_channels: the fewest channels any mask may keep (0 allows emptying a mask).
+        min_channels: the fewest channels any mask may keep: an int (0 allows emptying a
+            mask), or a fraction in (0, 1) of each mask's width (rounded up, at least 1),
+            which keeps a cost-blind criterion from thinning a layer to one channel.
         cost: optional ``CostReport`` of the current state; fills the event's costs.
         step: recorded in the event.
 
@@ -72,8 +93,7 @@ def prune(
     Raises:
         ValueError: ``min_channels`` < 0, or scores that do not match the masks.
     """
-    if not isinstance(min_channels, int) or min_channels < 0:
-        raise ValueError(f"min_channels must be an int >= 0, got {min_channels!r}")
+    check_min_channels(min_channels)
     md = as_mask_dict(masks)
     if isinstance(scores, Mapping):
         sd = {str(k): v for k, v in scores.items()}
@@ -93,7 +113,7 @@ def prune(
                 f"{m.num_channels} channels"
             )
         alive = m.mask.detach().cpu() > 0.5
-        if int(alive.sum()) <= min_channels:
+        if int(alive.sum()) <= floor_of(min_channels, m.num_channels):
             continue
         s = torch.where(torch.isnan(s), torch.full_like(s, math.inf), s)
         s = torch.where(alive, s, torch.full_like(s, math.inf))

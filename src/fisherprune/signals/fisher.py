@@ -48,7 +48,9 @@ def update_pruning_signals(
         loss_reduction: ``"mean"`` if the loss was averaged over the batch (the
             per-example gradients are rescaled by the batch size), ``"sum"`` if summed.
         method: ``"fisher"`` (default): ``1/2 mean_n g^2``; ``"taylor"``: ``mean_n |g|``,
-            the first-order Taylor criterion of Molchanov et al. 2017, for comparison.
+            a first-order Taylor criterion after Molchanov et al. 2017, for comparison. It is
+            not the paper's normalised criterion (no average over positions, no per-layer
+            L2 normalisation); used without a cost weight it favours pruning wide late layers.
         process_group: the group to all-reduce over (default: the world, when initialised).
 
     Returns:

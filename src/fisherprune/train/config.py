@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fisherprune.pruner.prune import check_min_channels
+
 __all__ = ["ALIASES", "HELP", "TrainConfig"]
 
 
@@ -80,7 +82,7 @@ HELP: dict[str, str] = {
     "pruning_flops_target": "stop at this cost per example: absolute, 0.25 or 25%% of the start",
     "pruning_decay": "EMA factor of the pruning signal, in [0, 1)",
     "pruning_flops_weight": "auto (signal/cost), a number w (signal - w*cost), or 0",
-    "pruning_min_channels": "fewest channels any group keeps",
+    "pruning_min_channels": "fewest channels any group keeps: a count, or a fraction such as 0.1",
     "pruning_convention": "cost: flops, macs, twml, memory or params",
     "save_dir": "directory for checkpoints, metrics, report",
     "export_dir": "directory for exported models (default SAVE_DIR/export)",
@@ -157,7 +159,7 @@ class TrainConfig:
     pruning_flops_target: str = "50%"
     pruning_decay: float = 0.95
     pruning_flops_weight: str = "auto"
-    pruning_min_channels: int = 1
+    pruning_min_channels: int | float = 1
     pruning_convention: str = "flops"
 
     save_dir: str = "runs/fisherprune"
@@ -210,8 +212,7 @@ class TrainConfig:
         bad = [f for f in self.export_formats if f not in ("state_dict", "torchscript", "onnx")]
         if bad:
             raise ValueError(f"unknown export format(s) {bad}; use state_dict, torchscript, onnx")
-        if isinstance(self.pruning_min_channels, bool) or self.pruning_min_channels < 0:
-            raise ValueError("pruning_min_channels must be an integer >= 0")
+        check_min_channels(self.pruning_min_channels)
 
     def _check_types(self) -> None:
         hints = typing.get_type_hints(type(self))
