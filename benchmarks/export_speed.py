@@ -25,9 +25,10 @@ costs from a ``fisherprune.CostModel``, until the cost reaches the target. This 
 ``PruningOptimizer(prune_every=1, flops_weight="auto")`` makes, minus its weight updates: weights
 do not change latency, and a real optimizer run costs one training step per pruned channel
 (thousands of steps, many minutes per network on this machine). To keep it quick the costs are
-re-evaluated after every chunk of prunes (about ``chunks`` evaluations in all, ~0.5% of the
-channels per chunk), and after every single prune once the estimate reaches the target. Two
-signal sources, each a row of the table:
+re-evaluated after every chunk of prunes (about ``chunks`` evaluations in all, a few tenths of a
+percent of the channels per chunk), and after every single prune once the estimate reaches the
+target. Pruning runs on one thread (it is not timed, and one thread is immune to the contention
+described below). Two signal sources, each a row of the table:
 
 * ``fisher``: Fisher signals of the masks (``update_pruning_signals``) from backward passes of
   the untrained network in train mode, cross-entropy on random inputs and random labels,
@@ -46,11 +47,12 @@ Figures
 x FLOPs ratio (1.0 means latency falls exactly as FLOPs do). The issue's target, for the conv
 nets at batch 64, is ``eff >= 0.7``; whether each row meets it is printed and stored as measured.
 
-Run ``python benchmarks/export_speed.py`` (a few minutes) or ``--quick`` (half-width networks,
-fewer rounds; under a minute on an idle machine). The table is printed, the JSON goes to
-``--out`` (default ``benchmarks/results/export_speed.json``) and the plot to ``--plot`` (default
-``docs/export_speed.png``); a quick run writes ``benchmarks/results/export_speed_quick.json``
-and ``.png`` instead, so that it never overwrites the full run's results. Threads are pinned
+Run ``python benchmarks/export_speed.py`` (a few minutes on a quiet machine) or ``--quick``
+(half-width networks, fewer rounds; under a minute on an idle machine). The table is printed,
+the JSON goes to ``--out`` (default ``benchmarks/results/export_speed.json``) and the plot to
+``--plot`` (default ``docs/export_speed.png``); a quick run writes
+``benchmarks/results/export_speed_quick.json`` and ``.png`` instead, so that it never
+overwrites the full run's results. Threads are pinned
 (``--threads``, default 2). This machine is shared: the load average is recorded before and
 after, noisy rows are flagged by the spread of the per-round ratios, and a thread check times
 each dense network with ``--threads`` threads against one thread: on a 2-CPU machine with
@@ -398,7 +400,7 @@ def thread_check(model: nn.Module, x: Tensor, threads: int, rounds: int = 5) -> 
     if threads == 1:
         return 1.0
     repeats = calibrate_repeats(model, x, 0.05)
-    ratios = []
+    ratios: list[float] = []
     try:
         for _ in range(rounds):
             t: dict[int, float] = {}
@@ -420,9 +422,13 @@ def run_model(
     torch.manual_seed(0)
     dense = spec.build(cfg.width).eval()
     pruned: dict[str, Pruned] = {}
-    for mode in signal_modes:
-        masked = copy.deepcopy(dense)
-        pruned[mode] = prune_to_targets(masked, spec, mode, cfg)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # pruning is not timed; one thread does not suffer contention
+    try:
+        for mode in signal_modes:
+            pruned[mode] = prune_to_targets(copy.deepcopy(dense), spec, mode, cfg)
+    finally:
+        torch.set_num_threads(threads)
     x1 = torch.randn(1, *spec.input_shape)
     f_dense, p_dense = flops_per_example(dense, x1), n_params(dense)
     models: dict[str, nn.Module] = {"dense": dense}

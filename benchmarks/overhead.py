@@ -79,7 +79,7 @@ LR = 0.01
 MOMENTUM = 0.9
 NUM_BATCHES = 4  # distinct synthetic batches cycled through
 SIGNAL_RTOL = 1e-3  # relative agreement required between the in-backward and vmap signals
-QUIET_PSI_AVG10 = 5.0  # --wait-quiet: start once PSI cpu "some avg10" is below this (%)
+QUIET_PSI = 5.0  # --wait-quiet: start once PSI cpu "some" avg10 and avg60 are below this (%)
 MAX_STALL = 0.10  # a round in which tasks waited for a CPU more than this share is "contended"
 MAX_CONTENDED_ROUNDS = 0.20  # a verdict is unreliable above this share of contended rounds
 TARGETS: tuple[tuple[str, str, float], ...] = (("cnn", "b", 1.10), ("cnn", "c", 1.02))
@@ -423,19 +423,19 @@ def load_average() -> list[float] | None:
     return list(os.getloadavg()) if hasattr(os, "getloadavg") else None
 
 
-def cpu_pressure() -> tuple[float, int] | None:
-    """Linux PSI for the CPU: (% of the last 10 s, total us) some task waited for a CPU."""
+def cpu_pressure() -> tuple[float, float, int] | None:
+    """Linux PSI for the CPU: (% of the last 10 s, of the last 60 s, total us) some task waited."""
     try:
         first = Path("/proc/pressure/cpu").read_text().splitlines()[0].split()
     except (OSError, IndexError):
         return None
     fields = dict(item.split("=", 1) for item in first[1:])  # avg10=.. avg60=.. total=..
-    return float(fields["avg10"]), int(fields["total"])
+    return float(fields["avg10"]), float(fields["avg60"]), int(fields["total"])
 
 
 def cpu_stall_us() -> int | None:
     pressure = cpu_pressure()
-    return None if pressure is None else pressure[1]
+    return None if pressure is None else pressure[2]
 
 
 def stall_fraction(stall_start: int | None, stall_end: int | None, seconds: float) -> float | None:
@@ -445,16 +445,19 @@ def stall_fraction(stall_start: int | None, stall_end: int | None, seconds: floa
 
 
 def wait_for_quiet(max_seconds: float) -> float:
-    """Wait (at most ``max_seconds``) until CPU pressure over the last 10 s is below 5%."""
+    """Wait (at most ``max_seconds``) until CPU pressure over the last 10 s and 60 s is low."""
     waited = 0.0
     while waited < max_seconds:
         pressure = cpu_pressure()
-        if pressure is None or pressure[0] < QUIET_PSI_AVG10:
+        if pressure is None or max(pressure[:2]) < QUIET_PSI:
             break
         if waited == 0.0:
             print(f"waiting up to {max_seconds:.0f} s for a quiet CPU ...", file=sys.stderr)
         time.sleep(5.0)
         waited += 5.0
+    if max_seconds > 0:
+        state = "still busy, timing anyway" if waited >= max_seconds else "quiet"
+        print(f"waited {waited:.0f} s for a quiet CPU: {state}", file=sys.stderr)
     return waited
 
 

@@ -12,7 +12,7 @@ from torch.utils._pytree import tree_flatten
 from fisherprune.export.plan import PruningPlan, _example_inputs
 from fisherprune.graph.trace import _as_args
 from fisherprune.masks import MaskLayer
-from fisherprune.masks.points import find_holder
+from fisherprune.masks.points import find_holder, no_fold
 
 __all__ = ["ShrinkError", "shrink"]
 
@@ -60,7 +60,8 @@ def shrink(
     """
     example_inputs = _example_inputs(model, example_inputs)
     plan = PruningPlan.from_model(model, example_inputs)
-    ref = _eval_output(model, example_inputs) if check else None
+    with no_fold(model):  # reading the masked model must not zero its weights
+        ref = _eval_output(model, example_inputs) if check else None
     n_before = sum(p.numel() for p in model.parameters())  # masks hold buffers, not parameters
     target = model if inplace else copy.deepcopy(model)
     plan.apply(target)

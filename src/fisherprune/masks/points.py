@@ -9,7 +9,8 @@ removes exactly those, restoring the original model.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -24,6 +25,7 @@ __all__ = [
     "MaskPoint",
     "find_holder",
     "install_mask_points",
+    "no_fold",
     "remove_mask_points",
 ]
 
@@ -181,6 +183,22 @@ def _shared_weights(model: nn.Module) -> set[int]:
             if p is not None:
                 seen[id(p)] = seen.get(id(p), 0) + 1
     return {k for k, n in seen.items() if n > 1}
+
+
+@contextlib.contextmanager
+def no_fold(model: nn.Module) -> Iterator[None]:
+    """Within the block, finished masks multiply activations instead of folding into (and so
+    changing) the layers' weights: for reading a masked model without touching it."""
+    found = find_holder(model)
+    points = list(getattr(found[1], "_fp_points", [])) if found else []
+    flags = [mp.foldable for mp in points]
+    for mp in points:
+        mp.foldable = False
+    try:
+        yield
+    finally:
+        for mp, f in zip(points, flags, strict=True):
+            mp.foldable = f
 
 
 def find_holder(model: nn.Module) -> tuple[str, nn.ModuleDict] | None:
