@@ -109,8 +109,7 @@ class MaskLayer(nn.Module):
         self.collecting = True
         self._g: Tensor | None = None  # (N, C) sum of g over the places of the current pass
         self._backward_seen = False
-        self._stats: dict[str, Tensor] = {}  # per-channel sums over examples, see _commit
-        self._count = 0
+        self._passes: list[Tensor] = []  # (N, C) summed g of each closed pass, see _commit
         self._received = False  # a gradient arrived since the last update
         self._ones_cache: dict[str, Any] = {}
 
@@ -192,43 +191,41 @@ class MaskLayer(nn.Module):
         self._received = True
 
     def _commit(self) -> None:
-        """Fold the current pass's summed gradient into the running per-channel sums.
+        """Close the current pass: keep its summed per-example gradient (N, C) for the update.
 
-        Kept: sums over examples of ``g^2`` and ``|g|``, both raw (a summed loss) and
-        with ``g`` rescaled by the pass's batch size (a mean-reduced loss).
+        Nothing is computed here (the training step stays cheap); ``_take_statistics``
+        reduces the kept passes the way the update asks for.
         """
         g, self._g, self._backward_seen = self._g, None, False
-        if g is None:
-            return
-        g = g.to(self.signal.dtype)
-        n = g.shape[0]
-        sq, ab = (g * g).sum(0), g.abs().sum(0)
-        add = {"sq": sq, "sq_mean": sq * (n * n), "abs": ab, "abs_mean": ab * n}
-        for k, v in add.items():
-            self._stats[k] = v if k not in self._stats else self._stats[k] + v
-        self._count += n
+        if g is not None:
+            self._passes.append(g)
 
     def _take_statistics(
         self, loss_reduction: str, method: str = "fisher"
     ) -> tuple[Tensor, int] | None:
         """Return (per-channel sum over examples, example count) and reset; None if empty.
 
-        The sum is of ``g^2`` for ``method="fisher"`` and of ``|g|`` for ``"taylor"``.
+        The sum is of ``g^2`` for ``method="fisher"`` and of ``|g|`` for ``"taylor"``; with
+        ``loss_reduction="mean"`` each pass's ``g`` is first rescaled by its batch size.
         """
         self._commit()
-        if self._count == 0:
+        passes, self._passes = self._passes, []
+        if not passes:
             return None
-        key = ("sq" if method == "fisher" else "abs") + (
-            "_mean" if loss_reduction == "mean" else ""
-        )
-        out = (self._stats[key], self._count)
-        self._stats, self._count = {}, 0
-        return out
+        total: Tensor | None = None
+        for g in passes:
+            g = g.to(self.signal.dtype)
+            if loss_reduction == "mean":
+                g = g * g.shape[0]
+            part = (g * g).sum(0) if method == "fisher" else g.abs().sum(0)
+            total = part if total is None else total + part
+        assert total is not None
+        return total, sum(g.shape[0] for g in passes)
 
     def reset_statistics(self) -> None:
         """Drop gradients gathered since the last update (the signal EMA is kept)."""
         self._g, self._backward_seen = None, False
-        self._stats, self._count = {}, 0
+        self._passes = []
         self._received = False
 
     # ------------------------------------------------------------------ state
