@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fisherprune.pruner import PruningOptimizer
 from fisherprune.train.config import TrainConfig
+
+if TYPE_CHECKING:
+    from fisherprune.train.trainer import TrainResult
 
 __all__ = ["write_report"]
 
@@ -63,15 +66,12 @@ def write_report(
     config: TrainConfig,
     metrics: list[dict[str, Any]],
     popt: PruningOptimizer,
-    dense: dict[str, Any],
-    final: float,
-    cost: float,
-    dense_params: int,
-    small_params: int,
-    latency: dict[str, float],
-    metric_name: str,
+    result: TrainResult,
 ) -> dict[str, str]:
     """Write ``report.md`` (and plots) into ``save_dir``; return the files written."""
+    metric_name, final, cost = result.metric_name, result.final_metric, result.final_cost
+    dense = {metric_name: result.dense_metric, "cost": result.dense_cost}
+    dense_params, small_params, latency = result.dense_params, result.final_params, result.latency
     files = _plots(save_dir, metrics, popt, metric_name)
     conv = config.pruning_convention
     lines = [

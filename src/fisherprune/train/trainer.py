@@ -394,22 +394,6 @@ class PruningTrainer:
             latency[f"dense_b{bs}_ms"] = t["dense"] * 1e3
             latency[f"pruned_b{bs}_ms"] = t["pruned"] * 1e3
             latency[f"speedup_b{bs}"] = t["dense"] / t["pruned"]
-        files: dict[str, str] = {}
-        if self.rank == 0:
-            files = self._export(small, popt)
-            files.update(
-                self._report(
-                    popt,
-                    state,
-                    dense,
-                    final,
-                    cost,
-                    dense_params,
-                    small_params,
-                    latency,
-                    metric_name,
-                )
-            )
         result = TrainResult(
             dense[metric_name],
             final,
@@ -421,8 +405,15 @@ class PruningTrainer:
             latency,
             state["step"],
             len(popt.history),
-            files,
         )
+        if self.rank == 0:
+            from fisherprune.train.report import write_report
+
+            result.files.update(self._export(small, popt))
+            result.files.update(
+                write_report(self.save_dir, self.config, state["metrics"], popt, result)
+            )
+        files = result.files
         if self.rank == 0:
             files["result"] = str(self.save_dir / "result.json")
             (self.save_dir / "result.json").write_text(json.dumps(result.__dict__, indent=1))
@@ -450,34 +441,6 @@ class PruningTrainer:
             except ImportError as e:
                 self.progress.line(f"skipped {fmt} export: {e}")
         return files
-
-    def _report(
-        self,
-        popt: PruningOptimizer,
-        state: dict[str, Any],
-        dense: dict[str, Any],
-        final: float,
-        cost: float,
-        dense_params: int,
-        small_params: int,
-        latency: dict[str, float],
-        metric_name: str,
-    ) -> dict[str, str]:
-        from fisherprune.train.report import write_report
-
-        return write_report(
-            self.save_dir,
-            self.config,
-            state["metrics"],
-            popt,
-            dense,
-            final,
-            cost,
-            dense_params,
-            small_params,
-            latency,
-            metric_name,
-        )
 
     def _print_summary(self, r: TrainResult, popt: PruningOptimizer) -> None:
         conv = self.config.pruning_convention
