@@ -10,7 +10,7 @@ small models fed synthetic data of the right shape:
 * ``cnn``: 1x28x28 input, conv16-BN-ReLU-mask-maxpool, conv32-BN-ReLU-mask-maxpool, flatten,
   fc (the "small CNN, ~10 ms per step" of docs ENV.md),
 
-each in four variants:
+each in the four variants of the issue, plus one to read them by:
 
 * ``a`` plain: the same network without any MaskLayer (the reference);
 * ``b`` collecting: MaskLayers with ``collecting = True``; each step also calls
@@ -23,7 +23,11 @@ each in four variants:
   ``torch.func.vmap(torch.func.grad(...))`` over ``functional_call``, then
   ``Delta = 1/2 * mean_n g^2`` folded into the EMA. BatchNorm is evaluated with its running
   statistics (eval mode) inside this per-example pass: in train mode the examples of a batch
-  interact through the batch statistics, so "the gradient of one example's loss" is not defined.
+  interact through the batch statistics, so "the gradient of one example's loss" is not defined;
+* ``e`` (no target) all-ones MaskLayers with ``collecting = False``: the cost of the mask
+  multiply alone. ``c`` differs from ``a`` in its data as well: zeroed channels make some CPU
+  kernels faster (``max_pool2d_with_indices`` has a data-dependent inner loop and was measured
+  ~30% faster on half-zero input), which can hide the multiply's cost; ``e`` does not.
 
 Before timing, a check computes the signal of one batch both ways (fisherprune's in-backward
 estimate and the ``vmap`` estimate, both models in eval mode so that they are the same function)
@@ -42,8 +46,8 @@ interval over rounds (when it spans the limit, the run cannot tell) and the numb
 which Linux PSI saw other tasks waiting for a CPU (above 20% of rounds the verdict is flagged
 unreliable). ``--wait-quiet SECONDS`` first waits for the machine to go quiet.
 
-Run ``python benchmarks/overhead.py`` (about 2-3 minutes) or ``--quick`` (well under a minute);
-the table is printed and the JSON written to ``--out`` (default
+Run ``python benchmarks/overhead.py`` (about 3 minutes on a quiet machine) or ``--quick`` (well
+under a minute); the table is printed and the JSON written to ``--out`` (default
 ``benchmarks/results/overhead.json``).
 """
 
@@ -88,6 +92,7 @@ VARIANTS: dict[str, str] = {
     "b": "masks, collecting",
     "c": "masks, pruned 50%, not collecting",
     "d": "naive per-example (vmap)",
+    "e": "masks all ones, not collecting (info)",
 }
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "overhead.json"
 
@@ -265,6 +270,11 @@ def make_variants(spec: ModelSpec, decay: float) -> dict[str, StepFn]:
         m.collecting = False
     naive = PerExampleSignal(model_d, masks_d)
     steps["d"] = make_step(model_d, after_backward=lambda x, y: naive.update(x, y, decay))
+
+    model_e = make_model(spec, masked=True)
+    for m in fisherprune.find_masks(model_e).values():
+        m.collecting = False
+    steps["e"] = make_step(model_e)
     return steps
 
 
@@ -352,15 +362,20 @@ def quartiles(xs: Sequence[float]) -> tuple[float, float]:
 
 
 def print_table(results: Sequence[ModelResult]) -> None:
-    header = f"{'model':<5} {'variant':<38} {'ms/step':>8} {'IQR':>15} {'ratio':>6} {'paired':>7}"
+    header = (
+        f"{'model':<5} {'variant':<42} {'ms/step':>8} {'IQR ms':>13} {'ratio':>6} "
+        f"{'95% CI':>13} {'paired':>7}"
+    )
     print(header)
     print("-" * len(header))
     for res in results:
         for v, label in VARIANTS.items():
             q1, q3 = quartiles(res.times[v])
+            lo, hi = res.ratio_ci(v)
             print(
-                f"{res.spec.name:<5} {f'({v}) {label}':<38} {res.median(v):>8.3f} "
-                f"{f'{q1:.2f}-{q3:.2f}':>15} {res.ratio(v):>6.3f} {res.paired_ratio(v):>7.3f}"
+                f"{res.spec.name:<5} {f'({v}) {label}':<42} {res.median(v):>8.3f} "
+                f"{f'{q1:.2f}-{q3:.2f}':>13} {res.ratio(v):>6.3f} {f'{lo:.3f}-{hi:.3f}':>13} "
+                f"{res.paired_ratio(v):>7.3f}"
             )
 
 
