@@ -342,3 +342,52 @@ def test_signal_when_nothing_upstream_requires_grad(case: str) -> None:
     want = _reference_signal(model, x, y)
     assert all(v.abs().max() > 0 for v in want.values())
     _assert_close(_library_estimate(model, x, y), want)
+
+
+def _inplace_after_mask() -> nn.Module:
+    """A mask between BatchNorm and ``ReLU(inplace=True)``: the ReLU rewrites the mask's output."""
+    return nn.Sequential(
+        nn.Linear(5, 6), nn.BatchNorm1d(6), MaskLayer(6), nn.ReLU(inplace=True), nn.Linear(6, 3)
+    ).eval()  # fmt: skip
+
+
+def test_inplace_op_after_mask_trains_like_the_unmasked_model() -> None:
+    """An all-ones collecting mask before ReLU(inplace=True) keeps the unmasked model's grads."""
+    torch.manual_seed(0)
+    model = _inplace_after_mask().double()
+    plain = nn.Sequential(*(m for m in copy.deepcopy(model) if not isinstance(m, MaskLayer)))
+    x = torch.randn(6, 5, dtype=torch.float64)
+    y = torch.randint(0, 3, (6,))
+    for net in (model, plain):
+        F.cross_entropy(net(x), y).backward()
+    for (name, p), q in zip(
+        ((n, p) for n, p in model.named_parameters()), plain.parameters(), strict=True
+    ):
+        assert torch.equal(p.grad, q.grad), name
+
+
+def test_inplace_op_after_mask_drops_one_batch_then_matches_reference() -> None:
+    """The batch whose mask input was rewritten in place is dropped; the next ones are exact."""
+    torch.manual_seed(0)
+    model = _inplace_after_mask().double()
+    x1, x2 = torch.randn(2, 6, 5, dtype=torch.float64)
+    y = torch.randint(0, 3, (6,))
+    assert torch.equal(_library_estimate(model, x1, y)["2"], torch.zeros(6))  # dropped
+    _assert_close(_library_estimate(model, x2, y), _reference_signal(model, x2, y))
+
+
+def test_mask_buffer_stays_differentiable_under_torch_func() -> None:
+    """A non-collecting all-ones mask swapped for a differentiated tensor (functional_call)
+    stays in the graph: its gradient is the batch mean of the per-example reference."""
+    model, x, y = _make("mlp")
+    masks = fp.find_masks(model)
+    for m in masks.values():
+        m.collecting = False
+    want = {k: g.mean(0) for k, g in _reference_per_example(model, x, y).items()}
+    rest = {k: v for k, v in model.state_dict().items() if not k.endswith(".mask")}
+
+    def loss(mask_values: dict[str, Tensor]) -> Tensor:
+        return F.cross_entropy(torch.func.functional_call(model, {**rest, **mask_values}, x), y)
+
+    got = torch.func.grad(loss)({f"{k}.mask": m.mask.clone() for k, m in masks.items()})
+    _assert_close({k.removesuffix(".mask"): v for k, v in got.items()}, want)

@@ -15,6 +15,7 @@ turns what was gathered into ``Delta_k = 1/2 * mean_n g[n, k]^2`` (Theis et al. 
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -23,6 +24,8 @@ from torch import Tensor, nn
 from fisherprune.masks import _trace_hook
 
 __all__ = ["MaskLayer"]
+
+log = logging.getLogger("fisherprune")
 
 
 def _per_example_channel_dot(grad: Tensor, x: Tensor, dim: int) -> Tensor:
@@ -40,33 +43,106 @@ class _MaskMultiply(torch.autograd.Function):
     """``x * mult`` whose backward also reports the per-example mask gradient to ``owner``.
 
     With ``identity`` (nothing pruned yet) the products by ones are skipped: the forward
-    returns an alias of ``x`` and the backward passes the gradient through unchanged.
+    returns a tensor sharing ``x``'s storage and the backward passes the gradient through.
+    That tensor is deliberately not an autograd view of ``x``, so that in-place operations
+    downstream (``nn.ReLU(inplace=True)`` after the mask) stay as legal as without the mask.
+    If one does change ``x`` before the backward, ``x`` no longer holds the values the
+    gradient needs: that pass is dropped and ``owner`` is told to stop aliasing
+    (``_input_changed_in_place``), so that later passes multiply into a new tensor.
     """
 
     @staticmethod
     def forward(ctx, x, mult, owner, index, dim, identity):  # type: ignore[override]
-        ctx.save_for_backward(x, mult)
         ctx.owner, ctx.index, ctx.dim, ctx.identity = owner, index, dim, identity
-        return x.view_as(x) if identity else x * mult
+        if identity:
+            # kept off save_for_backward: its version check would turn a legal in-place
+            # op downstream into an error; the version is compared in backward instead
+            ctx.x, ctx.version = x, x._version
+            return x.detach()
+        ctx.save_for_backward(x, mult)
+        return x * mult
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        x, mult = ctx.saved_tensors
-        g = _per_example_channel_dot(grad, x, ctx.dim)  # (N, C at this place)
-        ctx.owner._accumulate(g, ctx.index)
+        if ctx.identity:
+            x, mult = ctx.x, None
+            changed = x._version != ctx.version
+        else:
+            (x, mult), changed = ctx.saved_tensors, False
+        if changed:
+            ctx.owner._input_changed_in_place()
+        else:
+            g = grad.detach() if grad.requires_grad else grad  # create_graph: keep no graph
+            ctx.owner._accumulate(_per_example_channel_dot(g, x, ctx.dim), ctx.index)
         grad_x = None
         if ctx.needs_input_grad[0]:
-            grad_x = grad if ctx.identity else grad * mult
+            grad_x = grad if mult is None else grad * mult
         return grad_x, None, None, None, None, None
+
+
+def gather_through(
+    x: Tensor, mult: Tensor, owner: Any, index: Tensor | None, dim: int, identity: bool
+) -> Tensor:
+    """``x * mult`` (or ``x`` itself when ``identity``), handing ``owner._accumulate`` the
+    per-example mask gradient during backward (see ``_MaskMultiply``)."""
+    if not x.requires_grad:
+        # then the multiplier requires grad, so that backward still reaches the mask
+        # (a mask on the model input, or after frozen layers)
+        mult = mult.detach().requires_grad_()
+    return _MaskMultiply.apply(x, mult, owner, index, dim, identity)
 
 
 def _all_ones(masks: list[MaskLayer], cache: dict[str, Any]) -> bool:
     """Whether every mask is all ones, recomputed only when a mask buffer changed."""
-    versions = tuple(m.mask._version for m in masks)
-    if cache.get("versions") != versions:
-        cache["versions"] = versions
+    key = tuple((id(m.mask), m.mask._version) for m in masks)
+    if cache.get("key") != key:
+        cache["key"] = key
+        cache["tensors"] = [m.mask for m in masks]  # alive, so that their ids stay theirs
         cache["ones"] = all(bool((m.mask > 0.5).all()) for m in masks)
     return bool(cache["ones"])
+
+
+def _log_input_changed(where: str) -> None:
+    log.info(
+        "%s: an in-place operation after the mask changed its input before the backward; "
+        "this batch's signal is dropped and the mask now multiplies into a new tensor",
+        where,
+    )
+
+
+class _Gathered:
+    """The per-example mask gradients handed over by backward since the last update.
+
+    A plain object rather than attributes of the module: ``nn.Module.__setattr__`` is slow
+    enough to matter on this path, which runs at every forward and backward.
+    """
+
+    __slots__ = ("backward_seen", "current", "passes", "received")
+
+    def __init__(self) -> None:
+        self.current: Tensor | None = None  # (N, C) sum of g over the places of this pass
+        self.backward_seen = False
+        self.passes: list[Tensor] = []  # (N, C) summed g of each closed pass
+        self.received = False  # a gradient arrived since the last update
+
+    def add(self, g: Tensor) -> None:
+        """Add one place's (N, C) gradient to the current pass."""
+        if self.current is not None and self.current.shape != g.shape:
+            self.commit()
+        self.current = g if self.current is None else self.current + g
+        self.backward_seen = self.received = True
+
+    def commit(self) -> None:
+        """Close the current pass; nothing is computed here (the training step stays cheap)."""
+        if self.current is not None:
+            self.passes.append(self.current)
+        self.current, self.backward_seen = None, False
+
+    def take(self) -> list[Tensor]:
+        """Close the current pass, return every pass and start afresh."""
+        self.commit()
+        passes, self.passes, self.received = self.passes, [], False
+        return passes
 
 
 class MaskLayer(nn.Module):
@@ -108,11 +184,11 @@ class MaskLayer(nn.Module):
         self.register_buffer("signal", torch.zeros(num_channels))
         #: whether backward passes gather Fisher statistics (off once pruning is over)
         self.collecting = True
-        self._g: Tensor | None = None  # (N, C) sum of g over the places of the current pass
-        self._backward_seen = False
-        self._passes: list[Tensor] = []  # (N, C) summed g of each closed pass, see _commit
-        self._received = False  # a gradient arrived since the last update
+        self._gathered = _Gathered()
         self._ones_cache: dict[str, Any] = {}
+        self._mult_cache: tuple[Tensor, tuple[Any, ...], Tensor] | None = None
+        #: False once an in-place op downstream was seen changing the input (see _MaskMultiply)
+        self._alias_ok = True
 
     def extra_repr(self) -> str:
         kept = int(self.mask.sum().item())
@@ -157,77 +233,90 @@ class MaskLayer(nn.Module):
             idx = None if index is None else index.cpu().numpy()
             tracer.record_mask(x, out, dim, [(self, None, idx)])
             return out
+        collect = self.collecting and torch.is_grad_enabled() and x.dim() >= 2
+        ones = _all_ones([self], self._ones_cache)
+        if ones and not collect and not self.mask.requires_grad:
+            return x  # (a mask that requires grad, as under torch.func, must stay in the graph)
         mult = self._multiplier(x, dim, index)
-        if self.collecting and torch.is_grad_enabled() and x.dim() >= 2:
+        if collect:
             self._start_pass()
-            # the multiplier requires grad so that backward runs even when x does not
-            # (a mask on the model input, or after frozen layers)
-            ident = _all_ones([self], self._ones_cache)
-            return _MaskMultiply.apply(x, mult.detach().requires_grad_(), self, index, dim, ident)
+            return gather_through(x, mult, self, index, dim, ones and self._alias_ok)
         return x * mult
 
     def _multiplier(self, x: Tensor, dim: int, index: Tensor | None) -> Tensor:
+        """The mask as a broadcastable multiplier for ``x`` (cached until the mask changes)."""
+        key = (self.mask._version, x.dtype, x.device, x.dim(), dim)
+        cached = self._mult_cache
+        if index is None and cached is not None and cached[0] is self.mask and cached[1] == key:
+            return cached[2]
         mult = self.mask if index is None else self.mask[index]
         shape = [1] * x.dim()
         shape[dim] = mult.numel()
-        return mult.to(dtype=x.dtype).view(shape)
+        out = mult.to(dtype=x.dtype).view(shape)
+        if index is None and not self.mask.requires_grad:
+            self._mult_cache = (self.mask, key, out)
+        return out
+
+    def _input_changed_in_place(self) -> None:
+        """Backward found the aliased input changed in place: drop the pass, stop aliasing."""
+        self._alias_ok = False
+        self._gathered.received = True  # the loss does reach this mask
+        _log_input_changed(f"MaskLayer({self.num_channels})")
 
     # ---------------------------------------------------------------- signals
+    @property
+    def _received(self) -> bool:
+        """Whether a gradient arrived since the last update."""
+        return self._gathered.received
+
     def _start_pass(self) -> None:
         """Called at each forward use: a forward after a backward closes the last pass."""
-        if self._backward_seen:
-            self._commit()
+        if self._gathered.backward_seen:
+            self._gathered.commit()
 
     def _accumulate(self, g: Tensor, index: Tensor | None) -> None:
         """Add one place's per-example gradient (N, C_place) to the current pass."""
-        g = g.detach()
         if index is not None:
             full = g.new_zeros(g.shape[0], self.num_channels)
             full.index_add_(1, index.to(g.device), g)
             g = full
-        if self._g is not None and self._g.shape != g.shape:
-            self._commit()
-        self._g = g if self._g is None else self._g + g
-        self._backward_seen = True
-        self._received = True
-
-    def _commit(self) -> None:
-        """Close the current pass: keep its summed per-example gradient (N, C) for the update.
-
-        Nothing is computed here (the training step stays cheap); ``_take_statistics``
-        reduces the kept passes the way the update asks for.
-        """
-        g, self._g, self._backward_seen = self._g, None, False
-        if g is not None:
-            self._passes.append(g)
+        self._gathered.add(g)
 
     def _take_statistics(
         self, loss_reduction: str, method: str = "fisher"
-    ) -> tuple[Tensor, int] | None:
-        """Return (per-channel sum over examples, example count) and reset; None if empty.
+    ) -> tuple[Tensor, float, int] | None:
+        """Return ``(total, scale, count)`` and reset; None if no gradient arrived.
 
-        The sum is of ``g^2`` for ``method="fisher"`` and of ``|g|`` for ``"taylor"``; with
+        ``total * scale`` is the per-channel sum over the ``count`` examples of ``g^2``
+        (``method="fisher"``) or of ``|g|`` (``"taylor"``), where with
         ``loss_reduction="mean"`` each pass's ``g`` is first rescaled by its batch size.
+        (The scale is returned apart so that the caller folds it into one later product.)
         """
-        self._commit()
-        passes, self._passes = self._passes, []
+        passes = self._gathered.take()
         if not passes:
             return None
-        total: Tensor | None = None
-        for g in passes:
-            g = g.to(self.signal.dtype)
-            if loss_reduction == "mean":
-                g = g * g.shape[0]
-            part = (g * g).sum(0) if method == "fisher" else g.abs().sum(0)
-            total = part if total is None else total + part
-        assert total is not None
-        return total, sum(g.shape[0] for g in passes)
+        fisher = method == "fisher"
+        dtype = self.signal.dtype
+
+        def factor(n: int) -> float:
+            if loss_reduction != "mean":
+                return 1.0
+            return float(n * n) if fisher else float(n)
+
+        def reduce(g: Tensor) -> Tensor:
+            g = g if g.dtype == dtype else g.to(dtype)
+            return torch.linalg.vecdot(g, g, dim=0) if fisher else g.abs().sum(0)
+
+        count = sum(g.shape[0] for g in passes)
+        if len(passes) == 1:
+            return reduce(passes[0]), factor(count), count
+        total = sum(reduce(g) * factor(g.shape[0]) for g in passes)
+        assert isinstance(total, Tensor)
+        return total, 1.0, count
 
     def reset_statistics(self) -> None:
         """Drop gradients gathered since the last update (the signal EMA is kept)."""
-        self._g, self._backward_seen = None, False
-        self._passes = []
-        self._received = False
+        self._gathered = _Gathered()
 
     # ------------------------------------------------------------------ state
     @property

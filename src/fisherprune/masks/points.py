@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from fisherprune.masks import _trace_hook
-from fisherprune.masks.layer import MaskLayer, _all_ones, _MaskMultiply
+from fisherprune.masks.layer import MaskLayer, _all_ones, _log_input_changed, gather_through
 
 __all__ = [
     "MASKS_ATTR",
@@ -71,6 +71,8 @@ class MaskPoint:
         self._keep: Tensor | None = None
         self._pruned_cols: Tensor | None = None
         self._grad_hook: Any = None
+        #: False once an in-place op downstream was seen changing the input (see _MaskMultiply)
+        self._alias_ok = True
 
     def _vector(self, dtype: torch.dtype, device: torch.device) -> Tensor:
         """The multiplier of each position of the masked dim, shape (size,)."""
@@ -148,11 +150,18 @@ class MaskPoint:
         if torch.is_grad_enabled() and any(m.collecting for m in self._masks):
             for m in self._masks:
                 m._start_pass()
-            mult = self.multiplier(x).detach().requires_grad_()  # backward runs even if x is frozen
-            return _MaskMultiply.apply(x, mult, self, None, self.dim, self._nothing_pruned())
-        if self._nothing_pruned():
-            return x
+            ident = self._alias_ok and self._nothing_pruned()
+            return gather_through(x, self.multiplier(x), self, None, self.dim, ident)
+        if self._nothing_pruned() and not any(m.mask.requires_grad for m in self._masks):
+            return x  # (masks that require grad, as under torch.func, must stay in the graph)
         return x * self.multiplier(x)
+
+    def _input_changed_in_place(self) -> None:
+        """Backward found the aliased input changed in place: drop the pass, stop aliasing."""
+        self._alias_ok = False
+        for m in self._masks:
+            m._gathered.received = True  # the loss does reach these masks
+        _log_input_changed(f"mask on {self.module_name!r}")
 
     def _accumulate(self, g: Tensor, index: Tensor | None) -> None:
         for m, pos, idx in self.parts:

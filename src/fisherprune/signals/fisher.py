@@ -10,13 +10,14 @@ Eq. 8). It does not depend on the batch size: with a mean-reduced loss each
 from __future__ import annotations
 
 import logging
+import math
 import warnings
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from fisherprune.masks import MaskSet, as_mask_dict
+from fisherprune.masks import MaskLayer, MaskSet, as_mask_dict
 
 __all__ = ["LOSS_REDUCTIONS", "METHODS", "update_pruning_signals"]
 
@@ -68,29 +69,66 @@ def update_pruning_signals(
         raise ValueError(f"loss_reduction must be one of {LOSS_REDUCTIONS}, got {loss_reduction!r}")
     md = as_mask_dict(masks)
     distributed = dist.is_available() and dist.is_initialized()
+    half = 0.5 if method == "fisher" else 1.0
+    ready: list[tuple[str, MaskLayer, Tensor, float]] = []  # name, mask, sum, its factor
     for name, m in md.items():
         stats = m._take_statistics(loss_reduction, method)
-        m._received = False
         if distributed:
-            sq = stats[0] if stats else torch.zeros_like(m.signal)
-            cnt = torch.tensor(
-                [float(stats[1]) if stats else 0.0], dtype=sq.dtype, device=sq.device
-            )
-            dist.all_reduce(sq, group=process_group)
-            dist.all_reduce(cnt, group=process_group)
-            stats = (sq, int(cnt.item())) if cnt.item() > 0 else None
-        if stats is None:
-            continue
-        sq, count = stats
-        estimate = (0.5 if method == "fisher" else 1.0) * sq / count
-        if not torch.isfinite(estimate).all():
+            stats = _all_reduce(stats, m, process_group)
+        if stats is not None:
+            total, scale, count = stats
+            ready.append((name, m, total, half * scale / count))
+    if ready and not math.isfinite(float(torch.cat([t for _, _, t, _ in ready]).sum())):
+        # the sums are of squares or absolute values: their total is finite iff each is
+        # (one host sync for every mask); find which are not
+        bad = [r for r in ready if not bool(torch.isfinite(r[2]).all())]
+        for name, *_ in bad:
             warnings.warn(
                 f"mask {name!r}: the batch's Fisher estimate is not finite (NaN or inf "
                 "gradients); this batch is skipped and the signal is unchanged",
                 RuntimeWarning,
                 stacklevel=2,
             )
-            continue
-        with torch.no_grad():
-            m.signal.mul_(decay).add_(estimate.to(m.signal), alpha=1.0 - decay)
+        ready = [r for r in ready if all(r is not b for b in bad)]
+    _fold_into_signals(ready, float(decay))
     return [m.signal for m in md.values()]
+    # one check for every mask (a single host sync); per mask only when something is off
+    if not bool(torch.isfinite(torch.cat([t for _, _, t, _ in ready])).all()):
+        bad = [r for r in ready if not bool(torch.isfinite(r[2]).all())]
+        for name, *_ in bad:
+            warnings.warn(
+                f"mask {name!r}: the batch's Fisher estimate is not finite (NaN or inf "
+                "gradients); this batch is skipped and the signal is unchanged",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        ready = [r for r in ready if all(r is not b for b in bad)]
+    with torch.no_grad():
+        for _, m, total, factor in ready:
+            m.signal.mul_(decay).add_(total.to(m.signal), alpha=(1.0 - decay) * factor)
+    return [m.signal for m in md.values()]
+
+
+def _all_reduce(
+    stats: tuple[Tensor, float, int] | None, m: MaskLayer, group: dist.ProcessGroup | None
+) -> tuple[Tensor, float, int] | None:
+    """Sum one mask's statistics over ranks (a rank without any contributes zeros)."""
+    sq = stats[0] * stats[1] if stats else torch.zeros_like(m.signal)
+    cnt = torch.tensor([float(stats[2]) if stats else 0.0], dtype=sq.dtype, device=sq.device)
+    dist.all_reduce(sq, group=group)
+    dist.all_reduce(cnt, group=group)
+    return (sq, 1.0, int(cnt.item())) if cnt.item() > 0 else None
+
+
+def _fold_into_signals(ready: list[tuple[str, MaskLayer, Tensor, float]], decay: float) -> None:
+    """``signal <- decay * signal + (1 - decay) * factor * total`` for each entry, in place;
+    entries sharing a factor, dtype and device are updated by one multi-tensor operation."""
+    groups: dict[tuple[float, torch.dtype, torch.device], list[tuple[Tensor, Tensor]]] = {}
+    for _, m, total, factor in ready:
+        key = (factor, m.signal.dtype, m.signal.device)
+        groups.setdefault(key, []).append((m.signal, total.to(m.signal)))
+    with torch.no_grad():
+        for (factor, _, _), pairs in groups.items():
+            signals = [sig for sig, _ in pairs]
+            torch._foreach_mul_(signals, decay)
+            torch._foreach_add_(signals, [t for _, t in pairs], alpha=(1.0 - decay) * factor)
