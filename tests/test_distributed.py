@@ -127,6 +127,9 @@ def worker(rank, world, port, out):
         history.append(state)
     record = {"masks": history, "first_batch": first_batch, "prunes": len(popt.history)}
     (Path(out) / f"rank{rank}.json").write_text(json.dumps(record))
+    # every rank reaches here before any tears down: rank 0 hosts the TCP store, and a rank
+    # still talking to it while rank 0 exits was seen to abort in gloo under load
+    dist.barrier()
     dist.destroy_process_group()
 
 
