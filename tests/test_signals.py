@@ -391,3 +391,24 @@ def test_mask_buffer_stays_differentiable_under_torch_func() -> None:
 
     got = torch.func.grad(loss)({f"{k}.mask": m.mask.clone() for k, m in masks.items()})
     _assert_close({k.removesuffix(".mask"): v for k, v in got.items()}, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("shape", [(3, 5, 7), (4, 8, 64, 64), (2, 4, 3, 64, 64)])
+def test_per_example_channel_dot_against_loop(shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    """The per-(example, channel) dot product, on both of its code paths (small tensors and
+    large contiguous ones), equals a plain float64 loop over examples and channels."""
+    from fisherprune.masks.layer import FUSED_DOT_MIN_NUMEL, _per_example_channel_dot
+
+    gen = torch.Generator().manual_seed(0)
+    grad = torch.randn(shape, generator=gen, dtype=torch.float64)
+    x = torch.randn(shape, generator=gen, dtype=torch.float64).relu()
+    want = torch.empty(shape[:2], dtype=torch.float64)
+    for n in range(shape[0]):
+        for c in range(shape[1]):
+            want[n, c] = (grad[n, c] * x[n, c]).sum()
+    got = _per_example_channel_dot(grad.to(dtype), x.to(dtype), 1)
+    assert got.dtype == dtype and got.shape == shape[:2]
+    tol = {"rtol": 1e-5, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 1e-12, "atol": 1e-11}
+    torch.testing.assert_close(got.double(), want, **tol)
+    assert (x.numel() >= FUSED_DOT_MIN_NUMEL) == (len(shape) > 3)  # both paths are covered

