@@ -24,10 +24,11 @@ each in the four variants of the issue, plus one to read them by:
   ``Delta = 1/2 * mean_n g^2`` folded into the EMA. BatchNorm is evaluated with its running
   statistics (eval mode) inside this per-example pass: in train mode the examples of a batch
   interact through the batch statistics, so "the gradient of one example's loss" is not defined;
-* ``e`` (no target) all-ones MaskLayers with ``collecting = False``: the cost of the mask
-  multiply alone. ``c`` differs from ``a`` in its data as well: zeroed channels make some CPU
-  kernels faster (``max_pool2d_with_indices`` has a data-dependent inner loop and was measured
-  ~30% faster on half-zero input), which can hide the multiply's cost; ``e`` does not.
+* ``e`` (no target) all-ones MaskLayers with ``collecting = False``: such a mask returns its
+  input unchanged, so ``e`` differs from ``a`` only by two module calls; its distance from 1.0 is
+  a measure of this run's noise floor. ``c`` differs from ``a`` in its data as well: zeroed
+  channels make some CPU kernels faster (``max_pool2d_with_indices`` has a data-dependent inner
+  loop and was measured ~30% faster on half-zero input), which can hide the multiply's cost.
 
 Before timing, a check computes the signal of one batch both ways (fisherprune's in-backward
 estimate and the ``vmap`` estimate, both models in eval mode so that they are the same function)
