@@ -241,6 +241,7 @@ class Config:
     chunks: int  # about this many cost re-evaluations while pruning to the last target
     refresh: int  # Fisher signals are re-gathered every ``refresh`` re-evaluations
     passes: int  # backward passes per gathering
+    min_channels: float = 1  # floor per mask: a count (int) or a fraction of its channels
 
 
 @dataclass
@@ -304,7 +305,7 @@ def prune_to_targets(model: nn.Module, spec: Spec, signals: str, cfg: Config) ->
             scores = {k: fp.score(m.signal, report.marginal[k], "auto") for k, m in masks.items()}
             estimate, stuck = report.total, False
             for _ in range(chunk):
-                event = fp.prune(masks, scores, min_channels=1, cost=report)
+                event = fp.prune(masks, scores, min_channels=cfg.min_channels, cost=report)
                 if event is None:
                     stuck = True
                     break
@@ -566,6 +567,12 @@ FULL = Config(width=1.0, rounds=9, block_seconds=0.25, chunks=150, refresh=10, p
 QUICK = Config(width=0.5, rounds=3, block_seconds=0.04, chunks=20, refresh=10, passes=1)
 
 
+def _count_or_fraction(text: str) -> float:
+    """``--min-channels``: an integer count or a fraction in (0, 1)."""
+    value = float(text)
+    return int(value) if value.is_integer() and value >= 1 else value
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
@@ -579,12 +586,19 @@ def main(argv: list[str] | None = None) -> int:
         help="signal sources to prune with (default: fisher random; quick: fisher)",
     )
     ap.add_argument("--rounds", type=int, default=None, help="round-robin rounds (9; quick 3)")
+    ap.add_argument(
+        "--min-channels",
+        type=_count_or_fraction,
+        default=1,
+        help="channels each mask keeps at least: a count (1, default) or a fraction (0.25)",
+    )
     ap.add_argument("--out", type=Path, default=None, help=f"JSON (default {DEFAULT_OUT})")
     ap.add_argument("--plot", type=Path, default=None, help=f"PNG (default {DEFAULT_PLOT})")
     args = ap.parse_args(argv)
     cfg = QUICK if args.quick else FULL
     if args.rounds:
         cfg = dataclasses.replace(cfg, rounds=args.rounds)
+    cfg = dataclasses.replace(cfg, min_channels=args.min_channels)
     signal_modes = args.signals or (["fisher"] if args.quick else ["fisher", "random"])
     if args.quick:  # a quick run does not overwrite the full run's results
         args.out = args.out or QUICK_OUT.with_suffix(".json")
