@@ -78,35 +78,31 @@ def update_pruning_signals(
         if stats is not None:
             total, scale, count = stats
             ready.append((name, m, total, half * scale / count))
-    if ready and not math.isfinite(float(torch.cat([t for _, _, t, _ in ready]).sum())):
-        # the sums are of squares or absolute values: their total is finite iff each is
-        # (one host sync for every mask); find which are not
-        bad = [r for r in ready if not bool(torch.isfinite(r[2]).all())]
-        for name, *_ in bad:
+    if ready and not _all_finite([t for _, _, t, _ in ready]):
+        kept = []
+        for entry in ready:
+            if bool(torch.isfinite(entry[2]).all()):
+                kept.append(entry)
+                continue
             warnings.warn(
-                f"mask {name!r}: the batch's Fisher estimate is not finite (NaN or inf "
+                f"mask {entry[0]!r}: the batch's Fisher estimate is not finite (NaN or inf "
                 "gradients); this batch is skipped and the signal is unchanged",
                 RuntimeWarning,
                 stacklevel=2,
             )
-        ready = [r for r in ready if all(r is not b for b in bad)]
+        ready = kept
     _fold_into_signals(ready, float(decay))
     return [m.signal for m in md.values()]
-    # one check for every mask (a single host sync); per mask only when something is off
-    if not bool(torch.isfinite(torch.cat([t for _, _, t, _ in ready])).all()):
-        bad = [r for r in ready if not bool(torch.isfinite(r[2]).all())]
-        for name, *_ in bad:
-            warnings.warn(
-                f"mask {name!r}: the batch's Fisher estimate is not finite (NaN or inf "
-                "gradients); this batch is skipped and the signal is unchanged",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-        ready = [r for r in ready if all(r is not b for b in bad)]
-    with torch.no_grad():
-        for _, m, total, factor in ready:
-            m.signal.mul_(decay).add_(total.to(m.signal), alpha=(1.0 - decay) * factor)
-    return [m.signal for m in md.values()]
+
+
+def _all_finite(totals: list[Tensor]) -> bool:
+    """Whether every entry of every tensor is finite, with one host sync when they share a
+    device: the totals are sums of squares or of absolute values, so their grand total is
+    finite exactly when each entry is (an overflow of the grand total only costs the caller
+    the per-mask check)."""
+    if any(t.device != totals[0].device for t in totals):
+        return all(bool(torch.isfinite(t).all()) for t in totals)
+    return math.isfinite(float(torch.cat(totals).sum()))
 
 
 def _all_reduce(
