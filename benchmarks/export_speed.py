@@ -83,11 +83,12 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from _common import counted_flops
 from torch import Tensor, nn
-from torch.utils.flop_counter import FlopCounterMode
 
 import fisherprune as fp
 from fisherprune.export.latency import measure_latency
+from fisherprune.pruner.prune import check_min_channels
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "benchmarks/results/export_speed.json"
@@ -241,7 +242,7 @@ class Config:
     chunks: int  # about this many cost re-evaluations while pruning to the last target
     refresh: int  # Fisher signals are re-gathered every ``refresh`` re-evaluations
     passes: int  # backward passes per gathering
-    min_channels: float = 1  # floor per mask: a count (int) or a fraction of its channels
+    min_channels: int | float = 1  # floor per mask: a count (int) or a fraction of its channels
 
 
 @dataclass
@@ -327,13 +328,6 @@ def prune_to_targets(model: nn.Module, spec: Spec, signals: str, cfg: Config) ->
 
 
 # ==================================================================== timing
-def flops_per_example(model: nn.Module, x: Tensor) -> float:
-    counter = FlopCounterMode(display=False)
-    with counter, torch.inference_mode():
-        model(x)
-    return counter.get_total_flops() / x.shape[0]
-
-
 def n_params(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
@@ -431,7 +425,7 @@ def run_model(
     finally:
         torch.set_num_threads(threads)
     x1 = torch.randn(1, *spec.input_shape)
-    f_dense, p_dense = flops_per_example(dense, x1), n_params(dense)
+    f_dense, p_dense = counted_flops(dense, x1), n_params(dense)
     models: dict[str, nn.Module] = {"dense": dense}
     for mode, pr in pruned.items():
         models.update({f"{mode} {t:.0%}": m.eval() for t, m in pr.shrunk.items()})
@@ -465,7 +459,7 @@ def make_row(
 ) -> Row:
     """One table row: a shrunk network against the dense one."""
     key = f"{mode} {t:.0%}"
-    fr = flops_per_example(small, x1) / f_dense
+    fr = counted_flops(small, x1) / f_dense
     speed = {str(b): lat[b]["dense"] / lat[b][key] for b in BATCHES}
     eff = {k: v * fr for k, v in speed.items()}
     kept = sorted(pruned.kept[t].values())
@@ -567,10 +561,20 @@ FULL = Config(width=1.0, rounds=9, block_seconds=0.25, chunks=150, refresh=10, p
 QUICK = Config(width=0.5, rounds=3, block_seconds=0.04, chunks=20, refresh=10, passes=1)
 
 
-def _count_or_fraction(text: str) -> float:
-    """``--min-channels``: an integer count or a fraction in (0, 1)."""
-    value = float(text)
-    return int(value) if value.is_integer() and value >= 1 else value
+def _count_or_fraction(text: str) -> int | float:
+    """``--min-channels``: an integer count (``3``) or a fraction in (0, 1) (``0.25``)."""
+    try:
+        value: int | float = int(text)
+    except ValueError:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    try:
+        check_min_channels(value)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return value
 
 
 def main(argv: list[str] | None = None) -> int:

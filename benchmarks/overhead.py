@@ -58,7 +58,6 @@ import argparse
 import gc
 import json
 import os
-import platform
 import random
 import statistics
 import sys
@@ -71,6 +70,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from _common import machine_info
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
@@ -420,19 +420,6 @@ def verdict(t: dict[str, Any]) -> str:
     if not t["reliable"]:
         text += f" (unreliable: {t['contended_rounds']} rounds with CPU contention; rerun)"
     return text
-
-
-def machine_info() -> dict[str, Any]:
-    info: dict[str, Any] = {
-        "platform": platform.platform(),
-        "machine": platform.machine(),
-        "processor": platform.processor(),
-        "python": platform.python_version(),
-        "cpu_count": os.cpu_count(),
-    }
-    if hasattr(os, "sched_getaffinity"):
-        info["cpus_available"] = len(os.sched_getaffinity(0))
-    return info
 
 
 def load_average() -> list[float] | None:

@@ -93,13 +93,11 @@ Full run used for docs/benchmarks.md: ``python benchmarks/quality.py --threads 1
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import importlib.metadata
 import json
 import math
 import multiprocessing as mp
-import os
 import platform
 import statistics
 import subprocess
@@ -115,8 +113,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from _common import counted_flops, machine_info
 from torch import Tensor, nn
-from torch.utils.flop_counter import FlopCounterMode
 
 import fisherprune as fp
 from fisherprune.pruner import check_flops_weight
@@ -276,17 +274,6 @@ def accuracy(model: nn.Module, x: Tensor, y: Tensor) -> float:
         correct += int((model(x[lo : lo + 512]).argmax(1) == y[lo : lo + 512]).sum())
     model.train(was)
     return correct / x.shape[0]
-
-
-@torch.no_grad()
-def counted_flops(model: nn.Module, x1: Tensor) -> float:
-    """FLOPs per example by ``FlopCounterMode`` (2 per multiply-accumulate, eval mode)."""
-    was = model.training
-    model.eval()
-    with FlopCounterMode(display=False) as counter:
-        model(x1)
-    model.train(was)
-    return float(counter.get_total_flops()) / x1.shape[0]
 
 
 def copy_optimizer(
@@ -992,25 +979,6 @@ def _git_commit() -> str | None:
     return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
 
 
-def machine() -> dict[str, Any]:
-    info: dict[str, Any] = {
-        "platform": platform.platform(),
-        "machine": platform.machine(),
-        "processor": platform.processor(),
-        "cpu_count": os.cpu_count(),
-    }
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                info["cpu"] = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    with contextlib.suppress(OSError):
-        info["load_average"] = list(os.getloadavg())
-    return info
-
-
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="digits + cnn, 1 seed: a smoke run")
@@ -1099,7 +1067,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         flush=True,
     )
     started = time.perf_counter()
-    load_start = machine().get("load_average")
+    load_start = machine_info().get("load_average")
     library = versions()  # at the start: the code the workers import
     results: list[dict[str, Any]] = []
     if args.jobs > 1:
@@ -1141,7 +1109,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "versions": library,
         "threads": args.threads,
         "jobs": args.jobs,
-        "machine": machine(),
+        "machine": machine_info(),
         "load_average_start": load_start,
         "quick": args.quick,
         "note": args.note,

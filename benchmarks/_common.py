@@ -1,0 +1,48 @@
+"""Helpers shared by the benchmark scripts (imported as a sibling module when run as a script)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import platform
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils.flop_counter import FlopCounterMode
+
+
+@torch.no_grad()
+def counted_flops(model: nn.Module, x: Tensor) -> float:
+    """FLOPs per example by ``FlopCounterMode`` (2 per multiply-accumulate), in eval mode;
+    the model's training flag is restored afterwards."""
+    was = model.training
+    model.eval()
+    try:
+        with FlopCounterMode(display=False) as counter:
+            model(x)
+    finally:
+        model.train(was)
+    return float(counter.get_total_flops()) / x.shape[0]
+
+
+def machine_info() -> dict[str, Any]:
+    """What the figures were measured on: platform, CPU model and count, load average."""
+    info: dict[str, Any] = {
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "processor": platform.processor(),
+        "python": platform.python_version(),
+        "cpu_count": os.cpu_count(),
+    }
+    if hasattr(os, "sched_getaffinity"):
+        info["cpus_available"] = len(os.sched_getaffinity(0))
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                info["cpu"] = line.split(":", 1)[1].strip()
+                break
+    with contextlib.suppress(OSError, AttributeError):
+        info["load_average"] = list(os.getloadavg())
+    return info
