@@ -535,11 +535,15 @@ def overhead_section(o: dict[str, Any]) -> list[str]:
     lines.append("")
     for t in o.get("targets", []):
         verdict = "met" if t.get("met") else "missed"
+        if t.get("resolved") is False:
+            verdict += " (within noise: the 95% interval spans the limit)"
         if t.get("reliable") is False:
             verdict += " (unreliable: CPU contention)"
+        ci = t.get("ci95")
+        ci_text = f" [95% CI {_fmt(ci[0])}-{_fmt(ci[1])}]" if ci else ""
         lines.append(
             f"- target {t.get('model')} {t.get('ratio')} ≤ {t.get('limit')}: "
-            f"{_fmt(t.get('value'))} → {verdict}"
+            f"{_fmt(t.get('value'))}{ci_text} → {verdict}"
         )
     stall = o.get("cpu_stall_fraction")
     if stall is not None:

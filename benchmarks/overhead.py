@@ -7,8 +7,15 @@ Wall-clock time of one training step -- ``zero_grad``, forward, cross-entropy lo
 small models fed synthetic data of the right shape:
 
 * ``mlp``: 784-512-256-10, a MaskLayer after each hidden ReLU;
-* ``cnn``: 1x28x28 input, conv16-BN-ReLU-mask-maxpool, conv32-BN-ReLU-mask-maxpool, flatten,
-  fc (the "small CNN, ~10 ms per step" of docs ENV.md),
+* ``cnn``: 1x28x28 input, conv16-BN-ReLU-maxpool-mask, conv32-BN-ReLU-maxpool-mask, flatten,
+  fc (the "small CNN, ~10 ms per step" of docs ENV.md). Each mask sits after the pool, on the
+  smallest tensor its channels pass through, which is where ``apply_masks`` puts it (at the
+  input of the next conv / of the flatten into fc) and where the MaskLayer docs advise placing
+  one by hand;
+* ``cnn_prepool`` (no target): the same CNN with each mask before the pool instead
+  (conv-BN-ReLU-mask-maxpool). A 0/1 channel mask commutes with max pooling, so the signal and
+  every channel's cost are the same (tests/test_signals.py checks both); only the collecting
+  work grows with the 4x larger tensor. It shows what a less careful placement costs,
 
 each in the four variants of the issue, plus one to read them by:
 
@@ -26,9 +33,10 @@ each in the four variants of the issue, plus one to read them by:
   interact through the batch statistics, so "the gradient of one example's loss" is not defined;
 * ``e`` (no target) all-ones MaskLayers with ``collecting = False``: such a mask returns its
   input unchanged, so ``e`` differs from ``a`` only by two module calls; its distance from 1.0 is
-  a measure of this run's noise floor. ``c`` differs from ``a`` in its data as well: zeroed
-  channels make some CPU kernels faster (``max_pool2d_with_indices`` has a data-dependent inner
-  loop and was measured ~30% faster on half-zero input), which can hide the multiply's cost.
+  a measure of this run's noise floor. In ``cnn_prepool``, ``c`` differs from ``a`` in its data
+  as well: zeroed channels make some CPU kernels faster (``max_pool2d_with_indices`` has a
+  data-dependent inner loop and was measured ~30% faster on half-zero input), which can hide the
+  multiply's cost; in ``cnn`` the masks come after the pools, so that effect is absent.
 
 Before timing, a check computes the signal of one batch both ways (fisherprune's in-backward
 estimate and the ``vmap`` estimate, both models in eval mode so that they are the same function)
@@ -47,7 +55,7 @@ interval over rounds (when it spans the limit, the run cannot tell) and the numb
 which Linux PSI saw other tasks waiting for a CPU (above 20% of rounds the verdict is flagged
 unreliable). ``--wait-quiet SECONDS`` first waits for the machine to go quiet.
 
-Run ``python benchmarks/overhead.py`` (about 3 minutes on a quiet machine) or ``--quick`` (well
+Run ``python benchmarks/overhead.py`` (about 4 minutes on a quiet machine) or ``--quick`` (well
 under a minute); the table is printed and the JSON written to ``--out`` (default
 ``benchmarks/results/overhead.json``).
 """
@@ -113,16 +121,27 @@ def build_mlp(masked: bool) -> nn.Sequential:
     return nn.Sequential(*layers)
 
 
-def build_cnn(masked: bool) -> nn.Sequential:
-    """conv16-BN-ReLU-[mask]-pool, conv32-BN-ReLU-[mask]-pool, fc; input (N, 1, 28, 28)."""
+def _cnn(masked: bool, mask_before_pool: bool) -> nn.Sequential:
     layers: list[nn.Module] = []
     for c_in, c_out in ((1, 16), (16, 32)):
         layers += [nn.Conv2d(c_in, c_out, 3, padding=1), nn.BatchNorm2d(c_out), nn.ReLU()]
-        if masked:
+        if masked and mask_before_pool:
             layers.append(MaskLayer(c_out))
         layers.append(nn.MaxPool2d(2))  # (N, C, 28, 28) -> (N, C, 14, 14) -> (N, C, 7, 7)
+        if masked and not mask_before_pool:
+            layers.append(MaskLayer(c_out))
     layers += [nn.Flatten(), nn.Linear(32 * 7 * 7, NUM_CLASSES)]
     return nn.Sequential(*layers)
+
+
+def build_cnn(masked: bool) -> nn.Sequential:
+    """conv16-BN-ReLU-pool-[mask], conv32-BN-ReLU-pool-[mask], fc; input (N, 1, 28, 28)."""
+    return _cnn(masked, mask_before_pool=False)
+
+
+def build_cnn_prepool(masked: bool) -> nn.Sequential:
+    """conv16-BN-ReLU-[mask]-pool, conv32-BN-ReLU-[mask]-pool, fc: masks on the larger tensor."""
+    return _cnn(masked, mask_before_pool=True)
 
 
 @dataclass(frozen=True)
@@ -137,8 +156,14 @@ MODELS: dict[str, ModelSpec] = {
     "mlp": ModelSpec("mlp", "784-512-ReLU-mask-256-ReLU-mask-10", build_mlp, (784,)),
     "cnn": ModelSpec(
         "cnn",
-        "1x28x28: conv16-BN-ReLU-mask-pool, conv32-BN-ReLU-mask-pool, fc10",
+        "1x28x28: conv16-BN-ReLU-pool-mask, conv32-BN-ReLU-pool-mask, fc10",
         build_cnn,
+        (1, 28, 28),
+    ),
+    "cnn_prepool": ModelSpec(
+        "cnn_prepool",
+        "1x28x28: conv16-BN-ReLU-mask-pool, conv32-BN-ReLU-mask-pool, fc10",
+        build_cnn_prepool,
         (1, 28, 28),
     ),
 }
@@ -472,7 +497,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=None, help="warm-up steps per variant (def. 30)")
     p.add_argument("--quick", action="store_true", help="8 rounds x 10 steps, 10 warm-up steps")
     p.add_argument(
-        "--models", nargs="+", choices=sorted(MODELS), default=["mlp", "cnn"], help="models to run"
+        "--models",
+        nargs="+",
+        choices=sorted(MODELS),
+        default=["mlp", "cnn", "cnn_prepool"],
+        help="models to run",
     )
     p.add_argument(
         "--wait-quiet",

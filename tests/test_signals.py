@@ -412,3 +412,29 @@ def test_per_example_channel_dot_against_loop(shape: tuple[int, ...], dtype: tor
     tol = {"rtol": 1e-5, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 1e-12, "atol": 1e-11}
     torch.testing.assert_close(got.double(), want, **tol)
     assert (x.numel() >= FUSED_DOT_MIN_NUMEL) == (len(shape) > 3)  # both paths are covered
+
+
+def _conv_pool_net(mask_before_pool: bool) -> nn.Sequential:
+    torch.manual_seed(3)
+    layers: list[nn.Module] = [nn.Conv2d(2, 5, 3, padding=1), nn.ReLU()]
+    pool_and_mask: list[nn.Module] = [nn.MaxPool2d(2), MaskLayer(5)]
+    layers += pool_and_mask[::-1] if mask_before_pool else pool_and_mask
+    layers += [nn.Conv2d(5, 4, 3), nn.Flatten(), nn.Linear(4 * 2 * 2, 3)]
+    return nn.Sequential(*layers).double()
+
+
+def test_mask_after_max_pool_gives_the_signal_and_cost_of_the_mask_before_it() -> None:
+    """A 0/1 channel mask commutes with max pooling, so a MaskLayer placed after the pool
+    (where apply_masks puts it, on a 4x smaller tensor) has the per-example reference signal
+    of the MaskLayer placed before it, and every channel the same marginal FLOPs."""
+    x = torch.randn(6, 2, 8, 8, dtype=torch.float64)
+    y = torch.randint(0, 3, (6,))
+    before, after = _conv_pool_net(True), _conv_pool_net(False)
+    assert isinstance(before[2], MaskLayer) and isinstance(after[3], MaskLayer)
+    want = _reference_signal(before, x, y)["2"]
+    assert want.abs().max() > 0
+    torch.testing.assert_close(_library_estimate(after, x, y)["3"], want, rtol=RTOL, atol=ATOL)
+    cost_before = fp.computational_cost(before, x[:1])
+    cost_after = fp.computational_cost(after, x[:1])
+    assert cost_after.total == cost_before.total
+    torch.testing.assert_close(cost_after.marginal["3"], cost_before.marginal["2"])
