@@ -47,6 +47,16 @@ Figures
 x FLOPs ratio (1.0 means latency falls exactly as FLOPs do). The issue's target, for the conv
 nets at batch 64, is ``eff >= 0.7``; whether each row meets it is printed and stored as measured.
 
+Allocator and layout
+--------------------
+By default the process first calls ``fisherprune.export.retain_freed_memory()``. With glibc's
+malloc defaults every forward pass maps its large activation buffers afresh and page-faults
+them in (measured: 13k faults per VGG forward at batch 64, a third of its latency on this VM),
+a cost proportional to activation memory rather than FLOPs, which a serving process avoids
+with jemalloc, tcmalloc or these settings. ``--allocator glibc-default`` measures without it.
+``--channels-last`` times every conv net, dense and shrunk alike, in channels-last layout
+(oneDNN's faster path on CPU for most shapes). The layout and allocator are in the JSON.
+
 Run ``python benchmarks/export_speed.py`` (a few minutes on a quiet machine) or ``--quick``
 (half-width networks, fewer rounds; under a minute on an idle machine). The table is printed,
 the JSON goes to ``--out`` (default ``benchmarks/results/export_speed.json``) and the plot to
@@ -87,7 +97,7 @@ from _common import counted_flops
 from torch import Tensor, nn
 
 import fisherprune as fp
-from fisherprune.export.latency import measure_latency
+from fisherprune.export.latency import measure_latency, retain_freed_memory
 from fisherprune.pruner.prune import check_min_channels
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -408,12 +418,18 @@ def thread_check(model: nn.Module, x: Tensor, threads: int, rounds: int = 5) -> 
     return statistics.median(ratios)
 
 
+def as_format(x: Tensor, channels_last: bool) -> Tensor:
+    """``x`` in channels-last layout when asked and 4-D, else as it is."""
+    return x.contiguous(memory_format=torch.channels_last) if channels_last and x.dim() == 4 else x
+
+
 def run_model(
-    name: str, spec: Spec, signal_modes: list[str], cfg: Config
+    name: str, spec: Spec, signal_modes: list[str], cfg: Config, channels_last: bool = False
 ) -> tuple[list[Row], dict[str, float], float]:
     """Prune one network with each signal mode, then time the dense network and every shrunk
-    one side by side (one round-robin per batch size). Also returns the ``thread_check`` of
-    the dense network at the largest batch."""
+    one side by side (one round-robin per batch size), all in channels-last layout with
+    ``channels_last``. Also returns the ``thread_check`` of the dense network at the largest
+    batch."""
     torch.manual_seed(0)
     dense = spec.build(cfg.width).eval()
     pruned: dict[str, Pruned] = {}
@@ -429,10 +445,13 @@ def run_model(
     models: dict[str, nn.Module] = {"dense": dense}
     for mode, pr in pruned.items():
         models.update({f"{mode} {t:.0%}": m.eval() for t, m in pr.shrunk.items()})
+    if channels_last and len(spec.input_shape) == 3:
+        for m in models.values():
+            m.to(memory_format=torch.channels_last)  # 4-D weights; FLOPs are counted above
     lat: dict[int, dict[str, float]] = {}
     rounds_lat: dict[int, dict[str, list[float]]] = {}
     for b in BATCHES:
-        x = torch.randn(b, *spec.input_shape)
+        x = as_format(torch.randn(b, *spec.input_shape), channels_last)
         repeats = calibrate_repeats(dense, x, cfg.block_seconds)
         lat[b], rounds_lat[b] = time_round_robin(models, x, repeats, cfg.rounds)
     rows = [
@@ -440,7 +459,7 @@ def run_model(
         for mode, pr in pruned.items()
         for t, small in pr.shrunk.items()
     ]
-    x = torch.randn(BATCHES[-1], *spec.input_shape)
+    x = as_format(torch.randn(BATCHES[-1], *spec.input_shape), channels_last)
     check = thread_check(dense, x, torch.get_num_threads())
     return rows, {mode: pr.seconds for mode, pr in pruned.items()}, check
 
@@ -596,6 +615,18 @@ def main(argv: list[str] | None = None) -> int:
         default=1,
         help="channels each mask keeps at least: a count (1, default) or a fraction (0.25)",
     )
+    ap.add_argument(
+        "--allocator",
+        choices=["retain", "glibc-default"],
+        default="retain",
+        help="retain (default): fisherprune.export.retain_freed_memory() before timing, so "
+        "activations are not page-faulted in at every pass; glibc-default: leave malloc as is",
+    )
+    ap.add_argument(
+        "--channels-last",
+        action="store_true",
+        help="time the conv nets (dense and shrunk alike) in channels-last memory layout",
+    )
     ap.add_argument("--out", type=Path, default=None, help=f"JSON (default {DEFAULT_OUT})")
     ap.add_argument("--plot", type=Path, default=None, help=f"PNG (default {DEFAULT_PLOT})")
     args = ap.parse_args(argv)
@@ -612,6 +643,10 @@ def main(argv: list[str] | None = None) -> int:
     with contextlib.suppress(RuntimeError):  # already set in this process
         torch.set_num_interop_threads(1)
     logging.getLogger("fisherprune").setLevel(logging.ERROR)
+    retained = args.allocator == "retain" and retain_freed_memory()
+    if args.allocator == "retain" and not retained:
+        print("NOTE: not glibc; the allocator is left as it is", file=sys.stderr)
+    layout = "channels-last" if args.channels_last else "contiguous (NCHW)"
     load_before = os.getloadavg()
     t0 = time.perf_counter()
     rows: list[Row] = []
@@ -619,7 +654,7 @@ def main(argv: list[str] | None = None) -> int:
     checks: dict[str, float] = {}
     for name in args.models:
         print(f"{name}: pruning and timing...", file=sys.stderr, flush=True)
-        r, secs, checks[name] = run_model(name, MODELS[name], signal_modes, cfg)
+        r, secs, checks[name] = run_model(name, MODELS[name], signal_modes, cfg, args.channels_last)
         rows += r
         prune_seconds[name] = secs
     load_after = os.getloadavg()
@@ -627,7 +662,8 @@ def main(argv: list[str] | None = None) -> int:
         f"\nfisherprune.shrink latency, torch {torch.__version__}, {args.threads} threads, "
         f"{'quick' if args.quick else 'full'} run ({cfg.rounds} rounds), "
         f"{time.perf_counter() - t0:.0f} s; load average before {load_before[0]:.2f}, "
-        f"after {load_after[0]:.2f} ({os.cpu_count()} CPUs)"
+        f"after {load_after[0]:.2f} ({os.cpu_count()} CPUs); {layout} layout; freed memory "
+        f"{'retained' if retained else 'returned to the OS (glibc default)'}"
     )
     print_table(rows)
     print(
@@ -663,6 +699,8 @@ def main(argv: list[str] | None = None) -> int:
         "cpu_count": os.cpu_count(),
         "threads": args.threads,
         "quick": args.quick,
+        "memory_format": "channels_last" if args.channels_last else "contiguous",
+        "allocator": "retain_freed_memory" if retained else "default",
         "config": asdict(cfg),
         "batches": list(BATCHES),
         "targets": list(TARGETS),
@@ -682,7 +720,9 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     contended = args.threads > 1 and max(checks.values()) > 1.0
-    note = "CONTENDED: more threads were slower than 1; not meaningful" if contended else ""
+    note = f"{layout}, " + ("freed memory retained" if retained else "glibc malloc defaults")
+    if contended:
+        note += "; CONTENDED: more threads were slower than 1; not meaningful"
     plot(rows, args.plot, args.threads, note)
     print(f"wrote {args.out} and {args.plot}")
     return 0

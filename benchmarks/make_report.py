@@ -553,64 +553,70 @@ def overhead_section(o: dict[str, Any]) -> list[str]:
 
 
 # ====================================================================== export speed
-def _row_dicts(data: Any, depth: int = 0) -> list[dict[str, Any]] | None:
-    """The first list of flat dicts found in ``data`` (for a generic table)."""
-    if depth > 3:
-        return None
-    if isinstance(data, list) and data and all(isinstance(x, dict) for x in data):
-        return data
-    if isinstance(data, dict):
-        for key in ("results", "rows", "records", "models", "summary"):
-            if key in data:
-                found = _row_dicts(data[key], depth + 1)
-                if found:
-                    return found
-                if isinstance(data[key], dict) and all(
-                    isinstance(v, dict) for v in data[key].values()
-                ):
-                    return [{"name": k, **v} for k, v in data[key].items()]
-    return None
+def _condition(e: dict[str, Any]) -> str:
+    """How an export_speed run timed: memory layout and allocator (older runs: unknown)."""
+    layout = {"channels_last": "channels-last", "contiguous": "NCHW"}.get(
+        e.get("memory_format", ""), "NCHW"
+    )
+    alloc = {"retain_freed_memory": "freed memory retained", "default": "glibc malloc defaults"}
+    return f"{layout}, {alloc.get(e.get('allocator', ''), 'allocator not recorded')}"
 
 
-def _flat(row: dict[str, Any], skip: Sequence[str] = ()) -> dict[str, Any]:
-    """Scalars of ``row``; a dict of scalars becomes one column per key (``speedup b64``)."""
-    out: dict[str, Any] = {}
-    for k, v in row.items():
-        if k in skip:
-            continue
-        if isinstance(v, dict):
-            for kk, vv in v.items():
-                if not isinstance(vv, (dict, list)):
-                    out[f"{k} {kk}"] = vv
-        elif not isinstance(v, list):
-            out[k] = v
-    return out
+def _row_key(r: dict[str, Any]) -> tuple[str, str, float]:
+    return r.get("model", ""), r.get("signals", ""), r.get("target", 0.0)
 
 
-def export_section(e: dict[str, Any], out: Path) -> list[str]:
+def export_section(
+    e: dict[str, Any], out: Path, others: Sequence[dict[str, Any]] = ()
+) -> list[str]:
+    """The main run's table, and the batch-64 efficiency of other timing conditions beside it."""
     lines = ["## Export speed (`benchmarks/export_speed.py`)", "", _environment(e), ""]
     if e.get("quick"):
         lines += ["**This is a `--quick` run.**", ""]
+    lines += [f"Timing condition: {_condition(e)}.", ""]
     plot = DOCS / "export_speed.png"
     if plot.is_file():
         lines += [f"![latency speed-up against FLOPs ratio]({_rel(plot, out)})", ""]
-    rows = _row_dicts(e)
-    if rows:
-        # latencies in seconds are in the JSON; the table keeps the ratios
-        flat = [_flat(r, skip=("latency_dense", "latency_shrunk")) for r in rows]
-        keys: list[str] = []
-        for r in flat:
-            keys += [k for k in r if k not in keys]
-        lines += _table(keys, [[_fmt(r.get(k)) for k in keys] for r in flat])
-        lines.append("")
+    rows = e.get("rows") or []
+    other_eff = [
+        (_condition(o), {_row_key(r): r.get("efficiency", {}).get("64") for r in o["rows"]})
+        for o in others
+        if o.get("rows")
+    ]
+    header = [
+        "model", "signals", "FLOPs target", "FLOPs ratio", "params ratio", "kept/mask min/med/max",
+        "speed-up b=1", "speed-up b=64", "eff b=1", "eff b=64", "eff ≥ 0.7 at b=64",
+    ]  # fmt: skip
+    header += [f"eff b=64 ({name})" for name, _ in other_eff]
+    table = []
+    for r in rows:
+        speed, eff = r.get("speedup", {}), r.get("efficiency", {})
+        kept = "/".join(_fmt(r.get(k), 2) for k in ("kept_min", "kept_median", "kept_max"))
+        met = r.get("target_met")
+        table.append(
+            [
+                r.get("model"), r.get("signals"), f"{r.get('target', 0):.0%}",
+                _fmt(r.get("flops_ratio")), _fmt(r.get("params_ratio")), kept,
+                f"{_fmt(speed.get('1'), 2)}x", f"{_fmt(speed.get('64'), 2)}x",
+                _fmt(eff.get("1"), 2), _fmt(eff.get("64"), 2),
+                "n/a (MLP)" if met is None else ("met" if met else "missed"),
+            ]
+            + [_fmt(effs.get(_row_key(r)), 2) for _, effs in other_eff]
+        )  # fmt: skip
+    if table:
+        lines += _table(header, table)
     else:
-        lines += ["(no table found in the file; see the JSON)", ""]
-    for key in ("pruning", "efficiency_target"):
-        v = e.get(key)
-        if isinstance(v, dict) and "method" in v:
-            lines.append(f"- pruning: {v['method']}")
-        elif v is not None and not isinstance(v, dict):
-            lines.append(f"- {key.replace('_', ' ')}: {_fmt(v)}")
+        lines += ["(no rows in the file; see the JSON)"]
+    lines.append("")
+    pruning = e.get("pruning")
+    if isinstance(pruning, dict) and "method" in pruning:
+        lines.append(f"- pruning: {pruning['method']}")
+    for o in others:
+        lines.append(f"- other condition: {_condition(o)}, run {o.get('date', '?')}")
+    lines.append(
+        "- eff = speed-up x FLOPs ratio (1.0: latency falls exactly as FLOPs do); the issue's "
+        "target is eff ≥ 0.7 at batch 64 for the conv nets"
+    )
     lines.append("")
     return lines
 
@@ -656,7 +662,14 @@ def build(out: Path, results: Path = RESULTS) -> str:
             "",
         ]
     if e is not None:
-        lines += export_section(e, out)
+        others = [
+            o
+            for path in sorted(results.glob("export_speed_*.json"))
+            if not path.stem.endswith("_quick")
+            and (o := _load(path)) is not None
+            and not o.get("quick")
+        ]
+        lines += export_section(e, out, others)
     else:
         lines += [
             "## Export speed",
