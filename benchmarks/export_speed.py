@@ -20,7 +20,7 @@ How the networks are pruned
 ---------------------------
 Greedy Fisher pruning without the SGD updates in between: ``apply_masks`` masks every prunable
 channel group, and ``fisherprune.prune`` zeroes, one channel at a time, the channel with the
-lowest ``"auto"`` score ``signal / marginal FLOPs`` (``fisherprune.score``), with exact marginal
+lowest ``"auto"`` score ``signal / marginal cost`` (``fisherprune.score``), with exact marginal
 costs from a ``fisherprune.CostModel``, until the cost reaches the target. This is the selection
 ``PruningOptimizer(prune_every=1, flops_weight="auto")`` makes, minus its weight updates: weights
 do not change latency, and a real optimizer run costs one training step per pruned channel
@@ -39,6 +39,12 @@ described below). Two signal sources, each a row of the table:
 
 A trained network's Fisher signals lie somewhere between; the kept fraction per mask
 (min / median / max) is printed so that the pattern behind each latency figure is visible.
+
+Two selection costs, also each a row (``--selection``): ``flops`` weighs each signal against
+the channel's marginal FLOPs, as above; ``memory`` against the activation elements it removes
+(``convention="memory"``), Group Fisher Pruning's memory-normalised selection, which the library
+offers as ``PruningOptimizer(score_convention="memory")``. The targets are FLOPs in both, so the
+rows compare what each selection does to latency at the same FLOPs.
 
 Figures
 -------
@@ -281,20 +287,24 @@ def gather_signals(
     model.eval()
 
 
-def prune_to_targets(model: nn.Module, spec: Spec, signals: str, cfg: Config) -> Pruned:
+def prune_to_targets(
+    model: nn.Module, spec: Spec, signals: str, cfg: Config, selection: str = "flops"
+) -> Pruned:
     """Prune ``model`` (masked, in place) to every target in ``TARGETS``; shrink a copy at each.
 
     ``signals="fisher"``: Fisher signals gathered from backward passes, refreshed as pruning
     goes; ``"random"``: fixed i.i.d. log-normal signals, so that the choice is driven by the
-    marginal FLOPs. Channels are zeroed one at a time by ``fisherprune.prune`` (lowest
-    ``signal / marginal cost`` first); the exact costs are re-evaluated after every ``chunk``
-    prunes, and after every single prune once the estimate reaches the target.
+    marginal costs. Channels are zeroed one at a time by ``fisherprune.prune`` (lowest
+    ``signal / marginal cost`` first, the cost in the ``selection`` convention: ``flops`` or
+    ``memory``); the targets are in FLOPs. The exact costs are re-evaluated after every
+    ``chunk`` prunes, and after every single prune once the estimate reaches the target.
     """
     t0 = time.perf_counter()
     gen = torch.Generator().manual_seed(0)
     x1 = torch.randn(1, *spec.input_shape, generator=gen)
     masks = dict(fp.apply_masks(model, x1))
     cost_model = fp.CostModel(model, x1)
+    score_model = cost_model if selection == "flops" else fp.CostModel(model, x1, selection)
     start = cost_model.total()
     if signals == "random":
         for m in masks.values():
@@ -313,7 +323,8 @@ def prune_to_targets(model: nn.Module, spec: Spec, signals: str, cfg: Config) ->
             if signals == "fisher" and evaluations % cfg.refresh == 0:
                 gather_signals(model, masks, spec, cfg.passes, gen)
             evaluations += 1
-            scores = {k: fp.score(m.signal, report.marginal[k], "auto") for k, m in masks.items()}
+            weigh = report if score_model is cost_model else score_model.report()
+            scores = {k: fp.score(m.signal, weigh.marginal[k], "auto") for k, m in masks.items()}
             estimate, stuck = report.total, False
             for _ in range(chunk):
                 event = fp.prune(masks, scores, min_channels=cfg.min_channels, cost=report)
@@ -381,6 +392,7 @@ def spread(dense: list[float], small: list[float]) -> float:
 class Row:
     model: str
     signals: str
+    selection: str  # the cost convention signals were weighed against: flops or memory
     target: float
     flops_ratio: float
     cost_model_ratio: float
@@ -424,27 +436,33 @@ def as_format(x: Tensor, channels_last: bool) -> Tensor:
 
 
 def run_model(
-    name: str, spec: Spec, signal_modes: list[str], cfg: Config, channels_last: bool = False
+    name: str,
+    spec: Spec,
+    signal_modes: list[str],
+    cfg: Config,
+    channels_last: bool = False,
+    selections: tuple[str, ...] = ("flops",),
 ) -> tuple[list[Row], dict[str, float], float]:
-    """Prune one network with each signal mode, then time the dense network and every shrunk
-    one side by side (one round-robin per batch size), all in channels-last layout with
-    ``channels_last``. Also returns the ``thread_check`` of the dense network at the largest
-    batch."""
+    """Prune one network with each signal mode and selection cost, then time the dense network
+    and every shrunk one side by side (one round-robin per batch size), all in channels-last
+    layout with ``channels_last``. Also returns the ``thread_check`` of the dense network at
+    the largest batch."""
     torch.manual_seed(0)
     dense = spec.build(cfg.width).eval()
-    pruned: dict[str, Pruned] = {}
+    pruned: dict[tuple[str, str], Pruned] = {}
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # pruning is not timed; one thread does not suffer contention
     try:
         for mode in signal_modes:
-            pruned[mode] = prune_to_targets(copy.deepcopy(dense), spec, mode, cfg)
+            for sel in selections:
+                pruned[mode, sel] = prune_to_targets(copy.deepcopy(dense), spec, mode, cfg, sel)
     finally:
         torch.set_num_threads(threads)
     x1 = torch.randn(1, *spec.input_shape)
     f_dense, p_dense = counted_flops(dense, x1), n_params(dense)
     models: dict[str, nn.Module] = {"dense": dense}
-    for mode, pr in pruned.items():
-        models.update({f"{mode} {t:.0%}": m.eval() for t, m in pr.shrunk.items()})
+    for (mode, sel), pr in pruned.items():
+        models.update({f"{mode}/{sel} {t:.0%}": m.eval() for t, m in pr.shrunk.items()})
     if channels_last and len(spec.input_shape) == 3:
         for m in models.values():
             m.to(memory_format=torch.channels_last)  # 4-D weights; FLOPs are counted above
@@ -455,18 +473,19 @@ def run_model(
         repeats = calibrate_repeats(dense, x, cfg.block_seconds)
         lat[b], rounds_lat[b] = time_round_robin(models, x, repeats, cfg.rounds)
     rows = [
-        make_row(name, mode, t, small, pr, f_dense, p_dense, x1, lat, rounds_lat)
-        for mode, pr in pruned.items()
+        make_row(name, mode, sel, t, small, pr, f_dense, p_dense, x1, lat, rounds_lat)
+        for (mode, sel), pr in pruned.items()
         for t, small in pr.shrunk.items()
     ]
     x = as_format(torch.randn(BATCHES[-1], *spec.input_shape), channels_last)
     check = thread_check(dense, x, torch.get_num_threads())
-    return rows, {mode: pr.seconds for mode, pr in pruned.items()}, check
+    return rows, {f"{mode}/{sel}": pr.seconds for (mode, sel), pr in pruned.items()}, check
 
 
 def make_row(
     name: str,
     mode: str,
+    sel: str,
     t: float,
     small: nn.Module,
     pruned: Pruned,
@@ -477,7 +496,7 @@ def make_row(
     rounds_lat: dict[int, dict[str, list[float]]],
 ) -> Row:
     """One table row: a shrunk network against the dense one."""
-    key = f"{mode} {t:.0%}"
+    key = f"{mode}/{sel} {t:.0%}"
     fr = counted_flops(small, x1) / f_dense
     speed = {str(b): lat[b]["dense"] / lat[b][key] for b in BATCHES}
     eff = {k: v * fr for k, v in speed.items()}
@@ -485,6 +504,7 @@ def make_row(
     return Row(
         model=name,
         signals=mode,
+        selection=sel,
         target=t,
         flops_ratio=fr,
         cost_model_ratio=pruned.cost_ratio[t],
@@ -506,11 +526,11 @@ def make_row(
 def print_table(rows: list[Row]) -> None:
     b1, b64 = (str(b) for b in BATCHES)
     head = (
-        f"{'model':<12}{'signals':<8}{'target':>7}{'FLOPs':>8}{'params':>8}{'kept/mask':>16}"
+        f"{'model':<12}{'signals/sel.':<15}{'target':>7}{'FLOPs':>8}{'params':>8}{'kept/mask':>16}"
         f"{'speed-up':>10}{'speed-up':>10}{'eff':>7}{'eff':>7}{'spread':>8}  target"
     )
     sub = (
-        f"{'':<12}{'':<8}{'':>7}{'ratio':>8}{'ratio':>8}{'min/med/max':>16}"
+        f"{'':<12}{'':<15}{'':>7}{'ratio':>8}{'ratio':>8}{'min/med/max':>16}"
         f"{'b=' + b1:>10}{'b=' + b64:>10}{'b=' + b1:>7}{'b=' + b64:>7}{'b=' + b64:>8}  "
         f"eff>={EFF_TARGET} @b={b64}"
     )
@@ -521,7 +541,8 @@ def print_table(rows: list[Row]) -> None:
         kept = f"{r.kept_min:.2f}/{r.kept_median:.2f}/{r.kept_max:.2f}"
         met = "n/a (MLP)" if r.target_met is None else ("met" if r.target_met else "NOT met")
         print(
-            f"{r.model:<12}{r.signals:<8}{r.target:>7.0%}{r.flops_ratio:>8.3f}{r.params_ratio:>8.3f}{kept:>16}"
+            f"{r.model:<12}{r.signals + '/' + r.selection:<15}{r.target:>7.0%}"
+            f"{r.flops_ratio:>8.3f}{r.params_ratio:>8.3f}{kept:>16}"
             f"{r.speedup[b1]:>9.2f}x{r.speedup[b64]:>9.2f}x{r.efficiency[b1]:>7.2f}"
             f"{r.efficiency[b64]:>7.2f}{r.spread[b64]:>7.0%}  {met}"
         )
@@ -536,7 +557,8 @@ def plot(rows: list[Row], path: Path, threads: int, note: str = "") -> None:
 
     fig, ax = plt.subplots(figsize=(7.0, 5.4))
     colours = dict(zip(MODELS, ("C0", "C1", "C2", "C3"), strict=True))
-    markers = {"fisher": "o", "random": "^"}
+    markers = {("fisher", "flops"): "o", ("fisher", "memory"): "D"}
+    markers |= {("random", "flops"): "^", ("random", "memory"): "v"}
     top = 1.0
     for r in rows:
         red = 1.0 / r.flops_ratio
@@ -545,7 +567,7 @@ def plot(rows: list[Row], path: Path, threads: int, note: str = "") -> None:
             ax.scatter(
                 red,
                 r.speedup[str(b)],
-                marker=markers.get(r.signals, "s"),
+                marker=markers.get((r.signals, r.selection), "s"),
                 s=50,
                 facecolors=colours[r.model] if b == BATCHES[-1] else "none",
                 edgecolors=colours[r.model],
@@ -555,8 +577,9 @@ def plot(rows: list[Row], path: Path, threads: int, note: str = "") -> None:
     ax.plot(xs, [EFF_TARGET * v for v in xs], "k--", lw=1, label=f"y = {EFF_TARGET}x (target)")
     for name in sorted({r.model for r in rows}, key=list(MODELS).index):
         ax.scatter([], [], marker="s", color=colours[name], label=name)
-    for mode in sorted({r.signals for r in rows}):
-        ax.scatter([], [], marker=markers.get(mode, "s"), color="grey", label=f"{mode} signals")
+    for mode in sorted({(r.signals, r.selection) for r in rows}):
+        label = f"{mode[0]} signals / {mode[1]}"
+        ax.scatter([], [], marker=markers.get(mode, "s"), color="grey", label=label)
     ax.scatter([], [], marker="o", facecolors="none", edgecolors="k", label=f"batch {BATCHES[0]}")
     ax.scatter([], [], marker="o", color="k", label=f"batch {BATCHES[-1]} (filled)")
     ax.set_xlabel("FLOPs reduction (dense / shrunk, FlopCounterMode)")
@@ -616,6 +639,15 @@ def main(argv: list[str] | None = None) -> int:
         help="channels each mask keeps at least: a count (1, default) or a fraction (0.25)",
     )
     ap.add_argument(
+        "--selection",
+        nargs="+",
+        default=["flops", "memory"],
+        choices=["flops", "memory"],
+        help="cost each channel's signal is weighed against when choosing: flops (signal per "
+        "marginal FLOP) and/or memory (per activation element, Group Fisher Pruning's "
+        "memory-normalised selection); the targets are in FLOPs either way (default: both)",
+    )
+    ap.add_argument(
         "--allocator",
         choices=["retain", "glibc-default"],
         default="retain",
@@ -635,6 +667,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = dataclasses.replace(cfg, rounds=args.rounds)
     cfg = dataclasses.replace(cfg, min_channels=args.min_channels)
     signal_modes = args.signals or (["fisher"] if args.quick else ["fisher", "random"])
+    selections = tuple(args.selection)
     if args.quick:  # a quick run does not overwrite the full run's results
         args.out = args.out or QUICK_OUT.with_suffix(".json")
         args.plot = args.plot or QUICK_OUT.with_suffix(".png")
@@ -654,7 +687,9 @@ def main(argv: list[str] | None = None) -> int:
     checks: dict[str, float] = {}
     for name in args.models:
         print(f"{name}: pruning and timing...", file=sys.stderr, flush=True)
-        r, secs, checks[name] = run_model(name, MODELS[name], signal_modes, cfg, args.channels_last)
+        r, secs, checks[name] = run_model(
+            name, MODELS[name], signal_modes, cfg, args.channels_last, selections
+        )
         rows += r
         prune_seconds[name] = secs
     load_after = os.getloadavg()
@@ -709,7 +744,8 @@ def main(argv: list[str] | None = None) -> int:
         "load_average_after": load_after,
         "thread_check": checks,
         "pruning": {
-            "method": "fisherprune.prune on signal / exact marginal FLOPs ('auto'), costs "
+            "method": "fisherprune.prune on signal / exact marginal cost ('auto'; the cost in "
+            f"FLOPs or activation elements: selection {list(selections)}), FLOPs targets, costs "
             f"re-evaluated about {cfg.chunks} times; fisher: Fisher signals from "
             f"{cfg.passes} backward pass(es) on random {SIGNAL_BATCH}-example batches every "
             f"{cfg.refresh} re-evaluations (decay {DECAY}); random: i.i.d. log-normal signals",

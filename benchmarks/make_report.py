@@ -562,8 +562,9 @@ def _condition(e: dict[str, Any]) -> str:
     return f"{layout}, {alloc.get(e.get('allocator', ''), 'allocator not recorded')}"
 
 
-def _row_key(r: dict[str, Any]) -> tuple[str, str, float]:
-    return r.get("model", ""), r.get("signals", ""), r.get("target", 0.0)
+def _row_key(r: dict[str, Any]) -> tuple[str, str, str, float]:
+    sel = r.get("selection", "flops")  # runs before --selection existed weighed by FLOPs
+    return r.get("model", ""), r.get("signals", ""), sel, r.get("target", 0.0)
 
 
 def export_section(
@@ -584,7 +585,8 @@ def export_section(
         if o.get("rows")
     ]
     header = [
-        "model", "signals", "FLOPs target", "FLOPs ratio", "params ratio", "kept/mask min/med/max",
+        "model", "signals / selection", "FLOPs target", "FLOPs ratio", "params ratio",
+        "kept/mask min/med/max",
         "speed-up b=1", "speed-up b=64", "eff b=1", "eff b=64", "eff ≥ 0.7 at b=64",
     ]  # fmt: skip
     header += [f"eff b=64 ({name})" for name, _ in other_eff]
@@ -595,7 +597,8 @@ def export_section(
         met = r.get("target_met")
         table.append(
             [
-                r.get("model"), r.get("signals"), f"{r.get('target', 0):.0%}",
+                r.get("model"), f"{r.get('signals')} / {r.get('selection', 'flops')}",
+                f"{r.get('target', 0):.0%}",
                 _fmt(r.get("flops_ratio")), _fmt(r.get("params_ratio")), kept,
                 f"{_fmt(speed.get('1'), 2)}x", f"{_fmt(speed.get('64'), 2)}x",
                 _fmt(eff.get("1"), 2), _fmt(eff.get("64"), 2),

@@ -309,6 +309,11 @@ BAD = [
     ),
     _case("flops of a non-checkpoint", "flops --checkpoint {notckpt}", ["notckpt.pt"]),
     _case(
+        "unknown score convention",
+        "train --data {good} --pruning.score_convention latency",
+        ["pruning_score_convention", "'latency'"],
+    ),
+    _case(
         "config value of the wrong type",
         "train --data {good} --config {badtype}",
         ["momentum"],

@@ -296,6 +296,35 @@ def test_flops_weight_modes_pick_per_their_formula(flops_weight, expected_mask):
     assert event.score == pytest.approx(formula, rel=SCORE_RTOL)
 
 
+def test_score_convention_weighs_signals_by_another_cost_than_the_target():
+    """With score_convention="memory" the pick is min signal / marginal activation elements
+    (2 per hidden unit here: the linear's and the tanh's output), not per marginal FLOPs; the
+    target and the event's costs stay in FLOPs."""
+    model = make_mlp()
+    masks = fp.find_masks(model)
+    for n, m in masks.items():
+        m.signal.fill_(100.0)
+        m.signal[1] = HAND_SIGNALS[n]
+    opt = fp.PruningOptimizer(
+        model,
+        example(model),
+        lr=0.05,
+        prune_every=1,
+        decay=NEAR_ONE_DECAY,
+        flops_target="50%",
+        score_convention="memory",
+    )
+    memory = fp.computational_cost(model, example(model), convention="memory").marginal
+    assert {n: float(memory[n][1]) for n in masks} == {"2": 2.0, "5": 2.0, "8": 2.0}
+    ((x, y),) = mlp_batches(1)
+    opt.minimize(F.cross_entropy(model(x), y))
+    (event,) = opt.history
+    assert (event.mask, event.channel) == ("8", 1)  # "auto" on FLOPs would pick "5"
+    assert event.score == pytest.approx(HAND_SIGNALS["8"] / (2.0 + 1e-6), rel=SCORE_RTOL)
+    assert (event.cost_before, event.cost_after) == (MLP_COST, MLP_COST - MLP_MARGINAL["8"])
+    assert opt.target == 0.5 * MLP_COST
+
+
 # ----------------------------------------------------------------- targets
 @pytest.mark.parametrize(
     ("make", "flops_target", "target"),
@@ -496,6 +525,7 @@ def test_resume_from_checkpoint_matches_an_uninterrupted_run(split, tmp_path):
         ({"flops_weight": "fisher"}, "flops_weight"),
         ({"flops_weight": -1.0}, "flops_weight"),
         ({"convention": "gflops"}, "convention"),
+        ({"score_convention": "latency"}, "score_convention"),
         ({"min_channels": -1}, "min_channels"),
         ({"loss_reduction": "median"}, "loss_reduction"),
         ({"flops_target": "lots"}, "flops_target"),

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from fisherprune.cost import CostModel, CostReport
+from fisherprune.cost import CONVENTIONS, CostModel, CostReport
 from fisherprune.masks import MaskLayer, find_masks
 from fisherprune.pruner.prune import PruneEvent, check_min_channels, floor_of, prune
 from fisherprune.pruner.scoring import FlopsWeight, check_flops_weight, score_all
@@ -89,7 +89,13 @@ class PruningOptimizer:
             ``update_params``); ``lr`` etc. are then ignored.
         min_channels: the fewest channels any mask keeps: an int, or a fraction in (0, 1)
             of each mask's width.
-        convention: cost convention (see ``computational_cost``).
+        convention: cost convention of ``flops_target`` and of the pruning events (see
+            ``computational_cost``).
+        score_convention: cost convention that the signal is weighed against when
+            choosing a channel (default: ``convention``). ``"memory"`` with a FLOPs target is
+            Group Fisher Pruning's memory-normalised selection: channels are chosen by signal
+            per activation element they remove, which on CPUs and GPUs cuts latency more than
+            FLOP-normalised selection at the same FLOPs (``benchmarks/export_speed.py``).
         loss_reduction: ``"mean"`` or ``"sum"``: how the loss reduces over the batch.
         masks: the masks to prune (default: every MaskLayer in ``model``).
         method: pruning signal, ``"fisher"`` (the seed's only one) or ``"taylor"``.
@@ -120,6 +126,7 @@ class PruningOptimizer:
         optimizer: torch.optim.Optimizer | None = None,
         min_channels: int | float = 1,
         convention: str = "flops",
+        score_convention: str | None = None,
         loss_reduction: str = "mean",
         masks: dict[str, MaskLayer] | None = None,
         method: str = "fisher",
@@ -162,7 +169,18 @@ class PruningOptimizer:
                 f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
             )
         self.optimizer = optimizer
+        if score_convention is not None and score_convention not in CONVENTIONS:
+            raise ValueError(
+                f"score_convention must be one of {', '.join(CONVENTIONS)} or None, "
+                f"got {score_convention!r}"
+            )
         self.cost_model = CostModel(model, example_inputs, convention)
+        #: the cost that scores are normalised by (the same object when the conventions agree)
+        self.score_model = (
+            self.cost_model
+            if score_convention in (None, convention)
+            else CostModel(model, example_inputs, score_convention)
+        )
         self.start_cost = self.cost_model.total()
         self.target = resolve_target(flops_target, self.start_cost)
         self.counter = 1
@@ -232,7 +250,8 @@ class PruningOptimizer:
             self._finish(f"cost {report.total:.6g} reached the target {self.target:.6g}")
             return
         signals = {n: m.signal for n, m in self.masks.items()}
-        scores = score_all(signals, {n: report.marginal[n] for n in self.masks}, self.flops_weight)
+        weigh = report if self.score_model is self.cost_model else self.score_model.report()
+        scores = score_all(signals, {n: weigh.marginal[n] for n in self.masks}, self.flops_weight)
         event = prune(self.masks, scores, self.min_channels, cost=report, step=self.counter)
         if event is None:
             self._finish(

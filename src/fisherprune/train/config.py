@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fisherprune.cost import CONVENTIONS
 from fisherprune.pruner.prune import check_min_channels
 
 __all__ = ["ALIASES", "HELP", "TrainConfig"]
@@ -47,6 +48,7 @@ ALIASES: dict[str, str] = {
     "pruning.flops_weight": "pruning_flops_weight",
     "pruning.min_channels": "pruning_min_channels",
     "pruning.convention": "pruning_convention",
+    "pruning.score_convention": "pruning_score_convention",
     "train.batch_size": "batch_size",
     "train.steps": "steps",
     "train.epochs": "epochs",
@@ -83,7 +85,9 @@ HELP: dict[str, str] = {
     "pruning_decay": "EMA factor of the pruning signal, in [0, 1)",
     "pruning_flops_weight": "auto (signal/cost), a number w (signal - w*cost), or 0",
     "pruning_min_channels": "fewest channels any group keeps: a count, or a fraction such as 0.1",
-    "pruning_convention": "cost: flops, macs, twml, memory or params",
+    "pruning_convention": "cost of the target: flops, macs, twml, memory or params",
+    "pruning_score_convention": "cost the signal is weighed against (default: the target's); "
+    "memory = Group Fisher Pruning's memory-normalised selection",
     "save_dir": "directory for checkpoints, metrics, report",
     "export_dir": "directory for exported models (default SAVE_DIR/export)",
     "checkpoint_every": "steps between checkpoints",
@@ -121,7 +125,9 @@ class TrainConfig:
         pruning_decay: signal EMA factor in [0, 1).
         pruning_flops_weight: "auto", or a number (0 = plain Fisher).
         pruning_min_channels: fewest channels per group.
-        pruning_convention: cost convention (flops, macs, twml, memory, params).
+        pruning_convention: cost convention (flops, macs, twml, memory, params) of the target.
+        pruning_score_convention: cost convention the signal is weighed against when choosing
+            a channel (None: ``pruning_convention``); see ``PruningOptimizer``.
     Files:
         save_dir: where checkpoints, metrics, report go; export_dir: exported models
         (default ``save_dir/export``); checkpoint_every, keep_checkpoints; resume;
@@ -161,6 +167,7 @@ class TrainConfig:
     pruning_flops_weight: str = "auto"
     pruning_min_channels: int | float = 1
     pruning_convention: str = "flops"
+    pruning_score_convention: str | None = None
 
     save_dir: str = "runs/fisherprune"
     export_dir: str | None = None
@@ -213,6 +220,10 @@ class TrainConfig:
         if bad:
             raise ValueError(f"unknown export format(s) {bad}; use state_dict, torchscript, onnx")
         check_min_channels(self.pruning_min_channels)
+        for name in ("pruning_convention", "pruning_score_convention"):
+            v = getattr(self, name)
+            if v is not None and v not in CONVENTIONS:
+                raise ValueError(f"{name} must be one of {', '.join(CONVENTIONS)}, got {v!r}")
 
     def _check_types(self) -> None:
         hints = typing.get_type_hints(type(self))

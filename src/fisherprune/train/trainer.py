@@ -168,6 +168,7 @@ class PruningTrainer:
             flops_target=cfg.pruning_flops_target,
             min_channels=cfg.pruning_min_channels,
             convention=cfg.pruning_convention,
+            score_convention=cfg.pruning_score_convention,
         )
 
     # -------------------------------------------------------------- batches
