@@ -94,8 +94,9 @@ class PruningOptimizer:
         score_convention: cost convention that the signal is weighed against when
             choosing a channel (default: ``convention``). ``"memory"`` with a FLOPs target is
             Group Fisher Pruning's memory-normalised selection: channels are chosen by signal
-            per activation element they remove, which on CPUs and GPUs cuts latency more than
-            FLOP-normalised selection at the same FLOPs (``benchmarks/export_speed.py``).
+            per activation element they remove, which cuts latency more than FLOP-normalised
+            selection at the same FLOPs (GPU: the paper's Table; CPU:
+            ``benchmarks/export_speed.py``, docs/benchmarks.md).
         loss_reduction: ``"mean"`` or ``"sum"``: how the loss reduces over the batch.
         masks: the masks to prune (default: every MaskLayer in ``model``).
         method: pruning signal, ``"fisher"`` (the seed's only one) or ``"taylor"``.
