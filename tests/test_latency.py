@@ -6,6 +6,7 @@ process each, since the setting is process-wide and cannot be undone.
 
 from __future__ import annotations
 
+import ctypes
 import ctypes.util
 import subprocess
 import sys
@@ -29,7 +30,19 @@ for _ in range(20):
 print(applied, (faults() - before) / 20)
 """
 
-_GLIBC = sys.platform.startswith("linux") and ctypes.util.find_library("c") is not None
+
+def _is_glibc() -> bool:
+    """Whether this process's C library is glibc (musl, macOS and Windows have no mallopt)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return False
+    return hasattr(libc, "mallopt") and hasattr(libc, "gnu_get_libc_version")
+
+
+_GLIBC = _is_glibc()
 
 
 def _faults_per_pass(mode: str) -> tuple[str, float]:
