@@ -56,15 +56,27 @@ Figures
 x FLOPs ratio (1.0 means latency falls exactly as FLOPs do). The issue's target, for the conv
 nets at batch 64, is ``eff >= 0.7``; whether each row meets it is printed and stored as measured.
 
+Channel rounding
+----------------
+``--round-to`` (default ``1 8``) adds a row per value: pruning with ``prune(round_to=k)`` keeps
+every mask at a multiple of ``k`` channels. oneDNN's AVX2 kernels work on channels in blocks of
+8 floats, so a conv with 9 or 12 channels runs about as slowly as one with 16 (measured here
+per layer); with ``k = 8`` the FLOPs removed are FLOPs the CPU no longer spends.
+
 Allocator and layout
 --------------------
-By default the process first calls ``fisherprune.export.retain_freed_memory()``. With glibc's
-malloc defaults every forward pass maps its large activation buffers afresh and page-faults
-them in (measured: 13k faults per VGG forward at batch 64, a third of its latency on this VM),
-a cost proportional to activation memory rather than FLOPs, which a serving process avoids
-with jemalloc, tcmalloc or these settings. ``--allocator glibc-default`` measures without it.
-``--channels-last`` times every conv net, dense and shrunk alike, in channels-last layout
-(oneDNN's faster path on CPU for most shapes). The layout and allocator are in the JSON.
+By default the process first calls ``fisherprune.export.retain_freed_memory()``: with glibc's
+malloc defaults a forward pass can map its large activation buffers afresh and page-fault them
+in at every call, a cost proportional to activation memory rather than FLOPs, which a serving
+process avoids with jemalloc, tcmalloc or these settings. How many faults it takes depends on
+what the process allocated before (glibc adapts its thresholds), so each row records the minor
+page faults per forward pass of the dense and the shrunk network at batch 64
+(``faults_per_forward``); ``benchmarks/allocator.py`` measures the defaults in fresh
+processes. ``--allocator glibc-default`` measures without the call. ``--channels-last`` times
+every conv net, dense and shrunk alike, in channels-last layout: oneDNN then computes in
+that layout directly, where in NCHW every conv reorders its input and output to a blocked
+layout and back, a memory-bound cost that does not shrink with the FLOPs. The layout and
+allocator are in the JSON.
 
 Run ``python benchmarks/export_speed.py`` (a few minutes on a quiet machine) or ``--quick``
 (half-width networks, fewer rounds; under a minute on an idle machine). The table is printed,
@@ -329,7 +341,12 @@ def gather_signals(
 
 
 def prune_to_targets(
-    model: nn.Module, spec: Spec, signals: str, cfg: Config, selection: str = "flops"
+    model: nn.Module,
+    spec: Spec,
+    signals: str,
+    cfg: Config,
+    selection: str = "flops",
+    round_to: int = 1,
 ) -> Pruned:
     """Prune ``model`` (masked, in place) to every target in ``TARGETS``; shrink a copy at each.
 
@@ -337,7 +354,8 @@ def prune_to_targets(
     goes; ``"random"``: fixed i.i.d. log-normal signals, so that the choice is driven by the
     marginal costs. Channels are zeroed one at a time by ``fisherprune.prune`` (lowest
     ``signal / marginal cost`` first, the cost in the ``selection`` convention: ``flops`` or
-    ``memory``); the targets are in FLOPs. The exact costs are re-evaluated after every
+    ``memory``); the targets are in FLOPs. With ``round_to > 1`` every mask keeps a multiple
+    of ``round_to`` channels (``prune(round_to=...)``). The exact costs are re-evaluated after every
     ``chunk`` prunes, and after every single prune once the estimate reaches the target.
     """
     t0 = time.perf_counter()
@@ -368,7 +386,9 @@ def prune_to_targets(
             scores = {k: fp.score(m.signal, weigh.marginal[k], "auto") for k, m in masks.items()}
             estimate, stuck = report.total, False
             for _ in range(chunk):
-                event = fp.prune(masks, scores, min_channels=cfg.min_channels, cost=report)
+                event = fp.prune(
+                    masks, scores, min_channels=cfg.min_channels, cost=report, round_to=round_to
+                )
                 if event is None:
                     stuck = True
                     break
@@ -395,8 +415,8 @@ def n_params(model: nn.Module) -> int:
 
 
 def calibrate_repeats(model: nn.Module, x: Tensor, block_seconds: float) -> int:
-    """Calls per timed block so that a block of the dense model takes about ``block_seconds``."""
-    model.eval()
+    """Calls per timed block so that a block of the dense model takes about ``block_seconds``
+    (``model`` is in eval mode already)."""
     with torch.inference_mode():
         model(x)
         t0 = time.perf_counter()
@@ -434,6 +454,7 @@ class Row:
     model: str
     signals: str
     selection: str  # the cost convention signals were weighed against: flops or memory
+    round_to: int  # every mask kept a multiple of this many channels (1: any count)
     target: float
     flops_ratio: float
     cost_model_ratio: float
@@ -449,6 +470,28 @@ class Row:
     efficiency: dict[str, float]
     spread: dict[str, float]
     target_met: bool | None  # None: not a conv net, the issue's target does not apply
+    # minor page faults per forward pass at the largest batch (getrusage), dense and shrunk
+    faults_per_forward: dict[str, float] = field(default_factory=dict)
+
+
+def faults_per_forward(model: nn.Module, x: Tensor, calls: int = 3) -> float:
+    """Minor page faults of this process per forward pass of ``model`` on ``x`` (after one
+    warm-up call): near 0 when the allocator reuses freed memory, thousands per pass when
+    every activation buffer is mapped afresh."""
+    import resource
+
+    with torch.inference_mode():
+        model(x)
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        for _ in range(calls):
+            model(x)
+        after = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    return (after - before) / calls
+
+
+def variant(signals: str, selection: str, round_to: int) -> str:
+    """How a network was pruned, as the table shows it: ``fisher/flops``, ``fisher/flops/r8``."""
+    return f"{signals}/{selection}" + (f"/r{round_to}" if round_to > 1 else "")
 
 
 def thread_check(model: nn.Module, x: Tensor, threads: int, rounds: int = 5) -> float:
@@ -483,15 +526,18 @@ def run_model(
     cfg: Config,
     channels_last: bool = False,
     selections: tuple[str, ...] = ("flops",),
+    round_tos: tuple[int, ...] = (1,),
+    serve: str = "eager",
 ) -> tuple[list[Row], dict[str, float], float, float]:
     """Train one network briefly on the synthetic task (``cfg.train_steps``), prune it with each
-    signal mode and selection cost, then time the dense network and every shrunk one side by
-    side (one round-robin per batch size), all in channels-last layout with
-    ``channels_last``. Also returns the ``thread_check`` of the dense network at the largest
-    batch and the trained network's held-out accuracy (NaN without training)."""
+    signal mode, selection cost and channel rounding, then time the dense network and every
+    shrunk one side by side (one round-robin per batch size), all in channels-last layout with
+    ``channels_last`` and all as frozen TorchScript with ``serve="torchscript"``. Also returns
+    the ``thread_check`` of the dense network at the largest batch and the trained network's
+    held-out accuracy (NaN without training)."""
     torch.manual_seed(0)
     dense = spec.build(cfg.width)
-    pruned: dict[tuple[str, str], Pruned] = {}
+    pruned: dict[tuple[str, str, int], Pruned] = {}
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # pruning is not timed; one thread does not suffer contention
     try:
@@ -499,49 +545,60 @@ def run_model(
         dense.eval()
         for mode in signal_modes:
             for sel in selections:
-                pruned[mode, sel] = prune_to_targets(copy.deepcopy(dense), spec, mode, cfg, sel)
+                for k in round_tos:
+                    net = copy.deepcopy(dense)
+                    pruned[mode, sel, k] = prune_to_targets(net, spec, mode, cfg, sel, k)
     finally:
         torch.set_num_threads(threads)
     x1 = torch.randn(1, *spec.input_shape)
     f_dense, p_dense = counted_flops(dense, x1), n_params(dense)
     models: dict[str, nn.Module] = {"dense": dense}
-    for (mode, sel), pr in pruned.items():
-        models.update({f"{mode}/{sel} {t:.0%}": m.eval() for t, m in pr.shrunk.items()})
+    for (mode, sel, k), pr in pruned.items():
+        models.update({f"{variant(mode, sel, k)} {t:.0%}": m.eval() for t, m in pr.shrunk.items()})
     if channels_last and len(spec.input_shape) == 3:
         for m in models.values():
             m.to(memory_format=torch.channels_last)  # 4-D weights; FLOPs are counted above
+    if serve == "torchscript":  # what export_model(format="torchscript", freeze=True) writes
+        with torch.no_grad():
+            x1f = as_format(x1, channels_last)
+            models = {k: torch.jit.freeze(torch.jit.trace(m, x1f)) for k, m in models.items()}
     lat: dict[int, dict[str, float]] = {}
     rounds_lat: dict[int, dict[str, list[float]]] = {}
     for b in BATCHES:
         x = as_format(torch.randn(b, *spec.input_shape), channels_last)
-        repeats = calibrate_repeats(dense, x, cfg.block_seconds)
+        repeats = calibrate_repeats(models["dense"], x, cfg.block_seconds)
         lat[b], rounds_lat[b] = time_round_robin(models, x, repeats, cfg.rounds)
+    faults = {n: faults_per_forward(m, x) for n, m in models.items()}  # at the largest batch
     rows = [
-        make_row(name, mode, sel, t, small, pr, f_dense, p_dense, x1, lat, rounds_lat)
-        for (mode, sel), pr in pruned.items()
+        make_row(name, (mode, sel, k), t, small, pr, (f_dense, p_dense), x1, lat, rounds_lat)
+        for (mode, sel, k), pr in pruned.items()
         for t, small in pr.shrunk.items()
     ]
+    for r in rows:
+        key = f"{variant(r.signals, r.selection, r.round_to)} {r.target:.0%}"
+        r.faults_per_forward = {"dense": faults["dense"], "shrunk": faults[key]}
     x = as_format(torch.randn(BATCHES[-1], *spec.input_shape), channels_last)
-    check = thread_check(dense, x, torch.get_num_threads())
-    seconds = {f"{mode}/{sel}": pr.seconds for (mode, sel), pr in pruned.items()}
+    check = thread_check(models["dense"], x, torch.get_num_threads())
+    seconds = {variant(*v): pr.seconds for v, pr in pruned.items()}
     return rows, seconds, check, accuracy
 
 
 def make_row(
     name: str,
-    mode: str,
-    sel: str,
+    how: tuple[str, str, int],
     t: float,
     small: nn.Module,
     pruned: Pruned,
-    f_dense: float,
-    p_dense: int,
+    dense_size: tuple[float, int],
     x1: Tensor,
     lat: dict[int, dict[str, float]],
     rounds_lat: dict[int, dict[str, list[float]]],
 ) -> Row:
-    """One table row: a shrunk network against the dense one."""
-    key = f"{mode}/{sel} {t:.0%}"
+    """One table row: a shrunk network (pruned ``how`` = signals, selection, round_to) against
+    the dense one (``dense_size`` = its FLOPs and parameters)."""
+    mode, sel, k = how
+    f_dense, p_dense = dense_size
+    key = f"{variant(mode, sel, k)} {t:.0%}"
     fr = counted_flops(small, x1) / f_dense
     speed = {str(b): lat[b]["dense"] / lat[b][key] for b in BATCHES}
     eff = {k: v * fr for k, v in speed.items()}
@@ -550,6 +607,7 @@ def make_row(
         model=name,
         signals=mode,
         selection=sel,
+        round_to=k,
         target=t,
         flops_ratio=fr,
         cost_model_ratio=pruned.cost_ratio[t],
@@ -571,11 +629,11 @@ def make_row(
 def print_table(rows: list[Row]) -> None:
     b1, b64 = (str(b) for b in BATCHES)
     head = (
-        f"{'model':<12}{'signals/sel.':<15}{'target':>7}{'FLOPs':>8}{'params':>8}{'kept/mask':>16}"
+        f"{'model':<12}{'signals/sel.':<18}{'target':>7}{'FLOPs':>8}{'params':>8}{'kept/mask':>16}"
         f"{'speed-up':>10}{'speed-up':>10}{'eff':>7}{'eff':>7}{'spread':>8}  target"
     )
     sub = (
-        f"{'':<12}{'':<15}{'':>7}{'ratio':>8}{'ratio':>8}{'min/med/max':>16}"
+        f"{'':<12}{'':<18}{'':>7}{'ratio':>8}{'ratio':>8}{'min/med/max':>16}"
         f"{'b=' + b1:>10}{'b=' + b64:>10}{'b=' + b1:>7}{'b=' + b64:>7}{'b=' + b64:>8}  "
         f"eff>={EFF_TARGET} @b={b64}"
     )
@@ -586,7 +644,7 @@ def print_table(rows: list[Row]) -> None:
         kept = f"{r.kept_min:.2f}/{r.kept_median:.2f}/{r.kept_max:.2f}"
         met = "n/a (MLP)" if r.target_met is None else ("met" if r.target_met else "NOT met")
         print(
-            f"{r.model:<12}{r.signals + '/' + r.selection:<15}{r.target:>7.0%}"
+            f"{r.model:<12}{variant(r.signals, r.selection, r.round_to):<18}{r.target:>7.0%}"
             f"{r.flops_ratio:>8.3f}{r.params_ratio:>8.3f}{kept:>16}"
             f"{r.speedup[b1]:>9.2f}x{r.speedup[b64]:>9.2f}x{r.efficiency[b1]:>7.2f}"
             f"{r.efficiency[b64]:>7.2f}{r.spread[b64]:>7.0%}  {met}"
@@ -602,8 +660,10 @@ def plot(rows: list[Row], path: Path, threads: int, note: str = "") -> None:
 
     fig, ax = plt.subplots(figsize=(7.0, 5.4))
     colours = dict(zip(MODELS, ("C0", "C1", "C2", "C3"), strict=True))
-    markers = {("fisher", "flops"): "o", ("fisher", "memory"): "D"}
-    markers |= {("random", "flops"): "^", ("random", "memory"): "v"}
+    markers = {("fisher", "flops", 1): "o", ("fisher", "memory", 1): "D"}
+    markers |= {("random", "flops", 1): "^", ("random", "memory", 1): "v"}
+    markers |= {("fisher", "flops", 8): "P", ("fisher", "memory", 8): "X"}
+    markers |= {("random", "flops", 8): "*", ("random", "memory", 8): "h"}
     top = 1.0
     for r in rows:
         red = 1.0 / r.flops_ratio
@@ -612,7 +672,7 @@ def plot(rows: list[Row], path: Path, threads: int, note: str = "") -> None:
             ax.scatter(
                 red,
                 r.speedup[str(b)],
-                marker=markers.get((r.signals, r.selection), "s"),
+                marker=markers.get((r.signals, r.selection, r.round_to), "s"),
                 s=50,
                 facecolors=colours[r.model] if b == BATCHES[-1] else "none",
                 edgecolors=colours[r.model],
@@ -622,8 +682,8 @@ def plot(rows: list[Row], path: Path, threads: int, note: str = "") -> None:
     ax.plot(xs, [EFF_TARGET * v for v in xs], "k--", lw=1, label=f"y = {EFF_TARGET}x (target)")
     for name in sorted({r.model for r in rows}, key=list(MODELS).index):
         ax.scatter([], [], marker="s", color=colours[name], label=name)
-    for mode in sorted({(r.signals, r.selection) for r in rows}):
-        label = f"{mode[0]} signals / {mode[1]}"
+    for mode in sorted({(r.signals, r.selection, r.round_to) for r in rows}):
+        label = f"{mode[0]} signals / {mode[1]}" + (f" / round to {mode[2]}" * (mode[2] > 1))
         ax.scatter([], [], marker=markers.get(mode, "s"), color="grey", label=label)
     ax.scatter([], [], marker="o", facecolors="none", edgecolors="k", label=f"batch {BATCHES[0]}")
     ax.scatter([], [], marker="o", color="k", label=f"batch {BATCHES[-1]} (filled)")
@@ -702,6 +762,14 @@ def main(argv: list[str] | None = None) -> int:
         "memory-normalised selection); the targets are in FLOPs either way (default: both)",
     )
     ap.add_argument(
+        "--round-to",
+        nargs="+",
+        type=int,
+        default=[1, 8],
+        help="prune with every mask keeping a multiple of this many channels, one row per "
+        "value (default: 1 8; 1 = any count; 8 = the AVX2 vector width in float32)",
+    )
+    ap.add_argument(
         "--allocator",
         choices=["retain", "glibc-default"],
         default="retain",
@@ -712,6 +780,14 @@ def main(argv: list[str] | None = None) -> int:
         "--channels-last",
         action="store_true",
         help="time the conv nets (dense and shrunk alike) in channels-last memory layout",
+    )
+    ap.add_argument(
+        "--serve",
+        choices=["eager", "torchscript"],
+        default="eager",
+        help="time the modules as they are (eager, default) or, dense and shrunk alike, as "
+        "frozen TorchScript: torch.jit.freeze(torch.jit.trace(...)), what "
+        "export_model(format='torchscript', freeze=True) writes (batch norm folded into convs)",
     )
     ap.add_argument("--out", type=Path, default=None, help=f"JSON (default {DEFAULT_OUT})")
     ap.add_argument("--plot", type=Path, default=None, help=f"PNG (default {DEFAULT_PLOT})")
@@ -726,6 +802,9 @@ def main(argv: list[str] | None = None) -> int:
         cfg = dataclasses.replace(cfg, train_steps=args.train_steps)
     signal_modes = args.signals or (["fisher"] if args.quick else ["fisher", "random"])
     selections = tuple(args.selection)
+    if min(args.round_to) < 1:
+        ap.error("--round-to values must be >= 1")
+    round_tos = tuple(dict.fromkeys(args.round_to))
     if args.quick:  # a quick run does not overwrite the full run's results
         args.out = args.out or QUICK_OUT.with_suffix(".json")
         args.plot = args.plot or QUICK_OUT.with_suffix(".png")
@@ -738,6 +817,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.allocator == "retain" and not retained:
         print("NOTE: not glibc; the allocator is left as it is", file=sys.stderr)
     layout = "channels-last" if args.channels_last else "contiguous (NCHW)"
+    serve_note = "frozen TorchScript" if args.serve == "torchscript" else "eager modules"
+    if retained:
+        alloc_note = "freed memory retained"
+    elif args.allocator == "retain":
+        alloc_note = "allocator left as it is (not glibc)"
+    else:
+        alloc_note = "glibc malloc defaults"
     load_before = os.getloadavg()
     t0 = time.perf_counter()
     rows: list[Row] = []
@@ -747,7 +833,14 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.models:
         print(f"{name}: pruning and timing...", file=sys.stderr, flush=True)
         r, secs, checks[name], accuracy[name] = run_model(
-            name, MODELS[name], signal_modes, cfg, args.channels_last, selections
+            name,
+            MODELS[name],
+            signal_modes,
+            cfg,
+            args.channels_last,
+            selections,
+            round_tos,
+            args.serve,
         )
         rows += r
         prune_seconds[name] = secs
@@ -756,8 +849,8 @@ def main(argv: list[str] | None = None) -> int:
         f"\nfisherprune.shrink latency, torch {torch.__version__}, {args.threads} threads, "
         f"{'quick' if args.quick else 'full'} run ({cfg.rounds} rounds), "
         f"{time.perf_counter() - t0:.0f} s; load average before {load_before[0]:.2f}, "
-        f"after {load_after[0]:.2f} ({os.cpu_count()} CPUs); {layout} layout; freed memory "
-        f"{'retained' if retained else 'returned to the OS (glibc default)'}"
+        f"after {load_after[0]:.2f} ({os.cpu_count()} CPUs); {layout} layout; {alloc_note}; "
+        f"{serve_note}"
     )
     print_table(rows)
     if cfg.train_steps:
@@ -799,6 +892,7 @@ def main(argv: list[str] | None = None) -> int:
         "threads": args.threads,
         "quick": args.quick,
         "memory_format": "channels_last" if args.channels_last else "contiguous",
+        "serve": args.serve,
         "allocator": "retain_freed_memory" if retained else "default",
         "config": asdict(cfg),
         "batches": list(BATCHES),
@@ -810,7 +904,8 @@ def main(argv: list[str] | None = None) -> int:
         "task_accuracy_after_training": accuracy,
         "pruning": {
             "method": "fisherprune.prune on signal / exact marginal cost ('auto'; the cost in "
-            f"FLOPs or activation elements: selection {list(selections)}), FLOPs targets, costs "
+            f"FLOPs or activation elements: selection {list(selections)}; every mask kept at a "
+            f"multiple of round_to {list(round_tos)}), FLOPs targets, costs "
             f"re-evaluated about {cfg.chunks} times; fisher: Fisher signals of the network "
             f"trained {cfg.train_steps} SGD steps on a synthetic 10-class task, from "
             f"{cfg.passes} backward pass(es) on {SIGNAL_BATCH}-example batches of it every "
@@ -822,7 +917,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     contended = args.threads > 1 and max(checks.values()) > 1.0
-    note = f"{layout}, " + ("freed memory retained" if retained else "glibc malloc defaults")
+    note = f"{layout}, {alloc_note}, {serve_note}"
     if contended:
         note += "; CONTENDED: more threads were slower than 1; not meaningful"
     plot(rows, args.plot, args.threads, note)

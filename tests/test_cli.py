@@ -314,6 +314,11 @@ BAD = [
         ["pruning_score_convention", "'latency'"],
     ),
     _case(
+        "round_to below 1",
+        "train --data {good} --pruning.round_to 0",
+        ["pruning_round_to", "0"],
+    ),
+    _case(
         "config value of the wrong type",
         "train --data {good} --config {badtype}",
         ["momentum"],
@@ -439,6 +444,36 @@ def test_flops_target_relative_fraction_and_absolute(
     r = _result(tmp_path / "run")
     assert r["dense_cost"] == 16 * FLOPS_PER_UNIT
     assert absolute - FLOPS_PER_UNIT < r["final_cost"] <= absolute
+
+
+def test_round_to_and_score_convention_reach_the_export(tmp_path: Path) -> None:
+    """--pruning.round_to 4 --pruning.score_convention memory: the run reaches its target, every
+    pruned layer of the exported plan keeps a multiple of 4 units, and the shrunk export gives
+    the outputs of the masked checkpoint."""
+    x, y = _table(200, seed=1)
+    save = tmp_path / "run"
+    cli = run_cli(
+        "train", "--data", _write_csv(tmp_path / "t.csv", x, y), "--model", "mlp",
+        "--width", "16", "--depth", "1", "--pruning.round_to", "4",
+        "--pruning.score_convention", "memory", "--train.steps", "60", *FAST,
+        "--save_dir", save,
+    )  # fmt: skip
+    assert cli.code == 0, cli.err
+    r = _result(save)
+    assert r["prunes"] > 0 and r["final_cost"] <= 0.5 * r["dense_cost"]
+    plan = json.loads((save / "export" / "plan.json").read_text())
+    counts = [
+        len(kept)
+        for tensors in plan["modules"].values()
+        for spec in tensors.values()
+        for kept in spec["kept"].values()
+    ]
+    assert counts and all(c % 4 == 0 and c < 16 for c in counts), counts
+    fresh = build_model("mlp", (4,), 3, 16, 1)
+    small = fisherprune.load_state_dict_export(save / "export" / "model.pt", fresh)
+    masked, _ = model_from_checkpoint(str(_latest_checkpoint(save)))
+    xt = torch.from_numpy(x[:64])
+    torch.testing.assert_close(_eval_outputs(small, xt), _eval_outputs(masked, xt))
 
 
 def _train_user_model(tmp_path: Path, builder: str) -> tuple[Cli, Path, np.ndarray]:

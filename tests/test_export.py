@@ -343,15 +343,29 @@ def test_state_dict_export_round_trip(arch: str, tmp_path: Path) -> None:
     _assert_close(_out(fresh.eval(), x), ref, ATOL_F64)
 
 
-@pytest.mark.parametrize("arch", ["grouped"])
-def test_torchscript_export_round_trip(arch: str, tmp_path: Path) -> None:
-    """export_model(torchscript) + torch.jit.load: same output, at another batch size too."""
+@pytest.mark.parametrize(("arch", "freeze"), [("grouped", False), ("vgg", True)])
+def test_torchscript_export_round_trip(arch: str, freeze: bool, tmp_path: Path) -> None:
+    """export_model(torchscript) + torch.jit.load: same output, at another batch size too;
+    also frozen, with batch norm folded into the convs (float32 rounding apart)."""
     model, x = _masked(_seeded_case(arch, seed=2), dtype=torch.float32)
-    path = fp.export_model(model, tmp_path / "m.ts", x, format="torchscript")
+    model.eval()
+    path = fp.export_model(model, tmp_path / "m.ts", x, format="torchscript", freeze=freeze)
     loaded = torch.jit.load(str(path))
     for batch in (1, 3):
         xb = _input(arch, batch, torch.float32)
         _assert_close(_out(loaded, xb), _out(model, xb), ATOL_F32)
+
+
+@pytest.mark.parametrize("fmt", ["state_dict", "onnx"])
+def test_freeze_with_another_format_than_torchscript_raises_and_writes_nothing(
+    fmt: str, tmp_path: Path
+) -> None:
+    """freeze=True with a format other than torchscript raises ValueError naming freeze, and no
+    file is written."""
+    model, x = _masked(_seeded_case("grouped", seed=2), dtype=torch.float32)
+    with pytest.raises(ValueError, match="freeze"):
+        fp.export_model(model, tmp_path / "m.out", x, format=fmt, freeze=True)
+    assert list(tmp_path.iterdir()) == []
 
 
 ONNX_ARCH = "vgg"  # flatten into Linear, BN, max-pool; exports fast

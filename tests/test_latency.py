@@ -6,14 +6,14 @@ process each, since the setting is process-wide and cannot be undone.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
+import os
 import subprocess
 import sys
 
 import pytest
 
 import fisherprune.export as fpe
+from fisherprune.export.latency import _glibc
 
 _CHILD = """
 import resource, sys, torch
@@ -24,31 +24,32 @@ def faults():
 x = torch.randn(64, 48, 64, 64)  # 48 MiB: glibc maps anything above 32 MiB afresh by default
 for _ in range(10):
     (x * 2).sum()
-before = faults()
-for _ in range(20):
-    (x * 2).sum()
-print(applied, (faults() - before) / 20)
+blocks = []  # the quietest of 5 blocks: a page the kernel reclaims once is not the effect
+for _ in range(5):
+    before = faults()
+    for _ in range(4):
+        (x * 2).sum()
+    blocks.append((faults() - before) / 4)
+print(applied, min(blocks))
 """
 
 
-def _is_glibc() -> bool:
-    """Whether this process's C library is glibc (musl, macOS and Windows have no mallopt)."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-    except OSError:
-        return False
-    return hasattr(libc, "mallopt") and hasattr(libc, "gnu_get_libc_version")
+_GLIBC = _glibc() is not None
 
 
-_GLIBC = _is_glibc()
+def _clean_env() -> dict[str, str]:
+    """This environment without what changes the allocator: a preloaded malloc (jemalloc,
+    tcmalloc) or glibc's MALLOC_* tunables."""
+    drop = ("LD_PRELOAD", "GLIBC_TUNABLES")
+    return {k: v for k, v in os.environ.items() if k not in drop and not k.startswith("MALLOC_")}
 
 
 def _faults_per_pass(mode: str) -> tuple[str, float]:
-    out = subprocess.run(
-        [sys.executable, "-c", _CHILD, mode], capture_output=True, text=True, check=True
-    ).stdout.split()
+    proc = subprocess.run(
+        [sys.executable, "-c", _CHILD, mode], capture_output=True, text=True, env=_clean_env()
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout.split()
     return out[0], float(out[1])
 
 
@@ -57,13 +58,22 @@ def test_retained_memory_removes_the_page_faults_of_each_pass() -> None:
     """A 48 MiB temporary faults in ~12k pages per pass with glibc's defaults and none once
     freed memory is retained."""
     _, default = _faults_per_pass("default")
+    if default < 1000:  # e.g. transparent huge pages or a kernel that pre-faults mappings
+        pytest.skip(f"no page faults to remove here ({default:.0f} per pass with defaults)")
     applied, retained = _faults_per_pass("retain")
     assert applied == "True"
-    assert default > 1000  # the cost being removed is there to begin with
     assert retained < default / 20
 
 
-@pytest.mark.parametrize("limit", [0, -1, 2**31, 1.5, "1G"])
-def test_retain_freed_memory_rejects_a_bad_limit(limit: object) -> None:
+@pytest.mark.parametrize("limit", [0, -1, 2**31])
+def test_retain_freed_memory_rejects_a_limit_out_of_range(limit: int) -> None:
+    """A limit outside [1, 2**31) raises ValueError naming limit_bytes."""
     with pytest.raises(ValueError, match="limit_bytes"):
+        fpe.retain_freed_memory(limit)
+
+
+@pytest.mark.parametrize("limit", [1.5, "1G", True])
+def test_retain_freed_memory_rejects_a_limit_that_is_not_an_int(limit: object) -> None:
+    """A limit that is not an int (a bool included) raises TypeError naming limit_bytes."""
+    with pytest.raises(TypeError, match="limit_bytes"):
         fpe.retain_freed_memory(limit)  # type: ignore[arg-type]

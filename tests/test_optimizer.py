@@ -475,13 +475,17 @@ def test_nesterov_without_momentum_raises():
 
 
 # ------------------------------------------------------------------ resume
-@pytest.mark.parametrize("split", [5, 6])
-def test_resume_from_checkpoint_matches_an_uninterrupted_run(split, tmp_path):
+@pytest.mark.parametrize(
+    ("split", "extra"),
+    [(5, {}), (6, {}), (5, {"score_convention": "memory", "round_to": 2})],
+)
+def test_resume_from_checkpoint_matches_an_uninterrupted_run(split, extra, tmp_path):
     """Saving after K steps, reloading into a fresh model and optimizer and running N - K more
-    gives the same masks, signals, counter, history and parameters as N steps in one go."""
+    gives the same masks, signals, counter, history and parameters as N steps in one go (also
+    with another score convention and channel rounding)."""
     total = 14
     batches = mlp_batches(total)
-    kwargs = dict(lr=0.05, momentum=0.9, prune_every=2, burn_in=1, decay=0.8)
+    kwargs = dict(lr=0.05, momentum=0.9, prune_every=2, burn_in=1, decay=0.8, **extra)
 
     whole = make_mlp()
     opt_whole = fp.PruningOptimizer(whole, example(whole), **kwargs)
@@ -527,6 +531,8 @@ def test_resume_from_checkpoint_matches_an_uninterrupted_run(split, tmp_path):
         ({"convention": "gflops"}, "convention"),
         ({"score_convention": "latency"}, "score_convention"),
         ({"min_channels": -1}, "min_channels"),
+        ({"round_to": 0}, "round_to"),
+        ({"round_to": 1.5}, "round_to"),
         ({"loss_reduction": "median"}, "loss_reduction"),
         ({"flops_target": "lots"}, "flops_target"),
     ],
@@ -536,6 +542,56 @@ def test_bad_settings_raise_naming_the_problem(kwargs, match):
     model = make_mlp()
     with pytest.raises(ValueError, match=match):
         fp.PruningOptimizer(model, example(model), **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("saved", "now", "named"),
+    [
+        ({}, {"score_convention": "memory"}, "score_convention"),
+        ({"round_to": 2}, {}, "round_to"),
+        ({"convention": "macs"}, {"convention": "params"}, "convention"),
+    ],
+)
+def test_resume_with_other_selection_settings_raises_naming_them(saved, now, named):
+    """Loading a state saved with other cost conventions or round_to raises ValueError naming
+    the setting, and leaves the masks and counter as they were."""
+    model = make_mlp()
+    opt = fp.PruningOptimizer(model, example(model), prune_every=2, **saved)
+    train(opt, model, mlp_batches(5))
+    state = opt.state_dict()
+    other = make_mlp()
+    opt2 = fp.PruningOptimizer(other, example(other), prune_every=2, **now)
+    before = masks_of(other)
+    with pytest.raises(ValueError, match=named):
+        opt2.load_state_dict(state)
+    assert opt2.counter == 1
+    assert all(torch.equal(before[n], m) for n, m in masks_of(other).items())
+
+
+def test_state_saved_without_settings_still_loads():
+    """A state from before the settings were recorded (no "settings" key) loads as it is."""
+    model = make_mlp()
+    opt = fp.PruningOptimizer(model, example(model), prune_every=2)
+    train(opt, model, mlp_batches(5))
+    state = opt.state_dict()
+    del state["settings"]
+    other = make_mlp()
+    opt2 = fp.PruningOptimizer(other, example(other), prune_every=2)
+    opt2.load_state_dict(state)
+    assert opt2.counter == opt.counter and len(opt2.history) == len(opt.history) > 0
+
+
+def test_round_to_keeps_every_mask_at_a_multiple_and_reaches_the_target():
+    """With round_to=2 every prune removes 2 channels of one mask, every kept count is even,
+    and pruning stops once the cost reaches the target, the cost falling by each block's
+    exact marginal FLOPs."""
+    model = make_mlp()
+    opt = fp.PruningOptimizer(model, example(model), prune_every=1, round_to=2, flops_target=0.5)
+    run_until_finished(opt, model, mlp_batches(40))
+    assert opt.history and all(len(e.channels) == 2 for e in opt.history)
+    assert all(int(m.sum()) % 2 == 0 for m in masks_of(model).values())
+    assert opt.cost().total <= 0.5 * MLP_COST < opt.history[-1].cost_before
+    assert opt.history[-1].cost_after == pytest.approx(opt.cost().total, abs=COST_ATOL)
 
 
 def test_model_without_masks_raises():

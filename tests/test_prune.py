@@ -252,16 +252,20 @@ def test_event_costs_come_from_the_cost_report():
     assert event.cost_after < event.cost_before
 
 
-def test_event_cost_after_matches_the_recomputed_cost():
-    """cost_after equals the cost of the network measured again after the prune."""
+@pytest.mark.parametrize("round_to", [1, 2])
+def test_event_cost_after_matches_the_recomputed_cost(round_to):
+    """cost_after equals the cost of the network measured again after the prune; with
+    round_to, cost_after is before minus the block's marginal costs, exact because each block
+    lies in one layer's outputs."""
     net = mlp_with_masks()
     x = torch.randn(2, 10)
     masks = fp.find_masks(net)
     gen = torch.Generator().manual_seed(7)
-    for _ in range(4):
+    for _ in range(3):
         report = fp.computational_cost(net, x)
         scores = {n: torch.rand(m.num_channels, generator=gen) for n, m in masks.items()}
-        event = fp.prune(masks, scores, cost=report)
+        event = fp.prune(masks, scores, cost=report, round_to=round_to)
+        assert len(event.channels) == round_to
         assert event.cost_after == pytest.approx(fp.computational_cost(net, x).total, abs=COST_ATOL)
 
 
@@ -424,3 +428,114 @@ def test_min_channels_outside_int_or_fraction_raises(bad: object) -> None:
     """min_channels must be an int >= 0 or a fraction in (0, 1); anything else is refused."""
     with pytest.raises(ValueError, match="min_channels"):
         fp.prune([fp.MaskLayer(3)], [torch.zeros(3)], min_channels=bad)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------- round_to
+def brute_force_block(scores: torch.Tensor, alive: torch.Tensor, k: int) -> tuple[list[int], float]:
+    """Reference for one mask: the r lowest-scoring alive channels, r = alive % k or k, taken
+    by a plain loop (lowest score, then lower index), and their mean score."""
+    n_alive = int(alive.sum())
+    r = n_alive % k or k
+    pool = sorted((float(scores[i]), i) for i in range(len(scores)) if alive[i])
+    chosen = [i for _, i in pool[:r]]
+    return chosen, sum(float(scores[i]) for i in chosen) / r
+
+
+def test_round_to_removes_the_block_with_the_lowest_mean_score():
+    """With round_to, the chosen mask is the one whose block (its r lowest channels, r bringing
+    it to a multiple of round_to) has the lowest mean score, not the lowest single score."""
+    masks = make_masks(8, 8)
+    scores = {"a": t(0.01, 9, 9, 9, 9, 9, 9, 9), "b": t(1, 1, 1, 1, 1, 1, 1, 1)}
+    # round_to=4: a's block is its 4 lowest, channel 0 and three 9s (mean 6.75); b's block
+    # of 4 has mean 1, so b loses channels 0-3
+    before = snapshot(masks)
+    event = fp.prune(masks, scores, round_to=4)
+    assert event.mask == "b" and event.channels == (0, 1, 2, 3)
+    assert zeroed(before, masks) == [("b", 0), ("b", 1), ("b", 2), ("b", 3)]
+    assert event.score == pytest.approx(1.0, rel=SCORE_RTOL)
+    # round_to=1 picks a's single lowest channel instead
+    assert fp.prune(make_masks(8, 8), scores).mask == "a"
+
+
+def test_round_to_first_block_aligns_the_count_then_whole_blocks_follow():
+    """A mask of 13 channels with round_to=8 first loses 5 (to 8), then 8 (to 0 with
+    min_channels=0): every kept count after a prune is a multiple of round_to."""
+    masks = make_masks(13)
+    scores = {"a": torch.linspace(0, 1, 13, dtype=torch.float64)}
+    sizes = []
+    while (event := fp.prune(masks, scores, min_channels=0, round_to=8)) is not None:
+        sizes.append((len(event.channels), int(masks["a"].mask.sum())))
+    assert sizes == [(5, 8), (8, 0)]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_round_to_block_matches_a_brute_force_reference(seed):
+    """Over random scores and partly pruned masks, the block removed equals the reference:
+    per mask the r lowest alive channels, across masks the lowest mean (earlier mask on ties)."""
+    gen = torch.Generator().manual_seed(seed)
+    masks = make_masks(11, 16, 7)
+    for m in masks.values():
+        dead = torch.rand(m.num_channels, generator=gen) < 0.3
+        m.mask[dead] = 0.0
+    scores = {n: torch.rand(m.num_channels, generator=gen).double() for n, m in masks.items()}
+    k = 4
+    candidates = []
+    for order, (n, m) in enumerate(masks.items()):
+        alive = m.mask > 0.5
+        if int(alive.sum()) - (int(alive.sum()) % k or k) >= 1:
+            chosen, mean = brute_force_block(scores[n], alive, k)
+            candidates.append((mean, order, chosen[0], n, chosen))
+    mean, _, _, name, chosen = min(candidates)
+    event = fp.prune(masks, scores, round_to=k)
+    assert (event.mask, list(event.channels)) == (name, chosen)
+    assert event.score == pytest.approx(mean, rel=SCORE_RTOL)
+
+
+@pytest.mark.parametrize(
+    ("width", "min_channels", "k"),
+    [
+        (16, 1, 8),
+        (16, 9, 8),
+        (12, 0, 8),
+        (5, 1, 8),
+        (5, 0, 8),
+        (24, 0.3, 8),
+        (10, 3, 1),
+        (17, 2, 4),
+    ],
+)
+def test_round_to_stops_where_lowest_kept_says(width, min_channels, k):
+    """Pruning one mask until prune returns None leaves exactly ``lowest_kept`` channels, never
+    fewer than min_channels, and a multiple of k unless nothing could be pruned at all."""
+    from fisherprune.pruner.prune import floor_of, lowest_kept
+
+    masks = make_masks(width)
+    scores = {"a": torch.arange(width, dtype=torch.float64)}
+    while fp.prune(masks, scores, min_channels=min_channels, round_to=k) is not None:
+        pass
+    kept = int(masks["a"].mask.sum())
+    floor = floor_of(min_channels, width)
+    assert kept == lowest_kept(width, floor, k)
+    assert kept >= floor
+    assert kept == width or kept % k == 0
+
+
+def test_round_to_event_round_trips_through_json():
+    """A block event survives as_dict -> JSON -> PruneEvent with its channels as a tuple."""
+    import json
+
+    masks = make_masks(6)
+    event = fp.prune(masks, {"a": t(5, 4, 3, 2, 1, 0)}, round_to=4)
+    again = fp.PruneEvent(**json.loads(json.dumps(event.as_dict())))
+    assert (again.mask, again.channel, again.channels) == ("a", 5, (5, 4))
+    assert (again.score, again.signal) == (event.score, event.signal)
+
+
+@pytest.mark.parametrize("bad", [0, -8, 2.0, True, "8"])
+def test_bad_round_to_raises(bad):
+    """round_to must be an int >= 1; a bad one raises ValueError naming it and changes nothing."""
+    masks = make_masks(4)
+    before = snapshot(masks)
+    with pytest.raises(ValueError, match="round_to"):
+        fp.prune(masks, {"a": t(1, 2, 3, 4)}, round_to=bad)
+    assert torch.equal(before["a"], masks["a"].mask)

@@ -17,6 +17,12 @@ def export_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPa
     p.add_argument("--checkpoint", required=True, help="ckpt-*.pt written by fisherprune train")
     p.add_argument("--format", default="state_dict", choices=["state_dict", "torchscript", "onnx"])
     p.add_argument("--out", required=True, help="file to write")
+    p.add_argument(
+        "--freeze",
+        action="store_true",
+        help="torchscript only: freeze it for inference (weights as constants, batch norm "
+        "folded into convs; faster on CPU, cannot be trained further)",
+    )
     p.set_defaults(func=export_command)
     return p
 
@@ -55,6 +61,8 @@ def export_command(args: argparse.Namespace) -> int:
     from fisherprune.export import export_model
 
     model, example = model_from_checkpoint(args.checkpoint)
-    path = export_model(model, args.out, example, format=args.format)
+    if args.freeze and args.format != "torchscript":
+        raise ValueError(f"--freeze applies to --format torchscript only, not {args.format}")
+    path = export_model(model, args.out, example, format=args.format, freeze=args.freeze)
     print(f"wrote {path}")
     return 0

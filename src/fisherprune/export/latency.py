@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
 import statistics
 import sys
@@ -24,46 +23,71 @@ _M_MMAP_MAX = -4
 RETAIN_BYTES = 1 << 30
 
 
+def _glibc() -> ctypes.CDLL | None:
+    """The process's C library if it is glibc (it has ``gnu_get_libc_version``), else None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None)  # the symbols already loaded into this process: its libc
+    except OSError:
+        return None
+    if not (hasattr(libc, "mallopt") and hasattr(libc, "gnu_get_libc_version")):
+        return None
+    return libc
+
+
 def retain_freed_memory(limit_bytes: int = RETAIN_BYTES) -> bool:
     """Make glibc's malloc keep freed memory for reuse instead of returning it to the OS.
 
-    With glibc's defaults, buffers of more than a few MB (the activations of a conv net at
-    batch 64) are mapped fresh by every forward pass and unmapped when freed, so each pass
-    page-faults its activations back in. That cost is proportional to activation memory, not
-    FLOPs; on a 2-CPU VM it was measured at 20-40% of a conv net's latency at batch 64, which
-    hides most of what removing channels saves. This is the effect PyTorch's CPU performance
-    guide addresses with jemalloc or tcmalloc; here glibc is told (``mallopt``) to serve every
-    allocation from its heap (``M_MMAP_MAX = 0``) and to keep up to ``limit_bytes`` of freed
-    memory (``M_TRIM_THRESHOLD``). The same effect without code:
-    ``MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=1073741824 python serve.py``.
+    glibc serves a large allocation with a fresh ``mmap`` and unmaps it when it is freed, so a
+    forward pass that allocates and frees its activation buffers page-faults them back in on
+    every call. Which buffers count as large depends on the process's history: the threshold
+    starts at 128 KiB and rises (up to 32 MiB) as mapped buffers are freed, and the heap's free
+    top is trimmed back to the OS once it exceeds twice that. Measured in a fresh process on
+    a 2-CPU VM (``benchmarks/allocator.py``): about 13k minor faults per forward pass of a
+    32x32 VGG at batch 64 and none after this call. The cost is proportional to activation
+    memory, not FLOPs, so it hides part of what removing channels saves. PyTorch's CPU
+    performance guide addresses it with jemalloc or tcmalloc; here glibc is told
+    (``mallopt``) to serve every allocation from its heap (``M_MMAP_MAX = 0``) and to keep up
+    to ``limit_bytes`` of freed memory at the top of each heap (``M_TRIM_THRESHOLD``). The
+    same without code: ``MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=1073741824 python serve.py``.
 
-    Changes: the allocator settings of the whole process, for the rest of its life (glibc's
-    adaptive defaults cannot be restored). The process's resident memory then stays at its
-    peak. Meant for serving and benchmark processes; call it before the first forward pass.
+    Changes: the allocator settings of the whole process (every malloc arena; a process with
+    many threads has several arenas, each of which may then keep up to ``limit_bytes``), for
+    the rest of its life (glibc's adaptive defaults cannot be restored). Resident memory stays
+    at its peak. Meant for serving and benchmark processes; call it before the first forward
+    pass.
 
     Returns:
-        True if the settings were applied; False (nothing changed) when the C library is not
-        glibc, e.g. on macOS, Windows or musl.
+        True if both settings were applied. False when the C library is not glibc (macOS,
+        Windows, musl): nothing changed then. False also if glibc refused a setting, which is
+        logged as a warning naming which one took effect.
 
     Raises:
-        ValueError: ``limit_bytes`` is not a positive int that fits a C int.
+        TypeError: ``limit_bytes`` is not an int (a bool is not accepted either).
+        ValueError: ``limit_bytes`` is outside [1, 2**31), the range of a C int.
     """
-    if not isinstance(limit_bytes, int) or not 0 < limit_bytes < 2**31:
-        raise ValueError(f"limit_bytes must be an int in [1, 2**31), got {limit_bytes!r}")
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-        libc.gnu_get_libc_version  # noqa: B018 -- present in glibc only
-    except (OSError, AttributeError):
+    if isinstance(limit_bytes, bool) or not isinstance(limit_bytes, int):
+        raise TypeError(f"limit_bytes must be an int, got {type(limit_bytes).__name__}")
+    if not 0 < limit_bytes < 2**31:
+        raise ValueError(f"limit_bytes must be in [1, 2**31), got {limit_bytes}")
+    libc = _glibc()
+    if libc is None:
         log.info("retain_freed_memory: the C library is not glibc; allocator left as it is")
         return False
+    mallopt = libc.mallopt
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    ok = mallopt(_M_MMAP_MAX, 0) == 1 and mallopt(_M_TRIM_THRESHOLD, limit_bytes) == 1
-    if not ok:
-        log.warning("retain_freed_memory: glibc refused the mallopt settings")
-    return ok
+    no_mmap = mallopt(_M_MMAP_MAX, 0) == 1
+    no_trim = mallopt(_M_TRIM_THRESHOLD, limit_bytes) == 1
+    if not (no_mmap and no_trim):
+        log.warning(
+            "retain_freed_memory: glibc refused a mallopt setting (M_MMAP_MAX=0 %s, "
+            "M_TRIM_THRESHOLD=%d %s)",
+            "applied" if no_mmap else "refused",
+            limit_bytes,
+            "applied" if no_trim else "refused",
+        )
+    return no_mmap and no_trim
 
 
 def measure_latency(
@@ -73,11 +97,26 @@ def measure_latency(
 
     The models are timed round-robin (``rounds`` rounds of ``repeats`` calls each) so
     that all of them see the same machine load; the median over rounds is returned.
+
+    Args:
+        models: what to time, by name: ``nn.Module`` s, TorchScript modules (frozen ones too)
+            or anything callable on ``inputs`` that behaves like one.
+        inputs: one tensor, or a tuple of the positional arguments of every model.
+        repeats: calls per timed block; ``warmup`` untimed calls per model come first.
+        rounds: timed blocks per model; the median block is reported.
+
+    Returns:
+        Seconds per call, by the names of ``models``.
+
+    Changes: nothing lasting. Every module is put in eval mode while timing and given back its
+    own train/eval flag afterwards (modules without one, e.g. a frozen TorchScript module,
+    are left as they are).
     """
     args = inputs if isinstance(inputs, tuple) else (inputs,)
-    flags = {m: m.training for model in models.values() for m in model.modules()}
-    for model in models.values():
-        model.eval()
+    modules = [m for model in models.values() for m in model.modules()]
+    flags = {m: m.training for m in modules if isinstance(getattr(m, "training", None), bool)}
+    for m in flags:
+        m.training = False
     times: dict[str, list[float]] = {name: [] for name in models}
     try:
         with torch.inference_mode():

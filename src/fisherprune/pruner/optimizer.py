@@ -13,7 +13,14 @@ from torch import Tensor, nn
 
 from fisherprune.cost import CONVENTIONS, CostModel, CostReport
 from fisherprune.masks import MaskLayer, find_masks
-from fisherprune.pruner.prune import PruneEvent, check_min_channels, floor_of, prune
+from fisherprune.pruner.prune import (
+    PruneEvent,
+    check_min_channels,
+    check_round_to,
+    floor_of,
+    lowest_kept,
+    prune,
+)
 from fisherprune.pruner.scoring import FlopsWeight, check_flops_weight, score_all
 from fisherprune.signals import LOSS_REDUCTIONS, METHODS, update_pruning_signals
 
@@ -79,6 +86,7 @@ class PruningOptimizer:
         burn_in: steps of statistics before the first prune (>= 0).
         decay: signal EMA factor in [0, 1).
         flops_weight: ``"auto"`` (signal / cost), a float ``w`` (signal - w * cost) or 0.
+            The cost is the marginal cost in ``score_convention`` units (FLOPs by default).
             A float has no stable meaning over a long run: the Fisher signal grows by orders
             of magnitude while pruning (and the EMA starts at 0 without bias correction, as
             in the seed), so a fixed ``w`` weighs cost ever less; ``"auto"`` is a ratio and
@@ -89,6 +97,11 @@ class PruningOptimizer:
             ``update_params``); ``lr`` etc. are then ignored.
         min_channels: the fewest channels any mask keeps: an int, or a fraction in (0, 1)
             of each mask's width.
+        round_to: every mask keeps a multiple of this many channels (1: any count). CPU and
+            GPU kernels work on channels in blocks of 8 or 16, so 9 channels cost about as
+            much time as 16: with ``round_to=8`` each prune removes the block of channels that
+            brings a mask to the next multiple of 8 (see ``prune``), and the FLOPs saved turn
+            into latency saved (docs/benchmarks.md).
         convention: cost convention of ``flops_target`` and of the pruning events (see
             ``computational_cost``).
         score_convention: cost convention that the signal is weighed against when
@@ -126,6 +139,7 @@ class PruningOptimizer:
         flops_target: float | int | str = 0,
         optimizer: torch.optim.Optimizer | None = None,
         min_channels: int | float = 1,
+        round_to: int = 1,
         convention: str = "flops",
         score_convention: str | None = None,
         loss_reduction: str = "mean",
@@ -136,6 +150,8 @@ class PruningOptimizer:
         self.burn_in = _check_int("burn_in", burn_in, 0)
         check_min_channels(min_channels)
         self.min_channels = min_channels
+        check_round_to(round_to)
+        self.round_to = round_to
         if not (isinstance(decay, (int, float)) and 0.0 <= float(decay) < 1.0):
             raise ValueError(f"decay must be in [0, 1), got {decay!r}")
         self.decay = float(decay)
@@ -175,13 +191,15 @@ class PruningOptimizer:
                 f"score_convention must be one of {', '.join(CONVENTIONS)} or None, "
                 f"got {score_convention!r}"
             )
+        self.convention = convention
+        self.score_convention = score_convention or convention
         self.cost_model = CostModel(model, example_inputs, convention)
         #: the cost that scores are normalised by (the same object when the conventions agree)
-        self.score_model = (
-            self.cost_model
-            if score_convention in (None, convention)
-            else CostModel(model, example_inputs, score_convention)
-        )
+        self.score_model = self.cost_model
+        if score_convention not in (None, convention):
+            with warnings.catch_warnings():  # the trace's warnings were given just above
+                warnings.simplefilter("ignore")
+                self.score_model = CostModel(model, example_inputs, score_convention)
         self.start_cost = self.cost_model.total()
         self.target = resolve_target(flops_target, self.start_cost)
         self.counter = 1
@@ -253,10 +271,19 @@ class PruningOptimizer:
         signals = {n: m.signal for n, m in self.masks.items()}
         weigh = report if self.score_model is self.cost_model else self.score_model.report()
         scores = score_all(signals, {n: weigh.marginal[n] for n in self.masks}, self.flops_weight)
-        event = prune(self.masks, scores, self.min_channels, cost=report, step=self.counter)
+        event = prune(
+            self.masks,
+            scores,
+            self.min_channels,
+            cost=report,
+            step=self.counter,
+            round_to=self.round_to,
+        )
         if event is None:
             self._finish(
-                f"every mask is down to min_channels={self.min_channels}; cost "
+                f"every mask is down to min_channels={self.min_channels}"
+                + (f" (round_to={self.round_to})" if self.round_to > 1 else "")
+                + f"; cost "
                 f"{report.total:.6g} per example"
                 + (f" stays above the target {self.target:.6g}" if self.target > 0 else ""),
                 level=logging.WARNING if self.target > 0 else logging.INFO,
@@ -264,10 +291,10 @@ class PruningOptimizer:
             return
         self.history.append(event)
         log.info(
-            "step %d: pruned %s[%d] (score %.4g, signal %.4g); cost %.6g -> %.6g",
+            "step %d: pruned %s%s (score %.4g, signal %.4g); cost %.6g -> %.6g",
             event.step,
             event.mask,
-            event.channel,
+            list(event.channels),
             event.score,
             event.signal,
             event.cost_before,
@@ -296,14 +323,18 @@ class PruningOptimizer:
             if start is None:
                 continue
             alive = [k for k in range(m.num_channels) if floor[start + k] > 0.5]
-            for k in alive[floor_of(self.min_channels, m.num_channels) :]:
+            keep = lowest_kept(
+                len(alive), floor_of(self.min_channels, m.num_channels), self.round_to
+            )
+            for k in alive[keep:]:
                 floor[start + k] = 0.0
         lowest = self.cost_model.total(floor)
         if lowest > self.target:
+            rounding = f" with round_to={self.round_to}" if self.round_to > 1 else ""
             warnings.warn(
                 f"flops_target {self.target:.6g} is below what min_channels="
-                f"{self.min_channels} allows (about {lowest:.6g} per example); pruning will "
-                "stop at that floor",
+                f"{self.min_channels}{rounding} allows (about {lowest:.6g} per example); "
+                "pruning will stop at that floor",
                 stacklevel=3,
             )
 
@@ -332,6 +363,7 @@ class PruningOptimizer:
             "floor_reported": self._floor_reported,
             "target": self.target,
             "start_cost": self.start_cost,
+            "settings": self._settings(),
             "history": [e.as_dict() for e in self.history],
             "optimizer": self.optimizer.state_dict(),
             "masks": {
@@ -340,12 +372,35 @@ class PruningOptimizer:
             },
         }
 
+    def _settings(self) -> dict[str, Any]:
+        """The settings that decide which channels go: a resume must not change them."""
+        return {
+            "convention": self.convention,
+            "score_convention": self.score_convention,
+            "round_to": self.round_to,
+        }
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a ``state_dict()``: masks and signals are copied into the buffers in place.
 
         Raises:
-            ValueError: the saved masks do not match this model's masks.
+            ValueError: the saved masks do not match this model's masks, or the state was
+                saved with other cost conventions or ``round_to`` (a resumed run would then
+                choose channels by another rule than the one it started with). States saved
+                before these settings were recorded are accepted as they are.
         """
+        saved_settings = state.get("settings", {})
+        differ = [
+            f"{k}={saved_settings[k]!r} (this optimizer: {v!r})"
+            for k, v in self._settings().items()
+            if k in saved_settings and saved_settings[k] != v
+        ]
+        if differ:
+            raise ValueError(
+                "the state was saved by a PruningOptimizer with "
+                + ", ".join(differ)
+                + ": construct the optimizer with the saved settings to resume"
+            )
         saved = state["masks"]
         if set(saved) != set(self.masks):
             raise ValueError(

@@ -49,6 +49,7 @@ ALIASES: dict[str, str] = {
     "pruning.min_channels": "pruning_min_channels",
     "pruning.convention": "pruning_convention",
     "pruning.score_convention": "pruning_score_convention",
+    "pruning.round_to": "pruning_round_to",
     "train.batch_size": "batch_size",
     "train.steps": "steps",
     "train.epochs": "epochs",
@@ -85,6 +86,7 @@ HELP: dict[str, str] = {
     "pruning_decay": "EMA factor of the pruning signal, in [0, 1)",
     "pruning_flops_weight": "auto (signal/cost), a number w (signal - w*cost), or 0",
     "pruning_min_channels": "fewest channels any group keeps: a count, or a fraction such as 0.1",
+    "pruning_round_to": "every group keeps a multiple of this many channels (8: CPU-friendly)",
     "pruning_convention": "cost of the target: flops, macs, twml, memory or params",
     "pruning_score_convention": "cost the signal is weighed against (default: the target's); "
     "memory = Group Fisher Pruning's memory-normalised selection",
@@ -125,6 +127,8 @@ class TrainConfig:
         pruning_decay: signal EMA factor in [0, 1).
         pruning_flops_weight: "auto", or a number (0 = plain Fisher).
         pruning_min_channels: fewest channels per group.
+        pruning_round_to: every group keeps a multiple of this many channels (1: any count);
+            see ``PruningOptimizer``.
         pruning_convention: cost convention (flops, macs, twml, memory, params) of the target.
         pruning_score_convention: cost convention the signal is weighed against when choosing
             a channel (None: ``pruning_convention``); see ``PruningOptimizer``.
@@ -166,6 +170,7 @@ class TrainConfig:
     pruning_decay: float = 0.95
     pruning_flops_weight: str = "auto"
     pruning_min_channels: int | float = 1
+    pruning_round_to: int = 1
     pruning_convention: str = "flops"
     pruning_score_convention: str | None = None
 
@@ -220,6 +225,10 @@ class TrainConfig:
         if bad:
             raise ValueError(f"unknown export format(s) {bad}; use state_dict, torchscript, onnx")
         check_min_channels(self.pruning_min_channels)
+        if isinstance(self.pruning_round_to, bool) or self.pruning_round_to < 1:
+            raise ValueError(
+                f"pruning_round_to must be an integer >= 1, got {self.pruning_round_to!r}"
+            )
         for name in ("pruning_convention", "pruning_score_convention"):
             v = getattr(self, name)
             if v is not None and v not in CONVENTIONS:

@@ -167,6 +167,7 @@ class PruningTrainer:
             flops_weight=fw,
             flops_target=cfg.pruning_flops_target,
             min_channels=cfg.pruning_min_channels,
+            round_to=cfg.pruning_round_to,
             convention=cfg.pruning_convention,
             score_convention=cfg.pruning_score_convention,
         )
