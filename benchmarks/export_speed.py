@@ -19,16 +19,17 @@ a ratio taken inside one such round-robin run.
 How the networks are pruned
 ---------------------------
 Greedy Fisher pruning without the SGD updates in between: ``apply_masks`` masks every prunable
-channel group, and ``fisherprune.prune`` zeroes, one channel at a time, the channel with the
-lowest ``"auto"`` score ``signal / marginal cost`` (``fisherprune.score``), with exact marginal
-costs from a ``fisherprune.CostModel``, until the cost reaches the target. This is the selection
-``PruningOptimizer(prune_every=1, flops_weight="auto")`` makes, minus its weight updates: weights
-do not change latency, and a real optimizer run costs one training step per pruned channel
-(thousands of steps, many minutes per network on this machine). To keep it quick the costs are
-re-evaluated after every chunk of prunes (about ``chunks`` evaluations in all, a few tenths of a
-percent of the channels per chunk), and after every single prune once the estimate reaches the
-target. Pruning runs on one thread (it is not timed, and one thread is immune to the contention
-described below). Two signal sources, each a row of the table:
+channel group, and ``fisherprune.prune`` zeroes, one prune at a time, the channel (or, with
+``round_to``, the block of channels) with the lowest ``"auto"`` score ``signal / marginal cost``
+(``fisherprune.score``), with exact marginal costs from a ``fisherprune.CostModel``, until the
+cost reaches the target. This is the selection ``PruningOptimizer(prune_every=1,
+flops_weight="auto")`` makes, minus its weight updates: weights do not change latency, and a real
+optimizer run costs one training step per prune (thousands of steps, many minutes per network
+on this machine). To keep it quick the costs are re-evaluated after every chunk of prunes (about
+``chunks`` evaluations in all, a few tenths of a percent of the channels per chunk whatever
+``round_to``), and after every single prune once the estimate reaches the target. Pruning
+runs on one thread (it is not timed, and one thread is immune to the contention described
+below). Two signal sources, each a row of the table:
 
 * ``fisher``: Fisher signals of the masks (``update_pruning_signals``) from backward passes in
   train mode, cross-entropy on a synthetic 10-class task (a fixed random low-frequency template
@@ -370,7 +371,9 @@ def prune_to_targets(
             m.collecting = False
             m.signal.copy_(torch.randn(m.num_channels, generator=gen).exp())
     channels = sum(m.num_channels for m in masks.values())
-    full_chunk = max(1, round(channels * (1 - min(TARGETS) ** 0.5) / cfg.chunks))
+    # prunes per cost evaluation: the same number of channels per evaluation (and so per
+    # signal refresh) whatever round_to, a prune removing up to round_to channels
+    full_chunk = max(1, round(channels * (1 - min(TARGETS) ** 0.5) / cfg.chunks / round_to))
     chunk = full_chunk
     result = Pruned()
     n = evaluations = 0

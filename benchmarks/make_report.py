@@ -720,9 +720,6 @@ def build(out: Path, results: Path = RESULTS) -> str:
             and not run.get("quick")
         ]
         lines += export_section(e, out, others)
-    a = _load(results / "allocator.json")
-    if a is not None:
-        lines += allocator_section(a)
     else:
         lines += [
             "## Export speed",
@@ -731,6 +728,9 @@ def build(out: Path, results: Path = RESULTS) -> str:
             "`python benchmarks/export_speed.py`.",
             "",
         ]
+    a = _load(results / "allocator.json")
+    if a is not None:
+        lines += allocator_section(a)
     return "\n".join(lines).rstrip() + "\n"
 
 

@@ -68,7 +68,11 @@ and L1 by the marginal FLOPs (``auto``-style), separating the criterion from cos
 ``taylor_l2`` and ``fisher_l2`` divide each group's signal by its L2 norm over the unpruned
 channels (Molchanov et al. 2017's layer-wise normalisation), cost-blind, pruned with
 ``fisherprune.prune`` on signals from ``update_pruning_signals`` (same EMA, same order of
-updates as ``PruningOptimizer``).
+updates as ``PruningOptimizer``); ``fisher_memory`` is ``fisher_auto`` with
+``score_convention="memory"`` (signal per activation element removed, the selection that cuts
+CPU latency more at equal FLOPs, ``export_speed.py``), and ``fisher_auto_r4`` is ``fisher_auto``
+with ``round_to=4`` (every group keeps a multiple of 4 channels; a prune removes up to 4, so it
+reaches the target in fewer prunes and trains longer at fixed masks within the same phase).
 
 FLOPs: ``fisherprune.computational_cost(..., convention="flops")`` per example; after shrinking,
 every pruned network is measured again with ``torch.utils.flop_counter.FlopCounterMode`` at
@@ -160,6 +164,8 @@ METHOD_LABELS: dict[str, str] = {
     "l1_auto": "L1 norm / cost",
     "taylor_l2": "Taylor (ours), layer-L2-normalised",
     "fisher_l2": "Fisher, layer-L2-normalised",
+    "fisher_memory": "Fisher / activation memory (score_convention='memory')",
+    "fisher_auto_r4": "Fisher, auto, channels in blocks of 4 (round_to=4)",
 }
 DEFAULT_METHODS: tuple[str, ...] = (
     "fisher_auto",
@@ -422,8 +428,10 @@ class MaskedRun:
         self.popt: fp.PruningOptimizer | None = None
         self.cost_model: fp.CostModel | None = None
         self.signal: str | None = None  # taylor_l2 / fisher_l2: the signal they read
-        if method in ("fisher_auto", "fisher_w", "fisher_0", "taylor", "taylor_auto"):
-            weight: str | float = "auto" if method in ("fisher_auto", "taylor_auto") else 0.0
+        optimized = ("fisher_auto", "fisher_w", "fisher_0", "taylor", "taylor_auto")
+        if method in (*optimized, "fisher_memory", "fisher_auto_r4"):
+            auto = ("fisher_auto", "taylor_auto", "fisher_memory", "fisher_auto_r4")
+            weight: str | float = "auto" if method in auto else 0.0
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 self.popt = fp.PruningOptimizer(
@@ -438,6 +446,8 @@ class MaskedRun:
                     min_channels=s.min_channels,
                     method="taylor" if method.startswith("taylor") else "fisher",
                     masks=dict(self.masks),
+                    score_convention="memory" if method == "fisher_memory" else None,
+                    round_to=4 if method == "fisher_auto_r4" else 1,
                 )
             self.start_cost = self.popt.start_cost
         else:

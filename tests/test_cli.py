@@ -314,6 +314,11 @@ BAD = [
         ["pruning_score_convention", "'latency'"],
     ),
     _case(
+        "freeze with a format other than torchscript",
+        "export --checkpoint {dir}/no.pt --format onnx --freeze --out {dir}/m.onnx",
+        ["--freeze", "torchscript"],
+    ),
+    _case(
         "round_to below 1",
         "train --data {good} --pruning.round_to 0",
         ["pruning_round_to", "0"],
@@ -722,17 +727,20 @@ def test_flops_of_a_checkpoint_is_the_runs_final_cost(trained: Callable[[str], T
     assert total == _result(t.save_dir)["final_cost"] < _result(t.save_dir)["dense_cost"]
 
 
+@pytest.mark.parametrize("freeze", [[], ["--freeze"]])
 def test_export_torchscript_of_a_checkpoint_loads_and_matches(
-    trained: Callable[[str], Trained], tmp_path: Path
+    trained: Callable[[str], Trained], tmp_path: Path, freeze: list[str]
 ) -> None:
-    """`fisherprune export --format torchscript` writes a file torch.jit.load reads, whose
-    outputs are the masked checkpoint model's."""
+    """`fisherprune export --format torchscript [--freeze]` writes a file torch.jit.load reads,
+    whose outputs are the masked checkpoint model's (frozen: with no parameters left)."""
     t = trained("npz_cnn")
     ckpt = _latest_checkpoint(t.save_dir)
     out = tmp_path / "small.pt"
-    cli = run_cli("export", "--checkpoint", ckpt, "--format", "torchscript", "--out", out)
+    argv = ["export", "--checkpoint", ckpt, "--format", "torchscript", "--out", out, *freeze]
+    cli = run_cli(*argv)
     assert cli.code == 0, cli.err
     loaded = torch.jit.load(str(out))
+    assert (list(loaded.parameters()) == []) == bool(freeze)
     masked, _ = model_from_checkpoint(str(ckpt))
     x = t.x[:32]
     torch.testing.assert_close(_eval_outputs(loaded, x), _eval_outputs(masked, x))

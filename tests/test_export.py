@@ -351,6 +351,9 @@ def test_torchscript_export_round_trip(arch: str, freeze: bool, tmp_path: Path) 
     model.eval()
     path = fp.export_model(model, tmp_path / "m.ts", x, format="torchscript", freeze=freeze)
     loaded = torch.jit.load(str(path))
+    if freeze:  # weights are constants and batch norm is folded away
+        assert list(loaded.parameters()) == []
+        assert "batch_norm" not in str(loaded.graph)
     for batch in (1, 3):
         xb = _input(arch, batch, torch.float32)
         _assert_close(_out(loaded, xb), _out(model, xb), ATOL_F32)

@@ -7,6 +7,7 @@ process each, since the setting is process-wide and cannot be undone.
 from __future__ import annotations
 
 import os
+import platform
 import subprocess
 import sys
 
@@ -34,7 +35,8 @@ print(applied, min(blocks))
 """
 
 
-_GLIBC = _glibc() is not None
+# what the platform says, independently of the function under test
+_GLIBC = sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc"
 
 
 def _clean_env() -> dict[str, str]:
@@ -63,6 +65,29 @@ def test_retained_memory_removes_the_page_faults_of_each_pass() -> None:
     applied, retained = _faults_per_pass("retain")
     assert applied == "True"
     assert retained < default / 20
+
+
+def test_glibc_is_found_exactly_where_the_platform_says_so() -> None:
+    """retain_freed_memory finds glibc's mallopt whenever Python reports glibc, and not
+    otherwise (a failed lookup would silently turn the call into a no-op)."""
+    assert (_glibc() is not None) == _GLIBC
+
+
+def test_measure_latency_times_eager_and_frozen_torchscript_side_by_side() -> None:
+    """measure_latency accepts a frozen TorchScript module (which has no train/eval flag) next
+    to an eager one, returns a positive time for each, and gives the eager module back its
+    training flag."""
+    import torch
+    from torch import nn
+
+    eager = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU()).train()
+    x = torch.randn(2, 3, 8, 8)
+    with torch.no_grad():
+        frozen = torch.jit.freeze(torch.jit.trace(eager.eval(), x))
+    eager.train()
+    lat = fpe.measure_latency({"eager": eager, "frozen": frozen}, x, repeats=2, rounds=2)
+    assert set(lat) == {"eager", "frozen"} and min(lat.values()) > 0
+    assert eager.training and all(m.training for m in eager.modules())
 
 
 @pytest.mark.parametrize("limit", [0, -1, 2**31])

@@ -397,6 +397,22 @@ def test_target_below_floor_warns_and_stops_at_the_floor(min_channels, recwarn):
     assert opt.cost().total > 10
 
 
+def test_round_to_floor_warns_naming_round_to_and_stops_at_it():
+    """With round_to=4 the masks (8, 6, 4 units) can only go down to 4, 4 and 4: a target
+    below that cost warns naming round_to, and pruning stops exactly there."""
+    model = make_mlp()
+    floor_cost = 2 * (IN * 4 + 4 * 4 + 4 * 4 + 4 * OUT)  # 4 units in each hidden layer
+    with pytest.warns(UserWarning, match="round_to=4"):
+        opt = fp.PruningOptimizer(
+            model, example(model), prune_every=1, flops_target=floor_cost - 1, round_to=4
+        )
+    with pytest.warns(UserWarning, match="pruning stopped"):
+        train(opt, model, mlp_batches(12))
+    assert opt.finished
+    assert [m.kept for m in fp.find_masks(model).values()] == [4, 4, 4]
+    assert opt.cost().total == pytest.approx(floor_cost, abs=COST_ATOL)
+
+
 @pytest.mark.parametrize("flops_target", [MLP_COST, 1000.0, "100%", "150%"])
 def test_target_at_or_above_start_cost_warns_and_prunes_nothing(flops_target):
     """A target the model already meets warns at construction and nothing is ever pruned."""

@@ -492,21 +492,23 @@ def test_round_to_block_matches_a_brute_force_reference(seed):
 
 
 @pytest.mark.parametrize(
-    ("width", "min_channels", "k"),
+    ("width", "min_channels", "k", "expected"),
     [
-        (16, 1, 8),
-        (16, 9, 8),
-        (12, 0, 8),
-        (5, 1, 8),
-        (5, 0, 8),
-        (24, 0.3, 8),
-        (10, 3, 1),
-        (17, 2, 4),
+        (16, 1, 8, 8),
+        (16, 9, 8, 16),
+        (12, 0, 8, 0),
+        (12, 9, 8, 12),
+        (5, 1, 8, 5),
+        (5, 0, 8, 0),
+        (24, 0.3, 8, 8),
+        (10, 3, 1, 3),
+        (17, 2, 4, 4),
     ],
 )
-def test_round_to_stops_where_lowest_kept_says(width, min_channels, k):
-    """Pruning one mask until prune returns None leaves exactly ``lowest_kept`` channels, never
-    fewer than min_channels, and a multiple of k unless nothing could be pruned at all."""
+def test_round_to_stops_at_the_lowest_multiple_above_the_floor(width, min_channels, k, expected):
+    """Pruning one mask until prune returns None leaves the lowest multiple of k at or above
+    its floor (hand-computed), or its full width when no such multiple lies below it; and
+    ``lowest_kept`` (which the optimizer's floor warning uses) predicts the same."""
     from fisherprune.pruner.prune import floor_of, lowest_kept
 
     masks = make_masks(width)
@@ -514,10 +516,26 @@ def test_round_to_stops_where_lowest_kept_says(width, min_channels, k):
     while fp.prune(masks, scores, min_channels=min_channels, round_to=k) is not None:
         pass
     kept = int(masks["a"].mask.sum())
-    floor = floor_of(min_channels, width)
-    assert kept == lowest_kept(width, floor, k)
-    assert kept >= floor
-    assert kept == width or kept % k == 0
+    assert kept == expected
+    assert lowest_kept(width, floor_of(min_channels, width), k) == expected
+
+
+def test_round_to_ties_go_to_the_earlier_mask_then_the_lower_channels():
+    """Equal block means: the earlier mask (in the given order) loses its block; within a mask,
+    equal scores are taken lowest channel index first."""
+    masks = make_masks(4, 4, names="xy")
+    scores = {"y": t(1, 1, 1, 1), "x": t(1, 1, 1, 1)}
+    event = fp.prune(masks, scores, round_to=2)
+    assert (event.mask, event.channels) == ("x", (0, 1))
+    event = fp.prune(dict(reversed(list(masks.items()))), scores, round_to=2)
+    assert (event.mask, event.channels) == ("y", (0, 1))
+
+
+def test_round_to_block_mixing_minus_and_plus_inf_ranks_last():
+    """A block whose mean is undefined (-inf next to +inf or NaN) ranks after any finite one."""
+    masks = make_masks(2, 2)
+    scores = {"a": t(-math.inf, math.nan), "b": t(5.0, 6.0)}
+    assert fp.prune(masks, scores, min_channels=0, round_to=2).mask == "b"
 
 
 def test_round_to_event_round_trips_through_json():

@@ -5,7 +5,7 @@ Public API (see docs/api.md):
     MaskLayer, find_masks             masks placed by hand
     update_pruning_signals            fold a batch's Fisher estimate into the signal EMA
     computational_cost, CostReport    cost per example and marginal cost per channel
-    prune, PruneEvent                 zero the one channel with the lowest score
+    prune, PruneEvent                 zero the channel (or block) with the lowest score
     PruningOptimizer                  SGD (or any optimizer) + signals + pruning schedule
 """
 

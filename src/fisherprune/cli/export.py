@@ -60,9 +60,9 @@ def model_from_checkpoint(path: str) -> tuple[nn.Module, Any]:
 def export_command(args: argparse.Namespace) -> int:
     from fisherprune.export import export_model
 
-    model, example = model_from_checkpoint(args.checkpoint)
     if args.freeze and args.format != "torchscript":
         raise ValueError(f"--freeze applies to --format torchscript only, not {args.format}")
+    model, example = model_from_checkpoint(args.checkpoint)
     path = export_model(model, args.out, example, format=args.format, freeze=args.freeze)
     print(f"wrote {path}")
     return 0

@@ -115,8 +115,9 @@ def measure_latency(
     args = inputs if isinstance(inputs, tuple) else (inputs,)
     modules = [m for model in models.values() for m in model.modules()]
     flags = {m: m.training for m in modules if isinstance(getattr(m, "training", None), bool)}
-    for m in flags:
-        m.training = False
+    for model in models.values():
+        if isinstance(model, nn.Module) and model in flags:
+            model.eval()  # through train(), which a module may override
     times: dict[str, list[float]] = {name: [] for name in models}
     try:
         with torch.inference_mode():

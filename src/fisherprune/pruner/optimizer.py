@@ -1,7 +1,9 @@
-"""PruningOptimizer: train, gather Fisher signals, and prune one channel every few steps."""
+"""PruningOptimizer: train, gather Fisher signals, and prune one channel (or one block of
+``round_to`` channels) every few steps."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import warnings
@@ -73,8 +75,9 @@ class PruningOptimizer:
 
     Each ``step()``: (1) the parameters are updated, (2) while pruning is still
     possible, each mask's Fisher signal EMA is updated from the batch, (3) with
-    ``counter`` starting at 1, one channel is pruned iff ``counter > burn_in``,
-    ``counter % prune_every == 0`` and the cost is above the target. Once the
+    ``counter`` starting at 1, one channel (one block with ``round_to``) is pruned iff
+    ``counter > burn_in``, ``counter % prune_every == 0`` and the cost is above the target.
+    Once the
     target is reached (or nothing more can be pruned) signals are no longer
     collected and the masks stay as they are.
 
@@ -97,7 +100,8 @@ class PruningOptimizer:
             ``update_params``); ``lr`` etc. are then ignored.
         min_channels: the fewest channels any mask keeps: an int, or a fraction in (0, 1)
             of each mask's width.
-        round_to: every mask keeps a multiple of this many channels (1: any count). CPU and
+        round_to: every mask keeps a multiple of this many channels (1: any count; a mask
+            with no multiple between its floor and its width keeps its width). CPU and
             GPU kernels work on channels in blocks of 8 or 16, so 9 channels cost about as
             much time as 16: with ``round_to=8`` each prune removes the block of channels that
             brings a mask to the next multiple of 8 (see ``prune``), and the FLOPs saved turn
@@ -106,10 +110,12 @@ class PruningOptimizer:
             ``computational_cost``).
         score_convention: cost convention that the signal is weighed against when
             choosing a channel (default: ``convention``). ``"memory"`` with a FLOPs target is
-            Group Fisher Pruning's memory-normalised selection: channels are chosen by signal
-            per activation element they remove, which cuts latency more than FLOP-normalised
-            selection at the same FLOPs (GPU: the paper's Table; CPU:
-            ``benchmarks/export_speed.py``, docs/benchmarks.md).
+            Group Fisher Pruning's memory-normalised selection (Liu et al. 2021, which
+            reports it for GPU latency): channels are chosen by signal per activation element
+            they remove. On CPU it cut latency more than FLOP-normalised selection at the same
+            FLOPs for most networks in ``benchmarks/export_speed.py``, not all
+            (docs/benchmarks.md); its accuracy cost is in ``benchmarks/quality.py``
+            (``fisher_memory``).
         loss_reduction: ``"mean"`` or ``"sum"``: how the loss reduces over the batch.
         masks: the masks to prune (default: every MaskLayer in ``model``).
         method: pruning signal, ``"fisher"`` (the seed's only one) or ``"taylor"``.
@@ -234,7 +240,7 @@ class PruningOptimizer:
         return loss
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """Update parameters, then signals, then maybe prune one channel (in that order).
+        """Update parameters, then signals, then maybe prune one channel or block (in that order).
 
         Raises:
             ValueError: on the first step, if a collecting mask received no gradient
@@ -279,6 +285,10 @@ class PruningOptimizer:
             step=self.counter,
             round_to=self.round_to,
         )
+        if event is not None and len(event.channels) > 1:
+            # a block's summed marginals can miss interactions (an emptied mask, a layer whose
+            # input and output share the mask): take the exact cost, without a re-trace
+            event = dataclasses.replace(event, cost_after=self.cost_model.total())
         if event is None:
             self._finish(
                 f"every mask is down to min_channels={self.min_channels}"

@@ -124,8 +124,11 @@ def prune(
     one), ranked across masks by their mean score: with ``"auto"`` scores and the per-mask
     uniform marginal costs of a ``CostModel``, that is the block's summed signal over its
     summed cost. A block that would take a mask below ``min_channels`` is not a candidate,
-    so a mask stops at the lowest multiple of ``k`` at or above its floor (or, when it has
-    fewer than ``k`` channels, at its full width unless ``min_channels=0``).
+    so a mask stops at the lowest multiple of ``k`` at or above its floor; when no multiple
+    of ``k`` lies between its floor and its width (e.g. 12 channels, floor 9, ``k = 8``, or a
+    mask narrower than ``k`` with a floor of 1), it keeps its full width. With ``cost``, the event's
+    ``cost_after`` subtracts the block's summed marginal costs: exact when the cost is linear
+    in the mask's count, an estimate otherwise (``PruningOptimizer`` records the exact cost).
 
     Changes: one entry (``round_to`` = 1) or one block of entries of one ``mask.mask``
     buffer is set to 0, in place.
@@ -178,6 +181,8 @@ def prune(
         order_alive = torch.sort(s[idx], stable=True).indices[:r]
         chosen = idx[order_alive].tolist()  # never an already pruned channel
         v = float(s[chosen].mean())
+        if math.isnan(v):  # -inf next to +inf in one block: rank it last, like a NaN score
+            v = math.inf
         cand = (v, order, chosen[0], name, chosen)
         if best is None or cand[:3] < best[:3]:
             best = cand

@@ -48,7 +48,7 @@ class TrainResult:
     final_params: int
     latency: dict[str, float]
     steps: int
-    prunes: int
+    prunes: int  # channels removed (more than prune events with round_to > 1)
     files: dict[str, str] = field(default_factory=dict)
 
 
@@ -257,7 +257,7 @@ class PruningTrainer:
                 if state["finished_at"] is None:
                     state["finished_at"] = state["step"]
                     self.progress.line(
-                        f"step {state['step']}: {len(popt.history)} channels "
+                        f"step {state['step']}: {_channels_removed(popt)} channels "
                         f"pruned; fine-tuning for {cfg.fine_tune_steps} steps"
                     )
                 if state["step"] - state["finished_at"] >= cfg.fine_tune_steps:
@@ -278,11 +278,12 @@ class PruningTrainer:
                         "kind": "prune",
                         "mask": ev.mask,
                         "channel": ev.channel,
+                        "channels": list(ev.channels),
                         "cost": ev.cost_after,
                     }
                 )
             n_events = len(popt.history)
-            self.progress.update(step, f"loss {loss_value:.4f} pruned {n_events}")
+            self.progress.update(step, f"loss {loss_value:.4f} pruned {_channels_removed(popt)}")
             if step % cfg.eval_every == 0:
                 value = self.evaluate()
                 cost = popt.cost().total
@@ -406,7 +407,7 @@ class PruningTrainer:
             small_params,
             latency,
             state["step"],
-            len(popt.history),
+            _channels_removed(popt),
         )
         if self.rank == 0:
             from fisherprune.train.report import write_report
@@ -469,3 +470,8 @@ class PruningTrainer:
 
 def _regression_outputs(data: Dataset) -> int:
     return 1 if data.y_train.dim() == 1 else int(data.y_train.shape[1])
+
+
+def _channels_removed(popt: PruningOptimizer) -> int:
+    """Channels pruned so far (a prune removes a block of them with ``round_to > 1``)."""
+    return sum(len(e.channels) for e in popt.history)
