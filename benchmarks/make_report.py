@@ -554,12 +554,13 @@ def overhead_section(o: dict[str, Any]) -> list[str]:
 
 # ====================================================================== export speed
 def _condition(e: dict[str, Any]) -> str:
-    """How an export_speed run timed: memory layout and allocator (older runs: unknown)."""
+    """How an export_speed run timed: layout, what served, allocator (older runs: unknown)."""
     layout = {"channels_last": "channels-last", "contiguous": "NCHW"}.get(
         e.get("memory_format", ""), "NCHW"
     )
+    serve = {"torchscript": "frozen TorchScript", "eager": "eager"}.get(e.get("serve", "eager"))
     alloc = {"retain_freed_memory": "freed memory retained", "default": "glibc malloc defaults"}
-    return f"{layout}, {alloc.get(e.get('allocator', ''), 'allocator not recorded')}"
+    return f"{layout}, {serve}, {alloc.get(e.get('allocator', ''), 'allocator not recorded')}"
 
 
 def _row_key(r: dict[str, Any]) -> tuple[str, str, str, int, float]:
@@ -610,9 +611,13 @@ def allocator_section(a: dict[str, Any]) -> list[str]:
 
 
 def export_section(
-    e: dict[str, Any], out: Path, others: Sequence[dict[str, Any]] = ()
+    e: dict[str, Any], out: Path, others: Sequence[tuple[str, dict[str, Any]]] = ()
 ) -> list[str]:
-    """The main run's table, and the batch-64 efficiency of other timing conditions beside it."""
+    """The main run's table, and the batch-64 efficiency of other runs beside it.
+
+    ``others`` pairs each other run with its file name, which heads its column: two runs in
+    the same condition (a repeat) must stay apart.
+    """
     lines = ["## Export speed (`benchmarks/export_speed.py`)", "", _environment(e), ""]
     if e.get("quick"):
         lines += ["**This is a `--quick` run.**", ""]
@@ -623,9 +628,9 @@ def export_section(
     rows = e.get("rows") or []
     goal = e.get("efficiency_target", 0.7)
     other_eff = [
-        (_condition(run), {_row_key(r): r.get("efficiency", {}).get("64") for r in run["rows"]})
-        for run in others
-        if run.get("rows")
+        (name, {_row_key(r): r.get("efficiency", {}).get("64") for r in run["rows"]})
+        for name, run in others
+        if run.get("rows") and _width(run) == _width(e)  # other widths are other networks
     ]
     header = [
         "model", "signals / selection", "FLOPs target", "FLOPs ratio", "params ratio",
@@ -657,18 +662,45 @@ def export_section(
     pruning = e.get("pruning")
     if isinstance(pruning, dict) and "method" in pruning:
         lines.append(f"- pruning: {pruning['method']}")
-    for run in others:
+    for name, run in others:
         lines.append(
-            f"- other condition: {_condition(run)}, run {run.get('date', '?')}; "
-            f"{_config_diff(e, run)}"
+            f"- {name}: {_condition(run)}, run {run.get('date', '?')}; {_config_diff(e, run)}"
         )
     lines.append(
         "- eff = speed-up x FLOPs ratio (1.0: latency falls exactly as FLOPs do); the issue's "
-        f"target is eff ≥ {goal} at batch 64 for the conv nets; r8: every mask kept a multiple "
-        "of 8 channels (`round_to=8`)"
+        f"target is eff ≥ {goal} at batch 64 for the conv nets; rK: every mask kept a multiple "
+        "of K channels (`round_to=K`)"
     )
     lines.append("")
+    lines += _extra_rows(e, others)
     return lines
+
+
+def _width(run: dict[str, Any]) -> float:
+    """The width multiplier of a run's networks (1 before ``--width`` existed)."""
+    return run.get("config", {}).get("width", 1.0)
+
+
+def _extra_rows(main: dict[str, Any], others: Sequence[tuple[str, dict[str, Any]]]) -> list[str]:
+    """Rows of other runs with no counterpart in the main run: another round_to, another width."""
+    known = {(_width(main), _row_key(r)) for r in main.get("rows") or []}
+    table = [
+        [
+            name,
+            r.get("model") + ("" if _width(run) == _width(main) else f" (width x{_width(run):g})"),
+            _variant(r), f"{r.get('target', 0):.0%}",
+            _fmt(r.get("flops_ratio")), _fmt(r.get("efficiency", {}).get("1"), 3),
+            _fmt(r.get("efficiency", {}).get("64"), 3),
+        ]
+        for name, run in others
+        for r in run.get("rows") or []
+        if (_width(run), _row_key(r)) not in known
+    ]  # fmt: skip
+    if not table:
+        return []
+    header = ["run", "model", "signals / selection", "FLOPs target", "FLOPs ratio", "eff b=1",
+              "eff b=64"]  # fmt: skip
+    return ["Variants only in other runs:", "", *_table(header, table), ""]
 
 
 # ====================================================================== main
@@ -713,7 +745,7 @@ def build(out: Path, results: Path = RESULTS) -> str:
         ]
     if e is not None:
         others = [
-            run
+            (path.name, run)
             for path in sorted(results.glob("export_speed_*.json"))
             if not path.stem.endswith("_quick")
             and (run := _load(path)) is not None
