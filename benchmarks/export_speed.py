@@ -119,7 +119,7 @@ from _common import counted_flops
 from torch import Tensor, nn
 
 import fisherprune as fp
-from fisherprune.export.latency import measure_latency, retain_freed_memory
+from fisherprune.export.latency import frozen_for_serving, measure_latency, retain_freed_memory
 from fisherprune.pruner.prune import check_min_channels
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -562,9 +562,8 @@ def run_model(
         for m in models.values():
             m.to(memory_format=torch.channels_last)  # 4-D weights; FLOPs are counted above
     if serve == "torchscript":  # what export_model(format="torchscript", freeze=True) writes
-        with torch.no_grad():
-            x1f = as_format(x1, channels_last)
-            models = {k: torch.jit.freeze(torch.jit.trace(m, x1f)) for k, m in models.items()}
+        cl = channels_last and x1.dim() == 4
+        models = {k: frozen_for_serving(m, x1, cl)[0] for k, m in models.items()}
     lat: dict[int, dict[str, float]] = {}
     rounds_lat: dict[int, dict[str, list[float]]] = {}
     for b in BATCHES:

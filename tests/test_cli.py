@@ -810,3 +810,43 @@ def test_summary_lines_name_accuracy_flops_parameters_latency_files(
     assert re.search(r"^latency \(CPU, \d+ threads?\): batch 1 .* ms", out, re.M), out
     assert re.search(r"^  state_dict: .*model\.pt$", out, re.M), out
     assert re.search(r"^  report: .*report\.md$", out, re.M), out
+
+
+def test_cnn_run_reports_the_latency_as_served_next_to_the_eager_one(
+    trained: Callable[[str], Trained],
+) -> None:
+    """A CNN run also times dense and pruned as served (frozen TorchScript, channels-last):
+    result.json has positive times at batch 1 and 64 and their ratio as the speed-up, and the
+    report and the summary show them."""
+    t = trained("npz_cnn")
+    lat = _result(t.save_dir)["latency"]
+    for bs in (1, 64):
+        dense, pruned = lat[f"served_dense_b{bs}_ms"], lat[f"served_pruned_b{bs}_ms"]
+        assert dense > 0 and pruned > 0
+        assert lat[f"served_speedup_b{bs}"] == pytest.approx(dense / pruned)
+    assert "| CPU latency as served, batch 64 (ms) |" in (t.save_dir / "report.md").read_text()
+    served = r"^latency as served \(frozen TorchScript.*batch 64 [\d.]+ -> [\d.]+ ms \([\d.]+x\)$"
+    assert re.search(served, t.cli.out, re.M), t.cli.out
+
+
+def test_untraceable_model_skips_the_served_latency_with_a_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """When the model cannot be traced, the run still ends (exit 0) with the eager latency,
+    says why the served one is missing, and records no served figure."""
+    import fisherprune.train.trainer as trainer_module
+
+    def untraceable(*_: Any, **__: Any) -> Any:
+        raise RuntimeError("cannot trace this model")
+
+    monkeypatch.setattr(trainer_module, "frozen_for_serving", untraceable)
+    x, y = _table(200, seed=1)
+    data = _write_csv(tmp_path / "t.csv", x, y)
+    cli = run_cli(
+        "train", "--data", data, *MLP8, "--train.steps", "40", *FAST,
+        "--save_dir", tmp_path / "run",
+    )  # fmt: skip
+    assert cli.code == 0, cli.err
+    assert "skipped the frozen TorchScript latency: cannot trace this model" in cli.out
+    lat = _result(tmp_path / "run")["latency"]
+    assert lat["dense_b64_ms"] > 0 and not any(k.startswith("served_") for k in lat)

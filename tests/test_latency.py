@@ -12,6 +12,8 @@ import subprocess
 import sys
 
 import pytest
+import torch
+from torch import nn
 
 import fisherprune.export as fpe
 from fisherprune.export.latency import _glibc
@@ -77,9 +79,6 @@ def test_measure_latency_times_eager_and_frozen_torchscript_side_by_side() -> No
     """measure_latency accepts a frozen TorchScript module (which has no train/eval flag) next
     to an eager one, returns a positive time for each, and gives the eager module back its
     training flag."""
-    import torch
-    from torch import nn
-
     eager = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU()).train()
     x = torch.randn(2, 3, 8, 8)
     with torch.no_grad():
@@ -102,3 +101,56 @@ def test_retain_freed_memory_rejects_a_limit_that_is_not_an_int(limit: object) -
     """A limit that is not an int (a bool included) raises TypeError naming limit_bytes."""
     with pytest.raises(TypeError, match="limit_bytes"):
         fpe.retain_freed_memory(limit)  # type: ignore[arg-type]
+
+
+def _conv_net() -> nn.Module:
+    net = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+        nn.Conv2d(8, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.LazyLinear(5),
+    )  # fmt: skip
+    net(torch.randn(2, 3, 8, 8))  # materialise the lazy layer
+    with torch.no_grad():
+        for m in net.modules():  # running statistics that batch-norm folding must honour
+            if isinstance(m, nn.BatchNorm2d):
+                m.running_mean.uniform_(-1, 1)
+                m.running_var.uniform_(0.5, 2)
+    return net.train()
+
+
+def test_frozen_for_serving_gives_the_eval_outputs_in_channels_last() -> None:
+    """For a 4-D input, frozen_for_serving returns a frozen module with the eval-mode outputs of
+    the model (batch norm folded with its running statistics) and the input in channels-last
+    layout, at another batch size than it was traced at too."""
+    net = _conv_net()
+    x = torch.randn(3, 3, 8, 8)
+    frozen, args = fpe.frozen_for_serving(net, x)
+    assert isinstance(frozen, torch.jit.ScriptModule)
+    assert args[0].is_contiguous(memory_format=torch.channels_last)
+    with torch.no_grad():
+        expected = net.eval()(x)
+        torch.testing.assert_close(frozen(*args), expected, rtol=1e-4, atol=1e-5)
+        x7 = torch.randn(7, 3, 8, 8)
+        torch.testing.assert_close(
+            frozen(x7.contiguous(memory_format=torch.channels_last)), net(x7), rtol=1e-4, atol=1e-5
+        )
+
+
+def test_frozen_for_serving_leaves_the_model_as_it_was() -> None:
+    """The model keeps its training flag, parameters and NCHW weight layout."""
+    net = _conv_net()
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    fpe.frozen_for_serving(net, torch.randn(2, 3, 8, 8))
+    assert net.training and all(m.training for m in net.modules())
+    assert net[0].weight.is_contiguous()  # not channels-last
+    for k, v in net.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+def test_frozen_for_serving_keeps_a_2d_input_as_it_is() -> None:
+    """A table input is not put in another layout, and the frozen MLP gives the eval outputs."""
+    net = nn.Sequential(nn.Linear(6, 5), nn.BatchNorm1d(5), nn.ReLU(), nn.Linear(5, 2)).eval()
+    x = torch.randn(4, 6)
+    frozen, args = fpe.frozen_for_serving(net, x)
+    assert args[0] is x
+    with torch.no_grad():
+        torch.testing.assert_close(frozen(*args), net(x), rtol=1e-4, atol=1e-5)

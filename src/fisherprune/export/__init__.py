@@ -1,7 +1,7 @@
 """Export: the physically smaller network, its pruning plan, and files to serve it."""
 
 from fisherprune.export.files import FORMATS, export_model, load_state_dict_export
-from fisherprune.export.latency import measure_latency, retain_freed_memory
+from fisherprune.export.latency import frozen_for_serving, measure_latency, retain_freed_memory
 from fisherprune.export.modules import register_shrink_rule
 from fisherprune.export.plan import PlanMismatchError, PruningPlan
 from fisherprune.export.shrink import ShrinkError, shrink
@@ -12,6 +12,7 @@ __all__ = [
     "PruningPlan",
     "ShrinkError",
     "export_model",
+    "frozen_for_serving",
     "load_state_dict_export",
     "measure_latency",
     "register_shrink_rule",

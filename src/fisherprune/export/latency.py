@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import logging
 import statistics
@@ -12,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["measure_latency", "retain_freed_memory"]
+__all__ = ["frozen_for_serving", "measure_latency", "retain_freed_memory"]
 
 log = logging.getLogger("fisherprune")
 
@@ -134,3 +135,46 @@ def measure_latency(
         for m, f in flags.items():
             m.training = f
     return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def frozen_for_serving(
+    model: nn.Module, inputs: Any, channels_last: bool | None = None
+) -> tuple[torch.jit.ScriptModule, tuple[Any, ...]]:
+    """``model`` as it is best served on CPU: frozen TorchScript, in channels-last layout for
+    images, the form ``export_model(format="torchscript", freeze=True)`` writes.
+
+    A deep copy of ``model`` in eval mode is put in channels-last layout (its 4-D weights) when
+    ``channels_last`` is True, or when it is None and the first input is 4-D; then traced on
+    ``inputs`` and frozen (parameters become constants, batch norm is folded into the convs).
+
+    Args:
+        model: an ``nn.Module`` (a shrunk one, or the dense one to compare against).
+        inputs: one tensor, or a tuple of the positional arguments; 4-D float inputs are put
+            in the layout chosen for the model.
+        channels_last: the layout; None chooses by the first input's dimensions.
+
+    Returns:
+        The frozen module and the inputs in its layout (a tuple of positional arguments).
+        ``measure_latency({"dense": d, "pruned": p}, args)`` then times what serving costs.
+
+    Changes: nothing; ``model`` is copied.
+
+    Raises:
+        RuntimeError: the model cannot be traced (e.g. data-dependent control flow); the
+            error of ``torch.jit.trace`` or ``torch.jit.freeze``, unchanged.
+    """
+    args = inputs if isinstance(inputs, tuple) else (inputs,)
+    if channels_last is None:
+        channels_last = bool(args) and isinstance(args[0], torch.Tensor) and args[0].dim() == 4
+    copied = copy.deepcopy(model).eval()
+    if channels_last:
+        copied = copied.to(memory_format=torch.channels_last)
+        args = tuple(
+            a.contiguous(memory_format=torch.channels_last)
+            if isinstance(a, torch.Tensor) and a.dim() == 4 and a.is_floating_point()
+            else a
+            for a in args
+        )
+    with torch.no_grad():
+        frozen = torch.jit.freeze(torch.jit.trace(copied, args))
+    return frozen, args

@@ -87,10 +87,21 @@ def write_report(
         f"| eval {metric_name} | {dense[metric_name]:.4f} | {final:.4f} | |",
         f"| {conv} per example | {dense['cost']:,.0f} | {cost:,.0f} | {cost / dense['cost']:.3f} |",
         f"| parameters | {dense_params:,} | {small_params:,} | {small_params / dense_params:.3f} |",
-        f"| CPU latency, batch 1 (ms) | {latency['dense_b1_ms']:.3f} | "
-        f"{latency['pruned_b1_ms']:.3f} | {latency['speedup_b1']:.2f}x faster |",
-        f"| CPU latency, batch 64 (ms) | {latency['dense_b64_ms']:.3f} | "
-        f"{latency['pruned_b64_ms']:.3f} | {latency['speedup_b64']:.2f}x faster |",
+    ]
+    for label, prefix in (("eager", ""), ("as served", "served_")):
+        for bs in (1, 64):
+            if f"{prefix}speedup_b{bs}" in latency:
+                lines.append(
+                    f"| CPU latency {label}, batch {bs} (ms) | "
+                    f"{latency[f'{prefix}dense_b{bs}_ms']:.3f} | "
+                    f"{latency[f'{prefix}pruned_b{bs}_ms']:.3f} | "
+                    f"{latency[f'{prefix}speedup_b{bs}']:.2f}x faster |"
+                )
+    lines += [
+        "",
+        "Eager: the modules as trained, in the input's layout. As served: frozen TorchScript "
+        "(`fisherprune export --format torchscript --freeze`), channels-last for images; see "
+        '"Serving a shrunk model on CPU" in docs/usage.md.',
         "",
         "## Channels kept per group",
         "",

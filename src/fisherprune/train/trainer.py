@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fisherprune.export import PruningPlan, export_model, shrink
-from fisherprune.export.latency import measure_latency
+from fisherprune.export.latency import frozen_for_serving, measure_latency
 from fisherprune.graph import apply_masks, remove_masks
 from fisherprune.masks import find_masks
 from fisherprune.pruner import PruningOptimizer
@@ -390,13 +390,7 @@ class PruningTrainer:
         small = shrink(self.model, self.example)
         dense_params = sum(p.numel() for p in dense_model.parameters())
         small_params = sum(p.numel() for p in small.parameters())
-        latency: dict[str, float] = {}
-        for bs in (1, 64):
-            x = self.data.x_train[:bs]
-            t = measure_latency({"dense": dense_model, "pruned": small}, x, repeats=10, rounds=3)
-            latency[f"dense_b{bs}_ms"] = t["dense"] * 1e3
-            latency[f"pruned_b{bs}_ms"] = t["pruned"] * 1e3
-            latency[f"speedup_b{bs}"] = t["dense"] / t["pruned"]
+        latency = self._latency(dense_model, small)
         result = TrainResult(
             dense[metric_name],
             final,
@@ -422,6 +416,29 @@ class PruningTrainer:
             (self.save_dir / "result.json").write_text(json.dumps(result.__dict__, indent=1))
             self._print_summary(result, popt)
         return result
+
+    def _latency(self, dense: nn.Module, small: nn.Module) -> dict[str, float]:
+        """CPU latency of the dense and the pruned model at batch 1 and 64, side by side: as
+        eager modules (``dense_b1_ms``, ...) and as served, frozen TorchScript in channels-last
+        layout for images (``served_dense_b1_ms``, ...; left out, with a line saying why, when
+        the model cannot be traced)."""
+        latency: dict[str, float] = {}
+        for bs in (1, 64):
+            x = self.data.x_train[:bs]
+            forms: dict[str, tuple[dict[str, Any], Any]] = {
+                "": ({"dense": dense, "pruned": small}, x)
+            }
+            try:
+                (fd, args), (fs, _) = (frozen_for_serving(m, x) for m in (dense, small))
+                forms["served_"] = ({"dense": fd, "pruned": fs}, args)
+            except RuntimeError as e:
+                self.progress.line(f"skipped the frozen TorchScript latency: {e}")
+            for prefix, (models, inputs) in forms.items():
+                t = measure_latency(models, inputs, repeats=10, rounds=3)
+                latency[f"{prefix}dense_b{bs}_ms"] = t["dense"] * 1e3
+                latency[f"{prefix}pruned_b{bs}_ms"] = t["pruned"] * 1e3
+                latency[f"{prefix}speedup_b{bs}"] = t["dense"] / t["pruned"]
+        return latency
 
     def _export(self, small: nn.Module, popt: PruningOptimizer) -> dict[str, str]:
         files: dict[str, str] = {}
@@ -455,12 +472,14 @@ class PruningTrainer:
             f"({r.final_cost / r.dense_cost:.1%}), {r.final_params:,} parameters "
             f"({r.final_params / r.dense_params:.1%}); {r.prunes} channels removed in "
             f"{r.steps} steps",
-            f"latency (CPU, {torch.get_num_threads()} threads): batch 1 "
-            f"{r.latency['dense_b1_ms']:.3f} -> {r.latency['pruned_b1_ms']:.3f} ms "
-            f"({r.latency['speedup_b1']:.2f}x); batch 64 {r.latency['dense_b64_ms']:.3f} -> "
-            f"{r.latency['pruned_b64_ms']:.3f} ms ({r.latency['speedup_b64']:.2f}x)",
-            "files:",
+            f"latency (CPU, {torch.get_num_threads()} threads): {_latency_text(r.latency, '')}",
         ]
+        if "served_speedup_b64" in r.latency:
+            lines.append(
+                "latency as served (frozen TorchScript, channels-last for images): "
+                + _latency_text(r.latency, "served_")
+            )
+        lines.append("files:")
         lines += [f"  {k}: {v}" for k, v in r.files.items()]
         lines.append(f"  checkpoints: {self.save_dir / 'checkpoints'}")
         lines.append(f"  metrics: {self.save_dir / 'metrics.jsonl'}")
@@ -475,3 +494,12 @@ def _regression_outputs(data: Dataset) -> int:
 def _channels_removed(popt: PruningOptimizer) -> int:
     """Channels pruned so far (a prune removes a block of them with ``round_to > 1``)."""
     return sum(len(e.channels) for e in popt.history)
+
+
+def _latency_text(latency: dict[str, float], prefix: str) -> str:
+    """``batch 1 a -> b ms (s x); batch 64 ...`` from the trainer's latency figures."""
+    return "; ".join(
+        f"batch {bs} {latency[f'{prefix}dense_b{bs}_ms']:.3f} -> "
+        f"{latency[f'{prefix}pruned_b{bs}_ms']:.3f} ms ({latency[f'{prefix}speedup_b{bs}']:.2f}x)"
+        for bs in (1, 64)
+    )
