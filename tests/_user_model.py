@@ -49,3 +49,22 @@ class SlowMLP(MLP):
 
 def slow(input_shape: tuple[int, ...], num_outputs: int, width: int = 16) -> nn.Module:
     return SlowMLP(input_shape, num_outputs, width)
+
+
+class CountingMLP(MLP):
+    """``MLP`` whose graph changes from one call to the next (a Python call counter decides
+    whether an extra op runs), so ``torch.jit.trace``'s own check rejects it; every output is
+    that of ``MLP``."""
+
+    def __init__(self, input_shape: tuple[int, ...], num_outputs: int, width: int) -> None:
+        super().__init__(input_shape, num_outputs, width)
+        self.calls = 0
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.calls += 1
+        y = self.net(x)
+        return y * 1.0 if self.calls % 2 else y
+
+
+def untraceable(input_shape: tuple[int, ...], num_outputs: int, width: int = 16) -> nn.Module:
+    return CountingMLP(input_shape, num_outputs, width)

@@ -481,13 +481,13 @@ def test_round_to_and_score_convention_reach_the_export(tmp_path: Path) -> None:
     torch.testing.assert_close(_eval_outputs(small, xt), _eval_outputs(masked, xt))
 
 
-def _train_user_model(tmp_path: Path, builder: str) -> tuple[Cli, Path, np.ndarray]:
+def _train_user_model(tmp_path: Path, builder: str, *extra: str) -> tuple[Cli, Path, np.ndarray]:
     x, y = _table(200, seed=1)
     data = _write_csv(tmp_path / "t.csv", x, y)
     save = tmp_path / "run"
     cli = run_cli(
         "train", "--data", data, "--model", f"tests._user_model:{builder}", "--width", "10",
-        "--train.steps", "40", *FAST, "--save_dir", save,
+        "--train.steps", "40", *FAST, *extra, "--save_dir", save,
     )  # fmt: skip
     return cli, save, x
 
@@ -829,24 +829,23 @@ def test_cnn_run_reports_the_latency_as_served_next_to_the_eager_one(
     assert re.search(served, t.cli.out, re.M), t.cli.out
 
 
-def test_untraceable_model_skips_the_served_latency_with_a_line(
+def test_untraceable_model_ends_with_eager_latency_and_state_dict(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """When the model cannot be traced, the run still ends (exit 0) with the eager latency,
-    says why the served one is missing, and records no served figure."""
-    import fisherprune.train.trainer as trainer_module
-
-    def untraceable(*_: Any, **__: Any) -> Any:
-        raise RuntimeError("cannot trace this model")
-
-    monkeypatch.setattr(trainer_module, "frozen_for_serving", untraceable)
-    x, y = _table(200, seed=1)
-    data = _write_csv(tmp_path / "t.csv", x, y)
-    cli = run_cli(
-        "train", "--data", data, *MLP8, "--train.steps", "40", *FAST,
-        "--save_dir", tmp_path / "run",
-    )  # fmt: skip
+    """A model torch.jit.trace rejects (its graph changes between calls) still ends its run
+    (exit 0) with the eager latency, the state_dict export and the report; one line says the
+    latency as served was skipped and why, one that the TorchScript export was, and neither
+    result.json nor the report claims a served figure."""
+    monkeypatch.syspath_prepend(str(REPO))
+    cli, save, _ = _train_user_model(
+        tmp_path, "untraceable", "--export_formats", "state_dict,torchscript"
+    )
     assert cli.code == 0, cli.err
-    assert "skipped the frozen TorchScript latency: cannot trace this model" in cli.out
-    lat = _result(tmp_path / "run")["latency"]
+    assert cli.out.count("skipped the latency as served: TracingCheckError") == 1, cli.out
+    assert "skipped torchscript export: TracingCheckError" in cli.out, cli.out
+    assert (save / "export" / "model.pt").is_file()
+    assert not (save / "export" / "model.torchscript.pt").exists()
+    lat = _result(save)["latency"]
     assert lat["dense_b64_ms"] > 0 and not any(k.startswith("served_") for k in lat)
+    report = (save / "report.md").read_text()
+    assert "as served, batch" not in report and "could not be traced" in report

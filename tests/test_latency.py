@@ -135,6 +135,33 @@ def test_frozen_for_serving_gives_the_eval_outputs_in_channels_last() -> None:
         )
 
 
+def _weight_layouts(frozen: torch.jit.ScriptModule) -> list[bool]:
+    """For each 4-D tensor constant of a frozen graph (the conv weights): is it channels-last?"""
+    return [
+        t.is_contiguous(memory_format=torch.channels_last) and not t.is_contiguous()
+        for n in frozen.graph.nodes()
+        if n.kind() == "prim::Constant" and n.output().type().kind() == "TensorType"
+        for t in [n.output().toIValue()]
+        if t.dim() == 4
+    ]
+
+
+@pytest.mark.parametrize(
+    ("channels_last", "expected"), [(None, True), (True, True), (False, False)]
+)
+def test_frozen_for_serving_puts_the_conv_weights_in_the_layout_asked_for(
+    channels_last: bool | None, expected: bool
+) -> None:
+    """Every conv weight of the frozen graph, and the returned image input, is channels-last
+    by default for a 4-D input and when asked, and in NCHW with channels_last=False."""
+    x = torch.randn(2, 3, 8, 8)
+    frozen, args = fpe.frozen_for_serving(_conv_net(), x, channels_last)
+    layouts = _weight_layouts(frozen)
+    assert len(layouts) == 2 and set(layouts) == {expected}
+    assert args[0].is_contiguous(memory_format=torch.channels_last) == expected
+    assert args[0].is_contiguous() != expected
+
+
 def test_frozen_for_serving_leaves_the_model_as_it_was() -> None:
     """The model keeps its training flag, parameters and NCHW weight layout."""
     net = _conv_net()

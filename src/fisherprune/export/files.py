@@ -102,13 +102,20 @@ def _write(
         payload = {"state_dict": state, "plan": plan.to_dict()}
         atomic_save(path, lambda tmp: torch.save(payload, tmp))
     elif format == "torchscript":
-        with torch.no_grad():
-            scripted = torch.jit.trace(small, args)
-            if freeze:
-                scripted = torch.jit.freeze(scripted)
+        scripted = traced(small, args, freeze)
         atomic_save(path, lambda tmp: torch.jit.save(scripted, str(tmp)))
     else:
         atomic_save(path, lambda tmp: _onnx(small, args, tmp))
+
+
+def traced(model: nn.Module, args: tuple, freeze: bool) -> torch.jit.ScriptModule:
+    """``torch.jit.trace`` of ``model`` on ``args`` without autograd, frozen with ``freeze``
+    (parameters become constants, batch norm is folded into the convs). Raises what
+    ``torch.jit.trace`` raises for an untraceable model (``RuntimeError``,
+    ``torch.jit.TracingCheckError``, ...)."""
+    with torch.no_grad():
+        scripted = torch.jit.trace(model, args)
+        return torch.jit.freeze(scripted) if freeze else scripted
 
 
 def _onnx(model: nn.Module, args: tuple, tmp: Path) -> None:

@@ -13,6 +13,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from fisherprune.export.files import traced
+from fisherprune.graph.trace import _as_args
+
 __all__ = ["frozen_for_serving", "measure_latency", "retain_freed_memory"]
 
 log = logging.getLogger("fisherprune")
@@ -102,7 +105,7 @@ def measure_latency(
     Args:
         models: what to time, by name: ``nn.Module`` s, TorchScript modules (frozen ones too)
             or anything callable on ``inputs`` that behaves like one.
-        inputs: one tensor, or a tuple of the positional arguments of every model.
+        inputs: one tensor, or a tuple or list of the positional arguments of every model.
         repeats: calls per timed block; ``warmup`` untimed calls per model come first.
         rounds: timed blocks per model; the median block is reported.
 
@@ -113,7 +116,7 @@ def measure_latency(
     own train/eval flag afterwards (modules without one, e.g. a frozen TorchScript module,
     are left as they are).
     """
-    args = inputs if isinstance(inputs, tuple) else (inputs,)
+    args = _as_args(inputs)
     modules = [m for model in models.values() for m in model.modules()]
     flags = {m: m.training for m in modules if isinstance(getattr(m, "training", None), bool)}
     for model in models.values():
@@ -140,8 +143,9 @@ def measure_latency(
 def frozen_for_serving(
     model: nn.Module, inputs: Any, channels_last: bool | None = None
 ) -> tuple[torch.jit.ScriptModule, tuple[Any, ...]]:
-    """``model`` as it is best served on CPU: frozen TorchScript, in channels-last layout for
-    images, the form ``export_model(format="torchscript", freeze=True)`` writes.
+    """``model`` as it is best served on CPU: frozen TorchScript (what
+    ``export_model(format="torchscript", freeze=True)`` writes), with its weights in
+    channels-last layout when the inputs are images.
 
     A deep copy of ``model`` in eval mode is put in channels-last layout (its 4-D weights) when
     ``channels_last`` is True, or when it is None and the first input is 4-D; then traced on
@@ -149,8 +153,8 @@ def frozen_for_serving(
 
     Args:
         model: an ``nn.Module`` (a shrunk one, or the dense one to compare against).
-        inputs: one tensor, or a tuple of the positional arguments; 4-D float inputs are put
-            in the layout chosen for the model.
+        inputs: one tensor, or a tuple or list of the positional arguments; with channels-last,
+            every 4-D floating-point input is put in that layout.
         channels_last: the layout; None chooses by the first input's dimensions.
 
     Returns:
@@ -160,10 +164,11 @@ def frozen_for_serving(
     Changes: nothing; ``model`` is copied.
 
     Raises:
-        RuntimeError: the model cannot be traced (e.g. data-dependent control flow); the
-            error of ``torch.jit.trace`` or ``torch.jit.freeze``, unchanged.
+        TypeError: ``model`` cannot be deep-copied.
+        Exception: what ``torch.jit.trace`` raises for a model it cannot trace
+            (``RuntimeError``, ``torch.jit.TracingCheckError``, ...), unchanged.
     """
-    args = inputs if isinstance(inputs, tuple) else (inputs,)
+    args = _as_args(inputs)
     if channels_last is None:
         channels_last = bool(args) and isinstance(args[0], torch.Tensor) and args[0].dim() == 4
     copied = copy.deepcopy(model).eval()
@@ -175,6 +180,4 @@ def frozen_for_serving(
             else a
             for a in args
         )
-    with torch.no_grad():
-        frozen = torch.jit.freeze(torch.jit.trace(copied, args))
-    return frozen, args
+    return traced(copied, args, freeze=True), args

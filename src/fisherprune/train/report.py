@@ -97,11 +97,16 @@ def write_report(
                     f"{latency[f'{prefix}pruned_b{bs}_ms']:.3f} | "
                     f"{latency[f'{prefix}speedup_b{bs}']:.2f}x faster |"
                 )
+    served = (
+        "As served: frozen TorchScript (`fisherprune export --format torchscript --freeze`), "
+        'channels-last for images; see "Serving a shrunk model on CPU" in docs/usage.md.'
+        if "served_speedup_b64" in latency
+        else "Not timed as served (frozen TorchScript): the model could not be traced; the "
+        "run's output says why."
+    )
     lines += [
         "",
-        "Eager: the modules as trained, in the input's layout. As served: frozen TorchScript "
-        "(`fisherprune export --format torchscript --freeze`), channels-last for images; see "
-        '"Serving a shrunk model on CPU" in docs/usage.md.',
+        f"Eager: the modules as trained, in the input's layout. {served}",
         "",
         "## Channels kept per group",
         "",

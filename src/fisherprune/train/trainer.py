@@ -423,16 +423,19 @@ class PruningTrainer:
         layout for images (``served_dense_b1_ms``, ...; left out, with a line saying why, when
         the model cannot be traced)."""
         latency: dict[str, float] = {}
+        serve = True
         for bs in (1, 64):
             x = self.data.x_train[:bs]
             forms: dict[str, tuple[dict[str, Any], Any]] = {
                 "": ({"dense": dense, "pruned": small}, x)
             }
-            try:
-                (fd, args), (fs, _) = (frozen_for_serving(m, x) for m in (dense, small))
-                forms["served_"] = ({"dense": fd, "pruned": fs}, args)
-            except RuntimeError as e:
-                self.progress.line(f"skipped the frozen TorchScript latency: {e}")
+            if serve:
+                try:
+                    (fd, args), (fs, _) = (frozen_for_serving(m, x) for m in (dense, small))
+                    forms["served_"] = ({"dense": fd, "pruned": fs}, args)
+                except Exception as e:  # any tracing failure; the eager figures still stand
+                    self.progress.line(f"skipped the latency as served: {_first_line(e)}")
+                    serve = False
             for prefix, (models, inputs) in forms.items():
                 t = measure_latency(models, inputs, repeats=10, rounds=3)
                 latency[f"{prefix}dense_b{bs}_ms"] = t["dense"] * 1e3
@@ -460,6 +463,13 @@ class PruningTrainer:
                 files[fmt] = str(path)
             except ImportError as e:
                 self.progress.line(f"skipped {fmt} export: {e}")
+            except OSError:
+                raise  # a failed write: the run must not look complete
+            except Exception as e:
+                if fmt == "state_dict":
+                    raise
+                # the model cannot be traced: the state_dict export and the report still stand
+                self.progress.line(f"skipped {fmt} export: {_first_line(e)}")
         return files
 
     def _print_summary(self, r: TrainResult, popt: PruningOptimizer) -> None:
@@ -503,3 +513,9 @@ def _latency_text(latency: dict[str, float], prefix: str) -> str:
         f"{latency[f'{prefix}pruned_b{bs}_ms']:.3f} ms ({latency[f'{prefix}speedup_b{bs}']:.2f}x)"
         for bs in (1, 64)
     )
+
+
+def _first_line(e: BaseException) -> str:
+    """``Type: first line of the message`` of an exception, for a one-line note."""
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}".rstrip(": ")
