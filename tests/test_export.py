@@ -645,3 +645,85 @@ def test_hand_mask_before_batchnorm_raises_value_error() -> None:
     model[1].mask[2] = 0
     with pytest.warns(UserWarning), pytest.raises(ValueError, match="'1'"):
         fp.shrink(model, torch.randn(2, 3, 6, 6))
+
+
+# ------------------------------------------------------------ channel shuffle (ShuffleNetV2)
+class _ShuffleUnit(nn.Module):
+    """A ShuffleNetV2 unit: split the channels, transform one half (1x1, depthwise 3x3, 1x1),
+    concatenate, interleave the halves (view / transpose / reshape), then a depthwise conv on
+    the shuffled tensor and a linear head."""
+
+    def __init__(self, c: int = 8) -> None:
+        super().__init__()
+        h = c // 2
+        self.stem = nn.Sequential(nn.Conv2d(3, c, 3, padding=1), nn.BatchNorm2d(c), nn.ReLU())
+        self.branch = nn.Sequential(
+            nn.Conv2d(h, h, 1), nn.BatchNorm2d(h), nn.ReLU(),
+            nn.Conv2d(h, h, 3, padding=1, groups=h), nn.BatchNorm2d(h),
+            nn.Conv2d(h, h, 1), nn.BatchNorm2d(h), nn.ReLU(),
+        )  # fmt: skip
+        self.dw = nn.Conv2d(c, c, 3, padding=1, groups=c)
+        self.pw = nn.Conv2d(c, 6, 1)
+        self.head = nn.Linear(6, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        a, b = self.stem(x).chunk(2, dim=1)
+        x = torch.cat([a, self.branch(b)], 1)
+        n, c, h, w = x.shape
+        x = x.view(n, 2, c // 2, h, w).transpose(1, 2).reshape(n, c, h, w)
+        return self.head(torch.relu(self.pw(self.dw(x))).mean((2, 3)))
+
+
+def test_depthwise_conv_of_a_shuffled_tensor_is_not_masked() -> None:
+    """The shuffle hides which input channel feeds which depthwise filter, so the depthwise
+    conv's channels are left unmasked with that reason (removing a filter needs its input
+    channel removed too)."""
+    torch.manual_seed(0)
+    masks = fp.apply_masks(_ShuffleUnit().eval(), torch.randn(2, 3, 8, 8))
+    assert not [n for n in masks if "dw" in n]
+    assert "dw: grouped convolution of an untracked input" in masks.summary()
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_shuffle_unit_shrinks_to_the_masked_outputs_and_flops(seed: int) -> None:
+    """Zeroing a random half of every mask of the shuffle unit, the shrunk network gives the
+    masked outputs (float64) and FlopCounterMode on it equals the cost model's total."""
+    torch.manual_seed(seed)
+    model = _ShuffleUnit().double()
+    zoo.randomise_norms(model, seed)
+    model.eval()
+    x = torch.randn(3, 3, 8, 8, dtype=torch.float64)
+    masks = fp.apply_masks(model, x)
+    assert len(masks) >= 2  # the branch and the pointwise conv at least
+    gen = torch.Generator().manual_seed(seed)
+    for m in masks.values():
+        drop = torch.randperm(m.num_channels, generator=gen)[: m.num_channels // 2]
+        m.mask[drop] = 0.0
+    cost = fp.computational_cost(model, x).total
+    small = fp.shrink(model, x)
+    _assert_close(_out(small, x), _out(model, x), atol=1e-10)
+    assert _flops_per_example(small, x) == cost
+
+
+def test_a_shrunk_model_that_fails_to_run_raises_shrink_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """If the rebuilt network cannot even run on the example inputs (here a plan that leaves a
+    conv with the wrong input width), shrink raises ShrinkError naming the layer's error, and
+    the masked model is left working."""
+    model = nn.Sequential(nn.Conv2d(3, 6, 3), nn.ReLU(), nn.Conv2d(6, 4, 3)).eval()
+    x = torch.randn(2, 3, 8, 8)
+    masks = fp.apply_masks(model, x)
+    next(iter(masks.values())).mask[:2] = 0.0
+    expected = _out(model, x)
+    real_apply = fp.PruningPlan.apply
+
+    def broken_apply(plan: fp.PruningPlan, target: nn.Module, *a: Any, **kw: Any) -> Any:
+        out = real_apply(plan, target, *a, **kw)
+        target[2].weight = nn.Parameter(torch.randn(4, 7, 3, 3))
+        return out
+
+    monkeypatch.setattr(fp.PruningPlan, "apply", broken_apply)
+    with pytest.raises(fp.ShrinkError, match=r"fails on the example inputs \(RuntimeError"):
+        fp.shrink(model, x)
+    torch.testing.assert_close(_out(model, x), expected)

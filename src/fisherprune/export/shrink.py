@@ -90,7 +90,14 @@ def _check(
     n_after = sum(p.numel() for p in small.parameters())
     if n_after > n_before or (pruned and n_after == n_before):
         raise ShrinkError(f"parameters did not drop: {n_before} before, {n_after} after")
-    out = _eval_output(small, example_inputs)
+    try:
+        out = _eval_output(small, example_inputs)
+    except Exception as e:  # a shape the plan got wrong surfaces as the layer's own error
+        raise ShrinkError(
+            f"the shrunk model fails on the example inputs ({type(e).__name__}: "
+            f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}); please report this "
+            "with the model"
+        ) from e
     if ref is None:
         return
     if len(out) != len(ref):

@@ -302,6 +302,8 @@ def _conv(ctx: RuleContext) -> list[TensorInfo]:
             return _opaque(ctx, f"{ctx.where()}: grouped transposed convolution is not supported")
         _grouped_conv_ties(ctx, in_ch, w_out, groups)
         ctx.block(wi.labels[in_dim], "per-group kernel dimension")
+        if in_ch is None:  # removing a group's outputs needs its inputs gone too
+            ctx.block(w_out, f"{ctx.where()}: grouped convolution of an untracked input")
         out_ch = w_out
     ctx.consume(in_ch, in_cov, ctx.where())
     ctx.atoms.mark_producer(out_ch)
