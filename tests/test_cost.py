@@ -323,3 +323,31 @@ def test_per_example_cost_independent_of_batch_size(model: str, convention: str)
     _assert_cost(r5.total, r1.total)
     for name in r1.marginal:
         assert torch.equal(r5.marginal[name], r1.marginal[name])
+
+
+class _Attention(nn.Module):
+    """nn.MultiheadAttention over tokens, then a linear head on their mean."""
+
+    def __init__(self, d: int = 16, heads: int = 2) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(d, heads, batch_first=True)
+        self.fc = nn.Linear(d, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        y, _ = self.attn(x, x, x, need_weights=False)
+        return self.fc(y.mean(1))
+
+
+def test_multihead_attention_projections_are_counted_in_eval_mode() -> None:
+    """In eval mode without autograd nn.MultiheadAttention runs as one fused op that PyTorch's
+    counter prices at 0; the cost model still counts its input and output projections, by a
+    hand count: 2*L*d*3d (q, k, v) + 2*L*d*d (out) + the head, per example. (The attention
+    products themselves have no formula in PyTorch's counter for CPU, so neither counts them.)"""
+    length, d = 5, 16
+    model = _Attention(d).eval()
+    x = torch.randn(2, length, d)
+    hand = 2 * length * d * 3 * d + 2 * length * d * d + 2 * d * 3
+    assert fp.computational_cost(model, x).total == hand
+    with torch.enable_grad(), FlopCounterMode(display=False) as counter:
+        model(x)  # the unfused path, op by op
+    assert counter.get_total_flops() / x.shape[0] == hand

@@ -364,7 +364,7 @@ def trace_model(
     model.eval()
     _trace_hook.set_active(tracer)
     try:
-        with torch.no_grad(), tracer:
+        with torch.no_grad(), _unfused_attention(), tracer:
             out = model(*args)
             if loss_fn is not None:
                 tracer.module_stack.append("<loss>")
@@ -390,6 +390,19 @@ def trace_model(
         for m, flag in was_training.items():
             m.training = flag
     return trace
+
+
+@contextlib.contextmanager
+def _unfused_attention() -> Iterator[None]:
+    """Without autograd, in eval mode, ``nn.MultiheadAttention`` and the transformer layers
+    run as one fused op (their "fast path"), which has no channel rule and no FLOP formula:
+    its projections would go uncounted and unexamined. Trace the ops they are made of."""
+    enabled = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        yield
+    finally:
+        torch.backends.mha.set_fastpath_enabled(enabled)
 
 
 def _module_stack_hooks(model: nn.Module, tracer: _Tracer) -> list:
