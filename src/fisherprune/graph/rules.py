@@ -590,7 +590,8 @@ def _reshape_labels(ctx: RuleContext, x: TensorInfo, shape: tuple[int, ...]) -> 
     i = j = 0
     reason = (
         f"{ctx.where()} reshapes channels together with another dimension "
-        "(e.g. splits them into heads): no per-channel index mapping"
+        "(e.g. splits them into heads, or a channel shuffle): channels are not followed "
+        "through a split or merged dimension"
     )
     while i < len(src) and j < len(dst):
         si, sj = [src[i]], [dst[j]]
