@@ -181,3 +181,9 @@ def test_frozen_for_serving_keeps_a_2d_input_as_it_is() -> None:
     assert args[0] is x
     with torch.no_grad():
         torch.testing.assert_close(frozen(*args), net(x), rtol=1e-4, atol=1e-5)
+
+
+def test_frozen_for_serving_without_inputs_names_the_problem() -> None:
+    """No example inputs: a ValueError saying inputs are needed, not a tracing traceback."""
+    with pytest.raises(ValueError, match="needs example inputs"):
+        fpe.frozen_for_serving(_conv_net(), None)

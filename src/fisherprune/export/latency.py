@@ -164,10 +164,13 @@ def frozen_for_serving(
     Changes: nothing; ``model`` is copied.
 
     Raises:
+        ValueError: ``inputs`` is None.
         TypeError: ``model`` cannot be deep-copied.
         Exception: what ``torch.jit.trace`` raises for a model it cannot trace
             (``RuntimeError``, ``torch.jit.TracingCheckError``, ...), unchanged.
     """
+    if inputs is None:
+        raise ValueError("frozen_for_serving needs example inputs to trace the model with")
     args = _as_args(inputs)
     if channels_last is None:
         channels_last = bool(args) and isinstance(args[0], torch.Tensor) and args[0].dim() == 4

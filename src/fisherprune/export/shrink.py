@@ -9,6 +9,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten
 
+from fisherprune._errors import first_line
 from fisherprune.export.plan import PruningPlan, _example_inputs
 from fisherprune.graph.trace import _as_args
 from fisherprune.masks import MaskLayer
@@ -94,9 +95,8 @@ def _check(
         out = _eval_output(small, example_inputs)
     except Exception as e:  # a shape the plan got wrong surfaces as the layer's own error
         raise ShrinkError(
-            f"the shrunk model fails on the example inputs ({type(e).__name__}: "
-            f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}); please report this "
-            "with the model"
+            f"the shrunk model fails on the example inputs ({first_line(e)}); please report "
+            "this with the model"
         ) from e
     if ref is None:
         return

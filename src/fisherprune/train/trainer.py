@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from fisherprune._errors import first_line
 from fisherprune.export import PruningPlan, export_model, shrink
 from fisherprune.export.latency import frozen_for_serving, measure_latency
 from fisherprune.graph import apply_masks, remove_masks
@@ -360,10 +361,10 @@ class PruningTrainer:
             self.model.load_state_dict(saved["model"])
             popt.load_state_dict(saved["pruner"])
         except (RuntimeError, ValueError, KeyError) as e:
-            first = str(e).strip().splitlines()[0]
             raise ValueError(
                 f"cannot resume from {path}: it was written for a different model or settings "
-                f"({first}); use another --save_dir or the original settings"
+                f"({first_line(e, with_type=False)}); use another --save_dir or the original "
+                "settings"
             ) from None
         set_rng_state(saved["rng"])
         self.progress.line(f"resumed from {path} (step {saved['state']['step']})")
@@ -434,7 +435,7 @@ class PruningTrainer:
                     (fd, args), (fs, _) = (frozen_for_serving(m, x) for m in (dense, small))
                     forms["served_"] = ({"dense": fd, "pruned": fs}, args)
                 except Exception as e:  # any tracing failure; the eager figures still stand
-                    self.progress.line(f"skipped the latency as served: {_first_line(e)}")
+                    self.progress.line(f"skipped the latency as served: {first_line(e)}")
                     serve = False
             for prefix, (models, inputs) in forms.items():
                 t = measure_latency(models, inputs, repeats=10, rounds=3)
@@ -469,7 +470,7 @@ class PruningTrainer:
                 if fmt == "state_dict":
                     raise
                 # the model cannot be traced: the state_dict export and the report still stand
-                self.progress.line(f"skipped {fmt} export: {_first_line(e)}")
+                self.progress.line(f"skipped {fmt} export: {first_line(e)}")
         return files
 
     def _print_summary(self, r: TrainResult, popt: PruningOptimizer) -> None:
@@ -513,9 +514,3 @@ def _latency_text(latency: dict[str, float], prefix: str) -> str:
         f"{latency[f'{prefix}pruned_b{bs}_ms']:.3f} ms ({latency[f'{prefix}speedup_b{bs}']:.2f}x)"
         for bs in (1, 64)
     )
-
-
-def _first_line(e: BaseException) -> str:
-    """``Type: first line of the message`` of an exception, for a one-line note."""
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0] if text else ''}".rstrip(": ")
