@@ -10,6 +10,7 @@ import os
 import platform
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -187,3 +188,40 @@ def test_frozen_for_serving_without_inputs_names_the_problem() -> None:
     """No example inputs: a ValueError saying inputs are needed, not a tracing traceback."""
     with pytest.raises(ValueError, match="needs example inputs"):
         fpe.frozen_for_serving(_conv_net(), None)
+
+
+class _AlternatingSleeper:
+    """A plain callable (not a module) whose calls sleep 0 and 40 ms in turn."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls % 2 == 0:
+            time.sleep(0.04)
+        return x
+
+
+def test_measure_latency_min_is_the_fastest_block_and_median_the_middle() -> None:
+    """With single-call blocks of a callable that sleeps 0 and 40 ms in turn, statistic="min"
+    reports a call without the sleep and "median" (of an even count: the mean of the middle
+    two) half the sleep; a plain callable is accepted."""
+    x = torch.zeros(1)
+    fast = fpe.measure_latency({"f": _AlternatingSleeper()}, x, 1, 0, 4, statistic="min")["f"]
+    mid = fpe.measure_latency({"f": _AlternatingSleeper()}, x, 1, 0, 4, statistic="median")["f"]
+    assert fast < 0.01
+    assert 0.02 <= mid < 0.035
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"statistic": "mean"}, "statistic must be one of median, min"),
+        ({"rounds": 0}, "at least 1"),
+    ],
+)
+def test_measure_latency_rejects_bad_settings(kwargs: dict, message: str) -> None:
+    """An unknown statistic or no rounds raises ValueError naming the setting."""
+    with pytest.raises(ValueError, match=message):
+        fpe.measure_latency({"f": lambda x: x}, torch.zeros(1), **kwargs)

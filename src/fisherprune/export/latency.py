@@ -8,6 +8,7 @@ import logging
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -94,20 +95,33 @@ def retain_freed_memory(limit_bytes: int = RETAIN_BYTES) -> bool:
     return no_mmap and no_trim
 
 
+#: how the timed blocks of a model are summarised
+STATISTICS = {"median": statistics.median, "min": min}
+
+
 def measure_latency(
-    models: dict[str, nn.Module], inputs: Any, repeats: int = 20, warmup: int = 3, rounds: int = 5
+    models: dict[str, Callable[..., Any]],
+    inputs: Any,
+    repeats: int = 20,
+    warmup: int = 3,
+    rounds: int = 5,
+    statistic: str = "median",
 ) -> dict[str, float]:
-    """Median seconds per forward pass of each model, in eval mode and without autograd.
+    """Seconds per forward pass of each model, in eval mode and without autograd.
 
     The models are timed round-robin (``rounds`` rounds of ``repeats`` calls each) so
-    that all of them see the same machine load; the median over rounds is returned.
+    that all of them see the same machine load; each model's blocks are summarised by
+    ``statistic``.
 
     Args:
-        models: what to time, by name: ``nn.Module`` s, TorchScript modules (frozen ones too)
-            or anything callable on ``inputs`` that behaves like one.
+        models: what to time, by name: ``nn.Module`` s, TorchScript modules (frozen ones too),
+            loaded AOTInductor packages, or any callable taking ``inputs``.
         inputs: one tensor, or a tuple or list of the positional arguments of every model.
         repeats: calls per timed block; ``warmup`` untimed calls per model come first.
-        rounds: timed blocks per model; the median block is reported.
+        rounds: timed blocks per model.
+        statistic: ``"median"`` of the blocks, or ``"min"``: the fastest block, the better
+            estimate of a model's own cost on a shared machine, where other load only ever adds
+            time (use many short blocks, e.g. ``repeats=1, rounds=40``).
 
     Returns:
         Seconds per call, by the names of ``models``.
@@ -115,9 +129,18 @@ def measure_latency(
     Changes: nothing lasting. Every module is put in eval mode while timing and given back its
     own train/eval flag afterwards (modules without one, e.g. a frozen TorchScript module,
     are left as they are).
+
+    Raises:
+        ValueError: an unknown ``statistic``, or ``repeats`` or ``rounds`` below 1.
     """
+    if statistic not in STATISTICS:
+        raise ValueError(f"statistic must be one of {', '.join(STATISTICS)}, got {statistic!r}")
+    if repeats < 1 or rounds < 1:
+        raise ValueError(f"repeats and rounds must be at least 1, got {repeats} and {rounds}")
     args = _as_args(inputs)
-    modules = [m for model in models.values() for m in model.modules()]
+    modules = [
+        m for model in models.values() if isinstance(model, nn.Module) for m in model.modules()
+    ]
     flags = {m: m.training for m in modules if isinstance(getattr(m, "training", None), bool)}
     for model in models.values():
         if isinstance(model, nn.Module) and model in flags:
@@ -137,7 +160,8 @@ def measure_latency(
     finally:
         for m, f in flags.items():
             m.training = f
-    return {name: statistics.median(ts) for name, ts in times.items()}
+    summary = STATISTICS[statistic]
+    return {name: summary(ts) for name, ts in times.items()}
 
 
 def frozen_for_serving(
