@@ -32,6 +32,7 @@ import fisherprune
 from fisherprune.cli.export import model_from_checkpoint
 from fisherprune.cli.main import build_parser, main
 from fisherprune.cli.train import config_from_args
+from fisherprune.export import load_aoti_export
 from fisherprune.train.checkpoint import CheckpointManager
 from fisherprune.train.config import TrainConfig
 from fisherprune.train.models import build_model
@@ -745,6 +746,27 @@ def test_export_torchscript_of_a_checkpoint_loads_and_matches(
     x = t.x[:32]
     torch.testing.assert_close(_eval_outputs(loaded, x), _eval_outputs(masked, x))
     assert _tmp_files(tmp_path) == []
+
+
+def test_export_aoti_of_a_checkpoint_loads_and_matches(
+    trained: Callable[[str], Trained], tmp_path: Path
+) -> None:
+    """`fisherprune export --format aoti` writes a .pt2 package that load_aoti_export reads,
+    whose outputs are the masked checkpoint model's; a name without .pt2 exits 2. (This CNN's
+    1-channel input is what torch 2.13 miscompiled when the package was compiled under
+    no_grad.)"""
+    t = trained("npz_cnn")
+    ckpt = _latest_checkpoint(t.save_dir)
+    bad = run_cli("export", "--checkpoint", ckpt, "--format", "aoti", "--out", tmp_path / "m.pt")
+    assert bad.code == 2 and ".pt2" in bad.err
+    out = tmp_path / "small.pt2"
+    cli = run_cli("export", "--checkpoint", ckpt, "--format", "aoti", "--out", out)
+    assert cli.code == 0, cli.err
+    loaded = load_aoti_export(out)
+    masked, _ = model_from_checkpoint(str(ckpt))
+    x = t.x[:32]
+    torch.testing.assert_close(_eval_outputs(loaded, x), _eval_outputs(masked, x))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["small.pt2"]
 
 
 def test_env_prints_the_torch_version() -> None:

@@ -1,4 +1,4 @@
-"""Export layer: shrink, PruningPlan, export_model / load_state_dict_export.
+"""Export layer: shrink, PruningPlan, export_model / load_state_dict_export / load_aoti_export.
 
 Property tests draw (architecture) x (random pruning: per mask a random subset of channels
 zeroed, at least one kept) x (batch size 1..5) and check the shrunk network against the masked
@@ -35,6 +35,7 @@ from torch import Tensor, nn
 from torch.utils.flop_counter import FlopCounterMode
 
 import fisherprune as fp
+import fisherprune.export as fpe
 from fisherprune.masks.points import MASKS_ATTR
 
 # ------------------------------------------------------------------ tolerances
@@ -400,6 +401,142 @@ def test_onnx_file_of_pruned_model_is_smaller(onnx_files: dict[str, Any]) -> Non
     assert os.path.getsize(onnx_files["pruned"]) < os.path.getsize(onnx_files["dense"])
 
 
+AOTI_ARCH = "resnet_basic"  # residual adds, batch norm, 4-D input: the channels-last path
+
+
+@pytest.fixture(scope="module")
+def aoti_package(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One masked network exported as an AOTInductor package and loaded (compiling takes
+    15-20 s)."""
+    d = tmp_path_factory.mktemp("aoti")
+    model, x = _masked(_seeded_case(AOTI_ARCH, seed=4), dtype=torch.float32)
+    path = fp.export_model(model, d / "m.pt2", x, format="aoti")
+    return {"model": model, "x": x, "path": path, "loaded": fpe.load_aoti_export(path)}
+
+
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_aoti_package_gives_the_masked_outputs_at_any_batch(
+    aoti_package: dict[str, Any], batch: int
+) -> None:
+    """The loaded package computes the masked model's outputs (float32 rounding apart) at batch
+    sizes other than the example's."""
+    x = _input(AOTI_ARCH, batch, torch.float32)
+    _assert_close(_out(aoti_package["loaded"], x), _out(aoti_package["model"], x), ATOL_F32)
+
+
+def test_aoti_package_takes_a_channels_last_input_too(aoti_package: dict[str, Any]) -> None:
+    """An input in channels-last layout gives the same outputs as a contiguous one (the compiled
+    code itself would read it as contiguous and return wrong numbers)."""
+    x = _input(AOTI_ARCH, 3, torch.float32)
+    x_cl = x.contiguous(memory_format=torch.channels_last)
+    _assert_close(_out(aoti_package["loaded"], x_cl), _out(aoti_package["model"], x), ATOL_F32)
+
+
+def test_aoti_package_records_the_plan(aoti_package: dict[str, Any]) -> None:
+    """The package carries the pruning plan of the masked model it was made from, and says it
+    computes in channels-last layout."""
+    loaded = aoti_package["loaded"]
+    expected = fp.PruningPlan.from_model(aoti_package["model"], aoti_package["x"])
+    assert loaded.plan.to_dict() == expected.to_dict()
+    assert loaded.channels_last
+
+
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [
+        (lambda x: x[:, :, :-1], r"shape \(3, 3, 7, 8\).*\(batch, 3, 8, 8\)"),
+        (lambda x: x[0], r"shape \(3, 8, 8\)"),
+        (lambda x: x.double(), "torch.float64.*torch.float32"),
+        (lambda x: x[:0], "batch of at least 1"),
+    ],
+)
+def test_aoti_package_rejects_an_input_it_was_not_compiled_for(
+    aoti_package: dict[str, Any], bad: Callable[[Tensor], Tensor], message: str
+) -> None:
+    """An input of another shape, dtype or an empty batch raises ValueError naming what the
+    package expects, instead of running compiled code that does not check."""
+    with pytest.raises(ValueError, match=message):
+        aoti_package["loaded"](bad(_input(AOTI_ARCH, 3, torch.float32)))
+
+
+def test_aoti_package_rejects_a_wrong_number_of_inputs(aoti_package: dict[str, Any]) -> None:
+    """Two inputs to a one-input package raise ValueError saying how many it takes."""
+    x = _input(AOTI_ARCH, 2, torch.float32)
+    with pytest.raises(ValueError, match="takes 1 input"):
+        aoti_package["loaded"](x, x)
+
+
+def test_aoti_path_without_pt2_suffix_raises_and_writes_nothing(tmp_path: Path) -> None:
+    """An AOTInductor package must be a .pt2 file: another name raises ValueError before any
+    work, and nothing is written."""
+    model, x = _masked(_seeded_case("mlp_skip"), dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"\.pt2"):
+        fp.export_model(model, tmp_path / "m.bin", x, format="aoti")
+    assert list(tmp_path.iterdir()) == []
+
+
+class _DataDependent(nn.Module):
+    """Python control flow on a tensor's value: torch.export cannot capture it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = self.fc(x)
+        return y if float(y.sum()) > 0 else -y
+
+
+def test_aoti_export_of_a_model_torch_export_cannot_capture_names_it(tmp_path: Path) -> None:
+    """A model with value-dependent control flow raises RuntimeError naming torch.export and
+    the formats that work instead; nothing is written."""
+    with pytest.raises(RuntimeError, match=r"torch\.export could not capture.*torchscript"):
+        fp.export_model(_DataDependent(), tmp_path / "m.pt2", torch.randn(2, 4), format="aoti")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_aoti_export_with_a_non_tensor_input_raises_and_writes_nothing(tmp_path: Path) -> None:
+    """A non-tensor example input would be compiled in as a constant: ValueError naming it."""
+    model = nn.Linear(4, 3)
+    with pytest.raises(ValueError, match=r"every example input to be a tensor.*int"):
+        fp.export_model(model, tmp_path / "m.pt2", (torch.randn(2, 4), 3), format="aoti")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_aoti_export_without_a_cxx_compiler_says_so_and_writes_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With no working C++ compiler, export raises RuntimeError saying that a compiler is what
+    is missing, and leaves no file (inductor checks the compiler before compiling)."""
+    import torch._inductor.config as inductor_config
+
+    monkeypatch.setattr(inductor_config.cpp, "cxx", ("/nonexistent/g++",))
+    with pytest.raises(RuntimeError, match=r"C\+\+ compiler"):
+        fp.export_model(nn.Linear(4, 3), tmp_path / "m.pt2", torch.randn(2, 4), format="aoti")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_aoti_module_calls_a_loader_without_boxed_run_through_its_wrapper() -> None:
+    """A compiled model without torch's ``loader.boxed_run`` (another torch version) is called
+    through its own wrapper, after the same input checks."""
+    meta = {
+        "inputs": [{"shape": [4], "dtype": "torch.float32"}],
+        "plan": fp.PruningPlan().to_dict(),
+        "channels_last": False,
+    }
+    module = fpe.AOTIModule(lambda x: 2 * x, meta, Path("m.pt2"))
+    x = torch.randn(3, 4)
+    assert torch.equal(module(x), 2 * x)
+    with pytest.raises(ValueError, match=r"\(batch, 4\)"):
+        module(torch.randn(3, 5))
+
+
+def test_load_aoti_export_of_a_missing_file_names_it(tmp_path: Path) -> None:
+    """Loading a package that is not there raises FileNotFoundError with its path."""
+    with pytest.raises(FileNotFoundError, match=r"nothing\.pt2"):
+        fpe.load_aoti_export(tmp_path / "nothing.pt2")
+
+
 # ================================================================ mutation
 @pytest.mark.parametrize(
     "collecting",
@@ -541,7 +678,7 @@ def _fail_midway(tmp: Any) -> None:
     raise OSError("disk full (simulated)")
 
 
-@pytest.mark.parametrize("fmt", ["state_dict", "torchscript", "onnx"])
+@pytest.mark.parametrize("fmt", ["state_dict", "torchscript", "onnx", "aoti"])
 def test_failed_write_leaves_no_partial_file(
     fmt: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -552,16 +689,19 @@ def test_failed_write_leaves_no_partial_file(
         monkeypatch.setattr(torch, "save", lambda obj, f, *a, **k: _fail_midway(f))
     elif fmt == "torchscript":
         monkeypatch.setattr(torch.jit, "save", lambda m, f, *a, **k: _fail_midway(f))
-    else:
+    elif fmt == "onnx":
         monkeypatch.setattr(files, "_onnx", lambda model, args, tmp: _fail_midway(tmp))
+    else:
+        monkeypatch.setattr(files, "write_aoti", lambda model, args, tmp, plan: _fail_midway(tmp))
     model, x = _masked(_seeded_case("mlp_skip"), dtype=torch.float32)
-    old = tmp_path / "old.bin"
+    ext = ".pt2" if fmt == "aoti" else ".bin"
+    old = tmp_path / f"old{ext}"
     old.write_bytes(b"previous export")
     with pytest.raises(OSError, match="simulated"):
         fp.export_model(model, old, x, format=fmt)
     with pytest.raises(OSError, match="simulated"):
-        fp.export_model(model, tmp_path / "new.bin", x, format=fmt)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["old.bin"]
+        fp.export_model(model, tmp_path / f"new{ext}", x, format=fmt)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [old.name]
     assert old.read_bytes() == b"previous export"
 
 

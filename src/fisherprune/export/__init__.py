@@ -1,5 +1,6 @@
 """Export: the physically smaller network, its pruning plan, and files to serve it."""
 
+from fisherprune.export.aoti import AOTIModule, load_aoti_export
 from fisherprune.export.files import FORMATS, export_model, load_state_dict_export
 from fisherprune.export.latency import frozen_for_serving, measure_latency, retain_freed_memory
 from fisherprune.export.modules import register_shrink_rule
@@ -8,11 +9,13 @@ from fisherprune.export.shrink import ShrinkError, shrink
 
 __all__ = [
     "FORMATS",
+    "AOTIModule",
     "PlanMismatchError",
     "PruningPlan",
     "ShrinkError",
     "export_model",
     "frozen_for_serving",
+    "load_aoti_export",
     "load_state_dict_export",
     "measure_latency",
     "register_shrink_rule",

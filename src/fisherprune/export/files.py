@@ -1,4 +1,5 @@
-"""export_model: write the shrunk network as TorchScript, ONNX, or a state_dict plus its plan."""
+"""export_model: write the shrunk network as a state_dict plus its plan, TorchScript, ONNX or an
+AOTInductor package."""
 
 from __future__ import annotations
 
@@ -8,13 +9,14 @@ import io
 import logging
 import os
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from fisherprune.export.aoti import write_aoti
 from fisherprune.export.plan import PruningPlan, _example_inputs
 from fisherprune.export.shrink import _eval_output, shrink
 from fisherprune.export.storage import atomic_save
@@ -22,8 +24,6 @@ from fisherprune.graph.trace import _as_args
 from fisherprune.masks import find_masks
 
 __all__ = ["FORMATS", "export_model", "load_state_dict_export"]
-
-FORMATS = ("state_dict", "torchscript", "onnx")
 
 
 def export_model(
@@ -45,6 +45,14 @@ def export_model(
             batch norm folds into the preceding conv, so the file serves inference only and
             runs faster on CPU (fewer memory-bound passes; ``docs/benchmarks.md``).
         ``"onnx"``: ONNX (needs the ``onnx`` package: ``pip install fisherprune[onnx]``).
+        ``"aoti"``: an AOTInductor package (``path`` must end in ``.pt2``): ``torch.export``
+            of the shrunk model compiled ahead of time to native code, weights as constants
+            and batch norm folded, any batch size; image models (4-D first input) compute in
+            channels-last layout but take ordinary inputs. Load it with
+            ``fisherprune.export.load_aoti_export(path)``, which checks inputs. Needs a C++
+            compiler and takes seconds to a minute. The successor of TorchScript, which
+            torch 2.13 deprecates; on CPU, faster than frozen TorchScript for shrunk conv
+            nets, slower for MLPs (``benchmarks/serve_forms.py``, ``docs/benchmarks.md``).
 
     The file is written whole or not at all; a failure leaves no partial file and
     leaves an existing file at ``path`` as it was. The masked model is not changed.
@@ -53,10 +61,12 @@ def export_model(
         The path written.
 
     Raises:
-        ValueError: unknown format, no example inputs, or ``freeze`` with another format
-            than TorchScript.
+        ValueError: unknown format, no example inputs, ``freeze`` with another format
+            than TorchScript, or an ``aoti`` path not ending in ``.pt2``.
         ImportError: ONNX requested without the onnx package.
         FileNotFoundError: the target directory does not exist.
+        RuntimeError: ``aoti``: the model cannot be exported or compiled (the message says
+            which and why).
     """
     if format not in FORMATS:
         raise ValueError(f"unknown export format {format!r}; choose one of {', '.join(FORMATS)}")
@@ -65,6 +75,8 @@ def export_model(
     if freeze and format != "torchscript":
         raise ValueError(f"freeze=True applies to the torchscript format only, not {format!r}")
     path = Path(path)
+    if format == "aoti" and path.suffix != ".pt2":
+        raise ValueError(f"an AOTInductor package is a .pt2 file; {path.name} does not end in .pt2")
     if not path.parent.is_dir():
         raise FileNotFoundError(f"cannot write {path}: directory {path.parent} does not exist")
     if format == "onnx" and importlib.util.find_spec("onnx") is None:
@@ -97,15 +109,38 @@ def _write(
     freeze: bool = False,
 ) -> None:
     args = _as_args(example_inputs) if example_inputs is not None else ()
-    if format == "state_dict":
-        state = {k: v.detach().cpu() for k, v in small.state_dict().items()}
-        payload = {"state_dict": state, "plan": plan.to_dict()}
-        atomic_save(path, lambda tmp: torch.save(payload, tmp))
-    elif format == "torchscript":
-        scripted = traced(small, args, freeze)
-        atomic_save(path, lambda tmp: torch.jit.save(scripted, str(tmp)))
-    else:
-        atomic_save(path, lambda tmp: _onnx(small, args, tmp))
+    _WRITERS[format](small, path, args, plan, freeze)
+
+
+def _state_dict(small: nn.Module, path: Path, args: tuple, plan: PruningPlan, freeze: bool) -> None:
+    state = {k: v.detach().cpu() for k, v in small.state_dict().items()}
+    payload = {"state_dict": state, "plan": plan.to_dict()}
+    atomic_save(path, lambda tmp: torch.save(payload, tmp))
+
+
+def _torchscript(
+    small: nn.Module, path: Path, args: tuple, plan: PruningPlan, freeze: bool
+) -> None:
+    scripted = traced(small, args, freeze)
+    atomic_save(path, lambda tmp: torch.jit.save(scripted, str(tmp)))
+
+
+def _onnx_file(small: nn.Module, path: Path, args: tuple, plan: PruningPlan, freeze: bool) -> None:
+    atomic_save(path, lambda tmp: _onnx(small, args, tmp))
+
+
+def _aoti_file(small: nn.Module, path: Path, args: tuple, plan: PruningPlan, freeze: bool) -> None:
+    atomic_save(path, lambda tmp: write_aoti(small, args, tmp, plan), suffix=".pt2")
+
+
+#: writer of each format: (shrunk model in eval mode, path, example args, plan, freeze)
+_WRITERS: dict[str, Callable[[nn.Module, Path, tuple, PruningPlan, bool], None]] = {
+    "state_dict": _state_dict,
+    "torchscript": _torchscript,
+    "onnx": _onnx_file,
+    "aoti": _aoti_file,
+}
+FORMATS = tuple(_WRITERS)
 
 
 def traced(model: nn.Module, args: tuple, freeze: bool) -> torch.jit.ScriptModule:

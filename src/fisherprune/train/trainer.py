@@ -455,6 +455,7 @@ class PruningTrainer:
             "state_dict": "model.pt",
             "torchscript": "model.torchscript.pt",
             "onnx": "model.onnx",
+            "aoti": "model.pt2",
         }
         for fmt in self.config.export_formats:
             try:

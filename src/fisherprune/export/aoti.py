@@ -1,0 +1,197 @@
+"""AOTInductor packages: the shrunk network compiled ahead of time to native CPU code.
+
+``torch.export`` captures the network's graph and AOTInductor compiles it, with its weights as
+constants and batch norm folded, into a ``.pt2`` package that runs without Python tracing or
+TorchScript (deprecated since torch 2.13). ``load_aoti_export`` loads one as an ``nn.Module``
+that checks its inputs, which the compiled code itself does not do.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils import _pytree as pytree
+
+from fisherprune._errors import first_line
+from fisherprune.export.plan import PruningPlan
+
+__all__ = ["AOTIModule", "load_aoti_export", "write_aoti"]
+
+#: key of the package metadata entry this library writes (JSON)
+METADATA_KEY = "fisherprune"
+
+
+class _ServedInputs(nn.Module):
+    """Runs ``model`` on its positional inputs; with ``channels_last``, every 4-D
+    floating-point one is put in channels-last layout first, so that a package compiled from it
+    takes ordinary (contiguous) inputs while its convolutions run in the layout oneDNN computes
+    fastest on CPU."""
+
+    def __init__(self, model: nn.Module, channels_last: bool) -> None:
+        super().__init__()
+        self.model = model
+        self.channels_last = channels_last
+
+    def forward(self, *args: Tensor) -> Any:
+        if self.channels_last:
+            args = tuple(_channels_last(a) for a in args)
+        return self.model(*args)
+
+
+def _channels_last(a: Tensor) -> Tensor:
+    if a.dim() == 4 and a.is_floating_point():
+        return a.contiguous(memory_format=torch.channels_last)
+    return a
+
+
+def write_aoti(model: nn.Module, args: tuple, tmp: Path, plan: PruningPlan) -> None:
+    """Compile ``model`` (eval mode, not changed) for inputs shaped like ``args`` with any batch
+    size into the AOTInductor package ``tmp`` (its name ends in ``.pt2``).
+
+    Image models (first input 4-D) are compiled in channels-last layout: their weights in that
+    layout, and a layout change of the inputs at the start of the graph. The package records
+    the input shapes and dtypes, the layout and ``plan`` in its metadata.
+
+    Raises:
+        ValueError: an example input is not a tensor.
+        RuntimeError: ``torch.export`` cannot capture the model, or AOTInductor cannot compile
+            it (no C++ compiler, say); the message says which.
+    """
+    if not args or not all(isinstance(a, Tensor) for a in args):
+        kinds = ", ".join(type(a).__name__ for a in args) or "none"
+        raise ValueError(
+            f"format 'aoti' needs every example input to be a tensor (got: {kinds}); "
+            "other arguments would be compiled in as constants"
+        )
+    channels_last = args[0].dim() == 4
+    net = copy.deepcopy(model).eval()
+    if channels_last:
+        net.to(memory_format=torch.channels_last)  # its 4-D weights
+    net = _ServedInputs(net, channels_last)
+    # batch 2: an example of size 1 would be specialised to 1
+    args2 = tuple(torch.cat([a, a]).contiguous() for a in args)
+    meta = {
+        "inputs": [{"shape": list(a.shape[1:]), "dtype": str(a.dtype)} for a in args],
+        "channels_last": channels_last,
+        "plan": plan.to_dict(),
+    }
+    # with autograd on, as torch's examples do: compiled under no_grad, freezing miscompiled a
+    # channels-last network with a 1-channel input here (torch 2.13; outputs off by 0.3)
+    with torch.enable_grad(), warnings.catch_warnings():
+        # torch's own pytree code warns of its own deprecation; nothing a caller can change
+        warnings.filterwarnings("ignore", message=".*LeafSpec", category=FutureWarning)
+        _compile(_capture(net, args2), tmp, meta)
+
+
+def _capture(net: nn.Module, args: tuple) -> torch.export.ExportedProgram:
+    """``torch.export`` of ``net`` with the first dimension of every input dynamic."""
+    batch = torch.export.Dim("batch", min=1)
+    try:
+        return torch.export.export(net, args, dynamic_shapes=(tuple({0: batch} for _ in args),))
+    except Exception as e:
+        raise RuntimeError(
+            f"format 'aoti': torch.export could not capture the model ({first_line(e)}). "
+            "Python control flow that depends on tensor values, for one, cannot be exported; "
+            "choose format 'torchscript' or 'state_dict' for such a model"
+        ) from e
+
+
+def _compile(program: torch.export.ExportedProgram, tmp: Path, meta: dict[str, Any]) -> None:
+    """AOTInductor package of ``program`` at ``tmp``, frozen, ``meta`` in its metadata."""
+    try:
+        torch._inductor.aoti_compile_and_package(
+            program,
+            package_path=str(tmp),
+            inductor_configs={
+                "freezing": True,  # weights become constants; batch norm folds into the convs
+                "aot_inductor.metadata": {METADATA_KEY: json.dumps(meta)},
+            },
+        )
+    except Exception as e:
+        raise RuntimeError(
+            f"format 'aoti': AOTInductor could not compile the model ({first_line(e)}). It "
+            "needs a working C++ compiler (g++ or clang++; the CXX environment variable "
+            "chooses one)"
+        ) from e
+
+
+class AOTIModule(nn.Module):
+    """An AOTInductor package written by ``export_model(format="aoti")``, as a module.
+
+    Calling it checks the inputs against the shapes and dtypes the package was compiled for
+    (any batch size of at least 1) and makes them contiguous, then runs the compiled code.
+    The compiled code checks nothing: an input of another shape or memory layout gives wrong
+    numbers without an error there.
+
+    Attributes:
+        plan: the ``PruningPlan`` of the exported network.
+        channels_last: whether the package computes its convolutions in channels-last layout.
+        path: the package file.
+    """
+
+    def __init__(self, compiled: Any, meta: dict[str, Any], path: Path) -> None:
+        super().__init__()
+        self._compiled = compiled
+        # torch's wrapper parses the package's input and output specs again at every call
+        # (0.2 ms, a sixth of a small network's latency at batch 1); parse them once here and
+        # run the loader directly where this torch version offers it
+        loader = getattr(compiled, "loader", None)
+        self._run = getattr(loader, "boxed_run", None)
+        self._out_spec = None
+        if self._run is not None:
+            self._out_spec = pytree.treespec_loads(loader.get_call_spec()[1])
+        self._inputs = [(tuple(i["shape"]), i["dtype"]) for i in meta["inputs"]]
+        self.plan = PruningPlan.from_dict(meta["plan"])
+        self.channels_last = bool(meta["channels_last"])
+        self.path = path
+
+    def forward(self, *args: Tensor) -> Any:
+        name = self.path.name
+        if len(args) != len(self._inputs):
+            raise ValueError(f"{name} takes {len(self._inputs)} input(s), got {len(args)}")
+        for i, (a, (shape, dtype)) in enumerate(zip(args, self._inputs, strict=True)):
+            if not isinstance(a, Tensor):
+                raise ValueError(f"input {i} must be a tensor, got {type(a).__name__}")
+            if a.dim() != len(shape) + 1 or tuple(a.shape[1:]) != shape or a.shape[0] < 1:
+                want = ", ".join(["batch", *map(str, shape)])
+                raise ValueError(
+                    f"input {i} has shape {tuple(a.shape)}; {name} was compiled for "
+                    f"({want}) with a batch of at least 1"
+                )
+            if str(a.dtype) != dtype:
+                raise ValueError(
+                    f"input {i} is {a.dtype}; {self.path.name} was compiled for {dtype}"
+                )
+            if a.device.type != "cpu":
+                raise ValueError(f"input {i} is on {a.device}; the package runs on the CPU")
+        flat = [a.contiguous() for a in args]
+        if self._run is None:
+            return self._compiled(*flat)
+        return pytree.tree_unflatten(self._run(flat), self._out_spec)
+
+
+def load_aoti_export(path: str | os.PathLike) -> AOTIModule:
+    """Load a package written by ``export_model(format="aoti")``.
+
+    Raises:
+        FileNotFoundError: no file at ``path``.
+        ValueError: the file is an AOTInductor package this library did not write.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no AOTInductor package at {path}")
+    compiled = torch._inductor.aoti_load_package(str(path))
+    raw = compiled.get_metadata().get(METADATA_KEY)
+    if raw is None:
+        raise ValueError(
+            f"{path} was not written by fisherprune's export_model(format='aoti'); load it with "
+            "torch._inductor.aoti_load_package and pass inputs in the layout it was compiled for"
+        )
+    return AOTIModule(compiled, json.loads(raw), path)
