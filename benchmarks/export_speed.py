@@ -12,9 +12,13 @@ For four networks defined here (32x32x3 images, 10 classes, except the MLP):
 
 each is pruned to 50% and to 25% of its FLOPs, shrunk with ``fisherprune.shrink``, and the CPU
 latency of one forward pass (eval mode, inference mode) of the dense and the shrunk networks is
-measured at batch 1 and batch 64 with ``fisherprune.export.latency.measure_latency``, which times
-the models round-robin so that all of them see the same machine load. Every figure reported is
-a ratio taken inside one such round-robin run.
+measured at batch 1 and batch 64 with ``fisherprune.export.latency.measure_latency``: single
+calls of all the networks interleaved, round-robin, so that all of them see the same machine
+load, and the fastest call of each network taken as its latency (``statistic="min"``). On a
+shared machine other load only ever adds time, so the fastest call is the stable estimate of a
+network's own cost; medians of blocks moved the narrow ResNet-18's efficiency at 25% between
+0.57 and 0.69 from run to run, the fastest call by about 0.02. Every figure reported is a
+ratio taken inside one such run.
 
 How the networks are pruned
 ---------------------------
@@ -64,6 +68,15 @@ every mask at a multiple of ``k`` channels. oneDNN's AVX2 kernels work on channe
 8 floats, so a conv with 9 or 12 channels runs about as slowly as one with 16 (measured here
 per layer); with ``k = 8`` the FLOPs removed are FLOPs the CPU no longer spends.
 
+Serving form
+------------
+``--serve`` times the modules as they are (``eager``, the default), as frozen TorchScript
+(``torchscript``: what ``export_model(format="torchscript", freeze=True)`` writes) or as
+AOTInductor packages (``aoti``: ``export_model(format="aoti")`` loaded with
+``load_aoti_export``; compiled ahead of time, batch norm folded, conv nets in channels-last
+inside). The published run is ``--threads 1 --serve aoti``; ``benchmarks/serve_forms.py``
+compares the forms side by side.
+
 Allocator and layout
 --------------------
 By default the process first calls ``fisherprune.export.retain_freed_memory()``: with glibc's
@@ -79,14 +92,16 @@ that layout directly, where in NCHW every conv reorders its input and output to 
 layout and back, a memory-bound cost that does not shrink with the FLOPs. The layout and
 allocator are in the JSON.
 
-Run ``python benchmarks/export_speed.py`` (a few minutes on a quiet machine) or ``--quick``
-(half-width networks, fewer rounds; under a minute on an idle machine). The table is printed,
+Run ``python benchmarks/export_speed.py`` (a few minutes on a quiet machine; with
+``--serve aoti`` add 15-20 s of compiling per network timed, about 20 min in all) or ``--quick``
+(half-width networks, fewer calls; under a minute on an idle machine). The table is printed,
 the JSON goes to ``--out`` (default ``benchmarks/results/export_speed.json``) and the plot to
 ``--plot`` (default ``docs/export_speed.png``); a quick run writes
 ``benchmarks/results/export_speed_quick.json`` and ``.png`` instead, so that it never
 overwrites the full run's results. Threads are pinned
 (``--threads``, default 2). This machine is shared: the load average is recorded before and
-after, noisy rows are flagged by the spread of the per-round ratios, and a thread check times
+after, noisy rows are flagged by the spread (the speed-ups from the first and the second half
+of the calls, max/min - 1), and a thread check times
 each dense network with ``--threads`` threads against one thread: on a 2-CPU machine with
 another busy process, 2 threads can be many times slower than 1 (every op waits for its second
 worker to get a CPU), and then latency counts ops, not FLOPs; the script says so, and
@@ -105,6 +120,7 @@ import os
 import platform
 import statistics
 import sys
+import tempfile
 import time
 import warnings
 from collections.abc import Callable
@@ -119,6 +135,7 @@ from _common import counted_flops
 from torch import Tensor, nn
 
 import fisherprune as fp
+from fisherprune.export import load_aoti_export
 from fisherprune.export.latency import frozen_for_serving, measure_latency, retain_freed_memory
 from fisherprune.pruner.prune import check_min_channels
 
@@ -271,8 +288,7 @@ class Config:
     """How much work a run does (full or ``--quick``)."""
 
     width: float  # width multiplier of the networks
-    rounds: int  # round-robin timing rounds
-    block_seconds: float  # length of one timed block of the dense network
+    timing_seconds: float  # time spent in the dense network's timed calls, per batch size
     chunks: int  # about this many cost re-evaluations while pruning to the last target
     refresh: int  # Fisher signals are re-gathered every ``refresh`` re-evaluations
     passes: int  # backward passes per gathering
@@ -417,36 +433,39 @@ def n_params(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def calibrate_repeats(model: nn.Module, x: Tensor, block_seconds: float) -> int:
-    """Calls per timed block so that a block of the dense model takes about ``block_seconds``
-    (``model`` is in eval mode already)."""
+def calibrate_repeats(
+    model: nn.Module, x: Tensor, block_seconds: float, bounds: tuple[int, int] = (2, 400)
+) -> int:
+    """Calls so that that many calls of the dense model take about ``block_seconds``, within
+    ``bounds`` (``model`` is in eval mode already)."""
     with torch.inference_mode():
         model(x)
         t0 = time.perf_counter()
         model(x)
         one = time.perf_counter() - t0
-    return max(2, min(400, round(block_seconds / max(one, 1e-6))))
+    return max(bounds[0], min(bounds[1], round(block_seconds / max(one, 1e-6))))
 
 
-def time_round_robin(
-    models: dict[str, nn.Module], x: Tensor, repeats: int, rounds: int
+def time_interleaved(
+    models: dict[str, nn.Module], x: Tensor, calls: int
 ) -> tuple[dict[str, float], dict[str, list[float]]]:
-    """Median latency per model over ``rounds`` round-robin rounds (``measure_latency`` called
-    once per round, with the order rotated), and every round's figures for the spread."""
-    names = list(models)
-    per_round: dict[str, list[float]] = {n: [] for n in names}
-    for r in range(rounds):
-        order = names[r % len(names) :] + names[: r % len(names)]
-        lat = measure_latency(
-            {n: models[n] for n in order}, x, repeats=repeats, warmup=2 if r == 0 else 1, rounds=1
+    """The fastest of ``calls`` single calls of each model, the models' calls interleaved
+    (``measure_latency(repeats=1, statistic="min")``), and the fastest of each half of the
+    calls, for the spread."""
+    halves = [
+        measure_latency(
+            models, x, repeats=1, warmup=2 if h == 0 else 0, rounds=calls // 2, statistic="min"
         )
-        for n in names:
-            per_round[n].append(lat[n])
-    return {n: statistics.median(v) for n, v in per_round.items()}, per_round
+        for h in range(2)
+    ]
+    return {n: min(h[n] for h in halves) for n in models}, {
+        n: [h[n] for h in halves] for n in models
+    }
 
 
 def spread(dense: list[float], small: list[float]) -> float:
-    """Relative spread (max/min - 1) of the per-round speed-ups: a noise indicator."""
+    """Relative spread (max/min - 1) of the speed-ups measured on each half of the calls: a
+    noise indicator."""
     ratios = [d / s for d, s in zip(dense, small, strict=True)]
     return max(ratios) / min(ratios) - 1.0
 
@@ -522,6 +541,38 @@ def as_format(x: Tensor, channels_last: bool) -> Tensor:
     return x.contiguous(memory_format=torch.channels_last) if channels_last and x.dim() == 4 else x
 
 
+def _eager(key: str, m: nn.Module, x1: Tensor, channels_last: bool, tmp: Path) -> nn.Module:
+    return m
+
+
+def _frozen_torchscript(
+    key: str, m: nn.Module, x1: Tensor, channels_last: bool, tmp: Path
+) -> nn.Module:
+    """What ``export_model(format="torchscript", freeze=True)`` writes."""
+    return frozen_for_serving(m, x1, channels_last and x1.dim() == 4)[0]
+
+
+def _aoti(key: str, m: nn.Module, x1: Tensor, channels_last: bool, tmp: Path) -> nn.Module:
+    """``export_model(format="aoti")`` written to ``tmp`` and loaded back."""
+    path = tmp / ("".join(c if c.isalnum() else "_" for c in key) + ".pt2")
+    fp.export_model(m, path, x1, format="aoti")
+    return load_aoti_export(path)
+
+
+SERVE_NOTES = {
+    "eager": "eager modules",
+    "torchscript": "frozen TorchScript",
+    "aoti": "AOTInductor packages",
+}
+#: how the networks are served while timed: (name, module, one example, channels_last, a
+#: directory for files) -> what is timed
+SERVE: dict[str, Callable[[str, nn.Module, Tensor, bool, Path], nn.Module]] = {
+    "eager": _eager,
+    "torchscript": _frozen_torchscript,
+    "aoti": _aoti,
+}
+
+
 def run_model(
     name: str,
     spec: Spec,
@@ -534,8 +585,8 @@ def run_model(
 ) -> tuple[list[Row], dict[str, float], float, float]:
     """Train one network briefly on the synthetic task (``cfg.train_steps``), prune it with each
     signal mode, selection cost and channel rounding, then time the dense network and every
-    shrunk one side by side (one round-robin per batch size), all in channels-last layout with
-    ``channels_last`` and all as frozen TorchScript with ``serve="torchscript"``. Also returns
+    shrunk one side by side (one interleaved run per batch size), all in channels-last layout
+    with ``channels_last``, and all served as ``serve`` says (``SERVE``). Also returns
     the ``thread_check`` of the dense network at the largest batch and the trained network's
     held-out accuracy (NaN without training)."""
     torch.manual_seed(0)
@@ -561,18 +612,37 @@ def run_model(
     if channels_last and len(spec.input_shape) == 3:
         for m in models.values():
             m.to(memory_format=torch.channels_last)  # 4-D weights; FLOPs are counted above
-    if serve == "torchscript":  # what export_model(format="torchscript", freeze=True) writes
-        cl = channels_last and x1.dim() == 4
-        models = {k: frozen_for_serving(m, x1, cl)[0] for k, m in models.items()}
+    with tempfile.TemporaryDirectory() as tmp:  # aoti packages live here while timed
+        served = {k: SERVE[serve](k, m, x1, channels_last, Path(tmp)) for k, m in models.items()}
+        rows, check = _time_rows(
+            name, spec, cfg, channels_last, served, pruned, x1, (f_dense, p_dense)
+        )
+    seconds = {variant(*v): pr.seconds for v, pr in pruned.items()}
+    return rows, seconds, check, accuracy
+
+
+def _time_rows(
+    name: str,
+    spec: Spec,
+    cfg: Config,
+    channels_last: bool,
+    models: dict[str, nn.Module],
+    pruned: dict[tuple[str, str, int], Pruned],
+    x1: Tensor,
+    dense_size: tuple[float, int],
+) -> tuple[list[Row], dict[str, float], float]:
+    """Time the served ``models`` (the dense one and every shrunk one); the rows, and the
+    ``thread_check`` of the dense one."""
+    f_dense, p_dense = dense_size
     lat: dict[int, dict[str, float]] = {}
-    rounds_lat: dict[int, dict[str, list[float]]] = {}
+    halves_lat: dict[int, dict[str, list[float]]] = {}
     for b in BATCHES:
         x = as_format(torch.randn(b, *spec.input_shape), channels_last)
-        repeats = calibrate_repeats(models["dense"], x, cfg.block_seconds)
-        lat[b], rounds_lat[b] = time_round_robin(models, x, repeats, cfg.rounds)
+        calls = calibrate_repeats(models["dense"], x, cfg.timing_seconds, (20, 1000))
+        lat[b], halves_lat[b] = time_interleaved(models, x, calls)
     faults = {n: faults_per_forward(m, x) for n, m in models.items()}  # at the largest batch
     rows = [
-        make_row(name, (mode, sel, k), t, small, pr, (f_dense, p_dense), x1, lat, rounds_lat)
+        make_row(name, (mode, sel, k), t, small, pr, (f_dense, p_dense), x1, lat, halves_lat)
         for (mode, sel, k), pr in pruned.items()
         for t, small in pr.shrunk.items()
     ]
@@ -580,9 +650,7 @@ def run_model(
         key = f"{variant(r.signals, r.selection, r.round_to)} {r.target:.0%}"
         r.faults_per_forward = {"dense": faults["dense"], "shrunk": faults[key]}
     x = as_format(torch.randn(BATCHES[-1], *spec.input_shape), channels_last)
-    check = thread_check(models["dense"], x, torch.get_num_threads())
-    seconds = {variant(*v): pr.seconds for v, pr in pruned.items()}
-    return rows, seconds, check, accuracy
+    return rows, thread_check(models["dense"], x, torch.get_num_threads())
 
 
 def make_row(
@@ -594,7 +662,7 @@ def make_row(
     dense_size: tuple[float, int],
     x1: Tensor,
     lat: dict[int, dict[str, float]],
-    rounds_lat: dict[int, dict[str, list[float]]],
+    halves_lat: dict[int, dict[str, list[float]]],
 ) -> Row:
     """One table row: a shrunk network (pruned ``how`` = signals, selection, round_to) against
     the dense one (``dense_size`` = its FLOPs and parameters)."""
@@ -623,7 +691,7 @@ def make_row(
         latency_shrunk={str(b): lat[b][key] for b in BATCHES},
         speedup=speed,
         efficiency=eff,
-        spread={str(b): spread(rounds_lat[b]["dense"], rounds_lat[b][key]) for b in BATCHES},
+        spread={str(b): spread(halves_lat[b]["dense"], halves_lat[b][key]) for b in BATCHES},
         target_met=(eff[str(BATCHES[-1])] >= EFF_TARGET) if name in CONV_NETS else None,
     )
 
@@ -706,10 +774,8 @@ def plot(rows: list[Row], path: Path, threads: int, note: str = "") -> None:
     plt.close(fig)
 
 
-FULL = Config(width=1.0, rounds=9, block_seconds=0.25, chunks=150, refresh=10, passes=2)
-QUICK = Config(
-    width=0.5, rounds=3, block_seconds=0.04, chunks=20, refresh=10, passes=1, train_steps=50
-)
+FULL = Config(width=1.0, timing_seconds=3.0, chunks=150, refresh=10, passes=2)
+QUICK = Config(width=0.5, timing_seconds=0.2, chunks=20, refresh=10, passes=1, train_steps=50)
 
 
 def _count_or_fraction(text: str) -> int | float:
@@ -731,7 +797,7 @@ def _count_or_fraction(text: str) -> int | float:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
-    ap.add_argument("--quick", action="store_true", help="half-width nets, fewer rounds")
+    ap.add_argument("--quick", action="store_true", help="half-width nets, fewer calls")
     ap.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
     ap.add_argument(
         "--signals",
@@ -740,7 +806,13 @@ def main(argv: list[str] | None = None) -> int:
         choices=["fisher", "random"],
         help="signal sources to prune with (default: fisher random; quick: fisher)",
     )
-    ap.add_argument("--rounds", type=int, default=None, help="round-robin rounds (9; quick 3)")
+    ap.add_argument(
+        "--timing-seconds",
+        type=float,
+        default=None,
+        help="seconds of timed calls of the dense network per batch size, the shrunk ones "
+        "getting as many calls (default 3; quick 0.2; at least 20 calls, at most 1000)",
+    )
     ap.add_argument(
         "--width",
         type=float,
@@ -792,18 +864,28 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument(
         "--serve",
-        choices=["eager", "torchscript"],
+        choices=list(SERVE),
         default="eager",
         help="time the modules as they are (eager, default) or, dense and shrunk alike, as "
         "frozen TorchScript: torch.jit.freeze(torch.jit.trace(...)), what "
-        "export_model(format='torchscript', freeze=True) writes (batch norm folded into convs)",
+        "export_model(format='torchscript', freeze=True) writes (batch norm folded into convs), "
+        "or as AOTInductor packages: export_model(format='aoti') loaded with load_aoti_export "
+        "(compiled ahead of time, batch norm folded, conv nets in channels-last inside; "
+        "15-20 s of compiling per network)",
     )
     ap.add_argument("--out", type=Path, default=None, help=f"JSON (default {DEFAULT_OUT})")
     ap.add_argument("--plot", type=Path, default=None, help=f"PNG (default {DEFAULT_PLOT})")
     args = ap.parse_args(argv)
+    if args.serve == "aoti" and args.channels_last:
+        ap.error(
+            "--serve aoti computes the conv nets in channels-last layout already and takes "
+            "contiguous inputs; drop --channels-last"
+        )
     cfg = QUICK if args.quick else FULL
-    if args.rounds:
-        cfg = dataclasses.replace(cfg, rounds=args.rounds)
+    if args.timing_seconds is not None:
+        if not args.timing_seconds > 0:
+            ap.error(f"--timing-seconds must be > 0, got {args.timing_seconds}")
+        cfg = dataclasses.replace(cfg, timing_seconds=args.timing_seconds)
     if args.width is not None:
         if not args.width > 0:
             ap.error(f"--width must be > 0, got {args.width}")
@@ -829,8 +911,8 @@ def main(argv: list[str] | None = None) -> int:
     retained = args.allocator == "retain" and retain_freed_memory()
     if args.allocator == "retain" and not retained:
         print("NOTE: not glibc; the allocator is left as it is", file=sys.stderr)
-    layout = "channels-last" if args.channels_last else "contiguous (NCHW)"
-    serve_note = "frozen TorchScript" if args.serve == "torchscript" else "eager modules"
+    layout = "channels-last" if args.channels_last or args.serve == "aoti" else "contiguous (NCHW)"
+    serve_note = SERVE_NOTES[args.serve]
     if retained:
         alloc_note = "freed memory retained"
     elif args.allocator == "retain":
@@ -860,7 +942,7 @@ def main(argv: list[str] | None = None) -> int:
     load_after = os.getloadavg()
     print(
         f"\nfisherprune.shrink latency, torch {torch.__version__}, {args.threads} threads, "
-        f"{'quick' if args.quick else 'full'} run ({cfg.rounds} rounds), "
+        f"{'quick' if args.quick else 'full'} run (fastest of interleaved calls), "
         f"{time.perf_counter() - t0:.0f} s; load average before {load_before[0]:.2f}, "
         f"after {load_after[0]:.2f} ({os.cpu_count()} CPUs); {layout} layout; {alloc_note}; "
         f"{serve_note}"
@@ -873,8 +955,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     print(
         "\neff = speed-up / FLOPs reduction = speed-up x FLOPs ratio; spread = max/min - 1 of "
-        "the per-round speed-ups at batch 64 (noise).\nkept/mask: the kept fraction of each "
-        "mask's channels (min/median/max over masks)."
+        "the speed-ups at batch 64 from each half of the calls (noise).\nkept/mask: the kept "
+        "fraction of each mask's channels (min/median/max over masks)."
     )
     if args.threads > 1:
         print(
@@ -904,7 +986,9 @@ def main(argv: list[str] | None = None) -> int:
         "cpu_count": os.cpu_count(),
         "threads": args.threads,
         "quick": args.quick,
-        "memory_format": "channels_last" if args.channels_last else "contiguous",
+        "memory_format": "channels_last"
+        if args.channels_last or args.serve == "aoti"
+        else "contiguous",
         "serve": args.serve,
         "allocator": "retain_freed_memory" if retained else "default",
         "config": asdict(cfg),

@@ -7,6 +7,8 @@ Reads (each optional; a missing file is said so in the page):
 * ``benchmarks/results/overhead.json`` (``benchmarks/overhead.py``): training-step overhead;
 * ``benchmarks/results/export_speed.json`` (``benchmarks/export_speed.py``): latency of the
   shrunk network, with its plot ``docs/export_speed.png``;
+* ``benchmarks/results/serve_forms.json`` (``benchmarks/serve_forms.py``): the networks served
+  eager, as frozen TorchScript and as AOTInductor packages, side by side;
 * ``benchmarks/results/quality_<name>.json``: supplementary quality runs (other methods or
   settings, ``--note`` says which), shown after the main run; ``*_quick.json`` files are skipped;
 * ``benchmarks/quality_findings.md``: the hand-written discussion of the quality numbers. Its
@@ -558,9 +560,16 @@ def _condition(e: dict[str, Any]) -> str:
     layout = {"channels_last": "channels-last", "contiguous": "NCHW"}.get(
         e.get("memory_format", ""), "NCHW"
     )
-    serve = {"torchscript": "frozen TorchScript", "eager": "eager"}.get(e.get("serve", "eager"))
+    serve = {
+        "torchscript": "frozen TorchScript",
+        "eager": "eager",
+        "aoti": "AOTInductor packages",
+    }.get(e.get("serve", "eager"))
     alloc = {"retain_freed_memory": "freed memory retained", "default": "glibc malloc defaults"}
-    return f"{layout}, {serve}, {alloc.get(e.get('allocator', ''), 'allocator not recorded')}"
+    # runs before timing_seconds took the median of round-robin blocks
+    timing = "fastest call" if "timing_seconds" in e.get("config", {}) else "median of blocks"
+    allocator = alloc.get(e.get("allocator", ""), "allocator not recorded")
+    return f"{layout}, {serve}, {allocator}, {timing}"
 
 
 def _row_key(r: dict[str, Any]) -> tuple[str, str, str, int, float]:
@@ -582,6 +591,31 @@ def _config_diff(main: dict[str, Any], other: dict[str, Any]) -> str:
         if a.get(k) != b.get(k):
             diff.append(f"{k} {b.get(k, 'not recorded')} (main run: {a.get(k, 'not recorded')})")
     return "; ".join(diff) if diff else "same settings otherwise"
+
+
+def serve_forms_section(f: dict[str, Any]) -> list[str]:
+    """Latency of the dense and shrunk networks served eager, as TorchScript and as AOTI."""
+    lines = ["## Serving forms (`benchmarks/serve_forms.py`)", "", _environment(f), ""]
+    header = ["model", "form", "network", "FLOPs ratio", "ms b=1", "ms b=64", "speed-up b=64",
+              "eff b=64", "vs TorchScript b=1", "vs TorchScript b=64"]  # fmt: skip
+    rows = [
+        [
+            r.get("model"), r.get("form"), r.get("network"), _fmt(r.get("flops_ratio")),
+            _fmt(r.get("latency_ms_b1")), _fmt(r.get("latency_ms_b64")),
+            f"{_fmt(r.get('speedup_b64'), 2)}x", _fmt(r.get("eff_b64"), 3),
+            _fmt(r.get("vs_torchscript_b1"), 3), _fmt(r.get("vs_torchscript_b64"), 3),
+        ]
+        for r in f.get("rows", [])
+    ]  # fmt: skip
+    lines += _table(header, rows)
+    lines += [
+        "",
+        f"- {f.get('timing', '')}; pruning: {f.get('pruning', '')}; speed-up and eff against "
+        "the dense network in the same form; vs TorchScript: latency over frozen "
+        "TorchScript's for the same network (below 1: faster)",
+        "",
+    ]
+    return lines
 
 
 def allocator_section(a: dict[str, Any]) -> list[str]:
@@ -760,6 +794,9 @@ def build(out: Path, results: Path = RESULTS) -> str:
             "`python benchmarks/export_speed.py`.",
             "",
         ]
+    f = _load(results / "serve_forms.json")
+    if f is not None:
+        lines += serve_forms_section(f)
     a = _load(results / "allocator.json")
     if a is not None:
         lines += allocator_section(a)
