@@ -466,6 +466,62 @@ def test_aoti_package_rejects_a_wrong_number_of_inputs(aoti_package: dict[str, A
         aoti_package["loaded"](x, x)
 
 
+class _TwoInputs(nn.Module):
+    """Two vector inputs, a hidden layer to prune, and a tuple of two outputs: the path without
+    channels-last, and outputs that go through the package's output spec."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 10), nn.Linear(3, 10)
+        self.head, self.aux = nn.Linear(10, 4), nn.Linear(10, 2)
+
+    def forward(self, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
+        h = F.relu(self.a(x) + self.b(y))
+        return self.head(h), self.aux(h)
+
+
+@pytest.fixture(scope="module")
+def aoti_two_inputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """``_TwoInputs`` with 4 of its 10 hidden units masked, exported and loaded."""
+    torch.manual_seed(5)
+    model = _TwoInputs().eval()
+    args = (torch.randn(2, 6), torch.randn(2, 3))
+    (mask,) = fp.apply_masks(model, args).values()
+    mask.mask[[1, 4, 5, 8]] = 0
+    path = fp.export_model(model, tmp_path_factory.mktemp("aoti2") / "m.pt2", args, "aoti")
+    return {"model": model, "loaded": fpe.load_aoti_export(path)}
+
+
+def test_aoti_package_of_two_inputs_gives_both_outputs(aoti_two_inputs: dict[str, Any]) -> None:
+    """A two-input, two-output network: the package returns the same tuple as the masked model
+    at another batch size, and computes without channels-last."""
+    x, y = torch.randn(5, 6), torch.randn(5, 3)
+    with torch.no_grad():
+        got, want = aoti_two_inputs["loaded"](x, y), aoti_two_inputs["model"](x, y)
+    assert isinstance(got, tuple) and len(got) == 2
+    for g, w in zip(got, want, strict=True):
+        _assert_close(g, w, ATOL_F32)
+    assert not aoti_two_inputs["loaded"].channels_last
+
+
+def test_aoti_package_rejects_inputs_of_different_batch_sizes(
+    aoti_two_inputs: dict[str, Any],
+) -> None:
+    """Inputs of batch 4 and 2 raise ValueError naming both sizes (the compiled code would read
+    past the end of the smaller one)."""
+    with pytest.raises(ValueError, match="one batch size, got 4, 2"):
+        aoti_two_inputs["loaded"](torch.randn(4, 6), torch.randn(2, 3))
+
+
+def test_aoti_export_of_inputs_without_a_shared_batch_raises(tmp_path: Path) -> None:
+    """Example inputs whose first dimensions differ (or a 0-d input) raise ValueError before any
+    work, and nothing is written."""
+    for args in ((torch.randn(2, 6), torch.randn(3, 3)), (torch.randn(2, 6), torch.tensor(1.0))):
+        with pytest.raises(ValueError, match="same"):
+            fp.export_model(_TwoInputs(), tmp_path / "m.pt2", args, format="aoti")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_aoti_path_without_pt2_suffix_raises_and_writes_nothing(tmp_path: Path) -> None:
     """An AOTInductor package must be a .pt2 file: another name raises ValueError before any
     work, and nothing is written."""

@@ -9,14 +9,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from fisherprune.export import FORMATS
+
 __all__ = ["export_command", "export_parser", "model_from_checkpoint"]
 
 
 def export_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = subparsers.add_parser("export", help="export the shrunk model of a checkpoint")
     p.add_argument("--checkpoint", required=True, help="ckpt-*.pt written by fisherprune train")
-    from fisherprune.export import FORMATS
-
     p.add_argument("--format", default="state_dict", choices=FORMATS)
     p.add_argument("--out", required=True, help="file to write (aoti: a .pt2 file)")
     p.add_argument(

@@ -51,16 +51,19 @@ def _channels_last(a: Tensor) -> Tensor:
     return a
 
 
-def write_aoti(model: nn.Module, args: tuple, tmp: Path, plan: PruningPlan) -> None:
+def write_aoti(model: nn.Module, args: tuple[Any, ...], tmp: Path, plan: PruningPlan) -> None:
     """Compile ``model`` (eval mode, not changed) for inputs shaped like ``args`` with any batch
     size into the AOTInductor package ``tmp`` (its name ends in ``.pt2``).
 
-    Image models (first input 4-D) are compiled in channels-last layout: their weights in that
-    layout, and a layout change of the inputs at the start of the graph. The package records
-    the input shapes and dtypes, the layout and ``plan`` in its metadata.
+    Every input's first dimension is the batch, one size for all. Image models (first input
+    4-D) are compiled in channels-last layout: their weights in that layout, and a layout change
+    of the inputs at the start of the graph. Parallel loops use as many threads as the serving
+    process has (``torch.set_num_threads``), not the compiling one. The package records the
+    input shapes and dtypes, the layout and ``plan`` in its metadata.
 
     Raises:
-        ValueError: an example input is not a tensor.
+        ValueError: an example input is not a tensor, or the inputs do not share a first
+            (batch) dimension.
         RuntimeError: ``torch.export`` cannot capture the model, or AOTInductor cannot compile
             it (no C++ compiler, say); the message says which.
     """
@@ -69,6 +72,13 @@ def write_aoti(model: nn.Module, args: tuple, tmp: Path, plan: PruningPlan) -> N
         raise ValueError(
             f"format 'aoti' needs every example input to be a tensor (got: {kinds}); "
             "other arguments would be compiled in as constants"
+        )
+    batches = {a.shape[0] if a.dim() else None for a in args}
+    if len(batches) != 1 or None in batches:
+        shapes = ", ".join(str(tuple(a.shape)) for a in args)
+        raise ValueError(
+            "format 'aoti' compiles the first dimension of every input as one batch size, so "
+            f"every example input must have it, the same (got shapes {shapes})"
         )
     channels_last = args[0].dim() == 4
     net = copy.deepcopy(model).eval()
@@ -111,15 +121,34 @@ def _compile(program: torch.export.ExportedProgram, tmp: Path, meta: dict[str, A
             package_path=str(tmp),
             inductor_configs={
                 "freezing": True,  # weights become constants; batch norm folds into the convs
+                # threads of the serving process, not a count fixed at compile time
+                "cpp.dynamic_threads": True,
                 "aot_inductor.metadata": {METADATA_KEY: json.dumps(meta)},
             },
         )
     except Exception as e:
+        hint = (
+            "It needs a working C++ compiler (g++ or clang++; the CXX environment variable, "
+            "set before torch is imported, chooses one)"
+            if _compiler_problem(e)
+            else "Choose format 'torchscript' or 'state_dict' for this model"
+        )
         raise RuntimeError(
-            f"format 'aoti': AOTInductor could not compile the model ({first_line(e)}). It "
-            "needs a working C++ compiler (g++ or clang++; the CXX environment variable "
-            "chooses one)"
+            f"format 'aoti': AOTInductor could not compile the model ({first_line(e)}). {hint}"
         ) from e
+
+
+def _compiler_problem(e: BaseException | None) -> bool:
+    """Whether ``e`` or an exception it wraps says the C++ compiler is missing or failed."""
+    from torch._inductor.exc import CppCompileError, InvalidCxxCompiler
+
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, (InvalidCxxCompiler, CppCompileError)):
+            return True
+        seen.add(id(e))
+        e = getattr(e, "inner_exception", None) or e.__cause__
+    return False
 
 
 class AOTIModule(nn.Module):
@@ -158,7 +187,7 @@ class AOTIModule(nn.Module):
             raise ValueError(f"{name} takes {len(self._inputs)} input(s), got {len(args)}")
         for i, (a, (shape, dtype)) in enumerate(zip(args, self._inputs, strict=True)):
             if not isinstance(a, Tensor):
-                raise ValueError(f"input {i} must be a tensor, got {type(a).__name__}")
+                raise ValueError(f"input {i} of {name} must be a tensor, got {type(a).__name__}")
             if a.dim() != len(shape) + 1 or tuple(a.shape[1:]) != shape or a.shape[0] < 1:
                 want = ", ".join(["batch", *map(str, shape)])
                 raise ValueError(
@@ -170,7 +199,10 @@ class AOTIModule(nn.Module):
                     f"input {i} is {a.dtype}; {self.path.name} was compiled for {dtype}"
                 )
             if a.device.type != "cpu":
-                raise ValueError(f"input {i} is on {a.device}; the package runs on the CPU")
+                raise ValueError(f"input {i} is on {a.device}; {name} runs on the CPU")
+        if len({a.shape[0] for a in args}) > 1:
+            sizes = ", ".join(str(a.shape[0]) for a in args)
+            raise ValueError(f"the inputs of {name} must share one batch size, got {sizes}")
         flat = [a.contiguous() for a in args]
         if self._run is None:
             return self._compiled(*flat)

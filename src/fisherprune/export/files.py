@@ -10,6 +10,7 @@ import logging
 import os
 import warnings
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ from fisherprune.export.storage import atomic_save
 from fisherprune.graph.trace import _as_args
 from fisherprune.masks import find_masks
 
-__all__ = ["FORMATS", "export_model", "load_state_dict_export"]
+__all__ = ["FORMATS", "default_file_name", "export_model", "load_state_dict_export"]
 
 
 def export_model(
@@ -51,8 +52,8 @@ def export_model(
             channels-last layout but take ordinary inputs. Load it with
             ``fisherprune.export.load_aoti_export(path)``, which checks inputs. Needs a C++
             compiler and takes seconds to a minute. The successor of TorchScript, which
-            torch 2.13 deprecates; on CPU, faster than frozen TorchScript for shrunk conv
-            nets, slower for MLPs (``benchmarks/serve_forms.py``, ``docs/benchmarks.md``).
+            torch 2.13 deprecates; on CPU about as fast as frozen TorchScript or a little
+            faster (``benchmarks/serve_forms.py``, ``docs/benchmarks.md``).
 
     The file is written whole or not at all; a failure leaves no partial file and
     leaves an existing file at ``path`` as it was. The masked model is not changed.
@@ -109,7 +110,7 @@ def _write(
     freeze: bool = False,
 ) -> None:
     args = _as_args(example_inputs) if example_inputs is not None else ()
-    _WRITERS[format](small, path, args, plan, freeze)
+    _FORMATS[format].write(small, path, args, plan, freeze)
 
 
 def _state_dict(small: nn.Module, path: Path, args: tuple, plan: PruningPlan, freeze: bool) -> None:
@@ -133,14 +134,25 @@ def _aoti_file(small: nn.Module, path: Path, args: tuple, plan: PruningPlan, fre
     atomic_save(path, lambda tmp: write_aoti(small, args, tmp, plan), suffix=".pt2")
 
 
-#: writer of each format: (shrunk model in eval mode, path, example args, plan, freeze)
-_WRITERS: dict[str, Callable[[nn.Module, Path, tuple, PruningPlan, bool], None]] = {
-    "state_dict": _state_dict,
-    "torchscript": _torchscript,
-    "onnx": _onnx_file,
-    "aoti": _aoti_file,
+@dataclass(frozen=True)
+class _Format:
+    #: (shrunk model in eval mode, path, example args, plan, freeze) -> writes the file
+    write: Callable[[nn.Module, Path, tuple, PruningPlan, bool], None]
+    file_name: str  # what the trainer calls the file in its export directory
+
+
+_FORMATS: dict[str, _Format] = {
+    "state_dict": _Format(_state_dict, "model.pt"),
+    "torchscript": _Format(_torchscript, "model.torchscript.pt"),
+    "onnx": _Format(_onnx_file, "model.onnx"),
+    "aoti": _Format(_aoti_file, "model.pt2"),
 }
-FORMATS = tuple(_WRITERS)
+FORMATS = tuple(_FORMATS)
+
+
+def default_file_name(format: str) -> str:
+    """The file name ``fisherprune train`` gives an export in ``format`` (one of FORMATS)."""
+    return _FORMATS[format].file_name
 
 
 def traced(model: nn.Module, args: tuple, freeze: bool) -> torch.jit.ScriptModule:

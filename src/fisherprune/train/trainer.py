@@ -21,6 +21,7 @@ from torch import Tensor, nn
 
 from fisherprune._errors import first_line
 from fisherprune.export import PruningPlan, export_model, shrink
+from fisherprune.export.files import default_file_name
 from fisherprune.export.latency import frozen_for_serving, measure_latency
 from fisherprune.graph import apply_masks, remove_masks
 from fisherprune.masks import find_masks
@@ -451,16 +452,10 @@ class PruningTrainer:
         plan_path = self.export_dir / "plan.json"
         plan.save(plan_path)
         files["plan"] = str(plan_path)
-        names = {
-            "state_dict": "model.pt",
-            "torchscript": "model.torchscript.pt",
-            "onnx": "model.onnx",
-            "aoti": "model.pt2",
-        }
         for fmt in self.config.export_formats:
             try:
                 path = export_model(
-                    self.model, self.export_dir / names[fmt], self.example, format=fmt
+                    self.model, self.export_dir / default_file_name(fmt), self.example, format=fmt
                 )
                 files[fmt] = str(path)
             except ImportError as e:
