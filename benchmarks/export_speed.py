@@ -74,7 +74,8 @@ Serving form
 (``torchscript``: what ``export_model(format="torchscript", freeze=True)`` writes) or as
 AOTInductor packages (``aoti``: ``export_model(format="aoti")`` loaded with
 ``load_aoti_export``; compiled ahead of time, batch norm folded, conv nets in channels-last
-inside). The published run is ``--threads 1 --serve aoti``; ``benchmarks/serve_forms.py``
+inside). The published run is ``--threads 1 --serve aoti`` (``THREADS=1 benchmarks/run_all``);
+``benchmarks/serve_forms.py``
 compares the forms side by side.
 
 Allocator and layout
@@ -433,28 +434,29 @@ def n_params(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def calibrate_repeats(
-    model: nn.Module, x: Tensor, block_seconds: float, bounds: tuple[int, int] = (2, 400)
+def calibrate_calls(
+    model: nn.Module, x: Tensor, seconds: float, bounds: tuple[int, int] = (2, 400)
 ) -> int:
-    """Calls so that that many calls of the dense model take about ``block_seconds``, within
-    ``bounds`` (``model`` is in eval mode already)."""
+    """How many calls of ``model`` take about ``seconds``, within ``bounds`` (``model`` is in
+    eval mode already)."""
     with torch.inference_mode():
         model(x)
         t0 = time.perf_counter()
         model(x)
         one = time.perf_counter() - t0
-    return max(bounds[0], min(bounds[1], round(block_seconds / max(one, 1e-6))))
+    return max(bounds[0], min(bounds[1], round(seconds / max(one, 1e-6))))
 
 
 def time_interleaved(
     models: dict[str, nn.Module], x: Tensor, calls: int
 ) -> tuple[dict[str, float], dict[str, list[float]]]:
     """The fastest of ``calls`` single calls of each model, the models' calls interleaved
-    (``measure_latency(repeats=1, statistic="min")``), and the fastest of each half of the
-    calls, for the spread."""
+    (``measure_latency(repeats=1, statistic="min")``; the second half in reverse order), and
+    the fastest of each half of the calls, for the spread."""
+    orders = [models, dict(reversed(models.items()))]
     halves = [
         measure_latency(
-            models, x, repeats=1, warmup=2 if h == 0 else 0, rounds=calls // 2, statistic="min"
+            orders[h], x, repeats=1, warmup=2 if h == 0 else 0, rounds=calls // 2, statistic="min"
         )
         for h in range(2)
     ]
@@ -522,7 +524,7 @@ def thread_check(model: nn.Module, x: Tensor, threads: int, rounds: int = 5) -> 
     worker threads of each op wait for a CPU, which makes multi-thread timings meaningless."""
     if threads == 1:
         return 1.0
-    repeats = calibrate_repeats(model, x, 0.05)
+    repeats = calibrate_calls(model, x, 0.05)
     ratios: list[float] = []
     try:
         for _ in range(rounds):
@@ -638,7 +640,7 @@ def _time_rows(
     halves_lat: dict[int, dict[str, list[float]]] = {}
     for b in BATCHES:
         x = as_format(torch.randn(b, *spec.input_shape), channels_last)
-        calls = calibrate_repeats(models["dense"], x, cfg.timing_seconds, (20, 1000))
+        calls = calibrate_calls(models["dense"], x, cfg.timing_seconds, (20, 1000))
         lat[b], halves_lat[b] = time_interleaved(models, x, calls)
     faults = {n: faults_per_forward(m, x) for n, m in models.items()}  # at the largest batch
     rows = [

@@ -85,7 +85,7 @@ def time_all(
     for b in es.BATCHES:
         x = torch.randn(b, *spec.input_shape)
         inputs = {f: es.as_format(x, x.dim() == 4 and f != "aoti") for f in FORMS}
-        calls = es.calibrate_repeats(served["aoti"]["dense"], x, cfg.timing_seconds, (20, 1000))
+        calls = es.calibrate_calls(served["aoti"]["dense"], x, cfg.timing_seconds, (20, 1000))
         # one interleaved run: every form's networks take turns (inputs differ only in layout)
         models = {
             f"{f} {k}": (lambda m=m, xi=inputs[f]: m(xi))
