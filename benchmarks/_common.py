@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import platform
 from pathlib import Path
@@ -25,6 +26,12 @@ def counted_flops(model: nn.Module, x: Tensor) -> float:
     finally:
         model.train(was)
     return float(counter.get_total_flops()) / x.shape[0]
+
+
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    """Write a benchmark's results to ``path`` (creating its directory), one JSON document."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1) + "\n")
 
 
 def machine_info() -> dict[str, Any]:

@@ -115,7 +115,6 @@ import argparse
 import contextlib
 import copy
 import dataclasses
-import json
 import logging
 import os
 import platform
@@ -132,7 +131,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from _common import counted_flops
+from _common import counted_flops, write_json
 from torch import Tensor, nn
 
 import fisherprune as fp
@@ -1013,8 +1012,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         "rows": [asdict(r) for r in rows],
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    write_json(args.out, result)
     contended = args.threads > 1 and max(checks.values()) > 1.0
     note = f"{layout}, {alloc_note}, {serve_note}"
     if contended:

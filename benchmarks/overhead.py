@@ -64,7 +64,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import random
 import statistics
@@ -78,7 +77,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from _common import machine_info
+from _common import machine_info, write_json
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
@@ -615,8 +614,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "targets": targets,
         "elapsed_s": time.perf_counter() - started,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(payload, indent=2) + "\n")
+    write_json(args.out, payload)
     print(f"\nwrote {args.out}")
     return 0
 

@@ -117,7 +117,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from _common import counted_flops, machine_info
+from _common import counted_flops, machine_info, write_json
 from torch import Tensor, nn
 
 import fisherprune as fp
@@ -1139,8 +1139,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             records, key=lambda r: (r["dataset"], r["model"], r["method"], -r["target"], r["seed"])
         ),
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(payload, indent=1) + "\n")
+    write_json(args.out, payload)
     plot(summary, dsum, args.plot)
     print(f"\nwrote {args.out} and {args.plot} in {time.perf_counter() - started:.0f} s")
     return 0

@@ -26,7 +26,6 @@ import argparse
 import contextlib
 import copy
 import dataclasses
-import json
 import logging
 import os
 import sys
@@ -38,7 +37,7 @@ from typing import Any
 
 import export_speed as es
 import torch
-from _common import counted_flops, machine_info
+from _common import counted_flops, machine_info, write_json
 
 import fisherprune as fp
 from fisherprune.export.latency import measure_latency, retain_freed_memory
@@ -166,8 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         "load_average_after": os.getloadavg(),
         "rows": rows,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    write_json(args.out, result)
     print(f"wrote {args.out}")
     return 0
 

@@ -28,7 +28,6 @@ import argparse
 import cProfile
 import gc
 import io
-import json
 import os
 import platform
 import pstats
@@ -40,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from _common import write_json
 from torch import Tensor, nn
 
 import fisherprune as fp
@@ -238,8 +238,7 @@ def main(argv: list[str] | None = None) -> dict:
         "facts": facts,
         "profiles": profiles,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=2) + "\n")
+    write_json(args.out, out)
     print(f"\nwrote {args.out}")
     return out
 
