@@ -137,6 +137,7 @@ from torch import Tensor, nn
 import fisherprune as fp
 from fisherprune.export import load_aoti_export
 from fisherprune.export.latency import frozen_for_serving, measure_latency, retain_freed_memory
+from fisherprune.export.layout import to_channels_last
 from fisherprune.pruner.prune import check_min_channels
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -539,7 +540,7 @@ def thread_check(model: nn.Module, x: Tensor, threads: int, rounds: int = 5) -> 
 
 def as_format(x: Tensor, channels_last: bool) -> Tensor:
     """``x`` in channels-last layout when asked and 4-D, else as it is."""
-    return x.contiguous(memory_format=torch.channels_last) if channels_last and x.dim() == 4 else x
+    return to_channels_last(x) if channels_last else x
 
 
 def _eager(key: str, m: nn.Module, x1: Tensor, channels_last: bool, tmp: Path) -> nn.Module:

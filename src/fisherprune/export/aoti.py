@@ -8,7 +8,6 @@ that checks its inputs, which the compiled code itself does not do.
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import warnings
@@ -20,6 +19,7 @@ from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
 from fisherprune._errors import first_line
+from fisherprune.export.layout import serving_copy, to_channels_last
 from fisherprune.export.plan import PruningPlan
 
 __all__ = ["AOTIModule", "load_aoti_export", "write_aoti"]
@@ -41,14 +41,8 @@ class _ServedInputs(nn.Module):
 
     def forward(self, *args: Tensor) -> Any:
         if self.channels_last:
-            args = tuple(_channels_last(a) for a in args)
+            args = tuple(to_channels_last(a) for a in args)
         return self.model(*args)
-
-
-def _channels_last(a: Tensor) -> Tensor:
-    if a.dim() == 4 and a.is_floating_point():
-        return a.contiguous(memory_format=torch.channels_last)
-    return a
 
 
 def write_aoti(model: nn.Module, args: tuple[Any, ...], tmp: Path, plan: PruningPlan) -> None:
@@ -81,10 +75,7 @@ def write_aoti(model: nn.Module, args: tuple[Any, ...], tmp: Path, plan: Pruning
             f"every example input must have it, the same (got shapes {shapes})"
         )
     channels_last = args[0].dim() == 4
-    net = copy.deepcopy(model).eval()
-    if channels_last:
-        net.to(memory_format=torch.channels_last)  # its 4-D weights
-    net = _ServedInputs(net, channels_last)
+    net = _ServedInputs(serving_copy(model, channels_last), channels_last)
     # batch 2: an example of size 1 would be specialised to 1
     args2 = tuple(torch.cat([a, a]).contiguous() for a in args)
     meta = {

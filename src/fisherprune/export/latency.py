@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import ctypes
 import logging
 import statistics
@@ -15,6 +14,7 @@ import torch
 from torch import nn
 
 from fisherprune.export.files import traced
+from fisherprune.export.layout import serving_copy, to_channels_last
 from fisherprune.graph.trace import _as_args
 
 __all__ = ["frozen_for_serving", "measure_latency", "retain_freed_memory"]
@@ -198,13 +198,6 @@ def frozen_for_serving(
     args = _as_args(inputs)
     if channels_last is None:
         channels_last = bool(args) and isinstance(args[0], torch.Tensor) and args[0].dim() == 4
-    copied = copy.deepcopy(model).eval()
     if channels_last:
-        copied = copied.to(memory_format=torch.channels_last)
-        args = tuple(
-            a.contiguous(memory_format=torch.channels_last)
-            if isinstance(a, torch.Tensor) and a.dim() == 4 and a.is_floating_point()
-            else a
-            for a in args
-        )
-    return traced(copied, args, freeze=True), args
+        args = tuple(to_channels_last(a) for a in args)
+    return traced(serving_copy(model, channels_last), args, freeze=True), args
