@@ -23,7 +23,7 @@ from torch.utils.flop_counter import FlopCounterMode
 import fisherprune as fp
 from fisherprune.graph import ChannelGraph, find_groups, trace_model
 from fisherprune.graph.rules import _RULES
-from fisherprune.graph.trace import RuleContext, TensorInfo
+from fisherprune.graph.types import RuleContext, TensorInfo
 
 # ------------------------------------------------------------------ tolerances
 ATOL_F64 = 1e-10  # masked vs reduced reference outputs, float64

@@ -23,7 +23,8 @@ from torch import Tensor, nn
 
 from fisherprune.cost.formulas import CONVENTIONS, Formula, formula_for
 from fisherprune.graph.channels import ChannelGraph
-from fisherprune.graph.trace import OpRecord, _Slot, trace_model
+from fisherprune.graph.trace import trace_model
+from fisherprune.graph.types import OpRecord, Slot
 from fisherprune.masks import MaskLayer, find_masks
 
 __all__ = ["CostModel", "CostReport", "MarginalCosts", "computational_cost"]
@@ -170,7 +171,7 @@ class CostModel:
         rec = term.op
 
         def sub(a: Any) -> Any:
-            if isinstance(a, _Slot):
+            if isinstance(a, Slot):
                 return torch.Size(shapes[a.i])
             if isinstance(a, (list, tuple)):
                 return type(a)(sub(x) for x in a)

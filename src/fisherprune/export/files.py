@@ -18,11 +18,13 @@ import torch
 from torch import nn
 
 from fisherprune.export.aoti import write_aoti
-from fisherprune.export.plan import PruningPlan, _example_inputs
-from fisherprune.export.shrink import _eval_output, shrink
+from fisherprune.export.plan import PruningPlan
+from fisherprune.export.shrink import shrink
 from fisherprune.export.storage import atomic_save
-from fisherprune.graph.trace import _as_args
+from fisherprune.inputs import as_args
 from fisherprune.masks import find_masks
+from fisherprune.masks.points import remembered_inputs
+from fisherprune.modes import eval_mode
 
 __all__ = ["FORMATS", "default_file_name", "export_model", "load_state_dict_export"]
 
@@ -84,20 +86,15 @@ def export_model(
         raise ImportError("ONNX export needs the onnx package: pip install 'fisherprune[onnx]'")
     masked = bool(find_masks(model))
     if masked:
-        example_inputs = _example_inputs(model, example_inputs)
+        example_inputs = remembered_inputs(model, example_inputs)
         plan = PruningPlan.from_model(model, example_inputs)
         small = shrink(model, example_inputs)
     else:
         if example_inputs is None and format != "state_dict":
             raise ValueError(f"{format} export needs example_inputs for an unmasked model")
         plan, small = PruningPlan(), model
-    flags = {m: m.training for m in small.modules()}  # the caller's model when unmasked
-    small.eval()
-    try:
+    with eval_mode(small):  # the caller's model when unmasked: its flags are given back
         _write(small, path, example_inputs, format, plan, freeze)
-    finally:
-        for m, f in flags.items():
-            m.training = f
     return path
 
 
@@ -109,7 +106,7 @@ def _write(
     plan: PruningPlan,
     freeze: bool = False,
 ) -> None:
-    args = _as_args(example_inputs) if example_inputs is not None else ()
+    args = as_args(example_inputs) if example_inputs is not None else ()
     _FORMATS[format].write(small, path, args, plan, freeze)
 
 
@@ -222,10 +219,3 @@ def load_state_dict_export(path: str | os.PathLike, model: nn.Module) -> nn.Modu
     plan.apply(model)
     model.load_state_dict(payload["state_dict"])
     return model
-
-
-def outputs_match(a: nn.Module, b: Any, example_inputs: Any, rtol: float = 1e-4) -> bool:
-    """Whether two models (or a model and a loaded TorchScript module) agree in eval mode."""
-    oa = _eval_output(a, example_inputs)
-    ob = _eval_output(b, example_inputs)
-    return all(torch.allclose(x, y, rtol=rtol, atol=rtol) for x, y in zip(oa, ob, strict=True))

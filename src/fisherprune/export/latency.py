@@ -15,7 +15,8 @@ from torch import nn
 
 from fisherprune.export.files import traced
 from fisherprune.export.layout import serving_copy, to_channels_last
-from fisherprune.graph.trace import _as_args
+from fisherprune.inputs import as_args
+from fisherprune.modes import eval_mode
 
 __all__ = ["frozen_for_serving", "measure_latency", "retain_freed_memory"]
 
@@ -137,29 +138,18 @@ def measure_latency(
         raise ValueError(f"statistic must be one of {', '.join(STATISTICS)}, got {statistic!r}")
     if repeats < 1 or rounds < 1:
         raise ValueError(f"repeats and rounds must be at least 1, got {repeats} and {rounds}")
-    args = _as_args(inputs)
-    modules = [
-        m for model in models.values() if isinstance(model, nn.Module) for m in model.modules()
-    ]
-    flags = {m: m.training for m in modules if isinstance(getattr(m, "training", None), bool)}
-    for model in models.values():
-        if isinstance(model, nn.Module) and model in flags:
-            model.eval()  # through train(), which a module may override
+    args = as_args(inputs)
     times: dict[str, list[float]] = {name: [] for name in models}
-    try:
-        with torch.inference_mode():
-            for model in models.values():
-                for _ in range(warmup):
+    with eval_mode(*models.values()), torch.inference_mode():
+        for model in models.values():
+            for _ in range(warmup):
+                model(*args)
+        for _ in range(rounds):
+            for name, model in models.items():
+                t0 = time.perf_counter()
+                for _ in range(repeats):
                     model(*args)
-            for _ in range(rounds):
-                for name, model in models.items():
-                    t0 = time.perf_counter()
-                    for _ in range(repeats):
-                        model(*args)
-                    times[name].append((time.perf_counter() - t0) / repeats)
-    finally:
-        for m, f in flags.items():
-            m.training = f
+                times[name].append((time.perf_counter() - t0) / repeats)
     summary = STATISTICS[statistic]
     return {name: summary(ts) for name, ts in times.items()}
 
@@ -195,7 +185,7 @@ def frozen_for_serving(
     """
     if inputs is None:
         raise ValueError("frozen_for_serving needs example inputs to trace the model with")
-    args = _as_args(inputs)
+    args = as_args(inputs)
     if channels_last is None:
         channels_last = bool(args) and isinstance(args[0], torch.Tensor) and args[0].dim() == 4
     if channels_last:

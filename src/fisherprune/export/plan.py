@@ -25,7 +25,7 @@ from fisherprune.cost import CostModel
 from fisherprune.export.modules import update_metadata
 from fisherprune.export.storage import atomic_write_bytes
 from fisherprune.masks import MaskLayer
-from fisherprune.masks.points import find_holder
+from fisherprune.masks.points import find_holder, remembered_inputs, remove_mask_points
 
 __all__ = ["PlanMismatchError", "PruningPlan"]
 
@@ -74,7 +74,7 @@ class PruningPlan:
             ValueError: no example inputs, no masks, or a zeroed mask entry whose
                 channel cannot be removed physically (the message says why).
         """
-        example_inputs = _example_inputs(model, example_inputs)
+        example_inputs = remembered_inputs(model, example_inputs)
         cm = CostModel(model, example_inputs, convention)
         if not cm.masks:
             raise ValueError("the model has no masks: nothing to shrink (apply_masks first)")
@@ -228,19 +228,6 @@ class PruningPlan:
 
 
 # ------------------------------------------------------------------ helpers
-def _example_inputs(model: nn.Module, example_inputs: Any) -> Any:
-    if example_inputs is not None:
-        return example_inputs
-    found = find_holder(model)
-    kept = getattr(found[1], "_fp_example", None) if found else None
-    if kept is None:
-        raise ValueError(
-            "example_inputs are needed to trace this model (only masks added by apply_masks "
-            "remember theirs)"
-        )
-    return kept
-
-
 def _check_removable(cm: CostModel, entries: np.ndarray, removed: np.ndarray) -> None:
     graph = cm.graph
     blocked = cm.trace.atoms.blocked_reasons(graph.roots)
@@ -347,7 +334,6 @@ def _set_tensor(mod: nn.Module, name: str, value: torch.Tensor) -> None:
 
 
 def _remove_masks(model: nn.Module, mask_modules: list[str]) -> None:
-    from fisherprune.masks.points import remove_mask_points
 
     remove_mask_points(model)
     for name in mask_modules:

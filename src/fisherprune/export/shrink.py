@@ -7,13 +7,12 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_flatten
 
 from fisherprune._errors import first_line
-from fisherprune.export.plan import PruningPlan, _example_inputs
-from fisherprune.graph.trace import _as_args
+from fisherprune.export.plan import PruningPlan
+from fisherprune.inputs import eval_outputs
 from fisherprune.masks import MaskLayer
-from fisherprune.masks.points import find_holder, no_fold
+from fisherprune.masks.points import find_holder, no_fold, remembered_inputs
 
 __all__ = ["ShrinkError", "shrink"]
 
@@ -59,28 +58,16 @@ def shrink(
             removed exactly (the message says which and why).
         ShrinkError: a postcondition failed; with ``inplace=False`` nothing changed.
     """
-    example_inputs = _example_inputs(model, example_inputs)
+    example_inputs = remembered_inputs(model, example_inputs)
     plan = PruningPlan.from_model(model, example_inputs)
     with no_fold(model):  # reading the masked model must not zero its weights
-        ref = _eval_output(model, example_inputs) if check else None
+        ref = eval_outputs(model, example_inputs) if check else None
     n_before = sum(p.numel() for p in model.parameters())  # masks hold buffers, not parameters
     target = model if inplace else copy.deepcopy(model)
     plan.apply(target)
     if check:
         _check(target, example_inputs, ref, n_before, pruned=bool(plan.modules))
     return target
-
-
-def _eval_output(model: nn.Module, example_inputs: Any) -> list[Tensor]:
-    flags = {m: m.training for m in model.modules()}
-    model.eval()
-    try:
-        with torch.no_grad():
-            out = model(*_as_args(example_inputs))
-    finally:
-        for m, f in flags.items():
-            m.training = f
-    return [t.detach().clone() for t in tree_flatten(out)[0] if isinstance(t, Tensor)]
 
 
 def _check(
@@ -92,7 +79,7 @@ def _check(
     if n_after > n_before or (pruned and n_after == n_before):
         raise ShrinkError(f"parameters did not drop: {n_before} before, {n_after} after")
     try:
-        out = _eval_output(small, example_inputs)
+        out = eval_outputs(small, example_inputs)
     except Exception as e:  # a shape the plan got wrong surfaces as the layer's own error
         raise ShrinkError(
             f"the shrunk model fails on the example inputs ({first_line(e)}); please report "

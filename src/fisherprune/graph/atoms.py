@@ -39,7 +39,6 @@ class Atoms:
         self.blocks: list[AtomBlock] = []
         self._blocked: list[tuple[np.ndarray, str]] = []
         self._producer: list[np.ndarray] = []
-        self._frozen_roots: np.ndarray | None = None
 
     def __len__(self) -> int:
         return int(self._parent.size)

@@ -138,7 +138,7 @@ def apply_masks(model: nn.Module, example_inputs: Any, *, strict: bool = False) 
     for s in problems:
         log.warning("apply_masks: not masked: %s", s)
     holder_name, holder = find_holder(model)  # type: ignore[misc]
-    holder._fp_example = _one_example(example_inputs)
+    holder.example_inputs = _one_example(example_inputs)
     prefix = holder_name + "."
     return AppliedMasks(
         {prefix + k: holder[k] for k in keys},

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from fisherprune.graph.trace import Labels, RuleContext, TensorInfo
+from fisherprune.graph.types import Labels, RuleContext, TensorInfo
 
 __all__ = ["ChannelRule", "apply_rule", "register_channel_rule", "registered_ops"]
 

@@ -30,77 +30,22 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from fisherprune.graph.atoms import Atoms
-from fisherprune.masks import _trace_hook
+from fisherprune.graph.rules import apply_rule
+from fisherprune.graph.types import (
+    ConsumerPoint,
+    Labels,
+    ModuleCall,
+    OpRecord,
+    RuleContext,
+    Slot,
+    TensorInfo,
+)
+from fisherprune.inputs import as_args
+from fisherprune.masks import tracing
 from fisherprune.masks.layer import MaskLayer
+from fisherprune.modes import eval_mode
 
-__all__ = [
-    "ConsumerPoint",
-    "DimInfo",
-    "ModuleCall",
-    "OpRecord",
-    "TensorInfo",
-    "Trace",
-    "trace_model",
-]
-
-Labels = np.ndarray | None
-
-
-@dataclass
-class TensorInfo:
-    """What the trace knows of one tensor: shape, per-dim labels and covers."""
-
-    shape: tuple[int, ...]
-    labels: list[Labels]
-    cover: list[Labels]
-    param: bool = False  # a parameter or buffer, or a view of one: never needs masking
-
-    @staticmethod
-    def blank(shape: tuple[int, ...]) -> TensorInfo:
-        return TensorInfo(tuple(shape), [None] * len(shape), [None] * len(shape))
-
-
-DimInfo = tuple[Labels, Labels]
-
-
-@dataclass
-class OpRecord:
-    """One traced operator call.
-
-    ``args`` / ``kwargs`` are the call's arguments with every tensor replaced by
-    its slot number in ``slots``; cost formulas substitute (pruned) shapes.
-    """
-
-    op: Any
-    args: tuple
-    kwargs: dict
-    slots: list[TensorInfo]
-    n_inputs: int
-    is_mask: bool = False
-    module: str = ""
-
-
-@dataclass
-class ModuleCall:
-    """One call of a module during the trace, with what its positional tensor inputs held."""
-
-    name: str
-    args: list[TensorInfo | None]
-
-
-@dataclass
-class ConsumerPoint:
-    """A place that uses a channel dimension: a layer's input, the model output, an opaque op.
-
-    ``labels`` / ``cover`` are arrays of equal length: the atom of each index and
-    the mask entry that zeroes it (-1: none).
-    """
-
-    labels: np.ndarray
-    cover: np.ndarray
-    what: str
-    op_index: int
-    calls: tuple[int, ...] = ()  # module calls in progress, outermost first
+__all__ = ["Trace", "trace_model"]
 
 
 @dataclass
@@ -180,8 +125,6 @@ class _Tracer(TorchDispatchMode):
         out = func(*args, **kwargs)
         if self._suspended:
             return out
-        from fisherprune.graph.rules import apply_rule
-
         flat_in, _ = tree_flatten((args, kwargs))
         in_tensors = [a for a in flat_in if isinstance(a, Tensor)]
         flat_out, _ = tree_flatten(out)
@@ -194,7 +137,19 @@ class _Tracer(TorchDispatchMode):
                 slots.append(self.info(t))
         in_infos = list(slots)
         n_in = len(slots)
-        ctx = RuleContext(self, func, args, kwargs, in_tensors, out_tensors)
+        ctx = RuleContext(
+            func,
+            args,
+            kwargs,
+            in_tensors,
+            out_tensors,
+            atoms=self.trace.atoms,
+            info=self.info,
+            consumers=self.trace.consumers,
+            op_index=len(self.trace.ops),
+            module=self.module_stack[-1] if self.module_stack else "",
+            calls=tuple(self.call_stack),
+        )
         out_infos = apply_rule(ctx)
         for t, oi in zip(out_tensors, out_infos, strict=True):
             self.set_info(t, oi)
@@ -253,63 +208,13 @@ class _Tracer(TorchDispatchMode):
         self.trace.ops.append(OpRecord("mask", (0,), {}, [src, oi], 1, is_mask=True, module=name))
 
 
-class _Slot:
-    __slots__ = ("i",)
-
-    def __init__(self, i: int) -> None:
-        self.i = i
-
-    def __repr__(self) -> str:
-        return f"<slot {self.i}>"
-
-
 def _slot_replacer(slot_of: dict[int, int], n_in: int) -> Callable[[Any], Any]:
     def rep(a: Any) -> Any:
         if isinstance(a, Tensor):
-            return _Slot(slot_of[id(a)])
+            return Slot(slot_of[id(a)])
         return a
 
     return rep
-
-
-class RuleContext:
-    """What a channel rule sees: the call, the input infos, and the tracer's atoms."""
-
-    def __init__(self, tracer: _Tracer, func, args, kwargs, ins: list[Tensor], outs: list[Tensor]):
-        self.tracer = tracer
-        self.func = func
-        self.args = args
-        self.kwargs = kwargs
-        self.in_tensors = ins
-        self.out_tensors = outs
-        self.atoms = tracer.trace.atoms
-        self.op_index = len(tracer.trace.ops)
-
-    @property
-    def name(self) -> str:
-        packet = getattr(self.func, "overloadpacket", None)
-        return str(packet.__name__) if packet is not None else str(self.func)
-
-    def info(self, t: Any) -> TensorInfo | None:
-        return self.tracer.info(t) if isinstance(t, Tensor) else None
-
-    def consume(self, labels: Labels, cover: Labels, what: str) -> None:
-        """Record a place where a channel dimension is used up."""
-        if labels is None:
-            return
-        cv = cover if cover is not None else np.full(labels.size, -1, dtype=np.int64)
-        self.tracer.trace.consumers.append(
-            ConsumerPoint(labels, cv, what, self.op_index, tuple(self.tracer.call_stack))
-        )
-
-    def block(self, labels: Labels, reason: str) -> None:
-        if labels is not None:
-            self.atoms.block(labels, reason)
-
-    def where(self) -> str:
-        mod = self.tracer.module_stack[-1] if self.tracer.module_stack else "<model>"
-        packet = getattr(self.func, "overloadpacket", self.func)
-        return f"{packet} in {mod}"
 
 
 def _param_names(model: nn.Module) -> dict[int, str]:
@@ -319,14 +224,6 @@ def _param_names(model: nn.Module) -> dict[int, str]:
     for n, b in model.named_buffers(remove_duplicate=True):
         names.setdefault(id(b), n)
     return names
-
-
-def _as_args(example_inputs: Any) -> tuple:
-    if isinstance(example_inputs, tuple):
-        return example_inputs
-    if isinstance(example_inputs, list):
-        return tuple(example_inputs)
-    return (example_inputs,)
 
 
 def trace_model(
@@ -347,7 +244,7 @@ def trace_model(
     Raises:
         ValueError: no tensor input, or inputs with no batch dimension.
     """
-    args = _as_args(example_inputs)
+    args = as_args(example_inputs)
     tensors = [a for a in tree_flatten(args)[0] if isinstance(a, Tensor)]
     if not tensors or tensors[0].dim() == 0:
         raise ValueError("example_inputs must hold at least one tensor with a batch dimension")
@@ -360,11 +257,9 @@ def trace_model(
         for lab in info.labels[1:]:
             tracer.trace.atoms.block(lab, "model input")
     handles = _module_stack_hooks(model, tracer)
-    was_training = {m: m.training for m in model.modules()}
-    model.eval()
-    _trace_hook.set_active(tracer)
+    tracing.set_active(tracer)
     try:
-        with torch.no_grad(), _unfused_attention(), tracer:
+        with eval_mode(model), torch.no_grad(), _unfused_attention(), tracer:
             out = model(*args)
             if loss_fn is not None:
                 tracer.module_stack.append("<loss>")
@@ -384,11 +279,9 @@ def trace_model(
                         )
                     )
     finally:
-        _trace_hook.set_active(None)
+        tracing.set_active(None)
         for h in handles:
             h.remove()
-        for m, flag in was_training.items():
-            m.training = flag
     return trace
 
 

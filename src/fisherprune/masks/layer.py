@@ -22,9 +22,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from fisherprune.masks import _trace_hook
+from fisherprune.masks import tracing
 
-__all__ = ["MaskLayer"]
+__all__ = ["MaskLayer", "all_ones", "gather_through", "log_input_changed"]
 
 log = logging.getLogger("fisherprune")
 
@@ -122,7 +122,7 @@ def gather_through(
     return _MaskMultiply.apply(x, mult, owner, index, dim, identity)
 
 
-def _all_ones(masks: list[MaskLayer], cache: dict[str, Any]) -> bool:
+def all_ones(masks: list[MaskLayer], cache: dict[str, Any]) -> bool:
     """Whether every mask is all ones, recomputed only when a mask buffer changed."""
     key = tuple((id(m.mask), m.mask._version) for m in masks)
     if cache.get("key") != key:
@@ -132,7 +132,7 @@ def _all_ones(masks: list[MaskLayer], cache: dict[str, Any]) -> bool:
     return bool(cache["ones"])
 
 
-def _log_input_changed(where: str) -> None:
+def log_input_changed(where: str) -> None:
     log.info(
         "%s: an in-place operation after the mask changed its input before the backward; "
         "this batch's signal is dropped and the mask now multiplies into a new tensor",
@@ -262,7 +262,7 @@ class MaskLayer(nn.Module):
         each channel of ``x`` uses; it lets one mask act at several places with
         different channel layouts (concatenation, grouped channels).
         """
-        tracer = _trace_hook.active()
+        tracer = tracing.active()
         if tracer is not None:
             with tracer.suspended():
                 out = x * self._multiplier(x, dim, index)
@@ -270,7 +270,7 @@ class MaskLayer(nn.Module):
             tracer.record_mask(x, out, dim, [(self, None, idx)])
             return out
         collect = self.collecting and torch.is_grad_enabled() and x.dim() >= 2
-        ones = _all_ones([self], self._ones_cache)
+        ones = all_ones([self], self._ones_cache)
         if ones and not collect and not self.mask.requires_grad:
             return x  # (a mask that requires grad, as under torch.func, must stay in the graph)
         mult = self._multiplier(x, dim, index)
@@ -297,7 +297,7 @@ class MaskLayer(nn.Module):
         """Backward found the aliased input changed in place: drop the pass, stop aliasing."""
         self._alias_ok = False
         self._gathered.received = True  # the loss does reach this mask
-        _log_input_changed(f"MaskLayer({self.num_channels})")
+        log_input_changed(f"MaskLayer({self.num_channels})")
 
     # ---------------------------------------------------------------- signals
     @property

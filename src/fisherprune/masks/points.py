@@ -17,15 +17,17 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from fisherprune.masks import _trace_hook
-from fisherprune.masks.layer import MaskLayer, _all_ones, _log_input_changed, gather_through
+from fisherprune.masks import tracing
+from fisherprune.masks.layer import MaskLayer, all_ones, gather_through, log_input_changed
 
 __all__ = [
     "MASKS_ATTR",
+    "MaskHolder",
     "MaskPoint",
     "find_holder",
     "install_mask_points",
     "no_fold",
+    "remembered_inputs",
     "remove_mask_points",
 ]
 
@@ -90,7 +92,7 @@ class MaskPoint:
         return self._vector(x.dtype, x.device).view(shape)
 
     def _nothing_pruned(self) -> bool:
-        return _all_ones(self._masks, self._ones_cache)
+        return all_ones(self._masks, self._ones_cache)
 
     def __call__(self, module: nn.Module, args: tuple) -> tuple | None:
         if len(args) <= self.arg or not isinstance(args[self.arg], Tensor):
@@ -113,7 +115,7 @@ class MaskPoint:
         """Once pruning is over, zero the weight columns that read pruned channels instead of
         multiplying the input (the same output and gradients, at the cost of a weight-sized
         check instead of an activation-sized product). Returns whether it did so."""
-        if _trace_hook.active() is not None or any(m.collecting for m in self._masks):
+        if tracing.active() is not None or any(m.collecting for m in self._masks):
             return False
         if self._nothing_pruned():
             return True
@@ -141,7 +143,7 @@ class MaskPoint:
 
     def apply(self, x: Tensor) -> Tensor:
         """Return ``x`` times the masks; gathers per-example gradients while collecting."""
-        tracer = _trace_hook.active()
+        tracer = tracing.active()
         if tracer is not None:
             with tracer.suspended():
                 out = x * self.multiplier(x)
@@ -161,12 +163,31 @@ class MaskPoint:
         self._alias_ok = False
         for m in self._masks:
             m._gathered.received = True  # the loss does reach these masks
-        _log_input_changed(f"mask on {self.module_name!r}")
+        log_input_changed(f"mask on {self.module_name!r}")
 
     def _accumulate(self, g: Tensor, index: Tensor | None) -> None:
         for m, pos, idx in self.parts:
             if m.collecting:
                 m._accumulate(g[:, pos.to(g.device)], idx)
+
+
+class MaskHolder(nn.ModuleDict):
+    """The ``fisherprune_masks`` submodule that ``apply_masks`` adds: the masks by key (so
+    masks and signals are in ``state_dict``), plus what is needed to remove them again and to
+    trace the model later.
+
+    Attributes:
+        points: the ``MaskPoint`` hooked on each consuming module, in install order.
+        handles: the forward pre-hook handle of each point.
+        example_inputs: a detached batch-of-one copy of the inputs the masks were found with
+            (``shrink`` and ``export_model`` trace with it when given none), or None.
+    """
+
+    def __init__(self, masks: dict[str, MaskLayer]) -> None:
+        super().__init__(masks)
+        self.points: list[MaskPoint] = []
+        self.handles: list[torch.utils.hooks.RemovableHandle] = []
+        self.example_inputs: Any = None
 
 
 _FOLD_TYPES = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear)
@@ -199,7 +220,7 @@ def no_fold(model: nn.Module) -> Iterator[None]:
     """Within the block, finished masks multiply activations instead of folding into (and so
     changing) the layers' weights: for reading a masked model without touching it."""
     found = find_holder(model)
-    points = list(getattr(found[1], "_fp_points", [])) if found else []
+    points = list(found[1].points) if found else []
     flags = [mp.foldable for mp in points]
     for mp in points:
         mp.foldable = False
@@ -210,13 +231,32 @@ def no_fold(model: nn.Module) -> Iterator[None]:
             mp.foldable = f
 
 
-def find_holder(model: nn.Module) -> tuple[str, nn.ModuleDict] | None:
-    """Where ``apply_masks`` put its masks: ``(qualified name, ModuleDict)``, or None."""
+def find_holder(model: nn.Module) -> tuple[str, MaskHolder] | None:
+    """Where ``apply_masks`` put its masks: ``(qualified name, MaskHolder)``, or None."""
     for name, mod in model.named_modules():
         holder = mod._modules.get(MASKS_ATTR)
-        if holder is not None:
-            return (f"{name}.{MASKS_ATTR}" if name else MASKS_ATTR), holder  # type: ignore[return-value]
+        if isinstance(holder, MaskHolder):
+            return (f"{name}.{MASKS_ATTR}" if name else MASKS_ATTR), holder
     return None
+
+
+def remembered_inputs(model: nn.Module, example_inputs: Any = None) -> Any:
+    """``example_inputs`` if given, else the batch-of-one copy ``apply_masks`` kept.
+
+    Raises:
+        ValueError: none given and the model has no masks from ``apply_masks`` (hand-placed
+            MaskLayers keep no inputs).
+    """
+    if example_inputs is not None:
+        return example_inputs
+    found = find_holder(model)
+    kept = found[1].example_inputs if found else None
+    if kept is None:
+        raise ValueError(
+            "example_inputs are needed to trace this model (only masks added by apply_masks "
+            "remember theirs)"
+        )
+    return kept
 
 
 def _holder_parent(model: nn.Module, consumers: Sequence[str]) -> nn.Module:
@@ -239,9 +279,9 @@ def install_mask_points(
 ) -> str:
     """Add ``masks`` as a ``fisherprune_masks`` ModuleDict and hook each point's module.
 
-    The ModuleDict goes on the model itself (on the first consuming layer when the model
-    is an ``nn.Sequential``, whose forward would call it). Changes: adds one submodule and
-    one forward pre-hook per point; on failure everything added is removed again.
+    The ModuleDict (a ``MaskHolder``) goes on the model itself (on the first consuming layer
+    when the model is an ``nn.Sequential``, whose forward would call it). Changes: adds one
+    submodule and one forward pre-hook per point; on failure everything added is removed again.
 
     Returns:
         The qualified name of the ModuleDict (``"fisherprune_masks"`` usually).
@@ -253,9 +293,7 @@ def install_mask_points(
         raise ValueError(
             f"the model already has {MASKS_ATTR!r}: call fisherprune.remove_masks(model) first"
         )
-    holder = nn.ModuleDict(masks)
-    holder._fp_handles = []  # type: ignore[attr-defined]
-    holder._fp_points = []  # type: ignore[attr-defined]
+    holder = MaskHolder(masks)
     _holder_parent(model, [p[0] for p in points]).add_module(MASKS_ATTR, holder)
     modules = dict(model.named_modules())
     try:
@@ -264,8 +302,8 @@ def install_mask_points(
             mod = modules[name]
             fold = _foldable(mod, arg, dim, size) and id(mod.weight) not in shared
             mp = MaskPoint(name, arg, dim, size, [(holder[k], p, i) for k, p, i in parts], fold)
-            holder._fp_points.append(mp)
-            holder._fp_handles.append(mod.register_forward_pre_hook(mp))
+            holder.points.append(mp)
+            holder.handles.append(mod.register_forward_pre_hook(mp))
     except Exception:
         remove_mask_points(model)
         raise
@@ -280,9 +318,9 @@ def remove_mask_points(model: nn.Module) -> bool:
     if found is None:
         return False
     name, holder = found
-    for h in getattr(holder, "_fp_handles", []):
+    for h in holder.handles:
         h.remove()
-    for mp in getattr(holder, "_fp_points", []):
+    for mp in holder.points:
         mp.release()
     parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
     delattr(parent, MASKS_ATTR)

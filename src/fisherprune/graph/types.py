@@ -1,0 +1,173 @@
+"""The values the tracer, the channel rules and the cost model share.
+
+They live apart from ``trace.py`` (which runs the forward pass) and ``rules.py`` (which says
+how channels flow through each operator) so that imports flow one way: both of those, and
+``cost``, import this module, and this module imports neither.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from torch import Tensor
+
+from fisherprune.graph.atoms import Atoms
+
+__all__ = [
+    "ConsumerPoint",
+    "DimInfo",
+    "Labels",
+    "ModuleCall",
+    "OpRecord",
+    "RuleContext",
+    "Slot",
+    "TensorInfo",
+]
+
+#: per index of one dimension, the atom it descends from; None: the dimension holds no channel
+Labels = np.ndarray | None
+
+
+@dataclass
+class TensorInfo:
+    """What the trace knows of one tensor: shape, per-dim labels and covers."""
+
+    shape: tuple[int, ...]
+    labels: list[Labels]
+    cover: list[Labels]
+    param: bool = False  # a parameter or buffer, or a view of one: never needs masking
+
+    @staticmethod
+    def blank(shape: tuple[int, ...]) -> TensorInfo:
+        """A tensor none of whose dimensions carries a channel (a constant, a spatial map)."""
+        return TensorInfo(tuple(shape), [None] * len(shape), [None] * len(shape))
+
+
+DimInfo = tuple[Labels, Labels]
+
+
+class Slot:
+    """Stands for the ``i``-th tensor of an ``OpRecord`` in its recorded arguments; cost
+    formulas substitute each slot by that tensor's (possibly pruned) shape."""
+
+    __slots__ = ("i",)
+
+    def __init__(self, i: int) -> None:
+        self.i = i
+
+    def __repr__(self) -> str:
+        return f"<slot {self.i}>"
+
+
+@dataclass
+class OpRecord:
+    """One traced operator call.
+
+    ``args`` / ``kwargs`` are the call's arguments with every tensor replaced by
+    its ``Slot`` in ``slots``; cost formulas substitute (pruned) shapes.
+    """
+
+    op: Any
+    args: tuple
+    kwargs: dict
+    slots: list[TensorInfo]
+    n_inputs: int
+    is_mask: bool = False
+    module: str = ""
+
+
+@dataclass
+class ModuleCall:
+    """One call of a module during the trace, with what its positional tensor inputs held."""
+
+    name: str
+    args: list[TensorInfo | None]
+
+
+@dataclass
+class ConsumerPoint:
+    """A place that uses a channel dimension: a layer's input, the model output, an opaque op.
+
+    ``labels`` / ``cover`` are arrays of equal length: the atom of each index and
+    the mask entry that zeroes it (-1: none).
+    """
+
+    labels: np.ndarray
+    cover: np.ndarray
+    what: str
+    op_index: int
+    calls: tuple[int, ...] = ()  # module calls in progress, outermost first
+
+
+class RuleContext:
+    """What a channel rule sees of one operator call: the call itself, what the trace knows
+    of its input tensors, and the atoms it may tie together or block.
+
+    Args:
+        func: the ATen operator.
+        args, kwargs: its arguments, tensors included.
+        ins, outs: its tensor inputs and outputs, in order.
+        atoms: the trace's atoms (a rule may ``union`` or ``block`` them).
+        info: what the trace knows of a tensor.
+        consumers: the trace's list of consumer points (``consume`` appends to it).
+        op_index: the index this call's record will have in the trace.
+        module: the innermost module running the call (``""``: none).
+        calls: the module calls in progress, outermost first.
+    """
+
+    def __init__(
+        self,
+        func: Any,
+        args: tuple,
+        kwargs: dict,
+        ins: list[Tensor],
+        outs: list[Tensor],
+        *,
+        atoms: Atoms,
+        info: Callable[[Tensor], TensorInfo],
+        consumers: list[ConsumerPoint],
+        op_index: int,
+        module: str = "",
+        calls: tuple[int, ...] = (),
+    ) -> None:
+        self.func = func
+        self.args = args
+        self.kwargs = kwargs
+        self.in_tensors = ins
+        self.out_tensors = outs
+        self.atoms = atoms
+        self._info = info
+        self._consumers = consumers
+        self.op_index = op_index
+        self.module = module
+        self.calls = calls
+
+    @property
+    def name(self) -> str:
+        """The operator's name (``"convolution"``, ``"add"``...)."""
+        packet = getattr(self.func, "overloadpacket", None)
+        return str(packet.__name__) if packet is not None else str(self.func)
+
+    def info(self, t: Any) -> TensorInfo | None:
+        """What the trace knows of ``t``; None if ``t`` is not a tensor."""
+        return self._info(t) if isinstance(t, Tensor) else None
+
+    def consume(self, labels: Labels, cover: Labels, what: str) -> None:
+        """Record a place where a channel dimension is used up."""
+        if labels is None:
+            return
+        cv = cover if cover is not None else np.full(labels.size, -1, dtype=np.int64)
+        self._consumers.append(ConsumerPoint(labels, cv, what, self.op_index, self.calls))
+
+    def block(self, labels: Labels, reason: str) -> None:
+        """Mark the channels of ``labels`` unprunable, for ``reason``."""
+        if labels is not None:
+            self.atoms.block(labels, reason)
+
+    def where(self) -> str:
+        """``"<operator> in <module>"``, for messages."""
+        packet = getattr(self.func, "overloadpacket", self.func)
+        return f"{packet} in {self.module or '<model>'}"
