@@ -138,7 +138,7 @@ import fisherprune as fp
 from fisherprune.export import load_aoti_export
 from fisherprune.export.latency import frozen_for_serving, measure_latency, retain_freed_memory
 from fisherprune.export.layout import to_channels_last
-from fisherprune.pruner.prune import check_min_channels
+from fisherprune.settings import check_min_channels
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "benchmarks/results/export_speed.json"

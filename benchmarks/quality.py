@@ -42,14 +42,17 @@ Methods (lower score = pruned first; one channel per prune for all of ours):
   ``c`` the marginal FLOPs. Then ``s - w c = mean(s) * (s / mean(s) - c / mean(c))``: both terms
   are of the same size, as Theis et al. proposed. No split of the data is used to choose it.
 * ``fisher_0``: ``PruningOptimizer(flops_weight=0)``: the plain Fisher signal, cost-blind.
-* ``taylor``: ``PruningOptimizer(method="taylor", flops_weight=0)``: fisherprune's first-order
-  Taylor signal ``mean_n |g_n|`` (g = d loss_n / d mask, Molchanov et al. 2017), same EMA,
-  cost-blind.
-* ``l1``: L1 norm of each channel's producing conv weights
-  (``fisherprune.signals.criteria.l1_norm_scores``; ``ChannelGroup.members`` maps weight rows to
-  channels; each group's scores divided by their mean so layers are comparable), cost-blind,
-  pruned with ``fisherprune.prune(masks, scores, cost=report)``.
-* ``random``: a channel drawn uniformly among the unpruned ones (``random_scores``), cost-blind.
+* ``taylor``: ``PruningOptimizer(criterion=fisherprune.criteria.Taylor(), flops_weight=0)``:
+  fisherprune's first-order Taylor signal ``mean_n |g_n|`` (g = d loss_n / d mask, Molchanov et
+  al. 2017), same EMA, cost-blind.
+* ``l1``: ``criterion=fisherprune.criteria.L1()``: L1 norm of each channel's producing conv
+  weights (``ChannelGroup.members`` maps weight rows to channels; each group's scores divided by
+  their mean so layers are comparable), cost-blind.
+* ``random``: ``criterion=fisherprune.criteria.Random(seed)``: a channel drawn uniformly among the
+  unpruned ones, cost-blind.
+
+Every one of ours runs through ``fisherprune.PruningOptimizer`` with the criterion object named
+above, so a user reproduces any row with the public API.
 * ``tp_taylor`` / ``tp_groupnorm``: Torch-Pruning 1.6.1 (optional: skipped with a message when not
   installed) with its own ``BasePruner`` (``global_pruning=True``, ``pruning_ratio=1.0``,
   ``iterative_steps`` = its count of prunable channels, so one iterative step is about one channel;
@@ -66,8 +69,8 @@ Our three default non-Fisher criteria are deliberately **cost-blind** (raw crite
 Optional methods (``--methods``), for diagnosis: ``taylor_auto`` and ``l1_auto`` divide Taylor
 and L1 by the marginal FLOPs (``auto``-style), separating the criterion from cost-awareness;
 ``taylor_l2`` and ``fisher_l2`` divide each group's signal by its L2 norm over the unpruned
-channels (Molchanov et al. 2017's layer-wise normalisation), cost-blind, pruned with
-``fisherprune.prune`` on signals from ``update_pruning_signals`` (same EMA, same order of
+channels (Molchanov et al. 2017's layer-wise normalisation: ``Taylor(normalize="l2")``,
+``Fisher(normalize="l2")``), cost-blind (same EMA, same order of
 updates as ``PruningOptimizer``); ``fisher_memory`` is ``fisher_auto`` with
 ``score_convention="memory"`` (signal per activation element removed, the selection that cuts
 CPU latency more at equal FLOPs, ``export_speed.py``), and ``fisher_auto_r4`` is ``fisher_auto``
@@ -121,8 +124,8 @@ from _common import counted_flops, machine_info, write_json
 from torch import Tensor, nn
 
 import fisherprune as fp
+from fisherprune.criteria import L1, Criterion, Fisher, Random, Taylor
 from fisherprune.pruner import check_flops_weight
-from fisherprune.signals.criteria import l1_norm_scores, random_scores
 from fisherprune.train.data import Dataset, DataSpec, load_data
 from fisherprune.train.models import build_model
 
@@ -411,6 +414,19 @@ def make_cell(spec: CellSpec, seed: int, s: Settings) -> Cell:
 
 
 # ====================================================================== our methods
+def _criterion(method: str, seed: int) -> Criterion:
+    """The ``fisherprune.criteria`` object each of our methods ranks channels by."""
+    if method.startswith("taylor"):
+        return Taylor(normalize="l2" if method == "taylor_l2" else "none")
+    if method.startswith("l1"):
+        return L1()
+    if method == "random":
+        return Random(seed=seed * 7919 + 17)
+    if method.startswith("fisher"):
+        return Fisher(normalize="l2" if method == "fisher_l2" else "none")
+    raise ValueError(f"unknown method {method!r}")
+
+
 class MaskedRun:
     """One trajectory of a mask-based method: train, prune one channel every k steps."""
 
@@ -425,38 +441,26 @@ class MaskedRun:
         self.counter = 1
         self.prunes = 0
         self.extra: dict[str, Any] = {}
-        self.popt: fp.PruningOptimizer | None = None
-        self.cost_model: fp.CostModel | None = None
-        self.signal: str | None = None  # taylor_l2 / fisher_l2: the signal they read
-        optimized = ("fisher_auto", "fisher_w", "fisher_0", "taylor", "taylor_auto")
-        if method in (*optimized, "fisher_memory", "fisher_auto_r4"):
-            auto = ("fisher_auto", "taylor_auto", "fisher_memory", "fisher_auto_r4")
-            weight: str | float = "auto" if method in auto else 0.0
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                self.popt = fp.PruningOptimizer(
-                    self.model,
-                    cell.example,
-                    optimizer=self.opt,
-                    prune_every=s.prune_every,
-                    burn_in=s.burn_in,
-                    decay=s.decay,
-                    flops_weight=weight,
-                    flops_target=self.lowest,
-                    min_channels=s.min_channels,
-                    method="taylor" if method.startswith("taylor") else "fisher",
-                    masks=dict(self.masks),
-                    score_convention="memory" if method == "fisher_memory" else None,
-                    round_to=4 if method == "fisher_auto_r4" else 1,
-                )
-            self.start_cost = self.popt.start_cost
-        else:
-            self.signal = {"taylor_l2": "taylor", "fisher_l2": "fisher"}.get(method)
-            for m in self.masks.values():
-                m.collecting = self.signal is not None  # only these two read signals
-            self.cost_model = fp.CostModel(self.model, cell.example, "flops")
-            self.start_cost = self.cost_model.total()
-            self.gen = torch.Generator().manual_seed(cell.seed * 7919 + 17)
+        auto = ("fisher_auto", "taylor_auto", "fisher_memory", "fisher_auto_r4", "l1_auto")
+        weight: str | float = "auto" if method in auto else 0.0
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            self.popt = fp.PruningOptimizer(
+                self.model,
+                cell.example,
+                optimizer=self.opt,
+                prune_every=s.prune_every,
+                burn_in=s.burn_in,
+                decay=s.decay,
+                flops_weight=weight,
+                flops_target=self.lowest,
+                min_channels=s.min_channels,
+                criterion=_criterion(method, cell.seed),
+                masks=dict(self.masks),
+                score_convention="memory" if method == "fisher_memory" else None,
+                round_to=4 if method == "fisher_auto_r4" else 1,
+            )
+        self.start_cost = self.popt.start_cost
         self.cost = self.start_cost
         self.first_prune = next(
             c for c in range(s.burn_in + 1, s.burn_in + s.prune_every + 1) if c % s.prune_every == 0
@@ -464,13 +468,10 @@ class MaskedRun:
 
     @property
     def finished(self) -> bool:
-        if self.popt is not None:
-            return self.popt.finished
-        return self.cost <= self.lowest * self.start_cost
+        return self.popt.finished
 
     def _set_weight(self) -> None:
         """fisher_w: w = mean signal (bias-corrected) / mean marginal cost, set once."""
-        assert self.popt is not None
         report = self.popt.cost()
         steps = self.counter - 1  # signal updates so far
         bias = 1.0 - self.s.decay**steps
@@ -487,55 +488,16 @@ class MaskedRun:
             }
         )
 
-    def _scores(self, report: fp.CostReport) -> dict[str, Tensor]:
-        if self.method in ("l1", "l1_auto"):
-            sc = l1_norm_scores(self.masks, self.model)
-        elif self.method == "random":
-            sc = random_scores(self.masks, self.gen)
-        elif self.method in ("taylor_l2", "fisher_l2"):
-            # Molchanov et al. 2017: divide each layer's scores by their L2 norm (alive channels)
-            sc = {}
-            for n, m in self.masks.items():
-                sig = m.signal.detach().double()
-                norm = float(sig[m.mask > 0.5].square().sum().sqrt())
-                sc[n] = sig / norm if norm > 0 else sig
-        else:
-            raise ValueError(f"unknown method {self.method!r}")
-        if self.method.endswith("_auto"):
-            sc = {n: v / (report.marginal[n].double() + 1e-6) for n, v in sc.items()}
-        return sc
-
     def step(self, x: Tensor, y: Tensor) -> None:
         self.model.train()
         loss = F.cross_entropy(self.model(x), y)
-        if self.popt is not None:
-            if self.method == "fisher_w" and self.counter == self.first_prune:
-                self._set_weight()
-            n_before = len(self.popt.history)
-            self.popt.minimize(loss)
-            if len(self.popt.history) > n_before:
-                self.prunes += len(self.popt.history) - n_before
-                self.cost = self.popt.history[-1].cost_after
-        else:
-            self.opt.zero_grad(set_to_none=True)
-            loss.backward()
-            self.opt.step()
-            s = self.s
-            if self.signal is not None and not self.finished:  # as PruningOptimizer does
-                fp.update_pruning_signals(self.masks, s.decay, method=self.signal)
-            if (
-                self.counter > s.burn_in
-                and self.counter % s.prune_every == 0
-                and self.cost > self.lowest * self.start_cost
-            ):
-                assert self.cost_model is not None
-                report = self.cost_model.report()
-                ev = fp.prune(
-                    self.masks, self._scores(report), s.min_channels, cost=report, step=self.counter
-                )
-                if ev is not None:
-                    self.prunes += 1
-                    self.cost = ev.cost_after
+        if self.method == "fisher_w" and self.counter == self.first_prune:
+            self._set_weight()
+        n_before = len(self.popt.history)
+        self.popt.minimize(loss)
+        if len(self.popt.history) > n_before:
+            self.prunes += len(self.popt.history) - n_before
+            self.cost = self.popt.history[-1].cost_after
         self.counter += 1
 
     def branch(self, target: float, step: int) -> Branch:
@@ -565,7 +527,7 @@ class MaskedRun:
                 buf = buf.index_select(int(dim), torch.as_tensor(kept, dtype=torch.long))
             opt.state[p]["momentum_buffer"] = buf.detach().clone()
         extra: dict[str, Any] = {}
-        if self.popt is not None:  # signal scale at this target (fisher_w's weight drifts)
+        if self.popt.criterion.uses_gradients:  # signal scale here (fisher_w's weight drifts)
             alive = torch.cat([m.mask > 0.5 for m in self.masks.values()])
             sig = torch.cat([m.signal.double() for m in self.masks.values()])[alive]
             cost = torch.cat([report.marginal[n].double() for n in self.masks])[alive]

@@ -1,6 +1,6 @@
 """The Fisher signal gathered in backward, against a float64 per-example reference loop.
 
-Reference (Theis et al. 2018; SEED.md): for every example n alone, a fresh leaf mask ``m``
+Reference (Theis et al. 2018, Eq. 8): for every example n alone, a fresh leaf mask ``m``
 of ones replaces each MaskLayer, ``g_n = d loss_n / d m`` by ``torch.autograd.grad``, and
 ``Delta = 0.5 * mean_n g_n^2``. A mask applied at several places is one leaf used at every
 place, so autograd sums ``g`` over the places before it is squared.

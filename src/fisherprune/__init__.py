@@ -1,14 +1,18 @@
 """fisherprune: remove whole channels by their Fisher pruning signal weighed against their cost.
 
-Public API (see docs/api.md):
+Public API (see README.md and docs/usage.md):
 
+    apply_masks, remove_masks         find every prunable channel group and mask it
     MaskLayer, find_masks             masks placed by hand
     update_pruning_signals            fold a batch's Fisher estimate into the signal EMA
+    criteria                          Fisher, Taylor, L1, Random and the Criterion base
     computational_cost, CostReport    cost per example and marginal cost per channel
     prune, PruneEvent                 zero the channel (or block) with the lowest score
     PruningOptimizer                  SGD (or any optimizer) + signals + pruning schedule
+    shrink, PruningPlan, export_model the physically smaller network and its files
 """
 
+from fisherprune import criteria
 from fisherprune._version import __version__
 from fisherprune.cost import CostModel, CostReport, computational_cost, register_cost_formula
 from fisherprune.export import (
@@ -39,6 +43,7 @@ __all__ = [
     "__version__",
     "apply_masks",
     "computational_cost",
+    "criteria",
     "export_model",
     "find_masks",
     "load_aoti_export",

@@ -10,9 +10,10 @@ Conventions:
             ``torch.utils.flop_counter`` formulas, so the count equals
             ``FlopCounterMode`` on the physically shrunk network.
     macs    multiply-accumulates: ``flops / 2``.
-    twml    the seed's formula (SEED.md): MatMul ``n*m*(2k-1)``; Mul and BiasAdd one
-            per output element; Conv ``prod(out) * (prod(kernel) * Cin_per_group * 2 - 1)``
-            (the seed counted 2-D conv only; we count every conv the same way);
+    twml    the seed's formula (docs/design.md, "The cost model"): MatMul ``n*m*(2k-1)``;
+            Mul and BiasAdd one per output element;
+            Conv ``prod(out) * (prod(kernel) * Cin_per_group * 2 - 1)`` (the seed counted
+            2-D conv only; we count every conv the same way);
             ``a + b`` (AddV2) and everything else 0.
     memory  elements written by every operator that is not a view: the activation
             memory traffic that Group Fisher Pruning normalises by.

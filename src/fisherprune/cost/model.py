@@ -131,6 +131,12 @@ class CostModel:
         self._terms = self._build_terms(model)
         self._warn_ineffective()
 
+    @property
+    def entry_start(self) -> dict[str, int]:
+        """Where each traced mask's entries start in ``entries()``, by mask name (a mask the
+        forward pass never applies has none)."""
+        return self._entry_start
+
     # ----------------------------------------------------------------- terms
     def _build_terms(self, model: nn.Module) -> list[_Term]:
         roots = self.graph.roots

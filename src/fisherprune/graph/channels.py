@@ -3,7 +3,8 @@
 A component (a root of the atom union-find) is *removed* when every place that
 consumes it (a layer input, the model output, an opaque op) sees it zeroed by a
 mask entry that is 0: "the channel is removed when every consumer sees zero for
-it" (DESIGN.md). This is what makes the cost model and the masked forward agree.
+it" (docs/design.md, "Where masks act"). This is what makes the cost model and the
+masked forward agree.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ mask. A group is masked where it is consumed: at the input of every module that
 contracts it (conv, linear), so that every consumer sees zero for a removed
 channel; this is exact whatever lies between producer and consumer (BatchNorm
 bias, sigmoid gates, residual adds), and it is where the Fisher signal is
-defined (DESIGN.md).
+defined (docs/design.md, "Where masks act").
 """
 
 from __future__ import annotations
@@ -150,7 +150,7 @@ def find_groups(
         params = [(atoms.blocks[bi].name, atoms.blocks[bi].dim) for bi in blocks]
         lead = blocks[0]
         rs = sorted(rs, key=lambda rr, lead=lead: first.get((rr, lead), 0))
-        g = ChannelGroup(_group_name(trace, params), np.asarray(rs, dtype=np.int64), params)
+        g = ChannelGroup(_group_name(params), np.asarray(rs, dtype=np.int64), params)
         g.producers = _producer_modules(trace, graph, np.asarray(rs))
         for k, rr in enumerate(rs):
             group_of[rr] = (len(groups), k)
@@ -206,7 +206,7 @@ def _hook_spot(trace: Trace, cp) -> tuple[str, int, int] | None:
     return None
 
 
-def _group_name(trace: Trace, params: list[tuple[str, int]]) -> str:
+def _group_name(params: list[tuple[str, int]]) -> str:
     name, dim = params[0]
     return f"{_module_of(name)}:{'out' if dim == 0 else f'dim{dim}'}"
 

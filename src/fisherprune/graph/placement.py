@@ -140,11 +140,8 @@ def apply_masks(model: nn.Module, example_inputs: Any, *, strict: bool = False) 
     holder_name, holder = find_holder(model)  # type: ignore[misc]
     holder.example_inputs = _one_example(example_inputs)
     prefix = holder_name + "."
-    return AppliedMasks(
-        {prefix + k: holder[k] for k in keys},
-        {prefix + k: g for k, g in zip(keys, groups, strict=True)},
-        skipped,
-    )
+    holder.groups = {prefix + k: g for k, g in zip(keys, groups, strict=True)}
+    return AppliedMasks({prefix + k: holder[k] for k in keys}, dict(holder.groups), skipped)
 
 
 _UNSAFE = (

@@ -298,7 +298,7 @@ def _conv(ctx: RuleContext) -> list[TensorInfo]:
     else:
         # output channel o of group g is tied to input channels of group g
         if transposed:  # weight (Cin, Cout/g, ...): output labels are per group slices of dim 1
-            ctx.atoms.union_all(w_out) if groups else None
+            ctx.atoms.union_all(w_out)
             return _opaque(ctx, f"{ctx.where()}: grouped transposed convolution is not supported")
         _grouped_conv_ties(ctx, in_ch, w_out, groups)
         ctx.block(wi.labels[in_dim], "per-group kernel dimension")

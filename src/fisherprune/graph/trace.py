@@ -154,7 +154,7 @@ class _Tracer(TorchDispatchMode):
         for t, oi in zip(out_tensors, out_infos, strict=True):
             self.set_info(t, oi)
             slots.append(oi)
-        placeholder = _slot_replacer(slot_of, n_in)
+        placeholder = _slot_replacer(slot_of)
         rec = OpRecord(
             func,
             tree_map(placeholder, args),
@@ -208,7 +208,7 @@ class _Tracer(TorchDispatchMode):
         self.trace.ops.append(OpRecord("mask", (0,), {}, [src, oi], 1, is_mask=True, module=name))
 
 
-def _slot_replacer(slot_of: dict[int, int], n_in: int) -> Callable[[Any], Any]:
+def _slot_replacer(slot_of: dict[int, int]) -> Callable[[Any], Any]:
     def rep(a: Any) -> Any:
         if isinstance(a, Tensor):
             return Slot(slot_of[id(a)])

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -78,7 +79,7 @@ class _MaskMultiply(torch.autograd.Function):
     downstream (``nn.ReLU(inplace=True)`` after the mask) stay as legal as without the mask.
     If one does change ``x`` before the backward, ``x`` no longer holds the values the
     gradient needs: that pass is dropped and ``owner`` is told to stop aliasing
-    (``_input_changed_in_place``), so that later passes multiply into a new tensor.
+    (``input_changed_in_place``), so that later passes multiply into a new tensor.
     """
 
     @staticmethod
@@ -100,10 +101,10 @@ class _MaskMultiply(torch.autograd.Function):
         else:
             (x, mult), changed = ctx.saved_tensors, False
         if changed:
-            ctx.owner._input_changed_in_place()
+            ctx.owner.input_changed_in_place()
         else:
             g = grad.detach() if grad.requires_grad else grad  # create_graph: keep no graph
-            ctx.owner._accumulate(_per_example_channel_dot(g, x, ctx.dim), ctx.index)
+            ctx.owner.accumulate(_per_example_channel_dot(g, x, ctx.dim), ctx.index)
         grad_x = None
         if ctx.needs_input_grad[0]:
             grad_x = grad if mult is None else grad * mult
@@ -113,7 +114,7 @@ class _MaskMultiply(torch.autograd.Function):
 def gather_through(
     x: Tensor, mult: Tensor, owner: Any, index: Tensor | None, dim: int, identity: bool
 ) -> Tensor:
-    """``x * mult`` (or ``x`` itself when ``identity``), handing ``owner._accumulate`` the
+    """``x * mult`` (or ``x`` itself when ``identity``), handing ``owner.accumulate`` the
     per-example mask gradient during backward (see ``_MaskMultiply``)."""
     if not x.requires_grad:
         # then the multiplier requires grad, so that backward still reaches the mask
@@ -275,7 +276,7 @@ class MaskLayer(nn.Module):
             return x  # (a mask that requires grad, as under torch.func, must stay in the graph)
         mult = self._multiplier(x, dim, index)
         if collect:
-            self._start_pass()
+            self.start_pass()
             return gather_through(x, mult, self, index, dim, ones and self._alias_ok)
         return x * mult
 
@@ -293,24 +294,29 @@ class MaskLayer(nn.Module):
             self._mult_cache = (self.mask, key, out)
         return out
 
-    def _input_changed_in_place(self) -> None:
+    def input_changed_in_place(self) -> None:
         """Backward found the aliased input changed in place: drop the pass, stop aliasing."""
         self._alias_ok = False
-        self._gathered.received = True  # the loss does reach this mask
+        self.mark_received()  # the loss does reach this mask
         log_input_changed(f"MaskLayer({self.num_channels})")
 
     # ---------------------------------------------------------------- signals
     @property
-    def _received(self) -> bool:
-        """Whether a gradient arrived since the last update."""
+    def received(self) -> bool:
+        """Whether a gradient arrived since the statistics were last taken."""
         return self._gathered.received
 
-    def _start_pass(self) -> None:
+    def mark_received(self) -> None:
+        """Record that the loss reaches this mask although no statistics were gathered (a
+        pass dropped because its input was changed in place)."""
+        self._gathered.received = True
+
+    def start_pass(self) -> None:
         """Called at each forward use: a forward after a backward closes the last pass."""
         if self._gathered.backward_seen:
             self._gathered.commit()
 
-    def _accumulate(self, g: Tensor, index: Tensor | None) -> None:
+    def accumulate(self, g: Tensor, index: Tensor | None) -> None:
         """Add one place's per-example gradient (N, C_place) to the current pass."""
         if index is not None:
             full = g.new_zeros(g.shape[0], self.num_channels)
@@ -318,30 +324,32 @@ class MaskLayer(nn.Module):
             g = full
         self._gathered.add(g)
 
-    def _take_statistics(
-        self, loss_reduction: str, method: str = "fisher"
+    def take_statistics(
+        self,
+        loss_reduction: str,
+        statistic: Callable[[Tensor], Tensor],
+        degree: int,
     ) -> tuple[Tensor, float, int] | None:
-        """Return ``(total, scale, count)`` and reset; None if no gradient arrived.
+        """Return ``(total, scale, count)`` of what backward gathered, and start afresh; None
+        if no gradient arrived since the last call.
 
-        ``total * scale`` is the per-channel sum over the ``count`` examples of ``g^2``
-        (``method="fisher"``) or of ``|g|`` (``"taylor"``), where with
-        ``loss_reduction="mean"`` each pass's ``g`` is first rescaled by its batch size.
-        (The scale is returned apart so that the caller folds it into one later product.)
+        ``total * scale`` is the per-channel sum over the ``count`` examples of the criterion's
+        per-example statistic: ``statistic(g)`` maps one pass's per-example mask gradients
+        ``g`` (N, C) to their (C,) sum over examples (``sum_n g^2`` for Fisher). With
+        ``loss_reduction="mean"`` each pass's ``g`` carries a factor 1/N, undone by
+        ``N ** degree`` (the statistic is homogeneous of that degree in ``g``). The scale is
+        returned apart so that the caller folds it into one later product.
         """
         passes = self._gathered.take()
         if not passes:
             return None
-        fisher = method == "fisher"
         dtype = self.signal.dtype
 
         def factor(n: int) -> float:
-            if loss_reduction != "mean":
-                return 1.0
-            return float(n * n) if fisher else float(n)
+            return float(n**degree) if loss_reduction == "mean" else 1.0
 
         def reduce(g: Tensor) -> Tensor:
-            g = g if g.dtype == dtype else g.to(dtype)
-            return torch.linalg.vecdot(g, g, dim=0) if fisher else g.abs().sum(0)
+            return statistic(g if g.dtype == dtype else g.to(dtype))
 
         count = sum(g.shape[0] for g in passes)
         if len(passes) == 1:

@@ -151,24 +151,25 @@ class MaskPoint:
             return out
         if torch.is_grad_enabled() and any(m.collecting for m in self._masks):
             for m in self._masks:
-                m._start_pass()
+                m.start_pass()
             ident = self._alias_ok and self._nothing_pruned()
             return gather_through(x, self.multiplier(x), self, None, self.dim, ident)
         if self._nothing_pruned() and not any(m.mask.requires_grad for m in self._masks):
             return x  # (masks that require grad, as under torch.func, must stay in the graph)
         return x * self.multiplier(x)
 
-    def _input_changed_in_place(self) -> None:
+    def input_changed_in_place(self) -> None:
         """Backward found the aliased input changed in place: drop the pass, stop aliasing."""
         self._alias_ok = False
         for m in self._masks:
-            m._gathered.received = True  # the loss does reach these masks
+            m.mark_received()  # the loss does reach these masks
         log_input_changed(f"mask on {self.module_name!r}")
 
-    def _accumulate(self, g: Tensor, index: Tensor | None) -> None:
+    def accumulate(self, g: Tensor, index: Tensor | None) -> None:
+        """Hand each mask the columns of ``g`` (N, size) that it covers (see ``MaskLayer``)."""
         for m, pos, idx in self.parts:
             if m.collecting:
-                m._accumulate(g[:, pos.to(g.device)], idx)
+                m.accumulate(g[:, pos.to(g.device)], idx)
 
 
 class MaskHolder(nn.ModuleDict):
@@ -181,6 +182,8 @@ class MaskHolder(nn.ModuleDict):
         handles: the forward pre-hook handle of each point.
         example_inputs: a detached batch-of-one copy of the inputs the masks were found with
             (``shrink`` and ``export_model`` trace with it when given none), or None.
+        groups: the channel group of each mask, by the mask's qualified name (what
+            ``apply_masks`` returns as ``.groups``; criteria that read weights use it).
     """
 
     def __init__(self, masks: dict[str, MaskLayer]) -> None:
@@ -188,6 +191,7 @@ class MaskHolder(nn.ModuleDict):
         self.points: list[MaskPoint] = []
         self.handles: list[torch.utils.hooks.RemovableHandle] = []
         self.example_inputs: Any = None
+        self.groups: dict[str, Any] = {}
 
 
 _FOLD_TYPES = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear)

@@ -2,7 +2,8 @@
 
 from fisherprune.pruner.optimizer import PruningOptimizer, resolve_target
 from fisherprune.pruner.prune import PruneEvent, prune
-from fisherprune.pruner.scoring import check_flops_weight, score, score_all
+from fisherprune.pruner.scoring import score, score_all
+from fisherprune.settings import check_flops_weight
 
 __all__ = [
     "PruneEvent",

@@ -15,16 +15,18 @@ from torch import Tensor, nn
 
 from fisherprune.cost import CONVENTIONS, CostModel, CostReport
 from fisherprune.masks import MaskLayer, find_masks
-from fisherprune.pruner.prune import (
-    PruneEvent,
+from fisherprune.pruner.prune import PruneEvent, floor_of, lowest_kept, prune
+from fisherprune.pruner.scoring import FlopsWeight, score_all
+from fisherprune.settings import (
+    check_decay,
+    check_flops_weight,
+    check_int,
+    check_loss_reduction,
+    check_method,
     check_min_channels,
     check_round_to,
-    floor_of,
-    lowest_kept,
-    prune,
 )
-from fisherprune.pruner.scoring import FlopsWeight, check_flops_weight, score_all
-from fisherprune.signals import LOSS_REDUCTIONS, METHODS, update_pruning_signals
+from fisherprune.signals import Criterion, resolve_criterion
 
 __all__ = ["PruningOptimizer", "resolve_target"]
 
@@ -62,12 +64,6 @@ def resolve_target(flops_target: float | int | str, start_cost: float) -> float:
     if 0 < t < 1:
         return t * start_cost
     return t
-
-
-def _check_int(name: str, value: Any, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
-    return value
 
 
 class PruningOptimizer:
@@ -118,7 +114,12 @@ class PruningOptimizer:
             (``fisher_memory``).
         loss_reduction: ``"mean"`` or ``"sum"``: how the loss reduces over the batch.
         masks: the masks to prune (default: every MaskLayer in ``model``).
-        method: pruning signal, ``"fisher"`` (the seed's only one) or ``"taylor"``.
+        method: pruning signal, ``"fisher"`` (the seed's only one) or ``"taylor"``: a shorthand
+            for ``criterion``.
+        criterion: how channels are ranked: a ``fisherprune.criteria.Criterion`` (``Fisher()``,
+            ``Taylor()``, ``L1()``, ``Random(seed)`` or your own subclass) or the name of a
+            registered one (``"l1"``). Default: ``method``. Criteria that read only weights
+            turn the masks' gradient gathering off.
 
     Raises:
         ValueError: a bad setting (named in the message), or a model with no masks.
@@ -151,25 +152,20 @@ class PruningOptimizer:
         loss_reduction: str = "mean",
         masks: dict[str, MaskLayer] | None = None,
         method: str = "fisher",
+        criterion: Criterion | str | None = None,
     ) -> None:
-        self.prune_every = _check_int("prune_every", prune_every, 1)
-        self.burn_in = _check_int("burn_in", burn_in, 0)
-        check_min_channels(min_channels)
-        self.min_channels = min_channels
-        check_round_to(round_to)
-        self.round_to = round_to
-        if not (isinstance(decay, (int, float)) and 0.0 <= float(decay) < 1.0):
-            raise ValueError(f"decay must be in [0, 1), got {decay!r}")
-        self.decay = float(decay)
+        self.prune_every = check_int("prune_every", prune_every, 1)
+        self.burn_in = check_int("burn_in", burn_in, 0)
+        self.min_channels = check_min_channels(min_channels)
+        self.round_to = check_round_to(round_to)
+        self.decay = check_decay(decay)
         self.flops_weight = check_flops_weight(flops_weight)
-        if loss_reduction not in LOSS_REDUCTIONS:
-            raise ValueError(
-                f"loss_reduction must be one of {LOSS_REDUCTIONS}, got {loss_reduction!r}"
-            )
-        self.loss_reduction = loss_reduction
-        if not isinstance(method, str) or method.lower() not in METHODS:
-            raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-        self.method = method.lower()
+        self.loss_reduction = check_loss_reduction(loss_reduction)
+        method = check_method(method)
+        if criterion is not None and method != "fisher":
+            raise ValueError("give either method or criterion, not both")
+        #: how channels are ranked
+        self.criterion = resolve_criterion(criterion if criterion is not None else method)
         self.model = model
         self.masks = dict(masks) if masks is not None else find_masks(model)
         if not self.masks:
@@ -211,7 +207,8 @@ class PruningOptimizer:
         self.counter = 1
         self.history: list[PruneEvent] = []
         self.finished = False
-        self._floor_reported = False
+        self._finish_logged = False  # the reason pruning finished was logged (once per run)
+        self._set_collecting(True)
         self._warned_silent: set[str] = set()
         if self.target > 0 and self.start_cost <= self.target:
             warnings.warn(
@@ -246,7 +243,7 @@ class PruningOptimizer:
             ValueError: on the first step, if a collecting mask received no gradient
                 (no loss reaches it); later steps only warn.
         """
-        collecting = not self.finished
+        collecting = not self.finished and self.criterion.uses_gradients
         if closure is None:
             if collecting:
                 self._check_received()
@@ -256,11 +253,10 @@ class PruningOptimizer:
             if collecting:
                 self._check_received()
         if collecting:
-            update_pruning_signals(
-                self.masks, self.decay, loss_reduction=self.loss_reduction, method=self.method
-            )
-            if self.counter > self.burn_in and self.counter % self.prune_every == 0:
-                self._maybe_prune()
+            self.criterion.update(self.masks, self.decay, loss_reduction=self.loss_reduction)
+        due = self.counter > self.burn_in and self.counter % self.prune_every == 0
+        if due and not self.finished:
+            self._maybe_prune()
         self.counter += 1
         return out
 
@@ -274,7 +270,7 @@ class PruningOptimizer:
         if self.target > 0 and report.total <= self.target:
             self._finish(f"cost {report.total:.6g} reached the target {self.target:.6g}")
             return
-        signals = {n: m.signal for n, m in self.masks.items()}
+        signals = self.criterion.scores(self.masks, self.model)
         weigh = report if self.score_model is self.cost_model else self.score_model.report()
         scores = score_all(signals, {n: weigh.marginal[n] for n in self.masks}, self.flops_weight)
         event = prune(
@@ -313,13 +309,18 @@ class PruningOptimizer:
         if self.target > 0 and event.cost_after <= self.target:
             self._finish(f"cost {event.cost_after:.6g} reached the target {self.target:.6g}")
 
+    def _set_collecting(self, on: bool) -> None:
+        """Masks gather gradients only while pruning can happen and the criterion reads them."""
+        for m in self.masks.values():
+            m.collecting = on and not self.finished and self.criterion.uses_gradients
+            if not m.collecting:
+                m.reset_statistics()
+
     def _finish(self, why: str, level: int = logging.INFO) -> None:
         self.finished = True
-        for m in self.masks.values():
-            m.collecting = False
-            m.reset_statistics()
-        if not self._floor_reported:
-            self._floor_reported = True
+        self._set_collecting(False)
+        if not self._finish_logged:
+            self._finish_logged = True
             log.log(level, "pruning finished: %s", why)
             if level >= logging.WARNING:
                 warnings.warn(f"pruning stopped: {why}", stacklevel=3)
@@ -329,7 +330,7 @@ class PruningOptimizer:
             return
         floor = self.cost_model.entries().copy()
         for n, m in self.masks.items():
-            start = self.cost_model._entry_start.get(n)
+            start = self.cost_model.entry_start.get(n)
             if start is None:
                 continue
             alive = [k for k in range(m.num_channels) if floor[start + k] > 0.5]
@@ -349,7 +350,7 @@ class PruningOptimizer:
             )
 
     def _check_received(self) -> None:
-        silent = [n for n, m in self.masks.items() if m.collecting and not m._received]
+        silent = [n for n, m in self.masks.items() if m.collecting and not m.received]
         if not silent:
             return
         msg = (
@@ -370,11 +371,12 @@ class PruningOptimizer:
         return {
             "counter": self.counter,
             "finished": self.finished,
-            "floor_reported": self._floor_reported,
+            "finish_logged": self._finish_logged,
             "target": self.target,
             "start_cost": self.start_cost,
             "settings": self._settings(),
             "history": [e.as_dict() for e in self.history],
+            "criterion": self.criterion.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "masks": {
                 n: {"mask": m.mask.detach().clone(), "signal": m.signal.detach().clone()}
@@ -388,6 +390,7 @@ class PruningOptimizer:
             "convention": self.convention,
             "score_convention": self.score_convention,
             "round_to": self.round_to,
+            "criterion": self.criterion.settings(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -395,9 +398,9 @@ class PruningOptimizer:
 
         Raises:
             ValueError: the saved masks do not match this model's masks, or the state was
-                saved with other cost conventions or ``round_to`` (a resumed run would then
-                choose channels by another rule than the one it started with). States saved
-                before these settings were recorded are accepted as they are.
+                saved with other cost conventions, ``round_to`` or criterion (a resumed run
+                would then choose channels by another rule than the one it started with).
+                States saved before these settings were recorded are accepted as they are.
         """
         saved_settings = state.get("settings", {})
         differ = [
@@ -432,7 +435,7 @@ class PruningOptimizer:
         self.target = float(state["target"])
         self.start_cost = float(state["start_cost"])
         self.history = [PruneEvent(**e) for e in state["history"]]
-        self._floor_reported = bool(state["floor_reported"])
+        self._finish_logged = bool(state.get("finish_logged", state.get("floor_reported")))
         self.finished = bool(state["finished"])
-        for m in self.masks.values():
-            m.collecting = not self.finished
+        self.criterion.load_state_dict(state.get("criterion", {}))
+        self._set_collecting(True)

@@ -11,12 +11,11 @@ import torch
 from torch import Tensor
 
 from fisherprune.masks import MaskSet, as_mask_dict
+from fisherprune.settings import check_min_channels, check_round_to
 
 __all__ = [
     "PruneEvent",
     "block_size",
-    "check_min_channels",
-    "check_round_to",
     "floor_of",
     "lowest_kept",
     "prune",
@@ -58,24 +57,6 @@ class PruneEvent:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-def check_min_channels(min_channels: Any) -> None:
-    """Raises ValueError unless ``min_channels`` is an int >= 0 or a fraction in (0, 1)."""
-    ok_int = isinstance(min_channels, int) and not isinstance(min_channels, bool)
-    if ok_int and min_channels >= 0:
-        return
-    if isinstance(min_channels, float) and 0.0 < min_channels < 1.0:
-        return
-    raise ValueError(
-        f"min_channels must be an int >= 0 or a fraction in (0, 1), got {min_channels!r}"
-    )
-
-
-def check_round_to(round_to: Any) -> None:
-    """Raises ValueError unless ``round_to`` is an int >= 1."""
-    if isinstance(round_to, bool) or not isinstance(round_to, int) or round_to < 1:
-        raise ValueError(f"round_to must be an int >= 1 (1: no rounding), got {round_to!r}")
 
 
 def block_size(alive: int, round_to: int) -> int:

@@ -1,5 +1,27 @@
-"""Pruning signals: the Fisher signal gathered by masks."""
+"""Pruning signals and criteria: the Fisher signal gathered by masks, and the other criteria
+compared against it."""
 
-from fisherprune.signals.fisher import LOSS_REDUCTIONS, METHODS, update_pruning_signals
+from fisherprune.settings import LOSS_REDUCTIONS, METHODS
+from fisherprune.signals.criteria import (
+    L1,
+    Criterion,
+    Fisher,
+    GradientCriterion,
+    Random,
+    Taylor,
+    resolve_criterion,
+)
+from fisherprune.signals.fisher import update_pruning_signals
 
-__all__ = ["LOSS_REDUCTIONS", "METHODS", "update_pruning_signals"]
+__all__ = [
+    "L1",
+    "LOSS_REDUCTIONS",
+    "METHODS",
+    "Criterion",
+    "Fisher",
+    "GradientCriterion",
+    "Random",
+    "Taylor",
+    "resolve_criterion",
+    "update_pruning_signals",
+]

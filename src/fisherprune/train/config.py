@@ -22,7 +22,7 @@ from typing import Any
 
 from fisherprune.cost import CONVENTIONS
 from fisherprune.export.files import FORMATS
-from fisherprune.pruner.prune import check_min_channels
+from fisherprune.settings import check_min_channels
 
 __all__ = ["ALIASES", "HELP", "TrainConfig"]
 

@@ -1,0 +1,30 @@
+"""Pruning criteria (``fisherprune.criteria.Fisher()``, ``Taylor()``, ``L1()``, ``Random(seed)``)
+and the ``Criterion`` base to write your own; see ``fisherprune.signals.criteria``."""
+
+from fisherprune.signals.criteria import (
+    CRITERIA,
+    L1,
+    NORMALIZE,
+    Criterion,
+    Fisher,
+    GradientCriterion,
+    Random,
+    Taylor,
+    groups_of,
+    register_criterion,
+    resolve_criterion,
+)
+
+__all__ = [
+    "CRITERIA",
+    "L1",
+    "NORMALIZE",
+    "Criterion",
+    "Fisher",
+    "GradientCriterion",
+    "Random",
+    "Taylor",
+    "groups_of",
+    "register_criterion",
+    "resolve_criterion",
+]
