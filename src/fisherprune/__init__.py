@@ -12,6 +12,7 @@ Public API (see docs/api.md):
 from fisherprune._version import __version__
 from fisherprune.cost import CostModel, CostReport, computational_cost, register_cost_formula
 from fisherprune.export import (
+    PickledObjectsError,
     PlanMismatchError,
     PruningPlan,
     ShrinkError,
@@ -31,6 +32,7 @@ __all__ = [
     "CostModel",
     "CostReport",
     "MaskLayer",
+    "PickledObjectsError",
     "PlanMismatchError",
     "PruneEvent",
     "PruningOptimizer",
