@@ -16,6 +16,7 @@ from fisherprune import criteria
 from fisherprune._version import __version__
 from fisherprune.cost import CostModel, CostReport, computational_cost, register_cost_formula
 from fisherprune.export import (
+    PickledObjectsError,
     PlanMismatchError,
     PruningPlan,
     ShrinkError,
@@ -35,6 +36,7 @@ __all__ = [
     "CostModel",
     "CostReport",
     "MaskLayer",
+    "PickledObjectsError",
     "PlanMismatchError",
     "PruneEvent",
     "PruningOptimizer",

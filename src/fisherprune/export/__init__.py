@@ -5,11 +5,13 @@ from fisherprune.export.files import FORMATS, export_model, load_state_dict_expo
 from fisherprune.export.latency import frozen_for_serving, measure_latency, retain_freed_memory
 from fisherprune.export.modules import register_shrink_rule
 from fisherprune.export.plan import PlanMismatchError, PruningPlan
+from fisherprune.export.safe_load import PickledObjectsError
 from fisherprune.export.shrink import ShrinkError, shrink
 
 __all__ = [
     "FORMATS",
     "AOTIModule",
+    "PickledObjectsError",
     "PlanMismatchError",
     "PruningPlan",
     "ShrinkError",

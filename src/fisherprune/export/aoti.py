@@ -203,6 +203,9 @@ class AOTIModule(nn.Module):
 def load_aoti_export(path: str | os.PathLike) -> AOTIModule:
     """Load a package written by ``export_model(format="aoti")``.
 
+    Its metadata is read as JSON; nothing is unpickled. The package itself is compiled native
+    code that runs when loaded: load only packages you made or trust.
+
     Raises:
         FileNotFoundError: no file at ``path``.
         ValueError: the file is an AOTInductor package this library did not write.

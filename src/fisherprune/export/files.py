@@ -19,6 +19,7 @@ from torch import nn
 
 from fisherprune.export.aoti import write_aoti
 from fisherprune.export.plan import PruningPlan
+from fisherprune.export.safe_load import load_plain
 from fisherprune.export.shrink import shrink
 from fisherprune.export.storage import atomic_save
 from fisherprune.inputs import as_args
@@ -209,12 +210,20 @@ def _quiet_onnx() -> Iterator[None]:
 
 def load_state_dict_export(path: str | os.PathLike, model: nn.Module) -> nn.Module:
     """Rebuild an exported ``state_dict`` model: shrink the fresh ``model`` by the saved plan
-    (in place) and load the weights. Nothing is unpickled but tensors and plain data.
+    (in place) and load the weights. Nothing is unpickled but tensors and plain data
+    (``torch.load(..., weights_only=True)``).
 
     Raises:
+        PickledObjectsError: (a ValueError) the file holds pickled Python objects; nothing
+            from it ran and ``model`` is unchanged.
         PlanMismatchError: ``model`` is not the architecture the plan was made for.
     """
-    payload = torch.load(path, map_location="cpu", weights_only=True)
+    payload = load_plain(
+        path,
+        "export",
+        "it was not written by export_model(format='state_dict'): export the model again with "
+        "export_model, which writes tensors and plain data only",
+    )
     plan = PruningPlan.from_dict(payload["plan"])
     plan.apply(model)
     model.load_state_dict(payload["state_dict"])

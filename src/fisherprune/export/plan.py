@@ -23,6 +23,7 @@ from torch import nn
 from fisherprune._version import __version__
 from fisherprune.cost import CostModel
 from fisherprune.export.modules import update_metadata
+from fisherprune.export.safe_load import PickledObjectsError, looks_pickled
 from fisherprune.export.storage import atomic_write_bytes
 from fisherprune.masks import MaskLayer
 from fisherprune.masks.points import find_holder, remembered_inputs, remove_mask_points
@@ -224,7 +225,27 @@ class PruningPlan:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> PruningPlan:
-        return cls.from_json(Path(path).read_text())
+        """Read a plan written by ``save``: JSON only, never unpickled.
+
+        Raises:
+            FileNotFoundError: no file at ``path``.
+            PickledObjectsError: (a ValueError) the file is a pickle naming Python objects, not
+                a JSON plan; it was only parsed, nothing from it ran.
+            ValueError: the file is not JSON or not a well-formed fisherprune plan.
+        """
+        path = Path(path)
+        try:
+            data = json.loads(path.read_bytes())
+        except ValueError as e:  # also UnicodeDecodeError
+            if looks_pickled(path):
+                raise PickledObjectsError.for_file(
+                    "plan",
+                    path,
+                    "a plan is the JSON that PruningPlan.save writes: make it again with "
+                    "PruningPlan.from_model(model).save(path)",
+                ) from None
+            raise ValueError(f"plan {path} is not JSON: {e}") from None
+        return cls.from_dict(data)
 
 
 # ------------------------------------------------------------------ helpers
