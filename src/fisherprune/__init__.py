@@ -10,7 +10,13 @@ Public API (see docs/api.md):
 """
 
 from fisherprune._version import __version__
-from fisherprune.cost import CostModel, CostReport, computational_cost, register_cost_formula
+from fisherprune.cost import (
+    CostModel,
+    CostReport,
+    computational_cost,
+    register_cost_formula,
+    unregister_cost_formula,
+)
 from fisherprune.export import (
     PlanMismatchError,
     PruningPlan,
@@ -50,5 +56,6 @@ __all__ = [
     "remove_masks",
     "score",
     "shrink",
+    "unregister_cost_formula",
     "update_pruning_signals",
 ]

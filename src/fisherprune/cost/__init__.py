@@ -1,6 +1,10 @@
-"""Cost of a masked network: per-op formulas and marginal cost per channel."""
+"""Cost of a masked network: cost conventions, per-op formulas and marginal cost per channel."""
 
-from fisherprune.cost.formulas import CONVENTIONS, register_cost_formula
+from fisherprune.cost.conventions import (
+    CONVENTIONS,
+    register_cost_formula,
+    unregister_cost_formula,
+)
 from fisherprune.cost.model import CostModel, CostReport, MarginalCosts, computational_cost
 
 __all__ = [
@@ -10,4 +14,5 @@ __all__ = [
     "MarginalCosts",
     "computational_cost",
     "register_cost_formula",
+    "unregister_cost_formula",
 ]
