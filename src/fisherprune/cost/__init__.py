@@ -2,6 +2,7 @@
 
 from fisherprune.cost.conventions import (
     CONVENTIONS,
+    formula_for,
     register_cost_formula,
     unregister_cost_formula,
 )
@@ -13,6 +14,7 @@ __all__ = [
     "CostReport",
     "MarginalCosts",
     "computational_cost",
+    "formula_for",
     "register_cost_formula",
     "unregister_cost_formula",
 ]
