@@ -26,8 +26,15 @@ from fisherprune.export import (
     load_state_dict_export,
     register_shrink_rule,
     shrink,
+    unregister_shrink_rule,
 )
-from fisherprune.graph import AppliedMasks, apply_masks, register_channel_rule, remove_masks
+from fisherprune.graph import (
+    AppliedMasks,
+    apply_masks,
+    register_channel_rule,
+    remove_masks,
+    unregister_channel_rule,
+)
 from fisherprune.masks import MaskLayer, find_masks
 from fisherprune.pruner import PruneEvent, PruningOptimizer, prune, score
 from fisherprune.signals import update_pruning_signals
@@ -56,6 +63,8 @@ __all__ = [
     "remove_masks",
     "score",
     "shrink",
+    "unregister_channel_rule",
     "unregister_cost_formula",
+    "unregister_shrink_rule",
     "update_pruning_signals",
 ]
