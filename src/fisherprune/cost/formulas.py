@@ -9,11 +9,11 @@ in ``fisherprune.cost.conventions``.
     torch_flops         PyTorch's own ``torch.utils.flop_counter`` formula of an op:
                         2 FLOPs per multiply-accumulate of conv / linear / matmul /
                         attention, bias and element-wise ops ignored.
-    TWML                the seed's formulas (SEED.md): MatMul ``n*m*(2k-1)``; Mul and
-                        BiasAdd one per output element; Conv ``prod(out) *
-                        (prod(kernel) * Cin_per_group * 2 - 1)`` (the seed counted 2-D
-                        conv only; we count every conv the same way); ``a + b`` (AddV2)
-                        and everything else 0.
+    TWML                the seed's formulas (docs/design.md, "The cost model"): MatMul
+                        ``n*m*(2k-1)``; Mul and BiasAdd one per output element; Conv
+                        ``prod(out) * (prod(kernel) * Cin_per_group * 2 - 1)`` (the seed
+                        counted 2-D conv only; we count every conv the same way);
+                        ``a + b`` (AddV2) and everything else 0.
     elements_written    elements of every output (applied to ops that are not views).
     parameter_elements  elements of one parameter tensor.
 """
