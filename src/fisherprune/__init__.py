@@ -14,7 +14,13 @@ Public API (see README.md and docs/usage.md):
 
 from fisherprune import criteria
 from fisherprune._version import __version__
-from fisherprune.cost import CostModel, CostReport, computational_cost, register_cost_formula
+from fisherprune.cost import (
+    CostModel,
+    CostReport,
+    computational_cost,
+    register_cost_formula,
+    unregister_cost_formula,
+)
 from fisherprune.export import (
     PickledObjectsError,
     PlanMismatchError,
@@ -25,8 +31,15 @@ from fisherprune.export import (
     load_state_dict_export,
     register_shrink_rule,
     shrink,
+    unregister_shrink_rule,
 )
-from fisherprune.graph import AppliedMasks, apply_masks, register_channel_rule, remove_masks
+from fisherprune.graph import (
+    AppliedMasks,
+    apply_masks,
+    register_channel_rule,
+    remove_masks,
+    unregister_channel_rule,
+)
 from fisherprune.masks import MaskLayer, find_masks
 from fisherprune.pruner import PruneEvent, PruningOptimizer, prune, score
 from fisherprune.signals import update_pruning_signals
@@ -57,5 +70,8 @@ __all__ = [
     "remove_masks",
     "score",
     "shrink",
+    "unregister_channel_rule",
+    "unregister_cost_formula",
+    "unregister_shrink_rule",
     "update_pruning_signals",
 ]

@@ -1,6 +1,11 @@
-"""Cost of a masked network: per-op formulas and marginal cost per channel."""
+"""Cost of a masked network: cost conventions, per-op formulas and marginal cost per channel."""
 
-from fisherprune.cost.formulas import CONVENTIONS, register_cost_formula
+from fisherprune.cost.conventions import (
+    CONVENTIONS,
+    formula_for,
+    register_cost_formula,
+    unregister_cost_formula,
+)
 from fisherprune.cost.model import CostModel, CostReport, MarginalCosts, computational_cost
 
 __all__ = [
@@ -9,5 +14,7 @@ __all__ = [
     "CostReport",
     "MarginalCosts",
     "computational_cost",
+    "formula_for",
     "register_cost_formula",
+    "unregister_cost_formula",
 ]

@@ -10,7 +10,6 @@ evaluating each operator's formula once per distinct shape change.
 from __future__ import annotations
 
 import logging
-import math
 import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping
@@ -21,7 +20,8 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from fisherprune.cost.formulas import CONVENTIONS, Formula, formula_for
+from fisherprune.cost.conventions import get_convention
+from fisherprune.cost.formulas import Formula
 from fisherprune.graph.channels import ChannelGraph
 from fisherprune.graph.trace import trace_model
 from fisherprune.graph.types import OpRecord, Slot
@@ -96,7 +96,7 @@ class CostModel:
     Args:
         model: the network, with MaskLayers placed by hand or by ``apply_masks``.
         example_inputs: a tensor or tuple of positional inputs; dim 0 is the batch.
-        convention: see ``fisherprune.cost.formulas``.
+        convention: a name in ``CONVENTIONS``; see ``fisherprune.cost.conventions``.
         loss_fn: optional callable on the model output, traced and costed too
             (the seed counted its loss's own ops).
 
@@ -111,10 +111,7 @@ class CostModel:
         convention: str = "flops",
         loss_fn: Callable[[Any], Tensor] | None = None,
     ) -> None:
-        if convention not in CONVENTIONS:
-            raise ValueError(
-                f"unknown cost convention {convention!r}; choose one of {', '.join(CONVENTIONS)}"
-            )
+        self._counting = get_convention(convention)  # its formulas, parameter terms, divisor
         self.convention = convention
         self.masks = find_masks(model)
         self.trace = trace_model(model, example_inputs, loss_fn)
@@ -139,27 +136,34 @@ class CostModel:
 
     # ----------------------------------------------------------------- terms
     def _build_terms(self, model: nn.Module) -> list[_Term]:
+        return self._parameter_terms(model) + self._op_terms()
+
+    def _parameter_terms(self, model: nn.Module) -> list[_Term]:
+        """One term per parameter when the convention prices parameters (shapes pruned)."""
+        formula = self._counting.parameter_formula
+        if formula is None:
+            return []
         roots = self.graph.roots
         terms: list[_Term] = []
-        if self.convention == "params":
-            for name, p in model.named_parameters():
-                info = self.trace.param_infos.get(name)
-                if info is None:
-                    dims: list[tuple[int, int, np.ndarray]] = []
-                    shapes = [tuple(p.shape)]
-                else:
-                    dims = [
-                        (0, d, roots[lab]) for d, lab in enumerate(info.labels) if lab is not None
-                    ]
-                    shapes = [info.shape]
-                terms.append(
-                    _Term(_numel_formula, None, dims, shapes, name.rpartition(".")[0] or "<model>")
-                )
-            return terms
+        for name, p in model.named_parameters():
+            info = self.trace.param_infos.get(name)
+            if info is None:
+                dims: list[tuple[int, int, np.ndarray]] = []
+                shapes = [tuple(p.shape)]
+            else:
+                dims = [(0, d, roots[lab]) for d, lab in enumerate(info.labels) if lab is not None]
+                shapes = [info.shape]
+            terms.append(_Term(formula, None, dims, shapes, name.rpartition(".")[0] or "<model>"))
+        return terms
+
+    def _op_terms(self) -> list[_Term]:
+        """One term per traced operator the convention has a formula for."""
+        roots = self.graph.roots
+        terms: list[_Term] = []
         for rec in self.trace.ops:
             if rec.is_mask:
                 continue
-            f = formula_for(self.convention, rec.op)
+            f = self._counting.formula(rec.op)
             if f is None:
                 continue
             dims = [
@@ -172,8 +176,8 @@ class CostModel:
         return terms
 
     def _eval(self, term: _Term, shapes: list[tuple[int, ...]]) -> float:
-        if term.op is None:
-            return float(math.prod(shapes[0]))
+        if term.op is None:  # a parameter term
+            return max(0.0, float(term.formula(torch.Size(shapes[0]))))
         rec = term.op
 
         def sub(a: Any) -> Any:
@@ -211,14 +215,11 @@ class CostModel:
         e = self.entries() if entries is None else entries
         removed = self.graph.removed(e)
         tot = sum(self._eval(t, self._pruned_shapes(t, removed)) for t in self._terms)
-        return tot / self._per(self.trace.batch_size)
+        return tot / self._counting.divisor(self.trace.batch_size)
 
     def dense_total(self) -> float:
         """Cost per example with every mask entry set to 1."""
         return self.total(np.ones(self.graph.n_entries))
-
-    def _per(self, batch: int) -> int:
-        return 1 if self.convention == "params" else batch
 
     def report(self) -> CostReport:
         """Total and marginal costs for the current mask values."""
@@ -255,7 +256,7 @@ class CostModel:
                         shapes[s][d] -= c
                     cache[key] = now - self._eval(t, [tuple(s) for s in shapes])
                 marginal[ent] += cache[key]
-        per = self._per(self.trace.batch_size)
+        per = self._counting.divisor(self.trace.batch_size)
         values = {
             n: torch.from_numpy(marginal[start : start + self.masks[n].num_channels] / per)
             for n, start in self._entry_start.items()
@@ -284,10 +285,6 @@ class CostModel:
                     "activation, or use fisherprune.apply_masks",
                     stacklevel=3,
                 )
-
-
-def _numel_formula(*_: Any, **__: Any) -> float:
-    return 0.0  # parameter terms are evaluated directly in CostModel._eval
 
 
 def computational_cost(

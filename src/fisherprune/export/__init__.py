@@ -3,7 +3,7 @@
 from fisherprune.export.aoti import AOTIModule, load_aoti_export
 from fisherprune.export.files import FORMATS, export_model, load_state_dict_export
 from fisherprune.export.latency import frozen_for_serving, measure_latency, retain_freed_memory
-from fisherprune.export.modules import register_shrink_rule
+from fisherprune.export.modules import register_shrink_rule, unregister_shrink_rule
 from fisherprune.export.plan import PlanMismatchError, PruningPlan
 from fisherprune.export.safe_load import PickledObjectsError
 from fisherprune.export.shrink import ShrinkError, shrink
@@ -23,4 +23,5 @@ __all__ = [
     "register_shrink_rule",
     "retain_freed_memory",
     "shrink",
+    "unregister_shrink_rule",
 ]

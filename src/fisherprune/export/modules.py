@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 from torch import nn
 
-__all__ = ["ShrinkRule", "register_shrink_rule", "update_metadata"]
+__all__ = ["ShrinkRule", "register_shrink_rule", "unregister_shrink_rule", "update_metadata"]
 
 ShrinkRule = Callable[[nn.Module, dict[str, tuple[int, ...]]], None]
 _RULES: dict[type, ShrinkRule] = {}
@@ -35,6 +35,23 @@ def register_shrink_rule(*types: type) -> Callable[[ShrinkRule], ShrinkRule]:
         return fn
 
     return deco
+
+
+def unregister_shrink_rule(*types: type) -> None:
+    """Remove the shrink rules of exactly these types (not of their subclasses).
+
+    The inverse of ``register_shrink_rule`` (for a test's cleanup, or to replace a rule,
+    built-in ones included: register the new rule afterwards). A module of such a type then
+    follows its nearest registered base class's rule, or keeps its attributes as they are.
+
+    Raises:
+        ValueError: a type has no rule of its own (then nothing is removed).
+    """
+    missing = [t for t in types if t not in _RULES]
+    if missing:
+        raise ValueError(f"{missing[0].__name__} has no shrink rule")
+    for t in types:
+        del _RULES[t]
 
 
 def update_metadata(module: nn.Module, old_shapes: dict[str, tuple[int, ...]]) -> None:

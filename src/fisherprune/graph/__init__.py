@@ -4,7 +4,11 @@ from fisherprune.graph import rules as _rules  # noqa: F401  (registers the chan
 from fisherprune.graph.channels import ChannelGraph
 from fisherprune.graph.groups import ChannelGroup, Skipped, find_groups
 from fisherprune.graph.placement import AppliedMasks, apply_masks, remove_masks
-from fisherprune.graph.rules import register_channel_rule, registered_ops
+from fisherprune.graph.rules import (
+    register_channel_rule,
+    registered_ops,
+    unregister_channel_rule,
+)
 from fisherprune.graph.trace import Trace, trace_model
 
 __all__ = [
@@ -19,4 +23,5 @@ __all__ = [
     "registered_ops",
     "remove_masks",
     "trace_model",
+    "unregister_channel_rule",
 ]

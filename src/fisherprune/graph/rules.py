@@ -24,7 +24,13 @@ from torch import Tensor
 
 from fisherprune.graph.types import Labels, RuleContext, TensorInfo
 
-__all__ = ["ChannelRule", "apply_rule", "register_channel_rule", "registered_ops"]
+__all__ = [
+    "ChannelRule",
+    "apply_rule",
+    "register_channel_rule",
+    "registered_ops",
+    "unregister_channel_rule",
+]
 
 aten = torch.ops.aten
 ChannelRule = Callable[[RuleContext], list[TensorInfo]]
@@ -50,6 +56,29 @@ def register_channel_rule(*ops: Any) -> Callable[[ChannelRule], ChannelRule]:
         return fn
 
     return deco
+
+
+def unregister_channel_rule(*ops: Any) -> None:
+    """Remove the channel rules of ``ops``: each then blocks every channel reaching it again.
+
+    The inverse of ``register_channel_rule`` (for a test's cleanup, or to replace a rule,
+    built-in ones included: register the new rule afterwards). Models traced earlier keep
+    the groups they were given.
+
+    Raises:
+        ValueError: an operator has no rule (then nothing is removed).
+        TypeError: a key is not an operator.
+    """
+    keys = []
+    for op in ops:
+        key = getattr(op, "overloadpacket", op)
+        if not isinstance(key, torch._ops.OpOverloadPacket):
+            raise TypeError(f"unregister_channel_rule expects ATen operators, got {op!r}")
+        if key not in _RULES:
+            raise ValueError(f"{key} has no channel rule")
+        keys.append(key)
+    for key in keys:
+        del _RULES[key]
 
 
 def registered_ops() -> list[Any]:
