@@ -9,7 +9,6 @@ import logging
 import math
 import os
 import random
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -20,38 +19,20 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fisherprune._errors import first_line
-from fisherprune.export import PruningPlan, export_model, shrink
-from fisherprune.export.files import default_file_name
-from fisherprune.export.latency import frozen_for_serving, measure_latency
-from fisherprune.graph import apply_masks, remove_masks
+from fisherprune.graph import apply_masks
 from fisherprune.masks import find_masks
 from fisherprune.pruner import PruningOptimizer
 from fisherprune.train.checkpoint import CheckpointManager, rng_state, set_rng_state
 from fisherprune.train.config import TrainConfig
 from fisherprune.train.data import Dataset, DataSpec, load_data
+from fisherprune.train.finish import FinishedRun, RunOutput, finish_run
 from fisherprune.train.models import build_model
 from fisherprune.train.progress import Progress
+from fisherprune.train.result import TrainResult
 
 __all__ = ["PruningTrainer", "TrainResult"]
 
 log = logging.getLogger("fisherprune")
-
-
-@dataclass
-class TrainResult:
-    """What a run produced. Costs are per example in the run's convention."""
-
-    dense_metric: float
-    final_metric: float
-    metric_name: str
-    dense_cost: float
-    final_cost: float
-    dense_params: int
-    final_params: int
-    latency: dict[str, float]
-    steps: int
-    prunes: int  # channels removed (more than prune events with round_to > 1)
-    files: dict[str, str] = field(default_factory=dict)
 
 
 def _dist_info() -> tuple[int, int]:
@@ -375,6 +356,8 @@ class PruningTrainer:
     def _finish(
         self, popt: PruningOptimizer, state: dict[str, Any], record: Any, metric_name: str
     ) -> TrainResult:
+        """Evaluate the trained model, record it as the ``final`` metrics entry, and hand the
+        run over to ``finish_run`` (shrink, time, export, report, summary)."""
         final = self.evaluate()
         cost = popt.cost().total
         dense = state["dense"] or {metric_name: float("nan"), "cost": popt.start_cost}
@@ -387,111 +370,22 @@ class PruningTrainer:
                 "kept": self._kept(popt),
             }
         )
-        dense_model = copy.deepcopy(self.model)
-        remove_masks(dense_model)
-        small = shrink(self.model, self.example)
-        dense_params = sum(p.numel() for p in dense_model.parameters())
-        small_params = sum(p.numel() for p in small.parameters())
-        latency = self._latency(dense_model, small)
-        result = TrainResult(
-            dense[metric_name],
-            final,
-            metric_name,
-            dense["cost"],
-            cost,
-            dense_params,
-            small_params,
-            latency,
-            state["step"],
-            _channels_removed(popt),
+        run = FinishedRun(
+            popt=popt,
+            model=self.model,
+            example=self.example,
+            samples=self.data.x_train,
+            metrics=state["metrics"],
+            metric_name=metric_name,
+            dense_metric=dense[metric_name],
+            dense_cost=dense["cost"],
+            final_metric=final,
+            final_cost=cost,
+            steps=state["step"],
+            prunes=_channels_removed(popt),
         )
-        if self.rank == 0:
-            from fisherprune.train.report import write_report
-
-            result.files.update(self._export(small, popt))
-            result.files.update(
-                write_report(self.save_dir, self.config, state["metrics"], popt, result)
-            )
-        files = result.files
-        if self.rank == 0:
-            files["result"] = str(self.save_dir / "result.json")
-            (self.save_dir / "result.json").write_text(json.dumps(result.__dict__, indent=1))
-            self._print_summary(result, popt)
-        return result
-
-    def _latency(self, dense: nn.Module, small: nn.Module) -> dict[str, float]:
-        """CPU latency of the dense and the pruned model at batch 1 and 64, side by side: as
-        eager modules (``dense_b1_ms``, ...) and as served, frozen TorchScript in channels-last
-        layout for images (``served_dense_b1_ms``, ...; left out, with a line saying why, when
-        the model cannot be traced)."""
-        latency: dict[str, float] = {}
-        serve = True
-        for bs in (1, 64):
-            x = self.data.x_train[:bs]
-            forms: dict[str, tuple[dict[str, Any], Any]] = {
-                "": ({"dense": dense, "pruned": small}, x)
-            }
-            if serve:
-                try:
-                    (fd, args), (fs, _) = (frozen_for_serving(m, x) for m in (dense, small))
-                    forms["served_"] = ({"dense": fd, "pruned": fs}, args)
-                except Exception as e:  # any tracing failure; the eager figures still stand
-                    self.progress.line(f"skipped the latency as served: {first_line(e)}")
-                    serve = False
-            for prefix, (models, inputs) in forms.items():
-                t = measure_latency(models, inputs, repeats=10, rounds=3)
-                latency[f"{prefix}dense_b{bs}_ms"] = t["dense"] * 1e3
-                latency[f"{prefix}pruned_b{bs}_ms"] = t["pruned"] * 1e3
-                latency[f"{prefix}speedup_b{bs}"] = t["dense"] / t["pruned"]
-        return latency
-
-    def _export(self, small: nn.Module, popt: PruningOptimizer) -> dict[str, str]:
-        files: dict[str, str] = {}
-        self.export_dir.mkdir(parents=True, exist_ok=True)
-        plan = PruningPlan.from_model(self.model, self.example, popt.cost_model.convention)
-        plan_path = self.export_dir / "plan.json"
-        plan.save(plan_path)
-        files["plan"] = str(plan_path)
-        for fmt in self.config.export_formats:
-            try:
-                path = export_model(
-                    self.model, self.export_dir / default_file_name(fmt), self.example, format=fmt
-                )
-                files[fmt] = str(path)
-            except ImportError as e:
-                self.progress.line(f"skipped {fmt} export: {e}")
-            except OSError:
-                raise  # a failed write: the run must not look complete
-            except Exception as e:
-                if fmt == "state_dict":
-                    raise
-                # the model cannot be traced: the state_dict export and the report still stand
-                self.progress.line(f"skipped {fmt} export: {first_line(e)}")
-        return files
-
-    def _print_summary(self, r: TrainResult, popt: PruningOptimizer) -> None:
-        conv = self.config.pruning_convention
-        lines = [
-            "",
-            f"dense:  {r.metric_name} {r.dense_metric:.4f}, {r.dense_cost:,.0f} {conv}/example, "
-            f"{r.dense_params:,} parameters",
-            f"pruned: {r.metric_name} {r.final_metric:.4f}, {r.final_cost:,.0f} {conv}/example "
-            f"({r.final_cost / r.dense_cost:.1%}), {r.final_params:,} parameters "
-            f"({r.final_params / r.dense_params:.1%}); {r.prunes} channels removed in "
-            f"{r.steps} steps",
-            f"latency (CPU, {torch.get_num_threads()} threads): {_latency_text(r.latency, '')}",
-        ]
-        if "served_speedup_b64" in r.latency:
-            lines.append(
-                "latency as served (frozen TorchScript, channels-last for images): "
-                + _latency_text(r.latency, "served_")
-            )
-        lines.append("files:")
-        lines += [f"  {k}: {v}" for k, v in r.files.items()]
-        lines.append(f"  checkpoints: {self.save_dir / 'checkpoints'}")
-        lines.append(f"  metrics: {self.save_dir / 'metrics.jsonl'}")
-        for line in lines:
-            self.progress.line(line)
+        out = RunOutput(self.save_dir, self.export_dir, self.progress, write=self.rank == 0)
+        return finish_run(self.config, run, out)
 
 
 def _regression_outputs(data: Dataset) -> int:
@@ -501,12 +395,3 @@ def _regression_outputs(data: Dataset) -> int:
 def _channels_removed(popt: PruningOptimizer) -> int:
     """Channels pruned so far (a prune removes a block of them with ``round_to > 1``)."""
     return sum(len(e.channels) for e in popt.history)
-
-
-def _latency_text(latency: dict[str, float], prefix: str) -> str:
-    """``batch 1 a -> b ms (s x); batch 64 ...`` from the trainer's latency figures."""
-    return "; ".join(
-        f"batch {bs} {latency[f'{prefix}dense_b{bs}_ms']:.3f} -> "
-        f"{latency[f'{prefix}pruned_b{bs}_ms']:.3f} ms ({latency[f'{prefix}speedup_b{bs}']:.2f}x)"
-        for bs in (1, 64)
-    )
