@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fisherprune.pruner import PruningOptimizer
 from fisherprune.train.config import TrainConfig
-
-if TYPE_CHECKING:
-    from fisherprune.train.trainer import TrainResult
+from fisherprune.train.result import TrainResult
 
 __all__ = ["write_report"]
 

@@ -3,13 +3,11 @@ PruningDataRecordTrainer, with the export it left as a TODO)."""
 
 from __future__ import annotations
 
-import copy
-import json
 import logging
 import math
 import os
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,44 +18,39 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fisherprune._errors import first_line
-from fisherprune.export import PruningPlan, export_model, shrink
-from fisherprune.export.files import default_file_name
-from fisherprune.export.latency import frozen_for_serving, measure_latency
-from fisherprune.graph import apply_masks, remove_masks
+from fisherprune.graph import apply_masks
 from fisherprune.masks import find_masks
 from fisherprune.pruner import PruningOptimizer
 from fisherprune.train.checkpoint import CheckpointManager, rng_state, set_rng_state
 from fisherprune.train.config import TrainConfig
 from fisherprune.train.data import Dataset, DataSpec, load_data
+from fisherprune.train.finish import FinishedRun, RunOutput, finish_run
 from fisherprune.train.models import build_model
 from fisherprune.train.progress import Progress
+from fisherprune.train.result import TrainResult
+from fisherprune.train.state import MetricsLog, RunState
 
 __all__ = ["PruningTrainer", "TrainResult"]
 
 log = logging.getLogger("fisherprune")
 
 
-@dataclass
-class TrainResult:
-    """What a run produced. Costs are per example in the run's convention."""
-
-    dense_metric: float
-    final_metric: float
-    metric_name: str
-    dense_cost: float
-    final_cost: float
-    dense_params: int
-    final_params: int
-    latency: dict[str, float]
-    steps: int
-    prunes: int  # channels removed (more than prune events with round_to > 1)
-    files: dict[str, str] = field(default_factory=dict)
-
-
 def _dist_info() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
+
+
+@dataclass
+class _Loop:
+    """What the training loop works on; ``PruningTrainer.run`` makes one per run."""
+
+    net: nn.Module  # the trainer's model, in DistributedDataParallel under torchrun
+    popt: PruningOptimizer
+    state: RunState  # advanced by every step, saved in every checkpoint
+    metrics: MetricsLog  # appends to state.metrics
+    ckpts: CheckpointManager
+    cap: int  # the step count no run goes beyond
 
 
 class PruningTrainer:
@@ -212,100 +205,40 @@ class PruningTrainer:
             m.training = f
         return correct / total if self.classify else sq / total
 
+    @property
+    def metric_name(self) -> str:
+        """``"accuracy"`` (classification) or ``"mse"`` (regression), as ``evaluate`` measures."""
+        return "accuracy" if self.classify else "mse"
+
     # ------------------------------------------------------------------- run
     def run(self) -> TrainResult:
-        """Train, prune, fine-tune, evaluate, export and report; return the result."""
+        """Train, prune, fine-tune, evaluate, export and report; return the result.
+
+        Reads the data and builds the model unless they were given; leaves ``self.model``
+        trained with its masks. On rank 0 it writes under ``config.save_dir``: checkpoints,
+        ``metrics.jsonl`` (entry by entry), and at the end the exports, the report and
+        ``result.json``. With ``config.resume`` it goes on from the newest checkpoint there.
+
+        Raises:
+            ValueError: bad data or model settings, or a checkpoint that does not fit.
+            OSError: a file could not be written.
+        """
         self._setup()
         self._load()
-        cfg = self.config
         popt = self._optimizer()
         net: nn.Module = self.model
         if self.world > 1:
             net = nn.parallel.DistributedDataParallel(self.model)
-        ckpts = CheckpointManager(self.save_dir / "checkpoints", cfg.keep_checkpoints)
-        metric_name = "accuracy" if self.classify else "mse"
-        state: dict[str, Any] = {"step": 0, "dense": None, "finished_at": None, "metrics": []}
-        if cfg.resume:
-            state = self._resume(ckpts, popt, state)
-        total_channels = sum(m.num_channels for m in popt.masks.values())
-        cap = (
-            cfg.steps
-            if cfg.steps is not None
-            else (self.burn_in + cfg.pruning_iter * (total_channels + 1) + cfg.fine_tune_steps + 1)
-        )
+        ckpts = CheckpointManager(self.save_dir / "checkpoints", self.config.keep_checkpoints)
+        state = self._resume(ckpts, popt) if self.config.resume else RunState()
+        cap = self._step_cap(popt)
         self.progress.total = cap
-        self.progress.line(
-            f"fisherprune train: {self.data.source}: {self.data.x_train.shape[0]} train / "
-            f"{self.data.x_eval.shape[0]} eval examples; model {cfg.model}; "
-            f"{len(popt.masks)} channel groups, {total_channels} prunable channels; "
-            f"cost {popt.start_cost:,.0f} {cfg.pruning_convention}/example; target "
-            f"{popt.target:,.0f}; world size {self.world}"
-        )
-        metrics_path = self.save_dir / "metrics.jsonl"
-        if self.rank == 0:
-            metrics_path.write_text("".join(json.dumps(m) + "\n" for m in state["metrics"]))
-
-        def record(entry: dict[str, Any]) -> None:
-            state["metrics"].append(entry)
-            if self.rank == 0:
-                with metrics_path.open("a") as f:
-                    f.write(json.dumps(entry) + "\n")
-
-        n_events = len(popt.history)
-        if state["dense"] is None and self.burn_in == 0:
-            state["dense"] = self._dense_point(popt, record, 0)
-        while state["step"] < cap:
-            if popt.finished:
-                if state["finished_at"] is None:
-                    state["finished_at"] = state["step"]
-                    self.progress.line(
-                        f"step {state['step']}: {_channels_removed(popt)} channels "
-                        f"pruned; fine-tuning for {cfg.fine_tune_steps} steps"
-                    )
-                if state["step"] - state["finished_at"] >= cfg.fine_tune_steps:
-                    break
-            x, y = self._batch(state["step"])
-            net.train()
-            loss = self._loss(net(x), y)
-            popt.minimize(loss)
-            loss_value = loss.item()
-            state["step"] += 1
-            step = state["step"]
-            if state["dense"] is None and step >= self.burn_in:
-                state["dense"] = self._dense_point(popt, record, step)
-            for ev in popt.history[n_events:]:
-                record(
-                    {
-                        "step": ev.step,
-                        "kind": "prune",
-                        "mask": ev.mask,
-                        "channel": ev.channel,
-                        "channels": list(ev.channels),
-                        "cost": ev.cost_after,
-                    }
-                )
-            n_events = len(popt.history)
-            self.progress.update(step, f"loss {loss_value:.4f} pruned {_channels_removed(popt)}")
-            if step % cfg.eval_every == 0:
-                value = self.evaluate()
-                cost = popt.cost().total
-                record(
-                    {
-                        "step": step,
-                        "kind": "eval",
-                        metric_name: value,
-                        "cost": cost,
-                        "loss": loss_value,
-                        "kept": self._kept(popt),
-                    }
-                )
-                self.progress.line(
-                    f"step {step}: loss {loss_value:.4f}, eval {metric_name} "
-                    f"{value:.4f}, cost {cost:,.0f} "
-                    f"({cost / popt.start_cost:.1%} of start)"
-                )
-            if step % cfg.checkpoint_every == 0 and self.rank == 0:
-                ckpts.save(step, self._checkpoint(popt, state))
+        self._announce(popt)
+        metrics = MetricsLog(self.save_dir / "metrics.jsonl", state.metrics, self.rank == 0)
+        metrics.restart()
+        loop = _Loop(net, popt, state, metrics, ckpts, cap)
+        self._prune_to_target(loop)
+        self._fine_tune(loop)
         if not popt.finished:
             log.warning(
                 "the step cap %d was reached before the target: cost %.6g > %.6g",
@@ -314,32 +247,132 @@ class PruningTrainer:
                 popt.target,
             )
         if self.rank == 0:
-            ckpts.save(state["step"], self._checkpoint(popt, state))
-        result = self._finish(popt, state, record, metric_name)
+            ckpts.save(state.step, self._checkpoint(popt, state))
+        result = self._finish(loop)
         self.progress.close()
         return result
 
-    def _dense_point(self, popt: PruningOptimizer, record: Any, step: int) -> dict[str, float]:
+    def _step_cap(self, popt: PruningOptimizer) -> int:
+        """``config.steps``, or enough steps to prune every channel and fine-tune after."""
+        cfg = self.config
+        if cfg.steps is not None:
+            return cfg.steps
+        channels = _prunable_channels(popt)
+        return self.burn_in + cfg.pruning_iter * (channels + 1) + cfg.fine_tune_steps + 1
+
+    def _announce(self, popt: PruningOptimizer) -> None:
+        """Print the line that opens a run: data, model, channels, cost, target, world size."""
+        self.progress.line(
+            f"fisherprune train: {self.data.source}: {self.data.x_train.shape[0]} train / "
+            f"{self.data.x_eval.shape[0]} eval examples; model {self.config.model}; "
+            f"{len(popt.masks)} channel groups, {_prunable_channels(popt)} prunable channels; "
+            f"cost {popt.start_cost:,.0f} {self.config.pruning_convention}/example; target "
+            f"{popt.target:,.0f}; world size {self.world}"
+        )
+
+    def _prune_to_target(self, loop: _Loop) -> None:
+        """The dense phase and the pruning phase: take steps until the pruner reaches its
+        target or the step cap. ``PruningOptimizer`` trains dense for its burn-in, then prunes
+        every ``pruning_iter`` steps; the dense model is measured when the burn-in ends."""
+        if loop.state.dense is None and self.burn_in == 0:
+            loop.state.dense = self._dense_point(loop, 0)
+        while loop.state.step < loop.cap and not loop.popt.finished:
+            self._step(loop)
+
+    def _fine_tune(self, loop: _Loop) -> None:
+        """The fine-tuning phase: once the target is reached, ``fine_tune_steps`` more steps
+        (counted from ``state.finished_at``, so a resumed run does not start them over), within
+        the step cap. Does nothing when the cap came first."""
+        state = loop.state
+        if not loop.popt.finished or state.step >= loop.cap:
+            return
+        if state.finished_at is None:
+            state.finished_at = state.step
+            self.progress.line(
+                f"step {state.step}: {_channels_removed(loop.popt)} channels "
+                f"pruned; fine-tuning for {self.config.fine_tune_steps} steps"
+            )
+        while (
+            state.step < loop.cap and state.step - state.finished_at < self.config.fine_tune_steps
+        ):
+            self._step(loop)
+
+    def _step(self, loop: _Loop) -> None:
+        """One optimizer step (the pruner may prune in it), then what it is due: the dense
+        point at the end of the burn-in, its prunes in the metrics, an eval every
+        ``eval_every`` steps and a checkpoint every ``checkpoint_every`` steps."""
+        cfg, popt, state = self.config, loop.popt, loop.state
+        x, y = self._batch(state.step)
+        loop.net.train()
+        loss = self._loss(loop.net(x), y)
+        seen = len(popt.history)
+        popt.minimize(loss)
+        loss_value = loss.item()
+        state.step += 1
+        step = state.step
+        if state.dense is None and step >= self.burn_in:
+            state.dense = self._dense_point(loop, step)
+        for ev in popt.history[seen:]:
+            loop.metrics.record(
+                {
+                    "step": ev.step,
+                    "kind": "prune",
+                    "mask": ev.mask,
+                    "channel": ev.channel,
+                    "channels": list(ev.channels),
+                    "cost": ev.cost_after,
+                }
+            )
+        self.progress.update(step, f"loss {loss_value:.4f} pruned {_channels_removed(popt)}")
+        if step % cfg.eval_every == 0:
+            self._eval_point(loop, step, loss_value)
+        if step % cfg.checkpoint_every == 0 and self.rank == 0:
+            loop.ckpts.save(step, self._checkpoint(popt, state))
+
+    def _dense_point(self, loop: _Loop, step: int) -> dict[str, Any]:
+        """Evaluate the model before pruning, record it and print it; return its entry."""
         value = self.evaluate()
-        metric = "accuracy" if self.classify else "mse"
-        entry = {"step": step, "kind": "dense", metric: value, "cost": popt.cost().total}
-        record(entry)
+        metric = self.metric_name
+        entry = {"step": step, "kind": "dense", metric: value, "cost": loop.popt.cost().total}
+        loop.metrics.record(entry)
         self.progress.line(
             f"dense model (step {step}): eval {metric} {value:.4f}, cost "
             f"{entry['cost']:,.0f} {self.config.pruning_convention}/example"
         )
         return entry
 
+    def _eval_point(self, loop: _Loop, step: int, loss: float) -> None:
+        """Evaluate the model as it stands, record the entry and print it."""
+        value = self.evaluate()
+        cost = loop.popt.cost().total
+        metric = self.metric_name
+        loop.metrics.record(
+            {
+                "step": step,
+                "kind": "eval",
+                metric: value,
+                "cost": cost,
+                "loss": loss,
+                "kept": self._kept(loop.popt),
+            }
+        )
+        self.progress.line(
+            f"step {step}: loss {loss:.4f}, eval {metric} "
+            f"{value:.4f}, cost {cost:,.0f} "
+            f"({cost / loop.popt.start_cost:.1%} of start)"
+        )
+
     @staticmethod
     def _kept(popt: PruningOptimizer) -> dict[str, int]:
         return {n: m.kept for n, m in popt.masks.items()}
 
-    def _checkpoint(self, popt: PruningOptimizer, state: dict[str, Any]) -> dict[str, Any]:
+    def _checkpoint(self, popt: PruningOptimizer, state: RunState) -> dict[str, Any]:
+        """What a checkpoint holds: weights, pruner, RNG states, run state, settings, model."""
         return {
             "model": self.model.state_dict(),
             "pruner": popt.state_dict(),
             "rng": rng_state(),
-            "state": copy.deepcopy(state),
+            "state": state.as_dict(),
             "config": self.config.to_dict(),
             "model_meta": {
                 "name": self.config.model,
@@ -350,13 +383,17 @@ class PruningTrainer:
             },
         }
 
-    def _resume(
-        self, ckpts: CheckpointManager, popt: PruningOptimizer, state: dict[str, Any]
-    ) -> dict[str, Any]:
+    def _resume(self, ckpts: CheckpointManager, popt: PruningOptimizer) -> RunState:
+        """Load the newest checkpoint into the model, the pruner and the RNGs and return its
+        run state; a fresh state (and a line saying so) when there is none.
+
+        Raises:
+            ValueError: the checkpoint was written for another model or other settings.
+        """
         path = ckpts.latest()
         if path is None:
             self.progress.line(f"--resume: no checkpoint in {ckpts.directory}; starting afresh")
-            return state
+            return RunState()
         saved = ckpts.load(path)
         try:
             self.model.load_state_dict(saved["model"])
@@ -369,129 +406,46 @@ class PruningTrainer:
             ) from None
         set_rng_state(saved["rng"])
         self.progress.line(f"resumed from {path} (step {saved['state']['step']})")
-        return saved["state"]
+        return RunState.from_dict(saved["state"])
 
     # ----------------------------------------------------------------- end
-    def _finish(
-        self, popt: PruningOptimizer, state: dict[str, Any], record: Any, metric_name: str
-    ) -> TrainResult:
+    def _finish(self, loop: _Loop) -> TrainResult:
+        """Evaluate the trained model, record it as the ``final`` metrics entry, and hand the
+        run over to ``finish_run`` (shrink, time, export, report, summary)."""
+        popt, state, metric = loop.popt, loop.state, self.metric_name
         final = self.evaluate()
         cost = popt.cost().total
-        dense = state["dense"] or {metric_name: float("nan"), "cost": popt.start_cost}
-        record(
+        dense = state.dense or {metric: float("nan"), "cost": popt.start_cost}
+        loop.metrics.record(
             {
-                "step": state["step"],
+                "step": state.step,
                 "kind": "final",
-                metric_name: final,
+                metric: final,
                 "cost": cost,
                 "kept": self._kept(popt),
             }
         )
-        dense_model = copy.deepcopy(self.model)
-        remove_masks(dense_model)
-        small = shrink(self.model, self.example)
-        dense_params = sum(p.numel() for p in dense_model.parameters())
-        small_params = sum(p.numel() for p in small.parameters())
-        latency = self._latency(dense_model, small)
-        result = TrainResult(
-            dense[metric_name],
-            final,
-            metric_name,
-            dense["cost"],
-            cost,
-            dense_params,
-            small_params,
-            latency,
-            state["step"],
-            _channels_removed(popt),
+        run = FinishedRun(
+            popt=popt,
+            model=self.model,
+            example=self.example,
+            samples=self.data.x_train,
+            metrics=state.metrics,
+            metric_name=metric,
+            dense_metric=dense[metric],
+            dense_cost=dense["cost"],
+            final_metric=final,
+            final_cost=cost,
+            steps=state.step,
+            prunes=_channels_removed(popt),
         )
-        if self.rank == 0:
-            from fisherprune.train.report import write_report
+        out = RunOutput(self.save_dir, self.export_dir, self.progress, write=self.rank == 0)
+        return finish_run(self.config, run, out)
 
-            result.files.update(self._export(small, popt))
-            result.files.update(
-                write_report(self.save_dir, self.config, state["metrics"], popt, result)
-            )
-        files = result.files
-        if self.rank == 0:
-            files["result"] = str(self.save_dir / "result.json")
-            (self.save_dir / "result.json").write_text(json.dumps(result.__dict__, indent=1))
-            self._print_summary(result, popt)
-        return result
 
-    def _latency(self, dense: nn.Module, small: nn.Module) -> dict[str, float]:
-        """CPU latency of the dense and the pruned model at batch 1 and 64, side by side: as
-        eager modules (``dense_b1_ms``, ...) and as served, frozen TorchScript in channels-last
-        layout for images (``served_dense_b1_ms``, ...; left out, with a line saying why, when
-        the model cannot be traced)."""
-        latency: dict[str, float] = {}
-        serve = True
-        for bs in (1, 64):
-            x = self.data.x_train[:bs]
-            forms: dict[str, tuple[dict[str, Any], Any]] = {
-                "": ({"dense": dense, "pruned": small}, x)
-            }
-            if serve:
-                try:
-                    (fd, args), (fs, _) = (frozen_for_serving(m, x) for m in (dense, small))
-                    forms["served_"] = ({"dense": fd, "pruned": fs}, args)
-                except Exception as e:  # any tracing failure; the eager figures still stand
-                    self.progress.line(f"skipped the latency as served: {first_line(e)}")
-                    serve = False
-            for prefix, (models, inputs) in forms.items():
-                t = measure_latency(models, inputs, repeats=10, rounds=3)
-                latency[f"{prefix}dense_b{bs}_ms"] = t["dense"] * 1e3
-                latency[f"{prefix}pruned_b{bs}_ms"] = t["pruned"] * 1e3
-                latency[f"{prefix}speedup_b{bs}"] = t["dense"] / t["pruned"]
-        return latency
-
-    def _export(self, small: nn.Module, popt: PruningOptimizer) -> dict[str, str]:
-        files: dict[str, str] = {}
-        self.export_dir.mkdir(parents=True, exist_ok=True)
-        plan = PruningPlan.from_model(self.model, self.example, popt.cost_model.convention)
-        plan_path = self.export_dir / "plan.json"
-        plan.save(plan_path)
-        files["plan"] = str(plan_path)
-        for fmt in self.config.export_formats:
-            try:
-                path = export_model(
-                    self.model, self.export_dir / default_file_name(fmt), self.example, format=fmt
-                )
-                files[fmt] = str(path)
-            except ImportError as e:
-                self.progress.line(f"skipped {fmt} export: {e}")
-            except OSError:
-                raise  # a failed write: the run must not look complete
-            except Exception as e:
-                if fmt == "state_dict":
-                    raise
-                # the model cannot be traced: the state_dict export and the report still stand
-                self.progress.line(f"skipped {fmt} export: {first_line(e)}")
-        return files
-
-    def _print_summary(self, r: TrainResult, popt: PruningOptimizer) -> None:
-        conv = self.config.pruning_convention
-        lines = [
-            "",
-            f"dense:  {r.metric_name} {r.dense_metric:.4f}, {r.dense_cost:,.0f} {conv}/example, "
-            f"{r.dense_params:,} parameters",
-            f"pruned: {r.metric_name} {r.final_metric:.4f}, {r.final_cost:,.0f} {conv}/example "
-            f"({r.final_cost / r.dense_cost:.1%}), {r.final_params:,} parameters "
-            f"({r.final_params / r.dense_params:.1%}); {r.prunes} channels removed in "
-            f"{r.steps} steps",
-            f"latency (CPU, {torch.get_num_threads()} threads): {_latency_text(r.latency, '')}",
-        ]
-        if "served_speedup_b64" in r.latency:
-            lines.append(
-                "latency as served (frozen TorchScript, channels-last for images): "
-                + _latency_text(r.latency, "served_")
-            )
-        lines.append("files:")
-        lines += [f"  {k}: {v}" for k, v in r.files.items()]
-        lines.append(f"  checkpoints: {self.save_dir / 'checkpoints'}")
-        lines.append(f"  metrics: {self.save_dir / 'metrics.jsonl'}")
-        for line in lines:
-            self.progress.line(line)
+def _prunable_channels(popt: PruningOptimizer) -> int:
+    """Channels in all the pruner's masks, pruned or not."""
+    return sum(m.num_channels for m in popt.masks.values())
 
 
 def _regression_outputs(data: Dataset) -> int:
@@ -501,12 +455,3 @@ def _regression_outputs(data: Dataset) -> int:
 def _channels_removed(popt: PruningOptimizer) -> int:
     """Channels pruned so far (a prune removes a block of them with ``round_to > 1``)."""
     return sum(len(e.channels) for e in popt.history)
-
-
-def _latency_text(latency: dict[str, float], prefix: str) -> str:
-    """``batch 1 a -> b ms (s x); batch 64 ...`` from the trainer's latency figures."""
-    return "; ".join(
-        f"batch {bs} {latency[f'{prefix}dense_b{bs}_ms']:.3f} -> "
-        f"{latency[f'{prefix}pruned_b{bs}_ms']:.3f} ms ({latency[f'{prefix}speedup_b{bs}']:.2f}x)"
-        for bs in (1, 64)
-    )

@@ -1,0 +1,194 @@
+"""The end of a ``fisherprune train`` run: shrink the trained model, time it against the dense
+one, export it, and write the report, ``result.json`` and the summary.
+
+It takes what the training loop measured (``FinishedRun``) and where the run's output goes
+(``RunOutput``); it knows nothing of the trainer, so imports flow trainer -> finish -> report.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from fisherprune._errors import first_line
+from fisherprune.export import PruningPlan, export_model, shrink
+from fisherprune.export.files import default_file_name
+from fisherprune.export.latency import frozen_for_serving, measure_latency
+from fisherprune.graph import remove_masks
+from fisherprune.pruner import PruningOptimizer
+from fisherprune.train.config import TrainConfig
+from fisherprune.train.progress import Progress
+from fisherprune.train.report import write_report
+from fisherprune.train.result import TrainResult
+
+__all__ = ["FinishedRun", "RunOutput", "finish_run"]
+
+_BATCH_SIZES = (1, 64)  # the batch sizes the latency is timed at
+
+
+@dataclass(frozen=True)
+class FinishedRun:
+    """What the training loop hands over once it has stopped and evaluated the final model.
+
+    Costs are per example in the run's convention; metrics are on the eval split.
+    """
+
+    popt: PruningOptimizer  # its masks give the channels kept, its cost model the convention
+    model: nn.Module  # trained, masks attached; finish_run leaves it unchanged
+    example: Tensor  # one input, (1, ...), to trace, shrink and export the model with
+    samples: Tensor  # training inputs, (N, ...): the first 1 and 64 time the latency
+    metrics: list[dict[str, Any]]  # the run's metrics log (metrics.jsonl), for the plots
+    metric_name: str  # "accuracy" or "mse"
+    dense_metric: float
+    dense_cost: float
+    final_metric: float
+    final_cost: float
+    steps: int
+    prunes: int  # channels removed
+
+
+@dataclass(frozen=True)
+class RunOutput:
+    """Where a run's output goes."""
+
+    save_dir: Path  # report.md, plots, result.json; checkpoints/ and metrics.jsonl are here
+    export_dir: Path  # plan.json and the exported model files
+    progress: Progress  # the lines the user reads
+    write: bool = True  # False on ranks other than 0 under torchrun: measure, write nothing
+
+
+def finish_run(config: TrainConfig, run: FinishedRun, out: RunOutput) -> TrainResult:
+    """Shrink ``run.model``, time it against the dense model and, when ``out.write``, export it
+    and write the report and ``result.json``, then print the summary.
+
+    Changes nothing in ``run``: the shrunk and the dense model are copies. Writes into
+    ``out.export_dir`` (``plan.json`` and one file per format of ``config.export_formats`` that
+    could be exported) and ``out.save_dir`` (``report.md``, plots when matplotlib is installed,
+    ``result.json``); a format that cannot be exported is skipped with a line saying why.
+
+    Returns:
+        The result; ``files`` names every file written (empty when not ``out.write``).
+
+    Raises:
+        OSError: a file could not be written (the run must not look complete).
+        Exception: the ``state_dict`` export failed.
+    """
+    dense_model = copy.deepcopy(run.model)
+    remove_masks(dense_model)
+    small = shrink(run.model, run.example)
+    result = TrainResult(
+        dense_metric=run.dense_metric,
+        final_metric=run.final_metric,
+        metric_name=run.metric_name,
+        dense_cost=run.dense_cost,
+        final_cost=run.final_cost,
+        dense_params=sum(p.numel() for p in dense_model.parameters()),
+        final_params=sum(p.numel() for p in small.parameters()),
+        latency=_latency(dense_model, small, run.samples, out.progress),
+        steps=run.steps,
+        prunes=run.prunes,
+    )
+    if not out.write:
+        return result
+    result.files.update(_export(config, run, out))
+    result.files.update(write_report(out.save_dir, config, run.metrics, run.popt, result))
+    result_path = out.save_dir / "result.json"
+    result.files["result"] = str(result_path)
+    result_path.write_text(json.dumps(result.__dict__, indent=1))
+    for line in _summary(config, result, out.save_dir):
+        out.progress.line(line)
+    return result
+
+
+def _latency(
+    dense: nn.Module, small: nn.Module, samples: Tensor, progress: Progress
+) -> dict[str, float]:
+    """CPU latency of the dense and the pruned model at batch 1 and 64, side by side: as
+    eager modules (``dense_b1_ms``, ...) and as served, frozen TorchScript in channels-last
+    layout for images (``served_dense_b1_ms``, ...; left out, with a line saying why, when
+    the model cannot be traced)."""
+    latency: dict[str, float] = {}
+    serve = True
+    for bs in _BATCH_SIZES:
+        x = samples[:bs]
+        forms: dict[str, tuple[dict[str, Any], Any]] = {"": ({"dense": dense, "pruned": small}, x)}
+        if serve:
+            try:
+                (fd, args), (fs, _) = (frozen_for_serving(m, x) for m in (dense, small))
+                forms["served_"] = ({"dense": fd, "pruned": fs}, args)
+            except Exception as e:  # any tracing failure; the eager figures still stand
+                progress.line(f"skipped the latency as served: {first_line(e)}")
+                serve = False
+        for prefix, (models, inputs) in forms.items():
+            t = measure_latency(models, inputs, repeats=10, rounds=3)
+            latency[f"{prefix}dense_b{bs}_ms"] = t["dense"] * 1e3
+            latency[f"{prefix}pruned_b{bs}_ms"] = t["pruned"] * 1e3
+            latency[f"{prefix}speedup_b{bs}"] = t["dense"] / t["pruned"]
+    return latency
+
+
+def _export(config: TrainConfig, run: FinishedRun, out: RunOutput) -> dict[str, str]:
+    """Write ``plan.json`` and the model in each of ``config.export_formats`` into
+    ``out.export_dir`` (created if missing); return the files written, kind -> path."""
+    files: dict[str, str] = {}
+    out.export_dir.mkdir(parents=True, exist_ok=True)
+    plan = PruningPlan.from_model(run.model, run.example, run.popt.cost_model.convention)
+    plan_path = out.export_dir / "plan.json"
+    plan.save(plan_path)
+    files["plan"] = str(plan_path)
+    for fmt in config.export_formats:
+        try:
+            path = export_model(
+                run.model, out.export_dir / default_file_name(fmt), run.example, format=fmt
+            )
+            files[fmt] = str(path)
+        except ImportError as e:
+            out.progress.line(f"skipped {fmt} export: {e}")
+        except OSError:
+            raise  # a failed write: the run must not look complete
+        except Exception as e:
+            if fmt == "state_dict":
+                raise
+            # the model cannot be traced: the state_dict export and the report still stand
+            out.progress.line(f"skipped {fmt} export: {first_line(e)}")
+    return files
+
+
+def _summary(config: TrainConfig, r: TrainResult, save_dir: Path) -> list[str]:
+    """The lines that end a run: dense against pruned, the latency, and the files written."""
+    conv = config.pruning_convention
+    lines = [
+        "",
+        f"dense:  {r.metric_name} {r.dense_metric:.4f}, {r.dense_cost:,.0f} {conv}/example, "
+        f"{r.dense_params:,} parameters",
+        f"pruned: {r.metric_name} {r.final_metric:.4f}, {r.final_cost:,.0f} {conv}/example "
+        f"({r.final_cost / r.dense_cost:.1%}), {r.final_params:,} parameters "
+        f"({r.final_params / r.dense_params:.1%}); {r.prunes} channels removed in "
+        f"{r.steps} steps",
+        f"latency (CPU, {torch.get_num_threads()} threads): {_latency_text(r.latency, '')}",
+    ]
+    if "served_speedup_b64" in r.latency:
+        lines.append(
+            "latency as served (frozen TorchScript, channels-last for images): "
+            + _latency_text(r.latency, "served_")
+        )
+    lines.append("files:")
+    lines += [f"  {k}: {v}" for k, v in r.files.items()]
+    lines.append(f"  checkpoints: {save_dir / 'checkpoints'}")
+    lines.append(f"  metrics: {save_dir / 'metrics.jsonl'}")
+    return lines
+
+
+def _latency_text(latency: dict[str, float], prefix: str) -> str:
+    """``batch 1 a -> b ms (s x); batch 64 ...`` from the run's latency figures."""
+    return "; ".join(
+        f"batch {bs} {latency[f'{prefix}dense_b{bs}_ms']:.3f} -> "
+        f"{latency[f'{prefix}pruned_b{bs}_ms']:.3f} ms ({latency[f'{prefix}speedup_b{bs}']:.2f}x)"
+        for bs in _BATCH_SIZES
+    )

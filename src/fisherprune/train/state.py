@@ -1,0 +1,77 @@
+"""What a training run keeps as it goes: ``RunState`` (saved in every checkpoint, restored by
+``--resume``) and ``MetricsLog`` (the entries of ``metrics.jsonl``)."""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["MetricsLog", "RunState"]
+
+
+@dataclass
+class RunState:
+    """Where a run stands. A checkpoint stores it as the plain dict of ``as_dict``."""
+
+    step: int = 0  # optimizer steps taken
+    dense: dict[str, Any] | None = None  # the dense model's metrics entry, once measured
+    finished_at: int | None = None  # the step at which fine-tuning began (target reached)
+    metrics: list[dict[str, Any]] = field(default_factory=list)  # metrics.jsonl so far
+
+    def as_dict(self) -> dict[str, Any]:
+        """A deep copy in the checkpoint's layout: ``step``, ``dense``, ``finished_at`` and
+        ``metrics`` (``dense`` stays the same object as its entry in ``metrics``)."""
+        return copy.deepcopy(
+            {
+                "step": self.step,
+                "dense": self.dense,
+                "finished_at": self.finished_at,
+                "metrics": self.metrics,
+            }
+        )
+
+    @classmethod
+    def from_dict(cls, state: dict[str, Any]) -> RunState:
+        """The state saved by ``as_dict``; takes ``state``'s objects without copying them.
+
+        Raises:
+            KeyError: one of the four keys is missing.
+        """
+        return cls(
+            step=state["step"],
+            dense=state["dense"],
+            finished_at=state["finished_at"],
+            metrics=state["metrics"],
+        )
+
+
+class MetricsLog:
+    """The run's metrics entries, kept in ``entries`` and, when ``write``, in the JSON-lines
+    file ``path`` (one entry a line, in the order recorded).
+
+    Args:
+        path: the file (``metrics.jsonl``).
+        entries: the list to append to, normally ``RunState.metrics``; it is not copied.
+        write: False on ranks other than 0 under torchrun: keep the entries, write nothing.
+    """
+
+    def __init__(self, path: Path, entries: list[dict[str, Any]], write: bool) -> None:
+        self.path = path
+        self.entries = entries
+        self.write = write
+
+    def restart(self) -> None:
+        """Replace the file with the entries so far: none for a new run, a resumed run's from
+        its checkpoint (anything recorded after that checkpoint is dropped)."""
+        if self.write:
+            self.path.write_text("".join(json.dumps(m) + "\n" for m in self.entries))
+
+    def record(self, entry: dict[str, Any]) -> None:
+        """Append ``entry`` to ``entries`` and, when writing, as a line to the file."""
+        self.entries.append(entry)
+        if self.write:
+            with self.path.open("a") as f:
+                f.write(json.dumps(entry) + "\n")
