@@ -871,3 +871,38 @@ def test_untraceable_model_ends_with_eager_latency_and_state_dict(
     assert lat["dense_b64_ms"] > 0 and not any(k.startswith("served_") for k in lat)
     report = (save / "report.md").read_text()
     assert "as served, batch" not in report and "could not be traced" in report
+
+
+# ========================================================================== criteria
+def test_train_with_the_l1_criterion_prunes_by_weight_norm(tmp_path: Path) -> None:
+    """``--pruning.criterion l1`` trains, prunes and exports with the L1 criterion: the run's
+    one prune (step 6) removes the hidden unit whose producing weights have the smallest L1 norm
+    in the checkpoint of that step (read from the saved weights, not from fisherprune)."""
+    x, y = _table(60, seed=0)
+    data = _write_csv(tmp_path / "t.csv", x, y)
+    save = tmp_path / "run"
+    argv = ["train", "--data", data, *MLP8, *FAST, "--save_dir", save]
+    cli = run_cli(*argv, "--pruning.criterion", "l1", "--train.steps", "6")
+    assert cli.code == 0, cli.err
+    after = CheckpointManager.load(save / "checkpoints" / "ckpt-00000006.pt")
+    weights = after["model"]
+    (w_key,) = [k for k, v in weights.items() if k.endswith("weight") and v.shape[:1] == (8,)]
+    l1 = weights[w_key].abs().sum(1)
+    (mask_key,) = [k for k in weights if k.endswith(".mask")]
+    removed = (weights[mask_key] < 0.5).nonzero().flatten().tolist()
+    assert removed == [int(l1.argmin())]
+    events = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
+    assert [e["channel"] for e in events if e["kind"] == "prune"] == removed
+
+
+def test_resume_with_another_criterion_exits_2(tmp_path: Path) -> None:
+    """A run pruned by Fisher does not resume ranking by L1: exit 2, one line naming the
+    criterion."""
+    x, y = _table(60, seed=0)
+    data = _write_csv(tmp_path / "t.csv", x, y)
+    save = tmp_path / "run"
+    base = ["train", "--data", data, *MLP8, *FAST, "--save_dir", save]
+    assert run_cli(*base, "--train.steps", "10").code == 0
+    cli = run_cli(*base, "--train.steps", "20", "--resume", "--pruning.criterion", "l1")
+    assert cli.code == 2, cli.err
+    assert "criterion" in cli.err and "Traceback" not in cli.err

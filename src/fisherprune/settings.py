@@ -22,6 +22,7 @@ __all__ = [
     "check_min_channels",
     "check_optimizer_name",
     "check_round_to",
+    "parse_flops_weight",
 ]
 
 #: how a training loss reduces over the batch (a mean-reduced loss's per-example gradients are
@@ -108,3 +109,14 @@ def check_optimizer_name(name: Any) -> str:
     if name not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {name!r}")
     return str(name)
+
+
+def parse_flops_weight(flops_weight: Any, name: str = "flops_weight") -> str | float:
+    """``check_flops_weight`` of a value that may also be a number written as a string (a
+    config file or command-line flag: ``"auto"``, ``"0"``, ``"1e-9"``)."""
+    if isinstance(flops_weight, str) and flops_weight.strip().lower() != "auto":
+        try:
+            flops_weight = float(flops_weight)
+        except ValueError:
+            raise ValueError(f"{name} must be 'auto' or a number, got {flops_weight!r}") from None
+    return check_flops_weight(flops_weight)

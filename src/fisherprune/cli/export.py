@@ -9,7 +9,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from fisherprune.export import FORMATS
+from fisherprune.export import FORMATS, export_model
+from fisherprune.graph import apply_masks
+from fisherprune.train.checkpoint import CheckpointManager
+from fisherprune.train.models import build_model
 
 __all__ = ["export_command", "export_parser", "model_from_checkpoint"]
 
@@ -35,9 +38,6 @@ def model_from_checkpoint(path: str) -> tuple[nn.Module, Any]:
     Raises:
         FileNotFoundError / ValueError: missing or foreign checkpoint.
     """
-    from fisherprune.graph import apply_masks
-    from fisherprune.train.checkpoint import CheckpointManager
-    from fisherprune.train.models import build_model
 
     p = Path(path)
     if not p.is_file():
@@ -60,7 +60,6 @@ def model_from_checkpoint(path: str) -> tuple[nn.Module, Any]:
 
 
 def export_command(args: argparse.Namespace) -> int:
-    from fisherprune.export import export_model
 
     if args.freeze and args.format != "torchscript":
         raise ValueError(f"--freeze applies to --format torchscript only, not {args.format}")

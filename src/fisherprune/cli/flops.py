@@ -6,6 +6,11 @@ import argparse
 
 import torch
 
+from fisherprune.cli.export import model_from_checkpoint
+from fisherprune.cost import CostModel
+from fisherprune.graph import apply_masks
+from fisherprune.train.models import build_model
+
 __all__ = ["flops_command", "flops_parser"]
 
 
@@ -41,13 +46,8 @@ def flops_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPar
 
 
 def flops_command(args: argparse.Namespace) -> int:
-    from fisherprune.cost import CostModel
-    from fisherprune.graph import apply_masks
-    from fisherprune.train.models import build_model
 
     if args.checkpoint:
-        from fisherprune.cli.export import model_from_checkpoint
-
         model, example = model_from_checkpoint(args.checkpoint)
         masks = None
     else:

@@ -8,6 +8,7 @@ import typing
 from typing import Any
 
 from fisherprune.train.config import ALIASES, HELP, TrainConfig
+from fisherprune.train.trainer import PruningTrainer
 
 __all__ = ["train_command", "train_parser"]
 
@@ -94,7 +95,6 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 
 def train_command(args: argparse.Namespace) -> int:
-    from fisherprune.train.trainer import PruningTrainer
 
     PruningTrainer(config_from_args(args)).run()
     return 0

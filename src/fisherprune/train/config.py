@@ -22,7 +22,14 @@ from typing import Any
 
 from fisherprune.cost import CONVENTIONS
 from fisherprune.export.files import FORMATS
-from fisherprune.settings import check_min_channels
+from fisherprune.settings import (
+    check_decay,
+    check_min_channels,
+    check_optimizer_name,
+    check_round_to,
+    parse_flops_weight,
+)
+from fisherprune.signals.criteria import CRITERIA
 
 __all__ = ["ALIASES", "HELP", "TrainConfig"]
 
@@ -51,6 +58,7 @@ ALIASES: dict[str, str] = {
     "pruning.convention": "pruning_convention",
     "pruning.score_convention": "pruning_score_convention",
     "pruning.round_to": "pruning_round_to",
+    "pruning.criterion": "pruning_criterion",
     "train.batch_size": "batch_size",
     "train.steps": "steps",
     "train.epochs": "epochs",
@@ -88,6 +96,7 @@ HELP: dict[str, str] = {
     "pruning_flops_weight": "auto (signal/cost), a number w (signal - w*cost), or 0",
     "pruning_min_channels": "fewest channels any group keeps: a count, or a fraction such as 0.1",
     "pruning_round_to": "every group keeps a multiple of this many channels (8: CPU-friendly)",
+    "pruning_criterion": "how channels are ranked: fisher (the seed's), taylor, l1 or random",
     "pruning_convention": "cost of the target: flops, macs, twml, memory or params",
     "pruning_score_convention": "cost the signal is weighed against (default: the target's); "
     "memory = Group Fisher Pruning's memory-normalised selection",
@@ -131,6 +140,8 @@ class TrainConfig:
         pruning_min_channels: fewest channels per group.
         pruning_round_to: every group keeps a multiple of this many channels (1: any count);
             see ``PruningOptimizer``.
+        pruning_criterion: how channels are ranked, a name in ``fisherprune.criteria.CRITERIA``
+            (fisher, taylor, l1, random); a resumed run must keep it.
         pruning_convention: cost convention (flops, macs, twml, memory, params) of the target.
         pruning_score_convention: cost convention the signal is weighed against when choosing
             a channel (None: ``pruning_convention``); see ``PruningOptimizer``.
@@ -174,6 +185,7 @@ class TrainConfig:
     pruning_flops_weight: str = "auto"
     pruning_min_channels: int | float = 1
     pruning_round_to: int = 1
+    pruning_criterion: str = "fisher"
     pruning_convention: str = "flops"
     pruning_score_convention: str | None = None
 
@@ -216,21 +228,22 @@ class TrainConfig:
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
                 raise ValueError(f"{name} must be a number > 0, got {v!r}")
-        if not 0.0 <= self.pruning_decay < 1.0:
-            raise ValueError(f"pruning_decay must be in [0, 1), got {self.pruning_decay!r}")
+        check_decay(self.pruning_decay, "pruning_decay")
         if not 0.0 <= self.momentum < 1.0:
             raise ValueError(f"momentum must be in [0, 1), got {self.momentum!r}")
-        if self.optimizer not in ("sgd", "adam", "adamw"):
-            raise ValueError(f"optimizer must be sgd, adam or adamw, got {self.optimizer!r}")
+        check_optimizer_name(self.optimizer)
         if self.progress not in ("auto", "bar", "plain", "none"):
             raise ValueError(f"progress must be auto, bar, plain or none, got {self.progress!r}")
         bad = [f for f in self.export_formats if f not in FORMATS]
         if bad:
             raise ValueError(f"unknown export format(s) {bad}; use {', '.join(FORMATS)}")
-        check_min_channels(self.pruning_min_channels)
-        if isinstance(self.pruning_round_to, bool) or self.pruning_round_to < 1:
+        check_min_channels(self.pruning_min_channels, "pruning_min_channels")
+        check_round_to(self.pruning_round_to, "pruning_round_to")
+        parse_flops_weight(self.pruning_flops_weight, "pruning_flops_weight")
+        if self.pruning_criterion not in CRITERIA:
             raise ValueError(
-                f"pruning_round_to must be an integer >= 1, got {self.pruning_round_to!r}"
+                f"pruning_criterion must be one of {', '.join(CRITERIA)}, "
+                f"got {self.pruning_criterion!r}"
             )
         for name in ("pruning_convention", "pruning_score_convention"):
             v = getattr(self, name)

@@ -7,6 +7,7 @@ import logging
 import math
 import os
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,9 @@ from torch import Tensor, nn
 from fisherprune._errors import first_line
 from fisherprune.graph import apply_masks
 from fisherprune.masks import find_masks
+from fisherprune.modes import eval_mode
 from fisherprune.pruner import PruningOptimizer
+from fisherprune.settings import OPTIMIZERS, parse_flops_weight
 from fisherprune.train.checkpoint import CheckpointManager, rng_state, set_rng_state
 from fisherprune.train.config import TrainConfig
 from fisherprune.train.data import Dataset, DataSpec, load_data
@@ -33,6 +36,20 @@ from fisherprune.train.state import MetricsLog, RunState
 __all__ = ["PruningTrainer", "TrainResult"]
 
 log = logging.getLogger("fisherprune")
+
+#: the inner optimizer of each name in ``settings.OPTIMIZERS`` (the seed's is momentum SGD)
+_INNER_OPTIMIZERS: dict[str, Callable[[list[nn.Parameter], TrainConfig], torch.optim.Optimizer]] = {
+    "sgd": lambda params, cfg: torch.optim.SGD(
+        params, lr=cfg.learning_rate, momentum=cfg.momentum, weight_decay=cfg.weight_decay
+    ),
+    "adam": lambda params, cfg: torch.optim.Adam(
+        params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay
+    ),
+    "adamw": lambda params, cfg: torch.optim.AdamW(
+        params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay
+    ),
+}
+assert set(_INNER_OPTIMIZERS) == set(OPTIMIZERS)
 
 
 def _dist_info() -> tuple[int, int]:
@@ -129,14 +146,7 @@ class PruningTrainer:
     def _optimizer(self) -> PruningOptimizer:
         cfg = self.config
         params = [p for p in self.model.parameters() if p.requires_grad]
-        if cfg.optimizer == "sgd":
-            inner: torch.optim.Optimizer = torch.optim.SGD(
-                params, lr=cfg.learning_rate, momentum=cfg.momentum, weight_decay=cfg.weight_decay
-            )
-        elif cfg.optimizer == "adam":
-            inner = torch.optim.Adam(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
-        else:
-            inner = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+        inner = _INNER_OPTIMIZERS[cfg.optimizer](params, cfg)
         n = self.data.x_train.shape[0]
         self.global_batch = min(cfg.batch_size * self.world, n)
         self.batches_per_epoch = max(1, n // self.global_batch)
@@ -144,14 +154,6 @@ class PruningTrainer:
         if burn_in is None:
             burn_in = math.ceil(cfg.epochs * self.batches_per_epoch)
         self.burn_in = burn_in
-        fw: Any = cfg.pruning_flops_weight
-        if isinstance(fw, str) and fw.lower() != "auto":
-            try:
-                fw = float(fw)
-            except ValueError:
-                raise ValueError(
-                    f"pruning_flops_weight must be 'auto' or a number, got {fw!r}"
-                ) from None
         return PruningOptimizer(
             self.model,
             self.example,
@@ -159,12 +161,13 @@ class PruningTrainer:
             prune_every=cfg.pruning_iter,
             burn_in=burn_in,
             decay=cfg.pruning_decay,
-            flops_weight=fw,
+            flops_weight=parse_flops_weight(cfg.pruning_flops_weight, "pruning_flops_weight"),
             flops_target=cfg.pruning_flops_target,
             min_channels=cfg.pruning_min_channels,
             round_to=cfg.pruning_round_to,
             convention=cfg.pruning_convention,
             score_convention=cfg.pruning_score_convention,
+            criterion=cfg.pruning_criterion,
         )
 
     # -------------------------------------------------------------- batches
@@ -188,10 +191,8 @@ class PruningTrainer:
     def evaluate(self, model: nn.Module | None = None) -> float:
         """Accuracy (classification) or mean squared error (regression) on the eval split."""
         model = model or self.model
-        flags = {m: m.training for m in model.modules()}
-        model.eval()
         correct, total, sq = 0, 0, 0.0
-        with torch.no_grad():
+        with eval_mode(model), torch.no_grad():
             for lo in range(0, self.data.x_eval.shape[0], 512):
                 x = self.data.x_eval[lo : lo + 512]
                 y = self.data.y_eval[lo : lo + 512]
@@ -201,8 +202,6 @@ class PruningTrainer:
                 else:
                     sq += float(((out.reshape(y.shape) - y) ** 2).sum())
                 total += y.shape[0]
-        for m, f in flags.items():
-            m.training = f
         return correct / total if self.classify else sq / total
 
     @property
