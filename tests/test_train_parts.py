@@ -3,7 +3,6 @@ metrics log, the run's finish, and the one-way imports between the modules of ``
 
 from __future__ import annotations
 
-import ast
 import json
 from pathlib import Path
 
@@ -142,54 +141,3 @@ def test_train_package_exports_the_trainer_and_its_settings() -> None:
     themselves."""
     assert PruningTrainer is TrainerFromModule and TrainConfig is ConfigFromModule
     assert TrainResult.__module__ == "fisherprune.train.result"
-
-
-def _train_imports(path: Path) -> tuple[set[str], list[str]]:
-    """The ``fisherprune.train`` modules ``path`` imports, and its imports of fisherprune
-    modules that sit inside a function or class (not at the top of the file)."""
-    tree = ast.parse(path.read_text())
-    top = set(tree.body)
-    imported: set[str] = set()
-    nested: list[str] = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("fisherprune"):
-            names = [node.module or ""]
-        elif isinstance(node, ast.Import):
-            names = [a.name for a in node.names if a.name.startswith("fisherprune")]
-        else:
-            continue
-        if node not in top and names:
-            nested.append(f"{path.name}:{node.lineno}")
-        imported.update(n.removeprefix("fisherprune.train.") for n in names if "train." in n)
-    return imported, nested
-
-
-def test_train_modules_import_one_way_and_at_the_top() -> None:
-    """The modules of train/ (not counting the package's __init__) import each other without a
-    cycle, never import one another's private names, and import fisherprune only at the top of
-    the file, so that no import is hidden in a function to dodge a cycle."""
-    graph: dict[str, set[str]] = {}
-    nested: list[str] = []
-    for path in sorted(TRAIN.glob("*.py")):
-        if path.name == "__init__.py":
-            continue
-        imported, inside = _train_imports(path)
-        graph[path.stem] = imported - {path.stem}
-        nested += inside
-        private = [
-            f"{path.name}: {a.name}"
-            for node in ast.walk(ast.parse(path.read_text()))
-            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("fisherprune.")
-            for a in node.names
-            if a.name.startswith("_")
-        ]
-        assert not private, private
-    assert {"trainer", "finish", "report", "result"} <= set(graph)
-    importers = sorted(m for m in graph if "trainer" in graph[m] and m != "trainer")
-    assert importers == [], f"{importers} import the trainer; it must import them"
-    assert nested == [], f"fisherprune imported inside a function or class: {nested}"
-    done: set[str] = set()
-    while len(done) < len(graph):  # peel off modules whose imports are all peeled: a cycle stops it
-        ready = {m for m in graph if m not in done and graph[m] <= done}
-        assert ready, f"import cycle among {sorted(set(graph) - done)}"
-        done |= ready
