@@ -95,7 +95,8 @@ class CostModel:
 
     Args:
         model: the network, with MaskLayers placed by hand or by ``apply_masks``.
-        example_inputs: a tensor or tuple of positional inputs; dim 0 is the batch.
+        example_inputs: a tensor, a tuple of positional inputs or a dict of keyword inputs
+            (``fisherprune.inputs``); traced costs are divided by their batch size.
         convention: a name in ``CONVENTIONS``; see ``fisherprune.cost.conventions``.
         loss_fn: optional callable on the model output, traced and costed too
             (the seed counted its loss's own ops).
@@ -300,7 +301,9 @@ def computational_cost(
 
     Args:
         model: the network with its masks.
-        example_inputs: a tensor or tuple of positional inputs; dim 0 is the batch.
+        example_inputs: a tensor, a tuple of positional inputs or a dict of keyword inputs
+            (``model(**example_inputs)``); per-example costs are divided by their batch size,
+            read as ``fisherprune.inputs`` says (a list of images is a batch of its length).
         convention: ``"flops"`` (default; equals ``FlopCounterMode`` on the shrunk
             network, per example), ``"macs"``, ``"twml"`` (the seed's formula),
             ``"memory"`` or ``"params"``.

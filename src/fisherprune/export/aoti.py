@@ -21,6 +21,7 @@ from torch.utils import _pytree as pytree
 from fisherprune._errors import first_line
 from fisherprune.export.layout import serving_copy, to_channels_last
 from fisherprune.export.plan import PruningPlan
+from fisherprune.inputs import Inputs
 
 __all__ = ["AOTIModule", "load_aoti_export", "write_aoti"]
 
@@ -29,31 +30,39 @@ METADATA_KEY = "fisherprune"
 
 
 class _ServedInputs(nn.Module):
-    """Runs ``model`` on its positional inputs; with ``channels_last``, every 4-D
-    floating-point one is put in channels-last layout first, so that a package compiled from it
+    """Runs ``model`` on its inputs, given positionally: as they are, or, with ``names``, as
+    the keyword arguments of those names in that order (``torch.export`` cannot give dynamic
+    shapes to a ``**kwargs`` wrapper, so a keyword model is compiled with positional inputs and
+    ``AOTIModule`` maps keywords to positions). With ``channels_last``, every 4-D
+    floating-point input is put in channels-last layout first, so that a package compiled from it
     takes ordinary (contiguous) inputs while its convolutions run in the layout oneDNN computes
     fastest on CPU."""
 
-    def __init__(self, model: nn.Module, channels_last: bool) -> None:
+    def __init__(self, model: nn.Module, channels_last: bool, names: list[str] | None) -> None:
         super().__init__()
         self.model = model
         self.channels_last = channels_last
+        self.names = names
 
     def forward(self, *args: Tensor) -> Any:
         if self.channels_last:
             args = tuple(to_channels_last(a) for a in args)
-        return self.model(*args)
+        if self.names is None:
+            return self.model(*args)
+        return self.model(**dict(zip(self.names, args, strict=True)))
 
 
-def write_aoti(model: nn.Module, args: tuple[Any, ...], tmp: Path, plan: PruningPlan) -> None:
-    """Compile ``model`` (eval mode, not changed) for inputs shaped like ``args`` with any batch
-    size into the AOTInductor package ``tmp`` (its name ends in ``.pt2``).
+def write_aoti(model: nn.Module, inputs: Inputs, tmp: Path, plan: PruningPlan) -> None:
+    """Compile ``model`` (eval mode, not changed) for inputs shaped like ``inputs`` (positional
+    or keyword ones) with any batch size into the AOTInductor package ``tmp`` (its name ends in
+    ``.pt2``).
 
     Every input's first dimension is the batch, one size for all. Image models (first input
     4-D) are compiled in channels-last layout: their weights in that layout, and a layout change
     of the inputs at the start of the graph. Parallel loops use as many threads as the serving
     process has (``torch.set_num_threads``), not the compiling one. The package records the
-    input shapes and dtypes, the layout and ``plan`` in its metadata.
+    input names (for keyword inputs), shapes and dtypes, the layout and ``plan`` in its
+    metadata.
 
     Raises:
         ValueError: an example input is not a tensor, or the inputs do not share a first
@@ -61,6 +70,8 @@ def write_aoti(model: nn.Module, args: tuple[Any, ...], tmp: Path, plan: Pruning
         RuntimeError: ``torch.export`` cannot capture the model, or AOTInductor cannot compile
             it (no C++ compiler, say); the message says which.
     """
+    named = inputs.arguments()
+    args = [a for _, a in named]
     if not args or not all(isinstance(a, Tensor) for a in args):
         kinds = ", ".join(type(a).__name__ for a in args) or "none"
         raise ValueError(
@@ -75,11 +86,15 @@ def write_aoti(model: nn.Module, args: tuple[Any, ...], tmp: Path, plan: Pruning
             f"every example input must have it, the same (got shapes {shapes})"
         )
     channels_last = args[0].dim() == 4
-    net = _ServedInputs(serving_copy(model, channels_last), channels_last)
+    names = [n for n, _ in named] if inputs.keyword else None
+    net = _ServedInputs(serving_copy(model, channels_last), channels_last, names)
     # batch 2: an example of size 1 would be specialised to 1
-    args2 = tuple(torch.cat([a, a]).contiguous() for a in args)
+    args2 = tuple(a.contiguous() for _, a in inputs.repeated(2).arguments())
     meta = {
-        "inputs": [{"shape": list(a.shape[1:]), "dtype": str(a.dtype)} for a in args],
+        "inputs": [
+            {"name": n, "shape": list(a.shape[1:]), "dtype": str(a.dtype)} for n, a in named
+        ],
+        "keyword": inputs.keyword,
         "channels_last": channels_last,
         "plan": plan.to_dict(),
     }
@@ -153,6 +168,9 @@ class AOTIModule(nn.Module):
     Attributes:
         plan: the ``PruningPlan`` of the exported network.
         channels_last: whether the package computes its convolutions in channels-last layout.
+        input_names: for a model exported with keyword inputs (a dict of example inputs), their
+            names: the module then takes those keywords (``loaded(**inputs)``); None for
+            positional inputs.
         path: the package file.
     """
 
@@ -168,36 +186,63 @@ class AOTIModule(nn.Module):
         if self._run is not None:
             self._out_spec = pytree.treespec_loads(loader.get_call_spec()[1])
         self._inputs = [(tuple(i["shape"]), i["dtype"]) for i in meta["inputs"]]
+        #: the keyword names of the inputs, in compiled order; None: positional inputs
+        self.input_names: list[str] | None = (
+            [i["name"] for i in meta["inputs"]] if meta.get("keyword") else None
+        )
         self.plan = PruningPlan.from_dict(meta["plan"])
         self.channels_last = bool(meta["channels_last"])
         self.path = path
 
-    def forward(self, *args: Tensor) -> Any:
+    def forward(self, *args: Tensor, **kwargs: Tensor) -> Any:
+        """Run the package on its inputs: positional ones, or, for a model exported with
+        keyword inputs, the same keywords in any order.
+
+        Raises:
+            ValueError: inputs of another number, names, shape (but the batch), dtype or
+                device than the package was compiled for, or of different batch sizes.
+        """
+        flat, labels = self._ordered(args, kwargs)
         name = self.path.name
-        if len(args) != len(self._inputs):
-            raise ValueError(f"{name} takes {len(self._inputs)} input(s), got {len(args)}")
-        for i, (a, (shape, dtype)) in enumerate(zip(args, self._inputs, strict=True)):
+        for a, label, (shape, dtype) in zip(flat, labels, self._inputs, strict=True):
             if not isinstance(a, Tensor):
-                raise ValueError(f"input {i} of {name} must be a tensor, got {type(a).__name__}")
+                kind = type(a).__name__
+                raise ValueError(f"input {label} of {name} must be a tensor, got {kind}")
             if a.dim() != len(shape) + 1 or tuple(a.shape[1:]) != shape or a.shape[0] < 1:
                 want = ", ".join(["batch", *map(str, shape)])
                 raise ValueError(
-                    f"input {i} has shape {tuple(a.shape)}; {name} was compiled for "
+                    f"input {label} has shape {tuple(a.shape)}; {name} was compiled for "
                     f"({want}) with a batch of at least 1"
                 )
             if str(a.dtype) != dtype:
-                raise ValueError(
-                    f"input {i} is {a.dtype}; {self.path.name} was compiled for {dtype}"
-                )
+                raise ValueError(f"input {label} is {a.dtype}; {name} was compiled for {dtype}")
             if a.device.type != "cpu":
-                raise ValueError(f"input {i} is on {a.device}; {name} runs on the CPU")
-        if len({a.shape[0] for a in args}) > 1:
-            sizes = ", ".join(str(a.shape[0]) for a in args)
+                raise ValueError(f"input {label} is on {a.device}; {name} runs on the CPU")
+        if len({a.shape[0] for a in flat}) > 1:
+            sizes = ", ".join(str(a.shape[0]) for a in flat)
             raise ValueError(f"the inputs of {name} must share one batch size, got {sizes}")
-        flat = [a.contiguous() for a in args]
+        flat = [a.contiguous() for a in flat]
         if self._run is None:
             return self._compiled(*flat)
         return pytree.tree_unflatten(self._run(flat), self._out_spec)
+
+    def _ordered(self, args: tuple, kwargs: dict[str, Any]) -> tuple[list[Any], list[str]]:
+        """The inputs in compiled order, and how messages name each one."""
+        name = self.path.name
+        if self.input_names is None:
+            if kwargs:
+                raise ValueError(
+                    f"{name} takes positional inputs, got keyword input(s) {', '.join(kwargs)}"
+                )
+            if len(args) != len(self._inputs):
+                raise ValueError(f"{name} takes {len(self._inputs)} input(s), got {len(args)}")
+            return list(args), [str(i) for i in range(len(args))]
+        if args or set(kwargs) != set(self.input_names):
+            given = ", ".join([*(f"#{i}" for i in range(len(args))), *kwargs]) or "none"
+            raise ValueError(
+                f"{name} takes the keyword inputs {', '.join(self.input_names)}; got {given}"
+            )
+        return [kwargs[k] for k in self.input_names], [repr(k) for k in self.input_names]
 
 
 def load_aoti_export(path: str | os.PathLike) -> AOTIModule:

@@ -22,7 +22,7 @@ from fisherprune.export.plan import PruningPlan
 from fisherprune.export.safe_load import load_plain
 from fisherprune.export.shrink import shrink
 from fisherprune.export.storage import atomic_save
-from fisherprune.inputs import as_args
+from fisherprune.inputs import Inputs
 from fisherprune.masks import find_masks
 from fisherprune.masks.points import remembered_inputs
 from fisherprune.modes import eval_mode
@@ -107,35 +107,41 @@ def _write(
     plan: PruningPlan,
     freeze: bool = False,
 ) -> None:
-    args = as_args(example_inputs) if example_inputs is not None else ()
-    _FORMATS[format].write(small, path, args, plan, freeze)
+    inputs = Inputs.of(example_inputs if example_inputs is not None else ())
+    _FORMATS[format].write(small, path, inputs, plan, freeze)
 
 
-def _state_dict(small: nn.Module, path: Path, args: tuple, plan: PruningPlan, freeze: bool) -> None:
+def _state_dict(
+    small: nn.Module, path: Path, inputs: Inputs, plan: PruningPlan, freeze: bool
+) -> None:
     state = {k: v.detach().cpu() for k, v in small.state_dict().items()}
     payload = {"state_dict": state, "plan": plan.to_dict()}
     atomic_save(path, lambda tmp: torch.save(payload, tmp))
 
 
 def _torchscript(
-    small: nn.Module, path: Path, args: tuple, plan: PruningPlan, freeze: bool
+    small: nn.Module, path: Path, inputs: Inputs, plan: PruningPlan, freeze: bool
 ) -> None:
-    scripted = traced(small, args, freeze)
+    scripted = traced(small, inputs, freeze)
     atomic_save(path, lambda tmp: torch.jit.save(scripted, str(tmp)))
 
 
-def _onnx_file(small: nn.Module, path: Path, args: tuple, plan: PruningPlan, freeze: bool) -> None:
-    atomic_save(path, lambda tmp: _onnx(small, args, tmp))
+def _onnx_file(
+    small: nn.Module, path: Path, inputs: Inputs, plan: PruningPlan, freeze: bool
+) -> None:
+    atomic_save(path, lambda tmp: _onnx(small, inputs, tmp))
 
 
-def _aoti_file(small: nn.Module, path: Path, args: tuple, plan: PruningPlan, freeze: bool) -> None:
-    atomic_save(path, lambda tmp: write_aoti(small, args, tmp, plan), suffix=".pt2")
+def _aoti_file(
+    small: nn.Module, path: Path, inputs: Inputs, plan: PruningPlan, freeze: bool
+) -> None:
+    atomic_save(path, lambda tmp: write_aoti(small, inputs, tmp, plan), suffix=".pt2")
 
 
 @dataclass(frozen=True)
 class _Format:
-    #: (shrunk model in eval mode, path, example args, plan, freeze) -> writes the file
-    write: Callable[[nn.Module, Path, tuple, PruningPlan, bool], None]
+    #: (shrunk model in eval mode, path, example inputs, plan, freeze) -> writes the file
+    write: Callable[[nn.Module, Path, Inputs, PruningPlan, bool], None]
     file_name: str  # what the trainer calls the file in its export directory
 
 
@@ -153,39 +159,48 @@ def default_file_name(format: str) -> str:
     return _FORMATS[format].file_name
 
 
-def traced(model: nn.Module, args: tuple, freeze: bool) -> torch.jit.ScriptModule:
-    """``torch.jit.trace`` of ``model`` on ``args`` without autograd, frozen with ``freeze``
+def traced(model: nn.Module, example_inputs: Any, freeze: bool) -> torch.jit.ScriptModule:
+    """``torch.jit.trace`` of ``model`` on ``example_inputs`` (a tensor, a tuple of positional
+    inputs or a dict of keyword inputs: ``example_kwarg_inputs``, and the traced module takes
+    them by keyword or in the order given) without autograd, frozen with ``freeze``
     (parameters become constants, batch norm is folded into the convs). Raises what
     ``torch.jit.trace`` raises for an untraceable model (``RuntimeError``,
     ``torch.jit.TracingCheckError``, ...)."""
+    inputs = Inputs.of(example_inputs)
     with torch.no_grad():
-        scripted = torch.jit.trace(model, args)
+        if inputs.keyword:
+            scripted = torch.jit.trace(model, example_kwarg_inputs=dict(inputs.kwargs))
+        else:
+            scripted = torch.jit.trace(model, inputs.args)
         return torch.jit.freeze(scripted) if freeze else scripted
 
 
-def _onnx(model: nn.Module, args: tuple, tmp: Path) -> None:
-    """ONNX with a dynamic batch dimension (traced at batch 2: size 1 would be specialised)."""
-    args2 = tuple(torch.cat([a, a]) if isinstance(a, torch.Tensor) else a for a in args)
+def _onnx(model: nn.Module, inputs: Inputs, tmp: Path) -> None:
+    """ONNX with a dynamic batch dimension (traced at batch 2: size 1 would be specialised).
+    Keyword inputs become graph inputs of the same names."""
+    inputs2 = inputs.repeated(2)
     with torch.no_grad():
         if importlib.util.find_spec("onnxscript") is not None:
             batch = torch.export.Dim("batch", min=1)
-            dyn = tuple({0: batch} if isinstance(a, torch.Tensor) else None for a in args2)
+            dyn = inputs.map_leaves(lambda _, batched: {0: batch} if batched else None)
             with _quiet_onnx():
                 prog = torch.onnx.export(
                     model,
-                    args2,
+                    inputs2.args,
+                    kwargs=inputs2.kwargs or None,
                     dynamo=True,
                     external_data=False,
-                    dynamic_shapes=dyn,
+                    dynamic_shapes=dyn.packed(),
                     verbose=False,
                 )
                 prog.save(str(tmp))
         else:
-            names = [f"input{i}" for i in range(len(args2))]
+            names = [k if inputs.keyword else f"input{k}" for k, _ in inputs.arguments()]
             torch.onnx.export(
                 model,
-                args2,
+                inputs2.args,
                 str(tmp),
+                kwargs=inputs2.kwargs or None,
                 dynamo=False,
                 input_names=names,
                 dynamic_axes={n: {0: "batch"} for n in names},

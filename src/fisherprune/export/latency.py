@@ -15,7 +15,7 @@ from torch import nn
 
 from fisherprune.export.files import traced
 from fisherprune.export.layout import serving_copy, to_channels_last
-from fisherprune.inputs import as_args
+from fisherprune.inputs import Inputs
 from fisherprune.modes import eval_mode
 
 __all__ = ["frozen_for_serving", "measure_latency", "retain_freed_memory"]
@@ -117,7 +117,8 @@ def measure_latency(
     Args:
         models: what to time, by name: ``nn.Module`` s, TorchScript modules (frozen ones too),
             loaded AOTInductor packages, or any callable taking ``inputs``.
-        inputs: one tensor, or a tuple or list of the positional arguments of every model.
+        inputs: one tensor, a tuple or list of the positional arguments of every model, or a
+            dict of their keyword arguments (``model(**inputs)``).
         repeats: calls per timed block; ``warmup`` untimed calls per model come first.
         rounds: timed blocks per model.
         statistic: ``"median"`` of the blocks, or ``"min"``: the fastest block, the better
@@ -138,17 +139,17 @@ def measure_latency(
         raise ValueError(f"statistic must be one of {', '.join(STATISTICS)}, got {statistic!r}")
     if repeats < 1 or rounds < 1:
         raise ValueError(f"repeats and rounds must be at least 1, got {repeats} and {rounds}")
-    args = as_args(inputs)
+    given = Inputs.of(inputs)
     times: dict[str, list[float]] = {name: [] for name in models}
     with eval_mode(*models.values()), torch.inference_mode():
         for model in models.values():
             for _ in range(warmup):
-                model(*args)
+                given.call(model)
         for _ in range(rounds):
             for name, model in models.items():
                 t0 = time.perf_counter()
                 for _ in range(repeats):
-                    model(*args)
+                    given.call(model)
                 times[name].append((time.perf_counter() - t0) / repeats)
     summary = STATISTICS[statistic]
     return {name: summary(ts) for name, ts in times.items()}
@@ -156,7 +157,7 @@ def measure_latency(
 
 def frozen_for_serving(
     model: nn.Module, inputs: Any, channels_last: bool | None = None
-) -> tuple[torch.jit.ScriptModule, tuple[Any, ...]]:
+) -> tuple[torch.jit.ScriptModule, tuple[Any, ...] | dict[str, Any]]:
     """``model`` as it is best served on CPU: frozen TorchScript (what
     ``export_model(format="torchscript", freeze=True)`` writes), with its weights in
     channels-last layout when the inputs are images.
@@ -167,12 +168,15 @@ def frozen_for_serving(
 
     Args:
         model: an ``nn.Module`` (a shrunk one, or the dense one to compare against).
-        inputs: one tensor, or a tuple or list of the positional arguments; with channels-last,
-            every 4-D floating-point input is put in that layout.
+        inputs: one tensor, a tuple or list of the positional arguments, or a dict of the
+            keyword arguments (traced with ``example_kwarg_inputs``; the frozen module takes
+            them by keyword); with channels-last, every 4-D floating-point input tensor is put
+            in that layout.
         channels_last: the layout; None chooses by the first input's dimensions.
 
     Returns:
-        The frozen module and the inputs in its layout (a tuple of positional arguments).
+        The frozen module and the inputs in its layout: a tuple of positional arguments, or a
+        dict of keyword arguments if ``inputs`` was a dict.
         ``measure_latency({"dense": d, "pruned": p}, args)`` then times what serving costs.
 
     Changes: nothing; ``model`` is copied.
@@ -185,9 +189,11 @@ def frozen_for_serving(
     """
     if inputs is None:
         raise ValueError("frozen_for_serving needs example inputs to trace the model with")
-    args = as_args(inputs)
+    given = Inputs.of(inputs)
     if channels_last is None:
-        channels_last = bool(args) and isinstance(args[0], torch.Tensor) and args[0].dim() == 4
+        first = given.arguments()[0][1] if given.arguments() else None
+        channels_last = isinstance(first, torch.Tensor) and first.dim() == 4
     if channels_last:
-        args = tuple(to_channels_last(a) for a in args)
-    return traced(serving_copy(model, channels_last), args, freeze=True), args
+        given = given.map(to_channels_last)
+    frozen = traced(serving_copy(model, channels_last), given, freeze=True)
+    return frozen, given.packed()

@@ -68,7 +68,8 @@ class PruningPlan:
 
         Args:
             model: a model with masks (from ``apply_masks`` or placed by hand).
-            example_inputs: inputs to trace with; defaults to those ``apply_masks`` kept.
+            example_inputs: inputs to trace with (a tensor, a tuple of positional inputs or a
+                dict of keyword inputs); defaults to those ``apply_masks`` kept.
             convention: cost convention recorded in the plan.
 
         Raises:

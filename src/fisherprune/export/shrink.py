@@ -45,8 +45,8 @@ def shrink(
 
     Args:
         model: a masked model (``apply_masks`` or hand-placed MaskLayers).
-        example_inputs: inputs to trace and check with; defaults to those kept by
-            ``apply_masks``.
+        example_inputs: inputs to trace and check with (a tensor, a tuple of positional
+            inputs or a dict of keyword inputs); defaults to those kept by ``apply_masks``.
         inplace: shrink ``model`` itself instead of a copy.
         check: verify the postconditions.
 

@@ -7,12 +7,12 @@ import re
 from typing import Any
 
 import numpy as np
-from torch import Tensor, nn
-from torch.utils._pytree import tree_map
+from torch import nn
 
 from fisherprune.graph.channels import ChannelGraph
 from fisherprune.graph.groups import ChannelGroup, MaskPointSpec, Skipped, find_groups
 from fisherprune.graph.trace import trace_model
+from fisherprune.inputs import Inputs
 from fisherprune.masks import MaskLayer, find_masks
 from fisherprune.masks.points import find_holder, install_mask_points, remove_mask_points
 
@@ -77,7 +77,8 @@ def apply_masks(model: nn.Module, example_inputs: Any, *, strict: bool = False) 
 
     Args:
         model: any ``nn.Module``.
-        example_inputs: a tensor or tuple of positional inputs; dim 0 is the batch.
+        example_inputs: a tensor, a tuple of positional inputs or a dict of keyword inputs
+            (``model(**example_inputs)``); the batch is read as ``fisherprune.inputs`` says.
         strict: raise instead of skipping channels for a reason other than
             reaching the model's input or output.
 
@@ -138,7 +139,8 @@ def apply_masks(model: nn.Module, example_inputs: Any, *, strict: bool = False) 
     for s in problems:
         log.warning("apply_masks: not masked: %s", s)
     holder_name, holder = find_holder(model)  # type: ignore[misc]
-    holder.example_inputs = _one_example(example_inputs)
+    # a detached batch-of-one copy, in the form given, kept for shrink and export
+    holder.example_inputs = Inputs.of(example_inputs).batch_of_one().value()
     prefix = holder_name + "."
     holder.groups = {prefix + k: g for k, g in zip(keys, groups, strict=True)}
     return AppliedMasks({prefix + k: holder[k] for k in keys}, dict(holder.groups), skipped)
@@ -182,15 +184,6 @@ def _ineffective(model: nn.Module, example_inputs: Any, keys: list[str]) -> set[
         if start is None or not effective[start : start + n].all():
             bad.add(gi)
     return bad
-
-
-def _one_example(example_inputs: Any) -> Any:
-    """A detached batch-of-one copy of the example inputs, kept for shrink and export."""
-
-    def first(t: Any) -> Any:
-        return t[:1].detach().clone() if isinstance(t, Tensor) and t.dim() > 0 else t
-
-    return tree_map(first, example_inputs)
 
 
 def remove_masks(model: nn.Module) -> None:

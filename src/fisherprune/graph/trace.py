@@ -40,7 +40,7 @@ from fisherprune.graph.types import (
     Slot,
     TensorInfo,
 )
-from fisherprune.inputs import as_args
+from fisherprune.inputs import Inputs
 from fisherprune.masks import tracing
 from fisherprune.masks.layer import MaskLayer
 from fisherprune.modes import eval_mode
@@ -60,7 +60,7 @@ class Trace:
     calls: list[ModuleCall] = field(default_factory=list)
     param_infos: dict[str, TensorInfo] = field(default_factory=dict)
     output_infos: list[TensorInfo] = field(default_factory=list)
-    batch_size: int = 1
+    batch_size: int = 1  # examples traced (fisherprune.inputs.Inputs.batch_size): the divisor
 
     def entry_count(self) -> int:
         return self.mask_ends[-1] if self.mask_ends else 0
@@ -237,30 +237,29 @@ def trace_model(
 
     Args:
         model: the network.
-        example_inputs: a tensor or a tuple of positional inputs; dim 0 is the batch.
+        example_inputs: a tensor, a tuple of positional inputs or a dict of keyword inputs
+            (``fisherprune.inputs``); every dimension of every input tensor is labelled and
+            blocked, and ``Trace.batch_size`` is the inputs' batch (``Inputs.batch_size``).
         loss_fn: optional; called on the model's output inside the trace, so
             that its operators are traced too (the seed counted the loss).
 
     Raises:
-        ValueError: no tensor input, or inputs with no batch dimension.
+        ValueError: no input with a batch dimension.
     """
-    args = as_args(example_inputs)
-    tensors = [a for a in tree_flatten(args)[0] if isinstance(a, Tensor)]
-    if not tensors or tensors[0].dim() == 0:
-        raise ValueError("example_inputs must hold at least one tensor with a batch dimension")
-    trace = Trace(batch_size=int(tensors[0].shape[0]))
+    inputs = Inputs.of(example_inputs)
+    trace = Trace(batch_size=inputs.batch_size)
     masks = {id(m): n for n, m in model.named_modules() if isinstance(m, MaskLayer)}
     tracer = _Tracer(trace, _param_names(model), masks)
-    for i, t in enumerate(tensors):
+    for i, (t, batched) in enumerate(inputs.tensors()):
         info = tracer.leaf(t, "input", str(i))
-        tracer.trace.atoms.block(info.labels[0], "batch dimension")
-        for lab in info.labels[1:]:
-            tracer.trace.atoms.block(lab, "model input")
+        for d, lab in enumerate(info.labels):
+            why = "batch dimension" if d == 0 and batched else "model input"
+            tracer.trace.atoms.block(lab, why)
     handles = _module_stack_hooks(model, tracer)
     tracing.set_active(tracer)
     try:
         with eval_mode(model), torch.no_grad(), _unfused_attention(), tracer:
-            out = model(*args)
+            out = inputs.call(model)
             if loss_fn is not None:
                 tracer.module_stack.append("<loss>")
                 out = loss_fn(out)
