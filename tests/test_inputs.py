@@ -14,6 +14,7 @@ and the files read back by ``torch.jit.load``, ONNX's reference evaluator and
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 from pathlib import Path
 from typing import Any
@@ -334,14 +335,25 @@ def test_torchscript_export_of_keyword_inputs_takes_them_by_keyword(
     _assert_close(_eval(loaded, inputs), _eval(model, inputs), ATOL_F32)
 
 
+@pytest.mark.parametrize("exporter", ["dynamo", "torchscript-based"])
 def test_onnx_export_of_keyword_inputs_names_them_and_gives_the_masked_output(
-    tmp_path: Path,
+    exporter: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The ONNX file's graph inputs are the keywords, its batch is dynamic, and ONNX's own
-    reference evaluator gives the masked output at another batch size."""
+    """With either ONNX exporter (torch.export's, or the TorchScript-based one used when
+    onnxscript is missing), the file's graph inputs are the keywords, its batch is dynamic,
+    and ONNX's own reference evaluator gives the masked output at another batch size."""
     onnx = pytest.importorskip("onnx")
     from onnx.reference import ReferenceEvaluator
 
+    if exporter == "dynamo":
+        pytest.importorskip("onnxscript")
+    else:
+        find_spec = importlib.util.find_spec
+        monkeypatch.setattr(
+            importlib.util,
+            "find_spec",
+            lambda name, *a: None if name == "onnxscript" else find_spec(name, *a),
+        )
     model = _masked_tagger(torch.float32)
     path = fp.export_model(model, tmp_path / "m.onnx", _tokens(2), "onnx")
     assert [i.name for i in onnx.load(str(path)).graph.input] == ["input_ids", "attention_mask"]

@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
 from fisherprune._errors import first_line
-from fisherprune.export.layout import serving_copy, to_channels_last
+from fisherprune.export.layout import ServedInputs, serving_copy
 from fisherprune.export.plan import PruningPlan
 from fisherprune.inputs import Inputs
 
@@ -27,29 +27,6 @@ __all__ = ["AOTIModule", "load_aoti_export", "write_aoti"]
 
 #: key of the package metadata entry this library writes (JSON)
 METADATA_KEY = "fisherprune"
-
-
-class _ServedInputs(nn.Module):
-    """Runs ``model`` on its inputs, given positionally: as they are, or, with ``names``, as
-    the keyword arguments of those names in that order (``torch.export`` cannot give dynamic
-    shapes to a ``**kwargs`` wrapper, so a keyword model is compiled with positional inputs and
-    ``AOTIModule`` maps keywords to positions). With ``channels_last``, every 4-D
-    floating-point input is put in channels-last layout first, so that a package compiled from it
-    takes ordinary (contiguous) inputs while its convolutions run in the layout oneDNN computes
-    fastest on CPU."""
-
-    def __init__(self, model: nn.Module, channels_last: bool, names: list[str] | None) -> None:
-        super().__init__()
-        self.model = model
-        self.channels_last = channels_last
-        self.names = names
-
-    def forward(self, *args: Tensor) -> Any:
-        if self.channels_last:
-            args = tuple(to_channels_last(a) for a in args)
-        if self.names is None:
-            return self.model(*args)
-        return self.model(**dict(zip(self.names, args, strict=True)))
 
 
 def write_aoti(model: nn.Module, inputs: Inputs, tmp: Path, plan: PruningPlan) -> None:
@@ -87,7 +64,7 @@ def write_aoti(model: nn.Module, inputs: Inputs, tmp: Path, plan: PruningPlan) -
         )
     channels_last = args[0].dim() == 4
     names = [n for n, _ in named] if inputs.keyword else None
-    net = _ServedInputs(serving_copy(model, channels_last), channels_last, names)
+    net = ServedInputs(serving_copy(model, channels_last), channels_last, names)
     # batch 2: an example of size 1 would be specialised to 1
     args2 = tuple(a.contiguous() for _, a in inputs.repeated(2).arguments())
     meta = {

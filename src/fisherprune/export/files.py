@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from fisherprune.export.aoti import write_aoti
+from fisherprune.export.layout import ServedInputs
 from fisherprune.export.plan import PruningPlan
 from fisherprune.export.safe_load import load_plain
 from fisherprune.export.shrink import shrink
@@ -194,13 +195,15 @@ def _onnx(model: nn.Module, inputs: Inputs, tmp: Path) -> None:
                     verbose=False,
                 )
                 prog.save(str(tmp))
-        else:
-            names = [k if inputs.keyword else f"input{k}" for k, _ in inputs.arguments()]
+        else:  # the TorchScript-based exporter, given keyword inputs positionally (see
+            # ServedInputs) and naming them after their keywords
+            named = inputs.arguments()
+            names = [k if inputs.keyword else f"input{k}" for k, _ in named]
+            served = ServedInputs(model, False, names) if inputs.keyword else model
             torch.onnx.export(
-                model,
-                inputs2.args,
+                served,
+                tuple(a for _, a in inputs2.arguments()),
                 str(tmp),
-                kwargs=inputs2.kwargs or None,
                 dynamo=False,
                 input_names=names,
                 dynamic_axes={n: {0: "batch"} for n in names},
