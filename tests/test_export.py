@@ -559,17 +559,18 @@ def test_aoti_export_with_a_non_tensor_input_raises_and_writes_nothing(tmp_path:
     assert list(tmp_path.iterdir()) == []
 
 
-def test_aoti_export_without_a_cxx_compiler_says_so_and_writes_nothing(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_aoti_export_without_a_cxx_compiler_says_so_and_writes_nothing(tmp_path: Path) -> None:
     """With no working C++ compiler, export raises RuntimeError saying that a compiler is what
     is missing, and leaves no file (inductor checks the compiler before compiling)."""
     import torch._inductor.config as inductor_config
 
-    monkeypatch.setattr(inductor_config.cpp, "cxx", ("/nonexistent/g++",))
-    with pytest.raises(RuntimeError, match=r"C\+\+ compiler"):
+    # inductor's own patch, not monkeypatch: pytest's undo reads the config proxy's __dict__,
+    # finds no entry and deletes the setting, breaking every later AOTInductor compile
+    no_compiler = inductor_config.patch({"cpp.cxx": ("/nonexistent/g++",)})
+    with no_compiler, pytest.raises(RuntimeError, match=r"C\+\+ compiler"):
         fp.export_model(nn.Linear(4, 3), tmp_path / "m.pt2", torch.randn(2, 4), format="aoti")
     assert list(tmp_path.iterdir()) == []
+    assert inductor_config.cpp.cxx != ("/nonexistent/g++",)  # given back
 
 
 def test_aoti_module_calls_a_loader_without_boxed_run_through_its_wrapper() -> None:
