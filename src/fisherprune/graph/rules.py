@@ -14,6 +14,7 @@ never pruned wrongly). Register a rule for a custom operator with::
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -22,6 +23,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from fisherprune._errors import first_line
 from fisherprune.graph.types import Labels, RuleContext, TensorInfo
 
 __all__ = [
@@ -32,6 +34,7 @@ __all__ = [
     "unregister_channel_rule",
 ]
 
+log = logging.getLogger("fisherprune")
 aten = torch.ops.aten
 ChannelRule = Callable[[RuleContext], list[TensorInfo]]
 _RULES: dict[Any, ChannelRule] = {}
@@ -87,11 +90,46 @@ def registered_ops() -> list[Any]:
 
 
 def apply_rule(ctx: RuleContext) -> list[TensorInfo]:
+    """What the call's outputs carry, by the channel rule of its operator.
+
+    Never raises for a rule's sake. An operator with no rule, a rule that raises, and a rule
+    whose result does not fit the call's outputs all make the call opaque: every channel
+    reaching it is blocked, with a reason that names the operator and the module (and the
+    error, for a failing rule), and its outputs carry no channel. A failing rule may have
+    tied some atoms before it failed; ties only ever keep channels together, and the block
+    keeps every channel it saw.
+    """
     key = getattr(ctx.func, "overloadpacket", None)
     rule = _RULES.get(key)
     if rule is None:
         return _opaque(ctx, f"{ctx.where()} has no channel rule")
-    return rule(ctx)
+    try:
+        outs = rule(ctx)
+        problem = _misfit(outs, ctx.out_tensors)
+    except Exception as e:  # a rule's bug must not stop apply_masks: block and report instead
+        log.debug("the channel rule of %s failed", ctx.where(), exc_info=True)
+        problem = f"raised {first_line(e)}"
+    if problem is None:
+        return outs
+    return _opaque(ctx, f"{ctx.where()}: its channel rule failed ({problem})")
+
+
+def _misfit(outs: Any, tensors: Sequence[Tensor]) -> str | None:
+    """Why a rule's result does not describe ``tensors``, or None when it does."""
+    if not isinstance(outs, (list, tuple)) or len(outs) != len(tensors):
+        n = len(outs) if isinstance(outs, (list, tuple)) else type(outs).__name__
+        return f"returned {n} tensor descriptions for {len(tensors)} outputs"
+    for i, (info, t) in enumerate(zip(outs, tensors, strict=True)):
+        shape = tuple(t.shape)
+        if not isinstance(info, TensorInfo) or tuple(info.shape) != shape:
+            return f"output {i}: not a TensorInfo of shape {shape}"
+        if len(info.labels) != len(shape) or len(info.cover) != len(shape):
+            return f"output {i}: labels or covers for another number of dims than {len(shape)}"
+        for d, size in enumerate(shape):
+            for arr in (info.labels[d], info.cover[d]):
+                if arr is not None and (not isinstance(arr, np.ndarray) or arr.size != size):
+                    return f"output {i}: dim {d} has labels or covers of another size than {size}"
+    return None
 
 
 # ------------------------------------------------------------------ helpers
@@ -503,6 +541,20 @@ def _pool(ctx: RuleContext) -> list[TensorInfo]:
     return outs
 
 
+_ZERO_KEEPING_REDUCTIONS = frozenset(
+    {
+        aten.mean,
+        aten.sum,
+        aten.amax,
+        aten.amin,
+        aten.norm,
+        aten.linalg_vector_norm,
+        aten.max,
+        aten.min,
+    }
+)
+
+
 @register_channel_rule(
     aten.mean,
     aten.sum,
@@ -511,28 +563,24 @@ def _pool(ctx: RuleContext) -> list[TensorInfo]:
     aten.prod,
     aten.var,
     aten.std,
+    aten.var_mean,
+    aten.std_mean,
     aten.logsumexp,
     aten.norm,
     aten.linalg_vector_norm,
+    aten.argmax,
+    aten.argmin,
+    aten.any,
+    aten.all,
 )
 def _reduce(ctx: RuleContext) -> list[TensorInfo]:
+    """A reduction blocks the channels of the dims it reduces; the other dims pass through
+    (to every output of the reduced shape: ``var_mean`` and ``max.dim`` give two)."""
     x = ctx.info(ctx.args[0])
     nd = len(x.shape)
-    dims = ctx.args[1] if len(ctx.args) > 1 else ctx.kwargs.get("dim")
-    if isinstance(dims, int):
-        dims = [dims]
-    if dims is None or (isinstance(dims, (list, tuple)) and len(dims) == 0):
-        dims = list(range(nd))
-    dims = {d % nd for d in dims if isinstance(d, int)} if nd else set()
+    dims = _reduced_dims(ctx, nd)
     shape = tuple(ctx.out_tensors[0].shape)
-    zero_ok = ctx.func.overloadpacket in (
-        aten.mean,
-        aten.sum,
-        aten.amax,
-        aten.amin,
-        aten.norm,
-        aten.linalg_vector_norm,
-    )
+    zero_ok = ctx.func.overloadpacket in _ZERO_KEEPING_REDUCTIONS
     kept = [d for d in range(nd) if d not in dims]
     keepdim = len(shape) == nd
     reason = f"{ctx.where()} reduces across channels"
@@ -547,9 +595,35 @@ def _reduce(ctx: RuleContext) -> list[TensorInfo]:
             continue
         lab[j] = x.labels[d]
         cov[j] = x.cover[d] if zero_ok else None
-    return [TensorInfo(shape, lab, cov)] + [
-        TensorInfo.blank(tuple(t.shape)) for t in ctx.out_tensors[1:]
-    ]
+    outs = [TensorInfo(shape, lab, cov)]
+    for t in ctx.out_tensors[1:]:  # indices or a second statistic: same dims, no cover
+        other = tuple(t.shape)
+        outs.append(
+            TensorInfo(other, list(lab), [None] * len(other))
+            if other == shape
+            else TensorInfo.blank(other)
+        )
+    return outs
+
+
+def _reduced_dims(ctx: RuleContext, nd: int) -> set[int]:
+    """The dims a reduction reduces, read by name from the overload's schema: its ``dim``
+    (one int or a list); every dim when the overload has no ``dim`` (``sum(x)``,
+    ``var(x, unbiased)``, ``norm(x, p)``), or it is None or empty."""
+    dims = ctx.arg("dim")
+    if isinstance(dims, int):
+        dims = [dims]
+    if not dims:
+        return set(range(nd))
+    return {int(d) % nd for d in dims} if nd else set()
+
+
+@register_channel_rule(aten.max, aten.min)
+def _max_min(ctx: RuleContext) -> list[TensorInfo]:
+    """``max(x, other)`` is element-wise; ``max(x)`` and ``max(x, dim)`` are reductions."""
+    if ctx.has_arg("other"):
+        return _elementwise(ctx, ctx.args[:2], "none")
+    return _reduce(ctx)
 
 
 @register_channel_rule(
@@ -799,10 +873,6 @@ def _cat(ctx: RuleContext) -> list[TensorInfo]:
     aten.isnan,
     aten.isinf,
     aten.logical_not,
-    aten.any,
-    aten.all,
-    aten.argmax,
-    aten.argmin,
     aten.sym_size,
     aten.is_nonzero,
     aten.equal,
@@ -810,3 +880,4 @@ def _cat(ctx: RuleContext) -> list[TensorInfo]:
 )
 def _no_channels(ctx: RuleContext) -> list[TensorInfo]:
     return _out_blank(ctx)
+
