@@ -498,46 +498,75 @@ def _layer_norm(ctx: RuleContext) -> list[TensorInfo]:
 
 
 # --------------------------------------------------------- pooling, reductions
-@register_channel_rule(
-    aten.max_pool1d,
-    aten.max_pool2d,
-    aten.max_pool3d,
-    aten.max_pool2d_with_indices,
-    aten.max_pool3d_with_indices,
-    aten.avg_pool1d,
-    aten.avg_pool2d,
-    aten.avg_pool3d,
-    aten.adaptive_avg_pool1d,
-    aten.adaptive_avg_pool2d,
-    aten.adaptive_avg_pool3d,
-    aten._adaptive_avg_pool2d,
-    aten._adaptive_avg_pool3d,
-    aten.adaptive_max_pool1d,
-    aten.adaptive_max_pool2d,
-    aten.adaptive_max_pool3d,
-    aten.upsample_nearest2d,
-    aten.upsample_bilinear2d,
-    aten.constant_pad_nd,
-    aten.reflection_pad2d,
-    aten.replication_pad2d,
-)
+def _spatial_ops(k: int, *names: str) -> dict[Any, int]:
+    """``{packet: k}`` for the operators of this torch build among ``names``."""
+    return {getattr(aten, n): k for n in names if hasattr(aten, n)}
+
+
+# operators that resample the last k dims of (N, C, *spatial) or unbatched (C, *spatial)
+_SPATIAL: dict[Any, int] = {
+    **_spatial_ops(
+        1,
+        "max_pool1d",
+        "avg_pool1d",
+        "adaptive_avg_pool1d",
+        "adaptive_max_pool1d",
+        "upsample_nearest1d",
+        "upsample_linear1d",
+        "_upsample_nearest_exact1d",
+    ),
+    **_spatial_ops(
+        2,
+        "max_pool2d",
+        "max_pool2d_with_indices",
+        "avg_pool2d",
+        "adaptive_avg_pool2d",
+        "_adaptive_avg_pool2d",
+        "adaptive_max_pool2d",
+        "upsample_nearest2d",
+        "upsample_bilinear2d",
+        "upsample_bicubic2d",
+        "_upsample_nearest_exact2d",
+        "_upsample_bilinear2d_aa",
+        "_upsample_bicubic2d_aa",
+    ),
+    **_spatial_ops(
+        3,
+        "max_pool3d",
+        "max_pool3d_with_indices",
+        "avg_pool3d",
+        "adaptive_avg_pool3d",
+        "_adaptive_avg_pool3d",
+        "adaptive_max_pool3d",
+        "upsample_nearest3d",
+        "upsample_trilinear3d",
+        "_upsample_nearest_exact3d",
+    ),
+}
+
+
+@register_channel_rule(*_SPATIAL)
 def _pool(ctx: RuleContext) -> list[TensorInfo]:
-    """(N, C, *spatial) -> (N, C, *spatial'): batch and channel pass through."""
+    """(*lead, *spatial) -> (*lead, *spatial'): the op's k spatial dims are resampled (their
+    positions mixed: a channel there is stopped); the leading dims (batch and channels, or
+    channels alone) pass through with their covers, since pooling and upsampling a zero
+    channel give zero. Padding has its own rule (``rules_layout``)."""
     x = ctx.info(ctx.args[0])
+    lead = len(x.shape) - _SPATIAL[ctx.func.overloadpacket]
+    reason = f"{ctx.where()} mixes positions along this dimension"
+    for d in range(max(lead, 0), len(x.shape)):
+        ctx.stop(x.labels[d], x.cover[d], reason)
     outs = []
-    for t in ctx.out_tensors:
+    for i, t in enumerate(ctx.out_tensors):
         shape = tuple(t.shape)
         lab: list[Labels] = [None] * len(shape)
         cov: list[Labels] = [None] * len(shape)
         if len(shape) == len(x.shape):
-            lead = 2 if len(shape) >= 3 else 1
-            for d in range(lead):
+            for d in range(max(lead, 0)):
                 if shape[d] == x.shape[d]:
-                    lab[d], cov[d] = x.labels[d], x.cover[d]
+                    lab[d] = x.labels[d]
+                    cov[d] = x.cover[d] if i == 0 else None  # pooling indices are not zero
         outs.append(TensorInfo(shape, lab, cov))
-    if ctx.func.overloadpacket in (aten.constant_pad_nd,) and ctx.args[2:] and ctx.args[2] != 0:
-        for o in outs:
-            o.cover = [None] * len(o.shape)
     return outs
 
 
@@ -855,12 +884,16 @@ def _cat(ctx: RuleContext) -> list[TensorInfo]:
     aten.rand,
     aten.scalar_tensor,
     aten.empty_strided,
+    aten.new_empty,
+    aten.new_empty_strided,
+    aten.new_zeros,
+    aten.new_ones,
+    aten.new_full,
     aten.randint,
     aten.eye,
     aten.linspace,
     aten.fill_,
     aten.zero_,
-    aten.copy_,
     aten.normal_,
     aten.uniform_,
     aten._local_scalar_dense,
@@ -881,3 +914,25 @@ def _cat(ctx: RuleContext) -> list[TensorInfo]:
 def _no_channels(ctx: RuleContext) -> list[TensorInfo]:
     return _out_blank(ctx)
 
+
+@register_channel_rule(aten.copy_)
+def _copy(ctx: RuleContext) -> list[TensorInfo]:
+    """``dst.copy_(src)``: ``dst`` keeps its labels. Where ``dst`` carries channels, the
+    copied channels are tied to them; where it does not (``dst`` is usually a slice of a
+    fresh tensor, as in circular padding, whose other views the trace does not follow),
+    the copied channels are stopped: their values go where pruning cannot follow them."""
+    dst, src = ctx.info(ctx.args[0]), ctx.info(ctx.args[1])
+    out = TensorInfo(dst.shape, list(dst.labels), [None] * len(dst.shape))
+    if src is None:
+        return [out]
+    off = len(dst.shape) - len(src.shape)
+    reason = f"{ctx.where()} copies channels into a tensor whose channels are not followed"
+    for d, lab in enumerate(src.labels):
+        if lab is None:
+            continue
+        target = dst.labels[d + off] if d + off >= 0 else None
+        if target is not None and src.shape[d] == dst.shape[d + off]:
+            ctx.atoms.union(target, lab)
+        else:
+            ctx.stop(lab, src.cover[d], reason)
+    return [out]
