@@ -5,8 +5,10 @@ One registry keyed by operator (``aten.<name>`` packets). A rule receives a
 It may tie atoms together (``ctx.atoms.union``), mark layer outputs
 (``mark_producer``), record consumers and block atoms that cannot be pruned.
 
-An operator with no rule blocks every channel that reaches it (it is reported,
-never pruned wrongly). Register a rule for a custom operator with::
+An operator with no rule, or whose rule fails, blocks every channel that reaches it
+(it is reported, never pruned wrongly). Rules of operators that move positions (roll,
+padding, indexing) are in ``rules_layout``, fused attention's in ``rules_sdpa``. Register
+a rule for a custom operator with::
 
     @register_channel_rule(torch.ops.mylib.myop)
     def _myop(ctx): ...
