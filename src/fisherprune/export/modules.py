@@ -1,4 +1,4 @@
-"""Per-module metadata after slicing: a registry keyed by module type.
+"""Per-module metadata after slicing: a registry keyed by module class.
 
 After ``PruningPlan.apply`` has sliced a module's parameters and buffers, the
 module's rule brings its attributes (``in_channels``, ``num_features``, ``groups``
@@ -6,61 +6,154 @@ module's rule brings its attributes (``in_channels``, ``num_features``, ``groups
 
     @register_shrink_rule(MyLayer)
     def _my_layer(module, old_shapes): module.width = module.weight.shape[0]
+
+A class of an optional package is named instead of imported (``"package.module.Class"``),
+as fisherprune does for Hugging Face's ``Conv1D``: the rule applies once a model holding
+such a layer is shrunk, and the package is never imported for it.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 
 from torch import nn
 
-__all__ = ["ShrinkRule", "register_shrink_rule", "unregister_shrink_rule", "update_metadata"]
+__all__ = [
+    "ShrinkKey",
+    "ShrinkRule",
+    "has_shrink_rule",
+    "register_shrink_rule",
+    "unregister_shrink_rule",
+    "update_metadata",
+]
 
 ShrinkRule = Callable[[nn.Module, dict[str, tuple[int, ...]]], None]
+ShrinkKey = type | str  # a class, or the qualified name of a module-level class
 _RULES: dict[type, ShrinkRule] = {}
+_NAMED: dict[str, ShrinkRule] = {}  # by "package.module.Class", resolved when looked up
 
 
-def register_shrink_rule(*types: type) -> Callable[[ShrinkRule], ShrinkRule]:
-    """Register ``fn(module, old_shapes)`` for modules of exactly these types.
+def register_shrink_rule(*keys: ShrinkKey) -> Callable[[ShrinkRule], ShrinkRule]:
+    """Register ``fn(module, old_shapes)`` for modules of these classes; a subclass with no
+    rule of its own uses its nearest registered base class's (along its MRO).
+
+    A key is a class, or the qualified name of a module-level class,
+    ``"package.module.Class"`` (``"transformers.pytorch_utils.Conv1D"``), for a layer of an
+    optional package: registering a name imports nothing. A name is resolved each time a
+    module's metadata is updated, by looking ``Class`` up in ``package.module`` if, and only
+    if, that module is already loaded (``sys.modules``): a model holding such a layer has
+    loaded it, and a package that is not installed, or installed and not in use, is never
+    imported. Once resolved, a name matches exactly as its class would: against the
+    module's class and its bases, the nearest registered one winning.
+
+    Changes: adds the rule to the registry, for every model shrunk afterwards.
 
     Raises:
-        ValueError: a type already has a rule.
+        ValueError: a key already has a rule (a class and its name count as one key once
+            the name resolves), or a string that is not a dotted ``module.Class`` name.
+            Nothing is registered then.
+        TypeError: a key that is neither a class nor a string.
+
+    Example:
+        >>> @register_shrink_rule("mypackage.layers.Mixer")
+        ... def _mixer(module, old_shapes): module.width = module.weight.shape[0]
     """
+    for key in keys:
+        _check_key(key)
+        if key in _RULES or key in _NAMED or _same_class_registered(key):
+            raise ValueError(f"{_key_name(key)} already has a shrink rule")
 
     def deco(fn: ShrinkRule) -> ShrinkRule:
-        for t in types:
-            if t in _RULES:
-                raise ValueError(f"{t.__name__} already has a shrink rule")
-            _RULES[t] = fn
+        for key in keys:
+            if isinstance(key, str):
+                _NAMED[key] = fn
+            else:
+                _RULES[key] = fn
         return fn
 
     return deco
 
 
-def unregister_shrink_rule(*types: type) -> None:
-    """Remove the shrink rules of exactly these types (not of their subclasses).
+def unregister_shrink_rule(*keys: ShrinkKey) -> None:
+    """Remove the shrink rules registered under exactly these keys (classes or names, as
+    registered; not their subclasses').
 
     The inverse of ``register_shrink_rule`` (for a test's cleanup, or to replace a rule,
-    built-in ones included: register the new rule afterwards). A module of such a type then
+    built-in ones included: register the new rule afterwards). A module of such a class then
     follows its nearest registered base class's rule, or keeps its attributes as they are.
 
     Raises:
-        ValueError: a type has no rule of its own (then nothing is removed).
+        ValueError: a key has no rule of its own (then nothing is removed).
+        TypeError: a key that is neither a class nor a string.
     """
-    missing = [t for t in types if t not in _RULES]
+    for key in keys:
+        _check_key(key)
+    missing = [k for k in keys if k not in _RULES and k not in _NAMED]
     if missing:
-        raise ValueError(f"{missing[0].__name__} has no shrink rule")
-    for t in types:
-        del _RULES[t]
+        raise ValueError(f"{_key_name(missing[0])} has no shrink rule")
+    for key in keys:
+        if isinstance(key, str):
+            del _NAMED[key]
+        else:
+            del _RULES[key]
 
 
 def update_metadata(module: nn.Module, old_shapes: dict[str, tuple[int, ...]]) -> None:
-    """Apply the rule of ``module``'s type (or its nearest registered base class)."""
+    """Apply the rule of ``module``'s class (or its nearest registered base class); a
+    module with none keeps its attributes."""
+    rule = _rule_for(module)
+    if rule is not None:
+        rule(module, old_shapes)
+
+
+def has_shrink_rule(module: nn.Module) -> bool:
+    """Whether ``module``'s class, or one of its bases, has a shrink rule."""
+    return _rule_for(module) is not None
+
+
+# ------------------------------------------------------------------ helpers
+def _rule_for(module: nn.Module) -> ShrinkRule | None:
+    table = dict(_RULES)
+    for name, fn in _NAMED.items():
+        cls = _resolve(name)
+        if cls is not None:
+            table.setdefault(cls, fn)
     for t in type(module).__mro__:
-        rule = _RULES.get(t)
-        if rule is not None:
-            rule(module, old_shapes)
-            return
+        if t in table:
+            return table[t]
+    return None
+
+
+def _resolve(name: str) -> type | None:
+    """The class ``"package.module.Class"`` names, if ``package.module`` is loaded; never
+    imports anything."""
+    module_name, _, cls_name = name.rpartition(".")
+    found = getattr(sys.modules.get(module_name), cls_name, None)
+    return found if isinstance(found, type) else None
+
+
+def _check_key(key: object) -> None:
+    if isinstance(key, str):
+        if "." not in key or not all(p.isidentifier() for p in key.split(".")):
+            raise ValueError(
+                f"shrink rule key {key!r}: expected a class or a qualified class name such "
+                "as 'package.module.Class'"
+            )
+    elif not isinstance(key, type):
+        raise TypeError(f"a shrink rule key is a class or 'package.module.Class', got {key!r}")
+
+
+def _same_class_registered(key: ShrinkKey) -> bool:
+    """Whether the class ``key`` stands for already has a rule under another key."""
+    if isinstance(key, str):
+        cls = _resolve(key)
+        return cls is not None and cls in _RULES
+    return any(_resolve(name) is key for name in _NAMED)
+
+
+def _key_name(key: ShrinkKey) -> str:
+    return key if isinstance(key, str) else key.__name__
 
 
 @register_shrink_rule(nn.Conv1d, nn.Conv2d, nn.Conv3d)
@@ -126,3 +219,10 @@ def _embedding(m: nn.Module, old: dict[str, tuple[int, ...]]) -> None:
 @register_shrink_rule(nn.PReLU)
 def _prelu(m: nn.Module, old: dict[str, tuple[int, ...]]) -> None:
     m.num_parameters = m.weight.shape[0]
+
+
+@register_shrink_rule("transformers.pytorch_utils.Conv1D")
+def _hf_conv1d(m: nn.Module, old: dict[str, tuple[int, ...]]) -> None:
+    """Hugging Face's ``Conv1D`` (GPT-2, GPT): a Linear whose weight is stored transposed,
+    (in, out) = (nx, nf); its forward shapes the output by ``nf``."""
+    m.nx, m.nf = m.weight.shape

@@ -9,6 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from fisherprune._errors import first_line
+from fisherprune.export.modules import has_shrink_rule
 from fisherprune.export.plan import PruningPlan
 from fisherprune.inputs import eval_outputs
 from fisherprune.masks import MaskLayer
@@ -66,24 +67,28 @@ def shrink(
     target = model if inplace else copy.deepcopy(model)
     plan.apply(target)
     if check:
-        _check(target, example_inputs, ref, n_before, pruned=bool(plan.modules))
+        _check(target, example_inputs, ref, n_before, list(plan.modules))
     return target
 
 
 def _check(
-    small: nn.Module, example_inputs: Any, ref: list[Tensor] | None, n_before: int, pruned: bool
+    small: nn.Module,
+    example_inputs: Any,
+    ref: list[Tensor] | None,
+    n_before: int,
+    sliced: list[str],
 ) -> None:
     if any(isinstance(m, MaskLayer) for m in small.modules()) or find_holder(small):
         raise ShrinkError("a mask is left in the shrunk model")
     n_after = sum(p.numel() for p in small.parameters())
-    if n_after > n_before or (pruned and n_after == n_before):
+    if n_after > n_before or (sliced and n_after == n_before):
         raise ShrinkError(f"parameters did not drop: {n_before} before, {n_after} after")
     try:
         out = eval_outputs(small, example_inputs)
     except Exception as e:  # a shape the plan got wrong surfaces as the layer's own error
         raise ShrinkError(
-            f"the shrunk model fails on the example inputs ({first_line(e)}); please report "
-            "this with the model"
+            f"the shrunk model fails on the example inputs ({first_line(e)}); "
+            f"{_unruled(small, sliced)}please report this with the model"
         ) from e
     if ref is None:
         return
@@ -92,6 +97,8 @@ def _check(
     for a, b in zip(out, ref, strict=True):
         if a.shape != b.shape:
             raise ShrinkError(f"output shape changed: {tuple(b.shape)} -> {tuple(a.shape)}")
+        if a.numel() == 0:
+            continue  # nothing to compare (a detector that finds no box): the shapes agree
         if a.is_floating_point():
             rtol = _RTOL.get(a.dtype, 1e-4)
             scale = b.abs().max().clamp_min(1.0)
@@ -103,3 +110,20 @@ def _check(
                 )
         elif not torch.equal(a, b):
             raise ShrinkError("the shrunk model's output differs from the masked model's")
+
+
+def _unruled(small: nn.Module, sliced: list[str]) -> str:
+    """The sliced modules whose class has no shrink rule, as the start of a hint ("" if none):
+    their attributes kept the old widths, the usual cause of a shrunk forward failing."""
+    modules = dict(small.named_modules())
+    names = [
+        f"{n or '<model>'} ({type(modules[n]).__name__})"
+        for n in sliced
+        if n in modules and not has_shrink_rule(modules[n])
+    ]
+    if not names:
+        return ""
+    return (
+        f"sliced modules with no shrink rule to update their attributes: {', '.join(names)} "
+        "(see fisherprune.register_shrink_rule); if that is not the cause, "
+    )

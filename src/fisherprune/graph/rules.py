@@ -5,8 +5,10 @@ One registry keyed by operator (``aten.<name>`` packets). A rule receives a
 It may tie atoms together (``ctx.atoms.union``), mark layer outputs
 (``mark_producer``), record consumers and block atoms that cannot be pruned.
 
-An operator with no rule blocks every channel that reaches it (it is reported,
-never pruned wrongly). Register a rule for a custom operator with::
+An operator with no rule, or whose rule fails, blocks every channel that reaches it
+(it is reported, never pruned wrongly). Rules of operators that move positions (roll,
+padding, indexing) are in ``rules_layout``, fused attention's in ``rules_sdpa``. Register
+a rule for a custom operator with::
 
     @register_channel_rule(torch.ops.mylib.myop)
     def _myop(ctx): ...
@@ -14,6 +16,7 @@ never pruned wrongly). Register a rule for a custom operator with::
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -22,6 +25,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from fisherprune._errors import first_line
 from fisherprune.graph.types import Labels, RuleContext, TensorInfo
 
 __all__ = [
@@ -32,6 +36,7 @@ __all__ = [
     "unregister_channel_rule",
 ]
 
+log = logging.getLogger("fisherprune")
 aten = torch.ops.aten
 ChannelRule = Callable[[RuleContext], list[TensorInfo]]
 _RULES: dict[Any, ChannelRule] = {}
@@ -87,11 +92,46 @@ def registered_ops() -> list[Any]:
 
 
 def apply_rule(ctx: RuleContext) -> list[TensorInfo]:
+    """What the call's outputs carry, by the channel rule of its operator.
+
+    Never raises for a rule's sake. An operator with no rule, a rule that raises, and a rule
+    whose result does not fit the call's outputs all make the call opaque: every channel
+    reaching it is blocked, with a reason that names the operator and the module (and the
+    error, for a failing rule), and its outputs carry no channel. A failing rule may have
+    tied some atoms before it failed; ties only ever keep channels together, and the block
+    keeps every channel it saw.
+    """
     key = getattr(ctx.func, "overloadpacket", None)
     rule = _RULES.get(key)
     if rule is None:
         return _opaque(ctx, f"{ctx.where()} has no channel rule")
-    return rule(ctx)
+    try:
+        outs = rule(ctx)
+        problem = _misfit(outs, ctx.out_tensors)
+    except Exception as e:  # a rule's bug must not stop apply_masks: block and report instead
+        log.debug("the channel rule of %s failed", ctx.where(), exc_info=True)
+        problem = f"raised {first_line(e)}"
+    if problem is None:
+        return outs
+    return _opaque(ctx, f"{ctx.where()}: its channel rule failed ({problem})")
+
+
+def _misfit(outs: Any, tensors: Sequence[Tensor]) -> str | None:
+    """Why a rule's result does not describe ``tensors``, or None when it does."""
+    if not isinstance(outs, (list, tuple)) or len(outs) != len(tensors):
+        n = len(outs) if isinstance(outs, (list, tuple)) else type(outs).__name__
+        return f"returned {n} tensor descriptions for {len(tensors)} outputs"
+    for i, (info, t) in enumerate(zip(outs, tensors, strict=True)):
+        shape = tuple(t.shape)
+        if not isinstance(info, TensorInfo) or tuple(info.shape) != shape:
+            return f"output {i}: not a TensorInfo of shape {shape}"
+        if len(info.labels) != len(shape) or len(info.cover) != len(shape):
+            return f"output {i}: labels or covers for another number of dims than {len(shape)}"
+        for d, size in enumerate(shape):
+            for arr in (info.labels[d], info.cover[d]):
+                if arr is not None and (not isinstance(arr, np.ndarray) or arr.size != size):
+                    return f"output {i}: dim {d} has labels or covers of another size than {size}"
+    return None
 
 
 # ------------------------------------------------------------------ helpers
@@ -460,47 +500,90 @@ def _layer_norm(ctx: RuleContext) -> list[TensorInfo]:
 
 
 # --------------------------------------------------------- pooling, reductions
-@register_channel_rule(
-    aten.max_pool1d,
-    aten.max_pool2d,
-    aten.max_pool3d,
-    aten.max_pool2d_with_indices,
-    aten.max_pool3d_with_indices,
-    aten.avg_pool1d,
-    aten.avg_pool2d,
-    aten.avg_pool3d,
-    aten.adaptive_avg_pool1d,
-    aten.adaptive_avg_pool2d,
-    aten.adaptive_avg_pool3d,
-    aten._adaptive_avg_pool2d,
-    aten._adaptive_avg_pool3d,
-    aten.adaptive_max_pool1d,
-    aten.adaptive_max_pool2d,
-    aten.adaptive_max_pool3d,
-    aten.upsample_nearest2d,
-    aten.upsample_bilinear2d,
-    aten.constant_pad_nd,
-    aten.reflection_pad2d,
-    aten.replication_pad2d,
-)
+def _spatial_ops(k: int, *names: str) -> dict[Any, int]:
+    """``{packet: k}`` for the operators of this torch build among ``names``."""
+    return {getattr(aten, n): k for n in names if hasattr(aten, n)}
+
+
+# operators that resample the last k dims of (N, C, *spatial) or unbatched (C, *spatial)
+_SPATIAL: dict[Any, int] = {
+    **_spatial_ops(
+        1,
+        "max_pool1d",
+        "avg_pool1d",
+        "adaptive_avg_pool1d",
+        "adaptive_max_pool1d",
+        "upsample_nearest1d",
+        "upsample_linear1d",
+        "_upsample_nearest_exact1d",
+    ),
+    **_spatial_ops(
+        2,
+        "max_pool2d",
+        "max_pool2d_with_indices",
+        "avg_pool2d",
+        "adaptive_avg_pool2d",
+        "_adaptive_avg_pool2d",
+        "adaptive_max_pool2d",
+        "upsample_nearest2d",
+        "upsample_bilinear2d",
+        "upsample_bicubic2d",
+        "_upsample_nearest_exact2d",
+        "_upsample_bilinear2d_aa",
+        "_upsample_bicubic2d_aa",
+    ),
+    **_spatial_ops(
+        3,
+        "max_pool3d",
+        "max_pool3d_with_indices",
+        "avg_pool3d",
+        "adaptive_avg_pool3d",
+        "_adaptive_avg_pool3d",
+        "adaptive_max_pool3d",
+        "upsample_nearest3d",
+        "upsample_trilinear3d",
+        "_upsample_nearest_exact3d",
+    ),
+}
+
+
+@register_channel_rule(*_SPATIAL)
 def _pool(ctx: RuleContext) -> list[TensorInfo]:
-    """(N, C, *spatial) -> (N, C, *spatial'): batch and channel pass through."""
+    """(*lead, *spatial) -> (*lead, *spatial'): the op's k spatial dims are resampled (their
+    positions mixed: a channel there is stopped); the leading dims (batch and channels, or
+    channels alone) pass through with their covers, since pooling and upsampling a zero
+    channel give zero. Padding has its own rule (``rules_layout``)."""
     x = ctx.info(ctx.args[0])
+    lead = len(x.shape) - _SPATIAL[ctx.func.overloadpacket]
+    reason = f"{ctx.where()} mixes positions along this dimension"
+    for d in range(max(lead, 0), len(x.shape)):
+        ctx.stop(x.labels[d], x.cover[d], reason)
     outs = []
-    for t in ctx.out_tensors:
+    for i, t in enumerate(ctx.out_tensors):
         shape = tuple(t.shape)
         lab: list[Labels] = [None] * len(shape)
         cov: list[Labels] = [None] * len(shape)
         if len(shape) == len(x.shape):
-            lead = 2 if len(shape) >= 3 else 1
-            for d in range(lead):
+            for d in range(max(lead, 0)):
                 if shape[d] == x.shape[d]:
-                    lab[d], cov[d] = x.labels[d], x.cover[d]
+                    lab[d] = x.labels[d]
+                    cov[d] = x.cover[d] if i == 0 else None  # pooling indices are not zero
         outs.append(TensorInfo(shape, lab, cov))
-    if ctx.func.overloadpacket in (aten.constant_pad_nd,) and ctx.args[2:] and ctx.args[2] != 0:
-        for o in outs:
-            o.cover = [None] * len(o.shape)
     return outs
+
+
+_ZERO_KEEPING_REDUCTIONS = frozenset(
+    {
+        aten.mean,
+        aten.sum,
+        aten.amax,
+        aten.amin,
+        aten.norm,
+        aten.linalg_vector_norm,
+        aten.max,
+        aten.min,
+    }
+)
 
 
 @register_channel_rule(
@@ -511,28 +594,24 @@ def _pool(ctx: RuleContext) -> list[TensorInfo]:
     aten.prod,
     aten.var,
     aten.std,
+    aten.var_mean,
+    aten.std_mean,
     aten.logsumexp,
     aten.norm,
     aten.linalg_vector_norm,
+    aten.argmax,
+    aten.argmin,
+    aten.any,
+    aten.all,
 )
 def _reduce(ctx: RuleContext) -> list[TensorInfo]:
+    """A reduction blocks the channels of the dims it reduces; the other dims pass through
+    (to every output of the reduced shape: ``var_mean`` and ``max.dim`` give two)."""
     x = ctx.info(ctx.args[0])
     nd = len(x.shape)
-    dims = ctx.args[1] if len(ctx.args) > 1 else ctx.kwargs.get("dim")
-    if isinstance(dims, int):
-        dims = [dims]
-    if dims is None or (isinstance(dims, (list, tuple)) and len(dims) == 0):
-        dims = list(range(nd))
-    dims = {d % nd for d in dims if isinstance(d, int)} if nd else set()
+    dims = _reduced_dims(ctx, nd)
     shape = tuple(ctx.out_tensors[0].shape)
-    zero_ok = ctx.func.overloadpacket in (
-        aten.mean,
-        aten.sum,
-        aten.amax,
-        aten.amin,
-        aten.norm,
-        aten.linalg_vector_norm,
-    )
+    zero_ok = ctx.func.overloadpacket in _ZERO_KEEPING_REDUCTIONS
     kept = [d for d in range(nd) if d not in dims]
     keepdim = len(shape) == nd
     reason = f"{ctx.where()} reduces across channels"
@@ -547,9 +626,35 @@ def _reduce(ctx: RuleContext) -> list[TensorInfo]:
             continue
         lab[j] = x.labels[d]
         cov[j] = x.cover[d] if zero_ok else None
-    return [TensorInfo(shape, lab, cov)] + [
-        TensorInfo.blank(tuple(t.shape)) for t in ctx.out_tensors[1:]
-    ]
+    outs = [TensorInfo(shape, lab, cov)]
+    for t in ctx.out_tensors[1:]:  # indices or a second statistic: same dims, no cover
+        other = tuple(t.shape)
+        outs.append(
+            TensorInfo(other, list(lab), [None] * len(other))
+            if other == shape
+            else TensorInfo.blank(other)
+        )
+    return outs
+
+
+def _reduced_dims(ctx: RuleContext, nd: int) -> set[int]:
+    """The dims a reduction reduces, read by name from the overload's schema: its ``dim``
+    (one int or a list); every dim when the overload has no ``dim`` (``sum(x)``,
+    ``var(x, unbiased)``, ``norm(x, p)``), or it is None or empty."""
+    dims = ctx.arg("dim")
+    if isinstance(dims, int):
+        dims = [dims]
+    if not dims:
+        return set(range(nd))
+    return {int(d) % nd for d in dims} if nd else set()
+
+
+@register_channel_rule(aten.max, aten.min)
+def _max_min(ctx: RuleContext) -> list[TensorInfo]:
+    """``max(x, other)`` is element-wise; ``max(x)`` and ``max(x, dim)`` are reductions."""
+    if ctx.has_arg("other"):
+        return _elementwise(ctx, ctx.args[:2], "none")
+    return _reduce(ctx)
 
 
 @register_channel_rule(
@@ -781,12 +886,16 @@ def _cat(ctx: RuleContext) -> list[TensorInfo]:
     aten.rand,
     aten.scalar_tensor,
     aten.empty_strided,
+    aten.new_empty,
+    aten.new_empty_strided,
+    aten.new_zeros,
+    aten.new_ones,
+    aten.new_full,
     aten.randint,
     aten.eye,
     aten.linspace,
     aten.fill_,
     aten.zero_,
-    aten.copy_,
     aten.normal_,
     aten.uniform_,
     aten._local_scalar_dense,
@@ -799,10 +908,6 @@ def _cat(ctx: RuleContext) -> list[TensorInfo]:
     aten.isnan,
     aten.isinf,
     aten.logical_not,
-    aten.any,
-    aten.all,
-    aten.argmax,
-    aten.argmin,
     aten.sym_size,
     aten.is_nonzero,
     aten.equal,
@@ -810,3 +915,26 @@ def _cat(ctx: RuleContext) -> list[TensorInfo]:
 )
 def _no_channels(ctx: RuleContext) -> list[TensorInfo]:
     return _out_blank(ctx)
+
+
+@register_channel_rule(aten.copy_)
+def _copy(ctx: RuleContext) -> list[TensorInfo]:
+    """``dst.copy_(src)``: ``dst`` keeps its labels. Where ``dst`` carries channels, the
+    copied channels are tied to them; where it does not (``dst`` is usually a slice of a
+    fresh tensor, as in circular padding, whose other views the trace does not follow),
+    the copied channels are stopped: their values go where pruning cannot follow them."""
+    dst, src = ctx.info(ctx.args[0]), ctx.info(ctx.args[1])
+    out = TensorInfo(dst.shape, list(dst.labels), [None] * len(dst.shape))
+    if src is None:
+        return [out]
+    off = len(dst.shape) - len(src.shape)
+    reason = f"{ctx.where()} copies channels into a tensor whose channels are not followed"
+    for d, lab in enumerate(src.labels):
+        if lab is None:
+            continue
+        target = dst.labels[d + off] if d + off >= 0 else None
+        if target is not None and src.shape[d] == dst.shape[d + off]:
+            ctx.atoms.union(target, lab)
+        else:
+            ctx.stop(lab, src.cover[d], reason)
+    return [out]

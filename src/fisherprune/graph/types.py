@@ -155,6 +155,29 @@ class RuleContext:
         """What the trace knows of ``t``; None if ``t`` is not a tensor."""
         return self._info(t) if isinstance(t, Tensor) else None
 
+    def arg(self, name: str, default: Any = None) -> Any:
+        """The argument called ``name`` in the operator's schema, whether it was passed by
+        position or by keyword; ``default`` when it was not passed or the overload has no
+        such argument (overloads of one operator differ: ``var(x, unbiased)`` and
+        ``var.correction(x, dim)`` both put something in position 1)."""
+        schema = getattr(self.func, "_schema", None)
+        if schema is None:
+            return self.kwargs.get(name, default)
+        for i, a in enumerate(schema.arguments):
+            if a.name != name:
+                continue
+            if not a.kwarg_only and i < len(self.args):
+                return self.args[i]
+            return self.kwargs.get(name, default)
+        return default
+
+    def has_arg(self, name: str) -> bool:
+        """Whether the operator overload's schema has an argument called ``name``."""
+        schema = getattr(self.func, "_schema", None)
+        if schema is None:
+            return name in self.kwargs
+        return any(a.name == name for a in schema.arguments)
+
     def consume(self, labels: Labels, cover: Labels, what: str) -> None:
         """Record a place where a channel dimension is used up."""
         if labels is None:
@@ -166,6 +189,13 @@ class RuleContext:
         """Mark the channels of ``labels`` unprunable, for ``reason``."""
         if labels is not None:
             self.atoms.block(labels, reason)
+
+    def stop(self, labels: Labels, cover: Labels, reason: str) -> None:
+        """Stop channels here: block ``labels`` (for ``reason``) and record this op as a place
+        that uses them. For an op that mixes or moves channels in a way pruning cannot follow;
+        nothing happens for ``labels`` None (a dimension that holds no channel)."""
+        self.block(labels, reason)
+        self.consume(labels, cover, reason)
 
     def where(self) -> str:
         """``"<operator> in <module>"``, for messages."""
