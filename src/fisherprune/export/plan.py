@@ -47,6 +47,8 @@ class PruningPlan:
         shapes: original shape of every parameter and buffer of the model (masks excluded),
             to recognise the architecture it was made for.
         mask_modules: hand-placed MaskLayer modules, replaced by ``nn.Identity``.
+        attributes: ``{module name: {attribute: value}}``: integer attributes set after
+            slicing, such as the head count of an attention module that lost heads.
         convention: cost convention of the recorded costs.
         cost: ``{"dense": ..., "pruned": ...}`` per example, when known.
         version: fisherprune version that made the plan.
@@ -55,6 +57,7 @@ class PruningPlan:
     modules: dict[str, dict[str, dict[str, Any]]] = field(default_factory=dict)
     shapes: dict[str, list[int]] = field(default_factory=dict)
     mask_modules: list[str] = field(default_factory=list)
+    attributes: dict[str, dict[str, int]] = field(default_factory=dict)
     convention: str = "flops"
     cost: dict[str, float] = field(default_factory=dict)
     version: str = __version__
@@ -96,6 +99,12 @@ class PruningPlan:
                 tname, {"shape": list(trace.param_infos[b.name].shape), "kept": {}}
             )
             entry["kept"][str(b.dim)] = np.flatnonzero(~gone).tolist()
+        for split in trace.head_splits:
+            kept = int((~removed[graph.roots[split.labels]]).sum())
+            if kept != split.count:
+                for attr in split.attributes:
+                    module = "" if split.module == "<model>" else split.module
+                    plan.attributes.setdefault(module, {})[attr] = kept
         holder = find_holder(model)
         applied = holder[0] + "." if holder else None
         plan.shapes = {
@@ -132,6 +141,13 @@ class PruningPlan:
                 raise PlanMismatchError(
                     f"the model has no mask module {mname!r} that the plan names"
                 )
+        for mname, values in self.attributes.items():
+            for attr in values:
+                if not isinstance(getattr(modules.get(mname), attr, None), int):
+                    raise PlanMismatchError(
+                        f"the model has no integer attribute {attr!r} on module {mname!r} "
+                        "that the plan sets"
+                    )
         todo: list[tuple[nn.Module, str, str, dict[str, Any]]] = []
         for mname, mod in modules.items():  # in the model's order: the first mismatch is named
             for tname, t in _own_tensors(mod):
@@ -177,6 +193,9 @@ class PruningPlan:
                 changed.setdefault(id(mod), (mod, {}))[1][tname] = old_shape
         for mod, old in changed.values():
             update_metadata(mod, old)
+        for mname, values in self.attributes.items():
+            for attr, value in values.items():
+                setattr(modules[mname], attr, value)
         return model
 
     # ---------------------------------------------------------------- JSON
@@ -187,6 +206,7 @@ class PruningPlan:
             "convention": self.convention,
             "cost": self.cost,
             "mask_modules": self.mask_modules,
+            "attributes": self.attributes,
             "modules": self.modules,
             "shapes": self.shapes,
         }
@@ -203,10 +223,20 @@ class PruningPlan:
         masks = data.get("mask_modules", [])
         if not isinstance(masks, list) or not all(isinstance(m, str) for m in masks):
             raise ValueError("pruning plan: 'mask_modules' must be a list of module names")
+        attributes = data.get("attributes", {})
+        if not isinstance(attributes, dict) or not all(
+            isinstance(v, dict)
+            and all(isinstance(a, str) and type(n) is int and n >= 0 for a, n in v.items())
+            for v in attributes.values()
+        ):
+            raise ValueError(
+                "pruning plan: 'attributes' must map module names to {attribute: integer}"
+            )
         return cls(
             modules=data["modules"],
             shapes=dict(shapes),
             mask_modules=list(masks),
+            attributes={m: dict(v) for m, v in attributes.items()},
             convention=str(data.get("convention", "flops")),
             cost=dict(data.get("cost", {})),
             version=str(data.get("fisherprune_version", "?")),
