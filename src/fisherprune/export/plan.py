@@ -25,6 +25,7 @@ from fisherprune.cost import CostModel
 from fisherprune.export.modules import update_metadata
 from fisherprune.export.safe_load import PickledObjectsError, looks_pickled
 from fisherprune.export.storage import atomic_write_bytes
+from fisherprune.graph.heads import HEADS_WIDTH_ATTRIBUTES
 from fisherprune.masks import MaskLayer
 from fisherprune.masks.points import find_holder, remembered_inputs, remove_mask_points
 
@@ -102,9 +103,11 @@ class PruningPlan:
         for split in trace.head_splits:
             kept = int((~removed[graph.roots[split.labels]]).sum())
             if kept != split.count:
+                module = "" if split.module == "<model>" else split.module
                 for attr in split.attributes:
-                    module = "" if split.module == "<model>" else split.module
-                    plan.attributes.setdefault(module, {})[attr] = kept
+                    width = attr in HEADS_WIDTH_ATTRIBUTES
+                    value = kept * split.blocks.shape[1] if width else kept
+                    plan.attributes.setdefault(module, {})[attr] = value
         holder = find_holder(model)
         applied = holder[0] + "." if holder else None
         plan.shapes = {

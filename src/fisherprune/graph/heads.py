@@ -14,7 +14,12 @@ from __future__ import annotations
 
 from torch import nn
 
-__all__ = ["HEAD_COUNT_ATTRIBUTES", "head_attributes", "register_fixed_heads"]
+__all__ = [
+    "HEADS_WIDTH_ATTRIBUTES",
+    "HEAD_COUNT_ATTRIBUTES",
+    "head_attributes",
+    "register_fixed_heads",
+]
 
 #: attribute names that hold a head count (of query or of key/value heads), in the spellings of
 #: PyTorch, Hugging Face, nanoGPT and timm
@@ -29,6 +34,8 @@ HEAD_COUNT_ATTRIBUTES: tuple[str, ...] = (
     "num_kv_heads",
     "n_kv_heads",
 )
+#: attribute names that hold the width of all heads together (heads x head_dim)
+HEADS_WIDTH_ATTRIBUTES: tuple[str, ...] = ("all_head_size", "split_size", "inner_dim")
 _FIXED: dict[type, str] = {}
 
 
@@ -54,26 +61,36 @@ register_fixed_heads(
 )
 
 
-def head_attributes(module: nn.Module | None, count: int, inferred: bool) -> tuple[str, ...] | str:
-    """Whether ``module`` can lose some of the ``count`` heads it splits a width into: the
-    names of its attributes that hold that count (possibly none, when ``inferred``: the code
-    asked for -1 heads), or, if it cannot, the reason (its type is registered with
-    ``register_fixed_heads``, or the count is written into its code)."""
+def head_attributes(
+    module: nn.Module | None, count: int, head_dim: int, inferred: bool
+) -> tuple[str, ...] | str:
+    """Whether ``module`` can lose some of the ``count`` heads of ``head_dim`` channels it
+    splits a width into: the names of its attributes that hold that count (possibly none, when
+    ``inferred``: the code asked for -1 heads), and of those that hold ``count * head_dim``
+    (``all_head_size``, GPT-2's ``split_size``); or, if it cannot, the reason (its type is
+    registered with ``register_fixed_heads``, or the count is written into its code)."""
     if module is not None:
         fixed = next((_FIXED[t] for t in type(module).__mro__ if t in _FIXED), None)
         if fixed is not None:
             return fixed
-    names = tuple(
-        a
-        for a in HEAD_COUNT_ATTRIBUTES
-        if isinstance(getattr(module, a, None), int)
-        and not isinstance(getattr(module, a), bool)
-        and getattr(module, a) == count
-    )
+    names = _int_attributes(module, HEAD_COUNT_ATTRIBUTES, count)
     if names or inferred:
-        return names
+        return names + _int_attributes(module, HEADS_WIDTH_ATTRIBUTES, count * head_dim)
     return (
         f"splits channels into {count} blocks (heads, or a channel shuffle) whose count is "
         f"written into the code: neither -1 nor an attribute such as "
         f"{', '.join(HEAD_COUNT_ATTRIBUTES[:3])} that shrink could update"
+    )
+
+
+def _int_attributes(
+    module: nn.Module | None, names: tuple[str, ...], value: int
+) -> tuple[str, ...]:
+    """Those of ``names`` that are integer attributes of ``module`` equal to ``value``."""
+    return tuple(
+        a
+        for a in names
+        if isinstance(getattr(module, a, None), int)
+        and not isinstance(getattr(module, a), bool)
+        and getattr(module, a) == value
     )

@@ -934,6 +934,19 @@ def _sdpa(ctx: RuleContext) -> list[TensorInfo]:
         for kv in (hk, hv):
             if kv is not None:
                 ctx.atoms.union(hq, np.repeat(kv, rep))
+    mask = ctx.kwargs.get("attn_mask", ctx.args[3] if len(ctx.args) > 3 else None)
+    if isinstance(mask, Tensor):  # an additive bias per head (T5's relative positions)
+        mi = ctx.info(mask)
+        off = nd - len(mi.shape)
+        for d in range(max(0, -off), len(mi.shape)):
+            e = d + off
+            if mi.labels[d] is None:
+                continue
+            if e < nd - 2 and mi.shape[d] == q.shape[e] and q.labels[e] is not None:
+                ctx.atoms.union(mi.labels[d], q.labels[e])
+            else:
+                ctx.block(mi.labels[d], reason)
+                ctx.consume(mi.labels[d], mi.cover[d], reason)
     if q.labels[-1] is not None and k.labels[-1] is not None:
         ctx.atoms.union(q.labels[-1], k.labels[-1])
     for info in (q, k):

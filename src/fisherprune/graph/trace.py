@@ -98,9 +98,9 @@ class _Tracer(TorchDispatchMode):
         self.call_stack: list[int] = []
 
     # ------------------------------------------------------------ bookkeeping
-    def _head_attributes(self, count: int, inferred: bool) -> tuple[str, ...] | str:
+    def _head_attributes(self, count: int, head_dim: int, inferred: bool) -> tuple[str, ...] | str:
         name = self.module_stack[-1] if self.module_stack else "<model>"
-        return head_attributes(self.modules.get(name), count, inferred)
+        return head_attributes(self.modules.get(name), count, head_dim, inferred)
 
     @contextlib.contextmanager
     def suspended(self) -> Iterator[None]:

@@ -109,7 +109,8 @@ class HeadSplit:
     atoms of each head, one row per head (the first of each row labels the head from then on);
     ``inferred``: the code asked for -1 heads (the count follows the width); ``attributes``
     names the module's attributes that hold the head count (set when the trace is resolved
-    against the model; ``shrink`` updates them)."""
+    against the model; ``shrink`` updates them: a head count to the heads kept, the heads' total
+    width to that times the head size)."""
 
     module: str
     blocks: np.ndarray
@@ -143,8 +144,9 @@ class RuleContext:
         module: the innermost module running the call (``""``: none).
         calls: the module calls in progress, outermost first.
         heads: the trace's list of head splits (``record_heads`` appends to it).
-        head_attributes: for a head count and whether the code asked for -1 heads, the
-            current module's attributes holding that count, or why it cannot lose heads.
+        head_attributes: for a head count, a head size and whether the code asked for -1
+            heads, the current module's attributes holding that count (or the heads' total
+            width), or why it cannot lose heads.
     """
 
     def __init__(
@@ -162,7 +164,7 @@ class RuleContext:
         module: str = "",
         calls: tuple[int, ...] = (),
         heads: list[HeadSplit] | None = None,
-        head_attributes: Callable[[int, bool], tuple[str, ...] | str] | None = None,
+        head_attributes: Callable[[int, int, bool], tuple[str, ...] | str] | None = None,
     ) -> None:
         self.func = func
         self.args = args
@@ -199,7 +201,11 @@ class RuleContext:
         """This call splits a width into heads, ``blocks`` holding each head's atoms in a row
         (``inferred``: the call asked for -1 heads). If the module can lose heads, tie each
         head's atoms into one channel, record the split and return None; else return why."""
-        verdict = self._head_attributes(len(blocks), inferred) if self._head_attributes else ()
+        verdict = (
+            self._head_attributes(blocks.shape[0], blocks.shape[1], inferred)
+            if self._head_attributes
+            else ()
+        )
         if isinstance(verdict, str):
             return verdict
         for row in blocks:
