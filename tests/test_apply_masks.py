@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from torch.utils.flop_counter import FlopCounterMode
 
 import fisherprune as fp
+from fisherprune.cost.formulas import SAME_AS_TORCH
 from fisherprune.graph import ChannelGraph, find_groups, trace_model
 from fisherprune.graph.rules import _RULES
 from fisherprune.graph.types import RuleContext, TensorInfo
@@ -260,7 +261,11 @@ def _expected_groups(arch: str) -> dict[str, Expected]:
             ),
         }
     if arch == "transformer":
+        # a head: its q, k, v rows (split into (heads, head_dim) by a view) and the output
+        # projection's columns that read it; one channel per head, never inside one
+        heads = _conv("attn.q", bias=True) | _conv("attn.k", bias=True) | _conv("attn.v", bias=True)
         return {
+            "heads": _g(["attn.q", "attn.k", "attn.v"], ["attn.out"], heads | _into("attn.out")),
             "hidden": _g(["mlp.fc1"], ["mlp.fc2"], _conv("mlp.fc1", bias=True) | _into("mlp.fc2")),
         }
     if arch == "se":
@@ -301,8 +306,7 @@ def _expected_skipped(arch: str) -> list[tuple[ParamDims, int, str, bool]]:
     head = _HEAD[arch]
     out = [(frozenset(_conv(head, bias=True)), zoo.NUM_CLASSES, "reaches the model output", True)]
     if _SAME_AS.get(arch, arch) == "transformer":
-        w = zoo.DEFAULT_WIDTHS["transformer"]
-        d, attn = w["d"], w["heads"] * w["head_dim"]
+        d = zoo.DEFAULT_WIDTHS["transformer"]["d"]
         # the residual stream: every producer that adds to it, every norm on it, every reader
         stream = (
             _conv("embed", bias=True)
@@ -318,8 +322,6 @@ def _expected_skipped(arch: str) -> list[tuple[ParamDims, int, str, bool]]:
             | _into("head")
         )
         out.append((frozenset(stream), d, "aten.native_layer_norm in ln1", False))
-        for p in ("q", "k", "v"):  # head dims: split into (heads, head_dim) by a view
-            out.append((frozenset(_conv(f"attn.{p}", bias=True)), attn, "aten.view in attn", False))
     return out
 
 
@@ -364,7 +366,7 @@ def _random_prune(masks: fp.AppliedMasks, seed: int) -> dict[str, Tensor]:
 
 
 def _flops_per_example(model: nn.Module, x: Tensor) -> float:
-    counter = FlopCounterMode(display=False)
+    counter = FlopCounterMode(display=False, custom_mapping=dict(SAME_AS_TORCH))
     with counter, torch.no_grad():
         model(x)
     return counter.get_total_flops() / x.shape[0]
@@ -475,6 +477,11 @@ def _slices(arch: str, kept: dict[str, Tensor]) -> Slices:
             z.conv(f"{b}.fc2", k("d"), k(h))
         z.conv("fc_out", None, k("d"))
     elif arch == "transformer":
+        hd = z.w["head_dim"]
+        rows = (k("heads")[:, None] * hd + torch.arange(hd)).flatten()  # a head's channels
+        for p in ("q", "k", "v"):
+            z.conv(f"attn.{p}", rows, None)
+        z.conv("attn.out", None, rows)
         z.conv("mlp.fc1", k("hidden"), None)
         z.conv("mlp.fc2", None, k("hidden"))
     elif arch == "se":
@@ -752,6 +759,9 @@ def _places(arch: str) -> Places:
     if arch == "vgg":
         c3 = w["c3"]
         out["fc1"] = [("c3", torch.arange(4 * c3), torch.arange(c3).repeat_interleave(4))]
+    if arch in ("transformer", "transformer_sdpa"):  # one mask entry per head, over its channels
+        h, hd = w["heads"], w["head_dim"]
+        out["attn.out"] = [("heads", torch.arange(h * hd), torch.arange(h).repeat_interleave(hd))]
     return out
 
 

@@ -11,6 +11,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import fisherprune as fp
 from fisherprune import MaskLayer
+from fisherprune.cost.formulas import SAME_AS_TORCH
 
 # Costs are integers far below 2**53 in every convention tested here: compare exactly.
 COST_ABS_TOL = 0.0
@@ -25,7 +26,7 @@ pytestmark = [
 # ------------------------------------------------------------------ helpers
 def _reference_flops(net: nn.Module, x: Tensor) -> float:
     """FLOPs per example of ``net`` by PyTorch's own counter."""
-    with FlopCounterMode(display=False) as counter:
+    with FlopCounterMode(display=False, custom_mapping=dict(SAME_AS_TORCH)) as counter:
         net(x)
     return counter.get_total_flops() / x.shape[0]
 
@@ -340,14 +341,19 @@ class _Attention(nn.Module):
 
 def test_multihead_attention_projections_are_counted_in_eval_mode() -> None:
     """In eval mode without autograd nn.MultiheadAttention runs as one fused op that PyTorch's
-    counter prices at 0; the cost model still counts its input and output projections, by a
-    hand count: 2*L*d*3d (q, k, v) + 2*L*d*d (out) + the head, per example. (The attention
-    products themselves have no formula in PyTorch's counter for CPU, so neither counts them.)"""
+    counter prices at 0; the cost model still counts its input and output projections and the
+    two attention products, by a hand count: 2*L*d*3d (q, k, v) + 2*L*d*d (out) + 2 * 2*L*L*d
+    (q k^T and the weighted sum of v, over all heads) + the head, per example. PyTorch's
+    counter has no formula for CPU's fused attention kernel, with or without autograd; it is
+    given torch's own flash-attention formula for it (``SAME_AS_TORCH``)."""
     length, d = 5, 16
     model = _Attention(d).eval()
     x = torch.randn(2, length, d)
-    hand = 2 * length * d * 3 * d + 2 * length * d * d + 2 * d * 3
+    hand = 2 * length * d * 3 * d + 2 * length * d * d + 2 * 2 * length * length * d + 2 * d * 3
     assert fp.computational_cost(model, x).total == hand
-    with torch.enable_grad(), FlopCounterMode(display=False) as counter:
+    with (
+        torch.enable_grad(),
+        FlopCounterMode(display=False, custom_mapping=dict(SAME_AS_TORCH)) as counter,
+    ):
         model(x)  # the unfused path, op by op
     assert counter.get_total_flops() / x.shape[0] == hand

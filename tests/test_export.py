@@ -36,6 +36,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import fisherprune as fp
 import fisherprune.export as fpe
+from fisherprune.cost.formulas import SAME_AS_TORCH
 from fisherprune.masks.points import MASKS_ATTR
 
 # ------------------------------------------------------------------ tolerances
@@ -188,7 +189,7 @@ def _n_params(model: nn.Module) -> int:
 
 
 def _flops_per_example(model: nn.Module, x: Tensor) -> float:
-    counter = FlopCounterMode(display=False)
+    counter = FlopCounterMode(display=False, custom_mapping=dict(SAME_AS_TORCH))
     with counter, torch.no_grad():
         model(x)
     return counter.get_total_flops() / x.shape[0]

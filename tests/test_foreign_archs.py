@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from torch.utils.flop_counter import FlopCounterMode
 
 import fisherprune as fp
+from fisherprune.cost.formulas import SAME_AS_TORCH
 from fisherprune.graph.groups import ChannelGroup
 from fisherprune.masks.points import MASKS_ATTR
 
@@ -113,7 +114,7 @@ def _n_params(model: nn.Module) -> int:
 def _flops_per_example(model: nn.Module, x: Tensor) -> float:
     """FlopCounterMode's count, with autograd enabled (the default): in eval mode without
     autograd nn.MultiheadAttention takes a fused fast path that FlopCounterMode does not see."""
-    with FlopCounterMode(display=False) as counter:
+    with FlopCounterMode(display=False, custom_mapping=dict(SAME_AS_TORCH)) as counter:
         model(x)
     return counter.get_total_flops() / x.shape[0]
 

@@ -578,11 +578,6 @@ def test_bert_shrunk_model_gives_the_masked_output_and_its_flops() -> None:
     assert fp.computational_cost(model, inputs).total == _flops(small, inputs) / 4
 
 
-@pytest.mark.xfail(
-    raises=fp.ShrinkError,
-    strict=False,
-    reason="GPT-2's Conv1D (weight stored (in, out), width in .nf) has no shrink rule yet",
-)
 def test_gpt2_shrunk_model_gives_the_masked_output() -> None:
     """shrink of GPT-2 masked on keyword inputs gives the masked logits (float64)."""
     model = _gpt2()

@@ -37,6 +37,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import FlopCounterMode
 
 import fisherprune as fp
+from fisherprune.cost.formulas import SAME_AS_TORCH
 from fisherprune.export.modules import update_metadata
 from fisherprune.graph import trace_model
 from fisherprune.graph.rules_sdpa import FUSED_ATTENTION
@@ -308,6 +309,21 @@ def _hidden(fc1: str, fc2: str) -> ParamDims:
     return frozenset(_linear_out(fc1) | {(f"{fc2}.weight", 1)})
 
 
+def _gpt2_heads(layer: int) -> ParamDims:
+    """GPT-2's attention heads: c_attn's columns and bias (q, k and v of each head, split
+    from one Conv1D) and the rows of c_proj that read the heads."""
+    m = f"transformer.h.{layer}.attn"
+    return frozenset(
+        {(f"{m}.c_attn.weight", 1), (f"{m}.c_attn.bias", 0), (f"{m}.c_proj.weight", 0)}
+    )
+
+
+def _gpt2_groups() -> dict[str, ParamDims]:
+    out = {f"transformer.h.{i}.mlp.c_fc": _gpt2_hidden(i) for i in range(2)}
+    out.update({f"transformer.h.{i}.attn.c_attn": _gpt2_heads(i) for i in range(2)})
+    return out
+
+
 def _gpt2_hidden(layer: int) -> ParamDims:
     """GPT-2's MLP hidden units: Conv1D weights are (in, out), so c_fc's columns and bias and
     c_proj's rows."""
@@ -357,16 +373,8 @@ ARCHS: dict[str, Arch] = {
     "tokens": Arch(_seeded(TokenNet), _floats(5, 6), {"fc1": _hidden("fc1", "fc2")}),
     "sdpa": Arch(_seeded(SdpaBlock), _floats(6, 16), {"mlp.fc1": _hidden("mlp.fc1", "mlp.fc2")}),
     "no_boxes": Arch(_seeded(NoBoxes), _floats(3, 6, 6), {"conv1": _hidden("conv1", "conv2")}),
-    "gpt2": Arch(
-        _gpt2("eager"),
-        _token_ids,
-        {f"transformer.h.{i}.mlp.c_fc": _gpt2_hidden(i) for i in range(2)},
-    ),
-    "gpt2_sdpa": Arch(
-        _gpt2("sdpa"),
-        _token_ids,
-        {f"transformer.h.{i}.mlp.c_fc": _gpt2_hidden(i) for i in range(2)},
-    ),
+    "gpt2": Arch(_gpt2("eager"), _token_ids, _gpt2_groups()),
+    "gpt2_sdpa": Arch(_gpt2("sdpa"), _token_ids, _gpt2_groups()),
 }
 
 
@@ -431,8 +439,9 @@ def _assert_close(actual: Tensor, expected: Tensor) -> None:
 
 
 def _flops_per_example(model: nn.Module, args: tuple[Tensor, ...]) -> float:
-    """FlopCounterMode's count per example, with autograd enabled (its default)."""
-    with FlopCounterMode(display=False) as counter:
+    """FlopCounterMode's count per example, with autograd enabled (its default), given
+    torch's own flash-attention formula for CPU's fused attention op, which it lacks."""
+    with FlopCounterMode(display=False, custom_mapping=dict(SAME_AS_TORCH)) as counter:
         model(*args)
     return counter.get_total_flops() / args[0].shape[0]
 
@@ -631,16 +640,23 @@ class OnlySdpa(nn.Module):
 
 @pytest.mark.parametrize("grad", [True, False], ids=["autograd", "no_grad"])
 def test_sdpa_cost_equals_flop_counter(grad: bool) -> None:
-    """fisherprune's FLOPs for SDPA on CPU equal FlopCounterMode's, with autograd on and off
-    (PyTorch 2.13 has no formula for ``_scaled_dot_product_flash_attention_for_cpu``: both
-    count 0), and the fused op is what the trace saw."""
+    """fisherprune's FLOPs for SDPA on CPU are the two attention products, 2 * 2*N*H*L*S*E:
+    what FlopCounterMode counts given torch's own flash-attention formula for the CPU op
+    (without it, PyTorch 2.13 counts 0 for ``_scaled_dot_product_flash_attention_for_cpu``,
+    with autograd on and off), and the fused op is what the trace saw."""
     q, k, v = (torch.randn(2, 2, 5, 4, generator=_gen(i)) for i in range(3))
     args = tuple(t.requires_grad_(grad) for t in (q, k, v))
-    with FlopCounterMode(display=False) as counter, torch.set_grad_enabled(grad):
+    with FlopCounterMode(display=False) as bare, torch.set_grad_enabled(grad):
+        OnlySdpa()(*args)
+    assert bare.get_total_flops() == 0  # why the mapping is needed
+    counter = FlopCounterMode(display=False, custom_mapping=dict(SAME_AS_TORCH))
+    with counter, torch.set_grad_enabled(grad):
         OnlySdpa()(*args)
     ops = {getattr(r.op, "overloadpacket", None) for r in trace_model(OnlySdpa(), args).ops}
     assert ops & set(FUSED_ATTENTION)
-    assert fp.computational_cost(OnlySdpa(), args).total == counter.get_total_flops() / 2
+    hand = 2 * 2 * 2 * 2 * 5 * 5 * 4  # 2 products x 2 FLOPs x N*H*L*S*E, for the batch of 2
+    assert counter.get_total_flops() == hand
+    assert fp.computational_cost(OnlySdpa(), args).total == hand / 2
 
 
 class SingleHeadSdpa(nn.Module):
@@ -657,15 +673,15 @@ class SingleHeadSdpa(nn.Module):
         return self.out(F.scaled_dot_product_attention(q, k, v).squeeze(1))
 
 
-def test_sdpa_blocks_head_channels_with_its_reason() -> None:
-    """Channels of q, k and v reaching fused attention are blocked, named with the op; they
-    are not tied to the output projection's inputs."""
+def test_sdpa_passes_value_channels_and_contracts_query_key_channels() -> None:
+    """Inside fused attention each output channel is a weighted sum of the same value channel,
+    so v's channels and the output projection's inputs form one group; q and k's channels are
+    contracted inside the op (no layer input to mask them at), reported with the op."""
     masks = fp.apply_masks(SingleHeadSdpa(), torch.randn(2, 5, 8))
-    assert not masks.groups
-    for proj in ("q", "k", "v"):
+    assert [(g.producers, g.consumers) for g in masks.groups.values()] == [(["v"], ["out"])]
+    for proj in ("q", "k"):
         [skip] = [s for s in masks.skipped if (f"{proj}.weight", 0) in s.params]
-        assert "scaled_dot_product" in skip.reason and "fused attention" in skip.reason
-        assert ("out.weight", 1) not in skip.params
+        assert "scaled_dot_product" in skip.reason
 
 
 # ------------------------------------------------------------ robustness

@@ -29,6 +29,7 @@ import torch
 from torch.utils.flop_counter import flop_registry
 
 __all__ = [
+    "SAME_AS_TORCH",
     "TWML",
     "VIEWS",
     "Formula",
@@ -41,12 +42,29 @@ aten = torch.ops.aten
 Formula = Callable[..., float]
 
 
+#: ops with no formula in PyTorch's FLOP counter that compute what one with a formula does:
+#: CPU's fused attention kernel is counted as the GPU flash kernel is (its two products,
+#: ``q k^T`` and the weighted sum of ``v``); ``FlopCounterMode`` counts 0 for it on CPU, with or
+#: without autograd, so compare with ``FlopCounterMode(custom_mapping=SAME_AS_TORCH)``
+SAME_AS_TORCH: Mapping[Any, Any] = MappingProxyType(
+    {
+        aten._scaled_dot_product_flash_attention_for_cpu: flop_registry[
+            aten._scaled_dot_product_flash_attention
+        ].__wrapped__,  # the shape formula itself, as custom_mapping takes it
+    }
+)
+
+
 def torch_flops(key: Any) -> Formula | None:
-    """PyTorch's FLOP formula of operator packet ``key`` in our calling convention, or None."""
+    """PyTorch's FLOP formula of operator packet ``key`` in our calling convention, or None
+    (``SAME_AS_TORCH`` fills the ops PyTorch's counter leaves out)."""
     f = flop_registry.get(key)
-    if f is None:
-        return None
-    return lambda *args, out_shape=None, **kw: f(*args, out_val=out_shape, **kw)
+    if f is not None:
+        return lambda *args, out_shape=None, **kw: f(*args, out_val=out_shape, **kw)
+    raw = SAME_AS_TORCH.get(key)
+    if raw is not None:
+        return lambda *args, out_shape=None, **kw: raw(*args, out_shape=out_shape, **kw)
+    return None
 
 
 def parameter_elements(shape: torch.Size) -> float:

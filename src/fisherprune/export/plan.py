@@ -25,6 +25,7 @@ from fisherprune.cost import CostModel
 from fisherprune.export.modules import update_metadata
 from fisherprune.export.safe_load import PickledObjectsError, looks_pickled
 from fisherprune.export.storage import atomic_write_bytes
+from fisherprune.graph.heads import HEADS_WIDTH_ATTRIBUTES
 from fisherprune.masks import MaskLayer
 from fisherprune.masks.points import find_holder, remembered_inputs, remove_mask_points
 
@@ -47,6 +48,8 @@ class PruningPlan:
         shapes: original shape of every parameter and buffer of the model (masks excluded),
             to recognise the architecture it was made for.
         mask_modules: hand-placed MaskLayer modules, replaced by ``nn.Identity``.
+        attributes: ``{module name: {attribute: value}}``: integer attributes set after
+            slicing, such as the head count of an attention module that lost heads.
         convention: cost convention of the recorded costs.
         cost: ``{"dense": ..., "pruned": ...}`` per example, when known.
         version: fisherprune version that made the plan.
@@ -55,6 +58,7 @@ class PruningPlan:
     modules: dict[str, dict[str, dict[str, Any]]] = field(default_factory=dict)
     shapes: dict[str, list[int]] = field(default_factory=dict)
     mask_modules: list[str] = field(default_factory=list)
+    attributes: dict[str, dict[str, int]] = field(default_factory=dict)
     convention: str = "flops"
     cost: dict[str, float] = field(default_factory=dict)
     version: str = __version__
@@ -97,6 +101,14 @@ class PruningPlan:
                 tname, {"shape": list(trace.param_infos[b.name].shape), "kept": {}}
             )
             entry["kept"][str(b.dim)] = np.flatnonzero(~gone).tolist()
+        for split in trace.head_splits:
+            kept = int((~removed[graph.roots[split.labels]]).sum())
+            if kept != split.count:
+                module = "" if split.module == "<model>" else split.module
+                for attr in split.attributes:
+                    width = attr in HEADS_WIDTH_ATTRIBUTES
+                    value = kept * split.blocks.shape[1] if width else kept
+                    plan.attributes.setdefault(module, {})[attr] = value
         holder = find_holder(model)
         applied = holder[0] + "." if holder else None
         plan.shapes = {
@@ -133,6 +145,13 @@ class PruningPlan:
                 raise PlanMismatchError(
                     f"the model has no mask module {mname!r} that the plan names"
                 )
+        for mname, values in self.attributes.items():
+            for attr in values:
+                if not isinstance(getattr(modules.get(mname), attr, None), int):
+                    raise PlanMismatchError(
+                        f"the model has no integer attribute {attr!r} on module {mname!r} "
+                        "that the plan sets"
+                    )
         todo: list[tuple[nn.Module, str, str, dict[str, Any]]] = []
         for mname, mod in modules.items():  # in the model's order: the first mismatch is named
             for tname, t in _own_tensors(mod):
@@ -178,6 +197,9 @@ class PruningPlan:
                 changed.setdefault(id(mod), (mod, {}))[1][tname] = old_shape
         for mod, old in changed.values():
             update_metadata(mod, old)
+        for mname, values in self.attributes.items():
+            for attr, value in values.items():
+                setattr(modules[mname], attr, value)
         return model
 
     # ---------------------------------------------------------------- JSON
@@ -188,6 +210,7 @@ class PruningPlan:
             "convention": self.convention,
             "cost": self.cost,
             "mask_modules": self.mask_modules,
+            "attributes": self.attributes,
             "modules": self.modules,
             "shapes": self.shapes,
         }
@@ -204,10 +227,20 @@ class PruningPlan:
         masks = data.get("mask_modules", [])
         if not isinstance(masks, list) or not all(isinstance(m, str) for m in masks):
             raise ValueError("pruning plan: 'mask_modules' must be a list of module names")
+        attributes = data.get("attributes", {})
+        if not isinstance(attributes, dict) or not all(
+            isinstance(v, dict)
+            and all(isinstance(a, str) and type(n) is int and n >= 0 for a, n in v.items())
+            for v in attributes.values()
+        ):
+            raise ValueError(
+                "pruning plan: 'attributes' must map module names to {attribute: integer}"
+            )
         return cls(
             modules=data["modules"],
             shapes=dict(shapes),
             mask_modules=list(masks),
+            attributes={m: dict(v) for m, v in attributes.items()},
             convention=str(data.get("convention", "flops")),
             cost=dict(data.get("cost", {})),
             version=str(data.get("fisherprune_version", "?")),

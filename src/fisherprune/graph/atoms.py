@@ -89,9 +89,19 @@ class Atoms:
             self._blocked.append((a.copy(), reason))
 
     def mark_producer(self, a: np.ndarray) -> None:
-        """Mark atoms ``a`` as output channels of a layer (what makes a component a channel)."""
+        """Mark atoms ``a`` as output channels of a layer (what makes a component a channel).
+        Atoms that index a model input (token positions carried through a matmul) are not."""
+        a = a[~self._from_input(a)] if a.size else a
         if a.size:
             self._producer.append(a.copy())
+
+    def _from_input(self, a: np.ndarray) -> np.ndarray:
+        """Per atom of ``a``: whether it indexes a dimension of a model input."""
+        out = np.zeros(a.shape, dtype=bool)
+        for b in self.blocks:
+            if b.kind == "input":
+                out |= (a >= b.start) & (a < b.start + b.size)
+        return out
 
     def producer_arrays(self) -> list[np.ndarray]:
         """The atom arrays marked as layer outputs, one per producing op."""
@@ -114,6 +124,14 @@ class Atoms:
         if not self._producer:
             return np.zeros(0, dtype=np.int64)
         return np.unique(roots[np.concatenate(self._producer)])
+
+    def is_batch(self, a: np.ndarray) -> bool:
+        """Whether every atom of ``a`` indexes the batch dimension of a model input."""
+        if a.size == 0:
+            return False
+        starts = np.asarray([b.start for b in self.blocks])
+        idx = np.searchsorted(starts, np.unique(a), side="right") - 1
+        return all(self.blocks[i].kind == "input" and self.blocks[i].dim == 0 for i in idx)
 
     def locate(self, atom: int) -> tuple[AtomBlock, int]:
         """The block an atom belongs to and its index within that dimension."""

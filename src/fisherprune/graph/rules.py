@@ -16,6 +16,7 @@ a rule for a custom operator with::
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 from collections.abc import Callable, Sequence
@@ -716,47 +717,140 @@ def _view(ctx: RuleContext) -> list[TensorInfo]:
 
 
 def _reshape_labels(ctx: RuleContext, x: TensorInfo, shape: tuple[int, ...]) -> TensorInfo:
-    """Map labels across a reshape by matching runs of dims with equal products."""
+    """Map labels across a reshape (view, flatten, unflatten, split into heads and back).
+
+    Both shapes are cut into their common factors: the sizes between the union of the two
+    shapes' strides (a reshape that has none, such as (2, 3) -> (3, 2), keeps no channel).
+    A source dimension split into several factors keeps its labels on the one factor they
+    vary along: the inner one when the labels repeat periodically (heads merged with the
+    batch, split back), the outer one when they repeat in blocks; when they vary along
+    several, they are tied into blocks along the outermost factor: the split of a width into
+    (heads, head_dim) makes each head one channel, never the channels inside a head. A target
+    dimension merged from several factors takes the labels of its one labelled factor,
+    repeated over the others (flatten); factors indexing the batch of the model input do not
+    count, so heads merged with the batch (a batched matmul) keep their labels.
+    """
+    factors = _common_factors(x.shape, shape)
+    if factors is None:
+        return _reshape_blocked(
+            ctx, x, shape, "reshapes channels across dimensions that do not align"
+        )
+    asked = ctx.args[1] if len(ctx.args) > 1 and isinstance(ctx.args[1], (list, tuple)) else ()
+    inferred = {
+        j
+        for d, (lo, hi) in enumerate(_factor_spans(shape, factors))
+        if d < len(asked) and asked[d] == -1
+        for j in range(lo, hi)
+    }
+    src = _split_into_factors(ctx, x, factors, inferred)
     lab: list[Labels] = [None] * len(shape)
     cov: list[Labels] = [None] * len(shape)
-    src = [d for d in range(len(x.shape)) if x.shape[d] != 1]
-    dst = [d for d in range(len(shape)) if shape[d] != 1]
-    i = j = 0
-    reason = (
-        f"{ctx.where()} reshapes channels together with another dimension "
-        "(e.g. splits them into heads, or a channel shuffle): channels are not followed "
-        "through a split or merged dimension"
-    )
-    while i < len(src) and j < len(dst):
-        si, sj = [src[i]], [dst[j]]
-        pi, pj = x.shape[src[i]], shape[dst[j]]
-        while pi != pj:
-            if pi < pj:
-                i += 1
-                si.append(src[i])
-                pi *= x.shape[src[i]]
-            else:
-                j += 1
-                sj.append(dst[j])
-                pj *= shape[dst[j]]
-        i += 1
-        j += 1
-        labelled = [d for d in si if x.labels[d] is not None]
-        if len(si) == 1 and len(sj) == 1:
-            lab[sj[0]], cov[sj[0]] = x.labels[si[0]], x.cover[si[0]]
-        elif len(sj) == 1 and len(labelled) <= 1:
-            if labelled:  # merge dims (flatten): each channel index repeats over the others
-                d = labelled[0]
-                inner = math.prod(x.shape[e] for e in si if e > d)
-                outer = math.prod(x.shape[e] for e in si if e < d)
-                lab[sj[0]] = np.tile(np.repeat(x.labels[d], inner), outer)
-                if x.cover[d] is not None:
-                    cov[sj[0]] = np.tile(np.repeat(x.cover[d], inner), outer)
-        else:
-            for d in labelled:
-                ctx.block(x.labels[d], reason)
-                ctx.consume(x.labels[d], x.cover[d], reason)
+    for d, (lo, hi) in enumerate(_factor_spans(shape, factors)):
+        parts = [j for j in range(lo, hi) if src[j][0] is not None]
+        if len(parts) > 1:
+            parts = [j for j in parts if not ctx.atoms.is_batch(src[j][0])] or parts[:1]
+        if len(parts) > 1:
+            reason = (
+                f"{ctx.where()} merges channels of two dimensions into one: channels are not "
+                "followed through it"
+            )
+            for j in parts:
+                ctx.block(src[j][0], reason)
+                ctx.consume(src[j][0], src[j][1], reason)
+            continue
+        if not parts:
+            continue
+        j = parts[0]
+        inner = math.prod(factors[j + 1 : hi])
+        outer = math.prod(factors[lo:j])
+        lab[d] = np.tile(np.repeat(src[j][0], inner), outer)
+        if src[j][1] is not None:
+            cov[d] = np.tile(np.repeat(src[j][1], inner), outer)
     return TensorInfo(shape, lab, cov)
+
+
+def _common_factors(a: tuple[int, ...], b: tuple[int, ...]) -> list[int] | None:
+    """The sizes, outermost first, that both shapes are products of runs of (None if none)."""
+    total = math.prod(a)
+    if total != math.prod(b) or total == 0:
+        return None
+    cuts = sorted(
+        {math.prod(a[d:]) for d in range(len(a) + 1)}
+        | {math.prod(b[d:]) for d in range(len(b) + 1)}
+    )
+    if any(hi % lo for lo, hi in itertools.pairwise(cuts)):
+        return None
+    return [hi // lo for lo, hi in itertools.pairwise(cuts)][::-1]
+
+
+def _factor_spans(shape: tuple[int, ...], factors: list[int]) -> list[tuple[int, int]]:
+    """For each dimension of ``shape``, the range of ``factors`` (outermost first) it spans."""
+    spans, j = [], 0
+    for size in shape:
+        lo, prod = j, 1
+        while prod < size:
+            prod *= factors[j]
+            j += 1
+        spans.append((lo, j))
+    return spans
+
+
+def _split_into_factors(
+    ctx: RuleContext, x: TensorInfo, factors: list[int], inferred: set[int]
+) -> list[tuple[Labels, Labels]]:
+    """Labels and covers of each factor of ``x``'s dimensions (see ``_reshape_labels``)."""
+    out: list[tuple[Labels, Labels]] = [(None, None)] * len(factors)
+    for d, (lo, hi) in enumerate(_factor_spans(x.shape, factors)):
+        lab = x.labels[d]
+        if lab is None or hi == lo:
+            continue
+        if hi - lo == 1:
+            out[lo] = (lab, x.cover[d])
+            continue
+        sizes = factors[lo:hi]
+        roots = ctx.atoms.find(lab).reshape(sizes)
+        along = [k for k in range(len(sizes)) if _varies_along(roots, k)]
+        keep = along[0] if len(along) == 1 else 0
+        if len(along) > 1:  # blocks (heads): each one channel, if the module can lose heads
+            refused = ctx.record_heads(lab.reshape(sizes[0], -1).copy(), lo in inferred)
+            if refused is not None:
+                reason = f"{ctx.where()} {refused}"
+                ctx.block(lab, reason)
+                ctx.consume(lab, x.cover[d], reason)
+                continue
+        index = [0] * len(sizes)
+        index[keep] = slice(None)
+        picked = lab.reshape(sizes)[tuple(index)]
+        cover = None
+        if x.cover[d] is not None:
+            cv = x.cover[d].reshape(sizes)
+            if _constant_except(cv, keep):
+                cover = cv[tuple(index)]
+        out[lo + keep] = (np.ascontiguousarray(picked), cover)
+    return out
+
+
+def _varies_along(a: np.ndarray, axis: int) -> bool:
+    """Whether ``a`` changes along ``axis``."""
+    return bool((a != a.take([0], axis=axis)).any())
+
+
+def _constant_except(a: np.ndarray, axis: int) -> bool:
+    """Whether ``a`` does not change along any axis but ``axis``."""
+    first = a[tuple(slice(None) if k == axis else slice(0, 1) for k in range(a.ndim))]
+    return bool((a == first).all())
+
+
+def _reshape_blocked(
+    ctx: RuleContext, x: TensorInfo, shape: tuple[int, ...], why: str
+) -> TensorInfo:
+    """Block every labelled dimension of ``x``: the reshape keeps no channel."""
+    reason = f"{ctx.where()} {why}"
+    for lab, cov in zip(x.labels, x.cover, strict=True):
+        if lab is not None:
+            ctx.block(lab, reason)
+            ctx.consume(lab, cov, reason)
+    return TensorInfo.blank(shape)
 
 
 @register_channel_rule(aten.slice)

@@ -1,27 +1,25 @@
-"""The channel rule of fused scaled-dot-product attention, for now: heads are not followed.
+"""The channel rule of fused scaled-dot-product attention: whole heads, grouped-query too.
 
 ``F.scaled_dot_product_attention`` reaches the dispatcher as one fused operator: on CPU
 ``_scaled_dot_product_flash_attention_for_cpu``; on CUDA the flash, memory-efficient or
 cuDNN kernel (the composite ``scaled_dot_product_attention`` too, should a backend not
-decompose it). Without a rule it would be opaque: every channel reaching it blocked, its
-output carrying none. This rule ties nothing it does not understand: the batch dim and the
-query positions pass through; the heads and head channels of q, k and v, the key positions
-and every channel of a mask or bias are stopped, with a reason naming the op. Whole heads
-could be removed exactly (q, k, v and the output lose the same head); that is the work of
-attention-head support, which replaces this rule: ``unregister_channel_rule(*FUSED_ATTENTION)``
-and register its own, or delete this module.
+decompose it). Head h of q reads head h // (H / Hkv) of k and v, so those heads are tied
+(with the reshape rule's split into heads, each head is one prunable channel); a per-head
+additive bias (T5's relative positions) is tied to the heads too. Channels inside a head are
+contracted (q, k) or passed to the output (v).
 
-Cost: ``flops`` takes PyTorch's ``torch.utils.flop_counter`` formulas as they are, so these
-ops cost what ``FlopCounterMode`` counts for them. PyTorch 2.13 has formulas for the CUDA ops
-(flash, efficient, cuDNN) but none for ``_scaled_dot_product_flash_attention_for_cpu``:
-``FlopCounterMode`` counts SDPA on CPU as 0 FLOPs, with autograd on or off, and so does
-``computational_cost``. Register a formula with ``register_cost_formula("flops", op)`` to
-count it (``FlopCounterMode`` then needs the same one in its ``custom_mapping`` to agree).
+Cost: PyTorch 2.13's ``FlopCounterMode`` has formulas for the CUDA kernels but none for
+``_scaled_dot_product_flash_attention_for_cpu``: it counts SDPA on CPU as 0 FLOPs, with
+autograd on or off. ``computational_cost`` counts the CPU kernel as torch counts its flash
+kernel (the products ``q k^T`` and ``softmax(.) v``, per kept head): what ``FlopCounterMode``
+counts on CUDA, or on CPU given ``custom_mapping=fisherprune.cost.formulas.SAME_AS_TORCH``.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
+from torch import Tensor
 
 from fisherprune.graph.rules import register_channel_rule
 from fisherprune.graph.types import Labels, RuleContext, TensorInfo
@@ -47,49 +45,54 @@ FUSED_ATTENTION: tuple = tuple(
 
 
 @register_channel_rule(*FUSED_ATTENTION)
-def _fused_attention_heads_not_followed(ctx: RuleContext) -> list[TensorInfo]:
-    """q (N, H, L, E), k (N, H, S, E), v (N, H, S, Ev) -> out (N, H, L, Ev), then
-    (for some kernels) logsumexp (N, H, L) and bookkeeping tensors.
-
-    The batch dims of q, k and v are tied and passed through, as are q's query positions
-    (each query's output depends on its own query only). Stopped: the heads (any dim between
-    the batch and the last two), the head channels E and Ev (E also sets the default scale
-    1/sqrt(E)), the key positions S (softmax normalises over them) and every dim of the other
-    tensor inputs (mask, bias). Covers are dropped: a zero query still averages the values.
-    """
+def _sdpa(ctx: RuleContext) -> list[TensorInfo]:
+    """Fused attention of q (..., H, Lq, E), k (..., Hkv, Lk, E), v (..., Hkv, Lk, Ev) ->
+    (..., H, Lq, Ev): head h of q reads head h // (H / Hkv) of k and v (grouped-query
+    attention when Hkv < H), so those heads are tied and the output's head dim is q's. q and
+    k's E are contracted (consumed here); v's Ev and q's Lq carry through. Extra outputs
+    (log-sum-exp and the like) keep q's leading dims."""
     q, k, v = (ctx.info(t) for t in ctx.args[:3])
-    reason = (
-        f"{ctx.where()} is fused attention: its heads and head channels are not followed "
-        "(softmax(q k^T / sqrt(E)) v mixes them)"
-    )
-    nq = len(q.shape)
-    batch = q.labels[0] if nq > 2 else None
-    for role, info in enumerate((q, k, v)):
-        nd = len(info.shape)
-        for d in range(nd):
-            if d == 0 and nq > 2 and nd > 2:
-                if role == 0 or info.labels[0] is None:
-                    continue
-                if batch is not None and info.labels[0].size == batch.size:
-                    ctx.atoms.union(batch, info.labels[0])  # batch n of q attends to n of k, v
-                    continue
-            elif role == 0 and d == nd - 2:
-                continue  # query positions pass through
-            ctx.stop(info.labels[d], info.cover[d], reason)
-    used = {id(t) for t in ctx.args[:3]}
-    for t in ctx.in_tensors:
-        if id(t) not in used:
-            info = ctx.info(t)
-            for lab, cov in zip(info.labels, info.cover, strict=True):
-                ctx.stop(lab, cov, f"{ctx.where()}: attention mask or bias")
+    nd = len(q.shape)
+    reason = f"{ctx.where()} mixes these channels inside fused attention"
+    for d in range(nd - 2):  # batch and head dims
+        hq, hk, hv = q.labels[d], k.labels[d], v.labels[d]
+        if q.shape[d] % k.shape[d] or k.shape[d] != v.shape[d] or hq is None:
+            for info in (q, k, v):
+                ctx.block(info.labels[d], reason)
+                ctx.consume(info.labels[d], info.cover[d], reason)
+            continue
+        rep = q.shape[d] // k.shape[d]
+        for kv in (hk, hv):
+            if kv is not None:
+                ctx.atoms.union(hq, np.repeat(kv, rep))
+    mask = ctx.kwargs.get("attn_mask", ctx.args[3] if len(ctx.args) > 3 else None)
+    if isinstance(mask, Tensor):  # an additive bias per head (T5's relative positions)
+        mi = ctx.info(mask)
+        off = nd - len(mi.shape)
+        for d in range(max(0, -off), len(mi.shape)):
+            e = d + off
+            if mi.labels[d] is None:
+                continue
+            if e < nd - 2 and mi.shape[d] == q.shape[e] and q.labels[e] is not None:
+                ctx.atoms.union(mi.labels[d], q.labels[e])
+            else:
+                ctx.block(mi.labels[d], reason)
+                ctx.consume(mi.labels[d], mi.cover[d], reason)
+    if q.labels[-1] is not None and k.labels[-1] is not None:
+        ctx.atoms.union(q.labels[-1], k.labels[-1])
+    for info in (q, k):
+        ctx.consume(info.labels[-1], info.cover[-1], f"{ctx.where()} (q k^T)")
+    if k.labels[-2] is not None and v.labels[-2] is not None:
+        ctx.atoms.union(k.labels[-2], v.labels[-2])
+    if v.labels[-1] is not None:
+        ctx.atoms.mark_producer(v.labels[-1])
     outs = []
     for i, t in enumerate(ctx.out_tensors):
         shape = tuple(t.shape)
-        lab_out: list[Labels] = [None] * len(shape)
-        if i < 2 and nq >= 2 and len(shape) > nq - 2:  # the output, then logsumexp
-            if nq > 2 and shape[0] == q.shape[0]:
-                lab_out[0] = batch
-            if shape[nq - 2] == q.shape[nq - 2]:
-                lab_out[nq - 2] = q.labels[nq - 2]
-        outs.append(TensorInfo(shape, lab_out, [None] * len(shape)))
+        lab: list[Labels] = [None] * len(shape)
+        if len(shape) >= nd - 2 and shape[: nd - 2] == q.shape[: nd - 2]:
+            lab[: nd - 2] = q.labels[: nd - 2]
+        if i == 0 and len(shape) == nd:
+            lab[-2], lab[-1] = q.labels[-2], v.labels[-1]
+        outs.append(TensorInfo(shape, lab, [None] * len(shape)))
     return outs

@@ -30,9 +30,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from fisherprune.graph.atoms import Atoms
+from fisherprune.graph.heads import head_attributes
 from fisherprune.graph.rules import apply_rule
 from fisherprune.graph.types import (
     ConsumerPoint,
+    HeadSplit,
     Labels,
     ModuleCall,
     OpRecord,
@@ -61,6 +63,7 @@ class Trace:
     param_infos: dict[str, TensorInfo] = field(default_factory=dict)
     output_infos: list[TensorInfo] = field(default_factory=list)
     batch_size: int = 1  # examples traced (fisherprune.inputs.Inputs.batch_size): the divisor
+    head_splits: list[HeadSplit] = field(default_factory=list)
 
     def entry_count(self) -> int:
         return self.mask_ends[-1] if self.mask_ends else 0
@@ -75,9 +78,16 @@ class Trace:
 
 
 class _Tracer(TorchDispatchMode):
-    def __init__(self, trace: Trace, names: dict[int, str], masks: dict[int, str]) -> None:
+    def __init__(
+        self,
+        trace: Trace,
+        names: dict[int, str],
+        masks: dict[int, str],
+        modules: dict[str, nn.Module],
+    ) -> None:
         super().__init__()
         self.trace = trace
+        self.modules = modules
         self.infos: dict[int, TensorInfo] = {}
         self.keep: list[Tensor] = []  # keep traced tensors alive so ids stay unique
         self.param_names = names
@@ -88,6 +98,10 @@ class _Tracer(TorchDispatchMode):
         self.call_stack: list[int] = []
 
     # ------------------------------------------------------------ bookkeeping
+    def _head_attributes(self, count: int, head_dim: int, inferred: bool) -> tuple[str, ...] | str:
+        name = self.module_stack[-1] if self.module_stack else "<model>"
+        return head_attributes(self.modules.get(name), count, head_dim, inferred)
+
     @contextlib.contextmanager
     def suspended(self) -> Iterator[None]:
         self._suspended += 1
@@ -149,6 +163,8 @@ class _Tracer(TorchDispatchMode):
             op_index=len(self.trace.ops),
             module=self.module_stack[-1] if self.module_stack else "",
             calls=tuple(self.call_stack),
+            heads=self.trace.head_splits,
+            head_attributes=self._head_attributes,
         )
         out_infos = apply_rule(ctx)
         for t, oi in zip(out_tensors, out_infos, strict=True):
@@ -249,7 +265,8 @@ def trace_model(
     inputs = Inputs.of(example_inputs)
     trace = Trace(batch_size=inputs.batch_size)
     masks = {id(m): n for n, m in model.named_modules() if isinstance(m, MaskLayer)}
-    tracer = _Tracer(trace, _param_names(model), masks)
+    modules = {name or "<model>": m for name, m in model.named_modules()}
+    tracer = _Tracer(trace, _param_names(model), masks, modules)
     for i, (t, batched) in enumerate(inputs.tensors()):
         info = tracer.leaf(t, "input", str(i))
         for d, lab in enumerate(info.labels):

@@ -19,6 +19,7 @@ from fisherprune.graph.atoms import Atoms
 __all__ = [
     "ConsumerPoint",
     "DimInfo",
+    "HeadSplit",
     "Labels",
     "ModuleCall",
     "OpRecord",
@@ -102,6 +103,32 @@ class ConsumerPoint:
     calls: tuple[int, ...] = ()  # module calls in progress, outermost first
 
 
+@dataclass
+class HeadSplit:
+    """A width split into (heads, head_dim) inside a module's forward: ``blocks`` holds the
+    atoms of each head, one row per head (the first of each row labels the head from then on);
+    ``inferred``: the code asked for -1 heads (the count follows the width); ``attributes``
+    names the module's attributes that hold the head count (set when the trace is resolved
+    against the model; ``shrink`` updates them: a head count to the heads kept, the heads' total
+    width to that times the head size)."""
+
+    module: str
+    blocks: np.ndarray
+    inferred: bool = False
+    where: str = ""  # the call, for messages
+    attributes: tuple[str, ...] = ()
+
+    @property
+    def count(self) -> int:
+        """Number of heads."""
+        return int(self.blocks.shape[0])
+
+    @property
+    def labels(self) -> np.ndarray:
+        """One atom per head."""
+        return self.blocks[:, 0]
+
+
 class RuleContext:
     """What a channel rule sees of one operator call: the call itself, what the trace knows
     of its input tensors, and the atoms it may tie together or block.
@@ -116,6 +143,10 @@ class RuleContext:
         op_index: the index this call's record will have in the trace.
         module: the innermost module running the call (``""``: none).
         calls: the module calls in progress, outermost first.
+        heads: the trace's list of head splits (``record_heads`` appends to it).
+        head_attributes: for a head count, a head size and whether the code asked for -1
+            heads, the current module's attributes holding that count (or the heads' total
+            width), or why it cannot lose heads.
     """
 
     def __init__(
@@ -132,6 +163,8 @@ class RuleContext:
         op_index: int,
         module: str = "",
         calls: tuple[int, ...] = (),
+        heads: list[HeadSplit] | None = None,
+        head_attributes: Callable[[int, int, bool], tuple[str, ...] | str] | None = None,
     ) -> None:
         self.func = func
         self.args = args
@@ -144,6 +177,8 @@ class RuleContext:
         self.op_index = op_index
         self.module = module
         self.calls = calls
+        self._heads = heads if heads is not None else []
+        self._head_attributes = head_attributes
 
     @property
     def name(self) -> str:
@@ -184,6 +219,22 @@ class RuleContext:
             return
         cv = cover if cover is not None else np.full(labels.size, -1, dtype=np.int64)
         self._consumers.append(ConsumerPoint(labels, cv, what, self.op_index, self.calls))
+
+    def record_heads(self, blocks: np.ndarray, inferred: bool) -> str | None:
+        """This call splits a width into heads, ``blocks`` holding each head's atoms in a row
+        (``inferred``: the call asked for -1 heads). If the module can lose heads, tie each
+        head's atoms into one channel, record the split and return None; else return why."""
+        verdict = (
+            self._head_attributes(blocks.shape[0], blocks.shape[1], inferred)
+            if self._head_attributes
+            else ()
+        )
+        if isinstance(verdict, str):
+            return verdict
+        for row in blocks:
+            self.atoms.union_all(row)
+        self._heads.append(HeadSplit(self.module, blocks, inferred, self.where(), verdict))
+        return None
 
     def block(self, labels: Labels, reason: str) -> None:
         """Mark the channels of ``labels`` unprunable, for ``reason``."""

@@ -1,0 +1,96 @@
+"""Attention heads: which module attributes hold a head count, and modules whose heads cannot
+be removed on their own.
+
+When the reshape rule meets a width split into blocks (heads), it asks ``head_attributes``
+about the module making the split. The split makes each head one prunable channel only if the
+shrunk module can still make it: its head count is inferred (``view(..., -1, head_dim)``, as
+Hugging Face writes it) or held in an attribute that ``shrink`` then sets to the heads kept.
+Otherwise (a channel shuffle's fixed group count, a head count written as a constant, a module
+type registered with ``register_fixed_heads``) the split's channels are blocked, with the
+reason.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+__all__ = [
+    "HEADS_WIDTH_ATTRIBUTES",
+    "HEAD_COUNT_ATTRIBUTES",
+    "head_attributes",
+    "register_fixed_heads",
+]
+
+#: attribute names that hold a head count (of query or of key/value heads), in the spellings of
+#: PyTorch, Hugging Face, nanoGPT and timm
+HEAD_COUNT_ATTRIBUTES: tuple[str, ...] = (
+    "num_heads",
+    "n_heads",
+    "n_head",
+    "heads",
+    "nheads",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "num_kv_heads",
+    "n_kv_heads",
+)
+#: attribute names that hold the width of all heads together (heads x head_dim)
+HEADS_WIDTH_ATTRIBUTES: tuple[str, ...] = ("all_head_size", "split_size", "inner_dim")
+_FIXED: dict[type, str] = {}
+
+
+def register_fixed_heads(*types: type, reason: str) -> None:
+    """Declare that modules of these types cannot lose heads on their own (their heads are
+    then reported as not prunable, for ``reason``).
+
+    Raises:
+        ValueError: a type is already registered.
+    """
+    for t in types:
+        if t in _FIXED:
+            raise ValueError(f"{t.__name__} is already registered as keeping its heads")
+        _FIXED[t] = reason
+
+
+register_fixed_heads(
+    nn.MultiheadAttention,
+    reason=(
+        "nn.MultiheadAttention's inner width is its embed_dim, the width of its input: its "
+        "heads can only go together with the hidden width"
+    ),
+)
+
+
+def head_attributes(
+    module: nn.Module | None, count: int, head_dim: int, inferred: bool
+) -> tuple[str, ...] | str:
+    """Whether ``module`` can lose some of the ``count`` heads of ``head_dim`` channels it
+    splits a width into: the names of its attributes that hold that count (possibly none, when
+    ``inferred``: the code asked for -1 heads), and of those that hold ``count * head_dim``
+    (``all_head_size``, GPT-2's ``split_size``); or, if it cannot, the reason (its type is
+    registered with ``register_fixed_heads``, or the count is written into its code)."""
+    if module is not None:
+        fixed = next((_FIXED[t] for t in type(module).__mro__ if t in _FIXED), None)
+        if fixed is not None:
+            return fixed
+    names = _int_attributes(module, HEAD_COUNT_ATTRIBUTES, count)
+    if names or inferred:
+        return names + _int_attributes(module, HEADS_WIDTH_ATTRIBUTES, count * head_dim)
+    return (
+        f"splits channels into {count} blocks (heads, or a channel shuffle) whose count is "
+        f"written into the code: neither -1 nor an attribute such as "
+        f"{', '.join(HEAD_COUNT_ATTRIBUTES[:3])} that shrink could update"
+    )
+
+
+def _int_attributes(
+    module: nn.Module | None, names: tuple[str, ...], value: int
+) -> tuple[str, ...]:
+    """Those of ``names`` that are integer attributes of ``module`` equal to ``value``."""
+    return tuple(
+        a
+        for a in names
+        if isinstance(getattr(module, a, None), int)
+        and not isinstance(getattr(module, a), bool)
+        and getattr(module, a) == value
+    )
