@@ -267,6 +267,23 @@ def _expected_groups(arch: str) -> dict[str, Expected]:
         return {
             "heads": _g(["attn.q", "attn.k", "attn.v"], ["attn.out"], heads | _into("attn.out")),
             "hidden": _g(["mlp.fc1"], ["mlp.fc2"], _conv("mlp.fc1", bias=True) | _into("mlp.fc2")),
+            # the residual stream (the hidden width): every producer that adds to it, every
+            # layer norm on it (their statistics follow the mask), every reader
+            "d": _g(
+                ["embed", "attn.out", "mlp.fc2"],
+                ["attn.q", "attn.k", "attn.v", "mlp.fc1", "head"],
+                _conv("embed", bias=True)
+                | _conv("attn.out", bias=True)
+                | _conv("mlp.fc2", bias=True)
+                | _ln("ln1")
+                | _ln("ln2")
+                | _ln("ln_f")
+                | _into("attn.q")
+                | _into("attn.k")
+                | _into("attn.v")
+                | _into("mlp.fc1")
+                | _into("head"),
+            ),
         }
     if arch == "se":
         return {
@@ -305,23 +322,6 @@ def _expected_skipped(arch: str) -> list[tuple[ParamDims, int, str, bool]]:
     """(param dims, channels, reason fragment, expected flag) of every skipped entry."""
     head = _HEAD[arch]
     out = [(frozenset(_conv(head, bias=True)), zoo.NUM_CLASSES, "reaches the model output", True)]
-    if _SAME_AS.get(arch, arch) == "transformer":
-        d = zoo.DEFAULT_WIDTHS["transformer"]["d"]
-        # the residual stream: every producer that adds to it, every norm on it, every reader
-        stream = (
-            _conv("embed", bias=True)
-            | _conv("attn.out", bias=True)
-            | _conv("mlp.fc2", bias=True)
-            | _ln("ln1")
-            | _ln("ln2")
-            | _ln("ln_f")
-            | _into("attn.q")
-            | _into("attn.k")
-            | _into("attn.v")
-            | _into("mlp.fc1")
-            | _into("head")
-        )
-        out.append((frozenset(stream), d, "aten.native_layer_norm in ln1", False))
     return out
 
 
@@ -481,9 +481,16 @@ def _slices(arch: str, kept: dict[str, Tensor]) -> Slices:
         rows = (k("heads")[:, None] * hd + torch.arange(hd)).flatten()  # a head's channels
         for p in ("q", "k", "v"):
             z.conv(f"attn.{p}", rows, None)
-        z.conv("attn.out", None, rows)
-        z.conv("mlp.fc1", k("hidden"), None)
-        z.conv("mlp.fc2", None, k("hidden"))
+        d = k("d")
+        z.conv("embed", d, None)
+        for p in ("q", "k", "v"):
+            z.conv(f"attn.{p}", rows, d)
+        z.conv("attn.out", d, rows)
+        z.conv("mlp.fc1", k("hidden"), d)
+        z.conv("mlp.fc2", d, k("hidden"))
+        for ln in ("ln1", "ln2", "ln_f"):
+            z.bn(ln, d)
+        z.conv("head", None, d)
     elif arch == "se":
         z.conv("stem.0", k("stem"), None)
         z.bn("stem.1", k("stem"))

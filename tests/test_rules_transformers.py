@@ -321,7 +321,25 @@ def _gpt2_heads(layer: int) -> ParamDims:
 def _gpt2_groups() -> dict[str, ParamDims]:
     out = {f"transformer.h.{i}.mlp.c_fc": _gpt2_hidden(i) for i in range(2)}
     out.update({f"transformer.h.{i}.attn.c_attn": _gpt2_heads(i) for i in range(2)})
+    out["transformer.wte"] = _gpt2_width()
     return out
+
+
+def _gpt2_width() -> ParamDims:
+    """GPT-2's hidden width (the residual stream): the columns of the token and position
+    embeddings (the token embedding is also the tied output layer), what each block adds to
+    the stream (attention's and the MLP's c_proj: Conv1D columns and bias), what reads it
+    (c_attn's and c_fc's rows) and every layer norm's weight and bias."""
+    dims = {("transformer.wte.weight", 1), ("transformer.wpe.weight", 1)}
+    dims |= {("transformer.ln_f.weight", 0), ("transformer.ln_f.bias", 0)}
+    for i in range(GPT2_CONFIG["n_layer"]):
+        b = f"transformer.h.{i}"
+        for ln in ("ln_1", "ln_2"):
+            dims |= {(f"{b}.{ln}.weight", 0), (f"{b}.{ln}.bias", 0)}
+        for proj in ("attn.c_proj", "mlp.c_proj"):
+            dims |= {(f"{b}.{proj}.weight", 1), (f"{b}.{proj}.bias", 0)}
+        dims |= {(f"{b}.attn.c_attn.weight", 0), (f"{b}.mlp.c_fc.weight", 0)}
+    return frozenset(dims)
 
 
 def _gpt2_hidden(layer: int) -> ParamDims:
@@ -790,17 +808,21 @@ def test_shrink_compares_an_empty_output_by_shape(cases: Callable[[str], Case]) 
 # ------------------------------------------------------------- Hugging Face
 def test_gpt2_conv1d_attributes_follow_the_kept_units(cases: Callable[[str], Case]) -> None:
     """In the shrunk GPT-2, each MLP's c_fc and c_proj have ``nf`` / ``nx`` equal to the units
-    its mask kept, and weights (in, out) of those sizes."""
+    its mask kept, and weights (in, out) of those sizes, the other side following the hidden
+    width kept."""
     case = cases("gpt2")
     for i in range(GPT2_CONFIG["n_layer"]):
         [mask] = [m for n, m in case.masks.items() if f"h_{i}_mlp_c_fc" in n]
         kept = int(mask.mask.sum())
         assert 0 < kept < 4 * GPT2_CONFIG["n_embd"]
         mlp = case.small.transformer.h[i].mlp
-        assert (mlp.c_fc.nx, mlp.c_fc.nf) == (GPT2_CONFIG["n_embd"], kept)
-        assert (mlp.c_proj.nx, mlp.c_proj.nf) == (kept, GPT2_CONFIG["n_embd"])
-        assert mlp.c_fc.weight.shape == (GPT2_CONFIG["n_embd"], kept)
-        assert mlp.c_proj.weight.shape == (kept, GPT2_CONFIG["n_embd"])
+        [width] = [m for n, m in case.masks.items() if n.endswith("transformer_wte:dim1")]
+        d = int(width.mask.sum())  # the hidden width kept
+        assert 0 < d < GPT2_CONFIG["n_embd"]
+        assert (mlp.c_fc.nx, mlp.c_fc.nf) == (d, kept)
+        assert (mlp.c_proj.nx, mlp.c_proj.nf) == (kept, d)
+        assert mlp.c_fc.weight.shape == (d, kept)
+        assert mlp.c_proj.weight.shape == (kept, d)
 
 
 def test_conv1d_rule_by_name_follows_subclasses_and_refuses_a_duplicate() -> None:

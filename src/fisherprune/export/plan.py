@@ -153,11 +153,20 @@ class PruningPlan:
                         "that the plan sets"
                     )
         todo: list[tuple[nn.Module, str, str, dict[str, Any]]] = []
+        owners: dict[int, list[tuple[nn.Module, str]]] = {}  # tied tensors: every holder
+        planned: set[int] = set()
+        for mname, mod in modules.items():
+            for tname, t in _own_tensors(mod):
+                owners.setdefault(id(t), []).append((mod, tname))
+                if tname in self.modules.get(mname, {}):
+                    planned.add(id(t))
         for mname, mod in modules.items():  # in the model's order: the first mismatch is named
             for tname, t in _own_tensors(mod):
                 full = f"{mname}.{tname}" if mname else tname
                 spec = self.modules.get(mname, {}).get(tname)
                 original = self.shapes.get(full)
+                if spec is None and id(t) in planned:
+                    continue  # tied to a planned tensor (an output layer sharing the embedding)
                 if spec is None:
                     if original is not None and list(t.shape) != list(original):
                         raise PlanMismatchError(
@@ -194,7 +203,11 @@ class PruningPlan:
                     idx = torch.as_tensor(kept, dtype=torch.long, device=t.device)
                     new = new.index_select(int(d), idx)
                 _set_tensor(mod, tname, new.contiguous())
-                changed.setdefault(id(mod), (mod, {}))[1][tname] = old_shape
+                made = _get_tensor(mod, tname)
+                for other, oname in owners.get(id(t), [(mod, tname)]):
+                    store = other._parameters if oname in other._parameters else other._buffers
+                    store[oname] = made  # tied tensors stay one object
+                    changed.setdefault(id(other), (other, {}))[1][oname] = old_shape
         for mod, old in changed.values():
             update_metadata(mod, old)
         for mname, values in self.attributes.items():

@@ -36,6 +36,8 @@ class ChannelGroup:
         params: parameter dims the group's channels live in: ``(name, dim)``.
         producers: modules whose outputs make these channels.
         consumers: modules whose inputs read them (where the mask acts).
+        norms: registered norms (``fisherprune.norms``) that normalise them, whose statistics
+            follow the mask (taken over the kept channels only).
         members: for each parameter dim ``(name, dim)`` the group touches, the channel
             of the group each index along that dim belongs to (-1: another group's).
     """
@@ -45,6 +47,7 @@ class ChannelGroup:
     params: list[tuple[str, int]]
     producers: list[str] = field(default_factory=list)
     consumers: list[str] = field(default_factory=list)
+    norms: list[str] = field(default_factory=list)
     members: dict[tuple[str, int], np.ndarray] = field(default_factory=dict)
 
     @property
@@ -57,6 +60,8 @@ class MaskPointSpec:
     """Where a mask multiplies: positional input ``arg`` of ``module``, along ``dim``.
 
     ``parts``: (group index, positions along dim, channel of the group at each position).
+    ``norm``: the module is a registered norm normalising ``dim``: instead of multiplying its
+    input, the mask makes it take its statistics over the kept channels only.
     """
 
     module: str
@@ -64,6 +69,7 @@ class MaskPointSpec:
     dim: int
     size: int
     parts: list[tuple[int, np.ndarray, np.ndarray]]
+    norm: bool = False
 
 
 @dataclass
@@ -119,9 +125,14 @@ def find_groups(
             continue
         point_of[spot].append(r)
 
+    norm_of = _norm_spots(trace, roots, unhookable)
+
     # a module called several times must see the same channel layout every time
     layout: dict[tuple[str, int, int], np.ndarray] = {}
-    for spot, rs in point_of.items():
+    norm_layout: dict[tuple[str, int, int], np.ndarray] = {}
+    for spot, rs, out in [(k, v, layout) for k, v in point_of.items()] + [
+        (k, v, norm_layout) for k, v in norm_of.items()
+    ]:
         base = rs[0]
         for other in rs[1:]:
             if other.shape != base.shape or not np.array_equal(other, base):
@@ -129,7 +140,7 @@ def find_groups(
                     unhookable.setdefault(
                         rr, f"module {spot[0]!r} is called several times with different channels"
                     )
-        layout[spot] = base
+        out[spot] = base
 
     groups_by_sig: dict[frozenset[int], list[int]] = defaultdict(list)
     skipped_by: dict[tuple[frozenset[int], str], int] = defaultdict(int)
@@ -162,7 +173,10 @@ def find_groups(
         groups.append(g)
 
     specs: list[MaskPointSpec] = []
-    for (module, arg, dim), r in layout.items():
+    spots = [(k, v, False) for k, v in layout.items()] + [
+        (k, v, True) for k, v in norm_layout.items()
+    ]
+    for (module, arg, dim), r, norm in spots:
         by_group: dict[int, tuple[list[int], list[int]]] = defaultdict(lambda: ([], []))
         for pos, rr in enumerate(r.tolist()):
             hit = group_of.get(rr)
@@ -172,10 +186,11 @@ def find_groups(
         if not by_group:
             continue
         parts = [(gi, np.asarray(p), np.asarray(c)) for gi, (p, c) in sorted(by_group.items())]
-        specs.append(MaskPointSpec(module, arg, dim, int(r.size), parts))
+        specs.append(MaskPointSpec(module, arg, dim, int(r.size), parts, norm))
         for gi, _, _ in parts:
-            if module not in groups[gi].consumers:
-                groups[gi].consumers.append(module)
+            where = groups[gi].norms if norm else groups[gi].consumers
+            if module not in where:
+                where.append(module)
 
     skipped = [
         Skipped(
@@ -187,6 +202,27 @@ def find_groups(
         for (s, reason), n in skipped_by.items()
     ]
     return groups, specs, skipped
+
+
+def _norm_spots(
+    trace: Trace, roots: np.ndarray, unhookable: dict[int, str]
+) -> dict[tuple[str, int, int], list[np.ndarray]]:
+    """The components each registered norm normalises, by (module, 0, dim of its input); a norm
+    that normalises something other than its first positional input blocks them (noted in
+    ``unhookable``), since its hook could not see what it normalises."""
+    spots: dict[tuple[str, int, int], list[np.ndarray]] = defaultdict(list)
+    for use in trace.norm_uses:
+        info = trace.calls[use.call].args[0] if trace.calls[use.call].args else None
+        d = len(info.labels) - use.from_end if info is not None else -1
+        lab = info.labels[d] if info is not None and d >= 0 else None
+        if lab is None or not (lab is use.labels or np.array_equal(lab, use.labels)):
+            for rr in np.unique(roots[use.labels]).tolist():
+                unhookable.setdefault(
+                    rr, f"norm {use.module!r} normalises a tensor that is not its first input"
+                )
+            continue
+        spots[(use.module, 0, d)].append(roots[use.labels])
+    return spots
 
 
 def _hook_spot(trace: Trace, cp) -> tuple[str, int, int] | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -19,6 +20,10 @@ from fisherprune.masks.points import find_holder, install_mask_points, remove_ma
 __all__ = ["AppliedMasks", "apply_masks", "remove_masks"]
 
 log = logging.getLogger("fisherprune")
+
+#: checks of a group whose width registered norms normalise (the hidden width), each returning
+#: why the group cannot be pruned or None; ``fisherprune.export.width_probe`` adds its dry run
+WIDTH_CHECKS: list[Callable[[nn.Module, Any, ChannelGroup], str | None]] = []
 
 
 class AppliedMasks(dict[str, MaskLayer]):
@@ -104,16 +109,22 @@ def apply_masks(model: nn.Module, example_inputs: Any, *, strict: bool = False) 
     keys = _install(model, groups, specs)
     # check by a second trace that each mask really removes its channels: a module may
     # read its input through a BatchNorm or a gate before the layer that contracts it
-    unsafe = _ineffective(model, example_inputs, keys)
+    unsafe = {
+        gi: _UNSAFE.format(", ".join(groups[gi].consumers))
+        for gi in sorted(_ineffective(model, example_inputs, keys))
+    }
+    # a width that norms normalise is the hidden width, which code may read off a shape
+    for gi, g in enumerate(groups):
+        for check in WIDTH_CHECKS if g.norms and gi not in unsafe else ():
+            problem = check(model, example_inputs, g)
+            if problem is not None:
+                unsafe[gi] = problem
+                break
     if unsafe:
         remove_mask_points(model)
-        for gi in sorted(unsafe):
+        for gi, why in sorted(unsafe.items()):
             g = groups[gi]
-            skipped.append(
-                Skipped(
-                    g.params, g.num_channels, _UNSAFE.format(", ".join(g.consumers)), expected=False
-                )
-            )
+            skipped.append(Skipped(g.params, g.num_channels, why, expected=False))
         keep = [gi for gi in range(len(groups)) if gi not in unsafe]
         renumber = {old: new for new, old in enumerate(keep)}
         specs = [
@@ -123,6 +134,7 @@ def apply_masks(model: nn.Module, example_inputs: Any, *, strict: bool = False) 
                 sp.dim,
                 sp.size,
                 [(renumber[gi], p, c) for gi, p, c in sp.parts if gi in renumber],
+                sp.norm,
             )
             for sp in specs
         ]
@@ -159,8 +171,14 @@ def _install(model: nn.Module, groups: list[ChannelGroup], specs: list[MaskPoint
     points = [
         (sp.module, sp.arg, sp.dim, sp.size, [(keys[gi], pos, ch) for gi, pos, ch in sp.parts])
         for sp in specs
+        if not sp.norm
     ]
-    install_mask_points(model, masks, points)
+    norms = [
+        (sp.module, sp.dim, sp.size, [(keys[gi], pos, ch) for gi, pos, ch in sp.parts])
+        for sp in specs
+        if sp.norm
+    ]
+    install_mask_points(model, masks, points, norms)
     return keys
 
 

@@ -488,13 +488,19 @@ def _group_norm(ctx: RuleContext) -> list[TensorInfo]:
 
 @register_channel_rule(aten.native_layer_norm)
 def _layer_norm(ctx: RuleContext) -> list[TensorInfo]:
+    """Layer norm ties its weight and bias to the width it normalises. Inside a registered
+    norm (``fisherprune.norms``) the width stays prunable (the norm's hook takes the statistics
+    over the kept channels); elsewhere it is blocked, since one channel changes the rest."""
     x = ctx.info(ctx.args[0])
-    k = len(ctx.args[1])
-    reason = f"{ctx.where()} normalises across this dimension (removing one changes the rest)"
-    for d in range(len(x.shape) - k, len(x.shape)):
+    nd, k = len(x.shape), len(ctx.args[1])
+    reason = (
+        f"{ctx.where()} normalises across this dimension (removing one changes the rest)"
+        + ctx.norm_hint()
+    )
+    for d in range(nd - k, nd):
         _tie_params_to(ctx, x.labels[d], ctx.args[2:4])
-        ctx.block(x.labels[d], reason)
-        ctx.consume(x.labels[d], x.cover[d], reason)
+        if not ctx.record_norm(x.labels[d], nd, d):
+            ctx.stop(x.labels[d], x.cover[d], reason)
     outs = [TensorInfo(x.shape, list(x.labels), [None] * len(x.shape))]
     outs += [TensorInfo.blank(tuple(t.shape)) for t in ctx.out_tensors[1:]]
     return outs
@@ -587,6 +593,10 @@ _ZERO_KEEPING_REDUCTIONS = frozenset(
 )
 
 
+# reductions a hand-written norm takes its statistics with (a blocked one says how to register)
+_NORM_STATISTICS = frozenset({aten.mean, aten.var, aten.var_mean, aten.std, aten.std_mean})
+
+
 @register_channel_rule(
     aten.mean,
     aten.sum,
@@ -616,10 +626,11 @@ def _reduce(ctx: RuleContext) -> list[TensorInfo]:
     kept = [d for d in range(nd) if d not in dims]
     keepdim = len(shape) == nd
     reason = f"{ctx.where()} reduces across channels"
+    if ctx.module_type and ctx.func.overloadpacket in _NORM_STATISTICS:
+        reason += ctx.norm_hint()
     for d in dims:
-        if x.labels[d] is not None:
-            ctx.block(x.labels[d], reason)
-            ctx.consume(x.labels[d], x.cover[d], reason)
+        if x.labels[d] is not None and not ctx.record_norm(x.labels[d], nd, d):
+            ctx.stop(x.labels[d], x.cover[d], reason)
     lab: list[Labels] = [None] * len(shape)
     cov: list[Labels] = [None] * len(shape)
     for j, d in enumerate(range(nd) if keepdim else kept):

@@ -37,6 +37,7 @@ from fisherprune.graph.types import (
     HeadSplit,
     Labels,
     ModuleCall,
+    NormUse,
     OpRecord,
     RuleContext,
     Slot,
@@ -46,6 +47,7 @@ from fisherprune.inputs import Inputs
 from fisherprune.masks import tracing
 from fisherprune.masks.layer import MaskLayer
 from fisherprune.modes import eval_mode
+from fisherprune.norms import norm_spec
 
 __all__ = ["Trace", "trace_model"]
 
@@ -64,6 +66,7 @@ class Trace:
     output_infos: list[TensorInfo] = field(default_factory=list)
     batch_size: int = 1  # examples traced (fisherprune.inputs.Inputs.batch_size): the divisor
     head_splits: list[HeadSplit] = field(default_factory=list)
+    norm_uses: list[NormUse] = field(default_factory=list)
 
     def entry_count(self) -> int:
         return self.mask_ends[-1] if self.mask_ends else 0
@@ -101,6 +104,16 @@ class _Tracer(TorchDispatchMode):
     def _head_attributes(self, count: int, head_dim: int, inferred: bool) -> tuple[str, ...] | str:
         name = self.module_stack[-1] if self.module_stack else "<model>"
         return head_attributes(self.modules.get(name), count, head_dim, inferred)
+
+    def _norm_context(self) -> dict[str, Any]:
+        """What the rules need to know of the innermost module as a norm."""
+        mod = self.modules.get(self.module_stack[-1]) if self.module_stack else None
+        spec = norm_spec(mod)
+        return {
+            "module_type": type(mod).__name__ if mod is not None else "",
+            "norm_dims": spec.trailing(mod) if spec is not None and mod is not None else 0,
+            "norms": self.trace.norm_uses,
+        }
 
     @contextlib.contextmanager
     def suspended(self) -> Iterator[None]:
@@ -165,6 +178,7 @@ class _Tracer(TorchDispatchMode):
             calls=tuple(self.call_stack),
             heads=self.trace.head_splits,
             head_attributes=self._head_attributes,
+            **self._norm_context(),
         )
         out_infos = apply_rule(ctx)
         for t, oi in zip(out_tensors, out_infos, strict=True):

@@ -22,6 +22,7 @@ __all__ = [
     "HeadSplit",
     "Labels",
     "ModuleCall",
+    "NormUse",
     "OpRecord",
     "RuleContext",
     "Slot",
@@ -129,6 +130,17 @@ class HeadSplit:
         return self.blocks[:, 0]
 
 
+@dataclass
+class NormUse:
+    """A registered norm (``fisherprune.norms``) normalising a width: the module, its call
+    (an index into ``Trace.calls``), the width's labels and which dim, counted from the end."""
+
+    module: str
+    call: int
+    labels: np.ndarray
+    from_end: int
+
+
 class RuleContext:
     """What a channel rule sees of one operator call: the call itself, what the trace knows
     of its input tensors, and the atoms it may tie together or block.
@@ -165,6 +177,9 @@ class RuleContext:
         calls: tuple[int, ...] = (),
         heads: list[HeadSplit] | None = None,
         head_attributes: Callable[[int, int, bool], tuple[str, ...] | str] | None = None,
+        module_type: str = "",
+        norm_dims: int = 0,
+        norms: list[NormUse] | None = None,
     ) -> None:
         self.func = func
         self.args = args
@@ -179,6 +194,9 @@ class RuleContext:
         self.calls = calls
         self._heads = heads if heads is not None else []
         self._head_attributes = head_attributes
+        self.module_type = module_type
+        self.norm_dims = norm_dims
+        self._norms = norms if norms is not None else []
 
     @property
     def name(self) -> str:
@@ -235,6 +253,24 @@ class RuleContext:
             self.atoms.union_all(row)
         self._heads.append(HeadSplit(self.module, blocks, inferred, self.where(), verdict))
         return None
+
+    def record_norm(self, labels: Labels, nd: int, d: int) -> bool:
+        """If the innermost module is a registered norm and dim ``d`` of an ``nd``-dim tensor is
+        among the dims it normalises, record that it normalises ``labels`` there and return
+        True (the width stays prunable: the norm's hook follows its mask); else False."""
+        if self.norm_dims <= 0 or d < nd - self.norm_dims:
+            return False
+        if labels is not None and self.calls:
+            self._norms.append(NormUse(self.module, self.calls[-1], labels, nd - d))
+        return True
+
+    def norm_hint(self) -> str:
+        """How to make the innermost module's width prunable, if it is a normalisation layer."""
+        kind = self.module_type or "the model"
+        return (
+            f" ({kind} is not a registered norm: if it is a layer or RMS norm, declare it with "
+            f"fisherprune.register_norm({kind}, kind='layer' or 'rms'))"
+        )
 
     def block(self, labels: Labels, reason: str) -> None:
         """Mark the channels of ``labels`` unprunable, for ``reason``."""

@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from fisherprune.masks import tracing
 from fisherprune.masks.layer import MaskLayer, all_ones, gather_through, log_input_changed
+from fisherprune.masks.norm_points import NormPoint
 
 __all__ = [
     "MASKS_ATTR",
@@ -179,7 +180,9 @@ class MaskHolder(nn.ModuleDict):
 
     Attributes:
         points: the ``MaskPoint`` hooked on each consuming module, in install order.
-        handles: the forward pre-hook handle of each point.
+        handles: the forward pre-hook handle of each point (and the forward hook of each
+            norm point).
+        norm_points: the ``NormPoint`` hooked on each registered norm whose width is masked.
         example_inputs: a detached batch-of-one copy of the inputs the masks were found with
             (``shrink`` and ``export_model`` trace with it when given none), or None.
         groups: the channel group of each mask, by the mask's qualified name (what
@@ -189,6 +192,7 @@ class MaskHolder(nn.ModuleDict):
     def __init__(self, masks: dict[str, MaskLayer]) -> None:
         super().__init__(masks)
         self.points: list[MaskPoint] = []
+        self.norm_points: list[NormPoint] = []
         self.handles: list[torch.utils.hooks.RemovableHandle] = []
         self.example_inputs: Any = None
         self.groups: dict[str, Any] = {}
@@ -280,12 +284,14 @@ def install_mask_points(
     model: nn.Module,
     masks: dict[str, MaskLayer],
     points: Sequence[tuple[str, int, int, int, list[tuple[str, np.ndarray, np.ndarray]]]],
+    norms: Sequence[tuple[str, int, int, list[tuple[str, np.ndarray, np.ndarray]]]] = (),
 ) -> str:
     """Add ``masks`` as a ``fisherprune_masks`` ModuleDict and hook each point's module.
 
     The ModuleDict (a ``MaskHolder``) goes on the model itself (on the first consuming layer
     when the model is an ``nn.Sequential``, whose forward would call it). Changes: adds one
-    submodule and one forward pre-hook per point; on failure everything added is removed again.
+    submodule, one forward pre-hook per point and one forward hook per norm point
+    ``(module, dim, size, parts)`` (a ``NormPoint``); on failure everything added is removed.
 
     Returns:
         The qualified name of the ModuleDict (``"fisherprune_masks"`` usually).
@@ -308,6 +314,10 @@ def install_mask_points(
             mp = MaskPoint(name, arg, dim, size, [(holder[k], p, i) for k, p, i in parts], fold)
             holder.points.append(mp)
             holder.handles.append(mod.register_forward_pre_hook(mp))
+        for name, dim, size, parts in norms:
+            npt = NormPoint(name, dim, size, [(holder[k], p, i) for k, p, i in parts])
+            holder.norm_points.append(npt)
+            holder.handles.append(modules[name].register_forward_hook(npt))
     except Exception:
         remove_mask_points(model)
         raise

@@ -1,0 +1,173 @@
+"""Mask-aware norms: normalisation layers whose width may lose channels.
+
+A layer norm or an RMS norm computes statistics across the width it normalises, so removing
+one channel changes every other channel's output. Such a width is still prunable when the
+norm is registered here: ``apply_masks`` then hooks the norm so that, once the width's mask
+has zeros, its statistics are taken over the kept channels only; that is exactly what the
+shrunk norm computes. An unregistered norm keeps its width blocked. Register a norm of your
+own with::
+
+    fisherprune.register_norm(MyRMSNorm, kind="rms", eps="eps")
+
+A class of an optional package may be named instead of imported (``"package.module.Class"``):
+it is looked up only in modules already loaded, so registering it imports nothing.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["NormSpec", "norm_spec", "normalise_kept", "register_norm", "unregister_norm"]
+
+NormKey = type | str
+
+
+@dataclass(frozen=True)
+class NormSpec:
+    """How a registered norm computes its output.
+
+    Attributes:
+        kind: ``"layer"``: ``(x - mean) / sqrt(var + eps) * weight + bias``; ``"rms"``:
+            ``x / sqrt(mean(x**2) + eps) * weight``.
+        trailing: how many trailing dims it normalises, given the module.
+        eps: the attribute holding epsilon (None there: ``torch.finfo(dtype).eps``).
+        weight, bias: the attributes holding the affine parameters (absent or None: none).
+    """
+
+    kind: str
+    trailing: Callable[[nn.Module], int]
+    eps: str = "eps"
+    weight: str = "weight"
+    bias: str = "bias"
+
+
+_BY_CLASS: dict[type, NormSpec] = {}
+_BY_NAME: dict[str, NormSpec] = {}
+
+
+def register_norm(
+    key: NormKey,
+    *,
+    kind: str,
+    eps: str = "eps",
+    weight: str = "weight",
+    bias: str = "bias",
+    trailing: int | Callable[[nn.Module], int] = 1,
+) -> None:
+    """Declare modules of class ``key`` (or named ``"package.module.Class"``) mask-aware norms.
+
+    Changes: adds the entry to the registry; models traced afterwards may prune the width such
+    a norm normalises (its weight and bias follow the width). A subclass uses its nearest
+    registered base's entry.
+
+    Args:
+        key: the class, or its qualified name (resolved only among loaded modules).
+        kind: ``"layer"`` (mean and variance) or ``"rms"`` (root mean square).
+        eps, weight, bias: the module's attributes holding epsilon and the affine parameters.
+        trailing: how many trailing dims it normalises, or a function of the module saying so.
+
+    Raises:
+        ValueError: an unknown ``kind``, a malformed name, or a key already registered.
+        TypeError: a key that is neither a class nor a string.
+    """
+    if kind not in ("layer", "rms"):
+        raise ValueError(f"register_norm: kind must be 'layer' or 'rms', got {kind!r}")
+    _check_key(key)
+    if key in _BY_CLASS or key in _BY_NAME:
+        raise ValueError(f"{_key_name(key)} is already a registered norm")
+    dims = trailing if callable(trailing) else (lambda _m, k=int(trailing): k)
+    spec = NormSpec(kind, dims, eps, weight, bias)
+    if isinstance(key, str):
+        _BY_NAME[key] = spec
+    else:
+        _BY_CLASS[key] = spec
+
+
+def unregister_norm(key: NormKey) -> None:
+    """Remove the entry registered under exactly ``key``; its width is blocked again.
+
+    Raises:
+        ValueError: ``key`` is not registered.
+    """
+    if key in _BY_CLASS:
+        del _BY_CLASS[key]  # type: ignore[arg-type]
+    elif key in _BY_NAME:
+        del _BY_NAME[key]  # type: ignore[arg-type]
+    else:
+        raise ValueError(f"{_key_name(key)} is not a registered norm")
+
+
+def norm_spec(module: nn.Module | None) -> NormSpec | None:
+    """The registry's entry for ``module`` (its class or nearest registered base), or None."""
+    if module is None:
+        return None
+    table = dict(_BY_CLASS)
+    for name, spec in _BY_NAME.items():
+        module_name, _, cls_name = name.rpartition(".")
+        cls = getattr(sys.modules.get(module_name), cls_name, None)
+        if isinstance(cls, type):
+            table.setdefault(cls, spec)
+    for t in type(module).__mro__:
+        if t in table:
+            return table[t]
+    return None
+
+
+def normalise_kept(module: nn.Module, spec: NormSpec, x: Tensor, dim: int, keep: Tensor) -> Tensor:
+    """The norm's output on ``x`` with statistics over the kept positions only.
+
+    ``keep`` (bool, one per position of ``x``'s dim ``dim``, one of the normalised dims) says
+    which positions count; the outputs at the others are computed the same way but mean
+    nothing. Computed in at least float32 and returned in ``x``'s dtype.
+    """
+    k = spec.trailing(module)
+    dims = tuple(range(x.dim() - k, x.dim()))
+    xf = x.to(torch.promote_types(x.dtype, torch.float32))
+    shape = [1] * x.dim()
+    shape[dim] = x.shape[dim]
+    w = keep.to(xf.dtype).view(shape)
+    count = w.expand(*([1] * (x.dim() - k)), *x.shape[x.dim() - k :]).sum()
+    eps = getattr(module, spec.eps, None)
+    eps = torch.finfo(xf.dtype).eps if eps is None else float(eps)
+    if spec.kind == "layer":
+        mean = (xf * w).sum(dims, keepdim=True) / count
+        var = ((xf - mean).pow(2) * w).sum(dims, keepdim=True) / count
+        y = (xf - mean) * torch.rsqrt(var + eps)
+    else:
+        y = xf * torch.rsqrt((xf.pow(2) * w).sum(dims, keepdim=True) / count + eps)
+    weight = getattr(module, spec.weight, None)
+    bias = getattr(module, spec.bias, None)
+    if isinstance(weight, Tensor):
+        y = y * weight.to(y.dtype)
+    if isinstance(bias, Tensor):
+        y = y + bias.to(y.dtype)
+    return y.to(x.dtype)
+
+
+def _check_key(key: object) -> None:
+    if isinstance(key, str):
+        if "." not in key or not all(p.isidentifier() for p in key.split(".")):
+            raise ValueError(f"norm key {key!r}: expected a class or 'package.module.Class'")
+    elif not isinstance(key, type):
+        raise TypeError(f"a norm key is a class or 'package.module.Class', got {key!r}")
+
+
+def _key_name(key: NormKey) -> str:
+    return key if isinstance(key, str) else key.__name__
+
+
+register_norm(nn.LayerNorm, kind="layer", trailing=lambda m: len(m.normalized_shape))
+if hasattr(nn, "RMSNorm"):
+    register_norm(nn.RMSNorm, kind="rms", trailing=lambda m: len(m.normalized_shape))
+for _hf in (
+    "transformers.models.llama.modeling_llama.LlamaRMSNorm",
+    "transformers.models.qwen2.modeling_qwen2.Qwen2RMSNorm",
+    "transformers.models.mistral.modeling_mistral.MistralRMSNorm",
+    "transformers.models.t5.modeling_t5.T5LayerNorm",
+):
+    register_norm(_hf, kind="rms", eps="variance_epsilon")
