@@ -41,6 +41,7 @@ from fisherprune.graph import (
     unregister_channel_rule,
 )
 from fisherprune.masks import MaskLayer, find_masks
+from fisherprune.norms import register_norm, unregister_norm
 from fisherprune.pruner import PruneEvent, PruningOptimizer, prune, score
 from fisherprune.signals import update_pruning_signals
 
@@ -66,12 +67,14 @@ __all__ = [
     "prune",
     "register_channel_rule",
     "register_cost_formula",
+    "register_norm",
     "register_shrink_rule",
     "remove_masks",
     "score",
     "shrink",
     "unregister_channel_rule",
     "unregister_cost_formula",
+    "unregister_norm",
     "unregister_shrink_rule",
     "update_pruning_signals",
 ]

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 __all__ = ["NormSpec", "norm_spec", "normalise_kept", "register_norm", "unregister_norm"]
@@ -37,6 +38,8 @@ class NormSpec:
         trailing: how many trailing dims it normalises, given the module.
         eps: the attribute holding epsilon (None there: ``torch.finfo(dtype).eps``).
         weight, bias: the attributes holding the affine parameters (absent or None: none).
+        dtype: for ``"rms"``, the dtype it normalises in before casting back to the input's
+            and applying the weight (Hugging Face's: float32), or None: the input's.
     """
 
     kind: str
@@ -44,6 +47,7 @@ class NormSpec:
     eps: str = "eps"
     weight: str = "weight"
     bias: str = "bias"
+    dtype: torch.dtype | None = None
 
 
 _BY_CLASS: dict[type, NormSpec] = {}
@@ -58,6 +62,7 @@ def register_norm(
     weight: str = "weight",
     bias: str = "bias",
     trailing: int | Callable[[nn.Module], int] = 1,
+    dtype: torch.dtype | None = None,
 ) -> None:
     """Declare modules of class ``key`` (or named ``"package.module.Class"``) mask-aware norms.
 
@@ -70,6 +75,8 @@ def register_norm(
         kind: ``"layer"`` (mean and variance) or ``"rms"`` (root mean square).
         eps, weight, bias: the module's attributes holding epsilon and the affine parameters.
         trailing: how many trailing dims it normalises, or a function of the module saying so.
+        dtype: for ``"rms"``, the dtype it computes in (None: the input's); the result is cast
+            back to the input's dtype before the weight multiplies it.
 
     Raises:
         ValueError: an unknown ``kind``, a malformed name, or a key already registered.
@@ -81,7 +88,7 @@ def register_norm(
     if key in _BY_CLASS or key in _BY_NAME:
         raise ValueError(f"{_key_name(key)} is already a registered norm")
     dims = trailing if callable(trailing) else (lambda _m, k=int(trailing): k)
-    spec = NormSpec(kind, dims, eps, weight, bias)
+    spec = NormSpec(kind, dims, eps, weight, bias, dtype)
     if isinstance(key, str):
         _BY_NAME[key] = spec
     else:
@@ -118,35 +125,33 @@ def norm_spec(module: nn.Module | None) -> NormSpec | None:
     return None
 
 
-def normalise_kept(module: nn.Module, spec: NormSpec, x: Tensor, dim: int, keep: Tensor) -> Tensor:
-    """The norm's output on ``x`` with statistics over the kept positions only.
-
-    ``keep`` (bool, one per position of ``x``'s dim ``dim``, one of the normalised dims) says
-    which positions count; the outputs at the others are computed the same way but mean
-    nothing. Computed in at least float32 and returned in ``x``'s dtype.
-    """
+def normalise_kept(
+    module: nn.Module, spec: NormSpec, x: Tensor, dim: int, keep: Tensor, output: Tensor
+) -> Tensor:
+    """``output`` (the norm's output on ``x``) with the kept positions recomputed as the shrunk
+    norm computes them: on ``x``'s kept positions along ``dim`` (one of the normalised dims;
+    ``keep``: bool, one per position), with the kept entries of the weight and bias. The other
+    positions keep their values, which mean nothing once their channels are pruned."""
     k = spec.trailing(module)
-    dims = tuple(range(x.dim() - k, x.dim()))
-    xf = x.to(torch.promote_types(x.dtype, torch.float32))
-    shape = [1] * x.dim()
-    shape[dim] = x.shape[dim]
-    w = keep.to(xf.dtype).view(shape)
-    count = w.expand(*([1] * (x.dim() - k)), *x.shape[x.dim() - k :]).sum()
-    eps = getattr(module, spec.eps, None)
-    eps = torch.finfo(xf.dtype).eps if eps is None else float(eps)
-    if spec.kind == "layer":
-        mean = (xf * w).sum(dims, keepdim=True) / count
-        var = ((xf - mean).pow(2) * w).sum(dims, keepdim=True) / count
-        y = (xf - mean) * torch.rsqrt(var + eps)
-    else:
-        y = xf * torch.rsqrt((xf.pow(2) * w).sum(dims, keepdim=True) / count + eps)
+    idx = torch.nonzero(keep).flatten()
+    xk = x.index_select(dim, idx)
+    wdim = dim % x.dim() - (x.dim() - k)
     weight = getattr(module, spec.weight, None)
     bias = getattr(module, spec.bias, None)
-    if isinstance(weight, Tensor):
-        y = y * weight.to(y.dtype)
-    if isinstance(bias, Tensor):
-        y = y + bias.to(y.dtype)
-    return y.to(x.dtype)
+    weight = weight.index_select(wdim, idx) if isinstance(weight, Tensor) else None
+    bias = bias.index_select(wdim, idx) if isinstance(bias, Tensor) else None
+    eps = getattr(module, spec.eps, None)
+    if spec.kind == "layer":
+        eps = 1e-5 if eps is None else float(eps)
+        y = F.layer_norm(xk, tuple(xk.shape[x.dim() - k :]), weight, bias, eps)
+    else:
+        xf = xk.to(spec.dtype) if spec.dtype is not None else xk
+        eps = torch.finfo(xf.dtype).eps if eps is None else float(eps)
+        dims = tuple(range(x.dim() - k, x.dim()))
+        y = (xf * torch.rsqrt(xf.pow(2).mean(dims, keepdim=True) + eps)).to(x.dtype)
+        y = y * weight if weight is not None else y
+        y = y + bias if bias is not None else y
+    return output.index_copy(dim, idx, y.to(output.dtype))
 
 
 def _check_key(key: object) -> None:
@@ -170,4 +175,4 @@ for _hf in (
     "transformers.models.mistral.modeling_mistral.MistralRMSNorm",
     "transformers.models.t5.modeling_t5.T5LayerNorm",
 ):
-    register_norm(_hf, kind="rms", eps="variance_epsilon")
+    register_norm(_hf, kind="rms", eps="variance_epsilon", dtype=torch.float32)

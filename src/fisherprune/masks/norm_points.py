@@ -64,4 +64,4 @@ class NormPoint:
                 f"fisherprune norm hook on {self.module_name!r}: input of shape "
                 f"{tuple(x.shape)} has no dim {self.dim} of size {self.size}, as traced"
             )
-        return normalise_kept(module, spec, x, self.dim, self.keep(x.device)).to(output.dtype)
+        return normalise_kept(module, spec, x, self.dim, self.keep(x.device), output)
