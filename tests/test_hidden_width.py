@@ -158,6 +158,20 @@ def test_all_ones_masks_leave_outputs_bit_identical(name: str) -> None:
 
 
 @each_model
+def test_remove_masks_removes_the_norm_hooks(name: str) -> None:
+    """With the width pruned, remove_masks leaves the model giving its original outputs again,
+    bit for bit: the norms' hooks are gone with the masks."""
+    build = MODELS[name][0]
+    model, x = build()
+    before = _out(model, x)
+    _prune_thirds(fp.apply_masks(model, x[:1]), 3)
+    assert not torch.equal(_out(model, x), before)
+    fp.remove_masks(model)
+    assert torch.equal(_out(model, x), before)
+    assert not any(m._forward_hooks for m in model.modules())
+
+
+@each_model
 @pytest.mark.parametrize("train", [False, True])
 def test_shrunk_equals_masked(name: str, train: bool) -> None:
     """With a random third of every group pruned, the shrunk model gives the masked model's

@@ -9,13 +9,12 @@ own with::
 
     fisherprune.register_norm(MyRMSNorm, kind="rms", eps="eps")
 
-A class of an optional package may be named instead of imported (``"package.module.Class"``):
-it is looked up only in modules already loaded, so registering it imports nothing.
+A class of an optional package may be named instead of imported (``"package.module.Class"``,
+matched against a module's class by its module and name), so registering it imports nothing.
 """
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -67,11 +66,12 @@ def register_norm(
     """Declare modules of class ``key`` (or named ``"package.module.Class"``) mask-aware norms.
 
     Changes: adds the entry to the registry; models traced afterwards may prune the width such
-    a norm normalises (its weight and bias follow the width). A subclass uses its nearest
-    registered base's entry.
+    a norm normalises (its weight and bias follow the width). It applies to modules of exactly
+    this class: a subclass may normalise differently (a channels-first ``LayerNorm2d`` permutes
+    first), so it needs its own entry.
 
     Args:
-        key: the class, or its qualified name (resolved only among loaded modules).
+        key: the class, or its qualified name (``"package.module.Class"``).
         kind: ``"layer"`` (mean and variance) or ``"rms"`` (root mean square).
         eps, weight, bias: the module's attributes holding epsilon and the affine parameters.
         trailing: how many trailing dims it normalises, or a function of the module saying so.
@@ -110,19 +110,14 @@ def unregister_norm(key: NormKey) -> None:
 
 
 def norm_spec(module: nn.Module | None) -> NormSpec | None:
-    """The registry's entry for ``module`` (its class or nearest registered base), or None."""
+    """The registry's entry for ``module``'s exact class, or None."""
     if module is None:
         return None
-    table = dict(_BY_CLASS)
-    for name, spec in _BY_NAME.items():
-        module_name, _, cls_name = name.rpartition(".")
-        cls = getattr(sys.modules.get(module_name), cls_name, None)
-        if isinstance(cls, type):
-            table.setdefault(cls, spec)
-    for t in type(module).__mro__:
-        if t in table:
-            return table[t]
-    return None
+    cls = type(module)
+    found = _BY_CLASS.get(cls)
+    if found is not None:
+        return found
+    return _BY_NAME.get(f"{cls.__module__}.{cls.__qualname__}")
 
 
 def normalise_kept(

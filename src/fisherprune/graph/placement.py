@@ -48,6 +48,7 @@ class AppliedMasks(dict[str, MaskLayer]):
             lines.append(
                 f"  {name}: {g.num_channels} ch; produced by {', '.join(g.producers) or '-'}; "
                 f"masked at {', '.join(g.consumers)}"
+                + (f"; normalised by {', '.join(g.norms)}" if g.norms else "")
             )
         if self.skipped:
             lines.append("not masked:")

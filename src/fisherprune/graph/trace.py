@@ -99,6 +99,7 @@ class _Tracer(TorchDispatchMode):
         self._suspended = 0
         self.module_stack: list[str] = []
         self.call_stack: list[int] = []
+        self._norm_cache: dict[str, tuple[str, int]] = {}
 
     # ------------------------------------------------------------ bookkeeping
     def _head_attributes(self, count: int, head_dim: int, inferred: bool) -> tuple[str, ...] | str:
@@ -107,13 +108,17 @@ class _Tracer(TorchDispatchMode):
 
     def _norm_context(self) -> dict[str, Any]:
         """What the rules need to know of the innermost module as a norm."""
-        mod = self.modules.get(self.module_stack[-1]) if self.module_stack else None
-        spec = norm_spec(mod)
-        return {
-            "module_type": type(mod).__name__ if mod is not None else "",
-            "norm_dims": spec.trailing(mod) if spec is not None and mod is not None else 0,
-            "norms": self.trace.norm_uses,
-        }
+        name = self.module_stack[-1] if self.module_stack else ""
+        known = self._norm_cache.get(name)
+        if known is None:  # once per module: the registry is looked up by class
+            mod = self.modules.get(name)
+            spec = norm_spec(mod)
+            known = (
+                type(mod).__name__ if mod is not None else "",
+                spec.trailing(mod) if spec is not None and mod is not None else 0,
+            )
+            self._norm_cache[name] = known
+        return {"module_type": known[0], "norm_dims": known[1], "norms": self.trace.norm_uses}
 
     @contextlib.contextmanager
     def suspended(self) -> Iterator[None]:
