@@ -299,3 +299,30 @@ def test_hf_width_is_prunable_and_shrinks_exactly(kind: str) -> None:
     small = fp.shrink(model, one)
     torch.testing.assert_close(_out(small, inputs), expected, rtol=0, atol=ATOL_F64)
     assert cm.total(cm.entries()) == pytest.approx(_flops(small, one), rel=1e-12)
+
+
+class ShapeScaled(nn.Module):
+    """A pre-LN residual MLP that scales its branch by 1/sqrt of the width it reads off the
+    stream's shape: a number the trace cannot follow, which changes when the width shrinks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.ln = nn.Linear(6, 8), nn.LayerNorm(8)
+        self.fc1, self.fc2, self.head = nn.Linear(8, 12), nn.Linear(12, 8), nn.Linear(8, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = self.embed(x)
+        x = x + self.fc2(F.gelu(self.fc1(self.ln(x)))) * x.shape[-1] ** -0.5
+        return self.head(x.mean(1))
+
+
+def test_a_width_read_off_a_shape_is_not_offered() -> None:
+    """A width the code reads back from a shape is left unmasked (removing a channel would
+    change the output in a way masking cannot), for a reason that says so; the MLP's hidden
+    units stay prunable."""
+    torch.manual_seed(0)
+    model = ShapeScaled().double().eval()
+    masks = fp.apply_masks(model, torch.randn(1, 4, 6, dtype=torch.float64))
+    assert [g.producers for g in masks.groups.values()] == [["fc1"]]
+    [skip] = [s for s in masks.skipped if ("embed.weight", 0) in s.params]
+    assert "reads this width from a tensor's shape" in skip.reason

@@ -23,7 +23,8 @@ log = logging.getLogger("fisherprune")
 
 #: checks of a group whose width registered norms normalise (the hidden width), each returning
 #: why the group cannot be pruned or None; ``fisherprune.export.width_probe`` adds its dry run
-WIDTH_CHECKS: list[Callable[[nn.Module, Any, ChannelGroup], str | None]] = []
+#: (given the model, its example inputs, the group and the group's installed mask)
+WIDTH_CHECKS: list[Callable[[nn.Module, Any, ChannelGroup, MaskLayer], str | None]] = []
 
 
 class AppliedMasks(dict[str, MaskLayer]):
@@ -117,7 +118,7 @@ def apply_masks(model: nn.Module, example_inputs: Any, *, strict: bool = False) 
     # a width that norms normalise is the hidden width, which code may read off a shape
     for gi, g in enumerate(groups):
         for check in WIDTH_CHECKS if g.norms and gi not in unsafe else ():
-            problem = check(model, example_inputs, g)
+            problem = check(model, example_inputs, g, find_holder(model)[1][keys[gi]])  # type: ignore[index]
             if problem is not None:
                 unsafe[gi] = problem
                 break
