@@ -38,12 +38,13 @@ examples give for transformers: ``MagnitudeImportance(p=2)``, ``pruning_ratio=0.
 ``IndexError`` on BERT here), ``num_heads`` for every query/key/value projection (key/value
 heads for k and v), ``prune_num_heads=True``, ``prune_head_dims=False``,
 ``head_pruning_ratio=0.3``, ``ignored_layers`` empty (these models have no task head),
-``output_transform`` summing the last hidden state; then, as its examples do by hand, each attention module's head-count attributes
-are set from ``pruner.num_heads``. Recorded: whether pruning raised, whether the pruned model
-runs, the FLOPs saved (``FlopCounterMode`` as above on its pruned model against the dense one;
-Torch-Pruning also prunes the hidden width, so its output is not the dense model's), and its
-time (pruner construction + step). A failure is a row saying so; construction or step running
-longer than ``TP_LIMIT_S`` seconds is stopped (SIGALRM) and reported as a failure.
+``output_transform`` summing the last hidden state; then, as its examples do by hand, each
+attention module's head-count attributes are set from ``pruner.num_heads``. Recorded: whether
+pruning raised, whether the pruned model runs, the FLOPs saved (``FlopCounterMode`` as above on
+its pruned model against the dense one; Torch-Pruning also prunes the hidden width, so its
+output is not the dense model's), and its time (pruner construction + step). A failure is a row
+saying so; construction or step running longer than ``TP_LIMIT_S`` seconds is stopped (SIGALRM)
+and reported as a failure.
 
 Run ``python benchmarks/hf_transformers.py`` (not ``transformers.py``: a script of that name
 would shadow the ``transformers`` package it imports); the table is printed and the JSON written to
