@@ -812,10 +812,15 @@ def transformers_section(t: dict[str, Any], out: Path) -> list[str]:
             f"- apply_masks took {min(f['trace_s'] for f in ok):.2f} to "
             f"{max(f['trace_s'] for f in ok):.2f} s"
         )
+        skipped = sum(bool(f.get("skipped")) for f in ok)
         lines.append(
-            "- what is not prunable is the residual (hidden) width: every LayerNorm / RMSNorm "
-            "normalises across it, so fisherprune reports it unmasked; the prunable share is "
-            "the attention heads and MLP hidden units (rerun when hidden-width pruning lands)"
+            f"- prunable near 100% means that almost every counted op (FlopCounterMode counts "
+            f"matmuls and convolutions) has a head or MLP-unit dimension; what is left when every "
+            f"group is emptied ({_pct(1 - min(pr))} at most) has none (ViT's patch embedding). "
+            f"It does not mean everything can go: on {skipped} of {len(ok)} models apply_masks "
+            "left channels unmasked (`masks.skipped`), the hidden (residual) width that every "
+            "LayerNorm / RMSNorm normalises across, so removing a share r of every group "
+            "saves about r of the FLOPs and no more (rerun when hidden-width pruning lands)"
         )
     if tps:
         good = [x for x in tps if x.get("ok")]
