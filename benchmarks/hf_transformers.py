@@ -56,6 +56,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import importlib.metadata
 import signal
 import time
 import traceback
@@ -366,7 +367,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         try:
             import torch_pruning as tp
 
-            tp_version = getattr(tp, "__version__", "?")
+            try:  # its own __version__ string said 1.6.0 in the 1.6.1 wheel
+                tp_version = importlib.metadata.version("torch-pruning")
+            except importlib.metadata.PackageNotFoundError:
+                tp_version = getattr(tp, "__version__", "?")
         except ImportError:
             print("Torch-Pruning is not installed: its columns say so (see the docstring)")
     run_tp: Callable[[str, str], dict[str, Any] | None] = (
