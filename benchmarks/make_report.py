@@ -9,6 +9,8 @@ Reads (each optional; a missing file is said so in the page):
   shrunk network, with its plot ``docs/export_speed.png``;
 * ``benchmarks/results/serve_forms.json`` (``benchmarks/serve_forms.py``): the networks served
   eager, as frozen TorchScript and as AOTInductor packages, side by side;
+* ``benchmarks/results/transformers.json`` (``benchmarks/hf_transformers.py``): Hugging Face
+  models, what fisherprune prunes in them against Torch-Pruning, with ``docs/transformers.png``;
 * ``benchmarks/results/quality_<name>.json``: supplementary quality runs (other methods or
   settings, ``--note`` says which), shown after the main run; ``*_quick.json`` files are skipped;
 * ``benchmarks/quality_findings.md``: the hand-written discussion of the quality numbers. Its
@@ -738,6 +740,110 @@ def _extra_rows(main: dict[str, Any], others: Sequence[tuple[str, dict[str, Any]
 
 
 # ====================================================================== main
+def _pct(v: Any) -> str:
+    return f"{100 * v:.1f}%" if isinstance(v, (int, float)) and not isinstance(v, bool) else "-"
+
+
+def transformers_section(t: dict[str, Any], out: Path) -> list[str]:
+    """Prunable share, FLOPs saved at 30%, exactness and trace time of Hugging Face models,
+    fisherprune against Torch-Pruning."""
+    lines = ["## Hugging Face transformers (`benchmarks/hf_transformers.py`)", "", _environment(t)]
+    versions = t.get("versions", {})
+    cfg = t.get("config", {})
+    lines += [
+        "",
+        f"Base models from configs, random weights: hidden {cfg.get('hidden')}, "
+        f"{cfg.get('layers')} layers, {cfg.get('heads')} heads ({cfg.get('kv_heads_gqa')} "
+        f"key/value heads for LLaMA and Qwen2), MLP {cfg.get('intermediate')}, batch "
+        f"{cfg.get('batch')} x sequence {cfg.get('sequence')} (one padded) or "
+        f"{cfg.get('image')}x{cfg.get('image')} images, {cfg.get('dtype')}, keyword inputs. "
+        f"Removal: {t.get('removal')}. Prunable: {t.get('prunable_definition')}. Saved: "
+        "FlopCounterMode on the shrunk (pruned) model against the dense one, per example. "
+        f"Torch-Pruning {versions.get('torch_pruning') or 'not installed'}: "
+        f"{t.get('torch_pruning_settings')}.",
+        "",
+    ]
+    header = ["model", "attention", "groups", "channels", "prunable", "saved (30%)",
+              "cost model == counted", "trace s", "max abs diff shrunk vs masked",
+              "Torch-Pruning", "TP saved", "TP s"]  # fmt: skip
+    rows = []
+    for r in t.get("rows", []):
+        f = r.get("fisherprune") or {}
+        tp = r.get("torch_pruning")
+        if tp is None:
+            tp_cells = ["not installed", "-", "-"]
+        elif tp.get("ok"):
+            tp_cells = ["runs", _pct(tp.get("saved_share")), _fmt(tp.get("prune_s"), 2)]
+        else:
+            tp_cells = [f"failed: {tp.get('error', '?')}", "-", "-"]
+        if not f.get("ok"):
+            rows.append([r.get("model"), r.get("attention"), f"failed: {f.get('error')}"]
+                        + ["-"] * 6 + tp_cells)  # fmt: skip
+            continue
+        rows.append(
+            [
+                r.get("model"), r.get("attention"), f.get("groups"), f.get("channels"),
+                _pct(f.get("prunable_share")), _pct(f.get("saved_share")),
+                _fmt(f.get("cost_equals_counted")), _fmt(f.get("trace_s"), 2),
+                f"{f.get('max_abs_diff', float('nan')):.1e}", *tp_cells,
+            ]
+        )  # fmt: skip
+    lines += _table(header, rows)
+    ok = [r["fisherprune"] for r in t.get("rows", []) if (r.get("fisherprune") or {}).get("ok")]
+    tps = [r["torch_pruning"] for r in t.get("rows", []) if r.get("torch_pruning") is not None]
+    lines += ["", "### What the numbers say (computed from the JSON)", ""]
+    if ok:
+        pr = [f["prunable_share"] for f in ok]
+        sv = [f["saved_share"] for f in ok]
+        lines.append(
+            f"- fisherprune ran (apply_masks, cost, shrink) on {len(ok)} of "
+            f"{len(t.get('rows', []))} models; prunable share {_pct(min(pr))} to {_pct(max(pr))}"
+            f" of the FLOPs; removing 30% of every group saved {_pct(min(sv))} to "
+            f"{_pct(max(sv))}"
+        )
+        exact = sum(bool(f.get("cost_equals_counted")) for f in ok)
+        worst = max(f.get("max_abs_diff", float("nan")) for f in ok)
+        lines.append(
+            f"- the cost model's FLOPs equal FlopCounterMode on the shrunk model in {exact} of "
+            f"{len(ok)}; the shrunk model's output differs from the masked one's by at most "
+            f"{worst:.1e} (float32)"
+        )
+        lines.append(
+            f"- apply_masks took {min(f['trace_s'] for f in ok):.2f} to "
+            f"{max(f['trace_s'] for f in ok):.2f} s"
+        )
+        skipped = sum(bool(f.get("skipped")) for f in ok)
+        lines.append(
+            f"- prunable near 100% means that almost every counted op (FlopCounterMode counts "
+            f"matmuls and convolutions) has a head or MLP-unit dimension; what is left when every "
+            f"group is emptied ({_pct(1 - min(pr))} at most) has none (ViT's patch embedding). "
+            f"It does not mean everything can go: on {skipped} of {len(ok)} models apply_masks "
+            "left channels unmasked (`masks.skipped`), the hidden (residual) width that every "
+            "LayerNorm / RMSNorm normalises across, so removing a share r of every group "
+            "saves about r of the FLOPs and no more (rerun when hidden-width pruning lands)"
+        )
+    if tps:
+        good = [x for x in tps if x.get("ok")]
+        lines.append(
+            f"- Torch-Pruning produced a running model on {len(good)} of {len(tps)}"
+            + (
+                f", saving {_pct(min(x['saved_share'] for x in good))} to "
+                f"{_pct(max(x['saved_share'] for x in good))} of the FLOPs: it also prunes "
+                "the hidden width (its output is then not the dense model's, and its width "
+                "changes)"
+                if good
+                else ""
+            )
+        )
+    else:
+        lines.append("- Torch-Pruning was not installed for this run")
+    png = DOCS / "transformers.png"
+    if png.is_file():
+        lines += ["", f"![FLOPs prunable and saved]({_rel(png, out)})"]
+    lines.append("")
+    return lines
+
+
 def build(out: Path, results: Path = RESULTS) -> str:
     """The Markdown page for the JSON files in ``results``."""
     q = _load(results / "quality.json")
@@ -800,6 +906,9 @@ def build(out: Path, results: Path = RESULTS) -> str:
     a = _load(results / "allocator.json")
     if a is not None:
         lines += allocator_section(a)
+    t = _load(results / "transformers.json")
+    if t is not None:
+        lines += transformers_section(t, out)
     return "\n".join(lines).rstrip() + "\n"
 
 
