@@ -2,12 +2,16 @@
 
 What is measured
 ----------------
-Hugging Face base models (no task head) built from small but realistically shaped configs with
-random weights (nothing downloads): hidden size 128, 4 layers, 8 attention heads of 16, MLP
-intermediate size 512 (4x), vocabulary 1000, batch 2 x sequence 64 (one example padded: its
-last 16 tokens have ``attention_mask`` 0) or 2 images of 64x64 in 8x8 patches. BERT, GPT-2,
-LLaMA and Qwen2 with grouped-query attention (4 key/value heads for 8 query heads), ViT and the
-T5 encoder, each with ``attn_implementation`` ``eager`` and/or ``sdpa``, called with their
+Hugging Face models with a 2-label task head (``...ForSequenceClassification``,
+``ViTForImageClassification``; the T5 encoder without one), as a fine-tuned model comes: the
+hidden width is then inside the model (a base model returns it as ``last_hidden_state``, so
+there it is part of the output and never pruned). Built from small but realistically shaped
+configs with random weights (nothing downloads): hidden size 128, 4 layers, 8 attention heads
+of 16, MLP intermediate size 512 (4x), vocabulary 1000, batch 2 x sequence 64 (one example
+padded: its last 16 tokens have ``attention_mask`` 0) or 2 images of 64x64 in 8x8 patches.
+BERT, GPT-2, LLaMA and Qwen2 with grouped-query attention (4 key/value heads for 8 query
+heads), ViT and the T5 encoder, each with ``attn_implementation`` ``eager`` and/or ``sdpa``,
+called with their
 keyword inputs directly (``model(**inputs)``). Float32, eval mode, CPU.
 
 For fisherprune (whatever the installed version prunes; rerun it when the library grows):
@@ -28,7 +32,7 @@ For fisherprune (whatever the installed version prunes; rerun it when the librar
   model equals that count on the shrunk one (relative difference below 1e-9);
 * ``trace s``: wall time of ``apply_masks`` (one call, after one warm-up call on another copy);
 * ``max |shrunk - masked|``: largest absolute difference between the shrunk model's and the
-  masked model's ``last_hidden_state``, float32.
+  masked model's logits (T5: ``last_hidden_state``), float32.
 
 For Torch-Pruning 1.6.1, when it can be imported (``pip install --no-deps torch-pruning==1.6.1
 --target DIR`` and ``PYTHONPATH=DIR``; without it the rows say "not installed"), on a fresh copy
@@ -37,7 +41,7 @@ examples give for transformers: ``MagnitudeImportance(p=2)``, ``pruning_ratio=0.
 ``global_pruning=True`` as in its BERT and ViT examples (uniform per-layer ratios raised
 ``IndexError`` on BERT here), ``num_heads`` for every query/key/value projection (key/value
 heads for k and v), ``prune_num_heads=True``, ``prune_head_dims=False``,
-``head_pruning_ratio=0.3``, ``ignored_layers`` empty (these models have no task head),
+``head_pruning_ratio=0.3``, ``ignored_layers`` the task head (its outputs are the labels),
 ``output_transform`` summing the last hidden state; then, as its examples do by hand, each
 attention module's head-count attributes are set from ``pruner.num_heads``. Recorded: whether
 pruning raised, whether the pruned model runs, the FLOPs saved (``FlopCounterMode`` as above on
@@ -104,23 +108,26 @@ def build(kind: str, attention: str) -> tuple[nn.Module, dict[str, Tensor]]:
         "attn_implementation": attention,
     }
     model: nn.Module
+    # a task head (2 labels), as a fine-tuned model comes: the hidden width is then inside the
+    # model; a base model returns it (last_hidden_state), so there it is never prunable
+    heads: dict[str, Any] = {"num_labels": 2, "pad_token_id": 0}
     if kind == "bert":
-        model = tr.BertModel(tr.BertConfig(vocab_size=VOCAB, **common), add_pooling_layer=False)
+        model = tr.BertForSequenceClassification(tr.BertConfig(vocab_size=VOCAB, **common, **heads))
     elif kind == "gpt2":
         cfg = tr.GPT2Config(
             vocab_size=VOCAB, n_positions=SEQ, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS,
-            n_inner=FFN, attn_implementation=attention,
+            n_inner=FFN, attn_implementation=attention, **heads,
         )  # fmt: skip
-        model = tr.GPT2Model(cfg)
+        model = tr.GPT2ForSequenceClassification(cfg)
     elif kind == "llama":
-        cfg = tr.LlamaConfig(vocab_size=VOCAB, num_key_value_heads=KV_HEADS, **common)
-        model = tr.LlamaModel(cfg)
+        cfg = tr.LlamaConfig(vocab_size=VOCAB, num_key_value_heads=KV_HEADS, **common, **heads)
+        model = tr.LlamaForSequenceClassification(cfg)
     elif kind == "qwen2":
-        cfg = tr.Qwen2Config(vocab_size=VOCAB, num_key_value_heads=KV_HEADS, **common)
-        model = tr.Qwen2Model(cfg)
+        cfg = tr.Qwen2Config(vocab_size=VOCAB, num_key_value_heads=KV_HEADS, **common, **heads)
+        model = tr.Qwen2ForSequenceClassification(cfg)
     elif kind == "vit":
-        cfg = tr.ViTConfig(image_size=IMAGE, patch_size=PATCH, **common)
-        model = tr.ViTModel(cfg, add_pooling_layer=False)
+        cfg = tr.ViTConfig(image_size=IMAGE, patch_size=PATCH, **common, num_labels=2)
+        model = tr.ViTForImageClassification(cfg)
         inputs = {"pixel_values": torch.randn(BATCH, 3, IMAGE, IMAGE, generator=g)}
     elif kind == "t5":
         cfg = tr.T5Config(
@@ -143,8 +150,14 @@ def counted(model: nn.Module, inputs: dict[str, Tensor]) -> float:
 
 
 def hidden(model: nn.Module, inputs: dict[str, Tensor]) -> Tensor:
+    """The model's logits (task-head models) or last hidden state (T5's encoder)."""
     with torch.no_grad():
-        return model(**inputs).last_hidden_state
+        return _main_output(model(**inputs))
+
+
+def _main_output(out: Any) -> Tensor:
+    logits = getattr(out, "logits", None)
+    return logits if logits is not None else out.last_hidden_state
 
 
 def _error(e: BaseException) -> str:
@@ -258,6 +271,11 @@ def _time_limit(seconds: int) -> Iterator[None]:
         signal.signal(signal.SIGALRM, old)
 
 
+def _task_head(model: nn.Module) -> list[nn.Module]:
+    """The classifier layer, which Torch-Pruning must not prune (its outputs are the labels)."""
+    return [m for name in ("classifier", "score") if (m := getattr(model, name, None)) is not None]
+
+
 def run_torch_pruning(tp: Any, kind: str, attention: str) -> dict[str, Any]:
     model, inputs = build(kind, attention)
     row: dict[str, Any] = {"ok": False, "runs": False}
@@ -276,8 +294,8 @@ def run_torch_pruning(tp: Any, kind: str, attention: str) -> dict[str, Any]:
                 prune_num_heads=True,
                 prune_head_dims=False,
                 head_pruning_ratio=RATIO,
-                ignored_layers=[],
-                output_transform=lambda out: out.last_hidden_state.sum(),
+                ignored_layers=_task_head(model),
+                output_transform=lambda out: _main_output(out).sum(),
             )
         with _time_limit(TP_LIMIT_S):
             pruner.step()
