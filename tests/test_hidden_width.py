@@ -8,6 +8,7 @@ and a per-example float64 loop for the Fisher signal."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -326,3 +327,35 @@ def test_a_width_read_off_a_shape_is_not_offered() -> None:
     assert [g.producers for g in masks.groups.values()] == [["fc1"]]
     [skip] = [s for s in masks.skipped if ("embed.weight", 0) in s.params]
     assert "reads this width from a tensor's shape" in skip.reason
+
+
+class Uncopyable(ShapeScaled):
+    """The block with a lock attribute, as a model holding a data loader or a thread might:
+    it cannot be deep-copied."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lock = threading.Lock()
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = self.embed(x)
+        x = x + self.fc2(F.gelu(self.fc1(self.ln(x))))
+        return self.head(x.mean(1))
+
+
+def test_a_width_that_cannot_be_checked_is_not_offered_and_nothing_is_left() -> None:
+    """A width that cannot be checked because the model cannot be copied is left unmasked
+    with the reason, without an exception; the MLP's hidden units stay prunable and
+    remove_masks restores the model."""
+    torch.manual_seed(0)
+    model = Uncopyable().double().eval()
+    x = torch.randn(1, 4, 6, dtype=torch.float64)
+    with torch.no_grad():
+        before = model(x)
+    masks = fp.apply_masks(model, x)
+    assert [g.producers for g in masks.groups.values()] == [["fc1"]]
+    [skip] = [s for s in masks.skipped if ("embed.weight", 0) in s.params]
+    assert "shrinking the model with one of these channels removed fails" in skip.reason
+    fp.remove_masks(model)
+    with torch.no_grad():
+        assert torch.equal(model(x), before)

@@ -24,6 +24,7 @@ import torch
 
 import fisherprune as fp
 from fisherprune.cli.main import main
+from fisherprune.export.safe_load import looks_pickled
 from fisherprune.train.checkpoint import CheckpointManager, rng_state, set_rng_state
 from fisherprune.train.models import build_model
 
@@ -293,3 +294,12 @@ def test_save_refuses_a_state_it_could_not_load_back(tmp_path: Path) -> None:
     with pytest.raises(TypeError, match="numpy"):
         manager.save(10, {"model": {}, "pruner": {}, "extra": np.zeros(3)})
     assert sorted(tmp_path.iterdir()) == [kept]
+
+
+def test_a_plain_tensor_file_is_not_taken_for_pickled_objects(tmp_path: Path) -> None:
+    """A ``torch.save`` file of tensors names only torch's own rebuild functions, which the
+    weights-only loader allows: ``looks_pickled`` says no, so a damaged such file is called
+    damaged, not a pickle of objects."""
+    path = tmp_path / "plain.pt"
+    torch.save({"w": torch.ones(3), "n": 2}, path)
+    assert not looks_pickled(path)

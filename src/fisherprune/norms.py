@@ -121,14 +121,13 @@ def norm_spec(module: nn.Module | None) -> NormSpec | None:
 
 
 def normalise_kept(
-    module: nn.Module, spec: NormSpec, x: Tensor, dim: int, keep: Tensor, output: Tensor
+    module: nn.Module, spec: NormSpec, x: Tensor, dim: int, idx: Tensor, output: Tensor
 ) -> Tensor:
     """``output`` (the norm's output on ``x``) with the kept positions recomputed as the shrunk
     norm computes them: on ``x``'s kept positions along ``dim`` (one of the normalised dims;
-    ``keep``: bool, one per position), with the kept entries of the weight and bias. The other
-    positions keep their values, which mean nothing once their channels are pruned."""
+    ``idx``: the kept positions, ascending), with the kept entries of the weight and bias. The
+    other positions keep their values, which mean nothing once their channels are pruned."""
     k = spec.trailing(module)
-    idx = torch.nonzero(keep).flatten()
     xk = x.index_select(dim, idx)
     wdim = dim % x.dim() - (x.dim() - k)
     weight = getattr(module, spec.weight, None)

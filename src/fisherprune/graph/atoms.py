@@ -39,6 +39,8 @@ class Atoms:
         self.blocks: list[AtomBlock] = []
         self._blocked: list[tuple[np.ndarray, str]] = []
         self._producer: list[np.ndarray] = []
+        self._inputs: list[tuple[int, int]] = []  # atom ranges of model input dimensions
+        self._batch: list[tuple[int, int]] = []  # those of the inputs' batch dimensions
 
     def __len__(self) -> int:
         return int(self._parent.size)
@@ -48,7 +50,14 @@ class Atoms:
         start = len(self)
         self._parent = np.concatenate([self._parent, np.arange(start, start + size)])
         self.blocks.append(AtomBlock(kind, name, dim, start, size))
+        if kind == "input":
+            self._inputs.append((start, start + size))
         return np.arange(start, start + size, dtype=np.int64)
+
+    def mark_batch(self, a: np.ndarray) -> None:
+        """Mark atoms ``a`` (a fresh block: one model input's dim 0) as indexing the batch."""
+        if a.size:
+            self._batch.append((int(a.min()), int(a.max()) + 1))
 
     # ------------------------------------------------------------- union-find
     def find(self, a: np.ndarray) -> np.ndarray:
@@ -97,11 +106,7 @@ class Atoms:
 
     def _from_input(self, a: np.ndarray) -> np.ndarray:
         """Per atom of ``a``: whether it indexes a dimension of a model input."""
-        out = np.zeros(a.shape, dtype=bool)
-        for b in self.blocks:
-            if b.kind == "input":
-                out |= (a >= b.start) & (a < b.start + b.size)
-        return out
+        return _within(a, self._inputs)
 
     def producer_arrays(self) -> list[np.ndarray]:
         """The atom arrays marked as layer outputs, one per producing op."""
@@ -127,11 +132,7 @@ class Atoms:
 
     def is_batch(self, a: np.ndarray) -> bool:
         """Whether every atom of ``a`` indexes the batch dimension of a model input."""
-        if a.size == 0:
-            return False
-        starts = np.asarray([b.start for b in self.blocks])
-        idx = np.searchsorted(starts, np.unique(a), side="right") - 1
-        return all(self.blocks[i].kind == "input" and self.blocks[i].dim == 0 for i in idx)
+        return bool(a.size) and bool(_within(a, self._batch).all())
 
     def locate(self, atom: int) -> tuple[AtomBlock, int]:
         """The block an atom belongs to and its index within that dimension."""
@@ -139,3 +140,12 @@ class Atoms:
         i = int(np.searchsorted(starts, atom, side="right") - 1)
         b = self.blocks[i]
         return b, atom - b.start
+
+
+def _within(a: np.ndarray, ranges: list[tuple[int, int]]) -> np.ndarray:
+    """Per atom of ``a``: whether it lies in one of the ``[start, end)`` ranges (few: one per
+    model input dimension)."""
+    out = np.zeros(a.shape, dtype=bool)
+    for lo, hi in ranges:
+        out |= (a >= lo) & (a < hi)
+    return out

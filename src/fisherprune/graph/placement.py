@@ -17,14 +17,23 @@ from fisherprune.inputs import Inputs
 from fisherprune.masks import MaskLayer, find_masks
 from fisherprune.masks.points import find_holder, install_mask_points, remove_mask_points
 
-__all__ = ["AppliedMasks", "apply_masks", "remove_masks"]
+__all__ = ["AppliedMasks", "apply_masks", "register_width_check", "remove_masks"]
 
 log = logging.getLogger("fisherprune")
 
+WidthCheck = Callable[[nn.Module, Any, ChannelGroup, MaskLayer], "str | None"]
 #: checks of a group whose width registered norms normalise (the hidden width), each returning
 #: why the group cannot be pruned or None; ``fisherprune.export.width_probe`` adds its dry run
 #: (given the model, its example inputs, the group and the group's installed mask)
-WIDTH_CHECKS: list[Callable[[nn.Module, Any, ChannelGroup, MaskLayer], str | None]] = []
+_WIDTH_CHECKS: list[WidthCheck] = []
+
+
+def register_width_check(check: WidthCheck) -> WidthCheck:
+    """Run ``check`` on every group whose width registered norms normalise, when masks are
+    applied; a check registered twice (a module reloaded) runs once."""
+    if check.__qualname__ not in {c.__qualname__ for c in _WIDTH_CHECKS}:
+        _WIDTH_CHECKS.append(check)
+    return check
 
 
 class AppliedMasks(dict[str, MaskLayer]):
@@ -117,7 +126,7 @@ def apply_masks(model: nn.Module, example_inputs: Any, *, strict: bool = False) 
     }
     # a width that norms normalise is the hidden width, which code may read off a shape
     for gi, g in enumerate(groups):
-        for check in WIDTH_CHECKS if g.norms and gi not in unsafe else ():
+        for check in _WIDTH_CHECKS if g.norms and gi not in unsafe else ():
             problem = check(model, example_inputs, g, find_holder(model)[1][keys[gi]])  # type: ignore[index]
             if problem is not None:
                 unsafe[gi] = problem

@@ -289,8 +289,10 @@ def trace_model(
     for i, (t, batched) in enumerate(inputs.tensors()):
         info = tracer.leaf(t, "input", str(i))
         for d, lab in enumerate(info.labels):
-            why = "batch dimension" if d == 0 and batched else "model input"
-            tracer.trace.atoms.block(lab, why)
+            batch = d == 0 and batched
+            if batch:
+                tracer.trace.atoms.mark_batch(lab)
+            tracer.trace.atoms.block(lab, "batch dimension" if batch else "model input")
     handles = _module_stack_hooks(model, tracer)
     tracing.set_active(tracer)
     try:

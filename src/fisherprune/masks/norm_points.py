@@ -41,13 +41,20 @@ class NormPoint:
         ]
         self._masks = list(dict.fromkeys(m for m, _, _ in self.parts))
         self._ones_cache: dict[str, Any] = {}
+        self._kept: tuple[tuple[Any, ...], Tensor] | None = None
 
-    def keep(self, device: torch.device) -> Tensor:
-        """Which positions of the normalised dim are kept (bool, shape (size,))."""
+    def kept(self, device: torch.device) -> Tensor:
+        """The kept positions of the normalised dim (long, ascending), recomputed only when a
+        mask changed: the forward pass pays no host sync for them."""
+        key = (*(id(m.mask) for m in self._masks), *(m.mask._version for m in self._masks), device)
+        if self._kept is not None and self._kept[0] == key:
+            return self._kept[1]
         keep = torch.ones(self.size, dtype=torch.bool, device=device)
         for m, pos, idx in self.parts:
             keep[pos.to(device)] = (m.mask[idx.to(m.mask.device)] > 0.5).to(device)
-        return keep
+        kept = torch.nonzero(keep).flatten()
+        self._kept = (key, kept)
+        return kept
 
     def __call__(self, module: nn.Module, args: tuple, output: Any) -> Any:
         if tracing.active() is not None or all_ones(self._masks, self._ones_cache):
@@ -64,4 +71,4 @@ class NormPoint:
                 f"fisherprune norm hook on {self.module_name!r}: input of shape "
                 f"{tuple(x.shape)} has no dim {self.dim} of size {self.size}, as traced"
             )
-        return normalise_kept(module, spec, x, self.dim, self.keep(x.device), output)
+        return normalise_kept(module, spec, x, self.dim, self.kept(x.device), output)

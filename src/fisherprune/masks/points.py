@@ -182,7 +182,6 @@ class MaskHolder(nn.ModuleDict):
         points: the ``MaskPoint`` hooked on each consuming module, in install order.
         handles: the forward pre-hook handle of each point (and the forward hook of each
             norm point).
-        norm_points: the ``NormPoint`` hooked on each registered norm whose width is masked.
         example_inputs: a detached batch-of-one copy of the inputs the masks were found with
             (``shrink`` and ``export_model`` trace with it when given none), or None.
         groups: the channel group of each mask, by the mask's qualified name (what
@@ -192,7 +191,6 @@ class MaskHolder(nn.ModuleDict):
     def __init__(self, masks: dict[str, MaskLayer]) -> None:
         super().__init__(masks)
         self.points: list[MaskPoint] = []
-        self.norm_points: list[NormPoint] = []
         self.handles: list[torch.utils.hooks.RemovableHandle] = []
         self.example_inputs: Any = None
         self.groups: dict[str, Any] = {}
@@ -316,7 +314,6 @@ def install_mask_points(
             holder.handles.append(mod.register_forward_pre_hook(mp))
         for name, dim, size, parts in norms:
             npt = NormPoint(name, dim, size, [(holder[k], p, i) for k, p, i in parts])
-            holder.norm_points.append(npt)
             holder.handles.append(modules[name].register_forward_hook(npt))
     except Exception:
         remove_mask_points(model)
