@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from fisherprune.masks import MaskSet, as_mask_dict
+from fisherprune.pruner.uniform import uniform_classes
 from fisherprune.settings import check_min_channels, check_round_to
 
 __all__ = [
@@ -36,8 +37,10 @@ class PruneEvent:
         cost_after: cost per example after, ``cost_before`` minus the marginal costs of the
             channels removed (NaN likewise).
         step: the optimizer step it happened at (0 outside an optimizer).
-        channels: every channel removed, lowest score first (``(channel,)`` unless
-            ``round_to > 1``).
+        channels: every channel removed from ``mask``, lowest score first (``(channel,)``
+            unless ``round_to > 1``).
+        also: with ``uniform=True``, the other copies of ``mask`` in repeated blocks and the
+            channels each lost in the same step; ``signal`` and the costs cover them all.
     """
 
     mask: str
@@ -48,12 +51,25 @@ class PruneEvent:
     cost_after: float = math.nan
     step: int = 0
     channels: tuple[int, ...] = ()
+    also: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
     def __post_init__(self) -> None:
         if not self.channels:
             object.__setattr__(self, "channels", (self.channel,))
         else:  # a list from JSON or a checkpoint
             object.__setattr__(self, "channels", tuple(int(c) for c in self.channels))
+        also = tuple((str(n), tuple(int(c) for c in cs)) for n, cs in self.also)
+        object.__setattr__(self, "also", also)
+
+    @property
+    def removed(self) -> dict[str, tuple[int, ...]]:
+        """Every mask that lost channels in this step, with the channels it lost."""
+        return {self.mask: self.channels, **dict(self.also)}
+
+    @property
+    def count(self) -> int:
+        """How many channels this step removed in all."""
+        return sum(len(c) for c in self.removed.values())
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -89,6 +105,7 @@ def prune(
     cost: Any = None,
     step: int = 0,
     round_to: int = 1,
+    uniform: bool | Sequence[Sequence[str]] = False,
 ) -> PruneEvent | None:
     """Zero exactly one mask entry: the lowest score over all masks (or, with ``round_to``,
     the one block of channels with the lowest mean score).
@@ -112,7 +129,7 @@ def prune(
     in the mask's count, an estimate otherwise (``PruningOptimizer`` records the exact cost).
 
     Changes: one entry (``round_to`` = 1) or one block of entries of one ``mask.mask``
-    buffer is set to 0, in place.
+    buffer (of each copy, with ``uniform``) is set to 0, in place.
 
     Args:
         masks: ``{name: MaskLayer}`` or a sequence (named "0", "1", ...).
@@ -123,59 +140,95 @@ def prune(
         cost: optional ``CostReport`` of the current state; fills the event's costs.
         step: recorded in the event.
         round_to: keep every mask's channel count a multiple of this (1: no rounding).
+        uniform: prune the copies of a mask in repeated blocks together
+            (``fisherprune.pruner.uniform.uniform_classes``): each copy loses its own
+            lowest-scoring channels (or block), ranked by the mean score over all copies, so
+            every block keeps the same widths. Or the classes themselves (lists of mask
+            names; ``PruningOptimizer`` passes those of ``pruner.uniform.plan_uniform``).
 
     Returns:
         The ``PruneEvent``, or ``None`` when nothing can be pruned any more
         (every mask is at its floor): nothing is changed then.
 
     Raises:
-        ValueError: ``min_channels`` < 0, ``round_to`` < 1, or scores that do not match the
-            masks.
+        ValueError: ``min_channels`` < 0, ``round_to`` < 1, scores that do not match the
+            masks, or (``uniform``) copies of a mask that keep different counts.
     """
     check_min_channels(min_channels)
     check_round_to(round_to)
     md = as_mask_dict(masks)
+    sd = _scores_by_name(md, scores)
+    if isinstance(uniform, bool):
+        classes = uniform_classes(md) if uniform else [[n] for n in md]
+    else:  # the given classes; a mask in none of them is a class of its own
+        classes = [[n for n in c if n in md] for c in uniform]
+        classes = [c for c in classes if c]
+        listed = {n for c in classes for n in c}
+        classes += [[n] for n in md if n not in listed]
+    order = {n: i for i, n in enumerate(md)}
+    best: tuple[float, int, int, dict[str, list[int]]] | None = None
+    for members in classes:
+        alive_counts = {n: int((md[n].mask.detach() > 0.5).sum()) for n in members}
+        n_alive = alive_counts[members[0]]
+        if any(c != n_alive for c in alive_counts.values()):
+            raise ValueError(
+                "uniform=True needs the copies of a repeated mask to keep the same number of "
+                f"channels, but {', '.join(f'{n!r} keeps {c}' for n, c in alive_counts.items())}"
+                ": prune them to equal widths first, or use uniform=False"
+            )
+        r = block_size(n_alive, round_to)
+        if n_alive - r < floor_of(min_channels, md[members[0]].num_channels):
+            continue
+        chosen = {n: _lowest_alive(md[n], sd[n], r) for n in members}
+        v = float(torch.cat([sd[n][c] for n, c in chosen.items()]).mean())
+        if math.isnan(v):  # -inf next to +inf in one block: rank it last, like a NaN score
+            v = math.inf
+        first = members[0]
+        cand = (v, order[first], chosen[first][0], chosen)
+        if best is None or cand[:3] < best[:3]:
+            best = cand
+    if best is None:
+        return None
+    v, _, k, chosen = best
+    name, *others = chosen
+    before = after = math.nan
+    if cost is not None:
+        before = float(cost.total)
+        after = before - sum(float(cost.marginal[n][c].sum()) for n, c in chosen.items())
+    with torch.no_grad():
+        for n, c in chosen.items():
+            md[n].mask[c] = 0.0
+    signal = sum(float(md[n].signal[c].sum()) for n, c in chosen.items())
+    also = tuple((n, tuple(chosen[n])) for n in others)
+    return PruneEvent(name, k, v, signal, before, after, step, tuple(chosen[name]), also)
+
+
+def _scores_by_name(
+    md: Mapping[str, Any], scores: Mapping[str, Tensor] | Sequence[Tensor]
+) -> dict[str, Tensor]:
+    """Scores per mask name, as float64 on the CPU with NaN as +inf; checked against the masks."""
     if isinstance(scores, Mapping):
-        sd = {str(k): v for k, v in scores.items()}
+        given = {str(k): v for k, v in scores.items()}
     else:
         seq = list(scores)
         if len(seq) != len(md):
             raise ValueError(f"{len(seq)} score tensors given for {len(md)} masks")
-        sd = dict(zip(md, seq, strict=True))  # a sequence follows the order of masks
-    best: tuple[float, int, int, str, list[int]] | None = None
-    for order, (name, m) in enumerate(md.items()):
-        if name not in sd:
+        given = dict(zip(md, seq, strict=True))  # a sequence follows the order of masks
+    out = {}
+    for name, m in md.items():
+        if name not in given:
             raise ValueError(f"no scores given for mask {name!r}")
-        s = sd[name].detach().double().cpu().flatten()
+        s = given[name].detach().double().cpu().flatten()
         if s.numel() != m.num_channels:
             raise ValueError(
                 f"scores for mask {name!r} have {s.numel()} entries, the mask has "
                 f"{m.num_channels} channels"
             )
-        alive = m.mask.detach().cpu() > 0.5
-        n_alive = int(alive.sum())
-        r = block_size(n_alive, round_to)
-        if n_alive - r < floor_of(min_channels, m.num_channels):
-            continue
-        s = torch.where(torch.isnan(s), torch.full_like(s, math.inf), s)
-        idx = torch.nonzero(alive).flatten()  # ascending, so a stable sort breaks ties by index
-        order_alive = torch.sort(s[idx], stable=True).indices[:r]
-        chosen = idx[order_alive].tolist()  # never an already pruned channel
-        v = float(s[chosen].mean())
-        if math.isnan(v):  # -inf next to +inf in one block: rank it last, like a NaN score
-            v = math.inf
-        cand = (v, order, chosen[0], name, chosen)
-        if best is None or cand[:3] < best[:3]:
-            best = cand
-    if best is None:
-        return None
-    v, _, k, name, chosen = best
-    m = md[name]
-    before = after = math.nan
-    if cost is not None:
-        before = float(cost.total)
-        after = before - float(cost.marginal[name][chosen].sum())
-    with torch.no_grad():
-        m.mask[chosen] = 0.0
-    signal = float(m.signal[chosen].sum())
-    return PruneEvent(name, k, v, signal, before, after, step, tuple(chosen))
+        out[name] = torch.where(torch.isnan(s), torch.full_like(s, math.inf), s)
+    return out
+
+
+def _lowest_alive(m: Any, s: Tensor, r: int) -> list[int]:
+    """The ``r`` alive channels of mask ``m`` with the lowest scores ``s`` (ties: lower index)."""
+    idx = torch.nonzero(m.mask.detach().cpu() > 0.5).flatten()  # ascending: stable ties
+    return idx[torch.sort(s[idx], stable=True).indices[:r]].tolist()
