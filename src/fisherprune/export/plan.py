@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from torch import nn
 
 from fisherprune._version import __version__
 from fisherprune.cost import CostModel
+from fisherprune.export.hf_config import update_config
 from fisherprune.export.modules import update_metadata
 from fisherprune.export.safe_load import PickledObjectsError, looks_pickled
 from fisherprune.export.storage import atomic_write_bytes
@@ -130,7 +132,9 @@ class PruningPlan:
         Slices every listed parameter and buffer (new ``nn.Parameter`` objects for
         parameters), updates module metadata through the shrink-rule registry,
         replaces hand-placed MaskLayers by ``nn.Identity`` and removes masks added
-        by ``apply_masks``. The model's class and forward code are kept.
+        by ``apply_masks``; a Hugging Face model's ``config`` gets the new widths when one
+        config can describe them (``fisherprune.export.hf_config``; a warning says why
+        not). The model's class and forward code are kept.
         Idempotent: applying to an already shrunk model changes nothing.
 
         Raises:
@@ -213,6 +217,12 @@ class PruningPlan:
         for mname, values in self.attributes.items():
             for attr, value in values.items():
                 setattr(modules[mname], attr, value)
+        problem = update_config(model)
+        if problem:
+            warnings.warn(
+                f"the model's Hugging Face config still describes the dense model: {problem}",
+                stacklevel=2,
+            )
         return model
 
     # ---------------------------------------------------------------- JSON

@@ -17,6 +17,7 @@ from fisherprune.cost import CONVENTIONS, CostModel, CostReport
 from fisherprune.masks import MaskLayer, find_masks
 from fisherprune.pruner.prune import PruneEvent, floor_of, lowest_kept, prune
 from fisherprune.pruner.scoring import FlopsWeight, score_all
+from fisherprune.pruner.uniform import plan_uniform
 from fisherprune.settings import (
     check_decay,
     check_flops_weight,
@@ -102,6 +103,13 @@ class PruningOptimizer:
             much time as 16: with ``round_to=8`` each prune removes the block of channels that
             brings a mask to the next multiple of 8 (see ``prune``), and the FLOPs saved turn
             into latency saved (docs/benchmarks.md).
+        uniform: every repeated block keeps the same widths: the copies of a mask in the
+            blocks of a ``ModuleList`` (names equal up to block indices, same width; see
+            ``fisherprune.pruner.uniform``) lose channels together, ranked by their mean
+            score. A shrunk Hugging Face model then keeps a standard configuration
+            (``save_pretrained`` / ``from_pretrained`` need no fisherprune code): classes its
+            config has no field for (BERT's hidden width, whose head size is derived from it;
+            a pooler) are left whole, listed in ``kept_whole`` and logged.
         convention: cost convention of ``flops_target`` and of the pruning events (see
             ``computational_cost``).
         score_convention: cost convention that the signal is weighed against when
@@ -147,6 +155,7 @@ class PruningOptimizer:
         optimizer: torch.optim.Optimizer | None = None,
         min_channels: int | float = 1,
         round_to: int = 1,
+        uniform: bool = False,
         convention: str = "flops",
         score_convention: str | None = None,
         loss_reduction: str = "mean",
@@ -158,6 +167,7 @@ class PruningOptimizer:
         self.burn_in = check_int("burn_in", burn_in, 0)
         self.min_channels = check_min_channels(min_channels)
         self.round_to = check_round_to(round_to)
+        self.uniform = bool(uniform)
         self.decay = check_decay(decay)
         self.flops_weight = check_flops_weight(flops_weight)
         self.loss_reduction = check_loss_reduction(loss_reduction)
@@ -172,6 +182,18 @@ class PruningOptimizer:
             raise ValueError(
                 "the model has no MaskLayer: place fisherprune.MaskLayer modules where channels "
                 "may be pruned, or call fisherprune.apply_masks(model, example_inputs) first"
+            )
+        #: the classes of masks that ``uniform`` prunes together, and the masks it leaves whole
+        #: with the reason (a config with no field for them)
+        self.uniform_classes, self.kept_whole = (
+            plan_uniform(model, example_inputs, self.masks, self.round_to) if uniform else ([], {})
+        )
+        if self.kept_whole:
+            for n in self.kept_whole:
+                self.masks.pop(n).collecting = False
+            log.warning(
+                "uniform=True keeps these masks whole: %s",
+                "; ".join(f"{n}: {r}" for n, r in self.kept_whole.items()),
             )
         if optimizer is None:
             if nesterov and momentum <= 0:
@@ -243,22 +265,28 @@ class PruningOptimizer:
             ValueError: on the first step, if a collecting mask received no gradient
                 (no loss reaches it); later steps only warn.
         """
-        collecting = not self.finished and self.criterion.uses_gradients
-        if closure is None:
-            if collecting:
-                self._check_received()
-            out = self.optimizer.step()
-        else:  # the closure runs the backward pass, so check after it
-            out = self.optimizer.step(closure)
-            if collecting:
-                self._check_received()
-        if collecting:
+        out = self.optimizer.step() if closure is None else self.optimizer.step(closure)
+        self.after_update()
+        return out
+
+    def after_update(self) -> None:
+        """What ``step`` does after the parameter update, for loops that update the parameters
+        themselves (a Hugging Face ``Trainer``, Lightning): fold the gradients gathered since
+        the last call into the signals, prune when due, count the step.
+
+        Changes: the masks' signals (while collecting), possibly one prune (masks zeroed,
+        ``history`` grows), ``counter``.
+
+        Raises:
+            ValueError: on the first step, if a collecting mask received no gradient.
+        """
+        if not self.finished and self.criterion.uses_gradients:
+            self._check_received()
             self.criterion.update(self.masks, self.decay, loss_reduction=self.loss_reduction)
         due = self.counter > self.burn_in and self.counter % self.prune_every == 0
         if due and not self.finished:
             self._maybe_prune()
         self.counter += 1
-        return out
 
     # --------------------------------------------------------------- pruning
     def cost(self) -> CostReport:
@@ -280,8 +308,9 @@ class PruningOptimizer:
             cost=report,
             step=self.counter,
             round_to=self.round_to,
+            uniform=self.uniform_classes if self.uniform else False,
         )
-        if event is not None and len(event.channels) > 1:
+        if event is not None and event.count > 1:
             # a block's summed marginals can miss interactions (an emptied mask, a layer whose
             # input and output share the mask): take the exact cost, without a re-trace
             event = dataclasses.replace(event, cost_after=self.cost_model.total())
@@ -297,10 +326,9 @@ class PruningOptimizer:
             return
         self.history.append(event)
         log.info(
-            "step %d: pruned %s%s (score %.4g, signal %.4g); cost %.6g -> %.6g",
+            "step %d: pruned %s (score %.4g, signal %.4g); cost %.6g -> %.6g",
             event.step,
-            event.mask,
-            list(event.channels),
+            ", ".join(f"{n}{list(c)}" for n, c in event.removed.items()),
             event.score,
             event.signal,
             event.cost_before,
@@ -390,6 +418,7 @@ class PruningOptimizer:
             "convention": self.convention,
             "score_convention": self.score_convention,
             "round_to": self.round_to,
+            "uniform": self.uniform,
             "criterion": self.criterion.settings(),
         }
 

@@ -1,0 +1,196 @@
+"""A Hugging Face model's ``config`` after its widths changed.
+
+``save_pretrained`` writes ``model.config`` and ``from_pretrained`` builds the model from it
+before loading the weights, so after ``shrink`` the config must describe the smaller model:
+its hidden width, head counts and MLP width. This module reads those widths off the shrunk
+modules (the first norm's width; each attention module's query and key widths over its head
+size; each MLP's first projection), writes them into the config when every block agrees, and
+proves the result by building the model class from the new config on the meta device and
+comparing every parameter's shape. When the blocks differ (pruned without ``uniform=True``)
+or the config has no field for a width, the config is left as it was and the reason returned:
+the model then needs its ``PruningPlan`` to be rebuilt.
+
+Nothing here imports ``transformers``: a model counts as a Hugging Face model when it has a
+``config`` with ``to_dict`` and its class a ``config_class``.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from fisherprune._errors import first_line
+
+__all__ = ["CONFIG_FIELDS", "is_hf_model", "read_widths", "update_config"]
+
+_QUERY = ("query", "q_proj", "q", "q_lin")
+_KEY = ("key", "k_proj", "k", "k_lin")
+_FUSED_QKV = ("c_attn", "qkv", "Wqkv", "query_key_value")
+_HEAD_SIZE = ("head_dim", "attention_head_size", "key_value_proj_dim", "head_size")
+_MLP_IN = ("up_proj", "fc1", "c_fc", "wi", "wi_0", "lin1", "fc_in", "dense_h_to_4h", "w1")
+
+
+def _out_width(mod: nn.Module) -> int | None:
+    """Output width of a projection: ``nn.Linear`` or GPT-2's transposed ``Conv1D``."""
+    w = getattr(mod, "out_features", None) or getattr(mod, "nf", None)
+    return w if isinstance(w, int) else None
+
+
+def _head_size(mod: nn.Module) -> int | None:
+    return next(
+        (getattr(mod, a) for a in _HEAD_SIZE if isinstance(getattr(mod, a, None), int)), None
+    )
+
+
+def _attention(model: nn.Module) -> list[tuple[int, int]]:
+    """(query heads, key/value heads) of every attention module, in model order."""
+    found = []
+    for mod in model.modules():
+        children = dict(mod.named_children())
+        size = _head_size(mod)
+        if not size:
+            continue
+        q = next((children[n] for n in _QUERY if n in children), None)
+        k = next((children[n] for n in _KEY if n in children), None)
+        fused = next((children[n] for n in _FUSED_QKV if n in children), None)
+        if q is not None and k is not None and _out_width(q) and _out_width(k):
+            found.append((_out_width(q) // size, _out_width(k) // size))
+        elif fused is not None and _out_width(fused):
+            heads = _out_width(fused) // 3 // size
+            found.append((heads, heads))
+    return found
+
+
+def _mlp(model: nn.Module) -> list[int]:
+    """Width of every MLP (its first projection's outputs), in model order."""
+    widths = []
+    for name, mod in model.named_modules():
+        parts = name.split(".")
+        if parts[-1] in _MLP_IN or parts[-2:] == ["intermediate", "dense"]:
+            w = _out_width(mod)
+            if w:
+                widths.append(w)
+    return widths
+
+
+def _hidden(model: nn.Module) -> list[int]:
+    """The width the first normalisation layer normalises (the residual stream's)."""
+    for mod in model.modules():
+        w = getattr(mod, "weight", None)
+        if "Norm" in type(mod).__name__ and isinstance(w, torch.Tensor) and w.dim() == 1:
+            return [w.numel()]
+    return []
+
+
+#: config fields by what they hold, and how the shrunk model's values are read
+CONFIG_FIELDS: dict[tuple[str, ...], Callable[[nn.Module], list[int]]] = {
+    ("hidden_size", "n_embd", "d_model", "dim", "embed_dim"): _hidden,
+    (
+        "num_attention_heads",
+        "n_head",
+        "num_heads",
+        "n_heads",
+        "encoder_attention_heads",
+        "decoder_attention_heads",
+    ): lambda m: [q for q, _ in _attention(m)],
+    ("num_key_value_heads", "n_kv_heads", "num_kv_heads"): lambda m: [k for _, k in _attention(m)],
+    (
+        "intermediate_size",
+        "n_inner",
+        "d_ff",
+        "ffn_dim",
+        "encoder_ffn_dim",
+        "decoder_ffn_dim",
+    ): _mlp,
+    ("head_dim",): lambda m: [s for s in (_head_size(x) for x in m.modules()) if s],
+}
+#: fields written even when the config lacks them (a model reading ``config.head_dim`` with a
+#: default then follows it; one that does not is caught by the shape check)
+_ADDED = ("head_dim",)
+
+
+def read_widths(model: nn.Module) -> dict[str, list[int]]:
+    """The widths each group of config fields would take from ``model`` (one per block, in
+    model order), keyed by the group's first field name."""
+    return {fields[0]: read(model) for fields, read in CONFIG_FIELDS.items()}
+
+
+def is_hf_model(model: nn.Module) -> bool:
+    """Whether ``model`` carries a Hugging Face config (duck-typed: no import of transformers)."""
+    config = getattr(model, "config", None)
+    return callable(getattr(config, "to_dict", None)) and hasattr(type(model), "config_class")
+
+
+def update_config(model: nn.Module) -> str | None:
+    """Write the shrunk ``model``'s widths into its Hugging Face ``config``.
+
+    Changes: ``model.config``'s width fields (hidden size, head and key/value head counts,
+    MLP width, in whichever spellings it has), only when every block has the same widths and
+    ``type(model)(new config)`` has exactly the model's parameter shapes. A model without a
+    Hugging Face config is left alone.
+
+    Returns:
+        None when the config describes the model (or there is none); otherwise why it
+        cannot (the config is then unchanged).
+    """
+    if not is_hf_model(model):
+        return None
+    config = model.config
+    new = copy.deepcopy(config)
+    for fields, read in CONFIG_FIELDS.items():
+        present = [f for f in fields if _holds_width(config, f)] or [
+            f for f in fields if f in _ADDED
+        ]
+        values = sorted(set(read(model)))
+        if not present or not values:
+            continue
+        if len(values) > 1:
+            return (
+                f"its blocks keep different widths for {present[0]} ({values}): a Hugging Face "
+                "config holds one per model; prune with uniform=True, or keep the "
+                "PruningPlan to rebuild it"
+            )
+        for f in present:
+            setattr(new, f, values[0])
+    problem = _shape_mismatch(model, new)
+    if problem:
+        return problem
+    for fields in CONFIG_FIELDS:
+        for f in fields:
+            if getattr(new, f, None) != getattr(config, f, None):
+                setattr(config, f, getattr(new, f))
+    return None
+
+
+def _holds_width(config: object, field: str) -> bool:
+    """Whether the config has ``field`` as a width: an int, or None for "derived" (GPT-2's
+    ``n_inner``)."""
+    if not hasattr(config, field):
+        return False
+    v = getattr(config, field)
+    return v is None or (isinstance(v, int) and not isinstance(v, bool))
+
+
+def _shape_mismatch(model: nn.Module, config: object) -> str | None:
+    """Why ``type(model)(config)`` would not have ``model``'s parameter shapes (None if it
+    would); built on the meta device, so no memory is used for weights."""
+    try:  # as from_pretrained will: the config rebuilt from its dict (its validators run)
+        config = type(config).from_dict(config.to_dict())
+        with torch.device("meta"):
+            fresh = type(model)(config)
+    except Exception as e:  # the class refuses the widths (hidden size not a multiple of heads)
+        return f"{type(model).__name__} cannot be built with the shrunk widths ({first_line(e)})"
+    want = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    got = {k: tuple(v.shape) for k, v in fresh.state_dict().items()}
+    differ = [k for k in want if k in got and got[k] != want[k]]
+    if differ:
+        k = differ[0]
+        return (
+            f"a config with the shrunk widths gives {k} the shape {got[k]}, the shrunk model "
+            f"has {want[k]} ({len(differ)} tensor(s) differ): the config has no field for "
+            "such a width (e.g. a hidden size that is not heads x head size)"
+        )
+    return None
