@@ -1,0 +1,100 @@
+"""Fisher pruning inside a Hugging Face ``Trainer``: the seed's schedule as a callback.
+
+.. code-block:: python
+
+    from fisherprune.integrations.hf import FisherPruningCallback
+
+    callback = FisherPruningCallback(example_inputs, flops_target="50%", prune_every=20)
+    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[callback])
+    trainer.train()                      # signals every step, a prune every 20 steps
+    small = fisherprune.shrink(model, example_inputs)
+
+Needs ``transformers`` (the ``hf`` extra); nothing in fisherprune imports this module.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from torch import Tensor, nn
+from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+
+from fisherprune.graph import apply_masks
+from fisherprune.inputs import Inputs
+from fisherprune.masks import find_masks
+from fisherprune.pruner import PruningOptimizer
+
+__all__ = ["FisherPruningCallback"]
+
+log = logging.getLogger("fisherprune")
+
+
+class FisherPruningCallback(TrainerCallback):
+    """Run ``PruningOptimizer``'s schedule inside ``Trainer.train()``.
+
+    At the start of training the model gets masks (``apply_masks``) unless it has some; after
+    every optimizer step the gathered gradients are folded into the Fisher signals, and every
+    ``prune_every`` steps (after ``burn_in``) the channel with the lowest signal per unit of
+    cost is removed, until the cost reaches ``flops_target``; then signals are no longer
+    gathered. The Trainer's own optimizer updates the weights.
+
+    Args:
+        example_inputs: a batch of the model's inputs (a dict of keyword inputs, as the
+            Trainer passes them, minus the labels), used to trace it once.
+        **settings: ``PruningOptimizer``'s pruning settings (``flops_target``, ``prune_every``,
+            ``burn_in``, ``decay``, ``flops_weight``, ``min_channels``, ``round_to``,
+            ``uniform``, ``convention``, ``score_convention``, ``criterion``). The loss is
+            taken to be a mean over the batch, as a Trainer's is.
+
+    Attributes:
+        pruner: the ``PruningOptimizer`` (its ``history``, ``cost()``, ``finished``), set
+            when training starts.
+    """
+
+    def __init__(self, example_inputs: Any, **settings: Any) -> None:
+        for bad in ("optimizer", "lr", "momentum", "nesterov", "weight_decay", "model"):
+            if bad in settings:
+                raise TypeError(
+                    f"FisherPruningCallback does not take {bad!r}: the Trainer owns the model "
+                    "and its optimizer"
+                )
+        self.example_inputs = example_inputs
+        self.settings = settings
+        self.pruner: PruningOptimizer | None = None
+
+    def on_train_begin(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        model: nn.Module | None = None,
+        optimizer: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        """Apply masks if the model has none and start the pruner (once per callback)."""
+        if self.pruner is not None:
+            return
+        if model is None or optimizer is None:
+            raise ValueError("the Trainer passed no model or optimizer to the callback")
+        device = next(model.parameters()).device
+        inputs = (
+            Inputs.of(self.example_inputs)
+            .map(lambda t: t.to(device) if isinstance(t, Tensor) else t)
+            .value()
+        )
+        if not find_masks(model):
+            apply_masks(model, inputs)
+        self.pruner = PruningOptimizer(model, inputs, optimizer=optimizer, **self.settings)
+        log.info("Fisher pruning in the Trainer: target %.6g per example", self.pruner.target)
+
+    def on_step_end(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        **kwargs: Any,
+    ) -> None:
+        """Fold this step's gradients into the signals; prune when due."""
+        if self.pruner is not None:
+            self.pruner.after_update()

@@ -1,0 +1,183 @@
+"""Hugging Face round trips and the Trainer callback, on models built from small configs."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+import fisherprune as fp  # noqa: E402
+from fisherprune.integrations.hf import FisherPruningCallback  # noqa: E402
+
+IDS = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(0))
+
+
+def _models() -> dict:
+    t = transformers
+    small = dict(num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
+    return {
+        "bert": (
+            lambda: t.BertForSequenceClassification(
+                t.BertConfig(
+                    vocab_size=100,
+                    hidden_size=32,
+                    max_position_embeddings=64,
+                    num_labels=3,
+                    **small,
+                )
+            ),
+            {"input_ids": IDS, "attention_mask": torch.ones_like(IDS)},
+        ),
+        "gpt2": (
+            lambda: t.GPT2LMHeadModel(
+                t.GPT2Config(vocab_size=100, n_embd=32, n_layer=2, n_head=4, n_positions=64)
+            ),
+            {"input_ids": IDS},
+        ),
+        "llama": (
+            lambda: t.LlamaForCausalLM(
+                t.LlamaConfig(
+                    vocab_size=100,
+                    hidden_size=32,
+                    num_key_value_heads=2,
+                    max_position_embeddings=64,
+                    **small,
+                )
+            ),
+            {"input_ids": IDS},
+        ),
+        "qwen2": (
+            lambda: t.Qwen2ForCausalLM(
+                t.Qwen2Config(
+                    vocab_size=100,
+                    hidden_size=32,
+                    num_key_value_heads=2,
+                    max_position_embeddings=64,
+                    **small,
+                )
+            ),
+            {"input_ids": IDS},
+        ),
+        "vit": (
+            lambda: t.ViTForImageClassification(
+                t.ViTConfig(image_size=16, patch_size=4, hidden_size=32, num_labels=3, **small)
+            ),
+            {"pixel_values": torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(1))},
+        ),
+        "t5": (
+            lambda: t.T5ForConditionalGeneration(
+                t.T5Config(
+                    vocab_size=100,
+                    d_model=32,
+                    d_kv=8,
+                    d_ff=64,
+                    num_layers=2,
+                    num_decoder_layers=2,
+                    num_heads=4,
+                )
+            ),
+            {"input_ids": IDS, "decoder_input_ids": IDS},
+        ),
+    }
+
+
+@functools.cache
+def _uniform_pruned(name: str):
+    """A model pruned with uniform=True by random scores (built once per module: the tests only
+    read it; shrink works on a copy)."""
+    build, x = _models()[name]
+    torch.manual_seed(0)
+    model = build().eval().double()
+    fp.apply_masks(model, x)
+    opt = fp.PruningOptimizer(
+        model, x, uniform=True, criterion=fp.criteria.Random(seed=0), prune_every=1
+    )
+    for _ in range(6):
+        opt.after_update()
+    return model, x, opt
+
+
+@pytest.mark.parametrize("name", ["bert", "gpt2", "llama", "qwen2", "vit", "t5"])
+def test_uniform_pruning_keeps_every_block_the_same_widths(name):
+    _, _, opt = _uniform_pruned(name)
+    assert opt.history, "nothing was pruned"
+    for members in opt.uniform_classes:
+        kept = {int(opt.masks[n].mask.sum()) for n in members}
+        assert len(kept) == 1, (members, kept)
+
+
+@pytest.mark.parametrize("name", ["bert", "gpt2", "llama", "qwen2", "vit", "t5"])
+def test_uniform_shrunk_model_round_trips_through_save_pretrained(name, tmp_path):
+    model, x, _ = _uniform_pruned(name)
+    small = fp.shrink(model, x)
+    small.save_pretrained(tmp_path)
+    back = type(model).from_pretrained(tmp_path).eval().double()  # no fisherprune code
+    with torch.no_grad():
+        want, got = small(**x).logits, back(**x).logits
+    assert torch.allclose(got, want, rtol=0, atol=1e-12)
+
+
+def test_config_follows_the_shrunk_widths():
+    model, x, _ = _uniform_pruned("llama")
+    small = fp.shrink(model, x)
+    layer = small.model.layers[0]
+    assert small.config.intermediate_size == layer.mlp.up_proj.out_features
+    assert small.config.hidden_size == small.model.embed_tokens.embedding_dim
+    assert small.config.num_key_value_heads * 8 == layer.self_attn.k_proj.out_features
+    assert small.config.num_attention_heads * 8 == layer.self_attn.q_proj.out_features
+    assert small.config.hidden_size < 32 or small.config.intermediate_size < 64
+
+
+def test_non_uniform_widths_leave_the_config_and_say_why():
+    build, x = _models()["llama"]
+    model = build().eval().double()
+    masks = fp.apply_masks(model, x)
+    mlp0 = next(n for n in masks if "layers_0_mlp" in n)
+    with torch.no_grad():
+        masks[mlp0].mask[:3] = 0.0
+    with pytest.warns(UserWarning, match="different widths for intermediate_size"):
+        small = fp.shrink(model, x)
+    assert small.config.intermediate_size == 64  # still the dense model's
+
+
+def test_bert_hidden_width_is_left_whole_by_uniform_pruning():
+    # BERT's head size is hidden_size / num_attention_heads: no config holds a narrower
+    # hidden width with the same heads, so uniform=True must not prune it
+    _, _, opt = _uniform_pruned("bert")
+    assert any("word_embeddings" in n for n in opt.kept_whole)
+    assert all("intermediate" not in n for n in opt.kept_whole)
+
+
+def test_trainer_callback_prunes_to_the_target_inside_trainer_train(tmp_path):
+    build, x = _models()["bert"]
+    torch.manual_seed(0)
+    model = build()
+    g = torch.Generator().manual_seed(2)
+    data = [
+        {"input_ids": torch.randint(0, 100, (8,), generator=g), "labels": int(i % 3)}
+        for i in range(64)
+    ]
+    callback = FisherPruningCallback(x, flops_target="97%", prune_every=1, burn_in=2)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path),
+        max_steps=16,
+        per_device_train_batch_size=8,
+        learning_rate=1e-3,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        logging_strategy="no",
+        disable_tqdm=True,
+    )
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=[callback])
+    trainer.train()
+    pruner = callback.pruner
+    assert pruner.history and pruner.finished
+    assert pruner.cost().total <= pruner.target
+    model.eval()
+    small = fp.shrink(model, x)  # checks shrunk == masked on x
+    assert fp.computational_cost(small, x).total == pytest.approx(pruner.cost().total)
