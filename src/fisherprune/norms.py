@@ -16,13 +16,20 @@ matched against a module's class by its module and name), so registering it impo
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["NormSpec", "norm_spec", "normalise_kept", "register_norm", "unregister_norm"]
+__all__ = [
+    "NormSpec",
+    "detect_norms",
+    "norm_spec",
+    "normalise_kept",
+    "register_norm",
+    "unregister_norm",
+]
 
 NormKey = type | str
 
@@ -39,6 +46,9 @@ class NormSpec:
         weight, bias: the attributes holding the affine parameters (absent or None: none).
         dtype: for ``"rms"``, the dtype it normalises in before casting back to the input's
             and applying the weight (Hugging Face's: float32), or None: the input's.
+        weight_offset: added to the weight before it scales (Gemma's ``1 + weight``).
+        scale_in_dtype: for ``"rms"``, the weight scales in ``dtype`` before the cast back
+            (Gemma's order) rather than after it (LLaMA's).
     """
 
     kind: str
@@ -47,6 +57,8 @@ class NormSpec:
     weight: str = "weight"
     bias: str = "bias"
     dtype: torch.dtype | None = None
+    weight_offset: float = 0.0
+    scale_in_dtype: bool = False
 
 
 _BY_CLASS: dict[type, NormSpec] = {}
@@ -110,14 +122,93 @@ def unregister_norm(key: NormKey) -> None:
 
 
 def norm_spec(module: nn.Module | None) -> NormSpec | None:
-    """The registry's entry for ``module``'s exact class, or None."""
+    """The registry's entry for ``module``'s exact class (or the one ``detect_norms`` found
+    for it), or None."""
     if module is None:
         return None
     cls = type(module)
-    found = _BY_CLASS.get(cls)
+    found = _BY_CLASS.get(cls) or _DETECTED.get(cls)
     if found is not None:
         return found
     return _BY_NAME.get(f"{cls.__module__}.{cls.__qualname__}")
+
+
+#: classes found by their behaviour to be norms (None: tried, not one)
+_DETECTED: dict[type, NormSpec | None] = {}
+_EPS_NAMES = ("variance_epsilon", "eps", "epsilon")
+#: the forms a norm is tried against, in order
+_FORMS = (
+    NormSpec("rms", lambda _m: 1, dtype=torch.float32),
+    NormSpec("rms", lambda _m: 1, dtype=torch.float32, weight_offset=1.0, scale_in_dtype=True),
+    NormSpec("layer", lambda _m: 1),
+)
+
+
+def detect_norms(model: nn.Module) -> dict[str, str]:
+    """Find unregistered normalisation layers by what they compute, so that models written by
+    others (each Hugging Face model family has its own ``XxxRMSNorm`` class) need no
+    ``register_norm``.
+
+    A candidate is a module of a class outside ``torch.nn`` whose name contains "Norm", with no
+    children, a 1-d ``weight`` and an epsilon attribute (``variance_epsilon``, ``eps`` or
+    ``epsilon``). It is run once per class on random data with a random weight (and bias),
+    restored afterwards, and compared with an RMS norm (``x / sqrt(mean(x^2) + eps) * w``,
+    computed in float32 as Hugging Face's are), Gemma's RMS norm (``* (1 + w)``) and a layer
+    norm over the last dim; the first that matches to 1e-5 becomes its entry.
+
+    Changes: the detected classes' entries (``norm_spec`` finds them); the model is unchanged.
+
+    Returns:
+        ``{class name: form}`` for every class detected in this call.
+    """
+    found: dict[str, str] = {}
+    for mod in model.modules():
+        cls = type(mod)
+        if cls in _DETECTED or norm_spec(mod) is not None or not _candidate(mod):
+            continue
+        spec = _DETECTED[cls] = _match(mod)
+        if spec is not None:
+            found[cls.__name__] = spec.kind + (" (1 + weight)" if spec.weight_offset else "")
+    return found
+
+
+def _candidate(mod: nn.Module) -> bool:
+    w = getattr(mod, "weight", None)
+    return (
+        "Norm" in type(mod).__name__
+        and not type(mod).__module__.startswith("torch.")
+        and next(mod.children(), None) is None
+        and isinstance(w, Tensor)
+        and w.dim() == 1
+        and any(isinstance(getattr(mod, e, None), float) for e in _EPS_NAMES)
+    )
+
+
+def _match(mod: nn.Module) -> NormSpec | None:
+    """The first of ``_FORMS`` that ``mod`` computes, or None (parameters restored)."""
+    eps = next(e for e in _EPS_NAMES if isinstance(getattr(mod, e, None), float))
+    params = [t for t in (mod.weight, getattr(mod, "bias", None)) if isinstance(t, Tensor)]
+    saved = [t.detach().clone() for t in params]
+    g = torch.Generator().manual_seed(0)
+    try:
+        with torch.no_grad():
+            for t in params:
+                t.copy_(torch.randn(t.shape, generator=g).to(t.dtype))
+            x = torch.randn(2, 3, mod.weight.numel(), generator=g).to(mod.weight)
+            out = mod(x)
+            for form in _FORMS:
+                spec = replace(form, eps=eps)
+                idx = torch.arange(x.shape[-1], device=x.device)
+                want = normalise_kept(mod, spec, x, -1, idx, torch.empty_like(out))
+                if isinstance(out, Tensor) and torch.allclose(out, want, rtol=1e-5, atol=1e-5):
+                    return spec
+    except Exception:  # a module that does not take one tensor is not a norm of these forms
+        return None
+    finally:
+        with torch.no_grad():
+            for t, v in zip(params, saved, strict=True):
+                t.copy_(v)
+    return None
 
 
 def normalise_kept(
@@ -133,6 +224,7 @@ def normalise_kept(
     weight = getattr(module, spec.weight, None)
     bias = getattr(module, spec.bias, None)
     weight = weight.index_select(wdim, idx) if isinstance(weight, Tensor) else None
+    weight = weight + spec.weight_offset if weight is not None and spec.weight_offset else weight
     bias = bias.index_select(wdim, idx) if isinstance(bias, Tensor) else None
     eps = getattr(module, spec.eps, None)
     if spec.kind == "layer":
@@ -142,7 +234,10 @@ def normalise_kept(
         xf = xk.to(spec.dtype) if spec.dtype is not None else xk
         eps = torch.finfo(xf.dtype).eps if eps is None else float(eps)
         dims = tuple(range(x.dim() - k, x.dim()))
-        y = (xf * torch.rsqrt(xf.pow(2).mean(dims, keepdim=True) + eps)).to(x.dtype)
+        y = xf * torch.rsqrt(xf.pow(2).mean(dims, keepdim=True) + eps)
+        if spec.scale_in_dtype and weight is not None:
+            y, weight = y * weight.to(y.dtype), None
+        y = y.to(x.dtype)
         y = y * weight if weight is not None else y
         y = y + bias if bias is not None else y
     return output.index_copy(dim, idx, y.to(output.dtype))

@@ -47,7 +47,7 @@ from fisherprune.inputs import Inputs
 from fisherprune.masks import tracing
 from fisherprune.masks.layer import MaskLayer
 from fisherprune.modes import eval_mode
-from fisherprune.norms import norm_spec
+from fisherprune.norms import detect_norms, norm_spec
 
 __all__ = ["Trace", "trace_model"]
 
@@ -283,6 +283,7 @@ def trace_model(
     """
     inputs = Inputs.of(example_inputs)
     trace = Trace(batch_size=inputs.batch_size)
+    detect_norms(model)  # before the tracer runs: the probe's own ops are not the model's
     masks = {id(m): n for n, m in model.named_modules() if isinstance(m, MaskLayer)}
     modules = {name or "<model>": m for name, m in model.named_modules()}
     tracer = _Tracer(trace, _param_names(model), masks, modules)
