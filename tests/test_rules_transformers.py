@@ -558,6 +558,50 @@ def test_roll_over_channels_blocks_them_with_a_reason(dims: tuple[int, ...]) -> 
     assert "aten.roll" in skip.reason and "roll" in skip.reason.split("aten.roll", 1)[1]
 
 
+class PooledTokens(nn.Module):
+    """Swin's head: tokens (N, L, C) normalised, transposed and pooled by
+    ``nn.AdaptiveAvgPool1d(1)`` (with autograd on, an in-place ``as_strided_`` fixes the
+    pooled layout before the squeeze), then a classifier."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(4, 8)
+        self.norm = nn.LayerNorm(8)
+        self.pool = nn.AdaptiveAvgPool1d(1)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.pool(self.norm(self.embed(x)).transpose(1, 2))
+        return self.head(torch.flatten(h, 1))
+
+
+def test_adaptive_pool_over_tokens_keeps_the_width_prunable_and_exact() -> None:
+    torch.manual_seed(0)
+    model = PooledTokens().double()
+    x = torch.randn(3, 5, 4, dtype=torch.float64)
+    masks = fp.apply_masks(model, x, strict=True)
+    [mask] = masks.values()
+    assert mask.num_channels == 8
+    mask.mask[[0, 5]] = 0.0
+    small = fp.shrink(model, x)
+    assert small.head.in_features == 6
+    _assert_close(_outputs(small, (x,))[0], _outputs(model.eval(), (x,))[0])
+
+
+def test_as_strided_in_a_new_order_blocks_the_channels() -> None:
+    class Restride(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 2)
+
+        def forward(self, x: Tensor) -> Tensor:  # a transpose written as as_strided
+            return self.b(torch.as_strided(self.a(x), (4, 4), (1, 4)))
+
+    masks = fp.apply_masks(Restride(), torch.randn(4, 4))
+    assert not masks.groups
+    assert any("as_strided" in s.reason for s in masks.skipped)
+
+
 # ------------------------------------------------------- pad, select, reduce
 class ChannelPadNet(nn.Module):
     """conv1's channels padded with zero channels (a ResNet "option A" shortcut)."""

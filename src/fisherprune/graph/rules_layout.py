@@ -13,6 +13,7 @@ shrunk model than in the masked one. (Selecting one position, ``x[:, 0]``, and s
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import numpy as np
@@ -199,3 +200,22 @@ def _index(ctx: RuleContext) -> list[TensorInfo]:
     lab = [None if d is None else x.labels[d] for d in order]
     cov = [None if d is None else x.cover[d] for d in order]
     return [TensorInfo(shape, lab, cov)]
+
+
+# ---------------------------------------------------------------------- as_strided
+@register_channel_rule(aten.as_strided, aten.as_strided_)
+def _as_strided(ctx: RuleContext) -> list[TensorInfo]:
+    """``as_strided`` with the input's own shape and a row-major order of its non-trivial dims
+    (what autograd does to a pooled (N, C, 1, 1) before a squeeze, as in
+    ``nn.AdaptiveAvgPool1d``): a layout fix, labels and covers unchanged. Any other size,
+    order or offset reads memory in a new order: every channel is stopped."""
+    x = ctx.info(ctx.args[0])
+    size = [int(s) for s in ctx.args[1]]
+    stride = [int(s) for s in ctx.args[2]]
+    offset = ctx.args[3] if len(ctx.args) > 3 else ctx.kwargs.get("storage_offset")
+    big = [s for n, s in zip(size, stride, strict=True) if n > 1]
+    row_major = all(a > b for a, b in itertools.pairwise(big)) and (not big or big[-1] == 1)
+    if tuple(size) == x.shape and row_major and offset in (None, 0):
+        return [TensorInfo(x.shape, list(x.labels), list(x.cover), param=x.param)]
+    _stop_all(ctx, [x], f"{ctx.where()} reads memory in a new order (as_strided)")
+    return _blank_outputs(ctx)
