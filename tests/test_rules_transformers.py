@@ -622,6 +622,43 @@ def test_padding_the_channel_dim_blocks_it() -> None:
     assert "constant_pad_nd" in skip.reason and "pads" in skip.reason
 
 
+class SelectChannelNet(nn.Module):
+    """fc1's last hidden unit taken by position: for its shape only (as BART's encoder feeds
+    ``inputs_embeds[:, :, -1]`` to its positional embedding), or for its value."""
+
+    def __init__(self, use_value: bool) -> None:
+        super().__init__()
+        self.use_value = use_value
+        self.fc1, self.fc2 = nn.Linear(4, 8), nn.Linear(8, 2)
+        self.pos = nn.Parameter(torch.randn(6, 8))
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.relu(self.fc1(x))  # (N, L, 8)
+        last = h[:, :, -1]
+        h = h + self.pos[: last.shape[1]]
+        if self.use_value:
+            h = h * last.unsqueeze(-1)
+        return self.fc2(h).sum(1)
+
+
+def test_a_channel_selected_for_its_shape_only_stays_prunable() -> None:
+    torch.manual_seed(0)
+    model = SelectChannelNet(use_value=False).double().eval()
+    x = torch.randn(2, 5, 4, dtype=torch.float64)
+    masks = fp.apply_masks(model, x, strict=True)
+    [mask] = masks.values()
+    mask.mask[[7, 2]] = 0.0  # the selected position's channel among them
+    small = fp.shrink(model, x)
+    assert small.fc1.out_features == 6
+    _assert_close(_outputs(small, (x,))[0], _outputs(model, (x,))[0])
+
+
+def test_a_channel_selected_for_its_value_blocks_the_width() -> None:
+    masks = fp.apply_masks(SelectChannelNet(use_value=True).double(), torch.randn(2, 5, 4).double())
+    [skip] = [s for s in masks.skipped if ("fc1.weight", 0) in s.params]
+    assert "selects one channel by position" in skip.reason
+
+
 class PickChannelsNet(nn.Module):
     """fc1's hidden units picked by position (``h[..., idx]``) before fc2."""
 

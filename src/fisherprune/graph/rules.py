@@ -882,15 +882,19 @@ def _slice(ctx: RuleContext) -> list[TensorInfo]:
 
 @register_channel_rule(aten.select)
 def _select(ctx: RuleContext) -> list[TensorInfo]:
+    """One index of a dim. Of a channel dim, the channel at that position, which another
+    channel takes once channels are removed: blocked, but only when something reads the
+    result (``TensorInfo.on_use``), since code may take it for its shape alone (BART's
+    encoder: ``embed_positions(inputs_embeds[:, :, -1])``)."""
     x = ctx.info(ctx.args[0])
     d = int(ctx.args[1]) % len(x.shape)
+    on_use = ()
     if x.labels[d] is not None:
-        reason = f"{ctx.where()} selects one channel by position"
-        ctx.block(x.labels[d], reason)
-        ctx.consume(x.labels[d], x.cover[d], reason)
+        on_use = ((x.labels[d], x.cover[d], f"{ctx.where()} selects one channel by position"),)
     keep = [e for e in range(len(x.shape)) if e != d]
     shape = tuple(ctx.out_tensors[0].shape)
-    return [TensorInfo(shape, [x.labels[e] for e in keep], [x.cover[e] for e in keep])]
+    labels, cover = [x.labels[e] for e in keep], [x.cover[e] for e in keep]
+    return [TensorInfo(shape, labels, cover, on_use=on_use)]
 
 
 @register_channel_rule(aten.split, aten.split_with_sizes, aten.chunk, aten.unbind)

@@ -185,6 +185,9 @@ class _Tracer(TorchDispatchMode):
             head_attributes=self._head_attributes,
             **self._norm_context(),
         )
+        for info in in_infos:  # their values are read now
+            for lab, cov, reason in info.on_use:
+                ctx.stop(lab, cov, reason)
         out_infos = apply_rule(ctx)
         for t, oi in zip(out_tensors, out_infos, strict=True):
             self.set_info(t, oi)
@@ -305,6 +308,8 @@ def trace_model(
         for t in (o for o in tree_flatten(out)[0] if isinstance(o, Tensor)):
             info = tracer.info(t)
             trace.output_infos.append(info)
+            for lab, _cov, reason in info.on_use:
+                trace.atoms.block(lab, reason)
             for lab, cov in zip(info.labels, info.cover, strict=True):
                 if lab is not None:
                     trace.atoms.block(lab, "reaches the model output")

@@ -41,6 +41,9 @@ class TensorInfo:
     labels: list[Labels]
     cover: list[Labels]
     param: bool = False  # a parameter or buffer, or a view of one: never needs masking
+    #: stops to make only if an op reads this tensor's values (or it is an output): a channel
+    #: picked by position whose value code may only use for its shape
+    on_use: tuple[tuple[Labels, Labels, str], ...] = ()
 
     @staticmethod
     def blank(shape: tuple[int, ...]) -> TensorInfo:
