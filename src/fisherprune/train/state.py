@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import copy
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from fisherprune.train.logging_sinks import MetricsSink
 
 __all__ = ["MetricsLog", "RunState"]
 
@@ -56,12 +59,20 @@ class MetricsLog:
         path: the file (``metrics.jsonl``).
         entries: the list to append to, normally ``RunState.metrics``; it is not copied.
         write: False on ranks other than 0 under torchrun: keep the entries, write nothing.
+        sinks: where each new entry also goes when writing (``--log tensorboard``).
     """
 
-    def __init__(self, path: Path, entries: list[dict[str, Any]], write: bool) -> None:
+    def __init__(
+        self,
+        path: Path,
+        entries: list[dict[str, Any]],
+        write: bool,
+        sinks: Sequence[MetricsSink] = (),
+    ) -> None:
         self.path = path
         self.entries = entries
         self.write = write
+        self.sinks = list(sinks) if write else []
 
     def restart(self) -> None:
         """Replace the file with the entries so far: none for a new run, a resumed run's from
@@ -70,8 +81,16 @@ class MetricsLog:
             self.path.write_text("".join(json.dumps(m) + "\n" for m in self.entries))
 
     def record(self, entry: dict[str, Any]) -> None:
-        """Append ``entry`` to ``entries`` and, when writing, as a line to the file."""
+        """Append ``entry`` to ``entries`` and, when writing, as a line to the file and to
+        every sink."""
         self.entries.append(entry)
         if self.write:
             with self.path.open("a") as f:
                 f.write(json.dumps(entry) + "\n")
+        for sink in self.sinks:
+            sink.record(entry)
+
+    def close(self) -> None:
+        """Close the sinks (the file is closed after every entry)."""
+        for sink in self.sinks:
+            sink.close()
