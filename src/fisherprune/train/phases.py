@@ -4,6 +4,7 @@
     pruning_phase    train while the pruner takes a channel every ``pruning_iter`` steps,
                      until the cost target (or the step cap) is reached
     fine_tune_phase  ``fine_tune_steps`` more steps at the target
+    finish_phase     final eval, then shrink, export and report (``finish.finish_run``)
 
 Each phase takes ``train_step``s on a ``Loop`` (everything the steps work on) and picks up
 where a resumed run's ``RunState`` left off; how long each lasts is ``schedule``'s business.
@@ -22,7 +23,9 @@ from fisherprune.pruner import PruningOptimizer
 from fisherprune.train.checkpoint import CheckpointManager
 from fisherprune.train.config import TrainConfig
 from fisherprune.train.devices import Precision
+from fisherprune.train.finish import FinishedRun, RunOutput, finish_run
 from fisherprune.train.progress import Progress
+from fisherprune.train.result import TrainResult
 from fisherprune.train.schedule import DenseCheck
 from fisherprune.train.state import MetricsLog, RunState
 
@@ -31,6 +34,8 @@ __all__ = [
     "channels_removed",
     "dense_phase",
     "fine_tune_phase",
+    "finish_phase",
+    "kept_channels",
     "pruning_phase",
     "train_step",
 ]
@@ -216,3 +221,51 @@ def kept_channels(popt: PruningOptimizer) -> dict[str, int]:
 def channels_removed(popt: PruningOptimizer) -> int:
     """Channels pruned so far (a prune removes a block of them with ``round_to > 1``)."""
     return sum(len(e.channels) for e in popt.history)
+
+
+def finish_phase(
+    loop: Loop, model: nn.Module, example: Tensor, samples: Tensor, out: RunOutput
+) -> TrainResult:
+    """A last checkpoint, the final eval (the ``final`` metrics entry), then ``finish_run``
+    (shrink, time, export, report, summary). Moves ``model`` to the CPU, where the exports
+    and the latency figures are made. Warns when the step cap came before the target."""
+    popt, state, metric = loop.popt, loop.state, loop.metric_name
+    warnings: list[str] = []
+    if not popt.finished:
+        warnings.append(
+            f"the step cap {loop.cap} was reached before the target: cost "
+            f"{popt.cost().total:.6g} > {popt.target:.6g}"
+        )
+        log.warning("%s", warnings[-1])
+    loop.save_checkpoint()
+    final = loop.evaluate()
+    cost = popt.cost().total
+    dense = state.dense or {metric: float("nan"), "cost": popt.start_cost}
+    if "check" in dense:
+        warnings.insert(0, dense["check"])
+    loop.metrics.record(
+        {
+            "step": state.step,
+            "kind": "final",
+            metric: final,
+            "cost": cost,
+            "kept": kept_channels(popt),
+        }
+    )
+    run = FinishedRun(
+        popt=popt,
+        model=model.cpu(),
+        example=example.cpu(),
+        samples=samples,
+        metrics=state.metrics,
+        metric_name=metric,
+        dense_metric=dense[metric],
+        dense_cost=dense["cost"],
+        final_metric=final,
+        final_cost=cost,
+        steps=state.step,
+        prunes=channels_removed(popt),
+        dense_learned=dense.get("learned"),
+        warnings=tuple(warnings),
+    )
+    return finish_run(loop.config, run, out)

@@ -16,19 +16,67 @@ The phases, in order:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
+from fisherprune.pruner import PruningOptimizer
+from fisherprune.settings import OPTIMIZERS, parse_flops_weight
 from fisherprune.train.config import TrainConfig
 
-__all__ = ["DenseCheck", "burn_in_steps", "check_dense", "statistics_steps", "step_cap"]
+__all__ = [
+    "DenseCheck",
+    "build_optimizer",
+    "burn_in_steps",
+    "check_dense",
+    "statistics_steps",
+    "step_cap",
+]
 
 #: a classifier this close to chance or to the majority-class rate (in accuracy) learned nothing
 ACCURACY_MARGIN = 0.03
 #: a regressor whose MSE is at least this fraction of the eval labels' variance learned nothing
 MSE_FRACTION = 0.97
+
+
+#: the inner optimizer of each name in ``settings.OPTIMIZERS`` (the seed's is momentum SGD)
+_INNER_OPTIMIZERS: dict[str, Callable[[list[nn.Parameter], TrainConfig], torch.optim.Optimizer]] = {
+    "sgd": lambda params, cfg: torch.optim.SGD(
+        params, lr=cfg.learning_rate, momentum=cfg.momentum, weight_decay=cfg.weight_decay
+    ),
+    "adam": lambda params, cfg: torch.optim.Adam(
+        params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay
+    ),
+    "adamw": lambda params, cfg: torch.optim.AdamW(
+        params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay
+    ),
+}
+assert set(_INNER_OPTIMIZERS) == set(OPTIMIZERS)
+
+
+def build_optimizer(
+    config: TrainConfig, model: nn.Module, example: Tensor, burn_in: int
+) -> PruningOptimizer:
+    """The run's ``PruningOptimizer`` over ``model``'s trainable parameters: the inner
+    optimizer of ``config.optimizer``, a prune every ``pruning_iter`` steps after ``burn_in``."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return PruningOptimizer(
+        model,
+        example,
+        optimizer=_INNER_OPTIMIZERS[config.optimizer](params, config),
+        prune_every=config.pruning_iter,
+        burn_in=burn_in,
+        decay=config.pruning_decay,
+        flops_weight=parse_flops_weight(config.pruning_flops_weight, "pruning_flops_weight"),
+        flops_target=config.pruning_flops_target,
+        min_channels=config.pruning_min_channels,
+        round_to=config.pruning_round_to,
+        convention=config.pruning_convention,
+        score_convention=config.pruning_score_convention,
+        criterion=config.pruning_criterion,
+    )
 
 
 def statistics_steps(decay: float) -> int:

@@ -1,5 +1,5 @@
 """What a training run keeps as it goes: ``RunState`` (saved in every checkpoint, restored by
-``--resume``) and ``MetricsLog`` (the entries of ``metrics.jsonl``)."""
+``--resume`` through ``resume_state``) and ``MetricsLog`` (the entries of ``metrics.jsonl``)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from torch import nn
+
+from fisherprune._errors import first_line
+from fisherprune.pruner import PruningOptimizer
+from fisherprune.train.checkpoint import set_rng_state
 from fisherprune.train.logging_sinks import MetricsSink
 
-__all__ = ["MetricsLog", "RunState"]
+__all__ = ["MetricsLog", "RunState", "resume_state"]
 
 
 @dataclass
@@ -94,3 +99,25 @@ class MetricsLog:
         """Close the sinks (the file is closed after every entry)."""
         for sink in self.sinks:
             sink.close()
+
+
+def resume_state(
+    saved: dict[str, Any], path: Path, model: nn.Module, popt: PruningOptimizer
+) -> RunState:
+    """Load the checkpoint ``saved`` (read from ``path``) into ``model``, ``popt`` and the
+    RNGs, and return its run state.
+
+    Raises:
+        ValueError: the checkpoint was written for another model or other settings.
+    """
+    try:
+        model.load_state_dict(saved["model"])
+        popt.load_state_dict(saved["pruner"])
+    except (RuntimeError, ValueError, KeyError) as e:
+        raise ValueError(
+            f"cannot resume from {path}: it was written for a different model or settings "
+            f"({first_line(e, with_type=False)}); use another --save_dir or the original "
+            "settings"
+        ) from None
+    set_rng_state(saved["rng"])
+    return RunState.from_dict(saved["state"])

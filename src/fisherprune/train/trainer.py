@@ -7,7 +7,6 @@ import logging
 import math
 import os
 import random
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,50 +16,39 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from fisherprune._errors import first_line
 from fisherprune.graph import apply_masks
 from fisherprune.masks import find_masks
 from fisherprune.modes import eval_mode
 from fisherprune.pruner import PruningOptimizer
-from fisherprune.settings import OPTIMIZERS, parse_flops_weight
-from fisherprune.train.checkpoint import CheckpointManager, rng_state, set_rng_state
+from fisherprune.train.checkpoint import CheckpointManager, rng_state
 from fisherprune.train.config import TrainConfig
 from fisherprune.train.data import Dataset, DataSpec, load_data
 from fisherprune.train.devices import Precision, process_group_backend, resolve_device
-from fisherprune.train.finish import FinishedRun, RunOutput, finish_run
+from fisherprune.train.finish import RunOutput
 from fisherprune.train.logging_sinks import open_sinks
 from fisherprune.train.models import build_model
 from fisherprune.train.phases import (
     Loop,
-    channels_removed,
     dense_phase,
     fine_tune_phase,
-    kept_channels,
+    finish_phase,
     pruning_phase,
 )
 from fisherprune.train.pretrained import load_pretrained
 from fisherprune.train.progress import Progress
 from fisherprune.train.result import TrainResult
-from fisherprune.train.schedule import DenseCheck, burn_in_steps, check_dense, step_cap
-from fisherprune.train.state import MetricsLog, RunState
+from fisherprune.train.schedule import (
+    DenseCheck,
+    build_optimizer,
+    burn_in_steps,
+    check_dense,
+    step_cap,
+)
+from fisherprune.train.state import MetricsLog, RunState, resume_state
 
 __all__ = ["PruningTrainer", "TrainResult"]
 
 log = logging.getLogger("fisherprune")
-
-#: the inner optimizer of each name in ``settings.OPTIMIZERS`` (the seed's is momentum SGD)
-_INNER_OPTIMIZERS: dict[str, Callable[[list[nn.Parameter], TrainConfig], torch.optim.Optimizer]] = {
-    "sgd": lambda params, cfg: torch.optim.SGD(
-        params, lr=cfg.learning_rate, momentum=cfg.momentum, weight_decay=cfg.weight_decay
-    ),
-    "adam": lambda params, cfg: torch.optim.Adam(
-        params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay
-    ),
-    "adamw": lambda params, cfg: torch.optim.AdamW(
-        params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay
-    ),
-}
-assert set(_INNER_OPTIMIZERS) == set(OPTIMIZERS)
 
 
 def _dist_info() -> tuple[int, int]:
@@ -155,27 +143,11 @@ class PruningTrainer:
 
     def _optimizer(self) -> PruningOptimizer:
         cfg = self.config
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        inner = _INNER_OPTIMIZERS[cfg.optimizer](params, cfg)
         n = self.data.x_train.shape[0]
         self.global_batch = min(cfg.batch_size * self.world, n)
         self.batches_per_epoch = max(1, n // self.global_batch)
-        self.burn_in = burn_in = burn_in_steps(cfg, self.batches_per_epoch)
-        return PruningOptimizer(
-            self.model,
-            self.example,
-            optimizer=inner,
-            prune_every=cfg.pruning_iter,
-            burn_in=burn_in,
-            decay=cfg.pruning_decay,
-            flops_weight=parse_flops_weight(cfg.pruning_flops_weight, "pruning_flops_weight"),
-            flops_target=cfg.pruning_flops_target,
-            min_channels=cfg.pruning_min_channels,
-            round_to=cfg.pruning_round_to,
-            convention=cfg.pruning_convention,
-            score_convention=cfg.pruning_score_convention,
-            criterion=cfg.pruning_criterion,
-        )
+        self.burn_in = burn_in_steps(cfg, self.batches_per_epoch)
+        return build_optimizer(cfg, self.model, self.example, self.burn_in)
 
     # -------------------------------------------------------------- batches
     def _batch(self, step: int) -> tuple[Tensor, Tensor]:
@@ -327,76 +299,21 @@ class PruningTrainer:
         }
 
     def _resume(self, ckpts: CheckpointManager, popt: PruningOptimizer) -> RunState:
-        """Load the newest checkpoint into the model, the pruner and the RNGs and return its
-        run state; a fresh state (and a line saying so) when there is none.
-
-        Raises:
-            ValueError: the checkpoint was written for another model or other settings.
-        """
+        """The run state of the newest checkpoint, loaded into the model, pruner and RNGs (see
+        ``resume_state``); a fresh state, and a line saying so, when there is none."""
         path = ckpts.latest()
         if path is None:
             self.progress.line(f"--resume: no checkpoint in {ckpts.directory}; starting afresh")
             return RunState()
-        saved = ckpts.load(path)
-        try:
-            self.model.load_state_dict(saved["model"])
-            popt.load_state_dict(saved["pruner"])
-        except (RuntimeError, ValueError, KeyError) as e:
-            raise ValueError(
-                f"cannot resume from {path}: it was written for a different model or settings "
-                f"({first_line(e, with_type=False)}); use another --save_dir or the original "
-                "settings"
-            ) from None
-        set_rng_state(saved["rng"])
-        self.progress.line(f"resumed from {path} (step {saved['state']['step']})")
-        return RunState.from_dict(saved["state"])
+        state = resume_state(ckpts.load(path), path, self.model, popt)
+        self.progress.line(f"resumed from {path} (step {state.step})")
+        return state
 
     # ----------------------------------------------------------------- end
     def _finish(self, loop: Loop) -> TrainResult:
-        """The finish phase: a last checkpoint, the final eval (the ``final`` metrics entry),
-        then ``finish_run`` (shrink, time, export, report, summary) on the CPU."""
-        popt, state, metric = loop.popt, loop.state, self.metric_name
-        warnings: list[str] = []
-        if not popt.finished:
-            warnings.append(
-                f"the step cap {loop.cap} was reached before the target: cost "
-                f"{popt.cost().total:.6g} > {popt.target:.6g}"
-            )
-            log.warning("%s", warnings[-1])
-        loop.save_checkpoint()
-        final = self.evaluate()
-        cost = popt.cost().total
-        dense = state.dense or {metric: float("nan"), "cost": popt.start_cost}
-        if "check" in dense:
-            warnings.insert(0, dense["check"])
-        loop.metrics.record(
-            {
-                "step": state.step,
-                "kind": "final",
-                metric: final,
-                "cost": cost,
-                "kept": kept_channels(popt),
-            }
-        )
-        self.model.cpu()
-        run = FinishedRun(
-            popt=popt,
-            model=self.model,
-            example=self.example.cpu(),
-            samples=self.data.x_train,
-            metrics=state.metrics,
-            metric_name=metric,
-            dense_metric=dense[metric],
-            dense_cost=dense["cost"],
-            final_metric=final,
-            final_cost=cost,
-            steps=state.step,
-            prunes=channels_removed(popt),
-            dense_learned=dense.get("learned"),
-            warnings=tuple(warnings),
-        )
+        """The finish phase (``finish_phase``), on the CPU."""
         out = RunOutput(self.save_dir, self.export_dir, self.progress, write=self.rank == 0)
-        return finish_run(self.config, run, out)
+        return finish_phase(loop, self.model, self.example, self.data.x_train, out)
 
 
 def _prunable_channels(popt: PruningOptimizer) -> int:
