@@ -121,8 +121,8 @@ def check_dense(value: float, y_eval: Tensor, num_classes: int | None) -> DenseC
         learned = value > baseline + ACCURACY_MARGIN
         message = (
             f"the dense model did not learn: eval accuracy {value:.4f} is within "
-            f"{ACCURACY_MARGIN:.0%} of chance ({1 / num_classes:.4f}) or of the majority "
-            f"class ({majority:.4f})"
+            f"{ACCURACY_MARGIN * 100:.0f} points of chance ({1 / num_classes:.4f}) or of the "
+            f"majority class ({majority:.4f})"
         )
     else:
         y = y_eval.double()
