@@ -9,6 +9,12 @@ float32 (autocast does not touch buffers), and ``MaskLayer.take_statistics`` cas
 per-example gradients to the signal's dtype before squaring and summing them. What autocast
 does change is the per-example, per-channel dot product of gradient and activation computed in
 the backward pass (``masks/layer.py``): it runs in the activations' dtype (bf16 / fp16).
+
+With fp16's ``GradScaler`` the masks gather gradients of the scaled loss, so each batch's
+Fisher estimate carries the factor ``scale ** 2``; the ranking within a prune is unchanged
+(every mask has the same factor) but the moving average mixes factors when the scale changes
+(at most every 2,000 steps). A step the scaler skips (inf or NaN gradients) drops what the masks
+gathered in it (``Precision.minimize``).
 """
 
 from __future__ import annotations
@@ -123,5 +129,9 @@ class Precision:
             return
         popt.zero_grad()
         self.scaler.scale(loss).backward()
+        scale = self.scaler.get_scale()
         self.scaler.step(popt)
         self.scaler.update()
+        if self.scaler.get_scale() < scale:  # the step was skipped: its gradients overflowed
+            for m in popt.masks.values():
+                m.reset_statistics()
