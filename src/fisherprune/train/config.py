@@ -64,6 +64,8 @@ ALIASES: dict[str, str] = {
     "train.epochs": "epochs",
     "eval.period": "eval_every",
     "eval.steps": "eval_every",
+    "schedule.min_dense_steps": "min_dense_steps",
+    "schedule.dense_check": "dense_check",
 }
 
 
@@ -87,6 +89,12 @@ HELP: dict[str, str] = {
     "batch_size": "examples per step (per process under torchrun)",
     "steps": "hard cap on training steps (default: burn-in + pruning + fine-tuning)",
     "epochs": "dense epochs before the first prune, when --pruning.burn_in is not set",
+    "min_dense_steps": "fewest dense steps before the first prune, when --pruning.burn_in is "
+    "not set (the burn-in is the larger of this and --epochs epochs)",
+    "dense_check": "when the dense model is no better than chance or the majority class (or "
+    "than predicting the mean): warn (go on pruning), stop (exit before pruning) or off",
+    "init_from": "start from trained weights: a state_dict file or a fisherprune checkpoint "
+    "for --model; the dense phase then only gathers the pruning statistics (no training)",
     "fine_tune_steps": "training steps after the target is reached",
     "eval_every": "steps between evaluations",
     "pruning_iter": "prune one channel every this many steps",
@@ -110,6 +118,9 @@ HELP: dict[str, str] = {
     "seed": "random seed (data order, initialisation)",
     "threads": "torch CPU threads",
     "progress": "auto, bar, plain or none",
+    "device": "auto, cpu, cuda, cuda:N or mps",
+    "precision": "fp32, bf16 or fp16 (autocast; fp16 needs a GPU); pruning statistics stay fp32",
+    "log": "comma-separated extra metric logs besides metrics.jsonl: tensorboard",
 }
 
 
@@ -129,6 +140,15 @@ class TrainConfig:
         learning_rate, momentum, weight_decay, batch_size.
         steps: hard cap on training steps (None: burn-in + pruning + fine-tuning).
         epochs: dense epochs before pruning starts (the burn-in), when pruning_burn_in is None.
+        min_dense_steps: fewest dense steps when pruning_burn_in is None (the burn-in is the
+            larger of this and ``epochs`` epochs; 3 epochs of a small table are a few steps).
+        dense_check: what happens when the dense model learned nothing (eval accuracy within
+            3 points of chance or of the majority class, or MSE within 3% of the eval labels'
+            variance): "warn" (a warning, and ``dense_learned: false`` in ``result.json``),
+            "stop" (a checkpoint, then a ValueError before the first prune: resume with other
+            settings) or "off".
+        init_from: a state_dict or fisherprune checkpoint to start from; the dense phase then
+            trains nothing and only gathers the pruning statistics.
         fine_tune_steps: steps after the target is reached.
         eval_every: steps between evaluations.
     Pruning (the seed's flags, plus ours):
@@ -152,6 +172,8 @@ class TrainConfig:
             aoti).
     Run:
         seed, threads, progress ("auto", "bar", "plain", "none").
+        device: "auto", "cpu", "cuda", "cuda:N" or "mps"; precision: "fp32", "bf16", "fp16";
+        log: metric logs besides ``metrics.jsonl`` (``"tensorboard"``).
     """
 
     data: str = "digits"
@@ -175,6 +197,9 @@ class TrainConfig:
     batch_size: int = 64
     steps: int | None = None
     epochs: float = 3.0
+    min_dense_steps: int = 300
+    dense_check: str = "warn"
+    init_from: str | None = None
     fine_tune_steps: int = 200
     eval_every: int = 100
 
@@ -198,6 +223,9 @@ class TrainConfig:
     seed: int = 0
     threads: int | None = None
     progress: str = "auto"
+    device: str = "auto"
+    precision: str = "fp32"
+    log: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -216,7 +244,7 @@ class TrainConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
-        for name in ("steps", "pruning_burn_in", "width", "depth", "threads"):
+        for name in ("steps", "pruning_burn_in", "width", "depth", "threads", "min_dense_steps"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
                 raise ValueError(f"{name} must be an integer >= 0, got {v!r}")
@@ -232,6 +260,10 @@ class TrainConfig:
         if not 0.0 <= self.momentum < 1.0:
             raise ValueError(f"momentum must be in [0, 1), got {self.momentum!r}")
         check_optimizer_name(self.optimizer)
+        if self.dense_check not in ("warn", "stop", "off"):
+            raise ValueError(f"dense_check must be warn, stop or off, got {self.dense_check!r}")
+        if self.precision not in ("fp32", "bf16", "fp16"):
+            raise ValueError(f"precision must be fp32, bf16 or fp16, got {self.precision!r}")
         if self.progress not in ("auto", "bar", "plain", "none"):
             raise ValueError(f"progress must be auto, bar, plain or none, got {self.progress!r}")
         bad = [f for f in self.export_formats if f not in FORMATS]

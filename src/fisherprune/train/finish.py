@@ -51,6 +51,8 @@ class FinishedRun:
     final_cost: float
     steps: int
     prunes: int  # channels removed
+    dense_learned: bool | None = None  # None: not checked
+    warnings: tuple[str, ...] = ()  # printed at the end and kept in result.json
 
 
 @dataclass(frozen=True)
@@ -93,6 +95,8 @@ def finish_run(config: TrainConfig, run: FinishedRun, out: RunOutput) -> TrainRe
         latency=_latency(dense_model, small, run.samples, out.progress),
         steps=run.steps,
         prunes=run.prunes,
+        dense_learned=run.dense_learned,
+        warnings=list(run.warnings),
     )
     if not out.write:
         return result
@@ -178,6 +182,7 @@ def _summary(config: TrainConfig, r: TrainResult, save_dir: Path) -> list[str]:
             "latency as served (frozen TorchScript, channels-last for images): "
             + _latency_text(r.latency, "served_")
         )
+    lines += [f"WARNING: {w}" for w in r.warnings]
     lines.append("files:")
     lines += [f"  {k}: {v}" for k, v in r.files.items()]
     lines.append(f"  checkpoints: {save_dir / 'checkpoints'}")

@@ -32,3 +32,5 @@ class TrainResult:
     steps: int
     prunes: int  # channels removed (more than prune events with round_to > 1)
     files: dict[str, str] = field(default_factory=dict)  # what was written: kind -> path
+    dense_learned: bool | None = None  # False: the dense model was no better than trivial
+    warnings: list[str] = field(default_factory=list)  # what the user must know about the run

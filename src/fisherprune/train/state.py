@@ -1,15 +1,23 @@
 """What a training run keeps as it goes: ``RunState`` (saved in every checkpoint, restored by
-``--resume``) and ``MetricsLog`` (the entries of ``metrics.jsonl``)."""
+``--resume`` through ``resume_state``) and ``MetricsLog`` (the entries of ``metrics.jsonl``)."""
 
 from __future__ import annotations
 
 import copy
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["MetricsLog", "RunState"]
+from torch import nn
+
+from fisherprune._errors import first_line
+from fisherprune.pruner import PruningOptimizer
+from fisherprune.train.checkpoint import set_rng_state
+from fisherprune.train.logging_sinks import MetricsSink
+
+__all__ = ["MetricsLog", "RunState", "resume_state"]
 
 
 @dataclass
@@ -56,12 +64,20 @@ class MetricsLog:
         path: the file (``metrics.jsonl``).
         entries: the list to append to, normally ``RunState.metrics``; it is not copied.
         write: False on ranks other than 0 under torchrun: keep the entries, write nothing.
+        sinks: where each new entry also goes when writing (``--log tensorboard``).
     """
 
-    def __init__(self, path: Path, entries: list[dict[str, Any]], write: bool) -> None:
+    def __init__(
+        self,
+        path: Path,
+        entries: list[dict[str, Any]],
+        write: bool,
+        sinks: Sequence[MetricsSink] = (),
+    ) -> None:
         self.path = path
         self.entries = entries
         self.write = write
+        self.sinks = list(sinks) if write else []
 
     def restart(self) -> None:
         """Replace the file with the entries so far: none for a new run, a resumed run's from
@@ -70,8 +86,38 @@ class MetricsLog:
             self.path.write_text("".join(json.dumps(m) + "\n" for m in self.entries))
 
     def record(self, entry: dict[str, Any]) -> None:
-        """Append ``entry`` to ``entries`` and, when writing, as a line to the file."""
+        """Append ``entry`` to ``entries`` and, when writing, as a line to the file and to
+        every sink."""
         self.entries.append(entry)
         if self.write:
             with self.path.open("a") as f:
                 f.write(json.dumps(entry) + "\n")
+        for sink in self.sinks:
+            sink.record(entry)
+
+    def close(self) -> None:
+        """Close the sinks (the file is closed after every entry)."""
+        for sink in self.sinks:
+            sink.close()
+
+
+def resume_state(
+    saved: dict[str, Any], path: Path, model: nn.Module, popt: PruningOptimizer
+) -> RunState:
+    """Load the checkpoint ``saved`` (read from ``path``) into ``model``, ``popt`` and the
+    RNGs, and return its run state.
+
+    Raises:
+        ValueError: the checkpoint was written for another model or other settings.
+    """
+    try:
+        model.load_state_dict(saved["model"])
+        popt.load_state_dict(saved["pruner"])
+    except (RuntimeError, ValueError, KeyError) as e:
+        raise ValueError(
+            f"cannot resume from {path}: it was written for a different model or settings "
+            f"({first_line(e, with_type=False)}); use another --save_dir or the original "
+            "settings"
+        ) from None
+    set_rng_state(saved["rng"])
+    return RunState.from_dict(saved["state"])

@@ -7,8 +7,6 @@ import logging
 import math
 import os
 import random
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,56 +16,45 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from fisherprune._errors import first_line
 from fisherprune.graph import apply_masks
 from fisherprune.masks import find_masks
 from fisherprune.modes import eval_mode
 from fisherprune.pruner import PruningOptimizer
-from fisherprune.settings import OPTIMIZERS, parse_flops_weight
-from fisherprune.train.checkpoint import CheckpointManager, rng_state, set_rng_state
+from fisherprune.train.checkpoint import CheckpointManager, rng_state
 from fisherprune.train.config import TrainConfig
 from fisherprune.train.data import Dataset, DataSpec, load_data
-from fisherprune.train.finish import FinishedRun, RunOutput, finish_run
+from fisherprune.train.devices import Precision, process_group_backend, resolve_device
+from fisherprune.train.finish import RunOutput
+from fisherprune.train.logging_sinks import open_sinks
 from fisherprune.train.models import build_model
+from fisherprune.train.phases import (
+    Loop,
+    dense_phase,
+    fine_tune_phase,
+    finish_phase,
+    pruning_phase,
+)
+from fisherprune.train.pretrained import load_pretrained
 from fisherprune.train.progress import Progress
 from fisherprune.train.result import TrainResult
-from fisherprune.train.state import MetricsLog, RunState
+from fisherprune.train.schedule import (
+    DenseCheck,
+    build_optimizer,
+    burn_in_steps,
+    check_dense,
+    step_cap,
+)
+from fisherprune.train.state import MetricsLog, RunState, resume_state
 
 __all__ = ["PruningTrainer", "TrainResult"]
 
 log = logging.getLogger("fisherprune")
-
-#: the inner optimizer of each name in ``settings.OPTIMIZERS`` (the seed's is momentum SGD)
-_INNER_OPTIMIZERS: dict[str, Callable[[list[nn.Parameter], TrainConfig], torch.optim.Optimizer]] = {
-    "sgd": lambda params, cfg: torch.optim.SGD(
-        params, lr=cfg.learning_rate, momentum=cfg.momentum, weight_decay=cfg.weight_decay
-    ),
-    "adam": lambda params, cfg: torch.optim.Adam(
-        params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay
-    ),
-    "adamw": lambda params, cfg: torch.optim.AdamW(
-        params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay
-    ),
-}
-assert set(_INNER_OPTIMIZERS) == set(OPTIMIZERS)
 
 
 def _dist_info() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
-
-
-@dataclass
-class _Loop:
-    """What the training loop works on; ``PruningTrainer.run`` makes one per run."""
-
-    net: nn.Module  # the trainer's model, in DistributedDataParallel under torchrun
-    popt: PruningOptimizer
-    state: RunState  # advanced by every step, saved in every checkpoint
-    metrics: MetricsLog  # appends to state.metrics
-    ckpts: CheckpointManager
-    cap: int  # the step count no run goes beyond
 
 
 class PruningTrainer:
@@ -78,9 +65,12 @@ class PruningTrainer:
         model: optional model instead of ``config.model`` (masks are applied if it has none).
         data: optional ``Dataset`` instead of reading ``config.data``.
 
-    Under ``torchrun`` (WORLD_SIZE > 1) it joins the gloo process group, trains with
-    DistributedDataParallel, and only rank 0 writes files; Fisher statistics are
-    all-reduced so that every rank prunes the same channels.
+    ``config.device`` places the model, its masks and every batch (``auto``: a GPU when there
+    is one); ``config.precision`` runs forward passes under ``torch.autocast``. Under
+    ``torchrun`` (WORLD_SIZE > 1) it joins the process group (NCCL on CUDA, gloo otherwise),
+    trains with DistributedDataParallel, and only rank 0 writes files; Fisher statistics are
+    all-reduced so that every rank prunes the same channels. The run's phases are in
+    ``fisherprune.train.phases``; how long each lasts, in ``fisherprune.train.schedule``.
     """
 
     def __init__(
@@ -95,8 +85,12 @@ class PruningTrainer:
         cfg = self.config
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
+        self.device = resolve_device(cfg.device, int(os.environ.get("LOCAL_RANK", "0")))
+        self.precision = Precision(cfg.precision, self.device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
         if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
-            dist.init_process_group("gloo")
+            dist.init_process_group(process_group_backend(self.device))
         self.rank, self.world = _dist_info()
         random.seed(cfg.seed)
         np.random.seed(cfg.seed)
@@ -138,37 +132,22 @@ class PruningTrainer:
                 )
             self._model = build_model(name, self.data.input_shape, outputs, cfg.width, cfg.depth)
         self.model = self._model
-        self.example = self.data.x_train[:1]
-        self.masks = find_masks(self.model) or apply_masks(self.model, self.example)
+        example = self.data.x_train[:1]
+        self.masks = find_masks(self.model) or apply_masks(self.model, example)
         for s in getattr(self.masks, "skipped", []):
             log.info("not masked: %s", s)
+        if cfg.init_from:
+            load_pretrained(self.model, dict(self.masks), cfg.init_from)
+        self.model.to(self.device)
+        self.example = example.to(self.device)
 
     def _optimizer(self) -> PruningOptimizer:
         cfg = self.config
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        inner = _INNER_OPTIMIZERS[cfg.optimizer](params, cfg)
         n = self.data.x_train.shape[0]
         self.global_batch = min(cfg.batch_size * self.world, n)
         self.batches_per_epoch = max(1, n // self.global_batch)
-        burn_in = cfg.pruning_burn_in
-        if burn_in is None:
-            burn_in = math.ceil(cfg.epochs * self.batches_per_epoch)
-        self.burn_in = burn_in
-        return PruningOptimizer(
-            self.model,
-            self.example,
-            optimizer=inner,
-            prune_every=cfg.pruning_iter,
-            burn_in=burn_in,
-            decay=cfg.pruning_decay,
-            flops_weight=parse_flops_weight(cfg.pruning_flops_weight, "pruning_flops_weight"),
-            flops_target=cfg.pruning_flops_target,
-            min_channels=cfg.pruning_min_channels,
-            round_to=cfg.pruning_round_to,
-            convention=cfg.pruning_convention,
-            score_convention=cfg.pruning_score_convention,
-            criterion=cfg.pruning_criterion,
-        )
+        self.burn_in = burn_in_steps(cfg, self.batches_per_epoch)
+        return build_optimizer(cfg, self.model, self.example, self.burn_in)
 
     # -------------------------------------------------------------- batches
     def _batch(self, step: int) -> tuple[Tensor, Tensor]:
@@ -181,7 +160,11 @@ class PruningTrainer:
         idx = self._perm[lo : lo + self.global_batch]
         per = math.ceil(idx.numel() / self.world)
         idx = idx[self.rank * per : (self.rank + 1) * per]
-        return self.data.x_train[idx], self.data.y_train[idx]
+        return self._to_device(self.data.x_train[idx], self.data.y_train[idx])
+
+    def _to_device(self, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
+        nb = self.device.type == "cuda"
+        return x.to(self.device, non_blocking=nb), y.to(self.device, non_blocking=nb)
 
     def _loss(self, out: Tensor, y: Tensor) -> Tensor:
         if self.classify:
@@ -189,14 +172,17 @@ class PruningTrainer:
         return F.mse_loss(out.reshape(y.shape), y)
 
     def evaluate(self, model: nn.Module | None = None) -> float:
-        """Accuracy (classification) or mean squared error (regression) on the eval split."""
+        """Accuracy (classification) or mean squared error (regression) on the eval split,
+        computed on the run's device in its precision."""
         model = model or self.model
         correct, total, sq = 0, 0, 0.0
         with eval_mode(model), torch.no_grad():
             for lo in range(0, self.data.x_eval.shape[0], 512):
-                x = self.data.x_eval[lo : lo + 512]
-                y = self.data.y_eval[lo : lo + 512]
-                out = model(x)
+                x, y = self._to_device(
+                    self.data.x_eval[lo : lo + 512], self.data.y_eval[lo : lo + 512]
+                )
+                with self.precision.autocast():
+                    out = model(x).float()
                 if self.classify:
                     correct += int((out.argmax(1) == y).sum())
                 else:
@@ -211,164 +197,94 @@ class PruningTrainer:
 
     # ------------------------------------------------------------------- run
     def run(self) -> TrainResult:
-        """Train, prune, fine-tune, evaluate, export and report; return the result.
+        """Train dense, prune to the target, fine-tune, evaluate, export and report; return
+        the result.
 
         Reads the data and builds the model unless they were given; leaves ``self.model``
-        trained with its masks. On rank 0 it writes under ``config.save_dir``: checkpoints,
-        ``metrics.jsonl`` (entry by entry), and at the end the exports, the report and
-        ``result.json``. With ``config.resume`` it goes on from the newest checkpoint there.
+        trained with its masks (on the CPU). On rank 0 it writes under ``config.save_dir``:
+        checkpoints, ``metrics.jsonl`` (entry by entry, and to the ``config.log`` sinks), and
+        at the end the exports, the report and ``result.json``. With ``config.resume`` it goes
+        on from the newest checkpoint there.
 
         Raises:
-            ValueError: bad data or model settings, or a checkpoint that does not fit.
+            ValueError: bad data, model or device settings, a checkpoint or ``init_from`` file
+                that does not fit, or (``dense_check="stop"``) a dense model that learned
+                nothing.
             OSError: a file could not be written.
         """
         self._setup()
         self._load()
+        loop = self._start()
+        try:
+            dense_phase(loop)
+            pruning_phase(loop)
+            fine_tune_phase(loop)
+            return self._finish(loop)
+        finally:
+            loop.metrics.close()
+            self.progress.close()
+
+    def _start(self) -> Loop:
+        """The optimizer, the resumed or fresh run state, the metric logs: the ``Loop`` the
+        phases work on. Prints the line that opens the run."""
+        cfg = self.config
         popt = self._optimizer()
         net: nn.Module = self.model
         if self.world > 1:
-            net = nn.parallel.DistributedDataParallel(self.model)
-        ckpts = CheckpointManager(self.save_dir / "checkpoints", self.config.keep_checkpoints)
-        state = self._resume(ckpts, popt) if self.config.resume else RunState()
-        cap = self._step_cap(popt)
+            ids = [self.device.index] if self.device.type == "cuda" else None
+            net = nn.parallel.DistributedDataParallel(self.model, device_ids=ids)
+        ckpts = CheckpointManager(self.save_dir / "checkpoints", cfg.keep_checkpoints)
+        state = self._resume(ckpts, popt) if cfg.resume else RunState()
+        cap = step_cap(cfg, self.burn_in, _prunable_channels(popt))
         self.progress.total = cap
         self._announce(popt)
-        metrics = MetricsLog(self.save_dir / "metrics.jsonl", state.metrics, self.rank == 0)
+        write = self.rank == 0
+        sinks = open_sinks(cfg.log, self.save_dir) if write else []
+        metrics = MetricsLog(self.save_dir / "metrics.jsonl", state.metrics, write, sinks)
         metrics.restart()
-        loop = _Loop(net, popt, state, metrics, ckpts, cap)
-        self._prune_to_target(loop)
-        self._fine_tune(loop)
-        if not popt.finished:
-            log.warning(
-                "the step cap %d was reached before the target: cost %.6g > %.6g",
-                cap,
-                popt.cost().total,
-                popt.target,
-            )
-        if self.rank == 0:
-            ckpts.save(state.step, self._checkpoint(popt, state))
-        result = self._finish(loop)
-        self.progress.close()
-        return result
+        return Loop(
+            config=cfg,
+            net=net,
+            popt=popt,
+            state=state,
+            metrics=metrics,
+            ckpts=ckpts,
+            progress=self.progress,
+            precision=self.precision,
+            burn_in=self.burn_in,
+            cap=cap,
+            batch=self._batch,
+            loss=self._loss,
+            evaluate=self.evaluate,
+            metric_name=self.metric_name,
+            check_dense=self._check_dense,
+            checkpoint=lambda: self._checkpoint(popt, state),
+            write=write,
+        )
 
-    def _step_cap(self, popt: PruningOptimizer) -> int:
-        """``config.steps``, or enough steps to prune every channel and fine-tune after."""
-        cfg = self.config
-        if cfg.steps is not None:
-            return cfg.steps
-        channels = _prunable_channels(popt)
-        return self.burn_in + cfg.pruning_iter * (channels + 1) + cfg.fine_tune_steps + 1
+    def _check_dense(self, value: float) -> DenseCheck:
+        """Whether the dense model's eval metric ``value`` beats a trivial predictor."""
+        return check_dense(value, self.data.y_eval, self.data.num_classes)
 
     def _announce(self, popt: PruningOptimizer) -> None:
-        """Print the line that opens a run: data, model, channels, cost, target, world size."""
+        """Print the line that opens a run: data, model, channels, cost, target, schedule."""
+        cfg = self.config
+        dense = "statistics only" if cfg.init_from else "training"
         self.progress.line(
             f"fisherprune train: {self.data.source}: {self.data.x_train.shape[0]} train / "
-            f"{self.data.x_eval.shape[0]} eval examples; model {self.config.model}; "
+            f"{self.data.x_eval.shape[0]} eval examples; model {cfg.model}; "
             f"{len(popt.masks)} channel groups, {_prunable_channels(popt)} prunable channels; "
-            f"cost {popt.start_cost:,.0f} {self.config.pruning_convention}/example; target "
-            f"{popt.target:,.0f}; world size {self.world}"
+            f"cost {popt.start_cost:,.0f} {cfg.pruning_convention}/example; target "
+            f"{popt.target:,.0f}; dense phase {self.burn_in} steps ({dense}), a prune every "
+            f"{cfg.pruning_iter} steps, fine-tuning {cfg.fine_tune_steps} steps; device "
+            f"{self.device}, {cfg.precision}; world size {self.world}"
         )
-
-    def _prune_to_target(self, loop: _Loop) -> None:
-        """The dense phase and the pruning phase: take steps until the pruner reaches its
-        target or the step cap. ``PruningOptimizer`` trains dense for its burn-in, then prunes
-        every ``pruning_iter`` steps; the dense model is measured when the burn-in ends."""
-        if loop.state.dense is None and self.burn_in == 0:
-            loop.state.dense = self._dense_point(loop, 0)
-        while loop.state.step < loop.cap and not loop.popt.finished:
-            self._step(loop)
-
-    def _fine_tune(self, loop: _Loop) -> None:
-        """The fine-tuning phase: once the target is reached, ``fine_tune_steps`` more steps
-        (counted from ``state.finished_at``, so a resumed run does not start them over), within
-        the step cap. Does nothing when the cap came first."""
-        state = loop.state
-        if not loop.popt.finished or state.step >= loop.cap:
-            return
-        if state.finished_at is None:
-            state.finished_at = state.step
-            self.progress.line(
-                f"step {state.step}: {_channels_removed(loop.popt)} channels "
-                f"pruned; fine-tuning for {self.config.fine_tune_steps} steps"
-            )
-        while (
-            state.step < loop.cap and state.step - state.finished_at < self.config.fine_tune_steps
-        ):
-            self._step(loop)
-
-    def _step(self, loop: _Loop) -> None:
-        """One optimizer step (the pruner may prune in it), then what it is due: the dense
-        point at the end of the burn-in, its prunes in the metrics, an eval every
-        ``eval_every`` steps and a checkpoint every ``checkpoint_every`` steps."""
-        cfg, popt, state = self.config, loop.popt, loop.state
-        x, y = self._batch(state.step)
-        loop.net.train()
-        loss = self._loss(loop.net(x), y)
-        seen = len(popt.history)
-        popt.minimize(loss)
-        loss_value = loss.item()
-        state.step += 1
-        step = state.step
-        if state.dense is None and step >= self.burn_in:
-            state.dense = self._dense_point(loop, step)
-        for ev in popt.history[seen:]:
-            loop.metrics.record(
-                {
-                    "step": ev.step,
-                    "kind": "prune",
-                    "mask": ev.mask,
-                    "channel": ev.channel,
-                    "channels": list(ev.channels),
-                    "cost": ev.cost_after,
-                }
-            )
-        self.progress.update(step, f"loss {loss_value:.4f} pruned {_channels_removed(popt)}")
-        if step % cfg.eval_every == 0:
-            self._eval_point(loop, step, loss_value)
-        if step % cfg.checkpoint_every == 0 and self.rank == 0:
-            loop.ckpts.save(step, self._checkpoint(popt, state))
-
-    def _dense_point(self, loop: _Loop, step: int) -> dict[str, Any]:
-        """Evaluate the model before pruning, record it and print it; return its entry."""
-        value = self.evaluate()
-        metric = self.metric_name
-        entry = {"step": step, "kind": "dense", metric: value, "cost": loop.popt.cost().total}
-        loop.metrics.record(entry)
-        self.progress.line(
-            f"dense model (step {step}): eval {metric} {value:.4f}, cost "
-            f"{entry['cost']:,.0f} {self.config.pruning_convention}/example"
-        )
-        return entry
-
-    def _eval_point(self, loop: _Loop, step: int, loss: float) -> None:
-        """Evaluate the model as it stands, record the entry and print it."""
-        value = self.evaluate()
-        cost = loop.popt.cost().total
-        metric = self.metric_name
-        loop.metrics.record(
-            {
-                "step": step,
-                "kind": "eval",
-                metric: value,
-                "cost": cost,
-                "loss": loss,
-                "kept": self._kept(loop.popt),
-            }
-        )
-        self.progress.line(
-            f"step {step}: loss {loss:.4f}, eval {metric} "
-            f"{value:.4f}, cost {cost:,.0f} "
-            f"({cost / loop.popt.start_cost:.1%} of start)"
-        )
-
-    @staticmethod
-    def _kept(popt: PruningOptimizer) -> dict[str, int]:
-        return {n: m.kept for n, m in popt.masks.items()}
 
     def _checkpoint(self, popt: PruningOptimizer, state: RunState) -> dict[str, Any]:
-        """What a checkpoint holds: weights, pruner, RNG states, run state, settings, model."""
+        """What a checkpoint holds: weights (on the CPU), pruner, RNG states, run state,
+        settings, model."""
         return {
-            "model": self.model.state_dict(),
+            "model": {k: v.detach().cpu() for k, v in self.model.state_dict().items()},
             "pruner": popt.state_dict(),
             "rng": rng_state(),
             "state": state.as_dict(),
@@ -383,63 +299,21 @@ class PruningTrainer:
         }
 
     def _resume(self, ckpts: CheckpointManager, popt: PruningOptimizer) -> RunState:
-        """Load the newest checkpoint into the model, the pruner and the RNGs and return its
-        run state; a fresh state (and a line saying so) when there is none.
-
-        Raises:
-            ValueError: the checkpoint was written for another model or other settings.
-        """
+        """The run state of the newest checkpoint, loaded into the model, pruner and RNGs (see
+        ``resume_state``); a fresh state, and a line saying so, when there is none."""
         path = ckpts.latest()
         if path is None:
             self.progress.line(f"--resume: no checkpoint in {ckpts.directory}; starting afresh")
             return RunState()
-        saved = ckpts.load(path)
-        try:
-            self.model.load_state_dict(saved["model"])
-            popt.load_state_dict(saved["pruner"])
-        except (RuntimeError, ValueError, KeyError) as e:
-            raise ValueError(
-                f"cannot resume from {path}: it was written for a different model or settings "
-                f"({first_line(e, with_type=False)}); use another --save_dir or the original "
-                "settings"
-            ) from None
-        set_rng_state(saved["rng"])
-        self.progress.line(f"resumed from {path} (step {saved['state']['step']})")
-        return RunState.from_dict(saved["state"])
+        state = resume_state(ckpts.load(path), path, self.model, popt)
+        self.progress.line(f"resumed from {path} (step {state.step})")
+        return state
 
     # ----------------------------------------------------------------- end
-    def _finish(self, loop: _Loop) -> TrainResult:
-        """Evaluate the trained model, record it as the ``final`` metrics entry, and hand the
-        run over to ``finish_run`` (shrink, time, export, report, summary)."""
-        popt, state, metric = loop.popt, loop.state, self.metric_name
-        final = self.evaluate()
-        cost = popt.cost().total
-        dense = state.dense or {metric: float("nan"), "cost": popt.start_cost}
-        loop.metrics.record(
-            {
-                "step": state.step,
-                "kind": "final",
-                metric: final,
-                "cost": cost,
-                "kept": self._kept(popt),
-            }
-        )
-        run = FinishedRun(
-            popt=popt,
-            model=self.model,
-            example=self.example,
-            samples=self.data.x_train,
-            metrics=state.metrics,
-            metric_name=metric,
-            dense_metric=dense[metric],
-            dense_cost=dense["cost"],
-            final_metric=final,
-            final_cost=cost,
-            steps=state.step,
-            prunes=_channels_removed(popt),
-        )
+    def _finish(self, loop: Loop) -> TrainResult:
+        """The finish phase (``finish_phase``), on the CPU."""
         out = RunOutput(self.save_dir, self.export_dir, self.progress, write=self.rank == 0)
-        return finish_run(self.config, run, out)
+        return finish_phase(loop, self.model, self.example, self.data.x_train, out)
 
 
 def _prunable_channels(popt: PruningOptimizer) -> int:
@@ -449,8 +323,3 @@ def _prunable_channels(popt: PruningOptimizer) -> int:
 
 def _regression_outputs(data: Dataset) -> int:
     return 1 if data.y_train.dim() == 1 else int(data.y_train.shape[1])
-
-
-def _channels_removed(popt: PruningOptimizer) -> int:
-    """Channels pruned so far (a prune removes a block of them with ``round_to > 1``)."""
-    return sum(len(e.channels) for e in popt.history)

@@ -1,0 +1,271 @@
+"""The phases of a ``fisherprune train`` run, in the order ``PruningTrainer.run`` calls them:
+
+    dense_phase      train dense for the burn-in; measure and check the dense model
+    pruning_phase    train while the pruner takes a channel every ``pruning_iter`` steps,
+                     until the cost target (or the step cap) is reached
+    fine_tune_phase  ``fine_tune_steps`` more steps at the target
+    finish_phase     final eval, then shrink, export and report (``finish.finish_run``)
+
+Each phase takes ``train_step``s on a ``Loop`` (everything the steps work on) and picks up
+where a resumed run's ``RunState`` left off; how long each lasts is ``schedule``'s business.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from torch import Tensor, nn
+
+from fisherprune.pruner import PruningOptimizer
+from fisherprune.train.checkpoint import CheckpointManager
+from fisherprune.train.config import TrainConfig
+from fisherprune.train.devices import Precision
+from fisherprune.train.finish import FinishedRun, RunOutput, finish_run
+from fisherprune.train.progress import Progress
+from fisherprune.train.result import TrainResult
+from fisherprune.train.schedule import DenseCheck
+from fisherprune.train.state import MetricsLog, RunState
+
+__all__ = [
+    "Loop",
+    "channels_removed",
+    "dense_phase",
+    "fine_tune_phase",
+    "finish_phase",
+    "kept_channels",
+    "pruning_phase",
+    "train_step",
+]
+
+log = logging.getLogger("fisherprune")
+
+
+@dataclass
+class Loop:
+    """What the phases work on; ``PruningTrainer.run`` makes one per run."""
+
+    config: TrainConfig
+    net: nn.Module  # the trainer's model, in DistributedDataParallel under torchrun
+    popt: PruningOptimizer
+    state: RunState  # advanced by every step, saved in every checkpoint
+    metrics: MetricsLog  # appends to state.metrics
+    ckpts: CheckpointManager
+    progress: Progress
+    precision: Precision
+    burn_in: int  # steps of the dense phase
+    cap: int  # the step count no run goes beyond
+    batch: Callable[[int], tuple[Tensor, Tensor]]  # step -> (inputs, labels) on the device
+    loss: Callable[[Tensor, Tensor], Tensor]  # (outputs, labels) -> loss
+    evaluate: Callable[[], float]  # the eval metric of the model as it stands
+    metric_name: str  # "accuracy" or "mse"
+    check_dense: Callable[[float], DenseCheck]  # did the dense model learn?
+    checkpoint: Callable[[], dict[str, Any]]  # what a checkpoint holds now
+    write: bool  # rank 0: writes checkpoints
+
+    def save_checkpoint(self) -> None:
+        """Write a checkpoint of the run as it stands (rank 0 only)."""
+        if self.write:
+            self.ckpts.save(self.state.step, self.checkpoint())
+
+
+# ------------------------------------------------------------------------ phases
+def dense_phase(loop: Loop) -> None:
+    """Train dense until the burn-in ends (the pruner gathers its signal meanwhile); the
+    dense model is measured at its end (in ``train_step``). With ``init_from`` the model is
+    trained already: the steps have a learning rate of 0, so they only gather the signal, and
+    the optimizer's state (momentum) is dropped afterwards."""
+    state, end = loop.state, min(loop.burn_in, loop.cap)
+    frozen = bool(loop.config.init_from)
+    if state.dense is None and loop.burn_in == 0:
+        state.dense = _dense_point(loop)
+    if frozen and state.step < end:
+        _set_learning_rate(loop.popt, 0.0)
+    while state.step < end:
+        train_step(loop)
+    if frozen and state.step <= loop.burn_in:
+        # set again on every run: a checkpoint of the dense phase holds the rate 0
+        _set_learning_rate(loop.popt, loop.config.learning_rate)
+        loop.popt.optimizer.state.clear()
+
+
+def _set_learning_rate(popt: PruningOptimizer, lr: float) -> None:
+    for group in popt.param_groups:
+        group["lr"] = lr
+
+
+def pruning_phase(loop: Loop) -> None:
+    """Train and prune until the pruner reaches its target or the step cap.
+
+    Raises:
+        ValueError: the dense model learned nothing and ``dense_check`` is ``"stop"`` (a
+            checkpoint is written first: ``--resume`` with other settings goes on from it).
+    """
+    dense = loop.state.dense
+    if dense is not None and not dense.get("learned", True) and loop.config.dense_check == "stop":
+        loop.save_checkpoint()
+        raise ValueError(
+            f"{dense['check']}; nothing was pruned (--dense_check warn prunes it anyway)"
+        )
+    while loop.state.step < loop.cap and not loop.popt.finished:
+        train_step(loop)
+
+
+def fine_tune_phase(loop: Loop) -> None:
+    """Once the target is reached, ``fine_tune_steps`` more steps (counted from
+    ``state.finished_at``, so a resumed run does not start them over), within the step cap.
+    Does nothing when the cap came first."""
+    state, popt = loop.state, loop.popt
+    if not popt.finished or state.step >= loop.cap:
+        return
+    if state.finished_at is None:
+        state.finished_at = state.step
+        loop.progress.line(
+            f"step {state.step}: {channels_removed(popt)} channels pruned; fine-tuning for "
+            f"{loop.config.fine_tune_steps} steps"
+        )
+    while state.step < loop.cap and state.step - state.finished_at < loop.config.fine_tune_steps:
+        train_step(loop)
+
+
+# ------------------------------------------------------------------------- steps
+def train_step(loop: Loop) -> None:
+    """One optimizer step (the pruner may prune in it), then what it is due: the dense
+    point at the end of the burn-in, its prunes in the metrics, an eval every
+    ``eval_every`` steps and a checkpoint every ``checkpoint_every`` steps."""
+    cfg, popt, state = loop.config, loop.popt, loop.state
+    x, y = loop.batch(state.step)
+    loop.net.train()
+    with loop.precision.autocast():
+        loss = loop.loss(loop.net(x), y)
+    seen = len(popt.history)
+    loop.precision.minimize(popt, loss)
+    loss_value = loss.item()
+    state.step += 1
+    step = state.step
+    if state.dense is None and step >= loop.burn_in:
+        state.dense = _dense_point(loop)
+    for ev in popt.history[seen:]:
+        loop.metrics.record(
+            {
+                "step": ev.step,
+                "kind": "prune",
+                "mask": ev.mask,
+                "channel": ev.channel,
+                "channels": list(ev.channels),
+                "cost": ev.cost_after,
+            }
+        )
+    loop.progress.update(step, f"loss {loss_value:.4f} pruned {channels_removed(popt)}")
+    if step % cfg.eval_every == 0:
+        _eval_point(loop, loss_value)
+    if step % cfg.checkpoint_every == 0:
+        loop.save_checkpoint()
+
+
+def _dense_point(loop: Loop) -> dict[str, Any]:
+    """Evaluate the model before pruning, check that it learned, record it and print it;
+    return its entry (``learned`` and, when it did not, ``check``: the warning)."""
+    value = loop.evaluate()
+    metric, step = loop.metric_name, loop.state.step
+    entry: dict[str, Any] = {
+        "step": step,
+        "kind": "dense",
+        metric: value,
+        "cost": loop.popt.cost().total,
+    }
+    check = loop.check_dense(value) if loop.config.dense_check != "off" else None
+    if check is not None:
+        entry["learned"] = check.learned
+        if not check.learned:
+            entry["check"] = check.message
+    loop.metrics.record(entry)
+    loop.progress.line(
+        f"dense model (step {step}): eval {metric} {value:.4f}, cost "
+        f"{entry['cost']:,.0f} {loop.config.pruning_convention}/example"
+    )
+    if check is not None and not check.learned:
+        log.warning("%s", check.message)
+        loop.progress.line(f"WARNING: {check.message}")
+    return entry
+
+
+def _eval_point(loop: Loop, loss: float) -> None:
+    """Evaluate the model as it stands, record the entry and print it."""
+    value = loop.evaluate()
+    popt, metric, step = loop.popt, loop.metric_name, loop.state.step
+    cost = popt.cost().total
+    loop.metrics.record(
+        {
+            "step": step,
+            "kind": "eval",
+            metric: value,
+            "cost": cost,
+            "loss": loss,
+            "kept": kept_channels(popt),
+        }
+    )
+    loop.progress.line(
+        f"step {step}: loss {loss:.4f}, eval {metric} {value:.4f}, cost {cost:,.0f} "
+        f"({cost / popt.start_cost:.1%} of start)"
+    )
+
+
+def kept_channels(popt: PruningOptimizer) -> dict[str, int]:
+    """Channels each mask keeps, by mask name."""
+    return {n: m.kept for n, m in popt.masks.items()}
+
+
+def channels_removed(popt: PruningOptimizer) -> int:
+    """Channels pruned so far (a prune removes a block of them with ``round_to > 1``)."""
+    return sum(len(e.channels) for e in popt.history)
+
+
+def finish_phase(
+    loop: Loop, model: nn.Module, example: Tensor, samples: Tensor, out: RunOutput
+) -> TrainResult:
+    """A last checkpoint, the final eval (the ``final`` metrics entry), then ``finish_run``
+    (shrink, time, export, report, summary). Moves ``model`` to the CPU, where the exports
+    and the latency figures are made. Warns when the step cap came before the target."""
+    popt, state, metric = loop.popt, loop.state, loop.metric_name
+    warnings: list[str] = []
+    if not popt.finished:
+        warnings.append(
+            f"the step cap {loop.cap} was reached before the target: cost "
+            f"{popt.cost().total:.6g} > {popt.target:.6g}"
+        )
+        log.warning("%s", warnings[-1])
+    loop.save_checkpoint()
+    final = loop.evaluate()
+    cost = popt.cost().total
+    dense = state.dense or {metric: float("nan"), "cost": popt.start_cost}
+    if "check" in dense:
+        warnings.insert(0, dense["check"])
+    loop.metrics.record(
+        {
+            "step": state.step,
+            "kind": "final",
+            metric: final,
+            "cost": cost,
+            "kept": kept_channels(popt),
+        }
+    )
+    run = FinishedRun(
+        popt=popt,
+        model=model.cpu(),
+        example=example.cpu(),
+        samples=samples,
+        metrics=state.metrics,
+        metric_name=metric,
+        dense_metric=dense[metric],
+        dense_cost=dense["cost"],
+        final_metric=final,
+        final_cost=cost,
+        steps=state.step,
+        prunes=channels_removed(popt),
+        dense_learned=dense.get("learned"),
+        warnings=tuple(warnings),
+    )
+    return finish_run(loop.config, run, out)

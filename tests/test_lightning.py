@@ -1,0 +1,106 @@
+"""The Lightning callback runs the same schedule as ``PruningOptimizer`` in a plain loop."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+pl = pytest.importorskip("lightning.pytorch")
+
+from fisherprune.export import shrink  # noqa: E402
+from fisherprune.graph import apply_masks  # noqa: E402
+from fisherprune.integrations.lightning import FisherPruningCallback  # noqa: E402
+from fisherprune.masks import find_masks  # noqa: E402
+from fisherprune.pruner import PruningOptimizer  # noqa: E402
+
+if not hasattr(PruningOptimizer, "after_update"):  # the callback's hook into the pruner
+    pytest.skip("PruningOptimizer.after_update is not in this tree", allow_module_level=True)
+
+SETTINGS = {"prune_every": 3, "burn_in": 6, "decay": 0.8, "flops_target": "50%"}
+STEPS = 90
+
+
+class _Module(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 12), nn.ReLU(),
+                                 nn.Linear(12, 3))  # fmt: skip
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], _: int) -> torch.Tensor:
+        x, y = batch
+        return F.cross_entropy(self(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+
+def _data() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(STEPS * 2 * 16, 6, generator=g)
+    return x, x[:, :3].argmax(1)
+
+
+def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    x, y = _data()
+    return [(x[i : i + 16], y[i : i + 16]) for i in range(0, x.shape[0], 16)]
+
+
+def _fit(accumulate: int = 1) -> tuple[_Module, FisherPruningCallback]:
+    module = _Module()
+    callback = FisherPruningCallback(torch.zeros(1, 6), **SETTINGS)
+    trainer = pl.Trainer(
+        max_steps=STEPS, accelerator="cpu", devices=1, logger=False, callbacks=[callback],
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        accumulate_grad_batches=accumulate,
+    )  # fmt: skip
+    trainer.fit(module, DataLoader(TensorDataset(*_data()), batch_size=16))
+    return module, callback
+
+
+def test_callback_prunes_the_channels_a_plain_pruning_loop_prunes() -> None:
+    """Same model, batches and SGD: Trainer.fit with the callback and a plain loop of
+    ``PruningOptimizer.minimize`` prune the same channels at the same steps."""
+    _, callback = _fit()
+    assert callback.pruner is not None and callback.pruner.finished
+    reference = _Module()
+    apply_masks(reference, torch.zeros(1, 6))
+    popt = PruningOptimizer(
+        reference, torch.zeros(1, 6),
+        optimizer=torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9), **SETTINGS,
+    )  # fmt: skip
+    for x, y in _batches()[:STEPS]:
+        popt.minimize(F.cross_entropy(reference(x), y))
+    got = [(e.step, e.mask, list(e.channels)) for e in callback.pruner.history]
+    want = [(e.step, e.mask, list(e.channels)) for e in popt.history]
+    assert got == want and len(got) > 0
+    assert callback.pruner.cost().total <= callback.pruner.target
+
+
+def test_pruned_module_shrinks_to_a_model_with_the_same_outputs() -> None:
+    module, _ = _fit()
+    x = torch.randn(8, 6)
+    with torch.no_grad():
+        masked = module(x)
+        small = shrink(module, torch.zeros(1, 6))
+        assert torch.allclose(small(x), masked, atol=1e-5)
+    kept = {n: m.kept for n, m in find_masks(module).items()}
+    assert sum(kept.values()) < 28
+
+
+def test_with_gradient_accumulation_the_pruner_counts_optimizer_steps() -> None:
+    _, callback = _fit(accumulate=2)
+    assert callback.pruner is not None
+    assert callback.pruner.counter - 1 == STEPS
+    assert all(e.step % SETTINGS["prune_every"] == 0 for e in callback.pruner.history)
+
+
+def test_settings_that_belong_to_lightning_are_refused() -> None:
+    with pytest.raises(TypeError, match="Lightning owns the model and its optimizer"):
+        FisherPruningCallback(torch.zeros(1, 6), lr=0.1)
