@@ -18,7 +18,12 @@ from fisherprune.graph import apply_masks
 from fisherprune.train.checkpoint import CheckpointManager
 from fisherprune.train.config import TrainConfig
 from fisherprune.train.models import build_model
-from fisherprune.train.schedule import burn_in_steps, check_dense, statistics_steps
+from fisherprune.train.schedule import (
+    build_optimizer,
+    burn_in_steps,
+    check_dense,
+    statistics_steps,
+)
 
 QUICK = [
     "--model", "mlp", "--width", "8", "--depth", "1", "--pruning_iter", "2",
@@ -229,3 +234,16 @@ def test_masked_checkpoint_weights_load_into_a_fresh_masked_model(tmp_path: Path
     apply_masks(model, torch.zeros(1, 4))
     model.load_state_dict(ckpt["model"])
     assert all(v.device.type == "cpu" for v in ckpt["model"].values())
+
+
+def test_pruning_uniform_reaches_the_optimizer_and_groups_the_mlp_layers() -> None:
+    """``--pruning.uniform`` makes the run's optimizer prune the equal-width hidden layers of
+    the built-in MLP (a Sequential: names differ in the index only) together."""
+    from_cli = TrainConfig.from_dict({"pruning.uniform": True})
+    assert from_cli.pruning_uniform
+    model = build_model("mlp", (8,), 3, depth=3)
+    x = torch.zeros(1, 8)
+    apply_masks(model, x)
+    popt = build_optimizer(from_cli, model, x, burn_in=0)
+    assert popt.uniform
+    assert [len(c) for c in popt.uniform_classes] == [3]

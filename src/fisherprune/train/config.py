@@ -58,6 +58,7 @@ ALIASES: dict[str, str] = {
     "pruning.convention": "pruning_convention",
     "pruning.score_convention": "pruning_score_convention",
     "pruning.round_to": "pruning_round_to",
+    "pruning.uniform": "pruning_uniform",
     "pruning.criterion": "pruning_criterion",
     "train.batch_size": "batch_size",
     "train.steps": "steps",
@@ -104,6 +105,7 @@ HELP: dict[str, str] = {
     "pruning_flops_weight": "auto (signal/cost), a number w (signal - w*cost), or 0",
     "pruning_min_channels": "fewest channels any group keeps: a count, or a fraction such as 0.1",
     "pruning_round_to": "every group keeps a multiple of this many channels (8: CPU-friendly)",
+    "pruning_uniform": "repeated blocks keep the same widths (a Hugging Face config stays valid)",
     "pruning_criterion": "how channels are ranked: fisher (the seed's), taylor, l1 or random",
     "pruning_convention": "cost of the target: flops, macs, twml, memory or params",
     "pruning_score_convention": "cost the signal is weighed against (default: the target's); "
@@ -160,6 +162,8 @@ class TrainConfig:
         pruning_min_channels: fewest channels per group.
         pruning_round_to: every group keeps a multiple of this many channels (1: any count);
             see ``PruningOptimizer``.
+        pruning_uniform: the copies of a mask in repeated blocks keep the same widths (see
+            ``PruningOptimizer``'s ``uniform``); a resumed run must keep it.
         pruning_criterion: how channels are ranked, a name in ``fisherprune.criteria.CRITERIA``
             (fisher, taylor, l1, random); a resumed run must keep it.
         pruning_convention: cost convention (flops, macs, twml, memory, params) of the target.
@@ -210,6 +214,7 @@ class TrainConfig:
     pruning_flops_weight: str = "auto"
     pruning_min_channels: int | float = 1
     pruning_round_to: int = 1
+    pruning_uniform: bool = False
     pruning_criterion: str = "fisher"
     pruning_convention: str = "flops"
     pruning_score_convention: str | None = None

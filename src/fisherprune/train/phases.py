@@ -155,6 +155,7 @@ def train_step(loop: Loop) -> None:
                 "mask": ev.mask,
                 "channel": ev.channel,
                 "channels": list(ev.channels),
+                **({"also": {n: list(c) for n, c in ev.also}} if ev.also else {}),
                 "cost": ev.cost_after,
             }
         )
@@ -220,7 +221,7 @@ def kept_channels(popt: PruningOptimizer) -> dict[str, int]:
 
 def channels_removed(popt: PruningOptimizer) -> int:
     """Channels pruned so far (a prune removes a block of them with ``round_to > 1``)."""
-    return sum(len(e.channels) for e in popt.history)
+    return sum(e.count for e in popt.history)
 
 
 def finish_phase(

@@ -73,6 +73,7 @@ def build_optimizer(
         flops_target=config.pruning_flops_target,
         min_channels=config.pruning_min_channels,
         round_to=config.pruning_round_to,
+        uniform=config.pruning_uniform,
         convention=config.pruning_convention,
         score_convention=config.pruning_score_convention,
         criterion=config.pruning_criterion,
