@@ -52,15 +52,6 @@ def register_fixed_heads(*types: type, reason: str) -> None:
         _FIXED[t] = reason
 
 
-register_fixed_heads(
-    nn.MultiheadAttention,
-    reason=(
-        "nn.MultiheadAttention's inner width is its embed_dim, the width of its input: its "
-        "heads can only go together with the hidden width"
-    ),
-)
-
-
 def head_attributes(
     module: nn.Module | None, count: int, head_dim: int, inferred: bool
 ) -> tuple[str, ...] | str:

@@ -877,7 +877,7 @@ def _slice(ctx: RuleContext) -> list[TensorInfo]:
             ctx.block(x.labels[d], reason)
             ctx.consume(x.labels[d], x.cover[d], reason)
         lab[d], cov[d] = None, None
-    return [TensorInfo(shape, lab, cov)]
+    return [TensorInfo(shape, lab, cov, param=x.param)]
 
 
 @register_channel_rule(aten.select)
@@ -928,7 +928,7 @@ def _split(ctx: RuleContext) -> list[TensorInfo]:
             lab[d] = lab_d[start : start + s]
             cov[d] = None if cov_d is None else cov_d[start : start + s]
         start += s
-        outs.append(TensorInfo(shape, lab, cov))
+        outs.append(TensorInfo(shape, lab, cov, param=x.param))  # a parameter's pieces
     return outs
 
 
