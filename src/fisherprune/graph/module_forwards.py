@@ -38,7 +38,9 @@ from fisherprune.masks import tracing
 from fisherprune.masks.layer import all_ones
 from fisherprune.masks.points import MaskPoint
 
-__all__ = ["ModuleForward", "module_forward", "register_module_forward", "share_inputs_hooks"]
+__all__ = [
+    "MULTIHEAD_ATTENTION",
+    "ModuleForward", "module_forward", "register_module_forward", "share_inputs_hooks"]
 
 Traced = Callable[[nn.Module, tuple, dict, Callable[[], contextlib.AbstractContextManager]], Any]
 Masked = Callable[[nn.Module, tuple, dict, list[MaskPoint], dict[str, Any]], Any]
@@ -142,6 +144,6 @@ def _masked_mha(
     return multihead_attention(**call)
 
 
-register_module_forward(
-    nn.MultiheadAttention, ModuleForward(_traced_mha, _masked_mha, inner=("out_proj",))
-)
+#: how ``nn.MultiheadAttention`` (and ``fisherprune.export.mha.PrunedMultiheadAttention``) run
+MULTIHEAD_ATTENTION = ModuleForward(_traced_mha, _masked_mha, inner=("out_proj",))
+register_module_forward(nn.MultiheadAttention, MULTIHEAD_ATTENTION)
