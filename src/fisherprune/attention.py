@@ -13,8 +13,8 @@ head is one prunable channel and the hidden width passes through), a masked
 ``heads * head_dim``, differs from its input width) has it as its forward.
 
 The module only needs the attributes and parameters of ``nn.MultiheadAttention``:
-``head_dim``, ``batch_first``, ``dropout``, ``_qkv_same_embed_dim``, ``add_zero_attn``,
-``in_proj_weight`` or ``q_proj_weight`` / ``k_proj_weight`` / ``v_proj_weight``,
+``head_dim``, ``batch_first``, ``dropout``, ``add_zero_attn``, ``in_proj_weight`` (None when
+the projections are apart, in ``q_proj_weight`` / ``k_proj_weight`` / ``v_proj_weight``),
 ``in_proj_bias``, ``bias_k``, ``bias_v`` and ``out_proj``.
 """
 
@@ -112,7 +112,7 @@ def _projections(
     equal split, which the tracer follows) or the
     separate ``q/k/v_proj_weight`` (``kdim`` / ``vdim`` other than the input width)."""
     bias = module.in_proj_bias
-    if module._qkv_same_embed_dim:
+    if module.in_proj_weight is not None:
         ws = module.in_proj_weight.chunk(3)  # (3 * H * D, E): q, k, v rows
     else:
         ws = (module.q_proj_weight, module.k_proj_weight, module.v_proj_weight)

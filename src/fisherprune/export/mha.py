@@ -39,6 +39,10 @@ class PrunedMultiheadAttention(nn.Module):
         dropout, bias, add_bias_kv, add_zero_attn, kdim, vdim, batch_first: as for
             ``nn.MultiheadAttention``.
 
+    ``_qkv_same_embed_dim`` is always False, even when one packed ``in_proj_weight`` holds the
+    projections: ``nn.TransformerEncoderLayer`` reads it, and only when it is False stays off its
+    fused fast path, which assumes an inner width equal to ``embed_dim``.
+
     Example:
         >>> attn = PrunedMultiheadAttention(24, num_heads=3, head_dim=6, batch_first=True)
         >>> out, weights = attn(x, x, x)  # x: (N, L, 24); out: (N, L, 24)
@@ -64,10 +68,10 @@ class PrunedMultiheadAttention(nn.Module):
         self.embed_dim, self.num_heads, self.head_dim = embed_dim, num_heads, head_dim
         self.kdim = kdim if kdim is not None else embed_dim
         self.vdim = vdim if vdim is not None else embed_dim
-        self._qkv_same_embed_dim = self.kdim == embed_dim and self.vdim == embed_dim
+        self._qkv_same_embed_dim = False  # keeps PyTorch's fused paths away (see the class)
         self.dropout, self.batch_first, self.add_zero_attn = dropout, batch_first, add_zero_attn
         inner = num_heads * head_dim
-        if self._qkv_same_embed_dim:
+        if self.kdim == embed_dim and self.vdim == embed_dim:
             self.in_proj_weight = nn.Parameter(torch.empty(3 * inner, embed_dim, **like))
             self.register_parameter("q_proj_weight", None)
             self.register_parameter("k_proj_weight", None)
@@ -107,16 +111,9 @@ class PrunedMultiheadAttention(nn.Module):
         copies), its widths read off their shapes and its head size and options from its
         attributes (an ``nn.MultiheadAttention`` or one of these, possibly sliced)."""
         hd = module.head_dim
-        q_rows = (
-            module.in_proj_weight.shape[0] // 3
-            if module._qkv_same_embed_dim
-            else module.q_proj_weight.shape[0]
-        )
         new = cls.__new__(cls)
         nn.Module.__init__(new)
-        new.embed_dim = module.out_proj.weight.shape[0]
-        new.num_heads, new.head_dim = q_rows // hd, hd
-        new._qkv_same_embed_dim = module._qkv_same_embed_dim
+        new.head_dim, new._qkv_same_embed_dim = hd, False
         new.dropout, new.batch_first = module.dropout, module.batch_first
         new.add_zero_attn = module.add_zero_attn
         for name in (
@@ -165,20 +162,21 @@ class PrunedMultiheadAttention(nn.Module):
 
 
 def _set_input_widths(m: nn.Module) -> None:
-    """``embed_dim``, ``kdim``, ``vdim`` from the weights' shapes."""
+    """``embed_dim``, ``kdim``, ``vdim`` and ``num_heads`` from the weights' shapes (the head
+    size stays)."""
     m.embed_dim = m.out_proj.weight.shape[0]
-    if m._qkv_same_embed_dim:
+    if m.in_proj_weight is not None:
         m.kdim = m.vdim = m.in_proj_weight.shape[1]
+        rows = m.in_proj_weight.shape[0] // 3
     else:
         m.kdim, m.vdim = m.k_proj_weight.shape[1], m.v_proj_weight.shape[1]
+        rows = m.q_proj_weight.shape[0]
+    m.num_heads = rows // m.head_dim
 
 
 @register_shrink_rule(PrunedMultiheadAttention)
 def _pruned_mha(m: nn.Module, old: dict[str, tuple[int, ...]]) -> None:
-    """Widths from the sliced weights; the head size stays."""
     _set_input_widths(m)
-    rows = m.in_proj_weight.shape[0] // 3 if m._qkv_same_embed_dim else m.q_proj_weight.shape[0]
-    m.num_heads = rows // m.head_dim
 
 
 @register_replacement(nn.MultiheadAttention)
