@@ -68,8 +68,10 @@ def _mha_cases() -> list[tuple[str, dict, dict]]:
     ]
 
 
-@pytest.mark.parametrize(("mod_kw", "call_kw"), [c[1:] for c in _mha_cases()], ids=[c[0] for c in _mha_cases()])
-def test_head_by_head_function_equals_torch_multihead_attention(mod_kw: dict, call_kw: dict) -> None:
+@pytest.mark.parametrize(
+    ("mod_kw", "call_kw"), [c[1:] for c in _mha_cases()], ids=[c[0] for c in _mha_cases()]
+)
+def test_head_by_head_function_equals_torch_attention(mod_kw: dict, call_kw: dict) -> None:
     """``multihead_attention(module, ...)`` gives PyTorch's output and attention weights
     (float64), for every option of the module and of the call."""
     torch.manual_seed(0)
@@ -232,9 +234,8 @@ def test_head_fisher_signal_equals_a_per_example_loop() -> None:
     y = torch.tensor([0, 2, 4])
     masks = fp.apply_masks(model, x[:1])
     model.double()  # the masks' signals in float64 too
-    name = next(
-        n for n, g in masks.groups.items() if g.consumers == ["encoder.layers.1.self_attention.out_proj"]
-    )
+    out_proj = "encoder.layers.1.self_attention.out_proj"
+    name = next(n for n, g in masks.groups.items() if g.consumers == [out_proj])
     model.train()
     F.cross_entropy(model(x), y).backward()
     fp.update_pruning_signals(masks, decay=0)

@@ -40,7 +40,11 @@ from fisherprune.masks.points import MaskPoint
 
 __all__ = [
     "MULTIHEAD_ATTENTION",
-    "ModuleForward", "module_forward", "register_module_forward", "share_inputs_hooks"]
+    "ModuleForward",
+    "module_forward",
+    "register_module_forward",
+    "share_inputs_hooks",
+]
 
 Traced = Callable[[nn.Module, tuple, dict, Callable[[], contextlib.AbstractContextManager]], Any]
 Masked = Callable[[nn.Module, tuple, dict, list[MaskPoint], dict[str, Any]], Any]
