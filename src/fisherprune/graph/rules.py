@@ -772,6 +772,13 @@ def _reshape_labels(ctx: RuleContext, x: TensorInfo, shape: tuple[int, ...]) -> 
         if not parts:
             continue
         j = parts[0]
+        if (
+            hi - lo == 1
+            and d < len(asked)
+            and asked[d] == shape[d]
+            and not ctx.atoms.is_batch(src[j][0])
+        ):
+            ctx.record_width(src[j][0])  # a width written as a number: is it an attribute?
         inner = math.prod(factors[j + 1 : hi])
         outer = math.prod(factors[lo:j])
         lab[d] = np.tile(np.repeat(src[j][0], inner), outer)
