@@ -365,3 +365,61 @@ def test_pruned_attention_equals_torch_when_nothing_was_removed() -> None:
     assert (p.kdim, p.vdim, p.head_dim) == (7, 9, 4)
     for a, b in zip(p(q, k, v), m(q, k, v), strict=True):
         torch.testing.assert_close(a, b, atol=ATOL_F64, rtol=0)
+
+
+class CrossAttention(nn.Module):
+    """Queries from one stream (16 wide) attend to a memory of another width (10: ``kdim`` and
+    ``vdim``), then a TransformerDecoderLayer (self- and cross-attention, sequence first)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q_in, self.m_in = nn.Linear(6, 16), nn.Linear(4, 10)
+        self.cross = nn.MultiheadAttention(16, 4, kdim=10, vdim=10)
+        self.m_up = nn.Linear(10, 16)
+        self.decoder = nn.TransformerDecoderLayer(16, 2, dim_feedforward=20, dropout=0.0)
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x: Tensor, memory: Tensor) -> Tensor:  # (N, L, 6), (N, S, 4)
+        q, m = self.q_in(x.transpose(0, 1)), torch.tanh(self.m_in(memory.transpose(0, 1)))
+        h = q + self.cross(q, m, m, need_weights=False)[0]
+        h = self.decoder(h, self.m_up(m))
+        return self.head(h.mean(0))
+
+
+def test_cross_attention_and_decoder_shrink_to_the_masked_outputs_and_flop_count() -> None:
+    """Cross-attention with kdim/vdim: its heads (4), the query stream (16) and the memory's
+    width (10) are groups, as are the decoder's self- and cross-attention heads (2 each) and
+    MLP units; a third of each removed, the shrunk model gives the masked outputs (float64)
+    and FlopCounterMode on it equals the cost of the masked model."""
+    torch.manual_seed(0)
+    model = CrossAttention().double().eval()
+    x, mem = torch.randn(3, 5, 6).double(), torch.randn(3, 7, 4).double()
+    inputs = (x[:1], mem[:1])
+    masks = fp.apply_masks(model, inputs)
+    assert sorted(g.num_channels for g in masks.groups.values()) == [2, 2, 4, 10, 16, 20]
+    _prune_thirds(masks, seed=4)
+    small = fp.shrink(model, inputs)
+    with torch.no_grad():
+        torch.testing.assert_close(small(x, mem), model(x, mem), atol=ATOL_F64, rtol=0)
+    assert (small.cross.kdim, small.cross.vdim, small.cross.num_heads) == (7, 7, 3)
+    counter = FlopCounterMode(display=False, custom_mapping=dict(SAME_AS_TORCH))
+    with counter, torch.no_grad():
+        small(x, mem)
+    assert fp.computational_cost(model, (x, mem)).total == counter.get_total_flops() / 3
+
+
+def test_shrunk_attention_can_be_pruned_again() -> None:
+    """A shrunk ViT (PrunedMultiheadAttention inside) is masked and shrunk once more: its heads
+    and hidden width are groups again, and the twice-shrunk model gives the masked outputs
+    (float64) and the FlopCounterMode count of its cost."""
+    model, x = _vit()
+    _prune_thirds(fp.apply_masks(model, x[:1]), seed=5)
+    once = fp.shrink(model, x[:1])
+    masks = fp.apply_masks(once, x[:1])
+    assert sorted(g.num_channels for g in masks.groups.values()) == [3, 3, 11, 16, 16]
+    _prune_thirds(masks, seed=6)
+    twice = fp.shrink(once, x[:1])
+    torch.testing.assert_close(_outputs(twice, x), _outputs(once, x), atol=ATOL_F64, rtol=0)
+    attn = twice.encoder.layers[1].self_attention
+    assert (attn.num_heads, attn.embed_dim, twice.hidden_dim) == (2, 8, 8)
+    assert fp.computational_cost(once, x).total == _flops(twice, x)
