@@ -423,3 +423,12 @@ def test_shrunk_attention_can_be_pruned_again() -> None:
     attn = twice.encoder.layers[1].self_attention
     assert (attn.num_heads, attn.embed_dim, twice.hidden_dim) == (2, 8, 8)
     assert fp.computational_cost(once, x).total == _flops(twice, x)
+
+
+def test_nested_tensors_are_refused_with_the_way_out() -> None:
+    """Nested tensors (what nn.TransformerEncoder makes from a padding mask in inference) get
+    an error naming enable_nested_tensor=False, not a crash inside the attention."""
+    attn = PrunedMultiheadAttention(8, num_heads=2, head_dim=3, batch_first=True)
+    x = torch.nested.nested_tensor([torch.randn(2, 8), torch.randn(3, 8)])
+    with pytest.raises(ValueError, match="enable_nested_tensor=False"):
+        attn(x, x, x)

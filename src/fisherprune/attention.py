@@ -52,9 +52,15 @@ def multihead_attention(
             head does (the shrunk module averages over the heads it kept).
 
     Raises:
-        ValueError: an ``attn_mask`` of a shape ``nn.MultiheadAttention`` does not accept, or
-            ``is_causal`` without an ``attn_mask``.
+        ValueError: an ``attn_mask`` of a shape ``nn.MultiheadAttention`` does not accept,
+            ``is_causal`` without an ``attn_mask``, or nested tensors.
     """
+    if any(t.is_nested for t in (query, key, value)):
+        raise ValueError(
+            "fisherprune's multi-head attention takes no nested tensors; "
+            "nn.TransformerEncoder makes them from src_key_padding_mask in inference: build it "
+            "with enable_nested_tensor=False (or set its use_nested_tensor = False)"
+        )
     batched = query.dim() == 3
     if not batched:  # (L, E): a batch of one
         query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
