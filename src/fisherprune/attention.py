@@ -174,5 +174,5 @@ def _average(weights: Tensor, head_weights: Tensor | None) -> Tensor:
     """(N, H, L, S) -> (N, L, S): the mean over heads, or their ``head_weights`` average."""
     if head_weights is None:
         return weights.mean(dim=1)
-    w = head_weights.to(weights.dtype).view(1, -1, 1, 1)
+    w = head_weights.to(weights).view(1, -1, 1, 1)
     return (weights * w).sum(dim=1) / w.sum().clamp_min(torch.finfo(weights.dtype).tiny)
