@@ -330,23 +330,28 @@ def test_regnetx_grouped_convs_are_masked_and_shrunk_in_whole_groups(
         assert conv.weight.shape[1] == zf.GROUP_WIDTH
 
 
-def test_vit_masks_mlp_hidden_units_and_reports_attention_projections_unmasked(
+def test_vit_masks_heads_mlp_hidden_units_and_the_hidden_width(
     cases: Callable[[str, int], Case],
 ) -> None:
-    """The MLP hidden units of each encoder block are its only mask (read by mlp.3); the
-    residual stream is LayerNormed and nn.MultiheadAttention splits its q/k/v projection into
-    heads, so the attention projections are listed as not masked, and no mask sits in it."""
+    """Each encoder block's 2 heads are one group (made by its nn.MultiheadAttention, masked at
+    its out_proj's input) and its MLP hidden units another (read by mlp.3); the LayerNormed
+    residual stream is one group of 16 channels, written by the patch embedding, every
+    attention's out_proj and MLP, read by every attention, MLP and the head."""
     case = cases("vit", 0)
     got = sorted((g.producers, g.consumers, g.num_channels) for g in case.masks.groups.values())
-    assert got == [([f"layers.{i}.mlp.0"], [f"layers.{i}.mlp.3"], 64) for i in (0, 1)]
-    skipped = _skipped_params(case.masks)
-    for i in (0, 1):
-        attention = f"layers.{i}.self_attention"
-        assert f"{attention}.in_proj_weight[dim 0]" in _not_masked_section(case.masks)
-        assert {(f"{attention}.in_proj_weight", 0), (f"{attention}.out_proj.weight", 0)} <= (
-            skipped
-        )
-        assert not any(c.startswith(attention) for c in _consumers(case.masks))
+    blocks = [f"layers.{i}" for i in (0, 1)]
+    assert got == sorted(
+        [([f"{b}.mlp.0"], [f"{b}.mlp.3"], 64) for b in blocks]
+        + [([f"{b}.self_attention"], [f"{b}.self_attention.out_proj"], 2) for b in blocks]
+        + [
+            (
+                ["conv_proj"]
+                + [f"{b}.{m}" for b in blocks for m in ("self_attention.out_proj", "mlp.3")],
+                [f"{b}.{m}" for b in blocks for m in ("self_attention", "mlp.0")] + ["head"],
+                16,
+            )
+        ]
+    )
 
 
 @pytest.mark.parametrize("seed", SEEDS)

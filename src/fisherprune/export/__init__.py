@@ -4,6 +4,7 @@ from fisherprune.export.aoti import AOTIModule, load_aoti_export
 from fisherprune.export.files import FORMATS, export_model, load_state_dict_export
 from fisherprune.export.hf_uniform import refine_for_config  # noqa: F401 (registers it)
 from fisherprune.export.latency import frozen_for_serving, measure_latency, retain_freed_memory
+from fisherprune.export.mha import PrunedMultiheadAttention
 from fisherprune.export.modules import register_shrink_rule, unregister_shrink_rule
 from fisherprune.export.plan import PlanMismatchError, PruningPlan
 from fisherprune.export.safe_load import PickledObjectsError
@@ -15,6 +16,7 @@ __all__ = [
     "AOTIModule",
     "PickledObjectsError",
     "PlanMismatchError",
+    "PrunedMultiheadAttention",
     "PruningPlan",
     "ShrinkError",
     "export_model",

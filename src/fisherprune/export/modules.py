@@ -20,10 +20,13 @@ from collections.abc import Callable
 from torch import nn
 
 __all__ = [
+    "Replacement",
     "ShrinkKey",
     "ShrinkRule",
     "has_shrink_rule",
+    "register_replacement",
     "register_shrink_rule",
+    "replacement",
     "unregister_shrink_rule",
     "update_metadata",
 ]
@@ -32,6 +35,10 @@ ShrinkRule = Callable[[nn.Module, dict[str, tuple[int, ...]]], None]
 ShrinkKey = type | str  # a class, or the qualified name of a module-level class
 _RULES: dict[type, ShrinkRule] = {}
 _NAMED: dict[str, ShrinkRule] = {}  # by "package.module.Class", resolved when looked up
+#: builds the module that takes a sliced module's place, when its class cannot hold the new
+#: widths (``nn.MultiheadAttention``: inner width no longer its input width)
+Replacement = Callable[[nn.Module], nn.Module]
+_REPLACEMENTS: dict[type, Replacement] = {}
 
 
 def register_shrink_rule(*keys: ShrinkKey) -> Callable[[ShrinkRule], ShrinkRule]:
@@ -105,6 +112,32 @@ def update_metadata(module: nn.Module, old_shapes: dict[str, tuple[int, ...]]) -
     rule = _rule_for(module)
     if rule is not None:
         rule(module, old_shapes)
+
+
+def register_replacement(*types: type) -> Callable[[Replacement], Replacement]:
+    """Register ``fn(module) -> new module`` for sliced modules of exactly these classes:
+    ``PruningPlan.apply`` puts what it returns in the module's place (after slicing, metadata
+    rules and attributes), keeping the module's parameters and behaviour.
+
+    Raises:
+        ValueError: a class already has a replacement.
+    """
+    for t in types:
+        if t in _REPLACEMENTS:
+            raise ValueError(f"{t.__name__} already has a replacement")
+
+    def deco(fn: Replacement) -> Replacement:
+        for t in types:
+            _REPLACEMENTS[t] = fn
+        return fn
+
+    return deco
+
+
+def replacement(module: nn.Module) -> nn.Module | None:
+    """The module to take the place of sliced ``module``, or None to keep it."""
+    fn = _REPLACEMENTS.get(type(module))
+    return fn(module) if fn is not None else None
 
 
 def has_shrink_rule(module: nn.Module) -> bool:

@@ -24,7 +24,7 @@ from torch import nn
 from fisherprune._version import __version__
 from fisherprune.cost import CostModel
 from fisherprune.export.hf_config import update_config
-from fisherprune.export.modules import update_metadata
+from fisherprune.export.modules import replacement, update_metadata
 from fisherprune.export.safe_load import PickledObjectsError, looks_pickled
 from fisherprune.export.storage import atomic_write_bytes
 from fisherprune.graph.heads import HEADS_WIDTH_ATTRIBUTES
@@ -132,9 +132,11 @@ class PruningPlan:
         Slices every listed parameter and buffer (new ``nn.Parameter`` objects for
         parameters), updates module metadata through the shrink-rule registry,
         replaces hand-placed MaskLayers by ``nn.Identity`` and removes masks added
-        by ``apply_masks``; a Hugging Face model's ``config`` gets the new widths when one
-        config can describe them (``fisherprune.export.hf_config``; a warning says why
-        not). The model's class and forward code are kept.
+        by ``apply_masks``. The model's class and forward code are kept; a sliced module whose
+        class cannot hold its new widths (``nn.MultiheadAttention``) is replaced by one that
+        can (``fisherprune.export.mha.PrunedMultiheadAttention``, same parameters). A Hugging
+        Face model's ``config`` gets the new widths when one config can describe them
+        (``fisherprune.export.hf_config``; a warning says why not).
         Idempotent: applying to an already shrunk model changes nothing.
 
         Raises:
@@ -217,6 +219,10 @@ class PruningPlan:
         for mname, values in self.attributes.items():
             for attr, value in values.items():
                 setattr(modules[mname], attr, value)
+        for mod, _old in changed.values():
+            new = replacement(mod)
+            if new is not None:
+                _replace_module(model, mod, new)
         problem = update_config(model)
         if problem:
             warnings.warn(
@@ -409,6 +415,14 @@ def _set_tensor(mod: nn.Module, name: str, value: torch.Tensor) -> None:
         mod._parameters[name] = nn.Parameter(value, requires_grad=old.requires_grad)
     else:
         mod._buffers[name] = value
+
+
+def _replace_module(model: nn.Module, old: nn.Module, new: nn.Module) -> None:
+    """Put ``new`` wherever ``model`` holds ``old``."""
+    for parent in model.modules():
+        for key, child in parent._modules.items():
+            if child is old:
+                parent._modules[key] = new
 
 
 def _remove_masks(model: nn.Module, mask_modules: list[str]) -> None:

@@ -17,8 +17,10 @@ from torch import nn
 __all__ = [
     "HEADS_WIDTH_ATTRIBUTES",
     "HEAD_COUNT_ATTRIBUTES",
+    "WIDTH_ATTRIBUTES",
     "head_attributes",
     "register_fixed_heads",
+    "width_attributes",
 ]
 
 #: attribute names that hold a head count (of query or of key/value heads), in the spellings of
@@ -36,6 +38,16 @@ HEAD_COUNT_ATTRIBUTES: tuple[str, ...] = (
 )
 #: attribute names that hold the width of all heads together (heads x head_dim)
 HEADS_WIDTH_ATTRIBUTES: tuple[str, ...] = ("all_head_size", "split_size", "inner_dim")
+#: attribute names that hold a channel width (the hidden width, as torchvision's ViT writes
+#: ``x.reshape(n, self.hidden_dim, n_h * n_w)``)
+WIDTH_ATTRIBUTES: tuple[str, ...] = (
+    "hidden_dim",
+    "hidden_size",
+    "embed_dim",
+    "d_model",
+    "n_embd",
+    "width",
+)
 _FIXED: dict[type, str] = {}
 
 
@@ -50,15 +62,6 @@ def register_fixed_heads(*types: type, reason: str) -> None:
         if t in _FIXED:
             raise ValueError(f"{t.__name__} is already registered as keeping its heads")
         _FIXED[t] = reason
-
-
-register_fixed_heads(
-    nn.MultiheadAttention,
-    reason=(
-        "nn.MultiheadAttention's inner width is its embed_dim, the width of its input: its "
-        "heads can only go together with the hidden width"
-    ),
-)
 
 
 def head_attributes(
@@ -81,6 +84,12 @@ def head_attributes(
         f"written into the code: neither -1 nor an attribute such as "
         f"{', '.join(HEAD_COUNT_ATTRIBUTES[:3])} that shrink could update"
     )
+
+
+def width_attributes(module: nn.Module | None, width: int) -> tuple[str, ...]:
+    """The attributes of ``module`` named in ``WIDTH_ATTRIBUTES`` that hold ``width``: where a
+    reshape writes a channel width as a number, ``shrink`` sets them to the channels kept."""
+    return _int_attributes(module, WIDTH_ATTRIBUTES, width)
 
 
 def _int_attributes(

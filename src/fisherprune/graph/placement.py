@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 from collections.abc import Callable
@@ -12,10 +13,16 @@ from torch import nn
 
 from fisherprune.graph.channels import ChannelGraph
 from fisherprune.graph.groups import ChannelGroup, MaskPointSpec, Skipped, find_groups
+from fisherprune.graph.module_forwards import ModuleForward, module_forward, share_inputs_hooks
 from fisherprune.graph.trace import trace_model
 from fisherprune.inputs import Inputs
 from fisherprune.masks import MaskLayer, find_masks
-from fisherprune.masks.points import find_holder, install_mask_points, remove_mask_points
+from fisherprune.masks.points import (
+    MaskPoint,
+    find_holder,
+    install_mask_points,
+    remove_mask_points,
+)
 
 __all__ = ["AppliedMasks", "apply_masks", "register_width_check", "remove_masks"]
 
@@ -190,7 +197,38 @@ def _install(model: nn.Module, groups: list[ChannelGroup], specs: list[MaskPoint
         if sp.norm
     ]
     install_mask_points(model, masks, points, norms)
+    _hook_module_forwards(model)
     return keys
+
+
+def _hook_module_forwards(model: nn.Module) -> None:
+    """Hook the modules with a registered forward (``module_forwards``): a tensor passed in
+    several inputs stays one after masking, and where inner submodules got mask points, the
+    registered forward makes them act; the handles join the holder's, so ``remove_masks``
+    removes them."""
+    holder = find_holder(model)[1]  # type: ignore[index]
+    for name, mod in model.named_modules():
+        entry = module_forward(mod)
+        if entry is not None:
+            holder.handles += share_inputs_hooks(mod)
+        inner = {f"{name}.{s}" if name else s for s in entry.inner} if entry else set()
+        points = [mp for mp in holder.points if mp.module_name in inner]
+        if entry is None or not points:
+            continue
+        hook = functools.partial(_masked_forward, entry, points, {})
+        holder.handles.append(mod.register_forward_hook(hook, with_kwargs=True))
+
+
+def _masked_forward(
+    entry: ModuleForward,
+    points: list[MaskPoint],
+    cache: dict[str, Any],
+    module: nn.Module,
+    args: tuple,
+    kwargs: dict,
+    _out: Any,
+) -> Any:
+    return entry.masked(module, args, kwargs, points, cache)
 
 
 def _ineffective(model: nn.Module, example_inputs: Any, keys: list[str]) -> set[int]:

@@ -772,6 +772,13 @@ def _reshape_labels(ctx: RuleContext, x: TensorInfo, shape: tuple[int, ...]) -> 
         if not parts:
             continue
         j = parts[0]
+        if (
+            hi - lo == 1
+            and d < len(asked)
+            and asked[d] == shape[d]
+            and not ctx.atoms.is_batch(src[j][0])
+        ):
+            ctx.record_width(src[j][0])  # a width written as a number: is it an attribute?
         inner = math.prod(factors[j + 1 : hi])
         outer = math.prod(factors[lo:j])
         lab[d] = np.tile(np.repeat(src[j][0], inner), outer)
@@ -877,7 +884,7 @@ def _slice(ctx: RuleContext) -> list[TensorInfo]:
             ctx.block(x.labels[d], reason)
             ctx.consume(x.labels[d], x.cover[d], reason)
         lab[d], cov[d] = None, None
-    return [TensorInfo(shape, lab, cov)]
+    return [TensorInfo(shape, lab, cov, param=x.param)]
 
 
 @register_channel_rule(aten.select)
@@ -932,7 +939,7 @@ def _split(ctx: RuleContext) -> list[TensorInfo]:
             lab[d] = lab_d[start : start + s]
             cov[d] = None if cov_d is None else cov_d[start : start + s]
         start += s
-        outs.append(TensorInfo(shape, lab, cov))
+        outs.append(TensorInfo(shape, lab, cov, param=x.param))  # a parameter's pieces
     return outs
 
 

@@ -30,7 +30,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from fisherprune.graph.atoms import Atoms
-from fisherprune.graph.heads import head_attributes
+from fisherprune.graph.heads import head_attributes, width_attributes
+from fisherprune.graph.module_forwards import module_forward, share_inputs_hooks
 from fisherprune.graph.rules import apply_rule
 from fisherprune.graph.types import (
     ConsumerPoint,
@@ -105,6 +106,10 @@ class _Tracer(TorchDispatchMode):
     def _head_attributes(self, count: int, head_dim: int, inferred: bool) -> tuple[str, ...] | str:
         name = self.module_stack[-1] if self.module_stack else "<model>"
         return head_attributes(self.modules.get(name), count, head_dim, inferred)
+
+    def _width_attributes(self, width: int) -> tuple[str, ...]:
+        name = self.module_stack[-1] if self.module_stack else "<model>"
+        return width_attributes(self.modules.get(name), width)
 
     def _norm_context(self) -> dict[str, Any]:
         """What the rules need to know of the innermost module as a norm."""
@@ -183,6 +188,7 @@ class _Tracer(TorchDispatchMode):
             calls=tuple(self.call_stack),
             heads=self.trace.head_splits,
             head_attributes=self._head_attributes,
+            width_attributes=self._width_attributes,
             **self._norm_context(),
         )
         for info in in_infos:  # their values are read now
@@ -297,7 +303,7 @@ def trace_model(
             if batch:
                 tracer.trace.atoms.mark_batch(lab)
             tracer.trace.atoms.block(lab, "batch dimension" if batch else "model input")
-    handles = _module_stack_hooks(model, tracer)
+    handles = _module_stack_hooks(model, tracer) + _module_forward_hooks(model, tracer)
     tracing.set_active(tracer)
     try:
         with eval_mode(model), torch.no_grad(), _unfused_attention(), tracer:
@@ -339,6 +345,29 @@ def _unfused_attention() -> Iterator[None]:
         yield
     finally:
         torch.backends.mha.set_fastpath_enabled(enabled)
+
+
+def _module_forward_hooks(model: nn.Module, tracer: _Tracer) -> list:
+    """For modules with a registered forward (``module_forwards``): their own forward runs
+    unrecorded, then the registered one computes the output again under the tracer, while the
+    module is still the innermost call."""
+    handles = []
+    for mod in model.modules():
+        entry = module_forward(mod)
+        if entry is None:
+            continue
+
+        def pre(_m, _args):
+            tracer._suspended += 1
+
+        def post(m, args, kwargs, _out, entry=entry):
+            tracer._suspended -= 1
+            return entry.traced(m, args, kwargs, tracer.suspended)
+
+        handles.append(mod.register_forward_pre_hook(pre))
+        handles.append(mod.register_forward_hook(post, prepend=True, with_kwargs=True))
+        handles += share_inputs_hooks(mod)
+    return handles
 
 
 def _module_stack_hooks(model: nn.Module, tracer: _Tracer) -> list:

@@ -114,7 +114,8 @@ class HeadSplit:
     ``inferred``: the code asked for -1 heads (the count follows the width); ``attributes``
     names the module's attributes that hold the head count (set when the trace is resolved
     against the model; ``shrink`` updates them: a head count to the heads kept, the heads' total
-    width to that times the head size)."""
+    width to that times the head size). A width that code writes as a number held in an
+    attribute (``RuleContext.record_width``) is a split into blocks of one channel."""
 
     module: str
     blocks: np.ndarray
@@ -159,6 +160,7 @@ class RuleContext:
         module: the innermost module running the call (``""``: none).
         calls: the module calls in progress, outermost first.
         heads: the trace's list of head splits (``record_heads`` appends to it).
+        width_attributes: for a width, the current module's attributes holding it.
         head_attributes: for a head count, a head size and whether the code asked for -1
             heads, the current module's attributes holding that count (or the heads' total
             width), or why it cannot lose heads.
@@ -183,6 +185,7 @@ class RuleContext:
         module_type: str = "",
         norm_dims: int = 0,
         norms: list[NormUse] | None = None,
+        width_attributes: Callable[[int], tuple[str, ...]] | None = None,
     ) -> None:
         self.func = func
         self.args = args
@@ -200,6 +203,7 @@ class RuleContext:
         self.module_type = module_type
         self.norm_dims = norm_dims
         self._norms = norms if norms is not None else []
+        self._width_attributes = width_attributes
 
     @property
     def name(self) -> str:
@@ -256,6 +260,16 @@ class RuleContext:
             self.atoms.union_all(row)
         self._heads.append(HeadSplit(self.module, blocks, inferred, self.where(), verdict))
         return None
+
+    def record_width(self, labels: np.ndarray) -> None:
+        """This call writes the width of ``labels`` as a number (a reshape's size): if the
+        module holds that number in a width attribute (``heads.WIDTH_ATTRIBUTES``), record it
+        as a split into blocks of one channel, so that ``shrink`` sets the attribute to the
+        channels kept."""
+        names = self._width_attributes(labels.size) if self._width_attributes else ()
+        if names:
+            blocks = labels.reshape(-1, 1).copy()
+            self._heads.append(HeadSplit(self.module, blocks, False, self.where(), names))
 
     def record_norm(self, labels: Labels, nd: int, d: int) -> bool:
         """If the innermost module is a registered norm and dim ``d`` of an ``nd``-dim tensor is

@@ -1,0 +1,153 @@
+"""Modules that the tracer and the masks run through a fisherprune forward of the same function.
+
+Some modules compute in a way channels cannot be followed through: ``nn.MultiheadAttention``
+merges its heads with the batch and calls its output projection through ``F.linear``, so no
+head is a channel and a mask on ``out_proj`` never runs. A module type registered here gets:
+
+- ``traced(module, args, kwargs, suspended)``: while tracing, its forward runs unrecorded and
+  this computes the output again under the tracer (``suspended()`` hides ops from it, for
+  values that carry no channel);
+- ``masked(module, args, kwargs, points, cache)``: once masks are applied and some of them act
+  on the submodules named in ``inner`` (their ``MaskPoint`` s, ``points``), a forward hook
+  calls this after each forward; it returns the output with those masks acting, or None when
+  they would change nothing (all ones, not collecting signals), keeping the module's own
+  output (its fast path included); ``cache`` is a dict kept with the hook.
+
+Both must give the module's own output when no mask acts. ``apply_masks`` installs the hook;
+``remove_masks`` removes it.
+
+A tensor passed in several positional inputs (``attn(x, x, x)``) stays one tensor after the
+masks acting at the module's input (``share_inputs_hooks``): masks are placed on its first
+position only, and a self-attention keeps reading one (masked) tensor, as its fast path needs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+from fisherprune.attention import multihead_attention
+from fisherprune.masks import tracing
+from fisherprune.masks.layer import all_ones
+from fisherprune.masks.points import MaskPoint
+
+__all__ = [
+    "MULTIHEAD_ATTENTION",
+    "ModuleForward",
+    "module_forward",
+    "register_module_forward",
+    "share_inputs_hooks",
+]
+
+Traced = Callable[[nn.Module, tuple, dict, Callable[[], contextlib.AbstractContextManager]], Any]
+Masked = Callable[[nn.Module, tuple, dict, list[MaskPoint], dict[str, Any]], Any]
+
+
+@dataclass(frozen=True)
+class ModuleForward:
+    """How the tracer and the masks run one module type (see the module's docstring)."""
+
+    traced: Traced
+    masked: Masked
+    inner: tuple[str, ...]
+
+
+_FORWARDS: dict[type, ModuleForward] = {}
+
+
+def register_module_forward(cls: type, forward: ModuleForward) -> None:
+    """Run modules of ``cls`` (and its subclasses) through ``forward`` when tracing and when
+    masked. Changes: the registry, for every model traced or masked afterwards.
+
+    Raises:
+        ValueError: ``cls`` is already registered.
+    """
+    if cls in _FORWARDS:
+        raise ValueError(f"{cls.__name__} already has a module forward")
+    _FORWARDS[cls] = forward
+
+
+def module_forward(module: nn.Module) -> ModuleForward | None:
+    """The entry of ``module``'s class or its nearest registered base, or None."""
+    return next((_FORWARDS[t] for t in type(module).__mro__ if t in _FORWARDS), None)
+
+
+def share_inputs_hooks(module: nn.Module) -> list[RemovableHandle]:
+    """Add two forward pre-hooks to ``module``: the first to run notes which positional inputs
+    are the same tensor as an earlier one, the last to run passes the earlier one (as masked by
+    the pre-hooks between them) in their place. Returns their handles."""
+    same: list[int | None] = []
+
+    def before(_m: nn.Module, args: tuple) -> None:
+        same[:] = [
+            next((j for j in range(i) if args[j] is a), None) if isinstance(a, Tensor) else None
+            for i, a in enumerate(args)
+        ]
+
+    def after(_m: nn.Module, args: tuple) -> tuple | None:
+        if len(same) != len(args) or all(j is None for j in same):
+            return None
+        return tuple(a if j is None else args[j] for a, j in zip(args, same, strict=True))
+
+    return [
+        module.register_forward_pre_hook(before, prepend=True),
+        module.register_forward_pre_hook(after),
+    ]
+
+
+# ------------------------------------------------------------- nn.MultiheadAttention
+_MHA_SIGNATURE = inspect.signature(multihead_attention)
+
+
+def _mha_call(module: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """The call's arguments by name, defaults filled in."""
+    bound = _MHA_SIGNATURE.bind(module, *args, **kwargs)
+    bound.apply_defaults()
+    return dict(bound.arguments)
+
+
+def _traced_mha(
+    module: nn.Module,
+    args: tuple,
+    kwargs: dict,
+    suspended: Callable[[], contextlib.AbstractContextManager],
+) -> Any:
+    """The heads apart; the average of the attention weights over heads is taken unrecorded
+    (it carries no channel: a masked head is left out of it as a removed head is)."""
+    call = _mha_call(module, args, kwargs)
+    average = call.pop("average_attn_weights")
+    out, weights = multihead_attention(**call, average_attn_weights=False)
+    if weights is not None and average:
+        with suspended():
+            weights = weights.mean(dim=1)
+    return out, weights
+
+
+def _masked_mha(
+    module: nn.Module, args: tuple, kwargs: dict, points: list[MaskPoint], cache: dict[str, Any]
+) -> Any:
+    """Run again with ``out_proj`` 's head mask acting, when it changes anything or signals
+    are being collected; the averaged attention weights leave out masked heads."""
+    if tracing.active() is not None:
+        return None  # the tracer runs its own forward
+    masks = list(dict.fromkeys(m for mp in points for m, _, _ in mp.parts))
+    idle = all_ones(masks, cache) and not any(m.mask.requires_grad for m in masks)
+    if idle and not (torch.is_grad_enabled() and any(m.collecting for m in masks)):
+        return None
+    call = _mha_call(module, args, kwargs)
+    (point,) = points
+    mult = point.multiplier(torch.empty([1] * point.dim + [point.size])).flatten()
+    call["head_weights"] = mult.view(-1, module.head_dim)[:, 0]
+    return multihead_attention(**call)
+
+
+#: how ``nn.MultiheadAttention`` (and ``fisherprune.export.mha.PrunedMultiheadAttention``) run
+MULTIHEAD_ATTENTION = ModuleForward(_traced_mha, _masked_mha, inner=("out_proj",))
+register_module_forward(nn.MultiheadAttention, MULTIHEAD_ATTENTION)
