@@ -5,14 +5,20 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shlex
+import signal
 import sys
 from collections.abc import Sequence
+from types import FrameType
 
 from fisherprune._version import __version__
 from fisherprune.cli.env import env_parser
 from fisherprune.cli.export import export_parser
 from fisherprune.cli.flops import flops_parser
 from fisherprune.cli.train import train_parser
+from fisherprune.export.shrink import ShrinkError
+from fisherprune.export.storage import os_error_text
+from fisherprune.train.interrupts import DivergedError, Interrupted, PeerTimeoutError
 
 __all__ = ["main"]
 
@@ -27,8 +33,31 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log every prune")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for register in (train_parser, flops_parser, export_parser, env_parser):
-        register(sub)
+        # -v also after the subcommand (fisherprune train -v)
+        register(sub).add_argument(
+            "-v",
+            "--verbose",
+            action="store_true",
+            default=argparse.SUPPRESS,
+            help="log every prune",
+        )
     return parser
+
+
+def resume_command(argv: Sequence[str]) -> str:
+    """The command line that resumes the run ``argv`` started: ``--resume`` added,
+    ``--overwrite`` (which would delete the checkpoints) left out."""
+    args = [a for a in argv if a != "--overwrite"]
+    if "--resume" not in args:
+        args.append("--resume")
+    return shlex.join(["fisherprune", *args])
+
+
+def _terminated(signum: int, frame: FrameType | None) -> None:
+    """SIGTERM outside a training loop (which saves a checkpoint first): stop like Ctrl-C,
+    running ``finally`` blocks (temporary files are removed), exit status 143."""
+    print("fisherprune: stopped by SIGTERM", file=sys.stderr)
+    raise SystemExit(128 + signum)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -42,10 +71,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",
     )
+    signal.signal(signal.SIGTERM, _terminated)
+    err = f"fisherprune {args.command}: error:"
     try:
         return int(args.func(args) or 0)
-    except (ValueError, FileNotFoundError, ImportError, KeyError) as e:
-        print(f"fisherprune {args.command}: error: {e}", file=sys.stderr)
+    except Interrupted as e:
+        how = f"resume with: {resume_command(argv)}" if e.checkpoint else "nothing to resume"
+        print(f"fisherprune {args.command}: stopped by {e}; {how}", file=sys.stderr)
+        return 128 + e.signum
+    except KeyboardInterrupt:
+        print(f"fisherprune {args.command}: stopped by Ctrl-C (SIGINT)", file=sys.stderr)
+        return 128 + signal.SIGINT
+    except (DivergedError, PeerTimeoutError, ShrinkError) as e:
+        print(f"{err} {e}", file=sys.stderr)
+        return 1
+    except OSError as e:
+        if e.errno is None or (isinstance(e, FileNotFoundError) and e.filename is None):
+            print(f"{err} {e}", file=sys.stderr)  # our own message, already naming the file
+            return 2
+        print(f"{err} {os_error_text(e)}", file=sys.stderr)
+        return 2 if isinstance(e, (FileNotFoundError, IsADirectoryError)) else 1
+    except (ValueError, ImportError, KeyError) as e:
+        print(f"{err} {e}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # output piped into e.g. head: stop quietly
         devnull = os.open(os.devnull, os.O_WRONLY)

@@ -96,7 +96,9 @@ def prune(
     Already pruned channels are never chosen, and no mask goes below
     ``min_channels`` kept channels. Ties are broken deterministically: lowest
     score, then the earlier mask in the order of ``masks``, then the lower
-    channel index. NaN scores count as +inf (never preferred).
+    channel index. A NaN or infinite score of any kept channel is refused (``ValueError``,
+    nothing changed): it means the signal diverged (a NaN loss, NaN weights), and no channel
+    can be chosen safely from it.
 
     With ``round_to = k > 1`` every mask keeps a multiple of ``k`` channels (CPU and GPU
     kernels process channels in vector-width blocks, commonly 8 or 16: 9 channels run as
@@ -129,8 +131,9 @@ def prune(
         (every mask is at its floor): nothing is changed then.
 
     Raises:
-        ValueError: ``min_channels`` < 0, ``round_to`` < 1, or scores that do not match the
-            masks.
+        ValueError: ``min_channels`` < 0, ``round_to`` < 1, scores that do not match the
+            masks, or a NaN or infinite score for a channel not yet pruned (the message names
+            the mask and channel; no mask is changed).
     """
     check_min_channels(min_channels)
     check_round_to(round_to)
@@ -153,17 +156,15 @@ def prune(
                 f"{m.num_channels} channels"
             )
         alive = m.mask.detach().cpu() > 0.5
+        _check_finite(name, s, alive)
         n_alive = int(alive.sum())
         r = block_size(n_alive, round_to)
         if n_alive - r < floor_of(min_channels, m.num_channels):
             continue
-        s = torch.where(torch.isnan(s), torch.full_like(s, math.inf), s)
         idx = torch.nonzero(alive).flatten()  # ascending, so a stable sort breaks ties by index
         order_alive = torch.sort(s[idx], stable=True).indices[:r]
         chosen = idx[order_alive].tolist()  # never an already pruned channel
         v = float(s[chosen].mean())
-        if math.isnan(v):  # -inf next to +inf in one block: rank it last, like a NaN score
-            v = math.inf
         cand = (v, order, chosen[0], name, chosen)
         if best is None or cand[:3] < best[:3]:
             best = cand
@@ -179,3 +180,17 @@ def prune(
         m.mask[chosen] = 0.0
     signal = float(m.signal[chosen].sum())
     return PruneEvent(name, k, v, signal, before, after, step, tuple(chosen))
+
+
+def _check_finite(name: str, scores: Tensor, alive: Tensor) -> None:
+    """Raise ValueError when a channel of mask ``name`` that is still kept (``alive``) has a NaN
+    or infinite score."""
+    bad = torch.nonzero(alive & ~torch.isfinite(scores)).flatten()
+    if bad.numel():
+        k = int(bad[0])
+        raise ValueError(
+            f"prune: mask {name!r} has {bad.numel()} kept channel(s) with a non-finite score "
+            f"(channel {k}: {float(scores[k])}); the pruning signal diverged (a NaN or infinite "
+            "loss, gradients or weights), so nothing was pruned: lower the learning rate or "
+            "check the data for NaN"
+        )

@@ -105,6 +105,8 @@ HELP: dict[str, str] = {
     "checkpoint_every": "steps between checkpoints",
     "keep_checkpoints": "how many checkpoints to keep",
     "resume": "continue from the newest checkpoint in SAVE_DIR",
+    "overwrite": "start afresh in a SAVE_DIR holding another run's checkpoints (deletes them)",
+    "dist_timeout": "under torchrun: seconds to wait for another rank before ending the job",
     "export_formats": "comma-separated: state_dict, torchscript, onnx, aoti (a .pt2 "
     "AOTInductor package: needs a C++ compiler, adds 15-60 s)",
     "seed": "random seed (data order, initialisation)",
@@ -147,11 +149,14 @@ class TrainConfig:
             a channel (None: ``pruning_convention``); see ``PruningOptimizer``.
     Files:
         save_dir: where checkpoints, metrics, report go; export_dir: exported models
-        (default ``save_dir/export``); checkpoint_every, keep_checkpoints; resume;
+        (default ``save_dir/export``); checkpoint_every, keep_checkpoints; resume (a resumed
+        run may change only ``resume_check.ALLOWED_CHANGES``); overwrite (start afresh in a
+        save_dir holding another run's checkpoints, deleting them);
         export_formats: any of ``fisherprune.export.FORMATS`` (state_dict, torchscript, onnx,
             aoti).
     Run:
-        seed, threads, progress ("auto", "bar", "plain", "none").
+        seed, threads, progress ("auto", "bar", "plain", "none"); dist_timeout: seconds a rank
+        waits for the others under torchrun before the job ends with an error.
     """
 
     data: str = "digits"
@@ -194,10 +199,12 @@ class TrainConfig:
     checkpoint_every: int = 100
     keep_checkpoints: int = 3
     resume: bool = False
+    overwrite: bool = False
     export_formats: list[str] = field(default_factory=lambda: ["state_dict", "torchscript", "onnx"])
     seed: int = 0
     threads: int | None = None
     progress: str = "auto"
+    dist_timeout: float = 120.0
 
     def __post_init__(self) -> None:
         self.validate()
@@ -216,6 +223,12 @@ class TrainConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+        if self.width is not None and not isinstance(self.width, bool) and self.width < 1:
+            raise ValueError(
+                f"width must be an integer >= 1 (channels per layer), got {self.width}"
+            )
+        if self.resume and self.overwrite:
+            raise ValueError("resume and overwrite exclude each other: give one of them")
         for name in ("steps", "pruning_burn_in", "width", "depth", "threads"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
@@ -224,7 +237,7 @@ class TrainConfig:
             raise ValueError(
                 f"fine_tune_steps must be an integer >= 0, got {self.fine_tune_steps!r}"
             )
-        for name in ("learning_rate", "epochs"):
+        for name in ("learning_rate", "epochs", "dist_timeout"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
                 raise ValueError(f"{name} must be a number > 0, got {v!r}")

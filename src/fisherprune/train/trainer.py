@@ -28,9 +28,14 @@ from fisherprune.train.checkpoint import CheckpointManager, rng_state, set_rng_s
 from fisherprune.train.config import TrainConfig
 from fisherprune.train.data import Dataset, DataSpec, load_data
 from fisherprune.train.finish import FinishedRun, RunOutput, finish_run
+from fisherprune.train.interrupts import Interrupted, StopGuard, init_distributed
+from fisherprune.train.lock import RunLock
 from fisherprune.train.models import build_model
+from fisherprune.train.preflight import preflight_lines
 from fisherprune.train.progress import Progress
 from fisherprune.train.result import TrainResult
+from fisherprune.train.resume_check import data_fingerprint, resume_changes
+from fisherprune.train.rundir import claim_save_dir
 from fisherprune.train.state import MetricsLog, RunState
 
 __all__ = ["PruningTrainer", "TrainResult"]
@@ -96,15 +101,13 @@ class PruningTrainer:
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
-            dist.init_process_group("gloo")
+            init_distributed(cfg.dist_timeout)
         self.rank, self.world = _dist_info()
         random.seed(cfg.seed)
         np.random.seed(cfg.seed)
         torch.manual_seed(cfg.seed)
         self.save_dir = Path(cfg.save_dir)
         self.export_dir = Path(cfg.export_dir) if cfg.export_dir else self.save_dir / "export"
-        if self.rank == 0:
-            self.save_dir.mkdir(parents=True, exist_ok=True)
         self.progress = Progress(None, cfg.progress, enabled=self.rank == 0)
 
     def _load(self) -> None:
@@ -229,6 +232,27 @@ class PruningTrainer:
         if self.world > 1:
             net = nn.parallel.DistributedDataParallel(self.model)
         ckpts = CheckpointManager(self.save_dir / "checkpoints", self.config.keep_checkpoints)
+        lock = self._claim(ckpts, popt)
+        try:
+            return self._run(popt, net, ckpts)
+        finally:
+            if lock is not None:
+                lock.release()
+
+    def _claim(self, ckpts: CheckpointManager, popt: PruningOptimizer) -> RunLock | None:
+        """Rank 0 takes the save directory (``claim_save_dir``); every rank fingerprints the
+        data files (saved in checkpoints, compared on resume) and checks the settings."""
+        cfg = self.config
+        self.data_files = data_fingerprint(cfg.to_dict())
+        for line in preflight_lines(cfg, popt):
+            self.progress.line(line)
+        if self.rank != 0:
+            return None
+        return claim_save_dir(
+            self.save_dir, self.export_dir, ckpts, cfg.resume, cfg.overwrite, self.progress.line
+        )
+
+    def _run(self, popt: PruningOptimizer, net: nn.Module, ckpts: CheckpointManager) -> TrainResult:
         state = self._resume(ckpts, popt) if self.config.resume else RunState()
         cap = self._step_cap(popt)
         self.progress.total = cap
@@ -236,8 +260,9 @@ class PruningTrainer:
         metrics = MetricsLog(self.save_dir / "metrics.jsonl", state.metrics, self.rank == 0)
         metrics.restart()
         loop = _Loop(net, popt, state, metrics, ckpts, cap)
-        self._prune_to_target(loop)
-        self._fine_tune(loop)
+        with StopGuard(self.config.dist_timeout) as self.guard:
+            self._prune_to_target(loop)
+            self._fine_tune(loop)
         if not popt.finished:
             log.warning(
                 "the step cap %d was reached before the target: cost %.6g > %.6g",
@@ -275,7 +300,9 @@ class PruningTrainer:
         every ``pruning_iter`` steps; the dense model is measured when the burn-in ends."""
         if loop.state.dense is None and self.burn_in == 0:
             loop.state.dense = self._dense_point(loop, 0)
-        while loop.state.step < loop.cap and not loop.popt.finished:
+        while loop.state.step < loop.cap and (
+            not loop.popt.finished or loop.state.dense is None  # a target at the dense cost
+        ):
             self._step(loop)
 
     def _fine_tune(self, loop: _Loop) -> None:
@@ -301,9 +328,15 @@ class PruningTrainer:
         point at the end of the burn-in, its prunes in the metrics, an eval every
         ``eval_every`` steps and a checkpoint every ``checkpoint_every`` steps."""
         cfg, popt, state = self.config, loop.popt, loop.state
+        signum = self.guard.stop_signal()
+        if signum:
+            saved = self.rank == 0 and state.step > 0
+            path = loop.ckpts.save(state.step, self._checkpoint(popt, state)) if saved else None
+            raise Interrupted(signum, state.step, path)
         x, y = self._batch(state.step)
         loop.net.train()
         loss = self._loss(loop.net(x), y)
+        self.guard.check_loss(loss, state.step)
         seen = len(popt.history)
         popt.minimize(loss)
         loss_value = loss.item()
@@ -373,6 +406,7 @@ class PruningTrainer:
             "rng": rng_state(),
             "state": state.as_dict(),
             "config": self.config.to_dict(),
+            "data_files": self.data_files,
             "model_meta": {
                 "name": self.config.model,
                 "input_shape": list(self.data.input_shape),
@@ -389,11 +423,19 @@ class PruningTrainer:
         Raises:
             ValueError: the checkpoint was written for another model or other settings.
         """
-        path = ckpts.latest()
-        if path is None:
+        found = ckpts.load_newest(self.progress.line)
+        if found is None:
             self.progress.line(f"--resume: no checkpoint in {ckpts.directory}; starting afresh")
             return RunState()
-        saved = ckpts.load(path)
+        path, saved = found
+        for line in resume_changes(
+            saved.get("config", {}),
+            saved.get("data_files"),
+            self.config.to_dict(),
+            self.data_files,
+            str(path),
+        ):
+            self.progress.line(f"--resume: changed {line}")
         try:
             self.model.load_state_dict(saved["model"])
             popt.load_state_dict(saved["pruner"])
