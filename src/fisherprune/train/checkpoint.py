@@ -120,7 +120,12 @@ class CheckpointManager:
         data = _plain_bytes(state)
         digest = hashlib.sha256(data).hexdigest()
         atomic_write_bytes(_hash_path(path), f"{digest}  {path.name}\n".encode())
-        atomic_write_bytes(path, data)
+        try:
+            atomic_write_bytes(path, data)
+        except BaseException:
+            if not path.exists():  # no hash file without its checkpoint
+                _hash_path(path).unlink(missing_ok=True)
+            raise
         for old in self.paths()[: -self.keep]:
             old.unlink(missing_ok=True)
             _hash_path(old).unlink(missing_ok=True)

@@ -95,10 +95,10 @@ def resume_changes(
                 )
     if refused:
         raise ResumeMismatchError(
-            f"cannot resume from {source}: these settings change the result and differ from "
-            "the checkpoint's:\n  "
-            + "\n  ".join(refused)
-            + "\nresume with the checkpoint's settings, or start a new run with another "
+            f"cannot resume from {source}: settings that change the result differ from "
+            "the checkpoint's: "
+            + "; ".join(refused)
+            + ". Resume with the checkpoint's settings, or start a new run with another "
             "--save_dir (or --overwrite); a resumed run may change only: "
             + ", ".join(ALLOWED_CHANGES)
         )
