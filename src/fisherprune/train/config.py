@@ -299,6 +299,8 @@ class TrainConfig:
     def from_file(cls, path: str | Path, overrides: dict[str, Any] | None = None) -> TrainConfig:
         """Read a JSON config file, then apply ``overrides`` (command-line values win)."""
         p = Path(path)
+        if p.is_dir():
+            raise ValueError(f"config file {p} is a directory; give the JSON file in it")
         if not p.is_file():
             raise FileNotFoundError(f"config file {p} does not exist")
         try:
