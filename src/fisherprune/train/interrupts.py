@@ -24,6 +24,7 @@ __all__ = [
     "StopGuard",
     "init_distributed",
     "monitored_barrier",
+    "peer_timeout",
 ]
 
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -72,11 +73,31 @@ def monitored_barrier(timeout_s: float, where: str) -> None:
     try:
         dist.monitored_barrier(timeout=timedelta(seconds=timeout_s), wait_all_ranks=True)
     except RuntimeError as e:
-        raise PeerTimeoutError(
-            f"rank {dist.get_rank()}: another rank did not reach the {where} barrier within "
-            f"{timeout_s:g} s ({str(e).strip().splitlines()[0]}); is a rank frozen or dead? "
-            "(raise --dist_timeout for slow data loading)"
-        ) from None
+        raise peer_timeout(e, f"did not reach the {where} barrier within {timeout_s:g} s") from None
+
+
+def peer_timeout(e: BaseException, what: str) -> PeerTimeoutError:
+    """The error for a collective that failed because another rank ``what`` (its first line
+    from ``e``). Changes: leaves the process group (destroyed), so that the process can exit
+    instead of aborting in gloo's teardown."""
+    rank = dist.get_rank()
+    dist.destroy_process_group()
+    detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return PeerTimeoutError(
+        f"rank {rank}: another rank {what} ({detail}); is a rank frozen or dead? (raise "
+        "--dist_timeout if a rank is only slow, e.g. loading data)"
+    )
+
+
+def _lost_peer(e: BaseException) -> bool:
+    """Whether ``e``, raised in a process group, says another rank did not answer (gloo's
+    "Timed out" or a connection closed by a rank that died)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return False
+    text = str(e)
+    return isinstance(e, dist.DistError) or (
+        isinstance(e, RuntimeError) and ("gloo/transport" in text or "Timed out" in text)
+    )
 
 
 class StopGuard:
@@ -107,6 +128,8 @@ class StopGuard:
         for s, handler in self._old.items():
             signal.signal(s, handler)
         self._old = {}
+        if exc is not None and _lost_peer(exc):  # in DDP's own collectives
+            raise peer_timeout(exc, f"did not answer within {self.timeout_s:g} s") from None
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.signum:  # asked twice: stop now
@@ -121,11 +144,7 @@ class StopGuard:
         try:
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
         except RuntimeError as e:
-            raise PeerTimeoutError(
-                f"rank {dist.get_rank()}: another rank did not answer within "
-                f"{self.timeout_s:g} s ({str(e).strip().splitlines()[0]}); is a rank frozen "
-                "or dead?"
-            ) from None
+            raise peer_timeout(e, f"did not answer within {self.timeout_s:g} s") from None
         return t.tolist()
 
     def stop_signal(self) -> int:
