@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import shlex
 import signal
 import sys
@@ -44,6 +45,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: a value that starts with "-" but is numbers, such as -1,8,8 or -0.5 (argparse takes it
+#: for an option and answers "expected one argument")
+_NEGATIVE = re.compile(r"-\d[\d.,eE+-]*")
+
+
+def _attach_negative_values(argv: list[str]) -> list[str]:
+    """``--flag -1,8,8`` as ``--flag=-1,8,8``, so that the value reaches the flag's own
+    check; everything else unchanged."""
+    out: list[str] = []
+    for arg in argv:
+        if _NEGATIVE.fullmatch(arg) and out and out[-1].startswith("--") and "=" not in out[-1]:
+            out[-1] = f"{out[-1]}={arg}"
+        else:
+            out.append(arg)
+    return out
+
+
 def resume_command(argv: Sequence[str]) -> str:
     """The command line that resumes the run ``argv`` started: ``--resume`` added,
     ``--overwrite`` (which would delete the checkpoints) left out."""
@@ -66,7 +84,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     if not argv or (argv[0].startswith("--") and argv[0] not in ("--help", "--version")):
         argv = ["train", *argv]
-    args = parser.parse_args(argv)
+    args = parser.parse_args(_attach_negative_values(argv))
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",

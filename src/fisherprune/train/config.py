@@ -47,6 +47,23 @@ def _is_instance(value: Any, tp: Any) -> bool:
     return isinstance(value, tp)
 
 
+def _canonical(values: dict[str, Any]) -> dict[str, Any]:
+    """``values`` keyed by field name (seed spellings, dots and dashes resolved), in order.
+
+    Raises:
+        ValueError: two keys spell the same setting (``pruning.iter`` and ``pruning_iter``).
+    """
+    out: dict[str, Any] = {}
+    seen: dict[str, str] = {}
+    for key, v in values.items():
+        name = ALIASES.get(key, key.replace(".", "_").replace("-", "_"))
+        if name in seen:
+            raise ValueError(f"{seen[name]!r} and {key!r} both set {name}; keep one of them")
+        seen[name] = key
+        out[name] = v
+    return out
+
+
 # seed flag spellings (dotted and underscore) -> config field
 ALIASES: dict[str, str] = {
     "pruning.iter": "pruning_iter",
@@ -285,14 +302,12 @@ class TrainConfig:
     def from_dict(cls, values: dict[str, Any]) -> TrainConfig:
         """Build from a dict; seed spellings are accepted, unknown keys are errors."""
         known = set(cls.field_names())
-        out: dict[str, Any] = {}
-        for key, v in values.items():
-            name = ALIASES.get(key, key.replace(".", "_").replace("-", "_"))
+        out = _canonical(values)
+        for key, name in zip(values, out, strict=True):
             if name not in known:
                 raise ValueError(
                     f"unknown setting {key!r}; known settings: {', '.join(sorted(known))}"
                 )
-            out[name] = v
         return cls(**out)
 
     @classmethod
@@ -309,7 +324,10 @@ class TrainConfig:
             raise ValueError(f"config file {p} is not valid JSON: {e}") from None
         if not isinstance(values, dict):
             raise ValueError(f"config file {p} must hold a JSON object of settings")
-        values = {ALIASES.get(k, k.replace(".", "_")): v for k, v in values.items()}
+        try:
+            values = _canonical(values)
+        except ValueError as e:
+            raise ValueError(f"config file {p}: {e}") from None
         values.update(overrides or {})
         return cls.from_dict(values)
 
