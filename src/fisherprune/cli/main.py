@@ -9,6 +9,7 @@ import re
 import shlex
 import signal
 import sys
+import threading
 from collections.abc import Sequence
 from types import FrameType
 
@@ -89,19 +90,34 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",
     )
-    signal.signal(signal.SIGTERM, _terminated)
+    in_main = threading.current_thread() is threading.main_thread()
+    before = signal.signal(signal.SIGTERM, _terminated) if in_main else None
+    try:
+        return _dispatch(args, argv)
+    finally:
+        if in_main:
+            signal.signal(signal.SIGTERM, before)
+
+
+def _dispatch(args: argparse.Namespace, argv: list[str]) -> int:
+    """Run the subcommand; an expected failure becomes one line on stderr and its exit code
+    (1 failed, 2 bad input, 128 + signal interrupted)."""
     err = f"fisherprune {args.command}: error:"
     try:
         return int(args.func(args) or 0)
     except Interrupted as e:
-        how = f"resume with: {resume_command(argv)}" if e.checkpoint else "nothing to resume"
-        print(f"fisherprune {args.command}: stopped by {e}; {how}", file=sys.stderr)
+        how = f"; resume with: {resume_command(argv)}" if e.checkpoint else ""
+        print(f"fisherprune {args.command}: stopped by {e}{how}", file=sys.stderr)
         return 128 + e.signum
     except KeyboardInterrupt:
         print(f"fisherprune {args.command}: stopped by Ctrl-C (SIGINT)", file=sys.stderr)
         return 128 + signal.SIGINT
     except (DivergedError, PeerTimeoutError, ShrinkError) as e:
         print(f"{err} {e}", file=sys.stderr)
+        return 1
+    except BrokenPipeError:  # output piped into e.g. head: stop quietly
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
         return 1
     except OSError as e:
         if e.errno is None or (isinstance(e, FileNotFoundError) and e.filename is None):
@@ -112,7 +128,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, ImportError, KeyError) as e:
         print(f"{err} {e}", file=sys.stderr)
         return 2
-    except BrokenPipeError:  # output piped into e.g. head: stop quietly
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        return 1

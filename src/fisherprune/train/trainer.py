@@ -221,9 +221,18 @@ class PruningTrainer:
         ``metrics.jsonl`` (entry by entry), and at the end the exports, the report and
         ``result.json``. With ``config.resume`` it goes on from the newest checkpoint there.
 
+        The save directory is locked for the run (``claim_save_dir``); SIGINT / SIGTERM stop
+        it after the step under way, with a checkpoint of that step.
+
         Raises:
-            ValueError: bad data or model settings, or a checkpoint that does not fit.
-            OSError: a file could not be written.
+            ValueError: bad data or model settings, a checkpoint that does not fit, settings
+                that differ from the resumed checkpoint's (``ResumeMismatchError``), a save
+                directory in use or holding another run (``SaveDirInUseError``,
+                ``OtherRunError``).
+            DivergedError: the loss became NaN or infinite (nothing pruned or exported on it).
+            Interrupted: SIGINT or SIGTERM; it names the checkpoint written.
+            PeerTimeoutError: under torchrun, another rank did not answer in time.
+            OSError: a file could not be written (it names the file).
         """
         self._setup()
         self._load()
