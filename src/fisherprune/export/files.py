@@ -134,13 +134,13 @@ def _torchscript(
     atomic_write_bytes(path, _serialized(lambda f: torch.jit.save(scripted, f)))
 
 
-def _serialized(save: Callable[[io.BytesIO], None]) -> bytes:
+def _serialized(save: Callable[[io.BytesIO], None]) -> memoryview:
     """The bytes ``save`` writes into a buffer. Files are written from memory by
     ``atomic_write_bytes``, so that a full disk is an ``OSError`` naming the file (torch's C++
     writers report it as "unexpected pos" or abort the process)."""
     buf = io.BytesIO()
     save(buf)
-    return buf.getvalue()
+    return buf.getbuffer()  # no copy
 
 
 def _onnx_file(

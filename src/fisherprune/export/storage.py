@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import os
 import re
 import tempfile
@@ -20,6 +21,7 @@ __all__ = [
     "atomic_path",
     "atomic_save",
     "atomic_write_bytes",
+    "file_sha256",
     "os_error_text",
     "remove_orphans",
     "write_file",
@@ -64,7 +66,16 @@ def _file_mode() -> int:
     return 0o666 & ~mask
 
 
-def write_file(path: Path, data: bytes) -> None:
+def file_sha256(path: str | os.PathLike) -> str:
+    """The SHA-256 of the file at ``path``, hex, read in blocks of 1 MiB."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def write_file(path: Path, data: bytes | memoryview) -> None:
     """Write ``data`` to ``path`` and sync it to disk: the one place the bytes of a file from
     ``atomic_write_bytes`` reach the disk. Raises OSError (ENOSPC for a full disk)."""
     with open(path, "wb") as f:
@@ -111,7 +122,7 @@ def atomic_path(path: Path, suffix: str = ".tmp") -> Iterator[Path]:
         raise
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
+def atomic_write_bytes(path: Path, data: bytes | memoryview) -> None:
     """Write ``data`` to ``path`` atomically (``write_file`` on a temporary file)."""
     with atomic_path(path) as tmp:
         write_file(tmp, data)

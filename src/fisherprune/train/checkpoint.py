@@ -21,7 +21,7 @@ import torch
 
 from fisherprune._errors import first_line
 from fisherprune.export.safe_load import PickledObjectsError, load_plain
-from fisherprune.export.storage import atomic_write_bytes, remove_orphans
+from fisherprune.export.storage import atomic_write_bytes, file_sha256, remove_orphans
 
 __all__ = ["CheckpointManager", "DamagedCheckpointError", "rng_state", "set_rng_state"]
 
@@ -207,13 +207,11 @@ class CheckpointManager:
                 errno.EISDIR, "is a directory; give a ckpt-*.pt file in it", str(path)
             )
         saved = _saved_digest(path)
-        if saved is not None:
-            digest = hashlib.sha256(path.read_bytes()).hexdigest()
-            if digest != saved:
-                raise DamagedCheckpointError(
-                    f"checkpoint {path} is damaged: its content hash differs from the one "
-                    "written with it (truncated or changed on disk)"
-                )
+        if saved is not None and file_sha256(path) != saved:
+            raise DamagedCheckpointError(
+                f"checkpoint {path} is damaged: its content hash differs from the one "
+                "written with it (truncated or changed on disk)"
+            )
         try:
             state = load_plain(path, "checkpoint", _REFUSED)
         except PickledObjectsError:
@@ -240,7 +238,7 @@ def _saved_digest(path: Path) -> str | None:
     return text.split()[0] if text.strip() else ""
 
 
-def _plain_bytes(state: dict[str, Any]) -> bytes:
+def _plain_bytes(state: dict[str, Any]) -> memoryview:
     """``torch.save(state)`` as bytes, refused unless ``weights_only=True`` can read it."""
     buf = io.BytesIO()
     torch.save(state, buf)
@@ -251,4 +249,4 @@ def _plain_bytes(state: dict[str, Any]) -> bytes:
             "a checkpoint holds tensors and plain data only, so that loading it cannot run "
             f"code; this state also holds {', '.join(sorted(unsafe))}"
         )
-    return buf.getvalue()
+    return buf.getbuffer()  # no copy

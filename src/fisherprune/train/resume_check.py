@@ -9,9 +9,10 @@ and leaks eval rows into training), so it is refused with the list of difference
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 from typing import Any
+
+from fisherprune.export.storage import file_sha256
 
 __all__ = [
     "ALLOWED_CHANGES",
@@ -53,11 +54,7 @@ def data_fingerprint(config: dict[str, Any]) -> dict[str, str]:
     for name in DATA_FIELDS:
         value = config.get(name)
         if value and Path(value).is_file():
-            h = hashlib.sha256()
-            with open(value, "rb") as f:
-                for block in iter(lambda: f.read(1 << 20), b""):
-                    h.update(block)
-            out[name] = h.hexdigest()
+            out[name] = file_sha256(value)
     return out
 
 
