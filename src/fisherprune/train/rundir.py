@@ -26,8 +26,9 @@ def claim_save_dir(
     say: Callable[[str], None],
 ) -> RunLock:
     """Make ``save_dir`` this run's: create it, lock it, delete temporary files an interrupted
-    write left there (checkpoints, exports), and with ``overwrite`` (and no ``resume``) delete
-    the checkpoints of an earlier run. ``say`` gets one line for each thing removed.
+    write left there (checkpoints, exports, reports), and with ``overwrite`` (and no
+    ``resume``) delete the checkpoints of an earlier run. ``say`` gets one line for each thing
+    removed.
 
     Returns:
         The lock, held; release it when the run ends (the OS does when the process dies).
@@ -41,7 +42,7 @@ def claim_save_dir(
     lock = RunLock(save_dir)
     lock.acquire()
     try:
-        left = ckpts.clean() + remove_orphans(export_dir)
+        left = ckpts.clean() + remove_orphans(export_dir) + remove_orphans(save_dir)
         if left:
             say(f"removed {len(left)} temporary file(s) an interrupted run left in {save_dir}")
         existing = ckpts.paths()
