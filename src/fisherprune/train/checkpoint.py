@@ -218,7 +218,8 @@ class CheckpointManager:
             raise
         except Exception as e:
             raise DamagedCheckpointError(
-                f"checkpoint {path} is damaged or not a checkpoint: {first_line(e)}"
+                f"cannot read checkpoint {path}: it is damaged or not a checkpoint "
+                f"({first_line(e)})"
             ) from e
         if not isinstance(state, dict) or "model" not in state or "pruner" not in state:
             raise ValueError(f"{path} is not a fisherprune checkpoint")
