@@ -32,7 +32,7 @@ import fisherprune
 from fisherprune.cli.export import model_from_checkpoint
 from fisherprune.cli.main import build_parser, main
 from fisherprune.cli.train import config_from_args
-from fisherprune.export import load_aoti_export
+from fisherprune.export import load_aoti_export, storage
 from fisherprune.train.checkpoint import CheckpointManager
 from fisherprune.train.config import TrainConfig
 from fisherprune.train.models import build_model
@@ -360,24 +360,25 @@ def test_bad_input_exits_2_with_one_error_line(
 def test_export_failing_midway_leaves_no_partial_file(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """If writing export/model.pt fails halfway (here: torch.save writes some bytes, then
-    raises), neither model.pt nor a temporary file is left in the export directory."""
-    real_save = torch.save
+    """If writing export/model.pt fails halfway (here: the file writer writes some bytes, then
+    raises ENOSPC), neither model.pt nor a temporary file is left in the export directory, and
+    the one-line error says the disk is full."""
+    real_write = storage.write_file
 
-    def failing_save(obj: Any, f: Any, *a: Any, **kw: Any) -> None:
-        if isinstance(obj, dict) and "plan" in obj:  # the state_dict export, not a checkpoint
-            Path(f).write_bytes(b"partial")
+    def failing_write(path: Path, data: bytes) -> None:
+        if path.name.startswith(".model.pt."):  # the state_dict export, not a checkpoint
+            Path(path).write_bytes(b"partial")
             raise OSError(28, "No space left on device")
-        real_save(obj, f, *a, **kw)
+        real_write(path, data)
 
-    monkeypatch.setattr(torch, "save", failing_save)
+    monkeypatch.setattr(storage, "write_file", failing_write)
     x, y = _table(200, seed=1)
     save = tmp_path / "run"
     cli = run_cli(
         "train", "--data", _write_csv(tmp_path / "t.csv", x, y), *MLP8, "--train.steps", "20",
         *FAST, "--save_dir", save,
     )  # fmt: skip
-    assert cli.code != 0 and "No space left" in cli.err
+    assert cli.code != 0 and "model.pt: disk full" in cli.err, cli.err
     assert not (save / "export" / "model.pt").exists()
     assert _tmp_files(tmp_path) == []
 
@@ -544,10 +545,11 @@ def test_only_the_newest_checkpoints_are_kept(
     checkpointed: tuple[Path, list[tuple[str, str]]],
 ) -> None:
     """--keep_checkpoints 2 leaves exactly the two newest checkpoints (the last periodic one and
-    the final step), each loadable, and no temporary file."""
+    the final step), each loadable and with its hash file, and no temporary file."""
     save, _ = checkpointed
-    ckpts = sorted(p.name for p in (save / "checkpoints").iterdir())
-    assert ckpts == ["ckpt-00000020.pt", "ckpt-00000023.pt"]
+    files = sorted(p.name for p in (save / "checkpoints").iterdir())
+    ckpts = ["ckpt-00000020.pt", "ckpt-00000023.pt"]
+    assert files == sorted(ckpts + [f"{n}.sha256" for n in ckpts])
     for name in ckpts:
         state = CheckpointManager.load(save / "checkpoints" / name)
         assert state["state"]["step"] == int(name[5:13])

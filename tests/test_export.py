@@ -743,10 +743,8 @@ def test_failed_write_leaves_no_partial_file(
     """A write failing midway leaves no new file and an existing file at the path untouched."""
     import fisherprune.export.files as files
 
-    if fmt == "state_dict":
-        monkeypatch.setattr(torch, "save", lambda obj, f, *a, **k: _fail_midway(f))
-    elif fmt == "torchscript":
-        monkeypatch.setattr(torch.jit, "save", lambda m, f, *a, **k: _fail_midway(f))
+    if fmt in ("state_dict", "torchscript"):  # serialised in memory, then written out
+        monkeypatch.setattr(fpe.storage, "write_file", lambda path, data: _fail_midway(path))
     elif fmt == "onnx":
         pytest.importorskip("onnx", reason="ONNX export needs the onnx package")
         monkeypatch.setattr(files, "_onnx", lambda model, args, tmp: _fail_midway(tmp))

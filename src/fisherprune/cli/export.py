@@ -37,10 +37,12 @@ def model_from_checkpoint(path: str) -> tuple[nn.Module, Any]:
 
     Raises:
         FileNotFoundError / ValueError: missing or foreign checkpoint.
+        IsADirectoryError: ``path`` is a directory.
+        DamagedCheckpointError: (a ValueError) its content hash differs or it cannot be read.
     """
 
     p = Path(path)
-    if not p.is_file():
+    if not p.exists():
         raise FileNotFoundError(f"checkpoint {p} does not exist")
     state = CheckpointManager.load(p)
     meta = state.get("model_meta")

@@ -25,6 +25,7 @@ from fisherprune.cost.formulas import Formula
 from fisherprune.graph.channels import ChannelGraph
 from fisherprune.graph.trace import trace_model
 from fisherprune.graph.types import OpRecord, Slot
+from fisherprune.inputs import batch_size
 from fisherprune.masks import MaskLayer, find_masks
 
 __all__ = ["CostModel", "CostReport", "MarginalCosts", "computational_cost"]
@@ -114,6 +115,11 @@ class CostModel:
     ) -> None:
         self._counting = get_convention(convention)  # its formulas, parameter terms, divisor
         self.convention = convention
+        if batch_size(example_inputs) == 0:
+            raise ValueError(
+                "example_inputs hold a batch of 0 examples; costs are per example, so give at "
+                "least one (e.g. x[:1])"
+            )
         self.masks = find_masks(model)
         self.trace = trace_model(model, example_inputs, loss_fn)
         self.graph = ChannelGraph(self.trace)

@@ -4,6 +4,7 @@ AOTInductor package."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import importlib.util
 import io
 import logging
@@ -22,7 +23,7 @@ from fisherprune.export.layout import ServedInputs
 from fisherprune.export.plan import PruningPlan
 from fisherprune.export.safe_load import load_plain
 from fisherprune.export.shrink import shrink
-from fisherprune.export.storage import atomic_save
+from fisherprune.export.storage import atomic_save, atomic_write_bytes
 from fisherprune.inputs import Inputs
 from fisherprune.masks import find_masks
 from fisherprune.masks.points import remembered_inputs
@@ -70,6 +71,9 @@ def export_model(
             than TorchScript, or an ``aoti`` path not ending in ``.pt2``.
         ImportError: ONNX requested without the onnx package.
         FileNotFoundError: the target directory does not exist.
+        IsADirectoryError: ``path`` is a directory.
+        OSError: the file could not be written (a full disk: ENOSPC); it names ``path``, and
+            no partial file is left.
         RuntimeError: ``aoti``: the model cannot be exported or compiled (the message says
             which and why).
     """
@@ -84,6 +88,8 @@ def export_model(
         raise ValueError(f"an AOTInductor package is a .pt2 file; {path.name} does not end in .pt2")
     if not path.parent.is_dir():
         raise FileNotFoundError(f"cannot write {path}: directory {path.parent} does not exist")
+    if path.is_dir():
+        raise IsADirectoryError(errno.EISDIR, "is a directory; give a file name", str(path))
     if format == "onnx" and importlib.util.find_spec("onnx") is None:
         raise ImportError("ONNX export needs the onnx package: pip install 'fisherprune[onnx]'")
     masked = bool(find_masks(model))
@@ -117,14 +123,24 @@ def _state_dict(
 ) -> None:
     state = {k: v.detach().cpu() for k, v in small.state_dict().items()}
     payload = {"state_dict": state, "plan": plan.to_dict()}
-    atomic_save(path, lambda tmp: torch.save(payload, tmp))
+    atomic_write_bytes(path, _serialized(lambda f: torch.save(payload, f)))
 
 
 def _torchscript(
     small: nn.Module, path: Path, inputs: Inputs, plan: PruningPlan, freeze: bool
 ) -> None:
     scripted = traced(small, inputs, freeze)
-    atomic_save(path, lambda tmp: torch.jit.save(scripted, str(tmp)))
+    # into memory first: torch.jit.save's own file writer aborts the process on a full disk
+    atomic_write_bytes(path, _serialized(lambda f: torch.jit.save(scripted, f)))
+
+
+def _serialized(save: Callable[[io.BytesIO], None]) -> memoryview:
+    """The bytes ``save`` writes into a buffer. Files are written from memory by
+    ``atomic_write_bytes``, so that a full disk is an ``OSError`` naming the file (torch's C++
+    writers report it as "unexpected pos" or abort the process)."""
+    buf = io.BytesIO()
+    save(buf)
+    return buf.getbuffer()  # no copy
 
 
 def _onnx_file(

@@ -1,47 +1,131 @@
-"""Atomic file writes: a file is either written whole or not at all."""
+"""Atomic file writes: a file is either written whole or not at all.
+
+Every write goes to a temporary file beside its target (``.<name>.<random>.tmp``), which is
+synced, given the mode the user's umask allows (as ``open`` would, not ``mkstemp``'s 0600) and
+renamed over the target. An ``OSError`` on the way is raised again naming the target file, and
+the temporary file is removed; one left by a killed process is removed by ``remove_orphans``.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import hashlib
 import os
+import re
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-__all__ = ["atomic_path", "atomic_save", "atomic_write_bytes"]
+__all__ = [
+    "atomic_path",
+    "atomic_save",
+    "atomic_write_bytes",
+    "file_sha256",
+    "os_error_text",
+    "remove_orphans",
+    "write_file",
+]
+
+#: a temporary file of ``atomic_path``: ``.<target name>.<8 random characters><suffix>``
+_TEMPORARY = re.compile(r"^\..+\.[a-z0-9_]{8}(\.tmp|\.pt2)$")
+
+#: the words a message uses for an OSError's errno
+_CAUSES: dict[int, str] = {
+    errno.ENOSPC: "disk full (no space left on device)",
+    errno.EDQUOT: "disk quota exceeded",
+    errno.EROFS: "read-only file system",
+    errno.EACCES: "permission denied",
+    errno.EPERM: "operation not permitted",
+    errno.EISDIR: "is a directory",
+    errno.ENOTDIR: "a part of the path is not a directory",
+    errno.ENOENT: "no such file or directory",
+    errno.EIO: "input/output error (a failing disk?)",
+}
+
+
+def os_error_text(e: OSError) -> str:
+    """One line for ``e``: ``"<path>: disk full (no space left on device)"``; the path is left
+    out when ``e`` names none, the cause is the OS's text for an errno not in the table."""
+    cause = _CAUSES.get(e.errno or -1) or e.strerror or str(e) or type(e).__name__
+    return f"{e.filename}: {cause}" if e.filename else cause
+
+
+def _located(e: OSError, path: Path) -> OSError:
+    """``e`` again, of the same class, naming ``path`` (the file the user asked for rather than
+    a temporary one); ``e`` itself when it has no errno."""
+    if e.errno is None:
+        return e
+    return type(e)(e.errno, e.strerror or os.strerror(e.errno), str(path))
+
+
+def _file_mode() -> int:
+    """The mode ``open`` gives a new file under the process's umask (0o644 for umask 022)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    """The SHA-256 of the file at ``path``, hex, read in blocks of 1 MiB."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def write_file(path: Path, data: bytes | memoryview) -> None:
+    """Write ``data`` to ``path`` and sync it to disk: the one place the bytes of a file from
+    ``atomic_write_bytes`` reach the disk. Raises OSError (ENOSPC for a full disk)."""
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 @contextlib.contextmanager
 def atomic_path(path: Path, suffix: str = ".tmp") -> Iterator[Path]:
-    """Yield a temporary path beside ``path``; on success it replaces ``path`` atomically.
+    """Yield a temporary path beside ``path``; on success it replaces ``path`` atomically,
+    with the mode the umask allows.
 
     On any exception the temporary file is removed and ``path`` is left as it was. ``suffix``
     ends the temporary name, for writers that insist on an extension (AOTInductor's ``.pt2``).
 
     Raises:
         FileNotFoundError: the parent directory does not exist.
+        IsADirectoryError: ``path`` is a directory.
+        OSError: the write failed (full disk, read-only directory, ...); it names ``path``.
     """
     path = Path(path)
     if not path.parent.is_dir():
         raise FileNotFoundError(f"cannot write {path}: directory {path.parent} does not exist")
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=suffix, dir=path.parent)
+    if path.is_dir():
+        raise IsADirectoryError(errno.EISDIR, "is a directory; give a file name", str(path))
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=suffix, dir=path.parent)
+    except OSError as e:
+        raise _located(e, path) from e
     os.close(fd)
     tmp_path = Path(tmp)
     try:
         yield tmp_path
         with open(tmp_path, "rb+") as f:
             os.fsync(f.fileno())
+        os.chmod(tmp_path, _file_mode())
         os.replace(tmp_path, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
+    except BaseException as e:
+        with contextlib.suppress(OSError):
             tmp_path.unlink()
+        if isinstance(e, OSError):
+            raise _located(e, path) from e
         raise
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` atomically."""
+def atomic_write_bytes(path: Path, data: bytes | memoryview) -> None:
+    """Write ``data`` to ``path`` atomically (``write_file`` on a temporary file)."""
     with atomic_path(path) as tmp:
-        tmp.write_bytes(data)
+        write_file(tmp, data)
 
 
 def atomic_save(path: Path, writer: Callable[[Path], None], suffix: str = ".tmp") -> None:
@@ -49,3 +133,15 @@ def atomic_save(path: Path, writer: Callable[[Path], None], suffix: str = ".tmp"
     ``atomic_path``)."""
     with atomic_path(path, suffix) as tmp:
         writer(tmp)
+
+
+def remove_orphans(directory: Path) -> list[Path]:
+    """Delete the temporary files an interrupted ``atomic_path`` left in ``directory`` (a
+    process killed mid-write); return them. Call it only while no other process writes there
+    (``fisherprune train`` holds the directory's lock)."""
+    if not Path(directory).is_dir():
+        return []
+    removed = [p for p in Path(directory).iterdir() if _TEMPORARY.match(p.name) and p.is_file()]
+    for p in removed:
+        p.unlink(missing_ok=True)
+    return removed

@@ -113,7 +113,9 @@ def prune(
     Already pruned channels are never chosen, and no mask goes below
     ``min_channels`` kept channels. Ties are broken deterministically: lowest
     score, then the earlier mask in the order of ``masks``, then the lower
-    channel index. NaN scores count as +inf (never preferred).
+    channel index. A NaN or infinite score of any kept channel is refused (``ValueError``,
+    nothing changed): it means the signal diverged (a NaN loss, NaN weights), and no channel
+    can be chosen safely from it.
 
     With ``round_to = k > 1`` every mask keeps a multiple of ``k`` channels (CPU and GPU
     kernels process channels in vector-width blocks, commonly 8 or 16: 9 channels run as
@@ -152,7 +154,9 @@ def prune(
 
     Raises:
         ValueError: ``min_channels`` < 0, ``round_to`` < 1, scores that do not match the
-            masks, or (``uniform``) copies of a mask that keep different counts.
+            masks, a NaN or infinite score for a channel not yet pruned (the message names
+            the mask and channel; no mask is changed), or (``uniform``) copies of a mask that
+            keep different counts.
     """
     check_min_channels(min_channels)
     check_round_to(round_to)
@@ -181,8 +185,6 @@ def prune(
             continue
         chosen = {n: _lowest_alive(md[n], sd[n], r) for n in members}
         v = float(torch.cat([sd[n][c] for n, c in chosen.items()]).mean())
-        if math.isnan(v):  # -inf next to +inf in one block: rank it last, like a NaN score
-            v = math.inf
         first = members[0]
         cand = (v, order[first], chosen[first][0], chosen)
         if best is None or cand[:3] < best[:3]:
@@ -206,7 +208,8 @@ def prune(
 def _scores_by_name(
     md: Mapping[str, Any], scores: Mapping[str, Tensor] | Sequence[Tensor]
 ) -> dict[str, Tensor]:
-    """Scores per mask name, as float64 on the CPU with NaN as +inf; checked against the masks."""
+    """Scores per mask name, as float64 on the CPU; checked against the masks (and finite for
+    every kept channel)."""
     if isinstance(scores, Mapping):
         given = {str(k): v for k, v in scores.items()}
     else:
@@ -224,7 +227,8 @@ def _scores_by_name(
                 f"scores for mask {name!r} have {s.numel()} entries, the mask has "
                 f"{m.num_channels} channels"
             )
-        out[name] = torch.where(torch.isnan(s), torch.full_like(s, math.inf), s)
+        _check_finite(name, s, m.mask.detach().cpu() > 0.5)
+        out[name] = s
     return out
 
 
@@ -232,3 +236,17 @@ def _lowest_alive(m: Any, s: Tensor, r: int) -> list[int]:
     """The ``r`` alive channels of mask ``m`` with the lowest scores ``s`` (ties: lower index)."""
     idx = torch.nonzero(m.mask.detach().cpu() > 0.5).flatten()  # ascending: stable ties
     return idx[torch.sort(s[idx], stable=True).indices[:r]].tolist()
+
+
+def _check_finite(name: str, scores: Tensor, alive: Tensor) -> None:
+    """Raise ValueError when a channel of mask ``name`` that is still kept (``alive``) has a NaN
+    or infinite score."""
+    bad = torch.nonzero(alive & ~torch.isfinite(scores)).flatten()
+    if bad.numel():
+        k = int(bad[0])
+        raise ValueError(
+            f"prune: mask {name!r} has {bad.numel()} kept channel(s) with a non-finite score "
+            f"(channel {k}: {float(scores[k])}); the pruning signal diverged (a NaN or infinite "
+            "loss, gradients or weights), so nothing was pruned: lower the learning rate or "
+            "check the data for NaN"
+        )

@@ -1,4 +1,5 @@
-"""Checkpoints: written atomically, the last N kept, the newest found for ``--resume``.
+"""Checkpoints: written atomically with a content hash, the last N kept, the newest whole one
+found for ``--resume``.
 
 A checkpoint holds tensors and plain data only (dicts, lists, tuples, strings, numbers), so it
 is read back with ``torch.load(..., weights_only=True)``: nothing in it can run code on load.
@@ -6,18 +7,23 @@ is read back with ``torch.load(..., weights_only=True)``: nothing in it can run 
 
 from __future__ import annotations
 
+import errno
+import hashlib
+import io
 import random
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from fisherprune._errors import first_line
 from fisherprune.export.safe_load import PickledObjectsError, load_plain
-from fisherprune.export.storage import atomic_save
+from fisherprune.export.storage import atomic_write_bytes, file_sha256, remove_orphans
 
-__all__ = ["CheckpointManager", "rng_state", "set_rng_state"]
+__all__ = ["CheckpointManager", "DamagedCheckpointError", "rng_state", "set_rng_state"]
 
 _NAME = re.compile(r"^ckpt-(\d{8})\.pt$")
 
@@ -73,8 +79,15 @@ def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
 
 
+class DamagedCheckpointError(ValueError):
+    """A checkpoint whose bytes are not those written (its content hash differs from the one
+    saved with it, or it cannot be read back): truncated, or changed on disk."""
+
+
 class CheckpointManager:
-    """Files ``ckpt-<step>.pt`` in ``directory``; each written whole or not at all."""
+    """Files ``ckpt-<step>.pt`` in ``directory``, each written whole or not at all, with its
+    SHA-256 beside it in ``ckpt-<step>.pt.sha256`` (the format of ``sha256sum``, so
+    ``sha256sum -c`` checks it too); ``load`` verifies it."""
 
     def __init__(self, directory: Path, keep: int) -> None:
         self.directory = Path(directory)
@@ -88,54 +101,153 @@ class CheckpointManager:
         return sorted(found, key=lambda p: int(_NAME.match(p.name).group(1)))  # type: ignore[union-attr]
 
     def save(self, step: int, state: dict[str, Any]) -> Path:
-        """Write ``state`` for ``step`` and delete all but the newest ``keep`` checkpoints.
+        """Write ``state`` for ``step`` with its hash file, and delete all but the newest
+        ``keep`` checkpoints (and their hash files).
 
-        ``state`` must hold tensors and plain data only (what ``load`` reads back); the file is
-        checked before it replaces anything.
+        ``state`` must hold tensors and plain data only (what ``load`` reads back); the bytes
+        are checked before anything is written. The hash file is written first: a process
+        killed between the two leaves a checkpoint that ``load`` reports as damaged (and
+        ``load_newest`` passes over), never one taken for whole without being checked.
 
         Raises:
             TypeError: ``state`` holds another object (a numpy array, a class instance): no
                 file is written and no older checkpoint is deleted.
+            OSError: a file could not be written (a full disk: ENOSPC); it names the file,
+                and every older checkpoint is left as it was.
         """
         self.directory.mkdir(parents=True, exist_ok=True)
         path = self.directory / f"ckpt-{step:08d}.pt"
-        atomic_save(path, lambda tmp: _save_plain(state, tmp))
+        data = _plain_bytes(state)
+        digest = hashlib.sha256(data).hexdigest()
+        atomic_write_bytes(_hash_path(path), f"{digest}  {path.name}\n".encode())
+        try:
+            atomic_write_bytes(path, data)
+        except BaseException:
+            if not path.exists():  # no hash file without its checkpoint
+                _hash_path(path).unlink(missing_ok=True)
+            raise
         for old in self.paths()[: -self.keep]:
             old.unlink(missing_ok=True)
+            _hash_path(old).unlink(missing_ok=True)
         return path
 
     def latest(self) -> Path | None:
         paths = self.paths()
         return paths[-1] if paths else None
 
-    @staticmethod
-    def load(path: Path) -> dict[str, Any]:
-        """Load a checkpoint written by ``save`` as tensors and plain data only
-        (``torch.load(..., weights_only=True)``); reads the file, changes nothing.
+    def remove_all(self) -> int:
+        """Delete every checkpoint, its hash file and any set-aside damaged one; return how
+        many checkpoints there were."""
+        paths = self.paths()
+        for p in paths:
+            p.unlink(missing_ok=True)
+            _hash_path(p).unlink(missing_ok=True)
+        if self.directory.is_dir():
+            for p in self.directory.glob("ckpt-*.pt.damaged"):
+                p.unlink(missing_ok=True)
+        return len(paths)
+
+    def clean(self) -> list[Path]:
+        """Delete what an interrupted ``save`` left: temporary files, and hash files whose
+        checkpoint was never written; return them. Only while no other run writes here."""
+        removed = remove_orphans(self.directory)
+        if self.directory.is_dir():
+            for h in self.directory.glob("ckpt-*.pt.sha256"):
+                if not h.with_suffix("").exists():
+                    h.unlink(missing_ok=True)
+                    removed.append(h)
+        return removed
+
+    def load_newest(self, report: Callable[[str], None]) -> tuple[Path, dict[str, Any]] | None:
+        """The newest checkpoint that loads whole, and its path; None when there is none.
+
+        Changes: a damaged checkpoint newer than it is renamed ``ckpt-<step>.pt.damaged`` (so
+        that later saves, at lower steps, are not deleted in its favour), and ``report`` is
+        called with one line naming it and why.
 
         Raises:
+            DamagedCheckpointError: every checkpoint is damaged.
+            PickledObjectsError: the newest readable checkpoint holds pickled objects.
+        """
+        damaged = []
+        for path in reversed(self.paths()):
+            try:
+                return path, self.load(path)
+            except DamagedCheckpointError as e:
+                aside = path.with_name(path.name + ".damaged")
+                path.replace(aside)
+                _hash_path(path).unlink(missing_ok=True)
+                report(f"{e}; set it aside as {aside.name} and trying the one before")
+                damaged.append(path.name)
+        if damaged:
+            raise DamagedCheckpointError(
+                f"every checkpoint in {self.directory} is damaged ({', '.join(damaged)}); "
+                "start afresh with --overwrite or use another --save_dir"
+            )
+        return None
+
+    @staticmethod
+    def load(path: Path) -> dict[str, Any]:
+        """Load a checkpoint written by ``save``: check its content hash against its hash file
+        (a checkpoint without one, from an older fisherprune, is read unchecked), then read
+        tensors and plain data only (``torch.load(..., weights_only=True)``). Changes nothing.
+
+        Raises:
+            IsADirectoryError: ``path`` is a directory.
+            DamagedCheckpointError: (a ValueError) the hash differs, or the file cannot be read
+                (truncated): the message names the file.
             PickledObjectsError: (a ValueError) the file holds pickled Python objects: it was
                 written by an older fisherprune or by another program. Nothing from it ran;
                 the one-line message names the file and says what to do.
-            ValueError: the file is not a fisherprune checkpoint (or is damaged).
+            ValueError: the file is not a fisherprune checkpoint.
         """
+        path = Path(path)
+        if path.is_dir():
+            raise IsADirectoryError(
+                errno.EISDIR, "is a directory; give a ckpt-*.pt file in it", str(path)
+            )
+        saved = _saved_digest(path)
+        if saved is not None and file_sha256(path) != saved:
+            raise DamagedCheckpointError(
+                f"checkpoint {path} is damaged: its content hash differs from the one "
+                "written with it (truncated or changed on disk)"
+            )
         try:
             state = load_plain(path, "checkpoint", _REFUSED)
         except PickledObjectsError:
             raise
         except Exception as e:
-            raise ValueError(f"cannot read checkpoint {path}: {e}") from e
+            raise DamagedCheckpointError(
+                f"cannot read checkpoint {path}: it is damaged or not a checkpoint "
+                f"({first_line(e)})"
+            ) from e
         if not isinstance(state, dict) or "model" not in state or "pruner" not in state:
             raise ValueError(f"{path} is not a fisherprune checkpoint")
         return state
 
 
-def _save_plain(state: dict[str, Any], tmp: Path) -> None:
-    """``torch.save(state, tmp)``, then refuse it unless ``weights_only=True`` can read it."""
-    torch.save(state, tmp)
-    unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(tmp)
+def _hash_path(path: Path) -> Path:
+    return path.with_name(path.name + ".sha256")
+
+
+def _saved_digest(path: Path) -> str | None:
+    """The hex digest in ``path``'s hash file; None when there is none."""
+    try:
+        text = _hash_path(path).read_text()
+    except FileNotFoundError:
+        return None
+    return text.split()[0] if text.strip() else ""
+
+
+def _plain_bytes(state: dict[str, Any]) -> memoryview:
+    """``torch.save(state)`` as bytes, refused unless ``weights_only=True`` can read it."""
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(buf)
     if unsafe:
         raise TypeError(
             "a checkpoint holds tensors and plain data only, so that loading it cannot run "
             f"code; this state also holds {', '.join(sorted(unsafe))}"
         )
+    return buf.getbuffer()  # no copy

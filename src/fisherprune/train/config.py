@@ -47,6 +47,23 @@ def _is_instance(value: Any, tp: Any) -> bool:
     return isinstance(value, tp)
 
 
+def _canonical(values: dict[str, Any]) -> dict[str, Any]:
+    """``values`` keyed by field name (seed spellings, dots and dashes resolved), in order.
+
+    Raises:
+        ValueError: two keys spell the same setting (``pruning.iter`` and ``pruning_iter``).
+    """
+    out: dict[str, Any] = {}
+    seen: dict[str, str] = {}
+    for key, v in values.items():
+        name = ALIASES.get(key, key.replace(".", "_").replace("-", "_"))
+        if name in seen:
+            raise ValueError(f"{seen[name]!r} and {key!r} both set {name}; keep one of them")
+        seen[name] = key
+        out[name] = v
+    return out
+
+
 # seed flag spellings (dotted and underscore) -> config field
 ALIASES: dict[str, str] = {
     "pruning.iter": "pruning_iter",
@@ -115,6 +132,8 @@ HELP: dict[str, str] = {
     "checkpoint_every": "steps between checkpoints",
     "keep_checkpoints": "how many checkpoints to keep",
     "resume": "continue from the newest checkpoint in SAVE_DIR",
+    "overwrite": "start afresh in a SAVE_DIR holding another run's checkpoints (deletes them)",
+    "dist_timeout": "under torchrun: seconds to wait for another rank before ending the job",
     "export_formats": "comma-separated: state_dict, torchscript, onnx, aoti (a .pt2 "
     "AOTInductor package: needs a C++ compiler, adds 15-60 s)",
     "seed": "random seed (data order, initialisation)",
@@ -171,11 +190,14 @@ class TrainConfig:
             a channel (None: ``pruning_convention``); see ``PruningOptimizer``.
     Files:
         save_dir: where checkpoints, metrics, report go; export_dir: exported models
-        (default ``save_dir/export``); checkpoint_every, keep_checkpoints; resume;
+        (default ``save_dir/export``); checkpoint_every, keep_checkpoints; resume (a resumed
+        run may change only ``resume_check.ALLOWED_CHANGES``); overwrite (start afresh in a
+        save_dir holding another run's checkpoints, deleting them);
         export_formats: any of ``fisherprune.export.FORMATS`` (state_dict, torchscript, onnx,
             aoti).
     Run:
-        seed, threads, progress ("auto", "bar", "plain", "none").
+        seed, threads, progress ("auto", "bar", "plain", "none"); dist_timeout: seconds a rank
+        waits for the others under torchrun before the job ends with an error.
         device: "auto", "cpu", "cuda", "cuda:N" or "mps"; precision: "fp32", "bf16", "fp16";
         log: metric logs besides ``metrics.jsonl`` (``"tensorboard"``).
     """
@@ -224,6 +246,7 @@ class TrainConfig:
     checkpoint_every: int = 100
     keep_checkpoints: int = 3
     resume: bool = False
+    overwrite: bool = False
     export_formats: list[str] = field(default_factory=lambda: ["state_dict", "torchscript", "onnx"])
     seed: int = 0
     threads: int | None = None
@@ -231,6 +254,7 @@ class TrainConfig:
     device: str = "auto"
     precision: str = "fp32"
     log: list[str] = field(default_factory=list)
+    dist_timeout: float = 120.0
 
     def __post_init__(self) -> None:
         self.validate()
@@ -249,6 +273,12 @@ class TrainConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+        if self.width is not None and not isinstance(self.width, bool) and self.width < 1:
+            raise ValueError(
+                f"width must be an integer >= 1 (channels per layer), got {self.width}"
+            )
+        if self.resume and self.overwrite:
+            raise ValueError("resume and overwrite exclude each other: give one of them")
         for name in ("steps", "pruning_burn_in", "width", "depth", "threads", "min_dense_steps"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
@@ -257,7 +287,7 @@ class TrainConfig:
             raise ValueError(
                 f"fine_tune_steps must be an integer >= 0, got {self.fine_tune_steps!r}"
             )
-        for name in ("learning_rate", "epochs"):
+        for name in ("learning_rate", "epochs", "dist_timeout"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
                 raise ValueError(f"{name} must be a number > 0, got {v!r}")
@@ -309,20 +339,20 @@ class TrainConfig:
     def from_dict(cls, values: dict[str, Any]) -> TrainConfig:
         """Build from a dict; seed spellings are accepted, unknown keys are errors."""
         known = set(cls.field_names())
-        out: dict[str, Any] = {}
-        for key, v in values.items():
-            name = ALIASES.get(key, key.replace(".", "_").replace("-", "_"))
+        out = _canonical(values)
+        for key, name in zip(values, out, strict=True):
             if name not in known:
                 raise ValueError(
                     f"unknown setting {key!r}; known settings: {', '.join(sorted(known))}"
                 )
-            out[name] = v
         return cls(**out)
 
     @classmethod
     def from_file(cls, path: str | Path, overrides: dict[str, Any] | None = None) -> TrainConfig:
         """Read a JSON config file, then apply ``overrides`` (command-line values win)."""
         p = Path(path)
+        if p.is_dir():
+            raise ValueError(f"config file {p} is a directory; give the JSON file in it")
         if not p.is_file():
             raise FileNotFoundError(f"config file {p} does not exist")
         try:
@@ -331,7 +361,10 @@ class TrainConfig:
             raise ValueError(f"config file {p} is not valid JSON: {e}") from None
         if not isinstance(values, dict):
             raise ValueError(f"config file {p} must hold a JSON object of settings")
-        values = {ALIASES.get(k, k.replace(".", "_")): v for k, v in values.items()}
+        try:
+            values = _canonical(values)
+        except ValueError as e:
+            raise ValueError(f"config file {p}: {e}") from None
         values.update(overrides or {})
         return cls.from_dict(values)
 

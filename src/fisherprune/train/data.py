@@ -37,6 +37,7 @@ import json
 import math
 import os
 import warnings
+import zipfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from functools import cache
@@ -888,8 +889,10 @@ def _np_load(path: str, what: str) -> Any:
         return np.load(path, allow_pickle=False)
     except FileNotFoundError:
         raise
-    except (OSError, ValueError, EOFError) as e:
-        raise ValueError(f"{path}: cannot read {what}: {e}") from e
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
+        # numpy takes any file without its magic bytes for a pickle and advises allow_pickle
+        why = "not a numpy file, or a damaged one" if "allow_pickle" in str(e) else e
+        raise ValueError(f"{path}: cannot read {what}: {why}") from e
 
 
 def _array_features(path: str, x: np.ndarray, what: str) -> np.ndarray:

@@ -24,6 +24,7 @@ from fisherprune.train.checkpoint import CheckpointManager
 from fisherprune.train.config import TrainConfig
 from fisherprune.train.devices import Precision
 from fisherprune.train.finish import FinishedRun, RunOutput, finish_run
+from fisherprune.train.interrupts import Interrupted, StopGuard
 from fisherprune.train.progress import Progress
 from fisherprune.train.result import TrainResult
 from fisherprune.train.schedule import DenseCheck
@@ -64,6 +65,7 @@ class Loop:
     check_dense: Callable[[float], DenseCheck]  # did the dense model learn?
     checkpoint: Callable[[], dict[str, Any]]  # what a checkpoint holds now
     write: bool  # rank 0: writes checkpoints
+    guard: StopGuard | None = None  # set while the phases run: signals, a diverging loss
 
     def save_checkpoint(self) -> None:
         """Write a checkpoint of the run as it stands (rank 0 only)."""
@@ -136,10 +138,18 @@ def train_step(loop: Loop) -> None:
     point at the end of the burn-in, its prunes in the metrics, an eval every
     ``eval_every`` steps and a checkpoint every ``checkpoint_every`` steps."""
     cfg, popt, state = loop.config, loop.popt, loop.state
+    if loop.guard is not None:
+        signum = loop.guard.stop_signal()
+        if signum:
+            saved = loop.write and state.step > 0
+            path = loop.ckpts.save(state.step, loop.checkpoint()) if saved else None
+            raise Interrupted(signum, state.step, path)
     x, y = loop.batch(state.step)
     loop.net.train()
     with loop.precision.autocast():
         loss = loop.loss(loop.net(x), y)
+    if loop.guard is not None:
+        loop.guard.check_loss(loss, state.step)
     seen = len(popt.history)
     loop.precision.minimize(popt, loss)
     loss_value = loss.item()

@@ -25,6 +25,8 @@ from fisherprune.train.config import TrainConfig
 from fisherprune.train.data import Dataset, DataSpec, load_data
 from fisherprune.train.devices import Precision, process_group_backend, resolve_device
 from fisherprune.train.finish import RunOutput
+from fisherprune.train.interrupts import StopGuard, init_distributed
+from fisherprune.train.lock import RunLock
 from fisherprune.train.logging_sinks import open_sinks
 from fisherprune.train.models import build_model
 from fisherprune.train.phases import (
@@ -34,9 +36,12 @@ from fisherprune.train.phases import (
     finish_phase,
     pruning_phase,
 )
+from fisherprune.train.preflight import preflight_lines
 from fisherprune.train.pretrained import load_pretrained
 from fisherprune.train.progress import Progress
 from fisherprune.train.result import TrainResult
+from fisherprune.train.resume_check import data_fingerprint, resume_changes
+from fisherprune.train.rundir import claim_save_dir
 from fisherprune.train.schedule import (
     DenseCheck,
     build_optimizer,
@@ -90,15 +95,13 @@ class PruningTrainer:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
-            dist.init_process_group(process_group_backend(self.device))
+            init_distributed(cfg.dist_timeout, process_group_backend(self.device))
         self.rank, self.world = _dist_info()
         random.seed(cfg.seed)
         np.random.seed(cfg.seed)
         torch.manual_seed(cfg.seed)
         self.save_dir = Path(cfg.save_dir)
         self.export_dir = Path(cfg.export_dir) if cfg.export_dir else self.save_dir / "export"
-        if self.rank == 0:
-            self.save_dir.mkdir(parents=True, exist_ok=True)
         self.progress = Progress(None, cfg.progress, enabled=self.rank == 0)
 
     def _load(self) -> None:
@@ -206,23 +209,37 @@ class PruningTrainer:
         at the end the exports, the report and ``result.json``. With ``config.resume`` it goes
         on from the newest checkpoint there.
 
+        The save directory is locked for the run (``claim_save_dir``); SIGINT / SIGTERM stop
+        it after the step under way, with a checkpoint of that step.
+
         Raises:
             ValueError: bad data, model or device settings, a checkpoint or ``init_from`` file
-                that does not fit, or (``dense_check="stop"``) a dense model that learned
-                nothing.
-            OSError: a file could not be written.
+                that does not fit, settings that differ from the resumed checkpoint's
+                (``ResumeMismatchError``), a save directory in use or holding another run
+                (``SaveDirInUseError``, ``OtherRunError``), or (``dense_check="stop"``) a
+                dense model that learned nothing.
+            DivergedError: the loss became NaN or infinite (nothing pruned or exported on it).
+            Interrupted: SIGINT or SIGTERM; it names the checkpoint written.
+            PeerTimeoutError: under torchrun, another rank did not answer in time.
+            OSError: a file could not be written (it names the file).
         """
         self._setup()
         self._load()
-        loop = self._start()
+        self.lock: RunLock | None = None
         try:
-            dense_phase(loop)
-            pruning_phase(loop)
-            fine_tune_phase(loop)
-            return self._finish(loop)
+            loop = self._start()
+            try:
+                with StopGuard(self.config.dist_timeout) as loop.guard:
+                    dense_phase(loop)
+                    pruning_phase(loop)
+                    fine_tune_phase(loop)
+                return self._finish(loop)
+            finally:
+                loop.metrics.close()
+                self.progress.close()
         finally:
-            loop.metrics.close()
-            self.progress.close()
+            if self.lock is not None:
+                self.lock.release()
 
     def _start(self) -> Loop:
         """The optimizer, the resumed or fresh run state, the metric logs: the ``Loop`` the
@@ -234,6 +251,7 @@ class PruningTrainer:
             ids = [self.device.index] if self.device.type == "cuda" else None
             net = nn.parallel.DistributedDataParallel(self.model, device_ids=ids)
         ckpts = CheckpointManager(self.save_dir / "checkpoints", cfg.keep_checkpoints)
+        self.lock = self._claim(ckpts, popt)
         state = self._resume(ckpts, popt) if cfg.resume else RunState()
         cap = step_cap(cfg, self.burn_in, _prunable_channels(popt))
         self.progress.total = cap
@@ -260,6 +278,19 @@ class PruningTrainer:
             check_dense=self._check_dense,
             checkpoint=lambda: self._checkpoint(popt, state),
             write=write,
+        )
+
+    def _claim(self, ckpts: CheckpointManager, popt: PruningOptimizer) -> RunLock | None:
+        """Rank 0 takes the save directory (``claim_save_dir``); every rank fingerprints the
+        data files (saved in checkpoints, compared on resume) and checks the settings."""
+        cfg = self.config
+        self.data_files = data_fingerprint(cfg.to_dict())
+        for line in preflight_lines(cfg, popt):
+            self.progress.line(line)
+        if self.rank != 0:
+            return None
+        return claim_save_dir(
+            self.save_dir, self.export_dir, ckpts, cfg.resume, cfg.overwrite, self.progress.line
         )
 
     def _check_dense(self, value: float) -> DenseCheck:
@@ -289,6 +320,7 @@ class PruningTrainer:
             "rng": rng_state(),
             "state": state.as_dict(),
             "config": self.config.to_dict(),
+            "data_files": self.data_files,
             "model_meta": {
                 "name": self.config.model,
                 "input_shape": list(self.data.input_shape),
@@ -301,11 +333,20 @@ class PruningTrainer:
     def _resume(self, ckpts: CheckpointManager, popt: PruningOptimizer) -> RunState:
         """The run state of the newest checkpoint, loaded into the model, pruner and RNGs (see
         ``resume_state``); a fresh state, and a line saying so, when there is none."""
-        path = ckpts.latest()
-        if path is None:
+        found = ckpts.load_newest(self.progress.line)
+        if found is None:
             self.progress.line(f"--resume: no checkpoint in {ckpts.directory}; starting afresh")
             return RunState()
-        state = resume_state(ckpts.load(path), path, self.model, popt)
+        path, saved = found
+        for line in resume_changes(
+            saved.get("config", {}),
+            saved.get("data_files"),
+            self.config.to_dict(),
+            self.data_files,
+            str(path),
+        ):
+            self.progress.line(f"--resume: changed {line}")
+        state = resume_state(saved, path, self.model, popt)
         self.progress.line(f"resumed from {path} (step {state.step})")
         return state
 
