@@ -3,6 +3,7 @@ PruningDataRecordTrainer, with the export it left as a TODO)."""
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -19,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fisherprune._errors import first_line
+from fisherprune.export.storage import atomic_write_bytes
 from fisherprune.graph import apply_masks
 from fisherprune.masks import find_masks
 from fisherprune.modes import eval_mode
@@ -26,11 +28,12 @@ from fisherprune.pruner import PruningOptimizer
 from fisherprune.settings import OPTIMIZERS, parse_flops_weight
 from fisherprune.train.checkpoint import CheckpointManager, rng_state, set_rng_state
 from fisherprune.train.config import TrainConfig
-from fisherprune.train.data import Dataset, DataSpec, load_data
+from fisherprune.train.data import Dataset, DataSpec, StreamingDataset, data_card, load_data
 from fisherprune.train.finish import FinishedRun, RunOutput, finish_run
 from fisherprune.train.models import build_model
 from fisherprune.train.progress import Progress
 from fisherprune.train.result import TrainResult
+from fisherprune.train.scaling import with_scaling
 from fisherprune.train.state import MetricsLog, RunState
 
 __all__ = ["PruningTrainer", "TrainResult"]
@@ -84,7 +87,10 @@ class PruningTrainer:
     """
 
     def __init__(
-        self, config: TrainConfig, model: nn.Module | None = None, data: Dataset | None = None
+        self,
+        config: TrainConfig,
+        model: nn.Module | None = None,
+        data: Dataset | StreamingDataset | None = None,
     ) -> None:
         self.config = config
         self._model = model
@@ -123,11 +129,12 @@ class PruningTrainer:
                     eval_fraction=cfg.eval_fraction,
                     image_shape=tuple(cfg.image_shape) if cfg.image_shape else None,
                     seed=cfg.seed,
+                    **cfg.data_options(),
                 )
             self._data = load_data(spec)
         self.data = self._data
         self.classify = self.data.num_classes is not None
-        outputs = self.data.num_classes if self.classify else _regression_outputs(self.data)
+        outputs = self.data.num_outputs
         self._outputs = outputs
         if self._model is None:
             name = cfg.model
@@ -136,9 +143,10 @@ class PruningTrainer:
                     f"--model {name} needs image data; {self.data.source} has features of shape "
                     f"{self.data.input_shape} (use --model mlp, or --image_shape C,H,W)"
                 )
-            self._model = build_model(name, self.data.input_shape, outputs, cfg.width, cfg.depth)
+            built = build_model(name, self.data.input_shape, outputs, cfg.width, cfg.depth)
+            self._model = with_scaling(built, self.data.scaling)
         self.model = self._model
-        self.example = self.data.x_train[:1]
+        self.example = self.data.example()
         self.masks = find_masks(self.model) or apply_masks(self.model, self.example)
         for s in getattr(self.masks, "skipped", []):
             log.info("not masked: %s", s)
@@ -147,7 +155,7 @@ class PruningTrainer:
         cfg = self.config
         params = [p for p in self.model.parameters() if p.requires_grad]
         inner = _INNER_OPTIMIZERS[cfg.optimizer](params, cfg)
-        n = self.data.x_train.shape[0]
+        n = self.data.num_train
         self.global_batch = min(cfg.batch_size * self.world, n)
         self.batches_per_epoch = max(1, n // self.global_batch)
         burn_in = cfg.pruning_burn_in
@@ -172,30 +180,20 @@ class PruningTrainer:
 
     # -------------------------------------------------------------- batches
     def _batch(self, step: int) -> tuple[Tensor, Tensor]:
-        epoch, b = divmod(step, self.batches_per_epoch)
-        if getattr(self, "_perm_epoch", None) != epoch:
-            g = torch.Generator().manual_seed(self.config.seed * 100_003 + epoch)
-            self._perm = torch.randperm(self.data.x_train.shape[0], generator=g)
-            self._perm_epoch = epoch
-        lo = b * self.global_batch
-        idx = self._perm[lo : lo + self.global_batch]
-        per = math.ceil(idx.numel() / self.world)
-        idx = idx[self.rank * per : (self.rank + 1) * per]
-        return self.data.x_train[idx], self.data.y_train[idx]
+        return self.data.train_batch(step, self.global_batch, self.rank, self.world)
 
     def _loss(self, out: Tensor, y: Tensor) -> Tensor:
         if self.classify:
             return F.cross_entropy(out, y)
-        return F.mse_loss(out.reshape(y.shape), y)
+        # the MSE of standardised targets: the built model returns the data's units
+        return F.mse_loss(out.reshape(y.shape), y) * self.data.loss_scale
 
     def evaluate(self, model: nn.Module | None = None) -> float:
         """Accuracy (classification) or mean squared error (regression) on the eval split."""
         model = model or self.model
         correct, total, sq = 0, 0, 0.0
         with eval_mode(model), torch.no_grad():
-            for lo in range(0, self.data.x_eval.shape[0], 512):
-                x = self.data.x_eval[lo : lo + 512]
-                y = self.data.y_eval[lo : lo + 512]
+            for x, y in self.data.eval_batches(512):
                 out = model(x)
                 if self.classify:
                     correct += int((out.argmax(1) == y).sum())
@@ -262,8 +260,8 @@ class PruningTrainer:
     def _announce(self, popt: PruningOptimizer) -> None:
         """Print the line that opens a run: data, model, channels, cost, target, world size."""
         self.progress.line(
-            f"fisherprune train: {self.data.source}: {self.data.x_train.shape[0]} train / "
-            f"{self.data.x_eval.shape[0]} eval examples; model {self.config.model}; "
+            f"fisherprune train: {self.data.source}: {self.data.num_train} train / "
+            f"{self.data.num_eval} eval examples; model {self.config.model}; "
             f"{len(popt.masks)} channel groups, {_prunable_channels(popt)} prunable channels; "
             f"cost {popt.start_cost:,.0f} {self.config.pruning_convention}/example; target "
             f"{popt.target:,.0f}; world size {self.world}"
@@ -379,6 +377,7 @@ class PruningTrainer:
                 "num_outputs": self._outputs,
                 "width": self.config.width,
                 "depth": self.config.depth,
+                "scaling": None if self.data.scaling is None else self.data.scaling.to_dict(),
             },
         }
 
@@ -428,7 +427,7 @@ class PruningTrainer:
             popt=popt,
             model=self.model,
             example=self.example,
-            samples=self.data.x_train,
+            samples=self.data.samples(64),
             metrics=state.metrics,
             metric_name=metric,
             dense_metric=dense[metric],
@@ -439,16 +438,16 @@ class PruningTrainer:
             prunes=_channels_removed(popt),
         )
         out = RunOutput(self.save_dir, self.export_dir, self.progress, write=self.rank == 0)
-        return finish_run(self.config, run, out)
+        result = finish_run(self.config, run, out)
+        if self.rank == 0:  # what the exported model takes and returns
+            card = json.dumps(data_card(self.data), indent=2).encode()
+            atomic_write_bytes(self.export_dir / "data.json", card)
+        return result
 
 
 def _prunable_channels(popt: PruningOptimizer) -> int:
     """Channels in all the pruner's masks, pruned or not."""
     return sum(m.num_channels for m in popt.masks.values())
-
-
-def _regression_outputs(data: Dataset) -> int:
-    return 1 if data.y_train.dim() == 1 else int(data.y_train.shape[1])
 
 
 def _channels_removed(popt: PruningOptimizer) -> int:
