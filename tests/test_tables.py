@@ -161,3 +161,16 @@ def test_csv_and_parquet_give_the_same_dataset(tmp_path: Path) -> None:
     torch.testing.assert_close(a.x_train, b.x_train)
     torch.testing.assert_close(a.y_eval, b.y_eval)
     assert a.scaling == b.scaling
+
+
+def test_scaling_keeps_its_precision_far_from_zero(tmp_path: Path) -> None:
+    """Features around 1e6 with a spread of 1 (where mean-of-squares minus squared mean loses
+    digits): the fitted std matches numpy's two-pass std of the training rows to 1e-9."""
+    rng = np.random.default_rng(3)
+    cols = {"a": 1e6 + rng.normal(0, 1, 2000), "label": np.arange(2000) % 2}
+    ds = load_data(DataSpec(_table(tmp_path, "t.parquet", cols)))
+    assert ds.scaling is not None
+    x = ds.x_train[:, 0].double().numpy()
+    assert ds.scaling.feature_std[0] == pytest.approx(x.std(), rel=1e-9)
+    naive = np.sqrt(np.mean(x * x) - np.mean(x) ** 2)
+    assert abs(naive - x.std()) > 1e-9 * x.std()  # the case is one where it matters

@@ -15,6 +15,7 @@ from torch import Tensor
 __all__ = [
     "DataBase",
     "Dataset",
+    "Moments",
     "Scaling",
     "data_card",
     "epoch_permutation",
@@ -56,33 +57,52 @@ class Scaling:
         return cls(**d)
 
 
+class Moments:
+    """Count, mean and sum of squared deviations per column, merged batch by batch (Chan et
+    al.'s pairwise update: exact in float64 where sums of squares would cancel)."""
+
+    def __init__(self, width: int) -> None:
+        self.n = 0
+        self.mean = np.zeros(width)
+        self.m2 = np.zeros(width)
+
+    def update(self, x: np.ndarray) -> None:
+        """Add the rows of ``x`` ``(n, width)`` (any real dtype) to the statistics."""
+        n = len(x)
+        if n == 0:
+            return
+        x = x.astype(np.float64)
+        mean = x.mean(0)
+        m2 = ((x - mean) ** 2).sum(0)
+        total = self.n + n
+        delta = mean - self.mean
+        self.mean = self.mean + delta * (n / total)
+        self.m2 = self.m2 + m2 + delta**2 * (self.n * n / total)
+        self.n = total
+
+    @property
+    def std(self) -> np.ndarray:
+        """Population standard deviation per column; 1 where it is (relatively) zero."""
+        std = np.sqrt(self.m2 / max(self.n, 1))
+        return np.where(std > 1e-12 * np.maximum(np.abs(self.mean), 1.0), std, 1.0)
+
+
 def fit_scaling(
-    count: int,
-    total: np.ndarray | None,
-    total_sq: np.ndarray | None,
-    scaled: np.ndarray | None,
-    target: tuple[float, float] | None,
+    features: Moments | None, scaled: np.ndarray | None, target: Moments | None
 ) -> Scaling:
-    """A :class:`Scaling` from running sums over the training rows.
+    """A :class:`Scaling` from the training rows' moments.
 
     Args:
-        count: Training rows.
-        total: float64 per-feature sums, or None not to scale features.
-        total_sq: float64 per-feature sums of squares.
+        features: Per-feature moments, or None not to scale features.
         scaled: Bool per feature: True to standardise it (False: mean 0, std 1).
-        target: ``(sum, sum of squares)`` of the regression targets, or None.
+        target: Moments of the regression targets (width 1), or None.
     """
     s = Scaling()
-    if total is not None and total_sq is not None and scaled is not None:
-        mean = total / count
-        std = np.sqrt(np.maximum(total_sq / count - mean**2, 0.0))
-        std = np.where((std > 1e-12 * np.maximum(np.abs(mean), 1.0)) & scaled, std, 1.0)
-        mean = np.where(scaled, mean, 0.0)
-        s.feature_mean, s.feature_std = mean.tolist(), std.tolist()
+    if features is not None and scaled is not None:
+        s.feature_mean = np.where(scaled, features.mean, 0.0).tolist()
+        s.feature_std = np.where(scaled, features.std, 1.0).tolist()
     if target is not None:
-        m = target[0] / count
-        sd = math.sqrt(max(target[1] / count - m * m, 0.0))
-        s.target_mean, s.target_std = m, sd if sd > 1e-12 * max(abs(m), 1.0) else 1.0
+        s.target_mean, s.target_std = float(target.mean[0]), float(target.std[0])
     return s
 
 

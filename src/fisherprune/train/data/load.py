@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from fisherprune.train.data.builtins import BUILTINS, builtin_arrays
-from fisherprune.train.data.dataset import Dataset, Scaling, fit_scaling
+from fisherprune.train.data.dataset import Dataset, Moments, Scaling, fit_scaling
 from fisherprune.train.data.formats import READERS, format_of
 from fisherprune.train.data.labels import check_classes, finish_labels
 from fisherprune.train.data.parts import Part
@@ -115,19 +115,20 @@ def _scaling(
     spec: DataSpec, x: np.ndarray, y: np.ndarray, plan: TablePlan | None, task: str
 ) -> Scaling | None:
     """Standardisation from the training rows: flat table/array features (not images), and
-    regression targets; None when ``spec.standardize`` is off."""
+    regression targets; None when ``spec.standardize`` is off or nothing applies."""
     if not spec.standardize:
         return None
     flat = x.ndim == 2 and spec.image_shape is None and (plan is None or plan.image is None)
     target = None
     if task == "regression":
-        y64 = y.astype(np.float64)
-        target = (float(y64.sum()), float((y64 * y64).sum()))
+        target = Moments(1)
+        target.update(y.reshape(-1, 1))
     if not flat:
-        return fit_scaling(len(y), None, None, None, target) if target else None
-    x64 = x.astype(np.float64)
+        return fit_scaling(None, None, target) if target else None
+    features = Moments(x.shape[1])
+    features.update(x)
     scaled = plan.numeric if plan is not None else np.ones(x.shape[1], dtype=bool)
-    return fit_scaling(len(x), x64.sum(0), (x64 * x64).sum(0), scaled, target)
+    return fit_scaling(features, scaled, target)
 
 
 def _builtin(spec: DataSpec) -> Dataset:

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from fisherprune.train.data.dataset import DataBase, Scaling, fit_scaling, shard
+from fisherprune.train.data.dataset import DataBase, Moments, Scaling, fit_scaling, shard
 from fisherprune.train.data.images import image_format
 from fisherprune.train.data.labels import check_classes, finish_labels
 from fisherprune.train.data.parts import Part
@@ -124,6 +124,11 @@ class StreamingDataset(DataBase):
             if f == spec.image_column:
                 cols.append(TableColumn(f, "image"))
             elif pa.types.is_string(t) or pa.types.is_large_string(t):
+                if spec.categorical == "refuse":
+                    raise ValueError(
+                        f"{path}: feature column {f!r} holds text; encode it as numbers, leave "
+                        "it out with --features, or pass --categorical onehot"
+                    )
                 cols.append(TableColumn(f, "category"))
             else:
                 cols.append(TableColumn(f, "number"))
@@ -150,9 +155,7 @@ class StreamingDataset(DataBase):
             c.name: set() for c in self.plan.columns if c.kind == "category"
         }
         numeric = [c.name for c in self.plan.columns if c.kind == "number"]
-        total = np.zeros(len(numeric))
-        total_sq = np.zeros(len(numeric))
-        t_sum = t_sq = 0.0
+        moments, target = Moments(len(numeric)), Moments(1)
         for k, path in enumerate(self.files):
             for batch, rows in _chunks(path, self.read_columns, None):
                 at = lambda i, rows=rows: f"row {int(rows[i]) + 1}"  # noqa: E731
@@ -163,22 +166,15 @@ class StreamingDataset(DataBase):
                     if spec.task == "classification":
                         labels[side].update(np.unique(y[m]).tolist())
                 if spec.task == "regression":
-                    yt = y[train].astype(np.float64)
-                    t_sum, t_sq = t_sum + yt.sum(), t_sq + (yt * yt).sum()
+                    target.update(y[train].reshape(-1, 1))
                 for name in cats:
                     v = np.char.strip(column_values(batch, name, path, at)[train].astype(str))
                     cats[name].update(v.tolist())
-                for j, name in enumerate(numeric):
-                    v = column_values(batch, name, path, at)[train].astype(np.float64)
-                    total[j] += v.sum()
-                    total_sq[j] += (v * v).sum()
+                if numeric and k == 0:
+                    cols = [column_values(batch, n, path, at)[train] for n in numeric]
+                    moments.update(np.stack(cols, axis=1))
         for c in self.plan.columns:
             if c.kind == "category":
-                if spec.categorical == "refuse":
-                    raise ValueError(
-                        f"{spec.source}: feature column {c.name!r} holds text; encode it as "
-                        "numbers, leave it out with --features, or pass --categorical onehot"
-                    )
                 c.categories = sorted(cats[c.name])
         if min(counts) == 0:
             raise ValueError(
@@ -189,7 +185,7 @@ class StreamingDataset(DataBase):
         self._head = self._first_train_rows()
         self.input_shape = tuple(int(s) for s in self._head.shape[1:])
         self.feature_names = self.plan.feature_names if self.plan.image is None else None
-        self.scaling = self._fit_scaling(numeric, total, total_sq, (t_sum, t_sq))
+        self.scaling = self._fit_scaling(moments, target)
         self.source = (
             f"{spec.source} (streamed); {self.num_eval} of {self.num_train + self.num_eval} rows "
             f"held out for eval (seed {self.seed})"
@@ -224,22 +220,17 @@ class StreamingDataset(DataBase):
             self.spec.source,
         )
 
-    def _fit_scaling(
-        self,
-        numeric: list[str],
-        total: np.ndarray,
-        total_sq: np.ndarray,
-        target: tuple[float, float],
-    ) -> Scaling | None:
-        """Standardisation from the scan's sums (features only for flat table features)."""
-        tgt = target if self.spec.task == "regression" and self.spec.standardize else None
-        if not self.spec.standardize or self.plan.image is not None:
-            return fit_scaling(self.num_train, None, None, None, tgt)
+    def _fit_scaling(self, moments: Moments, target: Moments) -> Scaling | None:
+        """Standardisation from the scan's moments (features only for flat table features)."""
+        if not self.spec.standardize:
+            return None
+        tgt = target if self.spec.task == "regression" else None
+        if self.plan.image is not None:
+            return fit_scaling(None, None, tgt) if tgt else None
         flags = self.plan.numeric
-        t = np.zeros(len(flags))
-        t2 = np.zeros(len(flags))
-        t[flags], t2[flags] = total, total_sq
-        return fit_scaling(self.num_train, t, t2, flags, tgt)
+        full = Moments(len(flags))  # one-hot features: mean 0, std 1 (not scaled)
+        full.n, full.mean[flags], full.m2[flags] = moments.n, moments.mean, moments.m2
+        return fit_scaling(full, flags, tgt)
 
     # ------------------------------------------------------------ reading
     def _encode(self, k: int, batch: Any, rows: np.ndarray, train: bool) -> tuple[Tensor, Tensor]:
