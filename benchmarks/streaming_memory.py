@@ -122,8 +122,13 @@ def main() -> None:
         made = time.perf_counter() - t
         modes = ["always", "never"] if k == 0 else ["always"]
         for mode in modes:
-            child = {"path": str(path), "mode": mode, "steps": a.steps,
-                     "shuffle_buffer": a.shuffle_buffer, "save_dir": str(folder / "run")}  # fmt: skip
+            child = {
+                "path": str(path),
+                "mode": mode,
+                "steps": a.steps,
+                "shuffle_buffer": a.shuffle_buffer,
+                "save_dir": str(folder / "run"),
+            }
             r = run_child(child)
             rows.append({"size_gb": path.stat().st_size / 1e9, "rows": n, "write_s": made,
                          "mode": "streamed" if mode == "always" else "whole", **r})  # fmt: skip
