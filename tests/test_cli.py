@@ -36,6 +36,7 @@ from fisherprune.export import load_aoti_export, storage
 from fisherprune.train.checkpoint import CheckpointManager
 from fisherprune.train.config import TrainConfig
 from fisherprune.train.models import build_model
+from fisherprune.train.scaling import model_from_meta
 
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT = 120  # seconds: every subprocess wait is bounded
@@ -187,6 +188,9 @@ def _train_format(name: str, tmp: Path) -> Trained:
         raise AssertionError(name)
     cli = run_cli("train", *args, "--train.steps", "40", *FAST, "--save_dir", save)
     assert cli.code == 0, cli.err
+    if name != "npz_cnn":  # a table's model carries the standardisation fitted on its rows
+        meta = CheckpointManager.load(_latest_checkpoint(save))["model_meta"]
+        fresh = lambda: model_from_meta(meta)  # noqa: E731
     return Trained(save, cli, fresh, torch.from_numpy(x), torch.from_numpy(np.asarray(y)))
 
 
@@ -476,7 +480,7 @@ def test_round_to_and_score_convention_reach_the_export(tmp_path: Path) -> None:
         for kept in spec["kept"].values()
     ]
     assert counts and all(c % 4 == 0 and c < 16 for c in counts), counts
-    fresh = build_model("mlp", (4,), 3, 16, 1)
+    fresh = model_from_meta(CheckpointManager.load(_latest_checkpoint(save))["model_meta"])
     small = fisherprune.load_state_dict_export(save / "export" / "model.pt", fresh)
     masked, _ = model_from_checkpoint(str(_latest_checkpoint(save)))
     xt = torch.from_numpy(x[:64])
@@ -508,7 +512,9 @@ def test_user_model_from_package_module_function(
     assert cli.code == 0, cli.err
     r = _result(save)
     assert r["dense_cost"] == 10 * FLOPS_PER_UNIT and r["prunes"] > 0
-    fresh = getattr(_user_model, builder)((4,), 3, 10)
+    # the user's network between the scaling modules of the table's training rows
+    fresh = model_from_meta(CheckpointManager.load(_latest_checkpoint(save))["model_meta"])
+    assert isinstance(fresh.model, type(getattr(_user_model, builder)((4,), 3, 10)))
     small = fisherprune.load_state_dict_export(save / "export" / "model.pt", fresh)
     masked, _ = model_from_checkpoint(str(_latest_checkpoint(save)))
     xt = torch.from_numpy(x[:64])

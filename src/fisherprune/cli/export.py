@@ -12,7 +12,7 @@ from torch import nn
 from fisherprune.export import FORMATS, export_model
 from fisherprune.graph import apply_masks
 from fisherprune.train.checkpoint import CheckpointManager
-from fisherprune.train.models import build_model
+from fisherprune.train.scaling import model_from_meta
 
 __all__ = ["export_command", "export_parser", "model_from_checkpoint"]
 
@@ -48,13 +48,7 @@ def model_from_checkpoint(path: str) -> tuple[nn.Module, Any]:
     meta = state.get("model_meta")
     if meta is None:
         raise ValueError(f"{p} does not record its model; it was not written by fisherprune train")
-    model = build_model(
-        meta["name"],
-        tuple(meta["input_shape"]),
-        meta["num_outputs"],
-        meta.get("width"),
-        meta.get("depth"),
-    )
+    model = model_from_meta(meta)
     example = torch.zeros(1, *meta["input_shape"])
     apply_masks(model, example)
     model.load_state_dict(state["model"])

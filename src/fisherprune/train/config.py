@@ -84,11 +84,20 @@ ALIASES: dict[str, str] = {
     "eval.steps": "eval_every",
     "schedule.min_dense_steps": "min_dense_steps",
     "schedule.dense_check": "dense_check",
+    "data.image_size": "image_size",
+    "data.image_mode": "image_mode",
+    "data.image_column": "image_column",
+    "data.categorical": "categorical",
+    "data.remap_labels": "remap_labels",
+    "data.no_standardize": "no_standardize",
+    "data.stream": "stream",
+    "data.shuffle_buffer": "shuffle_buffer",
 }
 
 
 HELP: dict[str, str] = {
-    "data": "data file (.csv, .csv.gz, .parquet, .npy, .npz) or built-in: digits, mnist5k",
+    "data": "data file (.csv, .csv.gz, .parquet, .npy, .npz), a folder with a sub-folder of "
+    "images per class, or built-in: digits, mnist5k",
     "data_spec": "JSON data spec file (source, label, features, task, ...)",
     "label": "label column (tables) or array key (npz); default 'label' / 'y'",
     "features": "comma-separated feature columns; default all but the label",
@@ -97,6 +106,14 @@ HELP: dict[str, str] = {
     "eval_data": "separate evaluation file (else a split of --data)",
     "eval_fraction": "fraction held out for evaluation when no --eval_data",
     "image_shape": "reshape features to C,H,W, e.g. 1,28,28",
+    "image_size": "resize images (a folder per class, --image_column) to H,W, e.g. 32,32",
+    "image_mode": "images as L (grayscale), RGB, or auto (RGB if they have colour)",
+    "image_column": "table column holding image bytes or image file paths",
+    "categorical": "text feature columns: onehot (categories of the training rows) or refuse",
+    "remap_labels": "map integer class labels' sorted distinct values to 0..K-1",
+    "no_standardize": "do not standardise table features and regression targets",
+    "stream": "read a table in batches: auto (files over 512 MiB), always or never",
+    "shuffle_buffer": "rows shuffled together when streaming a table",
     "model": "mlp, cnn, resnet, densenet, or package.module:function",
     "width": "width of a built-in model",
     "depth": "depth of a built-in model",
@@ -153,6 +170,8 @@ class TrainConfig:
         data: a file (.csv, .csv.gz, .parquet, .npy, .npz) or built-in name (digits, mnist5k).
         data_spec: a JSON data spec file (overrides the data fields below when given).
         label, features, labels, task, eval_data, eval_fraction, image_shape: see DataSpec.
+        image_size, image_mode, image_column, categorical, remap_labels, stream,
+            shuffle_buffer: see DataSpec; no_standardize: DataSpec's ``standardize=False``.
     Model:
         model: mlp, cnn, resnet, densenet, or ``package.module:function``.
         width, depth: size of a built-in model.
@@ -211,6 +230,14 @@ class TrainConfig:
     eval_data: str | None = None
     eval_fraction: float = 0.2
     image_shape: list[int] | None = None
+    image_size: list[int] | None = None
+    image_mode: str = "auto"
+    image_column: str | None = None
+    categorical: str = "onehot"
+    remap_labels: bool = False
+    no_standardize: bool = False
+    stream: str = "auto"
+    shuffle_buffer: int = 65536
 
     model: str = "cnn"
     width: int | None = None
@@ -370,3 +397,16 @@ class TrainConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def data_options(self) -> dict[str, Any]:
+        """The image, encoding and streaming options, as ``DataSpec`` keyword arguments."""
+        return {
+            "image_size": tuple(self.image_size) if self.image_size else None,
+            "image_mode": self.image_mode,
+            "image_column": self.image_column,
+            "categorical": self.categorical,
+            "remap_labels": self.remap_labels,
+            "standardize": not self.no_standardize,
+            "stream": self.stream,
+            "shuffle_buffer": self.shuffle_buffer,
+        }

@@ -3,8 +3,8 @@ PruningDataRecordTrainer, with the export it left as a TODO)."""
 
 from __future__ import annotations
 
+import json
 import logging
-import math
 import os
 import random
 from pathlib import Path
@@ -16,13 +16,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from fisherprune.export.storage import atomic_write_bytes
 from fisherprune.graph import apply_masks
 from fisherprune.masks import find_masks
 from fisherprune.modes import eval_mode
 from fisherprune.pruner import PruningOptimizer
 from fisherprune.train.checkpoint import CheckpointManager, rng_state
 from fisherprune.train.config import TrainConfig
-from fisherprune.train.data import Dataset, DataSpec, load_data
+from fisherprune.train.data import Dataset, DataSpec, StreamingDataset, data_card, load_data
 from fisherprune.train.devices import Precision, process_group_backend, resolve_device
 from fisherprune.train.finish import RunOutput
 from fisherprune.train.interrupts import StopGuard, init_distributed
@@ -42,6 +43,7 @@ from fisherprune.train.progress import Progress
 from fisherprune.train.result import TrainResult
 from fisherprune.train.resume_check import data_fingerprint, resume_changes
 from fisherprune.train.rundir import claim_save_dir
+from fisherprune.train.scaling import with_scaling
 from fisherprune.train.schedule import (
     DenseCheck,
     build_optimizer,
@@ -79,7 +81,10 @@ class PruningTrainer:
     """
 
     def __init__(
-        self, config: TrainConfig, model: nn.Module | None = None, data: Dataset | None = None
+        self,
+        config: TrainConfig,
+        model: nn.Module | None = None,
+        data: Dataset | StreamingDataset | None = None,
     ) -> None:
         self.config = config
         self._model = model
@@ -120,11 +125,12 @@ class PruningTrainer:
                     eval_fraction=cfg.eval_fraction,
                     image_shape=tuple(cfg.image_shape) if cfg.image_shape else None,
                     seed=cfg.seed,
+                    **cfg.data_options(),
                 )
             self._data = load_data(spec)
         self.data = self._data
         self.classify = self.data.num_classes is not None
-        outputs = self.data.num_classes if self.classify else _regression_outputs(self.data)
+        outputs = self.data.num_outputs
         self._outputs = outputs
         if self._model is None:
             name = cfg.model
@@ -133,9 +139,10 @@ class PruningTrainer:
                     f"--model {name} needs image data; {self.data.source} has features of shape "
                     f"{self.data.input_shape} (use --model mlp, or --image_shape C,H,W)"
                 )
-            self._model = build_model(name, self.data.input_shape, outputs, cfg.width, cfg.depth)
+            built = build_model(name, self.data.input_shape, outputs, cfg.width, cfg.depth)
+            self._model = with_scaling(built, self.data.scaling)
         self.model = self._model
-        example = self.data.x_train[:1]
+        example = self.data.example()
         self.masks = find_masks(self.model) or apply_masks(self.model, example)
         for s in getattr(self.masks, "skipped", []):
             log.info("not masked: %s", s)
@@ -146,7 +153,7 @@ class PruningTrainer:
 
     def _optimizer(self) -> PruningOptimizer:
         cfg = self.config
-        n = self.data.x_train.shape[0]
+        n = self.data.num_train
         self.global_batch = min(cfg.batch_size * self.world, n)
         self.batches_per_epoch = max(1, n // self.global_batch)
         self.burn_in = burn_in_steps(cfg, self.batches_per_epoch)
@@ -154,16 +161,8 @@ class PruningTrainer:
 
     # -------------------------------------------------------------- batches
     def _batch(self, step: int) -> tuple[Tensor, Tensor]:
-        epoch, b = divmod(step, self.batches_per_epoch)
-        if getattr(self, "_perm_epoch", None) != epoch:
-            g = torch.Generator().manual_seed(self.config.seed * 100_003 + epoch)
-            self._perm = torch.randperm(self.data.x_train.shape[0], generator=g)
-            self._perm_epoch = epoch
-        lo = b * self.global_batch
-        idx = self._perm[lo : lo + self.global_batch]
-        per = math.ceil(idx.numel() / self.world)
-        idx = idx[self.rank * per : (self.rank + 1) * per]
-        return self._to_device(self.data.x_train[idx], self.data.y_train[idx])
+        x, y = self.data.train_batch(step, self.global_batch, self.rank, self.world)
+        return self._to_device(x, y)
 
     def _to_device(self, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
         nb = self.device.type == "cuda"
@@ -172,7 +171,8 @@ class PruningTrainer:
     def _loss(self, out: Tensor, y: Tensor) -> Tensor:
         if self.classify:
             return F.cross_entropy(out, y)
-        return F.mse_loss(out.reshape(y.shape), y)
+        # the MSE of standardised targets: the built model returns the data's units
+        return F.mse_loss(out.reshape(y.shape), y) * self.data.loss_scale
 
     def evaluate(self, model: nn.Module | None = None) -> float:
         """Accuracy (classification) or mean squared error (regression) on the eval split,
@@ -180,10 +180,8 @@ class PruningTrainer:
         model = model or self.model
         correct, total, sq = 0, 0, 0.0
         with eval_mode(model), torch.no_grad():
-            for lo in range(0, self.data.x_eval.shape[0], 512):
-                x, y = self._to_device(
-                    self.data.x_eval[lo : lo + 512], self.data.y_eval[lo : lo + 512]
-                )
+            for xb, yb in self.data.eval_batches(512):
+                x, y = self._to_device(xb, yb)
                 with self.precision.autocast():
                     out = model(x).float()
                 if self.classify:
@@ -295,15 +293,16 @@ class PruningTrainer:
 
     def _check_dense(self, value: float) -> DenseCheck:
         """Whether the dense model's eval metric ``value`` beats a trivial predictor."""
-        return check_dense(value, self.data.y_eval, self.data.num_classes)
+        labels = torch.cat([y for _, y in self.data.eval_batches(4096)])
+        return check_dense(value, labels, self.data.num_classes)
 
     def _announce(self, popt: PruningOptimizer) -> None:
         """Print the line that opens a run: data, model, channels, cost, target, schedule."""
         cfg = self.config
         dense = "statistics only" if cfg.init_from else "training"
         self.progress.line(
-            f"fisherprune train: {self.data.source}: {self.data.x_train.shape[0]} train / "
-            f"{self.data.x_eval.shape[0]} eval examples; model {cfg.model}; "
+            f"fisherprune train: {self.data.source}: {self.data.num_train} train / "
+            f"{self.data.num_eval} eval examples; model {cfg.model}; "
             f"{len(popt.masks)} channel groups, {_prunable_channels(popt)} prunable channels; "
             f"cost {popt.start_cost:,.0f} {cfg.pruning_convention}/example; target "
             f"{popt.target:,.0f}; dense phase {self.burn_in} steps ({dense}), a prune every "
@@ -354,13 +353,13 @@ class PruningTrainer:
     def _finish(self, loop: Loop) -> TrainResult:
         """The finish phase (``finish_phase``), on the CPU."""
         out = RunOutput(self.save_dir, self.export_dir, self.progress, write=self.rank == 0)
-        return finish_phase(loop, self.model, self.example, self.data.x_train, out)
+        result = finish_phase(loop, self.model, self.example, self.data.samples(64), out)
+        if self.rank == 0:  # what the exported model takes and returns
+            card = json.dumps(data_card(self.data), indent=2).encode()
+            atomic_write_bytes(self.export_dir / "data.json", card)
+        return result
 
 
 def _prunable_channels(popt: PruningOptimizer) -> int:
     """Channels in all the pruner's masks, pruned or not."""
     return sum(m.num_channels for m in popt.masks.values())
-
-
-def _regression_outputs(data: Dataset) -> int:
-    return 1 if data.y_train.dim() == 1 else int(data.y_train.shape[1])
