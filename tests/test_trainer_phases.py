@@ -247,3 +247,24 @@ def test_pruning_uniform_reaches_the_optimizer_and_groups_the_mlp_layers() -> No
     popt = build_optimizer(from_cli, model, x, burn_in=0)
     assert popt.uniform
     assert [len(c) for c in popt.uniform_classes] == [3]
+
+
+def test_init_from_bare_weights_loads_inside_the_scaling_of_a_table(tmp_path: Path) -> None:
+    """A CSV table's model is wrapped in the standardisation fitted on it; --init_from with
+    the weights of the bare network loads them inside, and the run keeps its own scaling."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(240, 4)) * [1.0, 10.0, 100.0, 1000.0]
+    y = x[:, :3].argmax(1)
+    rows = ["a,b,c,d,label"] + [",".join(map(str, [*r, c])) for r, c in zip(x, y, strict=True)]
+    data = tmp_path / "t.csv"
+    data.write_text("\n".join(rows) + "\n")
+    path, weights = _pretrained(tmp_path)
+    burn_in = statistics_steps(TrainConfig().pruning_decay)
+    code, _, err = _cli("train", "--data", data, *QUICK, "--init_from", path,
+                        "--train.steps", burn_in, "--save_dir", tmp_path / "run")  # fmt: skip
+    assert code == 0, err
+    ckpt = _latest(tmp_path / "run")
+    for k, v in weights.items():
+        assert torch.equal(ckpt["model"][f"model.{k}"], v), k
+    fitted = ckpt["model"]["scale_in.std"].double()  # this run's: the columns' own scales
+    assert torch.allclose(fitted, torch.tensor([1.0, 10.0, 100.0, 1000.0]), rtol=0.2)

@@ -47,10 +47,15 @@ def _listed(keys: list[str]) -> str:
     return ", ".join(keys[:_SHOWN]) + more
 
 
+_INNER = "model."  # where train.scaling.with_scaling puts the network
+
+
 def load_pretrained(model: nn.Module, masks: dict[str, MaskLayer], path: str | Path) -> None:
     """Load the weights of ``path`` into ``model`` (masks attached). Mask states (``mask``,
     ``signal``) are loaded when the file has them (a fisherprune checkpoint) and left as they
-    are otherwise. Changes nothing when the keys or shapes do not match.
+    are otherwise. For a network wrapped in this run's feature scaling
+    (``train.scaling.with_scaling``), the weights of the bare network load into it and the
+    scaling stays as fitted. Changes nothing when the keys or shapes do not match.
 
     Raises:
         FileNotFoundError: no such file.
@@ -61,6 +66,11 @@ def load_pretrained(model: nn.Module, masks: dict[str, MaskLayer], path: str | P
     weights = _state_dict_of(p)
     expected = model.state_dict()
     mask_keys = {f"{name}.{k}" for name, m in masks.items() for k in m.state_dict()}
+    if "model" in model._modules and not any(k.startswith(_INNER) for k in weights):
+        # a model between the scaling modules fitted on this run's table (train.scaling),
+        # given the weights of the bare network: they go inside, the scaling stays this run's
+        weights = {_INNER + k: v for k, v in weights.items()}
+        mask_keys |= {k for k in expected if not k.startswith(_INNER)}
     missing = sorted(k for k in expected if k not in weights and k not in mask_keys)
     unexpected = sorted(k for k in weights if k not in expected)
     shapes = sorted(

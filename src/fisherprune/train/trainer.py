@@ -326,6 +326,7 @@ class PruningTrainer:
                 "num_outputs": self._outputs,
                 "width": self.config.width,
                 "depth": self.config.depth,
+                "scaling": None if self.data.scaling is None else self.data.scaling.to_dict(),
             },
         }
 
