@@ -267,4 +267,4 @@ def test_init_from_bare_weights_loads_inside_the_scaling_of_a_table(tmp_path: Pa
     for k, v in weights.items():
         assert torch.equal(ckpt["model"][f"model.{k}"], v), k
     fitted = ckpt["model"]["scale_in.std"].double()  # this run's: the columns' own scales
-    assert torch.allclose(fitted, torch.tensor([1.0, 10.0, 100.0, 1000.0]), rtol=0.2)
+    assert torch.allclose(fitted, torch.tensor([1.0, 10.0, 100.0, 1000.0]).double(), rtol=0.2)
