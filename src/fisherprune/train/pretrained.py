@@ -66,7 +66,8 @@ def load_pretrained(model: nn.Module, masks: dict[str, MaskLayer], path: str | P
     weights = _state_dict_of(p)
     expected = model.state_dict()
     mask_keys = {f"{name}.{k}" for name, m in masks.items() for k in m.state_dict()}
-    if "model" in model._modules and not any(k.startswith(_INNER) for k in weights):
+    inner = [k for k in weights if _INNER + k in expected]
+    if "model" in model._modules and inner and not any(k.startswith(_INNER) for k in weights):
         # a model between the scaling modules fitted on this run's table (train.scaling),
         # given the weights of the bare network: they go inside, the scaling stays this run's
         weights = {_INNER + k: v for k, v in weights.items()}
