@@ -116,8 +116,10 @@ class MaskPoint:
         """Once pruning is over, zero the weight columns that read pruned channels instead of
         multiplying the input (the same output and gradients, at the cost of a weight-sized
         check instead of an activation-sized product). Returns whether it did so."""
-        if tracing.active() is not None or any(m.collecting for m in self._masks):
-            return False
+        if tracing.active() is not None or any(
+            m.collecting or m.mask.requires_grad for m in self._masks
+        ):
+            return False  # (masks that require grad, as under torch.func, stay in the graph)
         if self._nothing_pruned():
             return True
         w = module.weight
