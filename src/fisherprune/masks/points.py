@@ -109,6 +109,7 @@ class MaskPoint:
         self._fold_versions: tuple[int, ...] | None = None
         self._keep: Tensor | None = None
         self._pruned_cols: Tensor | None = None
+        self._zeroed: tuple[int, int] | None = None  # (id, version) of the weight last zeroed
         self._grad_hook: Any = None
         #: False once an in-place op downstream was seen changing the input (see _MaskMultiply)
         self._alias_ok = True
@@ -150,8 +151,9 @@ class MaskPoint:
 
     def _fold(self, module: nn.Module) -> bool:
         """Once pruning is over, zero the weight columns that read pruned channels instead of
-        multiplying the input (the same output and gradients, at the cost of a weight-sized
-        check instead of an activation-sized product). Returns whether it did so."""
+        multiplying the input (the same output and gradients): the columns are written again
+        only when the weight was written since (its version moved), so a step costs no
+        activation-sized product, no read-back and no host sync. Returns whether it did so."""
         if tracing.active() is not None or any(
             m.collecting or m.mask.requires_grad for m in self._masks
         ):
@@ -167,9 +169,11 @@ class MaskPoint:
             self._keep = keep.to(w.dtype).view(shape)
             self._pruned_cols = torch.nonzero(~keep).flatten()
             self._fold_versions = versions
-        with torch.no_grad():
-            if bool(w.index_select(1, self._pruned_cols).any()):  # moved by an optimizer step
-                w.index_fill_(1, self._pruned_cols, 0.0)
+            self._zeroed = None
+        if (id(w), w._version) != self._zeroed:  # written since (an optimizer step, a load)
+            with torch.no_grad():
+                w.index_fill_(1, self._pruned_cols, 0.0)  # no read-back, no host sync
+            self._zeroed = (id(w), w._version)
         if self._grad_hook is None:
             self._grad_hook = w.register_hook(lambda g: g * self._keep.to(g.dtype))
         return True
