@@ -337,35 +337,54 @@ def make_step(
     return step
 
 
-def make_variants(spec: ModelSpec, decay: float, naive: bool) -> dict[str, StepFn]:
-    steps: dict[str, StepFn] = {"a": make_step(make_model(spec, masked=False))}
+def _plain(spec: ModelSpec, decay: float) -> StepFn:
+    return make_step(make_model(spec, masked=False))
 
-    model_b = make_model(spec, masked=True)
-    masks_b = fisherprune.find_masks(model_b)
-    steps["b"] = make_step(
-        model_b, after_step=lambda: fisherprune.update_pruning_signals(masks_b, decay)
-    )
 
-    model_c = make_model(spec, masked=True)
+def _collecting(spec: ModelSpec, decay: float) -> StepFn:
+    model = make_model(spec, masked=True)
+    masks = fisherprune.find_masks(model)
+    return make_step(model, after_step=lambda: fisherprune.update_pruning_signals(masks, decay))
+
+
+def _finished(spec: ModelSpec, decay: float) -> StepFn:
+    model = make_model(spec, masked=True)
     with torch.no_grad():
-        for m in fisherprune.find_masks(model_c).values():
+        for m in fisherprune.find_masks(model).values():
             m.mask[: m.num_channels // 2] = 0.0
             m.collecting = False
-    steps["c"] = make_step(model_c)
+    return make_step(model)
 
-    if naive:
-        model_d = make_model(spec, masked=True)
-        masks_d = fisherprune.find_masks(model_d)
-        for m in masks_d.values():
-            m.collecting = False
-        per_example = PerExampleSignal(model_d, masks_d)
-        steps["d"] = make_step(model_d, after_backward=lambda x, y: per_example.update(x, y, decay))
 
-    model_e = make_model(spec, masked=True)
-    for m in fisherprune.find_masks(model_e).values():
+def _naive(spec: ModelSpec, decay: float) -> StepFn:
+    model = make_model(spec, masked=True)
+    masks = fisherprune.find_masks(model)
+    for m in masks.values():
         m.collecting = False
-    steps["e"] = make_step(model_e)
-    return steps
+    per_example = PerExampleSignal(model, masks)
+    return make_step(model, after_backward=lambda x, y: per_example.update(x, y, decay))
+
+
+def _all_ones(spec: ModelSpec, decay: float) -> StepFn:
+    model = make_model(spec, masked=True)
+    for m in fisherprune.find_masks(model).values():
+        m.collecting = False
+    return make_step(model)
+
+
+#: how each variant's step is built (a fresh model each, with the same initial weights)
+VARIANT_STEPS: dict[str, Callable[[ModelSpec, float], StepFn]] = {
+    "a": _plain,
+    "b": _collecting,
+    "c": _finished,
+    "d": _naive,
+    "e": _all_ones,
+}
+
+
+def make_variants(spec: ModelSpec, decay: float, naive: bool) -> dict[str, StepFn]:
+    """Every variant's step; ``naive`` False leaves out ``d``."""
+    return {k: build(spec, decay) for k, build in VARIANT_STEPS.items() if naive or k != "d"}
 
 
 # ------------------------------------------------------------------ timing
