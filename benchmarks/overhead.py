@@ -75,6 +75,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+import matplotlib
 import standard_nets as sn
 import torch
 import torch.nn.functional as F
@@ -84,6 +85,9 @@ from torch.func import functional_call, grad, vmap
 
 import fisherprune
 from fisherprune import MaskLayer
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # after choosing the headless backend
 
 BATCH = 64
 NUM_CLASSES = 10
@@ -572,6 +576,34 @@ def count_masks(spec: ModelSpec) -> dict[str, int]:
     return {"masks": len(masks), "channels": sum(m.num_channels for m in masks.values())}
 
 
+def plot(results: Sequence[ModelResult], path: Path) -> None:
+    """Each model's collecting (b), finished (c) and all-ones (e) ratio to the plain step with
+    its 95% interval, the targets as ticks."""
+    fig, ax = plt.subplots(figsize=(7, 3.8))
+    width = 0.25
+    for j, v in enumerate(("b", "c", "e")):
+        xs, ys, errs = [], [], []
+        for i, res in enumerate(results):
+            lo, hi = res.ratio_ci(v)
+            xs.append(i + (j - 1) * width)
+            ys.append(res.ratio(v))
+            errs.append((res.ratio(v) - lo, hi - res.ratio(v)))
+        ax.bar(xs, ys, width, yerr=list(zip(*errs, strict=True)), label=f"({v}) {VARIANTS[v]}")
+    for model, variant, limit in TARGETS:
+        names = [r.spec.name for r in results]
+        if model in names:
+            x = names.index(model) + (-1 if variant == "b" else 0) * width
+            ax.plot([x - width / 2, x + width / 2], [limit, limit], "k-", lw=1.5)
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xticks(range(len(results)), [r.spec.name for r in results])
+    ax.set_ylabel("step time / plain step")
+    ax.set_ylim(0.8, max(1.3, *(r.ratio(v) for r in results for v in "bce")) + 0.05)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def load_average() -> list[float] | None:
     return list(os.getloadavg()) if hasattr(os, "getloadavg") else None
 
@@ -774,7 +806,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "elapsed_s": time.perf_counter() - started,
     }
     write_json(args.out, payload)
-    print(f"\nwrote {args.out}")
+    plot(results, args.out.with_suffix(".png"))
+    print(f"\nwrote {args.out} and its plot")
     return 0
 
 

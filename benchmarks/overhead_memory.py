@@ -120,6 +120,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "fisherprune_version": fisherprune.__version__,
         "torch_version": torch.__version__,
         "quick": args.quick,
+        "threads": 1,
         "machine": machine_info(),
         "settings": {"steps": args.steps, "repeats": args.repeats, "threads": 1},
         "target_peak_ratio": oh.MEMORY_TARGET,

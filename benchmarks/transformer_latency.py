@@ -35,6 +35,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+import matplotlib
 import standard_nets as sn
 import torch
 from _common import counted_flops, machine_info, write_json
@@ -42,6 +43,9 @@ from torch import Tensor, nn
 
 import fisherprune as fp
 from fisherprune.export.latency import frozen_for_serving, measure_latency
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # after choosing the headless backend
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "transformer_latency.json"
 TARGETS = (0.5, 0.25)
@@ -181,6 +185,31 @@ def run(name: str, args: argparse.Namespace) -> dict[str, Any]:
     return {"networks": info, "rows": rows}
 
 
+def plot(results: dict[str, Any], path: Path) -> None:
+    """Speed-up against FLOPs reduction, one marker per pruned network and form; the line is
+    a speed-up equal to the FLOPs reduction, the dashed one ``EFFICIENCY_TARGET`` of it."""
+    fig, ax = plt.subplots(figsize=(6, 4.5))
+    markers = {"eager": "o", "torchscript": "s"}
+    for name, res in results.items():
+        for form, marker in markers.items():
+            rows = [r for r in res["rows"] if r["form"] == form and r["network"] != "dense"]
+            ax.scatter(
+                [r["flops_reduction"] for r in rows],
+                [r["speedup"] for r in rows],
+                marker=marker,
+                label=f"{name} {form}",
+            )
+    top = max(r["flops_reduction"] for res in results.values() for r in res["rows"]) * 1.1
+    ax.plot([1, top], [1, top], "k-", lw=0.8, label="speed-up = FLOPs reduction")
+    ax.plot([1, top], [EFFICIENCY_TARGET, EFFICIENCY_TARGET * top], "k--", lw=0.8)
+    ax.set_xlabel("FLOPs reduction (dense / pruned)")
+    ax.set_ylabel("speed-up (dense / pruned latency)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", nargs="+", choices=sorted(ENCODERS), default=sorted(ENCODERS))
@@ -223,6 +252,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "fisherprune_version": fp.__version__,
             "torch_version": torch.__version__,
             "machine": machine_info(),
+            "threads": args.threads,
             "settings": {
                 "batch": args.batch,
                 "rounds": args.rounds,
@@ -238,7 +268,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "elapsed_s": time.perf_counter() - started,
         },
     )
-    print(f"wrote {args.out}")
+    plot(results, args.out.with_suffix(".png"))
+    print(f"wrote {args.out} and its plot")
     return 0
 
 
