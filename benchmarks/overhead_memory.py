@@ -8,7 +8,11 @@ inputs, Python and torch), runs ``--steps`` steps and reads the process's peak r
 size (``getrusage`` ``ru_maxrss``). Reported per variant: the peak, and the steps' own memory
 ``peak - base`` (the gradients and the optimizer's momentum, the same in every variant, plus
 what the forward keeps for the backward and the backward's temporaries), with ratios over
-the plain step. No tracemalloc, which does not see torch's allocations.
+the plain step. Then one more step is run under ``torch.profiler(profile_memory=True)`` and
+the peak of its live tensor memory (allocations minus frees, from the step's start) is
+reported (``tensors``): the figure least disturbed by what the process did before (the
+resident set also holds what ``apply_masks``'s trace freed to glibc but glibc kept). No
+tracemalloc, which does not see torch's allocations.
 
 Run ``python benchmarks/overhead_memory.py [--quick]``; JSON to ``--out`` (default
 ``benchmarks/results/overhead_memory.json``).
@@ -30,6 +34,7 @@ from typing import Any
 import overhead as oh
 import torch
 from _common import machine_info, write_json
+from torch.profiler import profile
 
 import fisherprune
 
@@ -46,8 +51,23 @@ def rss_kib() -> int:
     raise RuntimeError("no VmRSS in /proc/self/status (Linux only)")
 
 
+def allocated_peak_kib(step: oh.StepFn, x: torch.Tensor, y: torch.Tensor) -> int:
+    """The most tensor memory live at once during one step, counted from what was live when
+    it began: the peak of the running sum of torch's allocations and frees in the step, as
+    ``torch.profiler(profile_memory=True)`` records them."""
+    with profile(profile_memory=True) as prof:
+        step(x, y)
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    live = peak = 0
+    for e in sorted(events, key=lambda e: e.start_ns()):
+        live += e.nbytes()
+        peak = max(peak, live)
+    return peak // 1024
+
+
 def child(model: str, variant: str, batch: int, steps: int) -> dict[str, int]:
-    """In this process: build one variant, step, and return base and peak RSS in KiB."""
+    """In this process: build one variant, step, and return base and peak RSS in KiB, and
+    the peak tensor memory of one more step (``allocated_peak_kib``)."""
     torch.set_num_threads(1)
     spec = oh.MODELS[model]
     step = oh.VARIANT_STEPS[variant](spec, oh.DECAY)
@@ -55,7 +75,12 @@ def child(model: str, variant: str, batch: int, steps: int) -> dict[str, int]:
     base = rss_kib()
     for i in range(steps):
         step(*batches[i % len(batches)])
-    return {"base_kib": base, "peak_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {
+        "base_kib": base,
+        "peak_kib": peak,
+        "step_alloc_kib": allocated_peak_kib(step, *batches[0]),
+    }
 
 
 def measure(model: str, variant: str, batch: int, steps: int) -> dict[str, int]:
@@ -99,6 +124,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         own = {
             v: statistics.median(r["peak_kib"] - r["base_kib"] for r in runs[v]) for v in VARIANTS
         }
+        alloc = {v: statistics.median(r["step_alloc_kib"] for r in runs[v]) for v in VARIANTS}
         results[name] = {
             "batch": batch,
             "runs": runs,
@@ -106,13 +132,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             "step_mib": {v: own[v] / 1024 for v in VARIANTS},
             "peak_ratio_to_a": {v: peak[v] / peak["a"] for v in VARIANTS},
             "step_ratio_to_a": {v: own[v] / max(own["a"], 1) for v in VARIANTS},
+            "alloc_peak_mib": {v: alloc[v] / 1024 for v in VARIANTS},
+            "alloc_ratio_to_a": {v: alloc[v] / max(alloc["a"], 1) for v in VARIANTS},
         }
         r = results[name]
         for v in VARIANTS:
             print(
                 f"{name:<10} ({v}) {oh.VARIANTS[v]:<38} peak {r['peak_mib'][v]:8.0f} MiB "
                 f"x{r['peak_ratio_to_a'][v]:.3f}   step {r['step_mib'][v]:7.0f} MiB "
-                f"x{r['step_ratio_to_a'][v]:.3f}"
+                f"x{r['step_ratio_to_a'][v]:.3f}   tensors {r['alloc_peak_mib'][v]:7.0f} MiB "
+                f"x{r['alloc_ratio_to_a'][v]:.3f}"
             )
     payload = {
         "benchmark": "overhead_memory",
