@@ -156,3 +156,18 @@ def test_nothing_per_example_kept_after_the_step() -> None:
     gc.collect()
     assert seen and all(r() is None for r in seen)
     assert all(not m.received for m in masks.values())
+
+
+def test_masked_activations_are_freed_during_the_backward() -> None:
+    """A collecting mask with nothing pruned aliases its input; the alias is released once its
+    backward ran, so activations are freed as the backward proceeds, as without the mask (it
+    once held every masked activation until the whole backward ended: +30% peak on BERT)."""
+    model, _ = _masked_transformer()
+    x, y = token_input(4).double(), torch.arange(4) % 5
+    seen: list[weakref.ref[Tensor]] = []
+    handle = model.mlp.fc2.register_forward_pre_hook(lambda _m, a: seen.append(weakref.ref(a[0])))
+    alive_at_embed: list[bool] = []
+    model.embed.weight.register_hook(lambda g: alive_at_embed.append(seen[0]() is not None))
+    _step(model, x, y)
+    handle.remove()
+    assert alive_at_embed == [False]
