@@ -165,7 +165,9 @@ def test_masked_activations_are_freed_during_the_backward() -> None:
     model, _ = _masked_transformer()
     x, y = token_input(4).double(), torch.arange(4) % 5
     seen: list[weakref.ref[Tensor]] = []
-    handle = model.mlp.fc2.register_forward_pre_hook(lambda _m, a: seen.append(weakref.ref(a[0])))
+    handle = model.mlp.fc2.register_forward_pre_hook(  # before the mask's hook: the input
+        lambda _m, a: seen.append(weakref.ref(a[0])), prepend=True
+    )
     alive_at_embed: list[bool] = []
     model.embed.weight.register_hook(lambda g: alive_at_embed.append(seen[0]() is not None))
     _step(model, x, y)
