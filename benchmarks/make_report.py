@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import re
 import statistics
 from collections.abc import Sequence
@@ -58,6 +59,11 @@ def _rel(path: Path, out: Path) -> str:
         return str(path.resolve().relative_to(out.resolve().parent))
     except ValueError:
         return str(path)
+
+
+def _rel_any(path: Path, out: Path) -> str:
+    """Path of ``path`` relative to the directory of ``out``, with ``..`` where needed."""
+    return os.path.relpath(path.resolve(), out.resolve().parent)
 
 
 def _fmt(v: Any, digits: int = 3) -> str:
@@ -937,15 +943,15 @@ def standard_size_sections(results: Path, out: Path) -> list[str]:
         lines += overhead_section(o, title)
         plot = results / "overhead_standard.png"
         if plot.is_file():
-            lines += [f"![overhead ratios]({_rel(plot, out)})", ""]
+            lines += [f"![overhead ratios]({_rel_any(plot, out)})", ""]
     m = _load(results / "overhead_memory.json")
     if m is not None:
         lines += ["## Peak memory of a collecting step (`benchmarks/overhead_memory.py`)", ""]
         lines += [_environment(m), ""]
         rows = [
-            [name, v, r.get("batch"), _fmt(r["peak_mib"][v], 0), _fmt(r["peak_ratio_to_a"][v]),
-             _fmt(r["step_mib"][v], 0), _fmt(r["step_ratio_to_a"][v]),
-             _fmt(r["alloc_peak_mib"][v], 0), _fmt(r["alloc_ratio_to_a"][v])]
+            [name, v, r.get("batch"), f"{r['peak_mib'][v]:.0f}", _fmt(r["peak_ratio_to_a"][v]),
+             f"{r['step_mib'][v]:.0f}", _fmt(r["step_ratio_to_a"][v]),
+             f"{r['alloc_peak_mib'][v]:.0f}", _fmt(r["alloc_ratio_to_a"][v])]
             for name, r in m.get("models", {}).items()
             for v in r.get("peak_mib", {})
         ]  # fmt: skip
@@ -964,7 +970,7 @@ def standard_size_sections(results: Path, out: Path) -> list[str]:
         lines += ["## Latency of pruned transformers (`benchmarks/transformer_latency.py`)", ""]
         lines += [_environment(t), ""]
         rows = [
-            [name, r["form"], r["network"], _fmt(r["latency_ms"], 1), _fmt(r["speedup"], 2),
+            [name, r["form"], r["network"], f"{r['latency_ms']:.1f}", _fmt(r["speedup"], 2),
              _fmt(r["flops_reduction"], 2), _fmt(r["efficiency"], 2)]
             for name, res in t.get("models", {}).items()
             for r in res.get("rows", [])
@@ -979,7 +985,7 @@ def standard_size_sections(results: Path, out: Path) -> list[str]:
             lines += ["", f"- eff = speed-up / FLOPs reduction ≥ {target}: {met} of {len(pruned)}"]
         plot = results / "transformer_latency.png"
         if plot.is_file():
-            lines += ["", f"![speed-up against FLOPs reduction]({_rel(plot, out)})"]
+            lines += ["", f"![speed-up against FLOPs reduction]({_rel_any(plot, out)})"]
         lines.append("")
     return lines
 
