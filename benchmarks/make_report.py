@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import re
 import statistics
 from collections.abc import Sequence
@@ -58,6 +59,11 @@ def _rel(path: Path, out: Path) -> str:
         return str(path.resolve().relative_to(out.resolve().parent))
     except ValueError:
         return str(path)
+
+
+def _rel_any(path: Path, out: Path) -> str:
+    """Path of ``path`` relative to the directory of ``out``, with ``..`` where needed."""
+    return os.path.relpath(path.resolve(), out.resolve().parent)
 
 
 def _fmt(v: Any, digits: int = 3) -> str:
@@ -512,8 +518,10 @@ def _findings(q: dict[str, Any] | None) -> list[str]:
 
 
 # ====================================================================== overhead
-def overhead_section(o: dict[str, Any]) -> list[str]:
-    lines = ["## Training-step overhead (`benchmarks/overhead.py`)", "", _environment(o), ""]
+def overhead_section(
+    o: dict[str, Any], title: str = "## Training-step overhead (`benchmarks/overhead.py`)"
+) -> list[str]:
+    lines = [title, "", _environment(o), ""]
     variants: dict[str, str] = o.get("variants", {})
     models: dict[str, Any] = o.get("models", {})
     if not models:
@@ -529,9 +537,18 @@ def overhead_section(o: dict[str, Any]) -> list[str]:
                     _fmt(vr.get("median_ms")),
                     _fmt(vr.get("ratio_to_a")),
                     _fmt(vr.get("paired_ratio_to_a")),
+                    _fmt(vr.get("cpu_ratio_to_a")),
                 ]
             )
-    lines += _table(["model", "variant", "ms / step (median)", "ratio to a", "paired ratio"], rows)
+    header = [
+        "model",
+        "variant",
+        "ms / step (median)",
+        "ratio to a",
+        "paired ratio",
+        "CPU-time ratio",
+    ]
+    lines += _table(header, rows)
     lines.append("")
     for name, mres in models.items():
         if mres.get("architecture"):
@@ -912,7 +929,65 @@ def build(out: Path, results: Path = RESULTS) -> str:
     t = _load(results / "transformers.json")
     if t is not None:
         lines += transformers_section(t, out)
+    lines += standard_size_sections(results, out)
     return "\n".join(lines).rstrip() + "\n"
+
+
+def standard_size_sections(results: Path, out: Path) -> list[str]:
+    """Overhead, memory and pruned-transformer latency at standard sizes (issue 20), each
+    from its JSON file when present."""
+    lines: list[str] = []
+    o = _load(results / "overhead_standard.json")
+    if o is not None:
+        title = "## Training-step overhead at standard sizes (`benchmarks/overhead.py`)"
+        lines += overhead_section(o, title)
+        plot = results / "overhead_standard.png"
+        if plot.is_file():
+            lines += [f"![overhead ratios]({_rel_any(plot, out)})", ""]
+    m = _load(results / "overhead_memory.json")
+    if m is not None:
+        lines += ["## Peak memory of a collecting step (`benchmarks/overhead_memory.py`)", ""]
+        lines += [_environment(m), ""]
+        rows = [
+            [name, v, r.get("batch"), f"{r['peak_mib'][v]:.0f}", _fmt(r["peak_ratio_to_a"][v]),
+             f"{r['step_mib'][v]:.0f}", _fmt(r["step_ratio_to_a"][v]),
+             f"{r['alloc_peak_mib'][v]:.0f}", _fmt(r["alloc_ratio_to_a"][v])]
+            for name, r in m.get("models", {}).items()
+            for v in r.get("peak_mib", {})
+        ]  # fmt: skip
+        header = ["model", "variant", "batch", "peak RSS MiB", "ratio", "steps' own RSS MiB",
+                  "ratio", "step's tensor peak MiB", "ratio"]  # fmt: skip
+        lines += _table(header, rows)
+        lines += [
+            "",
+            f"Target: collecting (b) peak ≤ {m.get('target_peak_ratio')}x plain (a). The "
+            "tensor peak (profiler) is the clean comparison; resident-set figures also hold "
+            "memory glibc kept from earlier work (apply_masks's trace in b and c).",
+            "",
+        ]
+    t = _load(results / "transformer_latency.json")
+    if t is not None:
+        lines += ["## Latency of pruned transformers (`benchmarks/transformer_latency.py`)", ""]
+        lines += [_environment(t), ""]
+        rows = [
+            [name, r["form"], r["network"], f"{r['latency_ms']:.1f}", _fmt(r["speedup"], 2),
+             _fmt(r["flops_reduction"], 2), _fmt(r["efficiency"], 2)]
+            for name, res in t.get("models", {}).items()
+            for r in res.get("rows", [])
+        ]  # fmt: skip
+        header = ["model", "form", "network", "ms / call", "speed-up", "FLOPs /", "eff"]
+        lines += _table(header, rows)
+        target = t.get("efficiency_target")
+        pruned = [r for res in t.get("models", {}).values() for r in res.get("rows", [])]
+        pruned = [r for r in pruned if r["network"] != "dense"]
+        if pruned:
+            met = sum(1 for r in pruned if r["efficiency"] >= (target or 0))
+            lines += ["", f"- eff = speed-up / FLOPs reduction ≥ {target}: {met} of {len(pruned)}"]
+        plot = results / "transformer_latency.png"
+        if plot.is_file():
+            lines += ["", f"![speed-up against FLOPs reduction]({_rel_any(plot, out)})"]
+        lines.append("")
+    return lines
 
 
 def main(argv: Sequence[str] | None = None) -> int:

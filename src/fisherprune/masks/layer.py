@@ -79,7 +79,10 @@ class _MaskMultiply(torch.autograd.Function):
     downstream (``nn.ReLU(inplace=True)`` after the mask) stay as legal as without the mask.
     If one does change ``x`` before the backward, ``x`` no longer holds the values the
     gradient needs: that pass is dropped and ``owner`` is told to stop aliasing
-    (``input_changed_in_place``), so that later passes multiply into a new tensor.
+    (``input_changed_in_place``), so that later passes multiply into a new tensor. ``x`` is
+    released once its backward ran (so that activations are freed as the backward goes, as
+    without the mask); a second backward through the same graph (``retain_graph=True``)
+    finds it gone and is handled the same way.
     """
 
     @staticmethod
@@ -96,8 +99,10 @@ class _MaskMultiply(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         if ctx.identity:
-            x, mult = ctx.x, None
-            changed = x._version != ctx.version
+            # freed here, not kept with the graph: an attribute of ctx (unlike a saved tensor)
+            # would hold every masked activation until the whole backward ends
+            x, mult, ctx.x = ctx.x, None, None
+            changed = x is None or x._version != ctx.version  # None: a second backward
         else:
             (x, mult), changed = ctx.saved_tensors, False
         if changed:
@@ -135,8 +140,9 @@ def all_ones(masks: list[MaskLayer], cache: dict[str, Any]) -> bool:
 
 def log_input_changed(where: str) -> None:
     log.info(
-        "%s: an in-place operation after the mask changed its input before the backward; "
-        "this batch's signal is dropped and the mask now multiplies into a new tensor",
+        "%s: an in-place operation after the mask changed its input before the backward (or "
+        "a second backward through a retained graph found it released); this pass's signal "
+        "is dropped and the mask now multiplies into a new tensor",
         where,
     )
 

@@ -10,6 +10,7 @@ removes exactly those, restoring the original model.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -25,6 +26,7 @@ __all__ = [
     "MASKS_ATTR",
     "MaskHolder",
     "MaskPoint",
+    "SharedProduct",
     "find_holder",
     "install_mask_points",
     "no_fold",
@@ -35,11 +37,43 @@ __all__ = [
 MASKS_ATTR = "fisherprune_masks"
 
 
+class SharedProduct:
+    """The last input that one or more identical mask points multiplied, and the product.
+
+    Points with the same masks, positions and dim (the q, k and v layers of one attention
+    block all read the hidden width) share one: when a second of them is handed the very
+    tensor the first multiplied, unchanged, it returns the same product, so the per-example
+    reduction runs once per tensor rather than once per consumer (autograd sums the
+    consumers' gradients before the product's backward). Only weak references are held: the
+    cache keeps nothing alive beyond the step.
+    """
+
+    __slots__ = ("_key", "_out", "_x")
+
+    def __init__(self) -> None:
+        self._x: weakref.ref[Tensor] | None = None
+        self._out: weakref.ref[Tensor] | None = None
+        self._key: tuple[Any, ...] = ()
+
+    def get(self, x: Tensor, key: tuple[Any, ...]) -> Tensor | None:
+        """The product made from ``x`` under the same ``key``, if it is still alive."""
+        if self._x is None or self._x() is not x or self._key != (x._version, *key):
+            return None
+        return self._out() if self._out is not None else None
+
+    def put(self, x: Tensor, key: tuple[Any, ...], out: Tensor) -> Tensor:
+        """Remember ``out`` as the product of ``x`` under ``key``; returns ``out``."""
+        self._x, self._out, self._key = weakref.ref(x), weakref.ref(out), (x._version, *key)
+        return out
+
+
 class MaskPoint:
     """Multiplies positional input ``arg`` of a module, along ``dim``, by one or more masks.
 
     ``parts``: for each mask, the positions of ``dim`` it covers and which of
     its channels each position uses; positions no mask covers are left as they are.
+    ``shared``: the ``SharedProduct`` of the points with the same masks, positions and dim
+    (default: one of its own).
     """
 
     def __init__(
@@ -50,8 +84,10 @@ class MaskPoint:
         size: int,
         parts: Sequence[tuple[MaskLayer, np.ndarray, np.ndarray]],
         foldable: bool = False,
+        shared: SharedProduct | None = None,
     ) -> None:
         self.module_name = module_name
+        self.shared = SharedProduct() if shared is None else shared
         self.arg, self.dim, self.size = arg, dim, size
         self.parts = [
             (m, torch.as_tensor(p, dtype=torch.long), torch.as_tensor(i, dtype=torch.long))
@@ -73,6 +109,7 @@ class MaskPoint:
         self._fold_versions: tuple[int, ...] | None = None
         self._keep: Tensor | None = None
         self._pruned_cols: Tensor | None = None
+        self._zeroed: tuple[int, int] | None = None  # (id, version) of the weight last zeroed
         self._grad_hook: Any = None
         #: False once an in-place op downstream was seen changing the input (see _MaskMultiply)
         self._alias_ok = True
@@ -114,10 +151,13 @@ class MaskPoint:
 
     def _fold(self, module: nn.Module) -> bool:
         """Once pruning is over, zero the weight columns that read pruned channels instead of
-        multiplying the input (the same output and gradients, at the cost of a weight-sized
-        check instead of an activation-sized product). Returns whether it did so."""
-        if tracing.active() is not None or any(m.collecting for m in self._masks):
-            return False
+        multiplying the input (the same output and gradients): the columns are written again
+        only when the weight was written since (its version moved), so a step costs no
+        activation-sized product, no read-back and no host sync. Returns whether it did so."""
+        if tracing.active() is not None or any(
+            m.collecting or m.mask.requires_grad for m in self._masks
+        ):
+            return False  # (masks that require grad, as under torch.func, stay in the graph)
         if self._nothing_pruned():
             return True
         w = module.weight
@@ -129,9 +169,11 @@ class MaskPoint:
             self._keep = keep.to(w.dtype).view(shape)
             self._pruned_cols = torch.nonzero(~keep).flatten()
             self._fold_versions = versions
-        with torch.no_grad():
-            if bool(w.index_select(1, self._pruned_cols).any()):  # moved by an optimizer step
-                w.index_fill_(1, self._pruned_cols, 0.0)
+            self._zeroed = None
+        if (id(w), w._version) != self._zeroed:  # written since (an optimizer step, a load)
+            with torch.no_grad():
+                w.index_fill_(1, self._pruned_cols, 0.0)  # no read-back, no host sync
+            self._zeroed = (id(w), w._version)
         if self._grad_hook is None:
             self._grad_hook = w.register_hook(lambda g: g * self._keep.to(g.dtype))
         return True
@@ -150,14 +192,25 @@ class MaskPoint:
                 out = x * self.multiplier(x)
             tracer.record_mask(x, out, self.dim, self._np_parts)
             return out
-        if torch.is_grad_enabled() and any(m.collecting for m in self._masks):
-            for m in self._masks:
-                m.start_pass()
-            ident = self._alias_ok and self._nothing_pruned()
-            return gather_through(x, self.multiplier(x), self, None, self.dim, ident)
-        if self._nothing_pruned() and not any(m.mask.requires_grad for m in self._masks):
-            return x  # (masks that require grad, as under torch.func, must stay in the graph)
-        return x * self.multiplier(x)
+        grad = torch.is_grad_enabled()
+        collect = grad and any(m.collecting for m in self._masks)
+        if (
+            not collect
+            and self._nothing_pruned()
+            and not any(m.mask.requires_grad for m in self._masks)
+        ):
+            return x  # (masks that require grad, as under torch.func, stay in the graph)
+        key = (grad, collect, *(m.mask._version for m in self._masks))
+        out = self.shared.get(x, key)
+        if out is not None:
+            return out
+        if not collect:
+            return self.shared.put(x, key, x * self.multiplier(x))
+        for m in self._masks:
+            m.start_pass()
+        ident = self._alias_ok and self._nothing_pruned()
+        out = gather_through(x, self.multiplier(x), self, None, self.dim, ident)
+        return self.shared.put(x, key, out)
 
     def input_changed_in_place(self) -> None:
         """Backward found the aliased input changed in place: drop the pass, stop aliasing."""
@@ -168,6 +221,10 @@ class MaskPoint:
 
     def accumulate(self, g: Tensor, index: Tensor | None) -> None:
         """Hand each mask the columns of ``g`` (N, size) that it covers (see ``MaskLayer``)."""
+        if self._direct:  # one mask covering the dim in order: no copy, no scatter
+            if self.parts[0][0].collecting:
+                self.parts[0][0].accumulate(g, None)
+            return
         for m, pos, idx in self.parts:
             if m.collecting:
                 m.accumulate(g[:, pos.to(g.device)], idx)
@@ -306,10 +363,18 @@ def install_mask_points(
     modules = dict(model.named_modules())
     try:
         shared = _shared_weights(model)
+        products: dict[tuple[Any, ...], SharedProduct] = {}
         for name, arg, dim, size, parts in points:
             mod = modules[name]
             fold = _foldable(mod, arg, dim, size) and id(mod.weight) not in shared
-            mp = MaskPoint(name, arg, dim, size, [(holder[k], p, i) for k, p, i in parts], fold)
+            same = (
+                dim,
+                size,
+                *((k, np.asarray(p).tobytes(), np.asarray(i).tobytes()) for k, p, i in parts),
+            )
+            product = products.setdefault(same, SharedProduct())
+            masked = [(holder[k], p, i) for k, p, i in parts]
+            mp = MaskPoint(name, arg, dim, size, masked, fold, product)
             holder.points.append(mp)
             holder.handles.append(mod.register_forward_pre_hook(mp))
         for name, dim, size, parts in norms:
