@@ -1,0 +1,289 @@
+"""Repair without retraining: refit the layers that read removed channels by least squares.
+
+After channels are chosen, every ``nn.Linear`` / ``nn.Conv1d`` / ``nn.Conv2d`` (``groups=1``)
+whose input a mask thins has its weights on the kept input features (and its bias, when it has
+one) refitted so that its output on the calibration data matches the dense model's output
+(He et al. 2017, "Channel Pruning"; Kwon et al. 2022's "mask tuning" fits per-channel scales,
+this fits the whole kept weight). Each layer is fitted on the dense model's input with the
+removed channels dropped: the layers upstream are repaired towards their dense outputs too,
+so that is the input each layer will see; all layers are fitted from one pass over the data.
+
+The solve, per layer: with ``k`` kept input features (kept channels x kernel size for a conv,
++1 for the bias), the pass streams ``X^T X`` (k x k) and ``X^T Y`` (k x outputs) in float64
+over the batches (rows: every token of a linear layer; ``positions`` sampled output positions
+per image for a conv, as He et al. sample theirs), then solves
+``(X^T X + lambda I) W = X^T Y`` with ``torch.linalg.solve``, ``lambda = ridge * trace / k``.
+Memory ``8 k^2`` bytes per layer while the pass runs (a ResNet-50 3x3 conv reading 512
+channels: k = 4608, 170 MB); layers with more than ``max_features`` kept features are left
+as they are and reported.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from fisherprune.inputs import batch_size, call_model
+from fisherprune.masks import MaskLayer
+from fisherprune.masks.points import MaskPoint, find_holder
+from fisherprune.modes import eval_mode
+
+__all__ = ["REPAIRABLE", "RepairReport", "repair_consumers"]
+
+
+@dataclass
+class RepairReport:
+    """What ``repair_consumers`` changed.
+
+    Attributes:
+        layers: per repaired module, ``(kept input features, relative error before, after)``:
+            the squared error of its output against the dense output on the calibration data,
+            over the dense output's sum of squares, with the original kept weights and with
+            the refitted ones.
+        skipped: modules that read removed channels but were left as they are, and why.
+        examples: calibration examples the fit saw.
+    """
+
+    layers: dict[str, tuple[int, float, float]] = field(default_factory=dict)
+    skipped: dict[str, str] = field(default_factory=dict)
+    examples: int = 0
+
+
+# ----------------------------------------------------------- rows of the fit, per layer type
+def _linear_rows(mod: nn.Module, x: Tensor, y: Tensor, kept: Tensor, positions: int) -> Any:
+    """(rows, kept in-features) inputs and (rows, out-features) outputs: every token."""
+    return x.reshape(-1, x.shape[-1])[:, kept], y.reshape(-1, y.shape[-1])
+
+
+def _conv_padding(mod: nn.Module) -> list[tuple[int, int]]:
+    """(before, after) zero padding of each spatial dim of a conv."""
+    kernel, dil = mod.kernel_size, mod.dilation
+    if mod.padding == "valid":
+        return [(0, 0)] * len(kernel)
+    if mod.padding == "same":
+        total = [d * (k - 1) for k, d in zip(kernel, dil, strict=True)]
+        return [(t // 2, t - t // 2) for t in total]
+    return [(p, p) for p in mod.padding]
+
+
+def _conv_rows(mod: nn.Module, x: Tensor, y: Tensor, kept: Tensor, positions: int) -> Any:
+    """Patches at ``positions`` random output positions (the same for every image of the
+    batch): (N * P, kept channels * kernel) inputs, (N * P, out channels) outputs."""
+    if x.dim() == 3:  # Conv1d: a 2-d conv of height 1
+        x, y = x.unsqueeze(2), y.unsqueeze(2)
+        kernel, stride, dil = (1, *mod.kernel_size), (1, *mod.stride), (1, *mod.dilation)
+        pad = [(0, 0), *_conv_padding(mod)]
+    else:
+        kernel, stride, dil, pad = mod.kernel_size, mod.stride, mod.dilation, _conv_padding(mod)
+    xp = F.pad(x[:, kept], (*pad[1], *pad[0]))  # (N, k, H + pads, W + pads)
+    oh_, ow_ = y.shape[2], y.shape[3]
+    pick = torch.randperm(oh_ * ow_)[:positions].to(x.device)
+    oh, ow = pick // ow_, pick % ow_  # (P,)
+    rows = oh[:, None] * stride[0] + torch.arange(kernel[0], device=x.device) * dil[0]
+    cols = ow[:, None] * stride[1] + torch.arange(kernel[1], device=x.device) * dil[1]
+    patches = xp[:, :, rows[:, :, None], cols[:, None, :]]  # (N, k, P, kh, kw)
+    xs = patches.permute(0, 2, 1, 3, 4).reshape(-1, kept.numel() * kernel[0] * kernel[1])
+    ys = y[:, :, oh, ow].permute(0, 2, 1).reshape(-1, y.shape[1])  # (N * P, out)
+    return xs, ys
+
+
+#: how to read one layer type's fitting rows (inputs on its kept channels, outputs)
+REPAIRABLE: dict[type[nn.Module], Callable[..., Any]] = {
+    nn.Linear: _linear_rows,
+    nn.Conv1d: _conv_rows,
+    nn.Conv2d: _conv_rows,
+}
+
+
+# ---------------------------------------------------------------------------- the fit
+class _Fit:
+    """The streamed sums of one layer's least-squares problem."""
+
+    def __init__(self, mod: nn.Module, kept: Tensor, dim: int, positions: int) -> None:
+        self.mod, self.kept, self.dim, self.positions = mod, kept, dim, positions
+        #: why the layer turned out not to be fittable during the pass (None: it is)
+        self.invalid: str | None = None
+        self.rows = REPAIRABLE[type(mod)]
+        w = mod.weight
+        self.kernel = int(w[0, 0].numel())
+        self.features = kept.numel() * self.kernel + (mod.bias is not None)
+        self.xtx = torch.zeros(self.features, self.features, dtype=torch.float64, device=w.device)
+        self.xty = torch.zeros(self.features, w.shape[0], dtype=torch.float64, device=w.device)
+        self.yty = 0.0
+
+    def hook(self, mod: nn.Module, args: tuple, out: Tensor) -> None:
+        """Forward hook: add this call's rows to the sums."""
+        if isinstance(mod, nn.Linear) and self.dim != args[0].dim() - 1:
+            self.invalid = "the mask is not on the features (last) dim"
+        if self.invalid is not None:
+            return
+        x, y = self.rows(mod, args[0].detach(), out.detach(), self.kept, self.positions)
+        x = x.double()
+        if mod.bias is not None:
+            x = torch.cat([x, x.new_ones(x.shape[0], 1)], 1)
+        y = y.double()
+        self.xtx.addmm_(x.T, x)
+        self.xty.addmm_(x.T, y)
+        self.yty += float(y.square().sum())
+
+    def current(self) -> Tensor:
+        """The layer's weights as the fit's unknowns: (features, out)."""
+        w = self.mod.weight.detach().double()
+        cols = w[:, self.kept].reshape(w.shape[0], -1)
+        if self.mod.bias is not None:
+            cols = torch.cat([cols, self.mod.bias.detach().double()[:, None]], 1)
+        return cols.T
+
+    def error(self, coef: Tensor) -> float:
+        """``||Y - X coef||^2 / ||Y||^2`` from the streamed sums."""
+        sq = self.yty - 2 * float((coef * self.xty).sum()) + float((coef * (self.xtx @ coef)).sum())
+        return max(sq, 0.0) / max(self.yty, 1e-300)
+
+    def solve_and_set(self, ridge: float) -> tuple[float, float]:
+        """Refit the kept weights (and bias); zero the removed columns. Returns the relative
+        errors before and after. Changes the module's ``weight`` (and ``bias``) in place."""
+        before = self.error(self.current())
+        lam = ridge * float(torch.diagonal(self.xtx).sum()) / self.features
+        eye = torch.eye(self.features, dtype=torch.float64, device=self.xtx.device)
+        coef = torch.linalg.solve(self.xtx + lam * eye, self.xty)  # (features, out)
+        after = self.error(coef)
+        if not after < before:  # the ridge fit can only lose on nearly singular data
+            return before, before
+        w = self.mod.weight
+        n_w = self.kept.numel() * self.kernel
+        with torch.no_grad():
+            new = coef[:n_w].T.reshape(w.shape[0], self.kept.numel(), *w.shape[2:])
+            w.zero_()  # removed columns stay zero, as the mask has them
+            w[:, self.kept] = new.to(w.dtype)
+            if self.mod.bias is not None:
+                self.mod.bias.copy_(coef[n_w].to(self.mod.bias.dtype))
+        return before, after
+
+
+def _kept_positions(point: MaskPoint) -> Tensor:
+    """Indices along the masked dim of ``point`` that no mask removes."""
+    keep = torch.ones(point.size, dtype=torch.bool)
+    for m, pos, idx in point.parts:
+        keep[pos] = m.mask.detach().cpu()[idx] > 0.5
+    return torch.nonzero(keep).flatten()
+
+
+def _fits(
+    model: nn.Module, positions: int, max_features: int, report: RepairReport
+) -> dict[str, _Fit]:
+    found = find_holder(model)
+    points = found[1].points if found else []
+    counts: dict[int, int] = {}
+    for _, p in model.named_parameters(remove_duplicate=False):
+        counts[id(p)] = counts.get(id(p), 0) + 1
+    fits: dict[str, _Fit] = {}
+    for point in points:
+        kept = _kept_positions(point)
+        if kept.numel() == point.size:
+            continue
+        name = point.module_name
+        mod = model.get_submodule(name) if name != "<model>" else model
+        why = _unrepairable(mod, point, counts, kept)
+        if why is None and kept.numel() * mod.weight[0, 0].numel() + 1 > max_features:
+            why = f"{kept.numel() * mod.weight[0, 0].numel()} kept features > max_features"
+        if why is not None:
+            report.skipped[name] = why
+            continue
+        if name not in fits:  # a module masked on several inputs: its first one
+            fits[name] = _Fit(mod, kept.to(mod.weight.device), point.dim, positions)
+    return fits
+
+
+def _unrepairable(
+    mod: nn.Module, point: MaskPoint, counts: dict[int, int], kept: Tensor
+) -> str | None:
+    """Why ``mod`` cannot be refitted on the kept inputs of ``point``, or None."""
+    if type(mod) not in REPAIRABLE:
+        return f"{type(mod).__name__} has no least-squares repair"
+    if point.arg != 0:
+        return "the mask is not on its first input"
+    if not isinstance(mod, nn.Linear) and (point.dim != 1 or mod.groups != 1):
+        return "a grouped conv, or a mask off the channel dim"
+    if getattr(mod, "padding_mode", "zeros") != "zeros":
+        return f"padding_mode {mod.padding_mode!r}"
+    if any(counts[id(p)] > 1 for p in mod.parameters(recurse=False)):
+        return "its weights are shared with another module"
+    if kept.numel() == 0:
+        return "every input channel is removed"
+    return None
+
+
+def repair_consumers(
+    model: nn.Module,
+    batches: Iterable[tuple[Any, Any]],
+    dense_masks: dict[str, Tensor],
+    *,
+    ridge: float = 1e-3,
+    positions: int = 64,
+    max_features: int = 6144,
+    progress: Callable[[Iterable[Any]], Iterable[Any]] | None = None,
+) -> RepairReport:
+    """Refit every layer that reads a removed channel so that, on the calibration inputs, its
+    output matches the dense model's (module docstring: what is solved, and how big).
+
+    Changes: the ``weight`` (and ``bias``) of each repaired layer, in place: the kept input
+    columns are refitted, the removed ones set to 0 (so ``shrink`` gives the same outputs as
+    the masked model). The masks are set to ``dense_masks`` during the pass and given back
+    as they were; train/eval flags are given back; nothing else changes. A layer whose fit
+    would not lower its error is left as it was.
+
+    Args:
+        model: a model masked by ``apply_masks``, with its channels chosen.
+        batches: ``(inputs, targets)`` pairs (targets are ignored).
+        dense_masks: the mask values of the dense model, by mask name (``find_masks``).
+        ridge: ``lambda`` relative to the mean diagonal of ``X^T X``.
+        positions: output positions sampled per image and batch for a conv.
+        max_features: layers with more kept input features are skipped (memory ``8 k^2``).
+        progress: wraps the batches (a progress bar), or None.
+
+    Returns:
+        The ``RepairReport``.
+
+    Raises:
+        ValueError: ``ridge`` < 0, ``positions`` < 1, or masks missing from ``dense_masks``.
+    """
+    if not ridge >= 0:
+        raise ValueError(f"ridge must be >= 0, got {ridge!r}")
+    if positions < 1:
+        raise ValueError(f"positions must be >= 1, got {positions!r}")
+    masks = {n: m for n, m in model.named_modules() if isinstance(m, MaskLayer)}
+    missing = sorted(set(masks) - set(dense_masks))
+    if missing:
+        raise ValueError(f"dense_masks has no values for mask(s) {missing}")
+    report = RepairReport()
+    fits = _fits(model, positions, max_features, report)
+    if not fits:
+        return report
+    chosen = {n: m.mask.detach().clone() for n, m in masks.items()}
+    handles = [fit.mod.register_forward_hook(fit.hook) for fit in fits.values()]
+    try:
+        with torch.no_grad():
+            for n, m in masks.items():
+                m.mask.copy_(dense_masks[n])
+        with eval_mode(model), torch.no_grad():
+            for inputs, _ in progress(batches) if progress else batches:
+                call_model(model, inputs)
+                report.examples += batch_size(inputs)
+    finally:
+        for h in handles:
+            h.remove()
+        with torch.no_grad():
+            for n, m in masks.items():
+                m.mask.copy_(chosen[n])
+    for name, fit in fits.items():
+        if fit.invalid is not None:
+            report.skipped[name] = fit.invalid
+            continue
+        before, after = fit.solve_and_set(ridge)
+        report.layers[name] = (fit.features, before, after)
+    return report
