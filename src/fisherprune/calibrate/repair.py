@@ -12,7 +12,8 @@ The solve, per layer: with ``k`` kept input features (kept channels x kernel siz
 +1 for the bias), the pass streams ``X^T X`` (k x k) and ``X^T Y`` (k x outputs) in float64
 over the batches (rows: every token of a linear layer; ``positions`` sampled output positions
 per image for a conv, as He et al. sample theirs), then solves
-``(X^T X + lambda I) W = X^T Y`` with ``torch.linalg.solve``, ``lambda = ridge * trace / k``.
+``(X^T X + lambda I) W = X^T Y`` with ``torch.linalg.solve``, ``lambda = ridge * trace / k``
+(a singular system, possible only with ``ridge=0``, gets the minimum-norm solution).
 Memory ``8 k^2`` bytes per layer while the pass runs (a ResNet-50 3x3 conv reading 512
 channels: k = 4608, 170 MB); layers with more than ``max_features`` kept features are left
 as they are and reported.
@@ -150,7 +151,11 @@ class _Fit:
         before = self.error(self.current())
         lam = ridge * float(torch.diagonal(self.xtx).sum()) / self.features
         eye = torch.eye(self.features, dtype=torch.float64, device=self.xtx.device)
-        coef = torch.linalg.solve(self.xtx + lam * eye, self.xty)  # (features, out)
+        a = self.xtx + lam * eye
+        coef, info = torch.linalg.solve_ex(a, self.xty)  # (features, out)
+        if int(info) != 0:  # singular (a dead input with ridge 0): the minimum-norm solution
+            coef = torch.linalg.lstsq(a.cpu(), self.xty.cpu(), driver="gelsd").solution
+            coef = coef.to(a.device)
         after = self.error(coef)
         if not after < before:  # the ridge fit can only lose on nearly singular data
             return before, before

@@ -251,6 +251,7 @@ def prune_to_target(
             f"cost {start:.6g}"
         )
     dense = {n: m.mask.detach().clone() for n, m in masks.items()}
+    selection = _Selection(crit, cost_model, score_model, min_channels, round_to, flops_weight)
     result = PruneResult(start, start, goal, convention=convention)
     phases = dict.fromkeys(("signals", "selection", "repair"), 0.0)
     stuck = False
@@ -262,8 +263,9 @@ def prune_to_target(
             )
         t1 = time.perf_counter()
         phases["signals"] += t1 - t0
-        stuck = _select(model, masks, crit, cost_model, score_model, result, r, rounds, goal,
-                        min_channels, round_to, flops_weight)  # fmt: skip
+        round_goal = goal if r == rounds else start * (goal / start) ** (r / rounds)
+        events, stuck = selection.run(model, masks, round_goal, r)
+        result.events.extend(events)
         phases["selection"] += time.perf_counter() - t1
         result.rounds = r
         if stuck:
@@ -289,39 +291,44 @@ def prune_to_target(
     result.seconds = time.perf_counter() - start_time
     log.info(
         "prune_to_target: cost %.6g -> %.6g (%d events, %.1f s: %s)",
-        start, result.cost_after, len(result.events), result.seconds,
+        start,
+        result.cost_after,
+        len(result.events),
+        result.seconds,
         ", ".join(f"{k} {v:.1f} s" for k, v in phases.items()),
-    )  # fmt: skip
+    )
     return result
 
 
-def _select(
-    model: nn.Module,
-    masks: dict[str, MaskLayer],
-    crit: Criterion,
-    cost_model: CostModel,
-    score_model: CostModel,
-    result: PruneResult,
-    r: int,
-    rounds: int,
-    goal: float,
-    min_channels: int | float,
-    round_to: int,
-    flops_weight: str | float,
-) -> bool:
-    """Remove channels until round ``r``'s cost target; the importances are read once per
-    round, the marginal costs after every removal. Returns whether pruning got stuck at the
-    masks' floors. Changes: the masks; appends to ``result.events``."""
-    start = result.cost_before
-    round_goal = goal if r == rounds else start * (goal / start) ** (r / rounds)
-    importances = crit.scores(masks, model)
-    while True:
-        report = cost_model.report()
-        if report.total <= round_goal:
-            return False
-        weigh = report if score_model is cost_model else score_model.report()
-        scores = score_all(importances, {n: weigh.marginal[n] for n in masks}, flops_weight)
-        event = prune(masks, scores, min_channels, cost=report, step=r, round_to=round_to)
-        if event is None:
-            return True
-        result.events.append(event)
+@dataclass
+class _Selection:
+    """How channels are chosen: the criterion, the cost models and the pruning settings."""
+
+    criterion: Criterion
+    cost_model: CostModel
+    score_model: CostModel
+    min_channels: int | float
+    round_to: int
+    flops_weight: str | float
+
+    def run(
+        self, model: nn.Module, masks: dict[str, MaskLayer], goal: float, step: int
+    ) -> tuple[list[PruneEvent], bool]:
+        """Remove channels until the cost is at most ``goal``; the importances are read once,
+        the marginal costs after every removal. Returns the events and whether pruning got
+        stuck at the masks' floors. Changes: the masks."""
+        importances = self.criterion.scores(masks, model)
+        events: list[PruneEvent] = []
+        while True:
+            report = self.cost_model.report()
+            if report.total <= goal:
+                return events, False
+            weigh = report if self.score_model is self.cost_model else self.score_model.report()
+            marginal = {n: weigh.marginal[n] for n in masks}
+            scores = score_all(importances, marginal, self.flops_weight)
+            event = prune(
+                masks, scores, self.min_channels, cost=report, step=step, round_to=self.round_to
+            )
+            if event is None:
+                return events, True
+            events.append(event)
