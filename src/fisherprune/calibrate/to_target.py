@@ -19,7 +19,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -48,6 +48,9 @@ __all__ = ["PruneResult", "estimate_signals", "prune_to_target"]
 log = logging.getLogger("fisherprune")
 
 LossFn = Callable[[Any, Any], Tensor]
+
+#: the share of the remaining cost gap removed between two exact cost reports (``_Selection``)
+STEP_FRACTION = 0.25
 
 
 @dataclass
@@ -314,9 +317,17 @@ class _Selection:
     def run(
         self, model: nn.Module, masks: dict[str, MaskLayer], goal: float, step: int
     ) -> tuple[list[PruneEvent], bool]:
-        """Remove channels until the cost is at most ``goal``; the importances are read once,
-        the marginal costs after every removal. Returns the events and whether pruning got
-        stuck at the masks' floors. Changes: the masks."""
+        """Remove channels until the cost is at most ``goal``. Returns the events and whether
+        pruning got stuck at the masks' floors. Changes: the masks.
+
+        The importances are read once. The exact cost report (marginal costs) is taken, then
+        ``prune`` removes the lowest-scoring channels one by one under those scores until
+        their marginal costs add up to ``STEP_FRACTION`` of the gap to ``goal`` (at least
+        one), then the report is taken again: the gap shrinks geometrically, so a few dozen
+        reports replace one per channel (0.3 s each on a ResNet-50), while the marginal costs
+        used are never staler than a quarter of the remaining gap. Events carry the costs
+        estimated from the report's marginals; the last of each batch the exact cost.
+        """
         importances = self.criterion.scores(masks, model)
         events: list[PruneEvent] = []
         while True:
@@ -326,9 +337,24 @@ class _Selection:
             weigh = report if self.score_model is self.cost_model else self.score_model.report()
             marginal = {n: weigh.marginal[n] for n in masks}
             scores = score_all(importances, marginal, self.flops_weight)
-            event = prune(
-                masks, scores, self.min_channels, cost=report, step=step, round_to=self.round_to
-            )
-            if event is None:
-                return events, True
-            events.append(event)
+            budget, cost = STEP_FRACTION * (report.total - goal), report.total
+            while cost > report.total - budget:
+                event = prune(
+                    masks,
+                    scores,
+                    self.min_channels,
+                    cost=report,
+                    step=step,
+                    round_to=self.round_to,
+                )
+                if event is None:
+                    self._exact_last(events)
+                    return events, True
+                saved = event.cost_before - event.cost_after
+                events.append(replace(event, cost_before=cost, cost_after=cost - saved))
+                cost -= saved
+            self._exact_last(events)
+
+    def _exact_last(self, events: list[PruneEvent]) -> None:
+        if events:
+            events[-1] = replace(events[-1], cost_after=self.cost_model.total())
