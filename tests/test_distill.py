@@ -3,6 +3,9 @@ the masks' meaning."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -10,6 +13,8 @@ from torch import nn
 
 import fisherprune as fp
 from fisherprune.distill import distill_loss, finetune, frozen_teacher
+from fisherprune.train.config import TrainConfig
+from tests.test_cli import FAST, MLP8, run_cli
 
 
 def test_classifier_term_is_kl_at_temperature_times_t_squared() -> None:
@@ -64,3 +69,29 @@ def test_distilled_finetune_moves_towards_the_teacher_and_shrinks_exactly() -> N
 def test_finetune_needs_a_teacher_or_a_loss() -> None:
     with pytest.raises(ValueError, match="teacher, a loss_fn"):
         finetune(nn.Linear(2, 2), None, [(torch.zeros(1, 2), None)], 1)
+
+
+def test_train_distills_from_the_dense_model_when_asked(tmp_path: Path) -> None:
+    """``fisherprune train --distill.alpha 1 --distill.temperature 3`` runs through pruning and
+    a distilled fine-tune; a bad alpha is refused by name (exit 2)."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(60, 4)).astype(np.float32)
+    y = (x[:, 0] > 0).astype(np.int64) + (x[:, 1] > 0).astype(np.int64)
+    lines = ["a,b,c,d,label"] + [
+        ",".join(f"{v:.6f}" for v in row) + f",{t}" for row, t in zip(x, y, strict=True)
+    ]
+    (tmp_path / "t.csv").write_text("\n".join(lines) + "\n")
+    argv = ["train", "--data", tmp_path / "t.csv", *MLP8, *FAST, "--save_dir", tmp_path / "run"]
+    cli = run_cli(
+        *argv, "--distill.alpha", "1", "--distill.temperature", "3", "--train.steps", "40"
+    )
+    assert cli.code == 0, cli.err
+    bad = run_cli(*argv, "--distill.alpha", "2")
+    assert bad.code == 2 and "distill_alpha" in bad.err
+
+
+def test_distill_settings_are_checked() -> None:
+    """TrainConfig takes the distillation settings and refuses bad ones by name."""
+    assert TrainConfig(distill_alpha=0.5).distill_temperature == 2.0
+    with pytest.raises(ValueError, match="distill_temperature"):
+        TrainConfig(distill_temperature=0)

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fisherprune._errors import first_line
+from fisherprune.distill import distill_loss, frozen_teacher
 from fisherprune.graph import apply_masks
 from fisherprune.masks import find_masks
 from fisherprune.modes import eval_mode
@@ -89,6 +90,7 @@ class PruningTrainer:
         self.config = config
         self._model = model
         self._data = data
+        self._teacher: nn.Module | None = None  # the dense model, with distill_alpha > 0
 
     # ------------------------------------------------------------------ setup
     def _setup(self) -> None:
@@ -303,7 +305,7 @@ class PruningTrainer:
         cfg, popt, state = self.config, loop.popt, loop.state
         x, y = self._batch(state.step)
         loop.net.train()
-        loss = self._loss(loop.net(x), y)
+        loss = self._train_loss(loop, x, y)
         seen = len(popt.history)
         popt.minimize(loss)
         loss_value = loss.item()
@@ -328,8 +330,29 @@ class PruningTrainer:
         if step % cfg.checkpoint_every == 0 and self.rank == 0:
             loop.ckpts.save(step, self._checkpoint(popt, state))
 
+    def _train_loss(self, loop: _Loop, x: Tensor, y: Tensor) -> Tensor:
+        """The label loss; once pruning is over and a dense teacher was kept
+        (``distill_alpha`` > 0), mixed with the teacher's outputs (``fisherprune.distill``)."""
+        out = loop.net(x)
+        if self._teacher is None or not loop.popt.finished:
+            return self._loss(out, y)
+        with torch.no_grad():
+            teacher_out = self._teacher(x)
+        return distill_loss(
+            out,
+            teacher_out,
+            y,
+            loss_fn=self._loss,
+            alpha=self.config.distill_alpha,
+            temperature=self.config.distill_temperature,
+            task="classification" if self.classify else "regression",
+        )
+
     def _dense_point(self, loop: _Loop, step: int) -> dict[str, Any]:
-        """Evaluate the model before pruning, record it and print it; return its entry."""
+        """Evaluate the model before pruning, record it and print it; return its entry. With
+        ``distill_alpha`` > 0, keep a frozen copy of it as the fine-tuning teacher."""
+        if self.config.distill_alpha > 0:
+            self._teacher = frozen_teacher(self.model)
         value = self.evaluate()
         metric = self.metric_name
         entry = {"step": step, "kind": "dense", metric: value, "cost": loop.popt.cost().total}
