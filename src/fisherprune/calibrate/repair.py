@@ -10,8 +10,9 @@ so that is the input each layer will see; all layers are fitted from one pass ov
 
 The solve, per layer: with ``k`` kept input features (kept channels x kernel size for a conv,
 +1 for the bias), the pass streams ``X^T X`` (k x k) and ``X^T Y`` (k x outputs) in float64
-over the batches (rows: every token of a linear layer; ``positions`` sampled output positions
-per image for a conv, as He et al. sample theirs), then solves
+over the batches (rows: every token of a linear layer; ``positions`` random output positions
+per image for a conv: He et al. sample 10), each batch's products in the layer's dtype and
+their sum in float64, then solves
 ``(X^T X + lambda I) W = X^T Y`` with ``torch.linalg.solve``, ``lambda = ridge * trace / k``
 (a singular system, possible only with ``ridge=0``, gets the minimum-norm solution).
 Memory ``8 k^2`` bytes per layer while the pass runs (a ResNet-50 3x3 conv reading 512
@@ -56,7 +57,11 @@ class RepairReport:
 
 
 # ----------------------------------------------------------- rows of the fit, per layer type
-def _linear_rows(mod: nn.Module, x: Tensor, y: Tensor, kept: Tensor, positions: int) -> Any:
+#: ``sample(n)``: the indices of the output positions (of ``n``) that a batch's fit reads
+Sampler = Callable[[int], Tensor]
+
+
+def _linear_rows(mod: nn.Module, x: Tensor, y: Tensor, kept: Tensor, sample: Sampler) -> Any:
     """(rows, kept in-features) inputs and (rows, out-features) outputs: every token."""
     return x.reshape(-1, x.shape[-1])[:, kept], y.reshape(-1, y.shape[-1])
 
@@ -72,8 +77,8 @@ def _conv_padding(mod: nn.Module) -> list[tuple[int, int]]:
     return [(p, p) for p in mod.padding]
 
 
-def _conv_rows(mod: nn.Module, x: Tensor, y: Tensor, kept: Tensor, positions: int) -> Any:
-    """Patches at ``positions`` random output positions (the same for every image of the
+def _conv_rows(mod: nn.Module, x: Tensor, y: Tensor, kept: Tensor, sample: Sampler) -> Any:
+    """Patches at ``sample(H_out * W_out)`` output positions (the same for every image of the
     batch): (N * P, kept channels * kernel) inputs, (N * P, out channels) outputs."""
     if x.dim() == 3:  # Conv1d: a 2-d conv of height 1
         x, y = x.unsqueeze(2), y.unsqueeze(2)
@@ -83,7 +88,7 @@ def _conv_rows(mod: nn.Module, x: Tensor, y: Tensor, kept: Tensor, positions: in
         kernel, stride, dil, pad = mod.kernel_size, mod.stride, mod.dilation, _conv_padding(mod)
     xp = F.pad(x[:, kept], (*pad[1], *pad[0]))  # (N, k, H + pads, W + pads)
     oh_, ow_ = y.shape[2], y.shape[3]
-    pick = torch.randperm(oh_ * ow_)[:positions].to(x.device)
+    pick = sample(oh_ * ow_).to(x.device)
     oh, ow = pick // ow_, pick % ow_  # (P,)
     rows = oh[:, None] * stride[0] + torch.arange(kernel[0], device=x.device) * dil[0]
     cols = ow[:, None] * stride[1] + torch.arange(kernel[1], device=x.device) * dil[1]
@@ -107,6 +112,7 @@ class _Fit:
 
     def __init__(self, mod: nn.Module, kept: Tensor, dim: int, positions: int) -> None:
         self.mod, self.kept, self.dim, self.positions = mod, kept, dim, positions
+        self.generator = torch.Generator().manual_seed(0)  # its own stream: global RNG untouched
         #: why the layer turned out not to be fittable during the pass (None: it is)
         self.invalid: str | None = None
         self.rows = REPAIRABLE[type(mod)]
@@ -123,14 +129,18 @@ class _Fit:
             self.invalid = "the mask is not on the features (last) dim"
         if self.invalid is not None:
             return
-        x, y = self.rows(mod, args[0].detach(), out.detach(), self.kept, self.positions)
-        x = x.double()
+        x, y = self.rows(mod, args[0].detach(), out.detach(), self.kept, self.sample)
         if mod.bias is not None:
             x = torch.cat([x, x.new_ones(x.shape[0], 1)], 1)
-        y = y.double()
-        self.xtx.addmm_(x.T, x)
-        self.xty.addmm_(x.T, y)
-        self.yty += float(y.square().sum())
+        # one batch's products in the layer's dtype (float64 matmuls are several times slower
+        # on CPU), summed over batches in float64
+        self.xtx += (x.T @ x).double()
+        self.xty += (x.T @ y).double()
+        self.yty += float(y.double().square().sum())
+
+    def sample(self, n: int) -> Tensor:
+        """``positions`` of ``n`` output positions, at random without replacement."""
+        return torch.randperm(n, generator=self.generator)[: self.positions]
 
     def current(self) -> Tensor:
         """The layer's weights as the fit's unknowns: (features, out)."""
@@ -229,7 +239,7 @@ def repair_consumers(
     dense_masks: dict[str, Tensor],
     *,
     ridge: float = 1e-3,
-    positions: int = 64,
+    positions: int = 10,
     max_features: int = 6144,
     progress: Callable[[Iterable[Any]], Iterable[Any]] | None = None,
 ) -> RepairReport:
