@@ -155,3 +155,22 @@ def test_missing_dense_masks_are_refused() -> None:
     fp.apply_masks(net, x[:1])
     with pytest.raises(ValueError, match="dense_masks has no values"):
         repair_consumers(net, _batches(x, 4), {})
+
+
+def test_folded_weights_are_reported_not_refitted() -> None:
+    """After a forward of the pruned model (masks not collecting fold into the weights) the
+    dense outputs are gone: those layers are skipped with the reason, and left as they are."""
+    net = _mlp()
+    x = torch.randn(32, 6)
+    masks = fp.apply_masks(net, x[:1])
+    dense = {n: m.mask.clone() for n, m in masks.items()}
+    _prune_some(masks)
+    for m in masks.values():
+        m.collecting = False
+    with torch.no_grad():
+        net(x)
+    weights = {k: v.clone() for k, v in net.state_dict().items()}
+    report = repair_consumers(net, _batches(x, 16), dense)
+    assert report.skipped and all("already zero" in why for why in report.skipped.values())
+    for k, v in net.state_dict().items():
+        assert torch.equal(weights[k], v)

@@ -230,6 +230,14 @@ def _unrepairable(
         return "its weights are shared with another module"
     if kept.numel() == 0:
         return "every input channel is removed"
+    removed = torch.ones(point.size, dtype=torch.bool)
+    removed[kept] = False
+    if not bool(mod.weight.detach()[:, removed.to(mod.weight.device)].any()):
+        return (
+            "the weights reading the removed channels are already zero (a forward pass of the "
+            "pruned model folded the masks into them), so the dense outputs are gone: repair "
+            "before running the pruned model"
+        )
     return None
 
 
@@ -253,7 +261,9 @@ def repair_consumers(
     would not lower its error is left as it was.
 
     Args:
-        model: a model masked by ``apply_masks``, with its channels chosen.
+        model: a model masked by ``apply_masks``, with its channels chosen and not run since
+            (a forward pass of a model whose masks no longer collect zeroes the weight columns
+            of removed channels, and the dense outputs with them: such layers are skipped).
         batches: ``(inputs, targets)`` pairs (targets are ignored).
         dense_masks: the mask values of the dense model, by mask name (``find_masks``).
         ridge: ``lambda`` relative to the mean diagonal of ``X^T X``.
