@@ -256,7 +256,8 @@ def minilm_rows(args: argparse.Namespace) -> dict[str, Any]:
     evals = evals[: args.eval_sentences]
 
     def enc(texts: list[str]) -> dict[str, Tensor]:
-        return dict(tok(texts, padding=True, truncation=True, max_length=64, return_tensors="pt"))
+        enc = tok(texts, padding=True, truncation=True, max_length=64, return_tensors="pt")
+        return {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}
 
     eval_batches = [enc(evals[i : i + 64]) for i in range(0, len(evals), 64)]
 

@@ -70,8 +70,9 @@ def test_linear_refit_equals_numpy_least_squares() -> None:
     for h in hooks:
         h.remove()
     _prune_some(masks)
-    report = repair_consumers(net, _batches(x, 64), dense, ridge=0.0)
+    report = repair_consumers(net, _batches(x, 64), dense, ridge=0.0, rows_per_weight=0)
     assert set(report.layers) == {"2", "4"} and report.examples == 200
+    assert set(report.modes.values()) == {"weights"}
     for name, (inp, out) in seen.items():
         layer = net.get_submodule(name)
         keep = next(m for m in masks.values() if m.num_channels == inp.shape[1]).mask > 0.5
@@ -174,3 +175,37 @@ def test_folded_weights_are_reported_not_refitted() -> None:
     assert report.skipped and all("already zero" in why for why in report.skipped.values())
     for k, v in net.state_dict().items():
         assert torch.equal(weights[k], v)
+
+
+def test_channel_scales_equal_numpy_least_squares() -> None:
+    """With few rows per weight each Linear gets one scale per kept input and a new bias, equal
+    to numpy's least-squares fit of ``Y ~ (x_K * s) W_K^T + b`` over every row and output."""
+    net = _mlp().double()
+    x = torch.randn(40, 6, dtype=torch.float64)
+    masks = fp.apply_masks(net, x[:1])
+    dense = {n: m.mask.clone() for n, m in masks.items()}
+    layer = net.get_submodule("4")
+    seen: dict[str, np.ndarray] = {}
+    h = layer.register_forward_hook(
+        lambda mod, a, o: seen.update(x=a[0].numpy().copy(), y=o.detach().numpy().copy())
+    )
+    with torch.no_grad():
+        net(x)
+    h.remove()
+    w0 = layer.weight.detach().numpy().copy()
+    _prune_some(masks)
+    report = repair_consumers(net, _batches(x, 20), dense, ridge=0.0)
+    assert report.modes["4"] == "scales"
+    keep = (next(m for m in masks.values() if m.num_channels == 8).mask > 0.5).numpy()
+    xk, wk, y = seen["x"][:, keep], w0[:, keep], seen["y"]
+    n, out = y.shape
+    design = np.zeros((n * out, keep.sum() + out))
+    for o in range(out):
+        design[o::out, : keep.sum()] = xk * wk[o]  # rows (i, o): channel contributions
+        design[o::out, keep.sum() + o] = 1.0
+    sol, *_ = np.linalg.lstsq(design, y.reshape(-1), rcond=None)
+    scale, bias = sol[: keep.sum()], sol[keep.sum() :]
+    np.testing.assert_allclose(
+        layer.weight.detach().numpy()[:, keep], wk * scale, rtol=1e-6, atol=1e-9
+    )
+    np.testing.assert_allclose(layer.bias.detach().numpy(), bias, rtol=1e-6, atol=1e-9)

@@ -9,15 +9,20 @@ removed channels dropped: the layers upstream are repaired towards their dense o
 so that is the input each layer will see; all layers are fitted from one pass over the data.
 
 The solve, per layer: with ``k`` kept input features (kept channels x kernel size for a conv,
-+1 for the bias), the pass streams ``X^T X`` (k x k) and ``X^T Y`` (k x outputs) in float64
-over the batches (rows: every token of a linear layer; ``positions`` random output positions
-per image for a conv: He et al. sample 10), each batch's products in the layer's dtype and
-their sum in float64, then solves
-``(X^T X + lambda I) W = X^T Y`` with ``torch.linalg.solve``, ``lambda = ridge * trace / k``
-(a singular system, possible only with ``ridge=0``, gets the minimum-norm solution).
-Memory ``8 k^2`` bytes per layer while the pass runs (a ResNet-50 3x3 conv reading 512
-channels: k = 4608, 170 MB); layers with more than ``max_features`` kept features are left
-as they are and reported.
++1 for the bias), the pass streams ``X^T X`` (k x k) and ``X^T Y`` (k x outputs) over the
+batches (rows: every token of a linear layer; ``positions`` random output positions per image
+for a conv: He et al. sample 10), each batch's products in the layer's dtype and their sum in
+float64. Then, from those sums alone:
+
+* with at least ``rows_per_weight`` rows per feature, every kept weight and the bias:
+  ``(X^T X + lambda I) W = X^T Y``;
+* else one scale per kept input channel and the bias (Kwon et al.'s mask tuning): ``k``
+  unknowns instead of ``k x outputs``, which a few hundred calibration sentences cannot overfit.
+
+Both by ``torch.linalg.solve`` in float64 with ``lambda = ridge * mean diagonal`` (a singular
+system, possible only with ``ridge=0``, gets the minimum-norm solution). Memory ``8 k^2`` bytes
+per layer while the pass runs (a ResNet-50 3x3 conv reading 512 channels: k = 4608, 170 MB);
+layers with more than ``max_features`` kept features are left as they are and reported.
 """
 
 from __future__ import annotations
@@ -48,12 +53,15 @@ class RepairReport:
             over the dense output's sum of squares, with the original kept weights and with
             the refitted ones.
         skipped: modules that read removed channels but were left as they are, and why.
+        modes: per repaired module, ``"weights"`` (every kept weight refitted) or ``"scales"``
+            (one scale per kept input channel).
         examples: calibration examples the fit saw.
     """
 
     layers: dict[str, tuple[int, float, float]] = field(default_factory=dict)
     skipped: dict[str, str] = field(default_factory=dict)
     examples: int = 0
+    modes: dict[str, str] = field(default_factory=dict)
 
 
 # ----------------------------------------------------------- rows of the fit, per layer type
@@ -122,6 +130,7 @@ class _Fit:
         self.xtx = torch.zeros(self.features, self.features, dtype=torch.float64, device=w.device)
         self.xty = torch.zeros(self.features, w.shape[0], dtype=torch.float64, device=w.device)
         self.yty = 0.0
+        self.count = 0  # rows seen
 
     def hook(self, mod: nn.Module, args: tuple, out: Tensor) -> None:
         """Forward hook: add this call's rows to the sums."""
@@ -137,6 +146,7 @@ class _Fit:
         self.xtx += (x.T @ x).double()
         self.xty += (x.T @ y).double()
         self.yty += float(y.double().square().sum())
+        self.count += x.shape[0]
 
     def sample(self, n: int) -> Tensor:
         """``positions`` of ``n`` output positions, at random without replacement."""
@@ -155,20 +165,54 @@ class _Fit:
         sq = self.yty - 2 * float((coef * self.xty).sum()) + float((coef * (self.xtx @ coef)).sum())
         return max(sq, 0.0) / max(self.yty, 1e-300)
 
-    def solve_and_set(self, ridge: float) -> tuple[float, float]:
-        """Refit the kept weights (and bias); zero the removed columns. Returns the relative
-        errors before and after. Changes the module's ``weight`` (and ``bias``) in place."""
-        before = self.error(self.current())
-        lam = ridge * float(torch.diagonal(self.xtx).sum()) / self.features
-        eye = torch.eye(self.features, dtype=torch.float64, device=self.xtx.device)
-        a = self.xtx + lam * eye
-        coef, info = torch.linalg.solve_ex(a, self.xty)  # (features, out)
+    def _solve(self, a: Tensor, b: Tensor, ridge: float) -> Tensor:
+        """``(a + lambda I)^-1 b`` with ``lambda = ridge * mean diagonal of a``."""
+        lam = ridge * float(torch.diagonal(a).mean())
+        a = a + lam * torch.eye(a.shape[0], dtype=a.dtype, device=a.device)
+        x, info = torch.linalg.solve_ex(a, b)
         if int(info) != 0:  # singular (a dead input with ridge 0): the minimum-norm solution
-            coef = torch.linalg.lstsq(a.cpu(), self.xty.cpu(), driver="gelsd").solution
-            coef = coef.to(a.device)
+            x = torch.linalg.lstsq(a.cpu(), b.cpu(), driver="gelsd").solution.to(a.device)
+        return x
+
+    def weights_coef(self, ridge: float) -> Tensor:
+        """Every kept weight (and the bias) refitted: (features, out)."""
+        return self._solve(self.xtx, self.xty, ridge)
+
+    def scales_coef(self, ridge: float) -> Tensor:
+        """One scale per kept input channel (all its kernel taps) times the current weights,
+        and the bias refitted (Kwon et al.'s mask tuning): (features, out). With ``Z_c`` the
+        output contribution of channel c, ``Z_c^T Z_d`` is read off the streamed sums as the
+        block sums of ``X^T X * (W^T W)`` over the taps, so no more data is needed."""
+        k, taps = self.kept.numel(), self.kernel
+        n_w = k * taps
+        w = self.current()[:n_w]  # (n_w, out)
+        xtx, xty = self.xtx[:n_w, :n_w], self.xty[:n_w]
+        if self.mod.bias is not None:  # centre: the bias absorbs the means
+            n = self.xtx[n_w, n_w]
+            mu, nu = self.xtx[:n_w, n_w] / n, self.xty[n_w] / n
+            xtx = xtx - n * torch.outer(mu, mu)
+            xty = xty - n * torch.outer(mu, nu)
+        gram = (xtx * (w @ w.T)).view(k, taps, k, taps).sum((1, 3))  # (k, k)
+        rhs = (xty * w).sum(1).view(k, taps).sum(1)  # (k,)
+        scale = self._solve(gram, rhs[:, None], ridge)[:, 0]
+        coef = w * scale.repeat_interleave(taps)[:, None]
+        if self.mod.bias is not None:
+            coef = torch.cat([coef, (nu - coef.T @ mu)[None]])
+        return coef
+
+    def solve_and_set(self, ridge: float, rows_per_weight: float) -> tuple[str, float, float]:
+        """Refit the kept weights and bias (``"weights"``) when the pass saw at least
+        ``rows_per_weight`` rows per feature, else one scale per kept channel (``"scales"``:
+        ``k`` unknowns, which a small calibration set cannot overfit as it can ``k x out``);
+        zero the removed columns. Returns the mode and the relative errors before and after.
+        Changes the module's ``weight`` (and ``bias``) in place, unless the fit is no better."""
+        before = self.error(self.current())
+        full = self.count >= rows_per_weight * self.features
+        coef = self.weights_coef(ridge) if full else self.scales_coef(ridge)
+        mode = "weights" if full else "scales"
         after = self.error(coef)
         if not after < before:  # the ridge fit can only lose on nearly singular data
-            return before, before
+            return mode, before, before
         w = self.mod.weight
         n_w = self.kept.numel() * self.kernel
         with torch.no_grad():
@@ -177,7 +221,7 @@ class _Fit:
             w[:, self.kept] = new.to(w.dtype)
             if self.mod.bias is not None:
                 self.mod.bias.copy_(coef[n_w].to(self.mod.bias.dtype))
-        return before, after
+        return mode, before, after
 
 
 def _kept_positions(point: MaskPoint) -> Tensor:
@@ -249,6 +293,7 @@ def repair_consumers(
     ridge: float = 1e-3,
     positions: int = 10,
     max_features: int = 6144,
+    rows_per_weight: float = 20.0,
     progress: Callable[[Iterable[Any]], Iterable[Any]] | None = None,
 ) -> RepairReport:
     """Refit every layer that reads a removed channel so that, on the calibration inputs, its
@@ -269,6 +314,8 @@ def repair_consumers(
         ridge: ``lambda`` relative to the mean diagonal of ``X^T X``.
         positions: output positions sampled per image and batch for a conv.
         max_features: layers with more kept input features are skipped (memory ``8 k^2``).
+        rows_per_weight: refit every kept weight of a layer when the pass saw at least this
+            many rows per feature; else fit one scale per kept input channel.
         progress: wraps the batches (a progress bar), or None.
 
     Returns:
@@ -309,6 +356,7 @@ def repair_consumers(
         if fit.invalid is not None:
             report.skipped[name] = fit.invalid
             continue
-        before, after = fit.solve_and_set(ridge)
+        mode, before, after = fit.solve_and_set(ridge, rows_per_weight)
         report.layers[name] = (fit.features, before, after)
+        report.modes[name] = mode
     return report
