@@ -367,10 +367,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--eval_sentences", type=int, default=500)
     p.add_argument("--finetune_steps", type=int, default=100)
     p.add_argument("--only", choices=("minilm", "digits", "mnist5k"), action="append")
+    p.add_argument(
+        "--targets",
+        dest="targets_arg",
+        help="comma-separated FLOPs fractions (default 0.75,0.5,0.33)",
+    )
+    p.add_argument("--methods", help="comma-separated subset of " + ", ".join(METHODS))
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
     args.targets = (0.5,) if args.quick else TARGETS
-    args.methods = list(METHODS)
+    if args.targets_arg:
+        args.targets = tuple(float(t) for t in args.targets_arg.split(","))
+    args.methods = args.methods.split(",") if args.methods else list(METHODS)
     if args.quick:
         args.seeds, args.calibration, args.calib_sentences = 1, 300, 64
         args.eval_sentences, args.finetune_steps = 200, 30
