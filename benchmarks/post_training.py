@@ -30,8 +30,8 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import importlib.util
+import json
 import pydoc_data.topics
 import re
 import statistics
