@@ -1015,10 +1015,10 @@ def post_training_section(runs: Sequence[tuple[str, dict[str, Any]]], out: Path)
         "data-set descriptions, calibrated on Python's documentation.",
         "",
     ]
-    png = DOCS / "post_training.png"
-    if png.is_file():
-        lines += [f"![post-training pruning]({_rel(png, out)})", ""]
     for file, run in runs:
+        png = DOCS / f"{Path(file).stem}.png"
+        if png.is_file():
+            lines += [f"![post-training pruning, {file}]({_rel(png, out)})", ""]
         for name, bench in run["benchmarks"].items():
             metric, summ = bench["metric"], bench["summary"]
             dense = bench.get("dense", {}).get(metric)

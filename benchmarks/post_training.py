@@ -489,9 +489,7 @@ def main(argv: list[str] | None = None) -> int:
         results["benchmarks"][name] = bench
     out = args.out or RESULTS / ("post_training_quick.json" if args.quick else "post_training.json")
     write_json(out, results)
-    plot(
-        results, ROOT / "docs" / ("post_training_quick.png" if args.quick else "post_training.png")
-    )
+    plot(results, ROOT / "docs" / f"{out.stem}.png")
     print(f"wrote {out}")
     return 0
 
