@@ -11,6 +11,9 @@ Reads (each optional; a missing file is said so in the page):
   eager, as frozen TorchScript and as AOTInductor packages, side by side;
 * ``benchmarks/results/transformers.json`` (``benchmarks/hf_transformers.py``): Hugging Face
   models, what fisherprune prunes in them against Torch-Pruning, with ``docs/transformers.png``;
+* ``benchmarks/results/post_training.json`` and ``post_training_<name>.json``
+  (``benchmarks/post_training.py``): pruning trained models with no training, criteria with and
+  without the least-squares repair, with ``docs/post_training.png``;
 * ``benchmarks/results/quality_<name>.json``: supplementary quality runs (other methods or
   settings, ``--note`` says which), shown after the main run; ``*_quick.json`` files are skipped;
 * ``benchmarks/quality_findings.md``: the hand-written discussion of the quality numbers. Its
@@ -615,17 +618,33 @@ def _config_diff(main: dict[str, Any], other: dict[str, Any]) -> str:
 def serve_forms_section(f: dict[str, Any]) -> list[str]:
     """Latency of the dense and shrunk networks served eager, as TorchScript and as AOTI."""
     lines = ["## Serving forms (`benchmarks/serve_forms.py`)", "", _environment(f), ""]
-    header = ["model", "form", "network", "FLOPs ratio", "ms b=1", "ms b=64", "speed-up b=64",
-              "eff b=64", "vs TorchScript b=1", "vs TorchScript b=64"]  # fmt: skip
+    header = [
+        "model",
+        "form",
+        "network",
+        "FLOPs ratio",
+        "ms b=1",
+        "ms b=64",
+        "speed-up b=64",
+        "eff b=64",
+        "vs TorchScript b=1",
+        "vs TorchScript b=64",
+    ]
     rows = [
         [
-            r.get("model"), r.get("form"), r.get("network"), _fmt(r.get("flops_ratio")),
-            _fmt(r.get("latency_ms_b1")), _fmt(r.get("latency_ms_b64")),
-            f"{_fmt(r.get('speedup_b64'), 2)}x", _fmt(r.get("eff_b64"), 3),
-            _fmt(r.get("vs_torchscript_b1"), 3), _fmt(r.get("vs_torchscript_b64"), 3),
+            r.get("model"),
+            r.get("form"),
+            r.get("network"),
+            _fmt(r.get("flops_ratio")),
+            _fmt(r.get("latency_ms_b1")),
+            _fmt(r.get("latency_ms_b64")),
+            f"{_fmt(r.get('speedup_b64'), 2)}x",
+            _fmt(r.get("eff_b64"), 3),
+            _fmt(r.get("vs_torchscript_b1"), 3),
+            _fmt(r.get("vs_torchscript_b64"), 3),
         ]
         for r in f.get("rows", [])
-    ]  # fmt: skip
+    ]
     lines += _table(header, rows)
     lines += [
         "",
@@ -647,12 +666,24 @@ def allocator_section(a: dict[str, Any]) -> list[str]:
         ms_d, ms_k = (1e3 * x.get("seconds", float("nan")) for x in (d, k))
         rows.append(
             [
-                r.get("model"), r.get("batch"), _fmt(d.get("faults"), 5), _fmt(k.get("faults"), 5),
-                _fmt(ms_d), _fmt(ms_k), _fmt(r.get("latency_ratio_default_over_retain")),
+                r.get("model"),
+                r.get("batch"),
+                _fmt(d.get("faults"), 5),
+                _fmt(k.get("faults"), 5),
+                _fmt(ms_d),
+                _fmt(ms_k),
+                _fmt(r.get("latency_ratio_default_over_retain")),
             ]
-        )  # fmt: skip
-    header = ["model", "batch", "faults/pass default", "faults/pass retained", "ms default",
-              "ms retained", "default / retained"]  # fmt: skip
+        )
+    header = [
+        "model",
+        "batch",
+        "faults/pass default",
+        "faults/pass retained",
+        "ms default",
+        "ms retained",
+        "default / retained",
+    ]
     lines += _table(header, rows)
     lines += [
         "",
@@ -686,10 +717,18 @@ def export_section(
         if run.get("rows") and _width(run) == _width(e)  # other widths are other networks
     ]
     header = [
-        "model", "signals / selection", "FLOPs target", "FLOPs ratio", "params ratio",
+        "model",
+        "signals / selection",
+        "FLOPs target",
+        "FLOPs ratio",
+        "params ratio",
         "kept/mask min/med/max",
-        "speed-up b=1", "speed-up b=64", "eff b=1", "eff b=64", f"eff ≥ {goal} at b=64",
-    ]  # fmt: skip
+        "speed-up b=1",
+        "speed-up b=64",
+        "eff b=1",
+        "eff b=64",
+        f"eff ≥ {goal} at b=64",
+    ]
     header += [f"eff b=64 ({name})" for name, _ in other_eff]
     table = []
     for r in rows:
@@ -698,15 +737,20 @@ def export_section(
         met = r.get("target_met")
         table.append(
             [
-                r.get("model"), _variant(r),
+                r.get("model"),
+                _variant(r),
                 f"{r.get('target', 0):.0%}",
-                _fmt(r.get("flops_ratio")), _fmt(r.get("params_ratio")), kept,
-                f"{_fmt(speed.get('1'), 2)}x", f"{_fmt(speed.get('64'), 2)}x",
-                _fmt(eff.get("1"), 3), _fmt(eff.get("64"), 3),
+                _fmt(r.get("flops_ratio")),
+                _fmt(r.get("params_ratio")),
+                kept,
+                f"{_fmt(speed.get('1'), 2)}x",
+                f"{_fmt(speed.get('64'), 2)}x",
+                _fmt(eff.get("1"), 3),
+                _fmt(eff.get("64"), 3),
                 "n/a (MLP)" if met is None else ("met" if met else "missed"),
             ]
             + [_fmt(effs.get(_row_key(r)), 3) for _, effs in other_eff]
-        )  # fmt: skip
+        )
     if table:
         lines += _table(header, table)
     else:
@@ -741,18 +785,27 @@ def _extra_rows(main: dict[str, Any], others: Sequence[tuple[str, dict[str, Any]
         [
             name,
             r.get("model") + ("" if _width(run) == _width(main) else f" (width x{_width(run):g})"),
-            _variant(r), f"{r.get('target', 0):.0%}",
-            _fmt(r.get("flops_ratio")), _fmt(r.get("efficiency", {}).get("1"), 3),
+            _variant(r),
+            f"{r.get('target', 0):.0%}",
+            _fmt(r.get("flops_ratio")),
+            _fmt(r.get("efficiency", {}).get("1"), 3),
             _fmt(r.get("efficiency", {}).get("64"), 3),
         ]
         for name, run in others
         for r in run.get("rows") or []
         if (_width(run), _row_key(r)) not in known
-    ]  # fmt: skip
+    ]
     if not table:
         return []
-    header = ["run", "model", "signals / selection", "FLOPs target", "FLOPs ratio", "eff b=1",
-              "eff b=64"]  # fmt: skip
+    header = [
+        "run",
+        "model",
+        "signals / selection",
+        "FLOPs target",
+        "FLOPs ratio",
+        "eff b=1",
+        "eff b=64",
+    ]
     return ["Variants only in other runs:", "", *_table(header, table), ""]
 
 
@@ -781,9 +834,20 @@ def transformers_section(t: dict[str, Any], out: Path) -> list[str]:
         f"{t.get('torch_pruning_settings')}.",
         "",
     ]
-    header = ["model", "attention", "groups", "channels", "prunable", "saved (30%)",
-              "cost model == counted", "trace s", "max abs diff shrunk vs masked",
-              "Torch-Pruning", "TP saved", "TP s"]  # fmt: skip
+    header = [
+        "model",
+        "attention",
+        "groups",
+        "channels",
+        "prunable",
+        "saved (30%)",
+        "cost model == counted",
+        "trace s",
+        "max abs diff shrunk vs masked",
+        "Torch-Pruning",
+        "TP saved",
+        "TP s",
+    ]
     rows = []
     for r in t.get("rows", []):
         f = r.get("fisherprune") or {}
@@ -795,17 +859,26 @@ def transformers_section(t: dict[str, Any], out: Path) -> list[str]:
         else:
             tp_cells = [f"failed: {tp.get('error', '?')}", "-", "-"]
         if not f.get("ok"):
-            rows.append([r.get("model"), r.get("attention"), f"failed: {f.get('error')}"]
-                        + ["-"] * 6 + tp_cells)  # fmt: skip
+            rows.append(
+                [r.get("model"), r.get("attention"), f"failed: {f.get('error')}"]
+                + ["-"] * 6
+                + tp_cells
+            )
             continue
         rows.append(
             [
-                r.get("model"), r.get("attention"), f.get("groups"), f.get("channels"),
-                _pct(f.get("prunable_share")), _pct(f.get("saved_share")),
-                _fmt(f.get("cost_equals_counted")), _fmt(f.get("trace_s"), 2),
-                f"{f.get('max_abs_diff', float('nan')):.1e}", *tp_cells,
+                r.get("model"),
+                r.get("attention"),
+                f.get("groups"),
+                f.get("channels"),
+                _pct(f.get("prunable_share")),
+                _pct(f.get("saved_share")),
+                _fmt(f.get("cost_equals_counted")),
+                _fmt(f.get("trace_s"), 2),
+                f"{f.get('max_abs_diff', float('nan')):.1e}",
+                *tp_cells,
             ]
-        )  # fmt: skip
+        )
     lines += _table(header, rows)
     ok = [r["fisherprune"] for r in t.get("rows", []) if (r.get("fisherprune") or {}).get("ok")]
     tps = [r["torch_pruning"] for r in t.get("rows", []) if r.get("torch_pruning") is not None]
@@ -930,6 +1003,13 @@ def build(out: Path, results: Path = RESULTS) -> str:
     if t is not None:
         lines += transformers_section(t, out)
     lines += standard_size_sections(results, out)
+    post = [
+        (path.name, run)
+        for path in sorted(results.glob("post_training*.json"))
+        if not path.stem.endswith("_quick") and (run := _load(path)) is not None
+    ]
+    if post:
+        lines += post_training_section(post, out)
     return "\n".join(lines).rstrip() + "\n"
 
 
@@ -987,6 +1067,55 @@ def standard_size_sections(results: Path, out: Path) -> list[str]:
         if plot.is_file():
             lines += ["", f"![speed-up against FLOPs reduction]({_rel_any(plot, out)})"]
         lines.append("")
+
+
+def _mean_sd(entry: dict[str, Any] | None) -> str:
+    if entry is None:
+        return "-"
+    return f"{entry['mean']:.3f} ± {entry['std']:.3f}" if entry["std"] else f"{entry['mean']:.3f}"
+
+
+def post_training_section(runs: Sequence[tuple[str, dict[str, Any]]], out: Path) -> list[str]:
+    """Pruning trained models without training: one table per benchmark, mean ± sd over seeds."""
+    lines = [
+        "## Pruning a trained model (no training)",
+        "",
+        "`benchmarks/post_training.py`: `fisherprune.prune_to_target` on trained models, every "
+        "criterion with the same cost-weighted selection, without and with the least-squares "
+        "repair (the same channels), mean ± sd over seeds (calibration subset, label-free "
+        "sampling and random stream). CNNs: test accuracy, and at 50% after a 100-step "
+        "fine-tune distilled from the dense model; MiniLM: cosine similarity of the sentence "
+        "embeddings to the dense model's and nearest-neighbour agreement on scikit-learn's "
+        "data-set descriptions, calibrated on Python's documentation.",
+        "",
+    ]
+    for file, run in runs:
+        png = DOCS / f"{Path(file).stem}.png"
+        if png.is_file():
+            lines += [f"![post-training pruning, {file}]({_rel(png, out)})", ""]
+        for name, bench in run["benchmarks"].items():
+            metric, summ = bench["metric"], bench["summary"]
+            dense = bench.get("dense", {}).get(metric)
+            head = f"### {name} ({metric}" + (f", dense {dense:.4f}" if dense else "") + ")"
+            lines += [head, "", f"From `{file}`, {run['settings']['seeds']} seed(s).", ""]
+            rows = []
+            for key in sorted(
+                {k.rsplit("|", 1)[0] for k in summ}, key=lambda k: (-float(k.split("|")[0]), k)
+            ):
+                target, method = key.split("|")
+                rows.append(
+                    [
+                        target,
+                        method,
+                        _mean_sd(summ.get(f"{key}|no_repair")),
+                        _mean_sd(summ.get(f"{key}|repair")),
+                        _mean_sd(summ.get(f"{key}|repair_finetuned")),
+                    ]
+                )
+            lines += _table(
+                ["FLOPs kept", "method", "no repair", "repair", "repair + distilled"], rows
+            )
+            lines.append("")
     return lines
 
 

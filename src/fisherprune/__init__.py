@@ -9,11 +9,13 @@ Public API (see README.md and docs/usage.md):
     computational_cost, CostReport    cost per example and marginal cost per channel
     prune, PruneEvent                 zero the channel (or block) with the lowest score
     PruningOptimizer                  SGD (or any optimizer) + signals + pruning schedule
+    prune_to_target, PruneResult      prune a trained model from calibration data, no training
     shrink, PruningPlan, export_model the physically smaller network and its files
 """
 
 from fisherprune import criteria
 from fisherprune._version import __version__
+from fisherprune.calibrate import PruneResult, prune_to_target
 from fisherprune.cost import (
     CostModel,
     CostReport,
@@ -53,6 +55,7 @@ __all__ = [
     "PickledObjectsError",
     "PlanMismatchError",
     "PruneEvent",
+    "PruneResult",
     "PruningOptimizer",
     "PruningPlan",
     "ShrinkError",
@@ -65,6 +68,7 @@ __all__ = [
     "load_aoti_export",
     "load_state_dict_export",
     "prune",
+    "prune_to_target",
     "register_channel_rule",
     "register_cost_formula",
     "register_norm",

@@ -80,6 +80,8 @@ ALIASES: dict[str, str] = {
     "train.batch_size": "batch_size",
     "train.steps": "steps",
     "train.epochs": "epochs",
+    "distill.alpha": "distill_alpha",
+    "distill.temperature": "distill_temperature",
     "eval.period": "eval_every",
     "eval.steps": "eval_every",
     "schedule.min_dense_steps": "min_dense_steps",
@@ -131,6 +133,9 @@ HELP: dict[str, str] = {
     "init_from": "start from trained weights: a state_dict file or a fisherprune checkpoint "
     "for --model; the dense phase then only gathers the pruning statistics (no training)",
     "fine_tune_steps": "training steps after the target is reached",
+    "distill_alpha": "fine-tuning learns this much from the dense model's outputs (frozen at "
+    "the end of the dense phase) and 1 - this from the labels; 0: labels only",
+    "distill_temperature": "softmax temperature of the distillation (classification)",
     "eval_every": "steps between evaluations",
     "pruning_iter": "prune one channel every this many steps",
     "pruning_burn_in": "steps before the first prune (default: --epochs epochs)",
@@ -254,6 +259,8 @@ class TrainConfig:
     dense_check: str = "warn"
     init_from: str | None = None
     fine_tune_steps: int = 200
+    distill_alpha: float = 0.0
+    distill_temperature: float = 2.0
     eval_every: int = 100
 
     pruning_iter: int = 10
@@ -319,6 +326,10 @@ class TrainConfig:
             if not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
                 raise ValueError(f"{name} must be a number > 0, got {v!r}")
         check_decay(self.pruning_decay, "pruning_decay")
+        if not 0.0 <= self.distill_alpha <= 1.0:
+            raise ValueError(f"distill_alpha must lie in [0, 1], got {self.distill_alpha!r}")
+        if not self.distill_temperature > 0:
+            raise ValueError(f"distill_temperature must be > 0, got {self.distill_temperature!r}")
         if not 0.0 <= self.momentum < 1.0:
             raise ValueError(f"momentum must be in [0, 1), got {self.momentum!r}")
         check_optimizer_name(self.optimizer)

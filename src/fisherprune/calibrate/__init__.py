@@ -1,0 +1,19 @@
+"""Pruning a trained model from calibration data: ``prune_to_target``, the label-free Fisher
+loss and the least-squares repair."""
+
+from fisherprune.calibrate.label_free import TASKS, LabelFreeLoss, output_tensor, resolve_task
+from fisherprune.calibrate.repair import REPAIRABLE, RepairReport, repair_consumers
+from fisherprune.calibrate.to_target import PruneResult, estimate_signals, prune_to_target
+
+__all__ = [
+    "REPAIRABLE",
+    "TASKS",
+    "LabelFreeLoss",
+    "PruneResult",
+    "RepairReport",
+    "estimate_signals",
+    "output_tensor",
+    "prune_to_target",
+    "repair_consumers",
+    "resolve_task",
+]

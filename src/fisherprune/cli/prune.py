@@ -1,0 +1,341 @@
+"""``fisherprune prune``: prune a trained model to a cost target from calibration data, with no
+training (``fisherprune.prune_to_target``), optionally fine-tune it by distillation, and write
+the shrunk model, its plan and a report.
+
+Models: a built-in name (as ``fisherprune train`` knows them) or ``package.module:function``
+with ``--weights`` (a ``state_dict`` file) and a dataset (``--data``, read as ``train`` reads
+it: calibration from its training split, accuracy or mse on its eval split); or a Hugging Face
+model folder (``transformers`` installed) with ``--text``, one sentence per line (calibration
+from the first lines, fidelity on the last ``--eval_fraction`` of them: the cosine similarity
+of mean-pooled embeddings to the dense model's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from fisherprune.calibrate import output_tensor, prune_to_target
+from fisherprune.distill import finetune, frozen_teacher
+from fisherprune.export import export_model, load_state_dict_export
+from fisherprune.export.latency import measure_latency
+from fisherprune.export.safe_load import load_plain
+from fisherprune.export.storage import atomic_path
+from fisherprune.inputs import call_model
+from fisherprune.masks.points import MASKS_ATTR
+from fisherprune.modes import eval_mode
+from fisherprune.signals.criteria import CRITERIA
+from fisherprune.train.data import DataSpec, load_data
+from fisherprune.train.models import build_model
+
+try:
+    import transformers
+except ImportError:  # pragma: no cover - optional
+    transformers = None
+
+__all__ = ["prune_command", "prune_parser"]
+
+MODEL_FILE = "model.pt"
+REPORT_FILE = "report.json"
+
+
+def prune_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "prune",
+        help="prune a trained model to a cost target from calibration data, no training",
+        description="Estimate Fisher (or another criterion's) signals on calibration data with "
+        "the weights frozen, remove the cheapest channels until the target, repair the layers "
+        "that read them by least squares, and write the shrunk model, its plan and a report.",
+    )
+    p.add_argument(
+        "model",
+        help="built-in name (mlp, cnn, resnet, densenet), "
+        "package.module:function, or a Hugging Face model folder",
+    )
+    p.add_argument("--weights", help="state_dict file of the trained model (not for a folder)")
+    p.add_argument("--data", help="calibration/eval data as fisherprune train reads it")
+    p.add_argument("--label", help="label column (tables) or array key (npz)")
+    p.add_argument("--task", default="classification", help="classification or regression")
+    p.add_argument("--image_shape", help="reshape features to C,H,W, e.g. 1,28,28")
+    p.add_argument("--width", type=int, help="width of a built-in model")
+    p.add_argument("--depth", type=int, help="depth of a built-in model")
+    p.add_argument("--text", help="Hugging Face model: a text file, one sentence per line")
+    p.add_argument("--max_length", type=int, default=128, help="tokens per sentence (text)")
+    p.add_argument("--eval_fraction", type=float, default=0.2, help="share held out to evaluate")
+    p.add_argument("--calibration", type=int, default=1000, help="calibration examples (most)")
+    p.add_argument("--batch_size", type=int, default=32, help="calibration batch size")
+    p.add_argument(
+        "--target", default="50%", help="cost per example to reach: 50%%, 0.5 or an absolute number"
+    )
+    p.add_argument("--rounds", type=int, default=1, help="estimate-and-prune rounds")
+    p.add_argument("--criterion", default="fisher", choices=sorted(CRITERIA))
+    p.add_argument(
+        "--label_free",
+        action="store_true",
+        help="Fisher of the model's own predictions instead of the labels",
+    )
+    p.add_argument(
+        "--no-reconstruct",
+        dest="reconstruct",
+        action="store_false",
+        help="skip the least-squares repair",
+    )
+    p.add_argument("--min_channels", type=float, default=1, help="fewest channels a group keeps")
+    p.add_argument("--round_to", type=int, default=1, help="keep multiples of this many channels")
+    p.add_argument("--finetune_steps", type=int, default=0, help="distilled fine-tuning steps")
+    p.add_argument(
+        "--distill.alpha",
+        dest="alpha",
+        type=float,
+        default=0.5,
+        help="fine-tuning weight of the dense model's outputs vs the labels",
+    )
+    p.add_argument("--distill.temperature", dest="temperature", type=float, default=2.0)
+    p.add_argument("--lr", type=float, default=1e-3, help="fine-tuning learning rate (Adam)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", required=True, help="output folder")
+    p.set_defaults(func=prune_command)
+    return p
+
+
+@dataclass
+class _Job:
+    """A model with its calibration batches, evaluation inputs and how to score outputs."""
+
+    model: nn.Module
+    example: Any
+    batches: list[tuple[Any, Any]]
+    evaluate: Callable[[nn.Module, nn.Module], float]  # (model, dense) -> metric
+    metric: str
+    loss_fn: Callable[[Any, Any], Tensor] | None
+    task: str
+    rebuild: Callable[[], nn.Module]  # a fresh, unmasked instance of the architecture
+
+
+def _read_weights(model: nn.Module, path: str | None, example: Any) -> None:
+    if path is None:
+        raise ValueError("--weights is required for a built-in or package.module:function model")
+    state = load_plain(path, "weights file", "save the model with torch.save(model.state_dict())")
+    if isinstance(state, dict) and isinstance(state.get("state_dict", state.get("model")), dict):
+        state = state.get("state_dict", state.get("model"))
+    if not isinstance(state, dict):
+        raise ValueError(f"weights file {path} does not hold a state_dict")
+    if any(k.startswith(MASKS_ATTR + ".") or f".{MASKS_ATTR}." in k for k in state):
+        raise ValueError(
+            f"weights file {path} holds fisherprune masks (a training checkpoint): export it "
+            "with fisherprune export, or save the dense model's state_dict"
+        )
+    model.load_state_dict(state)
+
+
+def _accuracy_or_mse(
+    x: Tensor, y: Tensor, classify: bool
+) -> Callable[[nn.Module, nn.Module], float]:
+    def evaluate(model: nn.Module, dense: nn.Module) -> float:
+        with eval_mode(model), torch.no_grad():
+            out = torch.cat([model(x[i : i + 512]) for i in range(0, x.shape[0], 512)])
+        if classify:
+            return float((out.argmax(1) == y).double().mean())
+        return float(F.mse_loss(out.reshape(y.shape), y))
+
+    return evaluate
+
+
+def _builtin_job(args: argparse.Namespace) -> _Job:
+    if args.data is None:
+        raise ValueError("--data is required for a built-in or package.module:function model")
+    shape = tuple(int(v) for v in args.image_shape.split(",")) if args.image_shape else None
+    data = load_data(
+        DataSpec(
+            source=args.data,
+            label=args.label,
+            task=args.task,
+            eval_fraction=args.eval_fraction,
+            image_shape=shape,
+            seed=args.seed,
+        )
+    )
+    classify = data.num_classes is not None
+    outputs = data.num_classes if classify else 1
+
+    def rebuild() -> nn.Module:
+        return build_model(args.model, data.input_shape, outputs, args.width, args.depth)
+
+    model = rebuild()
+    example = data.x_train[:1]
+    _read_weights(model, args.weights, example)
+    n = min(args.calibration, data.x_train.shape[0])
+    bs = args.batch_size
+    batches = [
+        (data.x_train[i : min(i + bs, n)], data.y_train[i : min(i + bs, n)])
+        for i in range(0, n, bs)
+    ]
+    if classify:
+        loss_fn: Any = F.cross_entropy
+    else:
+
+        def loss_fn(out: Tensor, y: Tensor) -> Tensor:
+            return F.mse_loss(out.reshape(y.shape), y)
+
+    return _Job(
+        model,
+        example,
+        batches,
+        _accuracy_or_mse(data.x_eval, data.y_eval, classify),
+        "accuracy" if classify else "mse",
+        None if args.label_free else loss_fn,
+        "classification" if classify else "regression",
+        rebuild,
+    )
+
+
+def _mean_pooled(out: Any, mask: Tensor) -> Tensor:
+    h = output_tensor(out)
+    w = mask.unsqueeze(-1).to(h.dtype)
+    return (h * w).sum(1) / w.sum(1).clamp_min(1.0)
+
+
+def _hf_job(args: argparse.Namespace) -> _Job:
+    if transformers is None:
+        raise ImportError(
+            "a Hugging Face model folder needs transformers: pip install transformers"
+        )
+    if args.text is None:
+        raise ValueError("a Hugging Face model needs --text, a file of sentences, one a line")
+    lines = [s.strip() for s in Path(args.text).read_text().splitlines() if s.strip()]
+    held = max(1, round(len(lines) * args.eval_fraction))
+    if len(lines) - held < 1:
+        raise ValueError(f"--text {args.text} needs at least 2 non-empty lines")
+    calib, held_out = lines[: len(lines) - held][: args.calibration], lines[len(lines) - held :]
+    tok = transformers.AutoTokenizer.from_pretrained(args.model)
+
+    def rebuild() -> nn.Module:
+        return transformers.AutoModel.from_pretrained(args.model).eval()
+
+    def encode(texts: list[str]) -> dict[str, Tensor]:
+        enc = tok(
+            texts, padding=True, truncation=True, max_length=args.max_length, return_tensors="pt"
+        )
+        return dict(enc)
+
+    bs = args.batch_size
+    batches: list[tuple[Any, Any]] = [
+        (encode(calib[i : i + bs]), None) for i in range(0, len(calib), bs)
+    ]
+    evals = [encode(held_out[i : i + bs]) for i in range(0, len(held_out), bs)]
+
+    def fidelity(model: nn.Module, dense: nn.Module) -> float:
+        sims = []
+        with eval_mode(model, dense), torch.no_grad():
+            for e in evals:
+                a = _mean_pooled(call_model(model, e), e["attention_mask"])
+                b = _mean_pooled(call_model(dense, e), e["attention_mask"])
+                sims.append(F.cosine_similarity(a, b, dim=-1))
+        return float(torch.cat(sims).mean())
+
+    example = {k: v[:1] for k, v in batches[0][0].items()}
+    return _Job(
+        rebuild(), example, batches, fidelity, "cosine_to_dense", None, "regression", rebuild
+    )
+
+
+def _job(args: argparse.Namespace) -> _Job:
+    if Path(args.model).is_dir():
+        return _hf_job(args)
+    return _builtin_job(args)
+
+
+def prune_command(args: argparse.Namespace) -> int:
+    """Run ``fisherprune prune``; writes ``model.pt`` (shrunk weights + plan, as
+    ``export_model(format="state_dict")``), ``plan.json`` and ``report.json`` under ``--out``."""
+    torch.manual_seed(args.seed)
+    out = Path(args.out)
+    job = _job(args)
+    dense = copy.deepcopy(job.model).eval()
+    before = job.evaluate(job.model, dense)
+    teacher = frozen_teacher(job.model) if args.finetune_steps > 0 else None
+    min_channels = int(args.min_channels) if args.min_channels >= 1 else args.min_channels
+    result = prune_to_target(
+        job.model,
+        job.example,
+        job.batches,
+        args.target,
+        loss_fn=job.loss_fn,
+        criterion=args.criterion,
+        rounds=args.rounds,
+        min_channels=min_channels,
+        round_to=args.round_to,
+        reconstruct=args.reconstruct,
+        task=job.task,
+        seed=args.seed,
+        progress=True,
+    )
+    after_prune = job.evaluate(job.model, dense)
+    losses = finetune(
+        job.model,
+        teacher,
+        job.batches,
+        args.finetune_steps,
+        loss_fn=job.loss_fn,
+        alpha=args.alpha if job.loss_fn else 1.0,
+        temperature=args.temperature,
+        task=job.task,
+        lr=args.lr,
+    )
+    after = job.evaluate(job.model, dense) if losses else after_prune
+    with eval_mode(job.model), torch.no_grad():
+        masked_out = output_tensor(call_model(job.model, job.batches[0][0]))
+    out.mkdir(parents=True, exist_ok=True)
+    path = export_model(job.model, out / MODEL_FILE, job.example, format="state_dict")
+    small = load_state_dict_export(path, job.rebuild()).eval()
+    with torch.no_grad():
+        diff = float((output_tensor(call_model(small, job.batches[0][0])) - masked_out).abs().max())
+    payload = load_plain(path, "export", "")
+    with atomic_path(out / "plan.json") as tmp:
+        Path(tmp).write_text(json.dumps(payload["plan"], indent=1) + "\n")
+    latency = measure_latency(
+        {"dense": dense, "pruned": small}, job.batches[0][0], repeats=5, rounds=3
+    )
+    report = {
+        "model": args.model,
+        "target": args.target,
+        "criterion": args.criterion,
+        "label_free": job.loss_fn is None,
+        "reconstruct": args.reconstruct,
+        "rounds": result.rounds,
+        "cost_before": result.cost_before,
+        "cost_after": result.cost_after,
+        "cost_ratio": result.ratio,
+        "metric": job.metric,
+        "before": before,
+        "after_pruning": after_prune,
+        "after": after,
+        "finetune_steps": args.finetune_steps,
+        "channels_removed": sum(len(e.channels) for e in result.events),
+        "calibration_examples": result.examples,
+        "seconds": result.seconds,
+        "phase_seconds": result.phase_seconds,
+        "repaired_layers": len(result.repair.layers) if result.repair else 0,
+        "written_vs_masked_max_abs_diff": diff,
+        "latency_seconds": latency,
+        "speedup": latency["dense"] / latency["pruned"] if latency["pruned"] > 0 else math.nan,
+    }
+    with atomic_path(out / REPORT_FILE) as tmp:
+        Path(tmp).write_text(json.dumps(report, indent=1) + "\n")
+    print(
+        f"{job.metric}: {before:.4f} -> {after_prune:.4f} after pruning"
+        + (f" -> {after:.4f} after {args.finetune_steps} fine-tuning steps" if losses else "")
+        + f"; cost {result.cost_before:,.0f} -> {result.cost_after:,.0f} ({result.ratio:.1%}); "
+        f"latency {latency['dense'] * 1e3:.2f} -> {latency['pruned'] * 1e3:.2f} ms; wrote {out}"
+    )
+    return 0

@@ -1,0 +1,114 @@
+"""``fisherprune prune``: the written model reloads to the pruned (masked) model's outputs and
+accuracy; the report says what happened; bad inputs exit 2 with one line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from fisherprune.export import load_state_dict_export
+from fisherprune.train.data import DataSpec, load_data
+from fisherprune.train.models import build_model
+from tests.test_cli import run_cli
+
+
+def _data_and_weights(tmp_path: Path) -> tuple[Path, Path, torch.Tensor, torch.Tensor]:
+    """A 3-class table (6 features) and the weights of an MLP trained on it."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(300, 6)).astype(np.float32)
+    y = (x[:, 0] > 0).astype(np.int64) + (x[:, 1] + x[:, 2] > 0).astype(np.int64)
+    lines = ["a,b,c,d,e,f,label"] + [
+        ",".join(f"{v:.6f}" for v in row) + f",{t}" for row, t in zip(x, y, strict=True)
+    ]
+    data = tmp_path / "t.csv"
+    data.write_text("\n".join(lines) + "\n")
+    torch.manual_seed(0)
+    net = build_model("mlp", (6,), 3, 32, 2)
+    opt = torch.optim.Adam(net.parameters(), 1e-2)
+    xt, yt = torch.from_numpy(x), torch.from_numpy(y)
+    for _ in range(150):
+        opt.zero_grad()
+        F.cross_entropy(net(xt), yt).backward()
+        opt.step()
+    weights = tmp_path / "w.pt"
+    torch.save(net.state_dict(), weights)
+    return data, weights, xt, yt
+
+
+def test_prune_writes_a_model_that_reloads_to_the_reported_accuracy(tmp_path: Path) -> None:
+    """The shrunk model.pt, rebuilt from a fresh MLP by its plan, has the accuracy on the eval
+    split that the report gives for the masked model after pruning, its outputs equal the
+    masked model's (report), and the cost ratio meets the target."""
+    data, weights, _, _ = _data_and_weights(tmp_path)
+    out = tmp_path / "out"
+    cli = run_cli(
+        "prune",
+        "mlp",
+        "--width",
+        "32",
+        "--depth",
+        "2",
+        "--weights",
+        weights,
+        "--data",
+        data,
+        "--target",
+        "50%",
+        "--rounds",
+        "2",
+        "--out",
+        out,
+    )
+    assert cli.code == 0, cli.err
+    report = json.loads((out / "report.json").read_text())
+    assert report["cost_ratio"] <= 0.5 and report["written_vs_masked_max_abs_diff"] < 1e-4
+    assert report["metric"] == "accuracy" and report["repaired_layers"] > 0
+    assert set(report["latency_seconds"]) == {"dense", "pruned"}
+    small = load_state_dict_export(out / "model.pt", build_model("mlp", (6,), 3, 32, 2)).eval()
+    # the eval split is the one load_data makes (seed 0, 20%): re-read it the same way
+    ev = load_data(DataSpec(source=str(data), seed=0, eval_fraction=0.2))
+    with torch.no_grad():
+        acc = float((small(ev.x_eval).argmax(1) == ev.y_eval).double().mean())
+    assert acc == report["after"]
+    assert (out / "plan.json").is_file()
+
+
+def test_label_free_and_finetune_and_no_repair(tmp_path: Path) -> None:
+    """--label_free --no-reconstruct --finetune_steps 20 runs; the report records them."""
+    data, weights, _, _ = _data_and_weights(tmp_path)
+    out = tmp_path / "out"
+    cli = run_cli(
+        "prune",
+        "mlp",
+        "--width",
+        "32",
+        "--depth",
+        "2",
+        "--weights",
+        weights,
+        "--data",
+        data,
+        "--target",
+        "0.6",
+        "--label_free",
+        "--no-reconstruct",
+        "--finetune_steps",
+        "20",
+        "--out",
+        out,
+    )
+    assert cli.code == 0, cli.err
+    report = json.loads((out / "report.json").read_text())
+    assert report["label_free"] and not report["reconstruct"] and report["repaired_layers"] == 0
+    assert report["finetune_steps"] == 20 and report["cost_ratio"] <= 0.6
+
+
+def test_missing_weights_exits_2(tmp_path: Path) -> None:
+    data, _, _, _ = _data_and_weights(tmp_path)
+    cli = run_cli("prune", "mlp", "--data", data, "--out", tmp_path / "o")
+    assert cli.code == 2 and "--weights is required" in cli.err
+    assert not (tmp_path / "o").exists()

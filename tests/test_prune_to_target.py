@@ -1,0 +1,172 @@
+"""prune_to_target: the target is met, nothing but masks (and, with repair, the repaired
+layers) changes, the signal is the training-time estimate over all calibration examples, and
+every criterion runs the same workflow."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+import fisherprune as fp
+from fisherprune.criteria import L1, Random, Taylor
+from tests import zoo
+
+
+def _data(n: int = 48) -> tuple[Tensor, Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return zoo.image_input(n), torch.randint(0, zoo.NUM_CLASSES, (n,), generator=g)
+
+
+def _batches(x: Tensor, y: Tensor, size: int = 16) -> list[tuple[Tensor, Tensor]]:
+    return [(x[i : i + size], y[i : i + size]) for i in range(0, x.shape[0], size)]
+
+
+def _net() -> nn.Module:
+    return zoo.build_resnet_basic(seed=0)
+
+
+def test_meets_the_target_and_reports_the_cost() -> None:
+    """cost_after is at or below the target and equals computational_cost of the masked model;
+    events record every removal; the phases are timed."""
+    net = _net()
+    x, y = _data()
+    result = fp.prune_to_target(net, x[:1], _batches(x, y), "50%", loss_fn=F.cross_entropy)
+    total = fp.computational_cost(net, x[:1]).total
+    assert result.cost_after == pytest.approx(total) and result.cost_after <= result.target
+    assert result.target == pytest.approx(0.5 * result.cost_before)
+    removed = sum(len(e.channels) for e in result.events)
+    assert removed == sum(m.num_channels - m.kept for m in fp.find_masks(net).values())
+    assert set(result.phase_seconds) == {"signals", "selection", "repair"}
+    assert result.examples == 48
+
+
+def test_without_repair_no_weight_statistic_grad_or_flag_changes() -> None:
+    """reconstruct=False: parameters, batch-norm statistics, .grad and train flags are as they
+    were; only mask buffers changed."""
+    net = _net().train()
+    x, y = _data()
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    fp.prune_to_target(
+        net, x[:1], _batches(x, y), "60%", loss_fn=F.cross_entropy, reconstruct=False, rounds=2
+    )
+    after = net.state_dict()
+    for k, v in before.items():
+        assert torch.equal(after[k], v), k
+    assert all(p.grad is None for p in net.parameters())
+    assert all(m.training for m in net.modules())
+    assert any(m.kept < m.num_channels for m in fp.find_masks(net).values())
+    assert not any(m.collecting for m in fp.find_masks(net).values())
+
+
+def test_one_round_signal_is_the_training_time_estimate_over_all_examples() -> None:
+    """With rounds=1 each mask's (float32) signal equals update_pruning_signals(decay=0) after one
+    backward of the mean loss over all calibration examples at once, in eval mode."""
+    torch.manual_seed(0)
+    net = _net().double()
+    x, y = _data()
+    x = x.double()
+    ref = _net().double()
+    ref.load_state_dict(net.state_dict())
+    fp.apply_masks(ref, x[:1])
+    ref.eval()
+    F.cross_entropy(ref(x), y).backward()
+    fp.update_pruning_signals(fp.find_masks(ref), decay=0.0)
+    fp.prune_to_target(
+        net, x[:1], _batches(x, y), "70%", loss_fn=F.cross_entropy, reconstruct=False
+    )
+    for name, m in fp.find_masks(net).items():
+        torch.testing.assert_close(m.signal, fp.find_masks(ref)[name].signal, rtol=1e-6, atol=0)
+
+
+def test_rounds_stop_at_equal_cost_ratios() -> None:
+    """With rounds=3 round r removes channels until start * (target / start) ** (r / 3): the
+    last event of each round is the first at or below it, and every round prunes."""
+    net = _net()
+    x, y = _data()
+    result = fp.prune_to_target(
+        net, x[:1], _batches(x, y), "40%", loss_fn=F.cross_entropy, rounds=3, reconstruct=False
+    )
+    assert result.rounds == 3 and {e.step for e in result.events} == {1, 2, 3}
+    for r in (1, 2, 3):
+        goal = result.cost_before * 0.4 ** (r / 3)
+        costs = [e.cost_after for e in result.events if e.step == r]
+        assert costs[-1] <= goal * (1 + 1e-9) and all(c > goal for c in costs[:-1])
+
+
+@pytest.mark.parametrize("criterion", ["taylor", L1(), Random(3), Taylor(normalize="l2")])
+def test_every_criterion_runs_the_workflow(criterion: object) -> None:
+    """Gradient criteria and weight-only criteria reach the target the same way."""
+    net = _net()
+    x, y = _data()
+    result = fp.prune_to_target(
+        net,
+        x[:1],
+        _batches(x, y),
+        "50%",
+        loss_fn=F.cross_entropy,
+        criterion=criterion,
+        flops_weight=0,
+    )
+    assert result.cost_after <= result.target
+
+
+def test_min_channels_and_round_to_are_honoured() -> None:
+    """Every mask keeps at least half its channels and a multiple of 2 (or its full width)."""
+    net = _net()
+    x, y = _data()
+    fp.prune_to_target(
+        net, x[:1], _batches(x, y), "80%", loss_fn=F.cross_entropy, min_channels=0.5, round_to=2
+    )
+    for m in fp.find_masks(net).values():
+        assert m.kept >= m.num_channels / 2
+        assert m.kept % 2 == 0 or m.kept == m.num_channels
+
+
+def test_keyword_inputs_and_an_iterator_of_batches() -> None:
+    """A model called with keyword inputs; batches given as a one-pass generator."""
+
+    class _Kw(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 16), nn.Linear(16, 3)
+
+        def forward(self, features: Tensor) -> Tensor:
+            return self.b(torch.relu(self.a(features)))
+
+    torch.manual_seed(0)
+    net = _Kw()
+    x = torch.randn(40, 4)
+    gen = (({"features": x[i : i + 10]}, None) for i in range(0, 40, 10))
+    result = fp.prune_to_target(net, {"features": x[:1]}, gen, "50%", rounds=2)
+    assert result.cost_after <= result.target and result.repair is not None
+    assert result.repair.examples == 40
+
+
+def test_repaired_model_shrinks_to_the_same_outputs() -> None:
+    """After prune_to_target with repair, shrink gives the masked model's outputs."""
+    net = _net().eval()
+    x, y = _data()
+    fp.prune_to_target(net, x[:1], _batches(x, y), "50%", loss_fn=F.cross_entropy)
+    with torch.no_grad():
+        masked = net(x)
+        small = fp.shrink(net)
+        torch.testing.assert_close(small(x), masked, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("target", "match"), [("150%", "must lie between"), ("abc", "not a number")]
+)
+def test_bad_target_is_refused(target: str, match: str) -> None:
+    net = _net()
+    x, y = _data(8)
+    with pytest.raises(ValueError, match=match):
+        fp.prune_to_target(net, x[:1], _batches(x, y), target)
+
+
+def test_no_batches_is_refused() -> None:
+    net = _net()
+    x, _ = _data(2)
+    with pytest.raises(ValueError, match="no calibration batches"):
+        fp.prune_to_target(net, x[:1], [], "50%")

@@ -1,0 +1,211 @@
+"""The least-squares repair: the refitted weights against numpy's ridge solution, the masked
+model against the shrunk one, and what the repair leaves alone."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+import fisherprune as fp
+from fisherprune.calibrate import repair_consumers
+from tests import zoo
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 10), nn.ReLU(), nn.Linear(10, 8), nn.ReLU(), nn.Linear(8, 3))
+
+
+def _cnn() -> nn.Module:
+    torch.manual_seed(0)
+    net = nn.Sequential(
+        nn.Conv2d(3, 12, 3, padding=1),
+        nn.BatchNorm2d(12),
+        nn.ReLU(),
+        nn.Conv2d(12, 10, 3, stride=2, padding=1, bias=False),
+        nn.BatchNorm2d(10),
+        nn.ReLU(),
+        nn.Conv2d(10, 8, 1),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(8, 4),
+    )
+    zoo.randomise_norms(net, 0)
+    return net.eval()
+
+
+def _batches(x: Tensor, size: int) -> list[tuple[Tensor, None]]:
+    return [(x[i : i + size], None) for i in range(0, x.shape[0], size)]
+
+
+def _prune_some(masks: dict[str, fp.MaskLayer], seed: int = 0) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for m in masks.values():
+            drop = torch.randperm(m.num_channels, generator=g)[: m.num_channels // 3]
+            m.mask[drop] = 0.0
+
+
+def test_linear_refit_equals_numpy_least_squares() -> None:
+    """With ridge=0 each refitted Linear equals numpy's least-squares fit of the dense layer's
+    output on its dense input restricted to the kept features (plus an intercept), and its
+    removed columns are 0."""
+    net = _mlp().double()
+    x = torch.randn(200, 6, dtype=torch.float64)
+    masks = fp.apply_masks(net, x[:1])
+    dense = {n: m.mask.clone() for n, m in masks.items()}
+    seen: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    hooks = [
+        net.get_submodule(k).register_forward_hook(
+            lambda mod, a, o, k=k: seen.__setitem__(k, (a[0].numpy(), o.detach().numpy()))
+        )
+        for k in ("2", "4")
+    ]
+    with torch.no_grad():
+        net(x)
+    for h in hooks:
+        h.remove()
+    _prune_some(masks)
+    report = repair_consumers(net, _batches(x, 64), dense, ridge=0.0, rows_per_weight=0)
+    assert set(report.layers) == {"2", "4"} and report.examples == 200
+    assert set(report.modes.values()) == {"weights"}
+    for name, (inp, out) in seen.items():
+        layer = net.get_submodule(name)
+        keep = next(m for m in masks.values() if m.num_channels == inp.shape[1]).mask > 0.5
+        keep_np = keep.numpy()
+        a = np.hstack([inp[:, keep_np], np.ones((inp.shape[0], 1))])
+        coef, *_ = np.linalg.lstsq(a, out, rcond=None)
+        w = layer.weight.detach().numpy()
+        np.testing.assert_allclose(w[:, keep_np], coef[:-1].T, rtol=1e-6, atol=1e-8)
+        np.testing.assert_allclose(layer.bias.detach().numpy(), coef[-1], rtol=1e-6, atol=1e-8)
+        assert not w[:, ~keep_np].any()
+        _, before, after = report.layers[name]
+        assert after < before
+
+
+def test_conv_refit_lowers_the_output_error_and_shrinks_exactly() -> None:
+    """On a conv net (biased and bias-free convs, BatchNorm): the repaired masked model is closer
+    to the dense model on the calibration data than the unrepaired one, and shrink gives
+    the repaired masked model's outputs."""
+    net = _cnn()
+    x = torch.randn(64, 3, 8, 8)
+    with torch.no_grad():
+        ref = net(x)
+    masks = fp.apply_masks(net, x[:1])
+    dense = {n: m.mask.clone() for n, m in masks.items()}
+    _prune_some(masks)
+    with torch.no_grad():
+        plain = F.mse_loss(net(x), ref)
+    report = repair_consumers(net, _batches(x, 16), dense, positions=16)
+    assert report.layers and not report.skipped
+    with torch.no_grad():
+        repaired = net(x)
+        assert F.mse_loss(repaired, ref) < 0.5 * plain
+        small = fp.shrink(net)
+        torch.testing.assert_close(small(x), repaired, rtol=1e-4, atol=1e-5)
+
+
+def test_repair_leaves_masks_norm_statistics_and_flags_alone() -> None:
+    """The masks and batch-norm statistics come back as they were, and the train flag too."""
+    net = _cnn().train()
+    x = torch.randn(16, 3, 8, 8)
+    masks = fp.apply_masks(net, x[:1])
+    dense = {n: m.mask.clone() for n, m in masks.items()}
+    _prune_some(masks)
+    chosen = {n: m.mask.clone() for n, m in masks.items()}
+    stats = {k: v.clone() for k, v in net.state_dict().items() if "running" in k}
+    repair_consumers(net, _batches(x, 8), dense)
+    assert net.training and all(m.training for m in net.modules())
+    for n, m in masks.items():
+        assert torch.equal(m.mask, chosen[n])
+    for k, v in stats.items():
+        assert torch.equal(net.state_dict()[k], v)
+
+
+def test_layer_over_max_features_is_skipped_and_unchanged() -> None:
+    """A layer with more kept features than max_features is reported and left as it was."""
+    net = _mlp()
+    x = torch.randn(32, 6)
+    masks = fp.apply_masks(net, x[:1])
+    dense = {n: m.mask.clone() for n, m in masks.items()}
+    _prune_some(masks)
+    before = net.get_submodule("2").weight.detach().clone()
+    report = repair_consumers(net, _batches(x, 16), dense, max_features=3)
+    assert "2" in report.skipped and "max_features" in report.skipped["2"]
+    assert torch.equal(net.get_submodule("2").weight, before)
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"), [({"ridge": -1.0}, "ridge"), ({"positions": 0}, "positions")]
+)
+def test_bad_settings_are_refused(kw: dict, match: str) -> None:
+    net = _mlp()
+    x = torch.randn(4, 6)
+    masks = fp.apply_masks(net, x[:1])
+    with pytest.raises(ValueError, match=match):
+        repair_consumers(net, _batches(x, 4), {n: m.mask.clone() for n, m in masks.items()}, **kw)
+
+
+def test_missing_dense_masks_are_refused() -> None:
+    net = _mlp()
+    x = torch.randn(4, 6)
+    fp.apply_masks(net, x[:1])
+    with pytest.raises(ValueError, match="dense_masks has no values"):
+        repair_consumers(net, _batches(x, 4), {})
+
+
+def test_folded_weights_are_reported_not_refitted() -> None:
+    """After a forward of the pruned model (masks not collecting fold into the weights) the
+    dense outputs are gone: those layers are skipped with the reason, and left as they are."""
+    net = _mlp()
+    x = torch.randn(32, 6)
+    masks = fp.apply_masks(net, x[:1])
+    dense = {n: m.mask.clone() for n, m in masks.items()}
+    _prune_some(masks)
+    for m in masks.values():
+        m.collecting = False
+    with torch.no_grad():
+        net(x)
+    weights = {k: v.clone() for k, v in net.state_dict().items()}
+    report = repair_consumers(net, _batches(x, 16), dense)
+    assert report.skipped and all("already zero" in why for why in report.skipped.values())
+    for k, v in net.state_dict().items():
+        assert torch.equal(weights[k], v)
+
+
+def test_channel_scales_equal_numpy_least_squares() -> None:
+    """With few rows per weight each Linear gets one scale per kept input and a new bias, equal
+    to numpy's least-squares fit of ``Y ~ (x_K * s) W_K^T + b`` over every row and output."""
+    net = _mlp().double()
+    x = torch.randn(40, 6, dtype=torch.float64)
+    masks = fp.apply_masks(net, x[:1])
+    dense = {n: m.mask.clone() for n, m in masks.items()}
+    layer = net.get_submodule("4")
+    seen: dict[str, np.ndarray] = {}
+    h = layer.register_forward_hook(
+        lambda mod, a, o: seen.update(x=a[0].numpy().copy(), y=o.detach().numpy().copy())
+    )
+    with torch.no_grad():
+        net(x)
+    h.remove()
+    w0 = layer.weight.detach().numpy().copy()
+    _prune_some(masks)
+    report = repair_consumers(net, _batches(x, 20), dense, ridge=0.0)
+    assert report.modes["4"] == "scales"
+    keep = (next(m for m in masks.values() if m.num_channels == 8).mask > 0.5).numpy()
+    xk, wk, y = seen["x"][:, keep], w0[:, keep], seen["y"]
+    n, out = y.shape
+    design = np.zeros((n * out, keep.sum() + out))
+    for o in range(out):
+        design[o::out, : keep.sum()] = xk * wk[o]  # rows (i, o): channel contributions
+        design[o::out, keep.sum() + o] = 1.0
+    sol, *_ = np.linalg.lstsq(design, y.reshape(-1), rcond=None)
+    scale, bias = sol[: keep.sum()], sol[keep.sum() :]
+    np.testing.assert_allclose(
+        layer.weight.detach().numpy()[:, keep], wk * scale, rtol=1e-6, atol=1e-9
+    )
+    np.testing.assert_allclose(layer.bias.detach().numpy(), bias, rtol=1e-6, atol=1e-9)
