@@ -181,3 +181,20 @@ def test_trainer_callback_prunes_to_the_target_inside_trainer_train(tmp_path):
     model.eval()
     small = fp.shrink(model, x)  # checks shrunk == masked on x
     assert fp.computational_cost(small, x).total == pytest.approx(pruner.cost().total)
+
+
+def test_prune_to_target_uniform_gives_a_model_from_pretrained_loads(tmp_path):
+    """The post-training workflow with uniform=True on LLaMA (label-free, no labels): the
+    shrunk model saves and loads back as a standard config with the same outputs."""
+    build, x = _models()["llama"]
+    torch.manual_seed(0)
+    model = build().eval()
+    g = torch.Generator().manual_seed(3)
+    batches = [({"input_ids": torch.randint(0, 100, (4, 8), generator=g)}, None) for _ in range(3)]
+    result = fp.prune_to_target(model, x, batches, "70%", uniform=True, reconstruct=False)
+    assert result.cost_after <= result.target
+    small = fp.shrink(model, x)
+    small.save_pretrained(tmp_path)
+    back = type(model).from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(back(**x).logits, small(**x).logits, rtol=1e-5, atol=1e-5)

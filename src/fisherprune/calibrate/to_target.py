@@ -35,6 +35,7 @@ from fisherprune.modes import eval_mode
 from fisherprune.pruner.optimizer import resolve_target
 from fisherprune.pruner.prune import PruneEvent, prune
 from fisherprune.pruner.scoring import FlopsWeight, score_all
+from fisherprune.pruner.uniform import plan_uniform
 from fisherprune.settings import check_flops_weight, check_int, check_min_channels, check_round_to
 from fisherprune.signals import Criterion, resolve_criterion
 
@@ -69,6 +70,8 @@ class PruneResult:
         examples: calibration examples per pass.
         repair: what the repair changed (None with ``reconstruct=False``).
         convention: the cost convention.
+        kept_whole: with ``uniform=True``, the masks left whole and why (a Hugging Face
+            config has no field for their width).
     """
 
     cost_before: float
@@ -81,6 +84,7 @@ class PruneResult:
     examples: int = 0
     repair: RepairReport | None = None
     convention: str = "flops"
+    kept_whole: dict[str, str] = field(default_factory=dict)
 
     @property
     def ratio(self) -> float:
@@ -170,6 +174,7 @@ def prune_to_target(
     rounds: int = 1,
     min_channels: int | float = 1,
     round_to: int = 1,
+    uniform: bool = False,
     flops_weight: FlopsWeight = "auto",
     convention: str = "flops",
     score_convention: str | None = None,
@@ -204,8 +209,9 @@ def prune_to_target(
         criterion: a ``fisherprune.criteria.Criterion`` or a registered name (``"fisher"``,
             ``"taylor"``, ``"l1"``, ``"random"``).
         rounds: estimation-and-selection rounds (1: one-shot).
-        min_channels, round_to, flops_weight, convention, score_convention: as in
-            ``PruningOptimizer``.
+        min_channels, round_to, uniform, flops_weight, convention, score_convention: as in
+            ``PruningOptimizer`` (with ``uniform``, the masks a config cannot describe are left
+            whole, listed in ``PruneResult.kept_whole``).
         reconstruct: refit the layers that read removed channels by least squares.
         task: with ``loss_fn=None``: ``"auto"``, ``"classification"`` or ``"regression"``.
         seed: seed of the label-free sampling.
@@ -254,8 +260,11 @@ def prune_to_target(
             f"cost {start:.6g}"
         )
     dense = {n: m.mask.detach().clone() for n, m in masks.items()}
-    selection = _Selection(crit, cost_model, score_model, min_channels, round_to, flops_weight)
-    result = PruneResult(start, start, goal, convention=convention)
+    classes, whole = plan_uniform(model, example_inputs, masks, round_to) if uniform else ([], {})
+    selection = _Selection(
+        crit, cost_model, score_model, min_channels, round_to, flops_weight, classes, set(whole)
+    )
+    result = PruneResult(start, start, goal, convention=convention, kept_whole=whole)
     phases = dict.fromkeys(("signals", "selection", "repair"), 0.0)
     stuck = False
     for r in range(1, rounds + 1):
@@ -313,6 +322,8 @@ class _Selection:
     min_channels: int | float
     round_to: int
     flops_weight: str | float
+    classes: list[list[str]]  # uniform=True: masks pruned together ([]: each on its own)
+    whole: set[str]  # masks left whole (uniform=True, no config field for them)
 
     def run(
         self, model: nn.Module, masks: dict[str, MaskLayer], goal: float, step: int
@@ -335,17 +346,19 @@ class _Selection:
             if report.total <= goal:
                 return events, False
             weigh = report if self.score_model is self.cost_model else self.score_model.report()
-            marginal = {n: weigh.marginal[n] for n in masks}
-            scores = score_all(importances, marginal, self.flops_weight)
+            free = {n: m for n, m in masks.items() if n not in self.whole}
+            marginal = {n: weigh.marginal[n] for n in free}
+            scores = score_all({n: importances[n] for n in free}, marginal, self.flops_weight)
             budget, cost = STEP_FRACTION * (report.total - goal), report.total
             while cost > report.total - budget:
                 event = prune(
-                    masks,
+                    free,
                     scores,
                     self.min_channels,
                     cost=report,
                     step=step,
                     round_to=self.round_to,
+                    uniform=self.classes if self.classes or self.whole else False,
                 )
                 if event is None:
                     self._exact_last(events)
