@@ -79,8 +79,9 @@ class PruningPlan:
             convention: cost convention recorded in the plan.
 
         Raises:
-            ValueError: no example inputs, no masks, or a zeroed mask entry whose
-                channel cannot be removed physically (the message says why).
+            ValueError: no example inputs, no masks, a zeroed mask entry whose
+                channel cannot be removed physically (the message says why), or a layer
+                that would keep no channels.
         """
         example_inputs = remembered_inputs(model, example_inputs)
         cm = CostModel(model, example_inputs, convention)
@@ -103,6 +104,12 @@ class PruningPlan:
                 tname, {"shape": list(trace.param_infos[b.name].shape), "kept": {}}
             )
             entry["kept"][str(b.dim)] = np.flatnonzero(~gone).tolist()
+            if gone.all():
+                raise ValueError(
+                    f"{b.name} would keep none of its {b.size} channels along dim {b.dim}: a "
+                    "layer with no channels cannot be built or exported; prune with "
+                    "min_channels >= 1 (or restore one channel of that mask)"
+                )
         for split in trace.head_splits:
             kept = int((~removed[graph.roots[split.labels]]).sum())
             if kept != split.count:
@@ -377,6 +384,11 @@ def _validate_modules(modules: Any) -> None:
                     raise ValueError(
                         bad
                         + f"{where} dim {d}: kept indices must be sorted, unique, in [0, {size})"
+                    )
+                if not idx:
+                    raise ValueError(
+                        bad + f"{where} dim {d}: the kept list is empty (a layer with no "
+                        "channels cannot be built); keep at least one index"
                     )
 
 

@@ -105,7 +105,7 @@ def apply_rule(ctx: RuleContext) -> list[TensorInfo]:
     key = getattr(ctx.func, "overloadpacket", None)
     rule = _RULES.get(key)
     if rule is None:
-        return _opaque(ctx, f"{ctx.where()} has no channel rule")
+        return _opaque(ctx, f"{ctx.where()} has no channel rule", report_params=True)
     try:
         outs = rule(ctx)
         problem = _misfit(outs, ctx.out_tensors)
@@ -140,10 +140,15 @@ def _out_blank(ctx: RuleContext) -> list[TensorInfo]:
     return [TensorInfo.blank(tuple(t.shape)) for t in ctx.out_tensors]
 
 
-def _opaque(ctx: RuleContext, reason: str) -> list[TensorInfo]:
-    """Block every labelled dim of every input; outputs carry no channels."""
+def _opaque(ctx: RuleContext, reason: str, report_params: bool = False) -> list[TensorInfo]:
+    """Block every labelled dim of every input; outputs carry no channels. With
+    ``report_params``, the first dim of each parameter the op reads counts as channels it
+    produces, so that they are reported as not masked, for ``reason`` (an LSTM's or GRU's
+    hidden units, which an op with no rule computes, would otherwise go unmentioned)."""
     for t in ctx.in_tensors:
         info = ctx.info(t)
+        if report_params and info.param and info.labels and info.labels[0] is not None:
+            ctx.atoms.mark_producer(info.labels[0])
         for lab, cov in zip(info.labels, info.cover, strict=True):
             if lab is not None:
                 ctx.block(lab, reason)
