@@ -56,14 +56,19 @@ class SharedProduct:
         self._key: tuple[Any, ...] = ()
 
     def get(self, x: Tensor, key: tuple[Any, ...]) -> Tensor | None:
-        """The product made from ``x`` under the same ``key``, if it is still alive."""
-        if self._x is None or self._x() is not x or self._key != (x._version, *key):
+        """The product made from ``x`` under the same ``key``, if it is still alive (never for
+        an inference-mode tensor, which has no version counter to tell a change)."""
+        if x.is_inference() or self._x is None or self._x() is not x:
+            return None
+        if self._key != (x._version, *key):
             return None
         return self._out() if self._out is not None else None
 
     def put(self, x: Tensor, key: tuple[Any, ...], out: Tensor) -> Tensor:
-        """Remember ``out`` as the product of ``x`` under ``key``; returns ``out``."""
-        self._x, self._out, self._key = weakref.ref(x), weakref.ref(out), (x._version, *key)
+        """Remember ``out`` as the product of ``x`` under ``key`` (not for an inference-mode
+        ``x``); returns ``out``."""
+        if not x.is_inference():
+            self._x, self._out, self._key = weakref.ref(x), weakref.ref(out), (x._version, *key)
         return out
 
 
