@@ -51,9 +51,9 @@ def _prune_some(masks: dict[str, fp.MaskLayer], seed: int = 0) -> None:
 
 
 def test_linear_refit_equals_numpy_least_squares() -> None:
-    """With ridge=0 each refitted Linear equals numpy's least-squares fit of the dense layer's
-    output on its dense input restricted to the kept features (plus an intercept), and its
-    removed columns are 0."""
+    """One-pass (sequential=False), ridge=0: each refitted Linear equals numpy's least-squares
+    fit of the dense layer's output on its dense input restricted to the kept features (plus an
+    intercept), and its removed columns are 0."""
     net = _mlp().double()
     x = torch.randn(200, 6, dtype=torch.float64)
     masks = fp.apply_masks(net, x[:1])
@@ -70,7 +70,9 @@ def test_linear_refit_equals_numpy_least_squares() -> None:
     for h in hooks:
         h.remove()
     _prune_some(masks)
-    report = repair_consumers(net, _batches(x, 64), dense, ridge=0.0, rows_per_weight=0)
+    report = repair_consumers(
+        net, _batches(x, 64), dense, ridge=0.0, rows_per_weight=0, sequential=False
+    )
     assert set(report.layers) == {"2", "4"} and report.examples == 200
     assert set(report.modes.values()) == {"weights"}
     for name, (inp, out) in seen.items():
@@ -194,7 +196,7 @@ def test_channel_scales_equal_numpy_least_squares() -> None:
     h.remove()
     w0 = layer.weight.detach().numpy().copy()
     _prune_some(masks)
-    report = repair_consumers(net, _batches(x, 20), dense, ridge=0.0)
+    report = repair_consumers(net, _batches(x, 20), dense, ridge=0.0, sequential=False)
     assert report.modes["4"] == "scales"
     keep = (next(m for m in masks.values() if m.num_channels == 8).mask > 0.5).numpy()
     xk, wk, y = seen["x"][:, keep], w0[:, keep], seen["y"]
