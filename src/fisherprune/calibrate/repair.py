@@ -31,7 +31,10 @@ float64. Then, from those sums alone:
 * else one scale per kept input channel and the bias (Kwon et al.'s mask tuning): ``k``
   unknowns instead of ``k x outputs``, which a few hundred calibration sentences cannot overfit.
 
-Both by ``torch.linalg.solve`` in float64 with ``lambda = ridge * mean diagonal`` (a singular
+Both by ``torch.linalg.solve`` in float64 with ``lambda = ridge * mean diagonal``, the ridge
+pulling towards the unrepaired layer (weights: ``(X^T X + lambda I) W = X^T Y + lambda W_0``;
+scales: towards 1), not towards 0, so that with a few calibration examples, or text unlike
+what the model will see, the fit stays near the trained weights (a singular
 system, possible only with ``ridge=0``, gets the minimum-norm solution). A refit is kept only if
 it lowers the layer's error on the calibration data below that of its unrepaired weights (on
 the same inputs), so the repair never makes a layer worse there. Memory ``8 k^2`` bytes per
@@ -205,10 +208,12 @@ class _Fit:
         sq = self.yty - 2 * float((coef * self.xty).sum()) + float((coef * (self.xtx @ coef)).sum())
         return max(sq, 0.0) / max(self.yty, 1e-300)
 
-    def _solve(self, a: Tensor, b: Tensor, ridge: float) -> Tensor:
-        """``(a + lambda I)^-1 b`` with ``lambda = ridge * mean diagonal of a``."""
+    def _solve(self, a: Tensor, b: Tensor, ridge: float, prior: Tensor) -> Tensor:
+        """``(a + lambda I)^-1 (b + lambda prior)`` with ``lambda = ridge * mean diagonal of
+        a``: the least-squares solution pulled towards ``prior`` (the unrepaired layer)."""
         lam = ridge * float(torch.diagonal(a).mean())
         a = a + lam * torch.eye(a.shape[0], dtype=a.dtype, device=a.device)
+        b = b + lam * prior
         x, info = torch.linalg.solve_ex(a, b)
         if int(info) != 0:  # singular (a dead input with ridge 0): the minimum-norm solution
             x = torch.linalg.lstsq(a.cpu(), b.cpu(), driver="gelsd").solution.to(a.device)
@@ -216,7 +221,7 @@ class _Fit:
 
     def weights_coef(self, ridge: float) -> Tensor:
         """Every kept weight (and the bias) refitted: (features, out)."""
-        return self._solve(self.xtx, self.xty, ridge)
+        return self._solve(self.xtx, self.xty, ridge, self.current())
 
     def scales_coef(self, ridge: float) -> Tensor:
         """One scale per kept input channel (all its kernel taps) times the current weights,
@@ -234,7 +239,7 @@ class _Fit:
             xty = xty - n * torch.outer(mu, nu)
         gram = (xtx * (w @ w.T)).view(k, taps, k, taps).sum((1, 3))  # (k, k)
         rhs = (xty * w).sum(1).view(k, taps).sum(1)  # (k,)
-        scale = self._solve(gram, rhs[:, None], ridge)[:, 0]
+        scale = self._solve(gram, rhs[:, None], ridge, torch.ones_like(rhs[:, None]))[:, 0]
         coef = w * scale.repeat_interleave(taps)[:, None]
         if self.mod.bias is not None:
             coef = torch.cat([coef, (nu - coef.T @ mu)[None]])
