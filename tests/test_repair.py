@@ -3,6 +3,8 @@ model against the shrunk one, and what the repair leaves alone."""
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -51,9 +53,9 @@ def _prune_some(masks: dict[str, fp.MaskLayer], seed: int = 0) -> None:
 
 
 def test_linear_refit_equals_numpy_least_squares() -> None:
-    """With ridge=0 each refitted Linear equals numpy's least-squares fit of the dense layer's
-    output on its dense input restricted to the kept features (plus an intercept), and its
-    removed columns are 0."""
+    """One-pass (sequential=False), ridge=0: each refitted Linear equals numpy's least-squares
+    fit of the dense layer's output on its dense input restricted to the kept features (plus an
+    intercept), and its removed columns are 0."""
     net = _mlp().double()
     x = torch.randn(200, 6, dtype=torch.float64)
     masks = fp.apply_masks(net, x[:1])
@@ -70,7 +72,9 @@ def test_linear_refit_equals_numpy_least_squares() -> None:
     for h in hooks:
         h.remove()
     _prune_some(masks)
-    report = repair_consumers(net, _batches(x, 64), dense, ridge=0.0, rows_per_weight=0)
+    report = repair_consumers(
+        net, _batches(x, 64), dense, ridge=0.0, rows_per_weight=0, sequential=False
+    )
     assert set(report.layers) == {"2", "4"} and report.examples == 200
     assert set(report.modes.values()) == {"weights"}
     for name, (inp, out) in seen.items():
@@ -194,7 +198,7 @@ def test_channel_scales_equal_numpy_least_squares() -> None:
     h.remove()
     w0 = layer.weight.detach().numpy().copy()
     _prune_some(masks)
-    report = repair_consumers(net, _batches(x, 20), dense, ridge=0.0)
+    report = repair_consumers(net, _batches(x, 20), dense, ridge=0.0, sequential=False)
     assert report.modes["4"] == "scales"
     keep = (next(m for m in masks.values() if m.num_channels == 8).mask > 0.5).numpy()
     xk, wk, y = seen["x"][:, keep], w0[:, keep], seen["y"]
@@ -209,3 +213,89 @@ def test_channel_scales_equal_numpy_least_squares() -> None:
         layer.weight.detach().numpy()[:, keep], wk * scale, rtol=1e-6, atol=1e-9
     )
     np.testing.assert_allclose(layer.bias.detach().numpy(), bias, rtol=1e-6, atol=1e-9)
+
+
+def test_sequential_refit_uses_the_repaired_models_inputs() -> None:
+    """Sequential, ridge=0: the last Linear equals numpy's least-squares fit of the DENSE
+    layer's output on the input it gets in the PRUNED model whose first layer is already
+    repaired (kept features plus an intercept)."""
+    net = _mlp().double()
+    x = torch.randn(200, 6, dtype=torch.float64)
+    masks = fp.apply_masks(net, x[:1])
+    dense = {n: m.mask.clone() for n, m in masks.items()}
+    layer = net.get_submodule("4")
+    seen: dict[str, np.ndarray] = {}
+    h = layer.register_forward_hook(
+        lambda mod, a, o: seen.update(x=a[0].numpy().copy(), y=o.detach().numpy().copy())
+    )
+    with torch.no_grad():
+        net(x)
+    y = seen["y"]
+    _prune_some(masks)
+    report = repair_consumers(net, _batches(x, 64), dense, ridge=0.0, rows_per_weight=0)
+    assert set(report.layers) == {"2", "4"}
+    w = layer.weight.detach().numpy().copy()
+    with torch.no_grad():
+        net(x)  # the pruned, repaired model: the input layer "4" now gets
+    h.remove()
+    keep = (next(m for m in masks.values() if m.num_channels == 8).mask > 0.5).numpy()
+    a = np.hstack([seen["x"][:, keep], np.ones((x.shape[0], 1))])
+    coef, *_ = np.linalg.lstsq(a, y, rcond=None)
+    np.testing.assert_allclose(w[:, keep], coef[:-1].T, rtol=1e-6, atol=1e-8)
+
+
+class _Block(nn.Module):
+    """Post-norm (BERT's) encoder block: LN(x + attention(x)), then LN(x + FFN(x))."""
+
+    def __init__(self, d: int = 16, heads: int = 4, hidden: int = 32) -> None:
+        super().__init__()
+        self.heads, self.head_dim = heads, d // heads  # shrink lowers heads
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
+        self.up, self.down = nn.Linear(d, hidden), nn.Linear(hidden, d)
+        with torch.no_grad():  # blocks whose outputs weigh as much as the residual stream
+            for layer in (self.q, self.k, self.v, self.o, self.up, self.down):
+                layer.weight.mul_(2.0)
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, t, _ = x.shape
+
+        def split(z: Tensor) -> Tensor:
+            return z.view(b, t, self.heads, self.head_dim).transpose(1, 2)
+
+        q, k, v = split(self.q(x)), split(self.k(x)), split(self.v(x))
+        att = torch.softmax(q @ k.transpose(-1, -2) / self.head_dim**0.5, -1) @ v
+        x = self.ln1(x + self.o(att.transpose(1, 2).reshape(b, t, -1)))
+        return self.ln2(x + self.down(F.gelu(self.up(x))))
+
+
+def test_sequential_repair_helps_a_residual_transformer() -> None:
+    """On a 2-block encoder with half of each block's heads and FFN channels removed, the
+    sequential repair brings held-out final outputs closer to the dense ones than no repair and
+    than the one-pass fit on dense inputs; and shrink still gives the repaired masked model's
+    outputs."""
+    torch.manual_seed(0)
+    net = nn.Sequential(_Block(), _Block()).eval()
+    x = torch.randn(64, 12, 16)
+    calib, test = x[:48], x[48:]
+    with torch.no_grad():
+        ref = net(test)
+    masks = fp.apply_masks(net, x[:1])
+    dense = {n: m.mask.clone() for n, m in masks.items()}
+    with torch.no_grad():
+        for m in masks.values():  # 2 of 4 heads, 16 of 32 FFN channels
+            m.mask[torch.randperm(m.num_channels)[: m.num_channels // 2]] = 0.0
+    errors = {}
+    for how in ("none", "one-pass", "sequential"):
+        model = copy.deepcopy(net)
+        if how != "none":
+            report = repair_consumers(
+                model, _batches(calib, 16), dense, sequential=how == "sequential"
+            )
+            assert set(report.layers) == {"0.o", "0.down", "1.o", "1.down"}
+        with torch.no_grad():
+            errors[how] = float(F.mse_loss(model(test), ref))
+    assert errors["sequential"] < 0.7 * errors["none"]
+    assert errors["sequential"] < errors["one-pass"]
+    with torch.no_grad():
+        torch.testing.assert_close(fp.shrink(model)(test), model(test), rtol=1e-4, atol=1e-5)

@@ -4,9 +4,21 @@ After channels are chosen, every ``nn.Linear`` / ``nn.Conv1d`` / ``nn.Conv2d`` (
 whose input a mask thins has its weights on the kept input features (and its bias, when it has
 one) refitted so that its output on the calibration data matches the dense model's output
 (He et al. 2017, "Channel Pruning"; Kwon et al. 2022's "mask tuning" fits per-channel scales,
-this fits the whole kept weight). Each layer is fitted on the dense model's input with the
-removed channels dropped: the layers upstream are repaired towards their dense outputs too,
-so that is the input each layer will see; all layers are fitted from one pass over the data.
+this fits the whole kept weight, or the scales when the data are few).
+
+Sequential (the default): the layers are fitted in the order the forward runs them, each on
+the input it gets in the PRUNED model whose earlier layers are already repaired, towards the
+DENSE model's output of that layer. In a residual network the error of the pruned layers is
+carried by the residual stream, so a later layer's real input differs from its dense input: a
+fit on dense inputs (``sequential=False``, every layer from one pass) then fits the wrong
+problem and can make a transformer worse (MiniLM: benchmarks/post_training.py). The layers are
+grouped into stages: consecutive layers (in forward order) reading the same input tensor (the
+query, key and value of an attention block; a ResNet block's first conv and its shortcut) form
+one stage. Each stage costs one pass over the batches, two forwards per batch cut short after
+the stage's last layer: the dense one (the masks set to ``dense_masks``, the repaired layers'
+original weights swapped in by ``torch.func.functional_call``) gives the targets, the pruned
+one the inputs. So a pass per repaired depth: MiniLM (6 blocks, heads and FFN thinned) has 12
+stages, about 12 forwards' worth of compute in all.
 
 The solve, per layer: with ``k`` kept input features (kept channels x kernel size for a conv,
 +1 for the bias), the pass streams ``X^T X`` (k x k) and ``X^T Y`` (k x outputs) over the
@@ -19,14 +31,21 @@ float64. Then, from those sums alone:
 * else one scale per kept input channel and the bias (Kwon et al.'s mask tuning): ``k``
   unknowns instead of ``k x outputs``, which a few hundred calibration sentences cannot overfit.
 
-Both by ``torch.linalg.solve`` in float64 with ``lambda = ridge * mean diagonal`` (a singular
-system, possible only with ``ridge=0``, gets the minimum-norm solution). Memory ``8 k^2`` bytes
-per layer while the pass runs (a ResNet-50 3x3 conv reading 512 channels: k = 4608, 170 MB);
+Both by ``torch.linalg.solve`` in float64 with ``lambda = ridge * mean diagonal``, the ridge
+pulling towards the unrepaired layer (weights: ``(X^T X + lambda I) W = X^T Y + lambda W_0``;
+scales: towards 1), not towards 0, so that with a few calibration examples, or text unlike
+what the model will see, the fit stays near the trained weights (a singular
+system, possible only with ``ridge=0``, gets the minimum-norm solution). A refit is kept only if
+it lowers the layer's error on the calibration data below that of its unrepaired weights (on
+the same inputs), so the repair never makes a layer worse there. Memory ``8 k^2`` bytes per
+layer of the stage being fitted (a ResNet-50 3x3 conv reading 512 channels: k = 4608, 170 MB),
+one batch of the stage's dense outputs, and a copy of the repaired layers' original weights;
 layers with more than ``max_features`` kept features are left as they are and reported.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,10 +53,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.func import functional_call
 
 from fisherprune.inputs import batch_size, call_model
 from fisherprune.masks import MaskLayer
-from fisherprune.masks.points import MaskPoint, find_holder
+from fisherprune.masks.points import MaskPoint, find_holder, no_fold
 from fisherprune.modes import eval_mode
 
 __all__ = ["REPAIRABLE", "RepairReport", "repair_consumers"]
@@ -127,20 +147,43 @@ class _Fit:
         w = mod.weight
         self.kernel = int(w[0, 0].numel())
         self.features = kept.numel() * self.kernel + (mod.bias is not None)
-        self.xtx = torch.zeros(self.features, self.features, dtype=torch.float64, device=w.device)
-        self.xty = torch.zeros(self.features, w.shape[0], dtype=torch.float64, device=w.device)
+        # allocated by the first call and released by the solve: one stage's sums at a time
+        self.xtx = self.xty = torch.empty(0, dtype=torch.float64)
         self.yty = 0.0
         self.count = 0  # rows seen
+        #: fit on the dense pass's own inputs (the one-pass repair)
+        self.dense_inputs = False
+        #: dense outputs of the current batch's calls, waiting for the pruned pass's inputs
+        self.targets: list[Tensor] = []
+        #: the forward running is the pruned model's
+        self.pruned = False
 
     def hook(self, mod: nn.Module, args: tuple, out: Tensor) -> None:
-        """Forward hook: add this call's rows to the sums."""
-        if isinstance(mod, nn.Linear) and self.dim != args[0].dim() - 1:
+        """Forward hook. Dense pass: keep this call's output as a target (with
+        ``dense_inputs``, fit it on this call's input at once). Pruned pass (``pruned``): fit
+        the dense target of the same call on this call's input."""
+        x = args[0].detach()
+        if self.dense_inputs:
+            self.add(x, out.detach())
+        elif not self.pruned:
+            self.targets.append(out.detach())
+        elif self.targets:
+            self.add(x, self.targets.pop(0))
+        else:
+            self.invalid = "the pruned model calls it more often than the dense one"
+
+    def add(self, x: Tensor, y: Tensor) -> None:
+        """Add one call's rows (input ``x``, target output ``y``) to the sums."""
+        if isinstance(self.mod, nn.Linear) and self.dim != x.dim() - 1:
             self.invalid = "the mask is not on the features (last) dim"
         if self.invalid is not None:
             return
-        x, y = self.rows(mod, args[0].detach(), out.detach(), self.kept, self.sample)
-        if mod.bias is not None:
+        x, y = self.rows(self.mod, x, y, self.kept, self.sample)
+        if self.mod.bias is not None:
             x = torch.cat([x, x.new_ones(x.shape[0], 1)], 1)
+        if self.count == 0:
+            self.xtx = x.new_zeros(x.shape[1], x.shape[1], dtype=torch.float64)
+            self.xty = x.new_zeros(x.shape[1], y.shape[1], dtype=torch.float64)
         # one batch's products in the layer's dtype (float64 matmuls are several times slower
         # on CPU), summed over batches in float64
         self.xtx += (x.T @ x).double()
@@ -165,10 +208,12 @@ class _Fit:
         sq = self.yty - 2 * float((coef * self.xty).sum()) + float((coef * (self.xtx @ coef)).sum())
         return max(sq, 0.0) / max(self.yty, 1e-300)
 
-    def _solve(self, a: Tensor, b: Tensor, ridge: float) -> Tensor:
-        """``(a + lambda I)^-1 b`` with ``lambda = ridge * mean diagonal of a``."""
+    def _solve(self, a: Tensor, b: Tensor, ridge: float, prior: Tensor) -> Tensor:
+        """``(a + lambda I)^-1 (b + lambda prior)`` with ``lambda = ridge * mean diagonal of
+        a``: the least-squares solution pulled towards ``prior`` (the unrepaired layer)."""
         lam = ridge * float(torch.diagonal(a).mean())
         a = a + lam * torch.eye(a.shape[0], dtype=a.dtype, device=a.device)
+        b = b + lam * prior
         x, info = torch.linalg.solve_ex(a, b)
         if int(info) != 0:  # singular (a dead input with ridge 0): the minimum-norm solution
             x = torch.linalg.lstsq(a.cpu(), b.cpu(), driver="gelsd").solution.to(a.device)
@@ -176,7 +221,7 @@ class _Fit:
 
     def weights_coef(self, ridge: float) -> Tensor:
         """Every kept weight (and the bias) refitted: (features, out)."""
-        return self._solve(self.xtx, self.xty, ridge)
+        return self._solve(self.xtx, self.xty, ridge, self.current())
 
     def scales_coef(self, ridge: float) -> Tensor:
         """One scale per kept input channel (all its kernel taps) times the current weights,
@@ -194,7 +239,7 @@ class _Fit:
             xty = xty - n * torch.outer(mu, nu)
         gram = (xtx * (w @ w.T)).view(k, taps, k, taps).sum((1, 3))  # (k, k)
         rhs = (xty * w).sum(1).view(k, taps).sum(1)  # (k,)
-        scale = self._solve(gram, rhs[:, None], ridge)[:, 0]
+        scale = self._solve(gram, rhs[:, None], ridge, torch.ones_like(rhs[:, None]))[:, 0]
         coef = w * scale.repeat_interleave(taps)[:, None]
         if self.mod.bias is not None:
             coef = torch.cat([coef, (nu - coef.T @ mu)[None]])
@@ -205,12 +250,14 @@ class _Fit:
         ``rows_per_weight`` rows per feature, else one scale per kept channel (``"scales"``:
         ``k`` unknowns, which a small calibration set cannot overfit as it can ``k x out``);
         zero the removed columns. Returns the mode and the relative errors before and after.
-        Changes the module's ``weight`` (and ``bias``) in place, unless the fit is no better."""
+        Changes the module's ``weight`` (and ``bias``) in place, unless the fit is no better;
+        releases the sums."""
         before = self.error(self.current())
         full = self.count >= rows_per_weight * self.features
         coef = self.weights_coef(ridge) if full else self.scales_coef(ridge)
         mode = "weights" if full else "scales"
         after = self.error(coef)
+        self.xtx = self.xty = torch.empty(0, dtype=torch.float64)
         if not after < before:  # the ridge fit can only lose on nearly singular data
             return mode, before, before
         w = self.mod.weight
@@ -285,6 +332,63 @@ def _unrepairable(
     return None
 
 
+class _StageDone(Exception):
+    """Raised by a forward hook to cut a forward short after the stage's last layer."""
+
+
+class _Stop:
+    """Forward hook that ends the forward at the ``calls``-th call of its module."""
+
+    def __init__(self, calls: int) -> None:
+        self.calls, self.seen = calls, 0
+
+    def __call__(self, mod: nn.Module, args: tuple, out: Tensor) -> None:
+        self.seen += 1
+        if self.seen >= self.calls:
+            raise _StageDone
+
+
+def _stages(model: nn.Module, fits: dict[str, _Fit], inputs: Any) -> list[list[str]]:
+    """The fitted layers in the order one forward of ``inputs`` calls them (each by its first
+    call), consecutive ones reading the same input tensor grouped into a stage."""
+    order: list[tuple[str, Tensor]] = []
+    handles = [
+        fit.mod.register_forward_hook(lambda mod, a, o, n=n: order.append((n, a[0])))
+        for n, fit in fits.items()
+    ]
+    try:
+        call_model(model, inputs)
+    finally:
+        for h in handles:
+            h.remove()
+    stages: list[list[str]] = []
+    seen: set[str] = set()
+    prev: Tensor | None = None
+    for name, x in order:
+        if name not in seen:
+            seen.add(name)
+            if stages and x is prev:
+                stages[-1].append(name)
+            else:
+                stages.append([name])
+            prev = x
+    stages.append([n for n, _ in order])  # the call sequence, for the stop points
+    return stages
+
+
+def _stop(stage: list[str], sequence: list[str]) -> tuple[str, int]:
+    """The layer of ``stage`` called last in ``sequence`` and how often it is called."""
+    end = max(stage, key=lambda n: len(sequence) - sequence[::-1].index(n))
+    return end, sequence.count(end)
+
+
+def _forward(model: Callable[..., Any], inputs: Any, stop: _Stop) -> None:
+    """One forward, ended early by ``stop``."""
+    stop.seen = 0
+    with contextlib.suppress(_StageDone):
+        call_model(model, inputs)
+
+
 def repair_consumers(
     model: nn.Module,
     batches: Iterable[tuple[Any, Any]],
@@ -294,29 +398,36 @@ def repair_consumers(
     positions: int = 10,
     max_features: int = 6144,
     rows_per_weight: float = 20.0,
+    sequential: bool = True,
     progress: Callable[[Iterable[Any]], Iterable[Any]] | None = None,
 ) -> RepairReport:
     """Refit every layer that reads a removed channel so that, on the calibration inputs, its
-    output matches the dense model's (module docstring: what is solved, and how big).
+    output matches the dense model's (module docstring: what is solved, in which order, and
+    how big).
 
     Changes: the ``weight`` (and ``bias``) of each repaired layer, in place: the kept input
     columns are refitted, the removed ones set to 0 (so ``shrink`` gives the same outputs as
-    the masked model). The masks are set to ``dense_masks`` during the pass and given back
-    as they were; train/eval flags are given back; nothing else changes. A layer whose fit
-    would not lower its error is left as it was.
+    the masked model). The masks are set to ``dense_masks`` during the dense forwards and
+    given back as they were; masks never fold into weights during the passes; train/eval
+    flags are given back; nothing else changes. A layer whose fit would not lower its error
+    is left as it was.
 
     Args:
         model: a model masked by ``apply_masks``, with its channels chosen and not run since
             (a forward pass of a model whose masks no longer collect zeroes the weight columns
             of removed channels, and the dense outputs with them: such layers are skipped).
-        batches: ``(inputs, targets)`` pairs (targets are ignored).
+        batches: ``(inputs, targets)`` pairs (targets are ignored); read once per stage (an
+            iterator is read into a list first).
         dense_masks: the mask values of the dense model, by mask name (``find_masks``).
         ridge: ``lambda`` relative to the mean diagonal of ``X^T X``.
         positions: output positions sampled per image and batch for a conv.
         max_features: layers with more kept input features are skipped (memory ``8 k^2``).
         rows_per_weight: refit every kept weight of a layer when the pass saw at least this
             many rows per feature; else fit one scale per kept input channel.
-        progress: wraps the batches (a progress bar), or None.
+        sequential: fit each stage on the pruned, already repaired model's inputs (one pass
+            per stage); False: every layer on the dense inputs from one pass (wrong for
+            residual networks, kept for comparison).
+        progress: wraps the stages (a progress bar), or None.
 
     Returns:
         The ``RepairReport``.
@@ -336,27 +447,72 @@ def repair_consumers(
     fits = _fits(model, positions, max_features, report)
     if not fits:
         return report
+    if iter(batches) is batches:
+        batches = list(batches)
     chosen = {n: m.mask.detach().clone() for n, m in masks.items()}
+    originals = {
+        f"{'' if name == '<model>' else name + '.'}{k}": p.detach().clone()
+        for name, fit in fits.items()
+        for k, p in fit.mod.named_parameters(recurse=False)
+    }
+
+    def dense(*args: Any, **kwargs: Any) -> Any:
+        return functional_call(model, originals, args, kwargs)
+
+    def set_masks(values: dict[str, Tensor]) -> None:
+        for n, m in masks.items():
+            m.mask.copy_(values[n])
+
+    def two_forwards(inputs: Any, stage: list[_Fit], stop: _Stop) -> None:
+        """The dense forward (targets), then, sequential, the pruned one (inputs)."""
+        set_masks(dense_masks)
+        for fit in stage:
+            fit.pruned = False
+        _forward(dense, inputs, stop)
+        if sequential:
+            set_masks(chosen)
+            for fit in stage:
+                fit.pruned = True
+            _forward(model, inputs, stop)
+        for fit in stage:
+            fit.targets.clear()
+
     handles = [fit.mod.register_forward_hook(fit.hook) for fit in fits.values()]
-    try:
-        with torch.no_grad():
-            for n, m in masks.items():
-                m.mask.copy_(dense_masks[n])
-        with eval_mode(model), torch.no_grad():
-            for inputs, _ in progress(batches) if progress else batches:
-                call_model(model, inputs)
-                report.examples += batch_size(inputs)
-    finally:
-        for h in handles:
-            h.remove()
-        with torch.no_grad():
-            for n, m in masks.items():
-                m.mask.copy_(chosen[n])
-    for name, fit in fits.items():
-        if fit.invalid is not None:
-            report.skipped[name] = fit.invalid
-            continue
-        mode, before, after = fit.solve_and_set(ridge, rows_per_weight)
-        report.layers[name] = (fit.features, before, after)
-        report.modes[name] = mode
+    with eval_mode(model), torch.no_grad(), no_fold(model):
+        try:
+            set_masks(dense_masks)
+            *stages, sequence = _stages(model, fits, next(iter(batches))[0])
+            if not sequential:
+                stages = [[n for st in stages for n in st]]
+            for st in progress(stages) if progress else stages:
+                end, calls = _stop(st, sequence)
+                stop = _Stop(calls)
+                handles.append(fits[end].mod.register_forward_hook(stop))
+                for name in st:
+                    fits[name].dense_inputs = not sequential
+                report.examples = 0
+                for inputs, _ in batches:
+                    two_forwards(inputs, [fits[n] for n in st], stop)
+                    report.examples += batch_size(inputs)
+                handles.pop().remove()
+                for name in st:
+                    _solve(name, fits[name], ridge, rows_per_weight, report)
+        finally:
+            for h in handles:
+                h.remove()
+            set_masks(chosen)
+    for name in set(fits) - set(report.layers) - set(report.skipped):
+        report.skipped[name] = "the forward does not call it"
     return report
+
+
+def _solve(
+    name: str, fit: _Fit, ridge: float, rows_per_weight: float, report: RepairReport
+) -> None:
+    """Solve one layer's fit (or say why not) and record it in ``report``."""
+    if fit.invalid is not None or fit.count == 0:
+        report.skipped[name] = fit.invalid or "the forward does not call it"
+        return
+    mode, before, after = fit.solve_and_set(ridge, rows_per_weight)
+    report.layers[name] = (fit.features, before, after)
+    report.modes[name] = mode

@@ -65,7 +65,8 @@ class PruneResult:
         events: every ``PruneEvent``, in order (``step`` is the round, from 1).
         seconds: wall time of the whole call.
         phase_seconds: wall time of each phase: ``signals`` (estimation passes),
-            ``selection`` (choosing channels), ``repair`` (the least-squares pass and solves).
+            ``selection`` (choosing channels), ``repair`` (the least-squares passes, one per
+            stage, and solves).
         rounds: rounds run.
         examples: calibration examples per pass.
         repair: what the repair changed (None with ``reconstruct=False``).
@@ -200,7 +201,7 @@ def prune_to_target(
         model: a trained network.
         example_inputs: inputs to trace it with (a tensor, tuple or dict; a batch of one does).
         batches: calibration data, ``(inputs, targets)`` pairs, iterated once per round and
-            once for the repair (an iterator is read into a list first). ``targets`` may be
+            once per repair stage (an iterator is read into a list first). ``targets`` may be
             None with ``loss_fn=None``. Inputs must be on the model's device.
         target: the cost to reach per example: absolute (>= 1), a fraction in (0, 1) or a
             percentage string of the starting cost, in ``convention`` units.
@@ -212,7 +213,8 @@ def prune_to_target(
         min_channels, round_to, uniform, flops_weight, convention, score_convention: as in
             ``PruningOptimizer`` (with ``uniform``, the masks a config cannot describe are left
             whole, listed in ``PruneResult.kept_whole``).
-        reconstruct: refit the layers that read removed channels by least squares.
+        reconstruct: refit the layers that read removed channels by least squares, in forward
+            order on the pruned, already repaired model's inputs (``calibrate.repair``).
         task: with ``loss_fn=None``: ``"auto"``, ``"classification"`` or ``"regression"``.
         seed: seed of the label-free sampling.
         ridge: the repair's ridge strength (relative to the mean diagonal of ``X^T X``).
