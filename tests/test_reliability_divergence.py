@@ -26,14 +26,15 @@ def _csv(path: Path, scale: float) -> Path:
 
 
 @pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
-def test_check_loss_refuses_a_non_finite_loss(value: float) -> None:
+def test_poll_refuses_a_non_finite_loss(value: float) -> None:
     """NaN and +-inf raise DivergedError naming the value and the step."""
     with pytest.raises(DivergedError, match=rf"loss is {value}.*step 8"):
-        StopGuard(10.0).check_loss(torch.tensor(value), 7)
+        StopGuard(10.0).poll(torch.tensor(value), 7)
 
 
-def test_check_loss_accepts_a_finite_loss() -> None:
-    StopGuard(10.0).check_loss(torch.tensor(1e30), 0)
+def test_poll_accepts_a_finite_loss_and_returns_its_value() -> None:
+    signum, value = StopGuard(10.0).poll(torch.tensor(1e30), 0)
+    assert signum == 0 and value == pytest.approx(1e30)
 
 
 def test_cli_stops_a_diverging_run_before_pruning_or_export(

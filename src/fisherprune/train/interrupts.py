@@ -150,15 +150,16 @@ class StopGuard:
             raise peer_timeout(e, f"did not answer within {self.timeout_s:g} s") from None
         return t.tolist()
 
-    def stop_signal(self) -> int:
-        """The signal that asked the run to stop (on any rank), or 0: call it before a step."""
-        return int(self._agree([float(self.signum)])[0])
+    def poll(self, loss: Tensor, step: int) -> tuple[int, float]:
+        """What every rank must agree on before ``loss`` reaches ``backward`` and the
+        optimizer, in one reduction: the signal that asked the run to stop (on any rank, 0 if
+        none), and the loss as a number (one host read per step, reused for the progress line).
 
-    def check_loss(self, loss: Tensor, step: int) -> None:
-        """Raise DivergedError when ``loss`` (on any rank) is NaN or infinite: call it
-        before the loss reaches ``backward`` and the optimizer."""
+        Raises:
+            DivergedError: ``loss`` is NaN or infinite on any rank.
+        """
         value = float(loss.detach())
-        (bad,) = self._agree([0.0 if math.isfinite(value) else 1.0])
+        signum, bad = self._agree([float(self.signum), 0.0 if math.isfinite(value) else 1.0])
         if bad:
             what = f"{value}" if not math.isfinite(value) else "not finite on another rank"
             raise DivergedError(
@@ -167,3 +168,4 @@ class StopGuard:
                 "exported). Lower "
                 "--learning_rate, or check the data for NaN or huge values"
             )
+        return int(signum), value

@@ -142,21 +142,20 @@ def train_step(loop: Loop) -> None:
     point at the end of the burn-in, its prunes in the metrics, an eval every
     ``eval_every`` steps and a checkpoint every ``checkpoint_every`` steps."""
     cfg, popt, state = loop.config, loop.popt, loop.state
-    if loop.guard is not None:
-        signum = loop.guard.stop_signal()
-        if signum:
-            saved = loop.write and state.step > 0
-            path = loop.ckpts.save(state.step, loop.checkpoint()) if saved else None
-            raise Interrupted(signum, state.step, path)
     x, y = loop.batch(state.step)
     loop.net.train()
     with loop.precision.autocast():
         loss = _train_loss(loop, loop.net(x), x, y)
-    if loop.guard is not None:
-        loop.guard.check_loss(loss, state.step)
+    if loop.guard is None:
+        signum, loss_value = 0, float(loss.detach())
+    else:  # before the update: a stop or a diverged loss leaves this step's weights as they were
+        signum, loss_value = loop.guard.poll(loss, state.step)
+    if signum:
+        saved = loop.write and state.step > 0
+        path = loop.ckpts.save(state.step, loop.checkpoint()) if saved else None
+        raise Interrupted(signum, state.step, path)
     seen = len(popt.history)
     loop.precision.minimize(popt, loss)
-    loss_value = loss.item()
     state.step += 1
     step = state.step
     if state.dense is None and step >= loop.burn_in:
