@@ -3,17 +3,15 @@ from trained weights (--init_from) and the TensorBoard log."""
 
 from __future__ import annotations
 
-import io
 import json
 import math
-from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from cli_run import run_cli as _cli
 
-from fisherprune.cli.main import main
 from fisherprune.graph import apply_masks
 from fisherprune.train.checkpoint import CheckpointManager
 from fisherprune.train.config import TrainConfig
@@ -31,17 +29,6 @@ QUICK = [
     "--eval_every", "10", "--fine_tune_steps", "5", "--export_formats", "state_dict",
     "--threads", "1", "--progress", "plain",
 ]  # fmt: skip
-
-
-def _cli(*argv: object) -> tuple[int, str, str]:
-    threads = torch.get_num_threads()
-    out, err = io.StringIO(), io.StringIO()
-    try:
-        with redirect_stdout(out), redirect_stderr(err):
-            code = main([str(a) for a in argv])
-    finally:
-        torch.set_num_threads(threads)
-    return code, out.getvalue(), err.getvalue()
 
 
 def _table(path: Path, learnable: bool, n: int = 240) -> Path:
