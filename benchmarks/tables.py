@@ -4,8 +4,9 @@ user would bring them, against scikit-learn references on the same split.
 For each data set: an 80/20 stratified split (seed 0) written as raw features (no scaling:
 ``fisherprune train`` standardises them itself), then ``fisherprune train --model mlp`` to
 50% of the FLOPs; the reference is ``StandardScaler`` + ``MLPClassifier((64,))`` (or
-``MLPRegressor`` and ``Ridge`` for diabetes) fitted on the same training rows. Prints a table
-and writes ``benchmarks/results/tables.json``.
+``MLPRegressor`` and ``Ridge`` for the regressions: diabetes and ``make_friedman1``, 1,000 rows
+with noise 1) fitted on the same training rows; regressions are also scored by R^2 on the eval
+rows. Prints a table and writes ``benchmarks/results/tables.json``.
 
     python benchmarks/tables.py [--formats csv,parquet] [--sets wine,iris,...]
 """
@@ -33,12 +34,13 @@ from sklearn.neural_network import MLPClassifier, MLPRegressor
 from sklearn.pipeline import make_pipeline
 from sklearn.preprocessing import StandardScaler
 
-SETS = ("wine", "breast_cancer", "iris", "digits", "diabetes")
+SETS = ("wine", "breast_cancer", "iris", "digits", "diabetes", "friedman1")
+REGRESSIONS = ("diabetes", "friedman1")
 RESULTS = Path(__file__).parent / "results" / "tables.json"
 
 
 def _reference(name: str, xtr, xev, ytr, yev) -> dict[str, float]:
-    if name == "diabetes":
+    if name in REGRESSIONS:
         mlp = MLPRegressor(hidden_layer_sizes=(64,), max_iter=5000, random_state=0)
         out = {}
         for key, est in (("mlp", mlp), ("ridge", Ridge())):
@@ -59,9 +61,20 @@ def _write(path: Path, x: np.ndarray, y: np.ndarray, fmt: str) -> Path:
     return path.with_suffix(".parquet")
 
 
+def _load(name: str) -> tuple[np.ndarray, np.ndarray]:
+    if name == "friedman1":
+        return datasets.make_friedman1(n_samples=1000, noise=1.0, random_state=0)
+    return getattr(datasets, f"load_{name}")(return_X_y=True)
+
+
+def _r2(mse: float, y: np.ndarray) -> float:
+    """R^2 of a predictor with eval MSE ``mse`` on targets ``y``."""
+    return 1.0 - mse / float(np.var(y))
+
+
 def run_one(name: str, fmt: str, root: Path) -> dict[str, Any]:
-    x, y = getattr(datasets, f"load_{name}")(return_X_y=True)
-    regression = name == "diabetes"
+    x, y = _load(name)
+    regression = name in REGRESSIONS
     strat = None if regression else y
     xtr, xev, ytr, yev = train_test_split(x, y, test_size=0.2, random_state=0, stratify=strat)
     ref = _reference(name, xtr, xev, ytr, yev)
@@ -91,6 +104,12 @@ def run_one(name: str, fmt: str, root: Path) -> dict[str, Any]:
         steps=r["steps"],
         dense_learned=r.get("dense_learned"),
     )
+    if regression:
+        row["r2"] = {
+            "dense": _r2(row["dense"], yev),
+            "pruned": _r2(row["pruned"], yev),
+            **{k: _r2(v, yev) for k, v in ref.items()},
+        }
     return row
 
 
@@ -111,6 +130,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     f"dense {row['dense']:.4g}  pruned {row['pruned']:.4g}  "
                     f"FLOPs kept {row['flops_kept']:.3f}  ({row['seconds']:.0f} s)"
                 )
+                if "r2" in row:
+                    got += "  R^2 " + ", ".join(f"{k} {v:.3f}" for k, v in row["r2"].items())
                 print(f"{name:14s} {fmt:8s} sklearn {ref:28s} fisherprune {got}", flush=True)
     result = {
         "benchmark": "tables",

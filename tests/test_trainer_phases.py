@@ -232,7 +232,7 @@ def test_pruning_uniform_reaches_the_optimizer_and_groups_the_mlp_layers() -> No
     model = build_model("mlp", (8,), 3, depth=3)
     x = torch.zeros(1, 8)
     apply_masks(model, x)
-    popt = build_optimizer(from_cli, model, x, burn_in=0)
+    popt = build_optimizer(from_cli, model, x, burn_in=0, weight_decay=5e-4)
     assert popt.uniform
     assert [len(c) for c in popt.uniform_classes] == [3]
 

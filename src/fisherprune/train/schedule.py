@@ -31,6 +31,7 @@ __all__ = [
     "build_optimizer",
     "burn_in_steps",
     "check_dense",
+    "inner_optimizer",
     "statistics_steps",
     "step_cap",
 ]
@@ -41,31 +42,41 @@ ACCURACY_MARGIN = 0.03
 MSE_FRACTION = 0.97
 
 
-#: the inner optimizer of each name in ``settings.OPTIMIZERS`` (the seed's is momentum SGD)
-_INNER_OPTIMIZERS: dict[str, Callable[[list[nn.Parameter], TrainConfig], torch.optim.Optimizer]] = {
-    "sgd": lambda params, cfg: torch.optim.SGD(
-        params, lr=cfg.learning_rate, momentum=cfg.momentum, weight_decay=cfg.weight_decay
+#: the inner optimizer of each name in ``settings.OPTIMIZERS`` (the seed's is momentum SGD),
+#: from the parameters, the run's settings and the weight decay
+_INNER_OPTIMIZERS: dict[
+    str, Callable[[list[nn.Parameter], TrainConfig, float], torch.optim.Optimizer]
+] = {
+    "sgd": lambda params, cfg, wd: torch.optim.SGD(
+        params, lr=cfg.learning_rate, momentum=cfg.momentum, weight_decay=wd
     ),
-    "adam": lambda params, cfg: torch.optim.Adam(
-        params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay
-    ),
-    "adamw": lambda params, cfg: torch.optim.AdamW(
-        params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay
+    "adam": lambda params, cfg, wd: torch.optim.Adam(params, lr=cfg.learning_rate, weight_decay=wd),
+    "adamw": lambda params, cfg, wd: torch.optim.AdamW(
+        params, lr=cfg.learning_rate, weight_decay=wd
     ),
 }
 assert set(_INNER_OPTIMIZERS) == set(OPTIMIZERS)
 
 
+def inner_optimizer(
+    name: str, params: list[nn.Parameter], config: TrainConfig, weight_decay: float
+) -> torch.optim.Optimizer:
+    """The optimizer ``name`` (in ``settings.OPTIMIZERS``) over ``params``, with ``config``'s
+    learning rate (and momentum) and ``weight_decay``."""
+    return _INNER_OPTIMIZERS[name](params, config, weight_decay)
+
+
 def build_optimizer(
-    config: TrainConfig, model: nn.Module, example: Tensor, burn_in: int
+    config: TrainConfig, model: nn.Module, example: Tensor, burn_in: int, weight_decay: float
 ) -> PruningOptimizer:
     """The run's ``PruningOptimizer`` over ``model``'s trainable parameters: the inner
-    optimizer of ``config.optimizer``, a prune every ``pruning_iter`` steps after ``burn_in``."""
+    optimizer of ``config.optimizer`` with ``weight_decay``, a prune every ``pruning_iter``
+    steps after ``burn_in``."""
     params = [p for p in model.parameters() if p.requires_grad]
     return PruningOptimizer(
         model,
         example,
-        optimizer=_INNER_OPTIMIZERS[config.optimizer](params, config),
+        optimizer=inner_optimizer(config.optimizer, params, config, weight_decay),
         prune_every=config.pruning_iter,
         burn_in=burn_in,
         decay=config.pruning_decay,

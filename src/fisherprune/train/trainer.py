@@ -40,6 +40,7 @@ from fisherprune.train.phases import (
 from fisherprune.train.preflight import preflight_lines
 from fisherprune.train.pretrained import load_pretrained
 from fisherprune.train.progress import Progress
+from fisherprune.train.regularize import choose_weight_decay
 from fisherprune.train.result import TrainResult
 from fisherprune.train.resume_check import data_fingerprint, resume_changes
 from fisherprune.train.rundir import claim_save_dir
@@ -157,7 +158,19 @@ class PruningTrainer:
         self.global_batch = min(cfg.batch_size * self.world, n)
         self.batches_per_epoch = max(1, n // self.global_batch)
         self.burn_in = burn_in_steps(cfg, self.batches_per_epoch)
-        return build_optimizer(cfg, self.model, self.example, self.burn_in)
+        cap = step_cap(cfg, self.burn_in, sum(m.num_channels for m in self.masks.values()))
+        self.weight_decay = choose_weight_decay(
+            cfg,
+            self.data,
+            self.model,
+            steps=cap,
+            trial_steps=min(self.burn_in, cap),
+            batch_size=self.global_batch,
+            loss=self._loss,
+            precision=self.precision,
+            device=self.device,
+        )
+        return build_optimizer(cfg, self.model, self.example, self.burn_in, self.weight_decay.value)
 
     # -------------------------------------------------------------- batches
     def _batch(self, step: int) -> tuple[Tensor, Tensor]:
@@ -308,7 +321,8 @@ class PruningTrainer:
             f"cost {popt.start_cost:,.0f} {cfg.pruning_convention}/example; target "
             f"{popt.target:,.0f}; dense phase {self.burn_in} steps ({dense}), a prune every "
             f"{cfg.pruning_iter} steps, fine-tuning {cfg.fine_tune_steps} steps; device "
-            f"{self.device}, {cfg.precision}; world size {self.world}"
+            f"{self.device}, {cfg.precision}; world size {self.world}; "
+            f"{self.weight_decay.line(self.metric_name)}"
         )
 
     def _checkpoint(self, popt: PruningOptimizer, state: RunState) -> dict[str, Any]:
