@@ -4,7 +4,9 @@ the shrunk model, its plan and a report.
 
 Models: a built-in name (as ``fisherprune train`` knows them) or ``package.module:function``
 with ``--weights`` (a ``state_dict`` file) and a dataset (``--data``, read as ``train`` reads
-it: calibration from its training split, accuracy or mse on its eval split); or a Hugging Face
+it, whole: a table, arrays, a folder of images per class or a table column of images with
+``--image_size``; calibration from its training split, accuracy or mse on its eval split, or
+on ``--eval_data``); or a Hugging Face
 model folder (``transformers`` installed) with ``--text``, one sentence per line (calibration
 from the first lines, fidelity on the last ``--eval_fraction`` of them: the cosine similarity
 of mean-pooled embeddings to the dense model's).
@@ -63,10 +65,23 @@ def prune_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPar
         "package.module:function, or a Hugging Face model folder",
     )
     p.add_argument("--weights", help="state_dict file of the trained model (not for a folder)")
-    p.add_argument("--data", help="calibration/eval data as fisherprune train reads it")
+    p.add_argument(
+        "--data",
+        help="calibration/eval data as fisherprune train reads it: a table, .npy/.npz, a "
+        "folder with one sub-folder of images per class, or a built-in name",
+    )
+    p.add_argument("--eval_data", help="evaluation data of the same kind (default: split --data)")
     p.add_argument("--label", help="label column (tables) or array key (npz)")
+    p.add_argument("--labels", help="for a .npy --data: its .npy label array")
     p.add_argument("--task", default="classification", help="classification or regression")
     p.add_argument("--image_shape", help="reshape features to C,H,W, e.g. 1,28,28")
+    p.add_argument(
+        "--image_size", help="resize images (a folder, or --image_column) to H,W, e.g. 32,32"
+    )
+    p.add_argument(
+        "--image_mode", default="auto", help="images as L (gray), RGB, or auto (RGB if colour)"
+    )
+    p.add_argument("--image_column", help="table column of encoded images or image paths")
     p.add_argument("--width", type=int, help="width of a built-in model")
     p.add_argument("--depth", type=int, help="depth of a built-in model")
     p.add_argument("--text", help="Hugging Face model: a text file, one sentence per line")
@@ -151,18 +166,34 @@ def _accuracy_or_mse(
     return evaluate
 
 
+def _sizes(text: str | None, flag: str) -> tuple[int, ...] | None:
+    """``"3,32,32"`` -> ``(3, 32, 32)``; None stays None."""
+    if text is None:
+        return None
+    try:
+        return tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise ValueError(f"{flag} must be integers separated by commas, got {text!r}") from None
+
+
 def _builtin_job(args: argparse.Namespace) -> _Job:
     if args.data is None:
         raise ValueError("--data is required for a built-in or package.module:function model")
-    shape = tuple(int(v) for v in args.image_shape.split(",")) if args.image_shape else None
+    size = _sizes(args.image_size, "--image_size")
     data = load_data(
         DataSpec(
             source=args.data,
             label=args.label,
+            labels=args.labels,
             task=args.task,
+            eval_source=args.eval_data,
             eval_fraction=args.eval_fraction,
-            image_shape=shape,
+            image_shape=_sizes(args.image_shape, "--image_shape"),
             seed=args.seed,
+            image_size=size,
+            image_mode=args.image_mode,
+            image_column=args.image_column,
+            stream="never",
         )
     )
     classify = data.num_classes is not None
