@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from cli_run import run_cli as _cli
 
+import fisherprune as fp
+from fisherprune import MaskLayer
 from fisherprune.graph import apply_masks
 from fisherprune.masks import find_masks
 from fisherprune.pruner import PruningOptimizer
@@ -109,3 +111,52 @@ def test_bf16_fisher_signal_is_float32_and_close_to_the_fp32_one() -> None:
         signals[name] = torch.cat([m.signal for m in masks.values()])
     ref, low = signals["fp32"], signals["bf16"]
     assert float((low - ref).abs().sum() / ref.abs().sum()) < 0.05
+
+
+def _masked_conv() -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3, padding=1),
+        MaskLayer(8),
+        torch.nn.ReLU(),
+        torch.nn.Flatten(),
+        torch.nn.Linear(8 * 32 * 32, 4),
+    )
+
+
+def test_bf16_per_example_dot_is_accumulated_in_float32() -> None:
+    """Under bf16 autocast the mask's per-example dot over 1,024 positions matches a float64
+    dot of the very bf16 activations and gradients backward saw (to float32 rounding, not
+    bf16's 0.4%): ``signal = 0.5 * mean_n (N * sum_pos g * x)^2`` with decay 0."""
+    model, seen = _masked_conv(), {}
+
+    def keep(module: torch.nn.Module, inputs: tuple, out: torch.Tensor) -> None:
+        seen["x"] = inputs[0].detach()
+        out.register_hook(lambda g: seen.__setitem__("g", g.detach()))
+
+    model[1].register_forward_hook(keep)
+    x, y = torch.randn(16, 3, 32, 32), torch.randint(0, 4, (16,))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = F.cross_entropy(model(x).float(), y)
+    loss.backward()
+    assert seen["x"].dtype == seen["g"].dtype == torch.bfloat16
+    fp.update_pruning_signals([model[1]], decay=0.0)
+    dot = (seen["g"].double() * seen["x"].double()).sum((2, 3)) * x.shape[0]
+    ref = 0.5 * (dot**2).mean(0)
+    torch.testing.assert_close(model[1].signal.double(), ref, rtol=1e-4, atol=0.0)
+
+
+def test_a_grad_scaler_leaves_the_signal_unchanged() -> None:
+    """The same batch stepped through ``Precision.minimize`` with a ``GradScaler`` of scale
+    2**12 and without one: the gathered mask gradients are unscaled, so the Fisher signals
+    agree (a scaled signal would be 2**24 times larger)."""
+    x, y = torch.randn(16, 3, 32, 32), torch.randint(0, 4, (16,))
+    signals = []
+    for scaler in (None, torch.amp.GradScaler("cpu", init_scale=2.0**12)):
+        model = _masked_conv()
+        popt = PruningOptimizer(model, x[:1], lr=0.0, decay=0.0, prune_every=1000)
+        precision = Precision("fp32", torch.device("cpu"))
+        precision.scaler = scaler
+        precision.minimize(popt, F.cross_entropy(model(x), y))
+        signals.append(model[1].signal.clone())
+    torch.testing.assert_close(signals[1], signals[0], rtol=1e-5, atol=0.0)

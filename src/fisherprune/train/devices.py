@@ -122,14 +122,16 @@ class Precision:
 
     def minimize(self, popt: PruningOptimizer, loss: Tensor) -> None:
         """Backward pass and one ``popt`` step (which may prune); with a scaler, the loss is
-        scaled, the gradients unscaled before the step, and a step whose gradients overflowed
-        is skipped (``GradScaler.step``)."""
+        scaled, the gradients (the masks' gathered per-example gradients too) unscaled before
+        the step, and a step whose gradients overflowed is skipped (``GradScaler.step``)."""
         if self.scaler is None:
             popt.minimize(loss)
             return
         popt.zero_grad()
         self.scaler.scale(loss).backward()
         scale = self.scaler.get_scale()
+        for m in popt.masks.values():  # the signal is that of the unscaled loss
+            m.unscale_gradients(scale)
         self.scaler.step(popt)
         self.scaler.update()
         if self.scaler.get_scale() < scale:  # the step was skipped: its gradients overflowed
