@@ -13,6 +13,7 @@ from torch import nn
 
 import fisherprune as fp
 from fisherprune.distill import distill_loss, finetune, frozen_teacher
+from fisherprune.train.checkpoint import CheckpointManager
 from fisherprune.train.config import TrainConfig
 from tests.test_cli import FAST, MLP8, run_cli
 
@@ -95,3 +96,35 @@ def test_distill_settings_are_checked() -> None:
     assert TrainConfig(distill_alpha=0.5).distill_temperature == 2.0
     with pytest.raises(ValueError, match="distill_temperature"):
         TrainConfig(distill_temperature=0)
+
+
+def test_a_resumed_fine_tune_still_distils(tmp_path: Path) -> None:
+    """A run cut at step 30, in the middle of a distilled fine-tune, and resumed to step 45 ends
+    with the weights of the same run made in one go (the teacher is in the checkpoint); with
+    the labels only after the resume, the weights would differ."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(80, 4)).astype(np.float32)
+    y = (x[:, 0] > 0).astype(np.int64) + (x[:, 1] > 0).astype(np.int64)
+    lines = ["a,b,c,d,label"] + [
+        ",".join(f"{v:.6f}" for v in row) + f",{t}" for row, t in zip(x, y, strict=True)
+    ]
+    (tmp_path / "t.csv").write_text("\n".join(lines) + "\n")
+
+    def train(save: str, *more: object) -> dict:
+        cli = run_cli(
+            "train", "--data", tmp_path / "t.csv", *MLP8, *FAST, "--fine_tune_steps", "40",
+            "--distill.alpha", "0.7", "--dense_check", "off", "--weight_decay", "0",
+            "--save_dir", tmp_path / save, *more,
+        )  # fmt: skip
+        assert cli.code == 0, cli.err
+        path = CheckpointManager(tmp_path / save / "checkpoints", 3).latest()
+        assert path is not None
+        return CheckpointManager.load(path)
+
+    whole = train("whole", "--train.steps", "45")
+    train("cut", "--train.steps", "30")
+    resumed = train("cut", "--train.steps", "45", "--resume")
+    assert whole["state"]["step"] == resumed["state"]["step"] == 45
+    assert whole["state"]["finished_at"] < 30
+    for key, value in whole["model"].items():
+        torch.testing.assert_close(resumed["model"][key], value, rtol=0, atol=0)

@@ -40,6 +40,7 @@ __all__ = [
     "finish_phase",
     "kept_channels",
     "pruning_phase",
+    "restore_teacher",
     "train_step",
 ]
 
@@ -71,10 +72,19 @@ class Loop:
     model: nn.Module | None = None  # the trainer's model itself (``net`` may wrap it)
     teacher: nn.Module | None = None  # the dense model, frozen, with ``distill_alpha`` > 0
 
+    def snapshot(self) -> dict[str, Any]:
+        """What a checkpoint holds now: ``checkpoint()`` and, once it is kept, the teacher's
+        weights (on the CPU), so that a resumed fine-tune still distils."""
+        saved = self.checkpoint()
+        if self.teacher is not None:
+            weights = self.teacher.state_dict().items()
+            saved["teacher"] = {k: v.detach().cpu() for k, v in weights}
+        return saved
+
     def save_checkpoint(self) -> None:
         """Write a checkpoint of the run as it stands (rank 0 only)."""
         if self.write:
-            self.ckpts.save(self.state.step, self.checkpoint())
+            self.ckpts.save(self.state.step, self.snapshot())
 
 
 # ------------------------------------------------------------------------ phases
@@ -95,6 +105,24 @@ def dense_phase(loop: Loop) -> None:
         # set again on every run: a checkpoint of the dense phase holds the rate 0
         _set_learning_rate(loop.popt, loop.config.learning_rate)
         loop.popt.optimizer.state.clear()
+
+
+def restore_teacher(loop: Loop, weights: dict[str, Tensor] | None) -> None:
+    """On resume: rebuild the frozen dense teacher from the checkpoint's ``weights`` when the
+    run distils and its dense phase is over (``loop.teacher`` is set); a checkpoint without
+    them (written before teachers were saved) is said in a warning, and fine-tuning then
+    learns from the labels only."""
+    if loop.state.dense is None or loop.config.distill_alpha <= 0 or loop.model is None:
+        return
+    if weights is None:
+        log.warning(
+            "the checkpoint holds no distillation teacher (an older checkpoint): the resumed "
+            "fine-tuning learns from the labels only"
+        )
+        return
+    teacher = frozen_teacher(loop.model)
+    teacher.load_state_dict(weights)
+    loop.teacher = teacher
 
 
 def _set_learning_rate(popt: PruningOptimizer, lr: float) -> None:
@@ -152,7 +180,7 @@ def train_step(loop: Loop) -> None:
         signum, loss_value = loop.guard.poll(loss, state.step)
     if signum:
         saved = loop.write and state.step > 0
-        path = loop.ckpts.save(state.step, loop.checkpoint()) if saved else None
+        path = loop.ckpts.save(state.step, loop.snapshot()) if saved else None
         raise Interrupted(signum, state.step, path)
     seen = len(popt.history)
     loop.precision.minimize(popt, loss)

@@ -36,6 +36,7 @@ from fisherprune.train.phases import (
     fine_tune_phase,
     finish_phase,
     pruning_phase,
+    restore_teacher,
 )
 from fisherprune.train.preflight import preflight_lines
 from fisherprune.train.pretrained import load_pretrained
@@ -263,6 +264,7 @@ class PruningTrainer:
             net = nn.parallel.DistributedDataParallel(self.model, device_ids=ids)
         ckpts = CheckpointManager(self.save_dir / "checkpoints", cfg.keep_checkpoints)
         self.lock = self._claim(ckpts, popt)
+        self._teacher_weights: dict[str, Tensor] | None = None  # set by _resume
         state = self._resume(ckpts, popt) if cfg.resume else RunState()
         cap = step_cap(cfg, self.burn_in, _prunable_channels(popt))
         self.progress.total = cap
@@ -271,7 +273,7 @@ class PruningTrainer:
         sinks = open_sinks(cfg.log, self.save_dir) if write else []
         metrics = MetricsLog(self.save_dir / "metrics.jsonl", state.metrics, write, sinks)
         metrics.restart()
-        return Loop(
+        loop = Loop(
             config=cfg,
             net=net,
             popt=popt,
@@ -291,6 +293,8 @@ class PruningTrainer:
             write=write,
             model=self.model,
         )
+        restore_teacher(loop, self._teacher_weights)
+        return loop
 
     def _claim(self, ckpts: CheckpointManager, popt: PruningOptimizer) -> RunLock | None:
         """Rank 0 takes the save directory (``claim_save_dir``); every rank fingerprints the
@@ -362,6 +366,7 @@ class PruningTrainer:
         ):
             self.progress.line(f"--resume: changed {line}")
         state = resume_state(saved, path, self.model, popt)
+        self._teacher_weights = saved.get("teacher")
         self.progress.line(f"resumed from {path} (step {state.step})")
         return state
 
