@@ -80,10 +80,11 @@ def test_dense_check_compares_a_regressor_with_the_variance() -> None:
 
 def test_untrained_dense_model_is_reported_and_stop_prunes_nothing(tmp_path: Path) -> None:
     """On labels unrelated to the features, warn records dense_learned false and the warning
-    in result.json; stop exits with code 2 before the first prune, a checkpoint written."""
+    in result.json; stop (the default) exits with code 2 before the first prune, a checkpoint
+    written."""
     data = _table(tmp_path / "noise.npz", learnable=False)
     code, out, _ = _cli("train", "--data", data, *QUICK, "--pruning.burn_in", "30",
-                        "--save_dir", tmp_path / "warn")  # fmt: skip
+                        "--dense_check", "warn", "--save_dir", tmp_path / "warn")  # fmt: skip
     assert code == 0
     result = json.loads((tmp_path / "warn" / "result.json").read_text())
     assert result["dense_learned"] is False
@@ -91,7 +92,7 @@ def test_untrained_dense_model_is_reported_and_stop_prunes_nothing(tmp_path: Pat
     assert "WARNING: the dense model did not learn" in out
 
     code, _, err = _cli("train", "--data", data, *QUICK, "--pruning.burn_in", "30",
-                        "--dense_check", "stop", "--save_dir", tmp_path / "stop")  # fmt: skip
+                        "--save_dir", tmp_path / "stop")  # fmt: skip
     assert code == 2 and "did not learn" in err and "nothing was pruned" in err
     assert not (tmp_path / "stop" / "result.json").exists()
     ckpt = _latest(tmp_path / "stop")

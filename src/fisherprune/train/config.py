@@ -130,7 +130,8 @@ HELP: dict[str, str] = {
     "min_dense_steps": "fewest dense steps before the first prune, when --pruning.burn_in is "
     "not set (the burn-in is the larger of this and --epochs epochs)",
     "dense_check": "when the dense model is no better than chance or the majority class (or "
-    "than predicting the mean): warn (go on pruning), stop (exit before pruning) or off",
+    "than predicting the mean): stop (exit before pruning, with a checkpoint), warn (go on "
+    "pruning) or off",
     "init_from": "start from trained weights: a state_dict file or a fisherprune checkpoint "
     "for --model; the dense phase then only gathers the pruning statistics (no training)",
     "fine_tune_steps": "training steps after the target is reached",
@@ -194,9 +195,10 @@ class TrainConfig:
             larger of this and ``epochs`` epochs; 3 epochs of a small table are a few steps).
         dense_check: what happens when the dense model learned nothing (eval accuracy within
             3 points of chance or of the majority class, or MSE within 3% of the eval labels'
-            variance): "warn" (a warning, and ``dense_learned: false`` in ``result.json``),
-            "stop" (a checkpoint, then a ValueError before the first prune: resume with other
-            settings) or "off".
+            variance): "stop" (the default: a checkpoint, then a ValueError before the first
+            prune, so a model that learned nothing is not pruned and exported; resume with
+            other settings), "warn" (a warning, and ``dense_learned: false`` in
+            ``result.json``) or "off".
         init_from: a state_dict or fisherprune checkpoint to start from; the dense phase then
             trains nothing and only gathers the pruning statistics.
         fine_tune_steps: steps after the target is reached.
@@ -261,7 +263,7 @@ class TrainConfig:
     steps: int | None = None
     epochs: float = 3.0
     min_dense_steps: int = 300
-    dense_check: str = "warn"
+    dense_check: str = "stop"
     init_from: str | None = None
     fine_tune_steps: int = 200
     distill_alpha: float = 0.0
