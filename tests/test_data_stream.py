@@ -100,12 +100,58 @@ def test_batch_of_a_step_does_not_depend_on_what_came_before(parquet: str) -> No
     assert not torch.equal(c.train_batch(3, 16)[0], seq[3])
 
 
-def test_rank_shards_split_the_global_batch(parquet: str) -> None:
-    """Under two processes, rank 0 and rank 1 get the two halves of the same global batch."""
+def test_each_rank_reads_only_its_own_row_groups(
+    parquet: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under two processes each rank reads only its share of the row groups (every other one
+    of the epoch's order), and over an epoch the two ranks' rows are disjoint training rows
+    with their labels, half a global batch per step."""
+    read: dict[int, set[int]] = {0: set(), 1: set()}
+    who = {"rank": 0}
+    iter_batches = pq.ParquetFile.iter_batches
+
+    def spy(self: pq.ParquetFile, *args: object, **kw: object) -> object:
+        read[who["rank"]].update(kw.get("row_groups") or [])
+        return iter_batches(self, *args, **kw)
+
+    ranks = {r: _stream(parquet) for r in (0, 1)}
+    monkeypatch.setattr(pq.ParquetFile, "iter_batches", spy)
+    seen: dict[int, list[int]] = {0: [], 1: []}
+    per_epoch = ranks[0].num_train // 16
+    for step in range(per_epoch):
+        for r, ds in ranks.items():
+            who["rank"] = r
+            x, y = ds.train_batch(step, 16, rank=r, world=2)
+            assert len(y) == 8
+            assert y.tolist() == _columns()["label"][_ids(ds, x)].tolist()
+            seen[r] += _ids(ds, x)
+    assert read[0] and read[1] and not read[0] & read[1]
+    assert len(read[0] | read[1]) == 8  # the file's 8 row groups, each read by one rank
+    groups = {r: {i // 50 for i in ids} for r, ids in seen.items()}
+    assert groups[0] <= read[0] and groups[1] <= read[1]
+    train_ids = set(np.flatnonzero(~eval_rows(np.arange(N), 0, 0.2)).tolist())
+    assert not set(seen[0]) & set(seen[1]) and set(seen[0]) | set(seen[1]) <= train_ids
+
+
+def test_bounded_eval_reads_the_first_eval_rows_and_stops(
+    parquet: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """eval_batches(limit=k) yields the first k eval rows of a full read, and reads no record
+    batch past the one holding the k-th (the stream's 8 row groups: a full read takes 8)."""
     ds = _stream(parquet)
-    whole = ds.train_batch(5, 16)[0]
-    halves = [ds.train_batch(5, 16, rank=r, world=2)[0] for r in (0, 1)]
-    torch.testing.assert_close(torch.cat(halves), whole)
+    full = torch.cat([x for x, _ in ds.eval_batches(7)])
+    batches = {"n": 0}
+    iter_batches = pq.ParquetFile.iter_batches
+
+    def count(self: pq.ParquetFile, *args: object, **kw: object) -> object:
+        for b in iter_batches(self, *args, **kw):
+            batches["n"] += 1
+            yield b
+
+    monkeypatch.setattr(pq.ParquetFile, "iter_batches", count)
+    part = torch.cat([x for x, _ in ds.eval_batches(7, limit=12)])
+    torch.testing.assert_close(part, full[:12])
+    assert batches["n"] <= 2
 
 
 def test_csv_streams_like_parquet(parquet: str, tmp_path: Path) -> None:

@@ -11,6 +11,7 @@ Batch ``step`` is a function of ``(seed, step)``: a resumed run re-reads its epo
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -41,6 +42,13 @@ except ImportError:  # optional: the 'data' extra
 
 __all__ = ["CHUNK_ROWS", "StreamingDataset", "eval_rows"]
 
+
+def _local_size(batch_size: int, rank: int, world: int) -> int:
+    """Rows of a global batch of ``batch_size`` that rank ``rank`` takes (as ``shard``)."""
+    per = -(-batch_size // world)
+    return max(0, min(per, batch_size - rank * per))
+
+
 #: rows per record batch read (Parquet); CSV blocks are sized to about as many bytes x 64
 CHUNK_ROWS = 8192
 _HEAD = 256  # training rows kept for the example input and timing
@@ -57,9 +65,18 @@ def eval_rows(rows: np.ndarray, seed: int, fraction: float) -> np.ndarray:
     return (z >> np.uint64(11)).astype(np.float64) / 2.0**53 < fraction
 
 
-def _chunks(path: str, columns: list[str], order_seed: list[int] | None) -> Iterator[Any]:
+def _chunks(
+    path: str,
+    columns: list[str],
+    order_seed: list[int] | None,
+    part: tuple[int, int] | None = None,
+) -> Iterator[Any]:
     """``(record batch, row numbers)`` of ``path``; Parquet row groups shuffled by
-    ``order_seed`` when given, else in file order."""
+    ``order_seed`` when given, else in file order. With ``part = (rank, world)``, only that
+    rank's share: every ``world``-th Parquet row group from the ``rank``-th (the others are
+    not read) when there are at least ``world`` of them, else every ``world``-th record batch
+    (a CSV file is parsed whole, its other blocks dropped)."""
+    rank, world = part or (0, 1)
     if path.lower().endswith((".parquet", ".pq")):
         pf = pq.ParquetFile(path)
         starts = np.cumsum(
@@ -68,19 +85,26 @@ def _chunks(path: str, columns: list[str], order_seed: list[int] | None) -> Iter
         groups = np.arange(pf.num_row_groups)
         if order_seed is not None:
             groups = np.random.default_rng(order_seed).permutation(groups)
+        by_group = world > 1 and len(groups) >= world
+        if by_group:
+            groups = groups[rank::world]
+        i = 0
         for g in groups.tolist():
             lo = int(starts[g])
             for b in pf.iter_batches(batch_size=CHUNK_ROWS, row_groups=[g], columns=columns):
-                yield b, np.arange(lo, lo + b.num_rows)
+                if by_group or i % world == rank:
+                    yield b, np.arange(lo, lo + b.num_rows)
                 lo += b.num_rows
+                i += 1
         return
     read = pa_csv.ReadOptions(block_size=CHUNK_ROWS * 64)
     conv = pa_csv.ConvertOptions(include_columns=columns)
     lo = 0
     try:
         with pa_csv.open_csv(path, read_options=read, convert_options=conv) as reader:
-            for b in reader:
-                yield b, np.arange(lo, lo + b.num_rows)
+            for i, b in enumerate(reader):
+                if i % world == rank:
+                    yield b, np.arange(lo, lo + b.num_rows)
                 lo += b.num_rows
     except pa.ArrowInvalid as e:
         raise ValueError(f"{path}: cannot read as CSV after row {lo}: {e}") from None
@@ -156,8 +180,10 @@ class StreamingDataset(DataBase):
         }
         numeric = [c.name for c in self.plan.columns if c.kind == "number"]
         moments, target = Moments(len(numeric)), Moments(1)
+        self.train_chunks = 0  # record batches of the data file: the shares ranks can read
         for k, path in enumerate(self.files):
             for batch, rows in _chunks(path, self.read_columns, None):
+                self.train_chunks += k == 0
                 at = lambda i, rows=rows: f"row {int(rows[i]) + 1}"  # noqa: E731
                 train = self._split(k, rows)
                 y = column_values(batch, self.label, path, at)
@@ -264,14 +290,18 @@ class StreamingDataset(DataBase):
                 break
         return torch.cat(out)
 
-    def _epoch(self, epoch: int, batch_size: int) -> Iterator[tuple[Tensor, Tensor]]:
-        """Global batches of ``epoch``: row groups in a seeded order, rows shuffled within the
-        buffer; the last partial batch is dropped."""
-        rng = np.random.default_rng([self.seed, epoch])
+    def _epoch(
+        self, epoch: int, batch_size: int, part: tuple[int, int] | None = None, again: int = 0
+    ) -> Iterator[tuple[Tensor, Tensor]]:
+        """Batches of ``epoch`` (of one rank's share with ``part``, see ``_chunks``): row
+        groups in a seeded order, rows shuffled within the buffer; the last partial batch is
+        dropped. ``again`` > 0: a further pass over the share in another order."""
+        key = [self.seed, epoch] if again == 0 else [self.seed, epoch, again]
+        rng = np.random.default_rng(key)
         xs: list[Tensor] = []
         ys: list[Tensor] = []
         held = 0
-        for batch, rows in _chunks(self.files[0], self.read_columns, [self.seed, epoch]):
+        for batch, rows in _chunks(self.files[0], self.read_columns, key, part):
             x, y = self._encode(0, batch, rows, True)
             xs.append(x)
             ys.append(y)
@@ -311,22 +341,66 @@ class StreamingDataset(DataBase):
         self, step: int, batch_size: int, rank: int = 0, world: int = 1
     ) -> tuple[Tensor, Tensor]:
         """This rank's share of the global batch of ``step``: a function of ``(seed, step)``;
-        consecutive steps continue one read of the file, any other step re-reads its epoch."""
+        consecutive steps continue one read of the file, any other step re-reads its epoch.
+
+        Under ``torchrun`` (``world`` > 1) each rank reads only its own share of the file
+        (``_chunks``) and makes its part of the batch from it; a rank whose share runs out
+        before the epoch's last step reads it again in another order. With fewer record
+        batches than ranks, every rank reads the file and takes its slice of the batch."""
         per_epoch = max(1, self.num_train // batch_size)
         epoch, b = divmod(step, per_epoch)
-        if self._iter is None or self._iter[0] != (epoch, b, batch_size):
-            it = self._epoch(epoch, batch_size)
+        shared = world > 1 and self.train_chunks >= world
+        shared = shared and _local_size(batch_size, world - 1, world) > 0
+        size = _local_size(batch_size, rank, world) if shared else batch_size
+        if self._iter is None or self._iter[0] != (epoch, b, size):
+            it = (
+                self._rank_batches(epoch, size, (rank, world))
+                if shared
+                else self._epoch(epoch, size)
+            )
             for _ in range(b):
                 next(it)
-            self._iter = ((epoch, b, batch_size), it)
+            self._iter = ((epoch, b, size), it)
         x, y = next(self._iter[1])
-        self._iter = ((epoch, b + 1, batch_size), self._iter[1])
+        self._iter = ((epoch, b + 1, size), self._iter[1])
+        if shared:
+            return x, y
         return x[shard(x, rank, world)], y[shard(y, rank, world)]
 
-    def eval_batches(self, size: int = 512) -> Iterator[tuple[Tensor, Tensor]]:
-        """The eval rows in file order, at most ``size`` at a time, read from the file."""
+    def _rank_batches(
+        self, epoch: int, size: int, part: tuple[int, int]
+    ) -> Iterator[tuple[Tensor, Tensor]]:
+        """One rank's batches of ``epoch`` from its share, read again as often as needed.
+
+        Raises:
+            ValueError: the share holds fewer than ``size`` rows.
+        """
+        for again in itertools.count():
+            empty = True
+            for batch in self._epoch(epoch, size, part, again):
+                empty = False
+                yield batch
+            if empty:
+                raise ValueError(
+                    f"{self.spec.source}: rank {part[0]}'s share of the file holds fewer than "
+                    f"{size} training rows; use a smaller --batch_size or fewer processes"
+                )
+
+    def eval_batches(
+        self, size: int = 512, limit: int | None = None
+    ) -> Iterator[tuple[Tensor, Tensor]]:
+        """The eval rows in file order, at most ``size`` at a time, read from the file; with
+        ``limit``, the first ``limit`` eval rows only, and the file is read no further than
+        they lie (the same rows at every call)."""
         k = len(self.files) - 1
+        left = self.num_eval if limit is None else limit
+        if left <= 0:
+            return
         for batch, rows in _chunks(self.files[k], self.read_columns, None):
             x, y = self._encode(k, batch, rows, False)
+            x, y = x[:left], y[:left]
+            left -= len(y)
             for lo in range(0, len(y), size):
                 yield x[lo : lo + size], y[lo : lo + size]
+            if left <= 0:
+                return
