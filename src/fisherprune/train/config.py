@@ -139,6 +139,8 @@ HELP: dict[str, str] = {
     "the end of the dense phase) and 1 - this from the labels; 0: labels only",
     "distill_temperature": "softmax temperature of the distillation (classification)",
     "eval_every": "steps between evaluations",
+    "eval_rows": "eval rows read by each evaluation during training (the same first rows each "
+    "time; the dense and final evaluations read them all); 0: all",
     "pruning_iter": "prune one channel every this many steps",
     "pruning_burn_in": "steps before the first prune (default: --epochs epochs)",
     "pruning_flops_target": "stop at this cost per example: absolute, 0.25 or 25%% of the start",
@@ -203,6 +205,9 @@ class TrainConfig:
             trains nothing and only gathers the pruning statistics.
         fine_tune_steps: steps after the target is reached.
         eval_every: steps between evaluations.
+        eval_rows: rows of the eval split each evaluation during training reads (the first
+            ones, the same each time: a streamed eval split is not read whole every
+            ``eval_every`` steps); 0 reads them all. The dense and final points read all.
     Pruning (the seed's flags, plus ours):
         pruning_iter: prune one channel every this many steps.
         pruning_burn_in: steps before the first prune (None: ``epochs`` epochs).
@@ -269,6 +274,7 @@ class TrainConfig:
     distill_alpha: float = 0.0
     distill_temperature: float = 2.0
     eval_every: int = 100
+    eval_rows: int = 10000
 
     pruning_iter: int = 10
     pruning_burn_in: int | None = None
@@ -320,7 +326,15 @@ class TrainConfig:
             )
         if self.resume and self.overwrite:
             raise ValueError("resume and overwrite exclude each other: give one of them")
-        for name in ("steps", "pruning_burn_in", "width", "depth", "threads", "min_dense_steps"):
+        for name in (
+            "steps",
+            "pruning_burn_in",
+            "width",
+            "depth",
+            "threads",
+            "min_dense_steps",
+            "eval_rows",
+        ):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
                 raise ValueError(f"{name} must be an integer >= 0, got {v!r}")

@@ -63,7 +63,7 @@ class Loop:
     cap: int  # the step count no run goes beyond
     batch: Callable[[int], tuple[Tensor, Tensor]]  # step -> (inputs, labels) on the device
     loss: Callable[[Tensor, Tensor], Tensor]  # (outputs, labels) -> loss
-    evaluate: Callable[[], float]  # the eval metric of the model as it stands
+    evaluate: Callable[..., float]  # (limit=None) -> the eval metric of the model as it stands
     metric_name: str  # "accuracy" or "mse"
     check_dense: Callable[[float], DenseCheck]  # did the dense model learn?
     checkpoint: Callable[[], dict[str, Any]]  # what a checkpoint holds now
@@ -256,8 +256,10 @@ def _dense_point(loop: Loop) -> dict[str, Any]:
 
 
 def _eval_point(loop: Loop, loss: float) -> None:
-    """Evaluate the model as it stands, record the entry and print it."""
-    value = loop.evaluate()
+    """Evaluate the model as it stands on the first ``eval_rows`` eval rows (all with 0),
+    record the entry and print it. The dense and the final points read every eval row."""
+    limit = loop.config.eval_rows or None
+    value = loop.evaluate(limit=limit)
     popt, metric, step = loop.popt, loop.metric_name, loop.state.step
     cost = popt.cost().total
     loop.metrics.record(

@@ -27,6 +27,7 @@ ALLOWED_CHANGES: tuple[str, ...] = (
     "steps",
     "fine_tune_steps",
     "eval_every",
+    "eval_rows",
     "checkpoint_every",
     "keep_checkpoints",
     "resume",

@@ -188,13 +188,13 @@ class PruningTrainer:
         # the MSE of standardised targets: the built model returns the data's units
         return F.mse_loss(out.reshape(y.shape), y) * self.data.loss_scale
 
-    def evaluate(self, model: nn.Module | None = None) -> float:
-        """Accuracy (classification) or mean squared error (regression) on the eval split,
-        computed on the run's device in its precision."""
+    def evaluate(self, model: nn.Module | None = None, limit: int | None = None) -> float:
+        """Accuracy (classification) or mean squared error (regression) on the eval split (its
+        first ``limit`` rows when given), computed on the run's device in its precision."""
         model = model or self.model
         correct, total, sq = 0, 0, 0.0
         with eval_mode(model), torch.no_grad():
-            for xb, yb in self.data.eval_batches(512):
+            for xb, yb in self.data.eval_batches(512, limit):
                 x, y = self._to_device(xb, yb)
                 with self.precision.autocast():
                     out = model(x).float()
@@ -286,7 +286,7 @@ class PruningTrainer:
             cap=cap,
             batch=self._batch,
             loss=self._loss,
-            evaluate=self.evaluate,
+            evaluate=lambda limit=None: self.evaluate(limit=limit),
             metric_name=self.metric_name,
             check_dense=self._check_dense,
             checkpoint=lambda: self._checkpoint(popt, state),

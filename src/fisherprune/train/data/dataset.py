@@ -219,10 +219,15 @@ class Dataset(DataBase):
         idx = idx[shard(idx, rank, world)]
         return self.x_train[idx], self.y_train[idx]
 
-    def eval_batches(self, size: int = 512) -> Iterator[tuple[Tensor, Tensor]]:
-        """The evaluation rows in order, ``size`` at a time."""
-        for lo in range(0, self.num_eval, size):
-            yield self.x_eval[lo : lo + size], self.y_eval[lo : lo + size]
+    def eval_batches(
+        self, size: int = 512, limit: int | None = None
+    ) -> Iterator[tuple[Tensor, Tensor]]:
+        """The evaluation rows in order, ``size`` at a time; the first ``limit`` of them only
+        when given."""
+        n = self.num_eval if limit is None else min(limit, self.num_eval)
+        for lo in range(0, n, size):
+            hi = min(lo + size, n)
+            yield self.x_eval[lo:hi], self.y_eval[lo:hi]
 
 
 def data_card(data: Any) -> dict[str, Any]:
