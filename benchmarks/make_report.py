@@ -1127,6 +1127,11 @@ def tables_section(results: Path) -> list[str]:
     r = _load(results / "tables.json")
     if r is None:
         return []
+
+    def r2(row: dict[str, Any]) -> str:
+        got = row.get("r2")
+        return "" if not got else " / ".join(f"{got[k]:.3f}" for k in got)
+
     rows = [
         [
             row["set"],
@@ -1135,6 +1140,7 @@ def tables_section(results: Path) -> list[str]:
             row.get("error") or f"{row['dense']:.4g}",
             "" if "error" in row else f"{row['pruned']:.4g}",
             "" if "error" in row else f"{row['flops_kept']:.3f}",
+            r2(row),
         ]
         for row in r["rows"]
     ]
@@ -1144,21 +1150,45 @@ def tables_section(results: Path) -> list[str]:
         f"Run {r['date']}. scikit-learn's data sets, 80/20 split (seed 0), written as raw "
         "CSV / Parquet; `fisherprune train --model mlp --pruning.flops_target 50%` with its "
         "defaults against `StandardScaler` + `MLPClassifier((64,))` (accuracy) or "
-        "`MLPRegressor((64,))` and `Ridge` (diabetes: eval MSE, lower is better) on the same "
-        "rows.",
+        "`MLPRegressor((64,))` and `Ridge` (diabetes and `make_friedman1`, 1,000 rows: eval "
+        "MSE, lower is better, and R^2 as dense / pruned / MLP / Ridge) on the same rows.",
         "",
     ]
-    lines += _table(["data", "file", "scikit-learn", "dense", "pruned", "FLOPs kept"], rows)
-    lines += [
-        "",
-        "- Classification: dense at or above scikit-learn's MLP and the 50%-FLOPs model within "
-        "a point of dense on all four; CSV and Parquet give the same numbers.",
-        "- Diabetes (442 rows) regresses worse than scikit-learn: the run's ~1,000 steps on 354 "
-        "rows overfit (fewer dense steps give a better dense model but a worse pruned one); "
-        "early stopping or weight decay by default is the open fix.",
-        "",
-    ]
+    lines += _table(["data", "file", "scikit-learn", "dense", "pruned", "FLOPs kept", "R^2"], rows)
+    lines += ["", *_tables_findings([row for row in r["rows"] if "error" not in row]), ""]
     return lines
+
+
+def _tables_findings(rows: list[dict[str, Any]]) -> list[str]:
+    """What the tables benchmark says, in points (accuracy, or R^2 for regression)."""
+    out = []
+    for name in dict.fromkeys(row["set"] for row in rows):
+        row = next(x for x in rows if x["set"] == name)
+        if "r2" in row:
+            got = row["r2"]
+            ref = max(v for k, v in got.items() if k not in ("dense", "pruned"))
+            out.append(
+                f"- {name}: dense R^2 {got['dense']:.3f}, "
+                f"{100 * (got['dense'] - got['mlp']):+.1f} points against scikit-learn's MLP "
+                f"and {100 * (got['dense'] - ref):+.1f} against its best reference; pruned "
+                f"{100 * (got['pruned'] - got['dense']):+.1f} points against dense."
+            )
+        else:
+            out.append(
+                f"- {name}: dense accuracy {row['dense']:.4f}, "
+                f"{100 * (row['dense'] - row['reference']['mlp']):+.1f} points against "
+                f"scikit-learn's MLP; pruned {100 * (row['pruned'] - row['dense']):+.1f} "
+                "points against dense."
+            )
+    same = all(
+        (a["dense"], a["pruned"]) == (b["dense"], b["pruned"])
+        for a in rows
+        for b in rows
+        if a["set"] == b["set"]
+    )
+    if same:
+        out.append("- CSV and Parquet give the same numbers on every set.")
+    return out
 
 
 def _mean_sd(entry: dict[str, Any] | None) -> str:
