@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 from fisherprune.modes import eval_mode
 from fisherprune.train.config import TrainConfig
-from fisherprune.train.data import Dataset
+from fisherprune.train.data import Dataset, StreamingDataset
 from fisherprune.train.data.dataset import epoch_permutation
 from fisherprune.train.devices import Precision
 from fisherprune.train.schedule import inner_optimizer
@@ -78,7 +78,9 @@ class WeightDecayChoice:
         )
 
 
-def needs_search(config: TrainConfig, data: object, steps: int, batch_size: int) -> bool:
+def needs_search(
+    config: TrainConfig, data: Dataset | StreamingDataset, steps: int, batch_size: int
+) -> bool:
     """Whether a run of ``steps`` steps of ``batch_size`` rows searches (module docstring)."""
     if config.weight_decay is not None or config.init_from or not isinstance(data, Dataset):
         return False
@@ -87,7 +89,7 @@ def needs_search(config: TrainConfig, data: object, steps: int, batch_size: int)
 
 def choose_weight_decay(
     config: TrainConfig,
-    data: Dataset | object,
+    data: Dataset | StreamingDataset,
     model: nn.Module,
     *,
     steps: int,
