@@ -7,10 +7,11 @@ predicting the mean, while a decay of 5e-2 holds it near 3,500; on digits the sa
 points of accuracy. No single value suits both, so with ``weight_decay`` unset
 (``TrainConfig.weight_decay=None``) a run that revisits its training rows more than
 ``SEARCH_EPOCHS`` times picks it from ``WEIGHT_DECAYS`` by validation: each candidate trains a
-copy of the model for the dense phase on the training rows less a validation slice
-(``VAL_FRACTION`` of them, never the eval split), and the best validation metric wins (the
-validation loss breaks ties, the smaller decay wins exact ones). The run itself then trains on
-every training row. Larger data (or a stream, or ``init_from``) gets ``DEFAULT_WEIGHT_DECAY``.
+copy of the model for the dense phase (at most ``MAX_TRIAL_STEPS``) on the training rows less a
+validation slice (``VAL_FRACTION`` of them, never the eval split), and the best validation
+metric wins (the validation loss breaks ties, the smaller decay wins exact ones). The run itself
+then trains on every training row. Larger data (or a stream, or ``init_from``) gets
+``DEFAULT_WEIGHT_DECAY``.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from fisherprune.train.schedule import inner_optimizer
 
 __all__ = [
     "DEFAULT_WEIGHT_DECAY",
+    "MAX_TRIAL_STEPS",
     "SEARCH_EPOCHS",
     "VAL_FRACTION",
     "WEIGHT_DECAYS",
@@ -49,6 +51,8 @@ WEIGHT_DECAYS = (5e-4, 5e-3, 5e-2)
 SEARCH_EPOCHS = 10.0
 #: share of the training rows held out to compare the candidates
 VAL_FRACTION = 0.2
+#: most steps a candidate trains (a long dense phase is not repeated in full per candidate)
+MAX_TRIAL_STEPS = 1000
 
 
 @dataclass(frozen=True)
@@ -101,13 +105,14 @@ def choose_weight_decay(
 ) -> WeightDecayChoice:
     """The run's weight decay: ``config.weight_decay`` when set, else a search by validation
     (when ``needs_search``) or ``DEFAULT_WEIGHT_DECAY``. Trains copies of ``model`` for
-    ``trial_steps`` steps; ``model`` itself is left as it was. Under ``torchrun`` rank 0's
-    choice is every rank's."""
+    ``trial_steps`` steps (at most ``MAX_TRIAL_STEPS``); ``model`` itself is left as it was.
+    Under ``torchrun`` rank 0's choice is every rank's."""
     if config.weight_decay is not None:
         return WeightDecayChoice(config.weight_decay)
     if not needs_search(config, data, steps, batch_size):
         return WeightDecayChoice(DEFAULT_WEIGHT_DECAY)
     assert isinstance(data, Dataset)
+    trial_steps = min(trial_steps, MAX_TRIAL_STEPS)
     perm = epoch_permutation(data.num_train, config.seed, -1)
     n_val = max(1, round(VAL_FRACTION * data.num_train))
     val, train = perm[:n_val], perm[n_val:]
