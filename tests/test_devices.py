@@ -25,6 +25,7 @@ QUICK = [
     "--model", "mlp", "--width", "8", "--depth", "1", "--pruning.burn_in", "5",
     "--pruning_iter", "2", "--eval_every", "10", "--fine_tune_steps", "5",
     "--export_formats", "state_dict", "--threads", "1", "--progress", "plain",
+    "--dense_check", "warn",
 ]  # fmt: skip
 
 

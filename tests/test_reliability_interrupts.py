@@ -53,6 +53,7 @@ def test_signal_during_training_saves_the_step_and_prints_the_resume_command(
         "train", "--model", "mlp", "--width", "8", "--depth", "1", "--steps", "100000",
         "--pruning.burn_in", "100000", "--eval_every", "5", "--checkpoint_every", "100000",
         "--progress", "plain", "--export_formats", "state_dict", "--save_dir", str(save),
+        "--weight_decay", "5e-4",  # no weight-decay search before the loop starts
     ]  # fmt: skip
     proc = subprocess.Popen(
         [sys.executable, "-m", "fisherprune", *argv],

@@ -15,7 +15,7 @@ from fisherprune.train.config import TrainConfig
 RUN = [
     "train", "--model", "mlp", "--width", "8", "--depth", "1", "--pruning.burn_in", "6",
     "--pruning.iter", "1", "--fine_tune_steps", "3", "--progress", "plain",
-    "--export_formats", "state_dict",
+    "--export_formats", "state_dict", "--dense_check", "warn",
 ]  # fmt: skip
 
 

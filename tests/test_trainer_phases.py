@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +15,7 @@ import pytest
 import torch
 from cli_run import run_cli as _cli
 
+import fisherprune
 from fisherprune.graph import apply_masks
 from fisherprune.train.checkpoint import CheckpointManager
 from fisherprune.train.config import TrainConfig
@@ -27,7 +31,7 @@ from fisherprune.train.schedule import (
 QUICK = [
     "--model", "mlp", "--width", "8", "--depth", "1", "--pruning_iter", "2",
     "--eval_every", "10", "--fine_tune_steps", "5", "--export_formats", "state_dict",
-    "--threads", "1", "--progress", "plain",
+    "--threads", "1", "--progress", "plain", "--dense_check", "warn",
 ]  # fmt: skip
 
 
@@ -84,15 +88,16 @@ def test_untrained_dense_model_is_reported_and_stop_prunes_nothing(tmp_path: Pat
     written."""
     data = _table(tmp_path / "noise.npz", learnable=False)
     code, out, _ = _cli("train", "--data", data, *QUICK, "--pruning.burn_in", "30",
-                        "--dense_check", "warn", "--save_dir", tmp_path / "warn")  # fmt: skip
+                        "--save_dir", tmp_path / "warn")  # fmt: skip
     assert code == 0
     result = json.loads((tmp_path / "warn" / "result.json").read_text())
     assert result["dense_learned"] is False
     assert "did not learn" in result["warnings"][0]
     assert "WARNING: the dense model did not learn" in out
 
+    assert TrainConfig().dense_check == "stop"
     code, _, err = _cli("train", "--data", data, *QUICK, "--pruning.burn_in", "30",
-                        "--save_dir", tmp_path / "stop")  # fmt: skip
+                        "--dense_check", "stop", "--save_dir", tmp_path / "stop")  # fmt: skip
     assert code == 2 and "did not learn" in err and "nothing was pruned" in err
     assert not (tmp_path / "stop" / "result.json").exists()
     ckpt = _latest(tmp_path / "stop")
@@ -203,6 +208,17 @@ def test_tensorboard_log_holds_the_metrics_of_metrics_jsonl(tmp_path: Path) -> N
     assert all(math.isclose(logged[k], evals[k], rel_tol=1e-6) for k in evals)
     prunes = [e for e in entries if e["kind"] == "prune"]
     assert len(acc.Scalars("prune/cost")) == len(prunes) > 0
+
+
+def test_the_command_line_does_not_import_tensorboard_unless_asked() -> None:
+    """``import fisherprune.cli.main`` (every command's start) leaves TensorBoard unimported:
+    only a run with ``--log tensorboard`` imports it."""
+    code = "import sys, fisherprune.cli.main; print([m for m in sys.modules if 'tensorboard' in m])"
+    env = {**os.environ, "PYTHONPATH": str(Path(fisherprune.__file__).parents[1])}
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env
+    )
+    assert done.stdout.strip() == "[]"
 
 
 def test_unknown_log_is_a_clear_error(tmp_path: Path) -> None:
