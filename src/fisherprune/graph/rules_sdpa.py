@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from fisherprune.graph.gqa import tie_heads
 from fisherprune.graph.rules import register_channel_rule
 from fisherprune.graph.types import Labels, RuleContext, TensorInfo
 
@@ -64,7 +65,7 @@ def _sdpa(ctx: RuleContext) -> list[TensorInfo]:
         rep = q.shape[d] // k.shape[d]
         for kv in (hk, hv):
             if kv is not None:
-                ctx.atoms.union(hq, np.repeat(kv, rep))
+                tie_heads(ctx, hq, np.repeat(kv, rep) if rep > 1 else kv)
     mask = ctx.kwargs.get("attn_mask", ctx.args[3] if len(ctx.args) > 3 else None)
     if isinstance(mask, Tensor):  # an additive bias per head (T5's relative positions)
         mi = ctx.info(mask)

@@ -30,7 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from fisherprune.graph.atoms import Atoms
-from fisherprune.graph.heads import head_attributes, width_attributes
+from fisherprune.graph.heads import group_size_attributes, head_attributes, width_attributes
 from fisherprune.graph.module_forwards import module_forward, share_inputs_hooks
 from fisherprune.graph.rules import apply_rule
 from fisherprune.graph.types import (
@@ -106,6 +106,10 @@ class _Tracer(TorchDispatchMode):
     def _head_attributes(self, count: int, head_dim: int, inferred: bool) -> tuple[str, ...] | str:
         name = self.module_stack[-1] if self.module_stack else "<model>"
         return head_attributes(self.modules.get(name), count, head_dim, inferred)
+
+    def _group_attributes(self, size: int) -> tuple[str, ...]:
+        name = self.module_stack[-1] if self.module_stack else "<model>"
+        return group_size_attributes(self.modules.get(name), size)
 
     def _width_attributes(self, width: int) -> tuple[str, ...]:
         name = self.module_stack[-1] if self.module_stack else "<model>"
@@ -189,6 +193,7 @@ class _Tracer(TorchDispatchMode):
             heads=self.trace.head_splits,
             head_attributes=self._head_attributes,
             width_attributes=self._width_attributes,
+            group_attributes=self._group_attributes,
             **self._norm_context(),
         )
         for info in in_infos:  # their values are read now
