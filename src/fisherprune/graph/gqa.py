@@ -17,40 +17,78 @@ makes the heads prunable in one of two ways:
 A channel is one union-find component removed by one mask entry, so a query head cannot belong
 to a key/value-head unit and to a slot unit at once (it would be removed when either mask is
 zero): each layer uses one of the two. Multi-query attention (one key/value head, which can
-never go) always uses query slots, one per query head; grouped-query attention uses
-``"kv"`` unless ``set_grouped_query_units("query")`` says otherwise.
+never go) always uses query slots, one per query head; grouped-query attention uses ``"kv"``
+unless ``set_grouped_query_units(module, "query")`` marked the layer or a module holding it.
+The mark is an attribute of the module, so every trace of the model (``apply_masks``, the cost,
+``shrink``) sees the same units.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import numpy as np
+from torch import nn
 
 from fisherprune.graph.types import RuleContext
 
-__all__ = ["GROUPED_QUERY_UNITS", "grouped_query_units", "set_grouped_query_units", "tie_heads"]
+__all__ = [
+    "GROUPED_QUERY_UNITS",
+    "UNITS_ATTRIBUTE",
+    "grouped_query_units",
+    "set_grouped_query_units",
+    "tie_heads",
+    "units_while_tracing",
+]
 
 #: the ways grouped-query attention's heads can be pruned (see the module docstring)
 GROUPED_QUERY_UNITS: tuple[str, ...] = ("kv", "query")
-_SETTING: dict[str, str] = {"units": "kv"}
+#: the module attribute ``set_grouped_query_units`` sets
+UNITS_ATTRIBUTE = "fisherprune_grouped_query_units"
+_TRACED: dict[str, str] = {}  # while a model is traced: units by module name ("": the model)
 
 
-def set_grouped_query_units(units: str) -> None:
-    """Choose the prunable units of grouped-query attention in models traced from now on:
-    ``"kv"`` (the default: a key/value head with the query heads that read it) or ``"query"``
-    (query slots, the key/value heads kept). Multi-query attention always uses query slots.
-    Changes a process-wide setting; masks already applied keep their units.
+def set_grouped_query_units(module: nn.Module, units: str) -> None:
+    """Choose the prunable units of the grouped-query attention in ``module`` (a model, or
+    some of its layers): ``"kv"`` (the default: a key/value head with the query heads that
+    read it) or ``"query"`` (query slots, the key/value heads kept). Call it before
+    ``apply_masks``; multi-query attention always uses query slots.
+
+    Changes: sets ``module.fisherprune_grouped_query_units`` (a plain attribute, kept by
+    ``copy.deepcopy`` and pickling, not in the ``state_dict``).
 
     Raises:
         ValueError: ``units`` is not one of ``GROUPED_QUERY_UNITS``.
     """
     if units not in GROUPED_QUERY_UNITS:
         raise ValueError(f"grouped-query units must be one of {GROUPED_QUERY_UNITS}, got {units!r}")
-    _SETTING["units"] = units
+    setattr(module, UNITS_ATTRIBUTE, units)
 
 
-def grouped_query_units() -> str:
-    """The units grouped-query attention is pruned in now (``set_grouped_query_units``)."""
-    return _SETTING["units"]
+@contextlib.contextmanager
+def units_while_tracing(model: nn.Module) -> Iterator[None]:
+    """While ``model`` is traced, ``grouped_query_units`` answers from its modules' marks."""
+    marks = {
+        name: getattr(m, UNITS_ATTRIBUTE)
+        for name, m in model.named_modules()
+        if getattr(m, UNITS_ATTRIBUTE, None) in GROUPED_QUERY_UNITS
+    }
+    before = dict(_TRACED)
+    _TRACED.clear()
+    _TRACED.update(marks)
+    try:
+        yield
+    finally:
+        _TRACED.clear()
+        _TRACED.update(before)
+
+
+def grouped_query_units(module: str) -> str:
+    """The units of the grouped-query attention run by the module called ``module`` in the
+    model being traced: the mark of the innermost module holding it, ``"kv"`` if none."""
+    holders = [n for n in _TRACED if n in ("", module) or module.startswith(n + ".")]
+    return _TRACED[max(holders, key=len)] if holders else "kv"
 
 
 def tie_heads(ctx: RuleContext, q: np.ndarray, kv: np.ndarray) -> None:
@@ -96,7 +134,7 @@ def _query_slots(
     sizes = {g.size for g in groups}
     if len(sizes) != 1 or sizes == {1}:
         return None
-    if len(groups) > 1 and grouped_query_units() != "query":
+    if len(groups) > 1 and grouped_query_units(ctx.module) != "query":
         return None
     readers = np.stack([q[g] for g in groups])
     return readers, np.asarray([kv[g[0]] for g in groups])

@@ -30,6 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from fisherprune.graph.atoms import Atoms
+from fisherprune.graph.gqa import units_while_tracing
 from fisherprune.graph.heads import group_size_attributes, head_attributes, width_attributes
 from fisherprune.graph.module_forwards import module_forward, share_inputs_hooks
 from fisherprune.graph.rules import apply_rule
@@ -311,7 +312,13 @@ def trace_model(
     handles = _module_stack_hooks(model, tracer) + _module_forward_hooks(model, tracer)
     tracing.set_active(tracer)
     try:
-        with eval_mode(model), torch.no_grad(), _unfused_attention(), tracer:
+        with (
+            eval_mode(model),
+            torch.no_grad(),
+            _unfused_attention(),
+            tracer,
+            units_while_tracing(model),
+        ):
             out = inputs.call(model)
             if loss_fn is not None:
                 tracer.module_stack.append("<loss>")
