@@ -4,7 +4,8 @@
 ``_scaled_dot_product_flash_attention_for_cpu``; on CUDA the flash, memory-efficient or
 cuDNN kernel (the composite ``scaled_dot_product_attention`` too, should a backend not
 decompose it). Head h of q reads head h // (H / Hkv) of k and v, so those heads are tied
-(with the reshape rule's split into heads, each head is one prunable channel); a per-head
+(with the reshape rule's split into heads, each head is one prunable channel; grouped- and
+multi-query attention as ``fisherprune.graph.gqa.tie_heads`` says); a per-head
 additive bias (T5's relative positions) is tied to the heads too. Channels inside a head are
 contracted (q, k) or passed to the output (v).
 
