@@ -336,7 +336,7 @@ def _check_removable(cm: CostModel, entries: np.ndarray, removed: np.ndarray) ->
     zero_entries = set(np.flatnonzero(entries < 0.5).tolist())
     if not zero_entries:
         return
-    covered = c.cover >= 0
+    covered = (c.cover >= 0) & ~c.derived  # a follower's derived uses zero nothing
     live_hit = set(c.cover[covered & ~removed[c.roots]].tolist()) & zero_entries
     used = set(c.cover[covered & removed[c.roots]].tolist())
     bad = sorted(live_hit | (zero_entries - used))

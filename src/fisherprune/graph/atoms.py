@@ -41,6 +41,7 @@ class Atoms:
         self._producer: list[np.ndarray] = []
         self._inputs: list[tuple[int, int]] = []  # atom ranges of model input dimensions
         self._batch: list[tuple[int, int]] = []  # those of the inputs' batch dimensions
+        self._follows: list[tuple[np.ndarray, np.ndarray]] = []
 
     def __len__(self) -> int:
         return int(self._parent.size)
@@ -103,6 +104,20 @@ class Atoms:
         a = a[~self._from_input(a)] if a.size else a
         if a.size:
             self._producer.append(a.copy())
+
+    def follow(self, a: np.ndarray, b: np.ndarray) -> None:
+        """Declare that atom ``a[i]`` is read only through atom ``b[i]`` (a key/value head
+        through each query head that attends to it): ``a[i]``'s channel is used wherever
+        ``b[i]``'s is, so it is removed once every channel it is read through is."""
+        if a.size:
+            self._follows.append((a.copy(), b.copy()))
+
+    def follow_pairs(self) -> tuple[np.ndarray, np.ndarray]:
+        """All ``follow`` pairs, as two aligned atom arrays."""
+        if not self._follows:
+            return np.zeros(0, np.int64), np.zeros(0, np.int64)
+        a, b = zip(*self._follows, strict=True)
+        return np.concatenate(a), np.concatenate(b)
 
     def _from_input(self, a: np.ndarray) -> np.ndarray:
         """Per atom of ``a``: whether it indexes a dimension of a model input."""

@@ -22,6 +22,7 @@ __all__ = ["ChannelGraph"]
 class _Consumers:
     roots: np.ndarray  # (P,) component of each consumed index
     cover: np.ndarray  # (P,) mask entry zeroing it, -1 for none
+    derived: np.ndarray  # (P,) an index a follower is read through, not a use of its own
 
 
 class ChannelGraph:
@@ -36,9 +37,30 @@ class ChannelGraph:
         else:
             r = np.zeros(0, np.int64)
             cv = np.zeros(0, np.int64)
-        self.consumers = _Consumers(r, cv)
+        own = np.bincount(r, minlength=len(self.roots)) > 0
+        n_own = r.size
+        r, cv = self._add_followers(r, cv)
+        self.consumers = _Consumers(r, cv, np.arange(r.size) >= n_own)
         self.n_entries = trace.entry_count()
         self._consumed_count = np.bincount(r, minlength=len(self.roots))
+        #: per root: used only through the channels it follows (``Atoms.follow``): removed with
+        #: them, never a channel of a group of its own
+        self.followers = (self._consumed_count > 0) & ~own
+
+    def _add_followers(self, r: np.ndarray, cv: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Consumer indices with the follow pairs added: a component read only through others
+        is used wherever they are, under the same mask entries."""
+        a, b = self.trace.atoms.follow_pairs()
+        if a.size == 0 or r.size == 0:
+            return r, cv
+        pairs = np.unique(np.stack([self.roots[a], self.roots[b]], 1), axis=0)
+        pairs = pairs[pairs[:, 0] != pairs[:, 1]]
+        order = np.argsort(r, kind="stable")
+        lo = np.searchsorted(r[order], pairs[:, 1], side="left")
+        hi = np.searchsorted(r[order], pairs[:, 1], side="right")
+        extra = [order[s:e] for s, e in zip(lo.tolist(), hi.tolist(), strict=True)]
+        roots = [np.full(ix.size, ra, np.int64) for ra, ix in zip(pairs[:, 0], extra, strict=True)]
+        return np.concatenate([r, *roots]), np.concatenate([cv, *(cv[ix] for ix in extra)])
 
     def is_consumed(self, root: int) -> bool:
         """Whether some layer, op or output reads component ``root``."""

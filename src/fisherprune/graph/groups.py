@@ -145,6 +145,8 @@ def find_groups(
     groups_by_sig: dict[frozenset[int], list[int]] = defaultdict(list)
     skipped_by: dict[tuple[frozenset[int], str], int] = defaultdict(int)
     for rr in sorted(producers):
+        if graph.followers[rr]:
+            continue  # removed with the channels it is read through (a key/value head)
         s = frozenset(sig.get(rr, ()))
         reason = blocked.get(rr) or unhookable.get(rr)
         if reason is None and not graph.is_consumed(rr):

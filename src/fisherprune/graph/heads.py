@@ -15,9 +15,11 @@ from __future__ import annotations
 from torch import nn
 
 __all__ = [
+    "GROUP_SIZE_ATTRIBUTES",
     "HEADS_WIDTH_ATTRIBUTES",
     "HEAD_COUNT_ATTRIBUTES",
     "WIDTH_ATTRIBUTES",
+    "group_size_attributes",
     "head_attributes",
     "register_fixed_heads",
     "width_attributes",
@@ -35,6 +37,14 @@ HEAD_COUNT_ATTRIBUTES: tuple[str, ...] = (
     "num_key_value_heads",
     "num_kv_heads",
     "n_kv_heads",
+)
+#: attribute names that hold how many query heads read each key/value head (grouped-query
+#: attention; Hugging Face's ``num_key_value_groups``, which its ``repeat_kv`` repeats by)
+GROUP_SIZE_ATTRIBUTES: tuple[str, ...] = (
+    "num_key_value_groups",
+    "num_queries_per_kv",
+    "num_kv_groups",
+    "n_rep",
 )
 #: attribute names that hold the width of all heads together (heads x head_dim)
 HEADS_WIDTH_ATTRIBUTES: tuple[str, ...] = ("all_head_size", "split_size", "inner_dim")
@@ -84,6 +94,13 @@ def head_attributes(
         f"written into the code: neither -1 nor an attribute such as "
         f"{', '.join(HEAD_COUNT_ATTRIBUTES[:3])} that shrink could update"
     )
+
+
+def group_size_attributes(module: nn.Module | None, size: int) -> tuple[str, ...]:
+    """The attributes of ``module`` named in ``GROUP_SIZE_ATTRIBUTES`` that hold ``size``, the
+    query heads per key/value head: where query heads are pruned by slot, ``shrink`` sets them
+    to the slots kept."""
+    return _int_attributes(module, GROUP_SIZE_ATTRIBUTES, size)
 
 
 def width_attributes(module: nn.Module | None, width: int) -> tuple[str, ...]:

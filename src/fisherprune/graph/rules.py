@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from fisherprune._errors import first_line
+from fisherprune.graph.gqa import tie_heads
 from fisherprune.graph.types import Labels, RuleContext, TensorInfo
 
 __all__ = [
@@ -202,6 +203,8 @@ def _elementwise(ctx: RuleContext, operands: Sequence[Any], mode: str) -> list[T
             if len(info.shape) < off:
                 continue
             dd = len(info.shape) - off
+            if out_shape[d] == 1 and info.labels[dd] is not None and labels[d] is None:
+                labels[d], cover[d] = info.labels[dd], info.cover[dd]  # one head: carried
             if info.shape[dd] != out_shape[d] or out_shape[d] == 1:
                 continue  # broadcast along this dim: no tie
             if info.labels[dd] is None:
@@ -409,7 +412,7 @@ def _matmul_core(
     labels[-2], labels[-1] = n_lab, m_lab
     if batch:
         if a.labels[0] is not None and b.labels[0] is not None:
-            ctx.atoms.union(a.labels[0], b.labels[0])
+            tie_heads(ctx, a.labels[0], b.labels[0])  # heads merged with the batch: a reads b
         labels[0] = a.labels[0] if a.labels[0] is not None else b.labels[0]
     return TensorInfo(shape, labels, [None] * len(shape))
 
@@ -789,7 +792,78 @@ def _reshape_labels(ctx: RuleContext, x: TensorInfo, shape: tuple[int, ...]) -> 
         lab[d] = np.tile(np.repeat(src[j][0], inner), outer)
         if src[j][1] is not None:
             cov[d] = np.tile(np.repeat(src[j][1], inner), outer)
+    _carry_unit_dims(ctx, x, shape, lab, cov)
+    _split_single_head(ctx, shape, asked, lab, cov)
     return TensorInfo(shape, lab, cov)
+
+
+def _carry_unit_dims(
+    ctx: RuleContext, x: TensorInfo, shape: tuple[int, ...], lab: list[Labels], cov: list[Labels]
+) -> None:
+    """Labels of ``x``'s dims of size 1 (a single key/value head), which the common factors do
+    not see: onto a dim of size 1 at the same place (a view, ``unsqueeze``), or, when the dim is
+    the outermost part of a dim made otherwise of copies (``expand`` then ``reshape``: Hugging
+    Face's ``repeat_kv`` of one key/value head), onto every index of that dim."""
+    src = ctx.args[0]
+    new = int(ctx.args[1]) % len(shape) if ctx.name == "unsqueeze" else None
+    taken: set[int] = set()
+    for s, size in enumerate(x.shape):
+        if size != 1 or x.labels[s] is None:
+            continue
+        p = math.prod(x.shape[s + 1 :])
+        same = [
+            e
+            for e in range(len(shape))
+            if shape[e] == 1 and e != new and e not in taken and math.prod(shape[e + 1 :]) == p
+        ]
+        if same:
+            taken.add(same[0])
+            lab[same[0]], cov[same[0]] = x.labels[s], x.cover[s]
+            continue
+        e = next((e for e in range(len(shape)) if math.prod(shape[e:]) == p), None)
+        if e is None or lab[e] is not None or not _copies(src, x.shape, shape, e):
+            continue
+        lab[e] = np.repeat(x.labels[s], shape[e])
+        cov[e] = None if x.cover[s] is None else np.repeat(x.cover[s], shape[e])
+
+
+def _copies(src: Any, src_shape: tuple[int, ...], shape: tuple[int, ...], e: int) -> bool:
+    """Whether the dims of tensor ``src`` that make up dim ``e`` of the reshaped ``shape`` are
+    all copies (stride 0, from ``expand``)."""
+    lo, hi = math.prod(shape[e + 1 :]), math.prod(shape[e:])
+    dims = [
+        d
+        for d, size in enumerate(src_shape)
+        if size > 1 and math.prod(src_shape[d + 1 :]) >= lo and math.prod(src_shape[d:]) <= hi
+    ]
+    return bool(dims) and isinstance(src, Tensor) and all(src.stride(d) == 0 for d in dims)
+
+
+def _split_single_head(
+    ctx: RuleContext, shape: tuple[int, ...], asked: Any, lab: list[Labels], cov: list[Labels]
+) -> None:
+    """A width viewed as (1, head_dim) by a module that already split another width into
+    several heads of that size (multi-query attention's one key/value head, after its query
+    heads) is one head: its channels are one channel, labelled on the head dim of size 1, as
+    the split of a width into several heads makes them (rotary embeddings then see no channel
+    inside it)."""
+    for e in range(len(shape) - 1):
+        head = lab[e + 1]
+        if (
+            shape[e] != 1
+            or lab[e] is not None
+            or head is None
+            or e >= len(asked)
+            or asked[e] not in (-1, 1)
+            or not ctx.heads_split_before(shape[e + 1])
+        ):
+            continue
+        if ctx.record_heads(head.reshape(1, -1).copy(), asked[e] == -1) is not None:
+            continue  # the module cannot lose that head: its channels stay as they are
+        c = cov[e + 1]
+        lab[e], lab[e + 1] = head[:1].copy(), None
+        cov[e] = c[:1].copy() if c is not None and bool((c == c[0]).all()) else None
+        cov[e + 1] = None
 
 
 def _common_factors(a: tuple[int, ...], b: tuple[int, ...]) -> list[int] | None:

@@ -4,7 +4,8 @@
 ``_scaled_dot_product_flash_attention_for_cpu``; on CUDA the flash, memory-efficient or
 cuDNN kernel (the composite ``scaled_dot_product_attention`` too, should a backend not
 decompose it). Head h of q reads head h // (H / Hkv) of k and v, so those heads are tied
-(with the reshape rule's split into heads, each head is one prunable channel); a per-head
+(with the reshape rule's split into heads, each head is one prunable channel; grouped- and
+multi-query attention as ``fisherprune.graph.gqa.tie_heads`` says); a per-head
 additive bias (T5's relative positions) is tied to the heads too. Channels inside a head are
 contracted (q, k) or passed to the output (v).
 
@@ -21,6 +22,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from fisherprune.graph.gqa import tie_heads
 from fisherprune.graph.rules import register_channel_rule
 from fisherprune.graph.types import Labels, RuleContext, TensorInfo
 
@@ -64,7 +66,7 @@ def _sdpa(ctx: RuleContext) -> list[TensorInfo]:
         rep = q.shape[d] // k.shape[d]
         for kv in (hk, hv):
             if kv is not None:
-                ctx.atoms.union(hq, np.repeat(kv, rep))
+                tie_heads(ctx, hq, np.repeat(kv, rep) if rep > 1 else kv)
     mask = ctx.kwargs.get("attn_mask", ctx.args[3] if len(ctx.args) > 3 else None)
     if isinstance(mask, Tensor):  # an additive bias per head (T5's relative positions)
         mi = ctx.info(mask)

@@ -30,7 +30,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from fisherprune.graph.atoms import Atoms
-from fisherprune.graph.heads import head_attributes, width_attributes
+from fisherprune.graph.gqa import units_while_tracing
+from fisherprune.graph.heads import group_size_attributes, head_attributes, width_attributes
 from fisherprune.graph.module_forwards import module_forward, share_inputs_hooks
 from fisherprune.graph.rules import apply_rule
 from fisherprune.graph.types import (
@@ -106,6 +107,10 @@ class _Tracer(TorchDispatchMode):
     def _head_attributes(self, count: int, head_dim: int, inferred: bool) -> tuple[str, ...] | str:
         name = self.module_stack[-1] if self.module_stack else "<model>"
         return head_attributes(self.modules.get(name), count, head_dim, inferred)
+
+    def _group_attributes(self, size: int) -> tuple[str, ...]:
+        name = self.module_stack[-1] if self.module_stack else "<model>"
+        return group_size_attributes(self.modules.get(name), size)
 
     def _width_attributes(self, width: int) -> tuple[str, ...]:
         name = self.module_stack[-1] if self.module_stack else "<model>"
@@ -189,6 +194,7 @@ class _Tracer(TorchDispatchMode):
             heads=self.trace.head_splits,
             head_attributes=self._head_attributes,
             width_attributes=self._width_attributes,
+            group_attributes=self._group_attributes,
             **self._norm_context(),
         )
         for info in in_infos:  # their values are read now
@@ -306,7 +312,13 @@ def trace_model(
     handles = _module_stack_hooks(model, tracer) + _module_forward_hooks(model, tracer)
     tracing.set_active(tracer)
     try:
-        with eval_mode(model), torch.no_grad(), _unfused_attention(), tracer:
+        with (
+            eval_mode(model),
+            torch.no_grad(),
+            _unfused_attention(),
+            tracer,
+            units_while_tracing(model),
+        ):
             out = inputs.call(model)
             if loss_fn is not None:
                 tracer.module_stack.append("<loss>")

@@ -161,6 +161,8 @@ class RuleContext:
         calls: the module calls in progress, outermost first.
         heads: the trace's list of head splits (``record_heads`` appends to it).
         width_attributes: for a width, the current module's attributes holding it.
+        group_attributes: for a number of query heads per key/value head, the current
+            module's attributes holding it.
         head_attributes: for a head count, a head size and whether the code asked for -1
             heads, the current module's attributes holding that count (or the heads' total
             width), or why it cannot lose heads.
@@ -186,6 +188,7 @@ class RuleContext:
         norm_dims: int = 0,
         norms: list[NormUse] | None = None,
         width_attributes: Callable[[int], tuple[str, ...]] | None = None,
+        group_attributes: Callable[[int], tuple[str, ...]] | None = None,
     ) -> None:
         self.func = func
         self.args = args
@@ -204,6 +207,7 @@ class RuleContext:
         self.norm_dims = norm_dims
         self._norms = norms if norms is not None else []
         self._width_attributes = width_attributes
+        self._group_attributes = group_attributes
 
     @property
     def name(self) -> str:
@@ -260,6 +264,24 @@ class RuleContext:
             self.atoms.union_all(row)
         self._heads.append(HeadSplit(self.module, blocks, inferred, self.where(), verdict))
         return None
+
+    def record_query_slots(self, slots: np.ndarray) -> None:
+        """Grouped-query attention pruned by query slot: row j of ``slots`` holds the j-th
+        query head of every key/value head. Tie each row into one channel and record it as a
+        split of the heads per key/value head, so that ``shrink`` sets the module's attributes
+        holding that number (``heads.GROUP_SIZE_ATTRIBUTES``) to the slots kept."""
+        for row in slots:
+            self.atoms.union_all(row)
+        names = self._group_attributes(slots.shape[0]) if self._group_attributes else ()
+        self._heads.append(HeadSplit(self.module, slots.copy(), False, self.where(), names))
+
+    def heads_split_before(self, head_dim: int) -> bool:
+        """Whether the innermost module already split a width into several heads of
+        ``head_dim`` channels (the query heads, before a single key/value head is split)."""
+        return any(
+            h.module == self.module and h.count > 1 and h.blocks.shape[1] == head_dim
+            for h in self._heads
+        )
 
     def record_width(self, labels: np.ndarray) -> None:
         """This call writes the width of ``labels`` as a number (a reshape's size): if the
