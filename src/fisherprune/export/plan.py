@@ -392,7 +392,7 @@ def _filled_output(o: Any) -> bool:
         and dim >= 0
         and bool(kept)
         and kept == sorted(set(kept))
-        and 0 <= kept[0]
+        and kept[0] >= 0
         and kept[-1] < size
     )
 

@@ -393,7 +393,8 @@ def install_mask_points(
             npt = NormPoint(name, dim, size, [(holder[k], p, i) for k, p, i in parts])
             holder.handles.append(modules[name].register_forward_hook(npt))
         for path, dim, size, parts in outputs:
-            mp = MaskPoint(f"<output>{path}", -1, dim, size, [(holder[k], p, i) for k, p, i in parts])
+            masked = [(holder[k], p, i) for k, p, i in parts]
+            mp = MaskPoint(f"<output>{path}", -1, dim, size, masked)
             holder.outputs.setdefault(path, []).append(mp)
         if outputs:
             hook = OutputMasks(
