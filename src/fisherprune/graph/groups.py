@@ -119,14 +119,12 @@ def find_groups(
     # consumer points per component, resolved to module inputs
     point_of: dict[tuple[str, int, int], list] = defaultdict(list)
     unhookable: dict[int, str] = {}
-    inside = np.zeros(len(roots), dtype=bool)  # read by something other than the output
     outputs: dict[tuple[str, int], np.ndarray] = {}
     for cp in trace.consumers:
         r = roots[cp.labels]
         if cp.output is not None:
             outputs.setdefault(cp.output, r)
             continue
-        inside[r] = True
         spot = _hook_spot(trace, cp)
         if spot is None:
             for rr in np.unique(r).tolist():
@@ -160,8 +158,6 @@ def find_groups(
         reason = blocked.get(rr) or unhookable.get(rr)
         if reason is None and not graph.is_consumed(rr):
             reason = "never read by a layer"
-        elif reason is None and not inside[rr]:
-            reason = "reaches the model output"  # and nothing else reads it: the classes
         if reason is not None:
             skipped_by[(s, reason)] += 1
             continue

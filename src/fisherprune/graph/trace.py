@@ -321,11 +321,15 @@ def trace_model(
 
 def _record_outputs(trace: Trace, tracer: _Tracer, out: Any) -> None:
     """Record each output tensor as a consumer of the channels it holds ("model output"),
-    named by its pytree key path. Whether such a channel is prunable is decided with the other
-    consumers (``groups.find_groups``): a width the model also reads inside (the hidden width
-    a base model returns) is, a width only the output reads (a classifier's classes) is not.
-    The channels of an output that is not floating point (indices, counts) cannot be zeroed
-    by a mask and are blocked."""
+    named by its pytree key path. A channel the model also reads inside (the hidden width a
+    base model returns) stays prunable: masked in the output too, zero-filled by ``shrink``.
+    One only the output reads (a classifier's classes, an LM head's vocabulary) is blocked,
+    as is every channel of an output that is not floating point (indices, counts), which a
+    mask cannot zero."""
+    roots = trace.atoms.roots()  # the trace is over: the components are final
+    inside = np.zeros(len(roots), dtype=bool)
+    for cp in trace.consumers:
+        inside[roots[cp.labels]] = True
     for path, t in tree_flatten_with_path(out)[0]:
         if not isinstance(t, Tensor):
             continue
@@ -336,8 +340,8 @@ def _record_outputs(trace: Trace, tracer: _Tracer, out: Any) -> None:
         for d, (lab, cov) in enumerate(zip(info.labels, info.cover, strict=True)):
             if lab is None:
                 continue
-            if not t.is_floating_point():
-                trace.atoms.block(lab, "reaches the model output")
+            only_out = lab if not t.is_floating_point() else lab[~inside[roots[lab]]]
+            trace.atoms.block(only_out, "reaches the model output")
             cover = cov if cov is not None else np.full(lab.size, -1, np.int64)
             trace.consumers.append(
                 ConsumerPoint(lab, cover, "model output", len(trace.ops), output=(keystr(path), d))
