@@ -20,6 +20,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import fisherprune as fp
 from fisherprune.cost.formulas import SAME_AS_TORCH
+from fisherprune.export.output_fill import output_fill
 
 transformers = pytest.importorskip("transformers")
 
@@ -273,3 +274,30 @@ def test_output_width_fisher_signal_equals_a_per_example_loop() -> None:
         (g,) = torch.autograd.grad(loss(masked_ref(x[i : i + 1]), i), [m])
         want += 0.5 * g * g / 3
     torch.testing.assert_close(masks["fisherprune_masks.inp:out"].signal, want, rtol=1e-9, atol=0)
+
+
+def test_a_uniform_base_model_loads_back_from_pretrained_with_its_kept_channels(tmp_path) -> None:
+    """T5's encoder pruned with uniform=True, hidden width included: ``from_pretrained`` of
+    the saved shrunk model (no fisherprune code, so no fill) returns the kept channels of the
+    shrunk model's zero-filled ``last_hidden_state``: ``OutputFill.kept_outputs``."""
+    cfg = transformers.T5Config(
+        vocab_size=100, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4
+    )
+    torch.manual_seed(0)
+    model = transformers.T5EncoderModel(cfg).eval()  # (float32: T5's norm computes in it)
+    fp.apply_masks(model, TEXT)
+    opt = fp.PruningOptimizer(
+        model, TEXT, uniform=True, criterion=fp.criteria.Random(seed=0), prune_every=1
+    )
+    for _ in range(6):
+        opt.after_update()
+    small = fp.shrink(model, TEXT)
+    fill = output_fill(small)
+    assert fill is not None and small.config.d_model < 64
+    small.save_pretrained(tmp_path)
+    back = type(model).from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        want = fill.kept_outputs(small(**TEXT)).last_hidden_state
+        got = back(**TEXT).last_hidden_state
+    assert got.shape == (B, IDS.shape[1], small.config.d_model)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)

@@ -35,7 +35,8 @@ class ChannelGroup:
         roots: component root of each channel, in channel order.
         params: parameter dims the group's channels live in: ``(name, dim)``.
         producers: modules whose outputs make these channels.
-        consumers: modules whose inputs read them (where the mask acts).
+        consumers: modules whose inputs read them (where the mask acts), and
+            ``"the output<key path>"`` for a model output that returns them.
         norms: registered norms (``fisherprune.norms``) that normalise them, whose statistics
             follow the mask (taken over the kept channels only).
         members: for each parameter dim ``(name, dim)`` the group touches, the channel

@@ -98,7 +98,8 @@ def apply_masks(model: nn.Module, example_inputs: Any, *, strict: bool = False) 
     listed in ``.skipped``.
 
     Changes: adds the submodule ``model.fisherprune_masks`` (MaskLayers, in
-    ``state_dict``) and forward pre-hooks on the consuming modules. The model's
+    ``state_dict``), forward pre-hooks on the consuming modules and, when a returned
+    width is prunable, a forward hook on the model that masks that output. The model's
     class, ``forward`` and parameters are untouched; ``remove_masks`` undoes it.
 
     Args:
