@@ -25,6 +25,7 @@ from fisherprune._version import __version__
 from fisherprune.cost import CostModel
 from fisherprune.export.hf_config import update_config
 from fisherprune.export.modules import replacement, update_metadata
+from fisherprune.export.output_fill import FilledOutput, install_output_fill
 from fisherprune.export.safe_load import PickledObjectsError, looks_pickled
 from fisherprune.export.storage import atomic_write_bytes
 from fisherprune.graph.heads import HEADS_WIDTH_ATTRIBUTES
@@ -52,6 +53,9 @@ class PruningPlan:
         mask_modules: hand-placed MaskLayer modules, replaced by ``nn.Identity``.
         attributes: ``{module name: {attribute: value}}``: integer attributes set after
             slicing, such as the head count of an attention module that lost heads.
+        outputs: ``[{"path", "dim", "size", "kept"}]``: the model's output tensors (by pytree
+            key path) whose width lost channels; the shrunk model zero-fills them back to
+            ``size`` (``fisherprune.export.output_fill``).
         convention: cost convention of the recorded costs.
         cost: ``{"dense": ..., "pruned": ...}`` per example, when known.
         version: fisherprune version that made the plan.
@@ -61,6 +65,7 @@ class PruningPlan:
     shapes: dict[str, list[int]] = field(default_factory=dict)
     mask_modules: list[str] = field(default_factory=list)
     attributes: dict[str, dict[str, int]] = field(default_factory=dict)
+    outputs: list[dict[str, Any]] = field(default_factory=list)
     convention: str = "flops"
     cost: dict[str, float] = field(default_factory=dict)
     version: str = __version__
@@ -118,6 +123,12 @@ class PruningPlan:
                     width = attr in HEADS_WIDTH_ATTRIBUTES
                     value = kept * split.blocks.shape[1] if width else kept
                     plan.attributes.setdefault(module, {})[attr] = value
+        for cp in trace.consumers:
+            gone = removed[graph.roots[cp.labels]] if cp.output is not None else None
+            if gone is not None and gone.any():
+                path, dim = cp.output  # type: ignore[misc]
+                kept = np.flatnonzero(~gone).tolist()
+                plan.outputs.append({"path": path, "dim": dim, "size": gone.size, "kept": kept})
         holder = find_holder(model)
         applied = holder[0] + "." if holder else None
         plan.shapes = {
@@ -139,7 +150,9 @@ class PruningPlan:
         Slices every listed parameter and buffer (new ``nn.Parameter`` objects for
         parameters), updates module metadata through the shrink-rule registry,
         replaces hand-placed MaskLayers by ``nn.Identity`` and removes masks added
-        by ``apply_masks``. The model's class and forward code are kept; a sliced module whose
+        by ``apply_masks``. An output whose width lost channels is zero-filled back to its
+        full width by a forward hook (``fisherprune.export.output_fill``; one, however often
+        the plan is applied). The model's class and forward code are kept; a sliced module whose
         class cannot hold its new widths (``nn.MultiheadAttention``) is replaced by one that
         can (``fisherprune.export.mha.PrunedMultiheadAttention``, same parameters). A Hugging
         Face model's ``config`` gets the new widths when one config can describe them
@@ -226,6 +239,10 @@ class PruningPlan:
         for mname, values in self.attributes.items():
             for attr, value in values.items():
                 setattr(modules[mname], attr, value)
+        install_output_fill(
+            model,
+            [FilledOutput(o["path"], o["dim"], o["size"], tuple(o["kept"])) for o in self.outputs],
+        )
         for mod, _old in changed.values():
             new = replacement(mod)
             if new is not None:
@@ -247,6 +264,7 @@ class PruningPlan:
             "cost": self.cost,
             "mask_modules": self.mask_modules,
             "attributes": self.attributes,
+            "outputs": self.outputs,
             "modules": self.modules,
             "shapes": self.shapes,
         }
@@ -272,8 +290,15 @@ class PruningPlan:
             raise ValueError(
                 "pruning plan: 'attributes' must map module names to {attribute: integer}"
             )
+        outputs = data.get("outputs", [])
+        if not isinstance(outputs, list) or not all(_filled_output(o) for o in outputs):
+            raise ValueError(
+                "pruning plan: 'outputs' must be a list of {path, dim, size, kept} with kept "
+                "sorted, unique and in [0, size)"
+            )
         return cls(
             modules=data["modules"],
+            outputs=[dict(o) for o in outputs],
             shapes=dict(shapes),
             mask_modules=list(masks),
             attributes={m: dict(v) for m, v in attributes.items()},
@@ -354,6 +379,22 @@ def _check_removable(cm: CostModel, entries: np.ndarray, removed: np.ndarray) ->
 
 def _int_list(v: Any) -> bool:
     return isinstance(v, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in v)
+
+
+def _filled_output(o: Any) -> bool:
+    """Whether ``o`` is a well-formed entry of a plan's ``outputs``."""
+    if not isinstance(o, dict) or not isinstance(o.get("path"), str):
+        return False
+    dim, size, kept = o.get("dim"), o.get("size"), o.get("kept")
+    return (
+        _int_list([dim, size])
+        and _int_list(kept)
+        and dim >= 0
+        and bool(kept)
+        and kept == sorted(set(kept))
+        and kept[0] >= 0
+        and kept[-1] < size
+    )
 
 
 def _validate_modules(modules: Any) -> None:

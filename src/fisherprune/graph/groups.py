@@ -35,7 +35,8 @@ class ChannelGroup:
         roots: component root of each channel, in channel order.
         params: parameter dims the group's channels live in: ``(name, dim)``.
         producers: modules whose outputs make these channels.
-        consumers: modules whose inputs read them (where the mask acts).
+        consumers: modules whose inputs read them (where the mask acts), and
+            ``"the output<key path>"`` for a model output that returns them.
         norms: registered norms (``fisherprune.norms``) that normalise them, whose statistics
             follow the mask (taken over the kept channels only).
         members: for each parameter dim ``(name, dim)`` the group touches, the channel
@@ -62,6 +63,10 @@ class MaskPointSpec:
     ``parts``: (group index, positions along dim, channel of the group at each position).
     ``norm``: the module is a registered norm normalising ``dim``: instead of multiplying its
     input, the mask makes it take its statistics over the kept channels only.
+    ``output``: not a module input but the model's output tensor at this pytree key path
+    (``module`` is then ``"<model>"``, ``arg`` -1): a width the model returns and also reads
+    inside (the hidden width of a base model) is multiplied there too, so that a removed
+    channel reads 0 in the output, as the shrunk model's zero-filled output does.
     """
 
     module: str
@@ -70,6 +75,7 @@ class MaskPointSpec:
     size: int
     parts: list[tuple[int, np.ndarray, np.ndarray]]
     norm: bool = False
+    output: str | None = None
 
 
 @dataclass
@@ -114,9 +120,13 @@ def find_groups(
     # consumer points per component, resolved to module inputs
     point_of: dict[tuple[str, int, int], list] = defaultdict(list)
     unhookable: dict[int, str] = {}
+    outputs: dict[tuple[str, int], np.ndarray] = {}
     for cp in trace.consumers:
-        spot = _hook_spot(trace, cp)
         r = roots[cp.labels]
+        if cp.output is not None:
+            outputs.setdefault(cp.output, r)
+            continue
+        spot = _hook_spot(trace, cp)
         if spot is None:
             for rr in np.unique(r).tolist():
                 unhookable.setdefault(
@@ -175,10 +185,12 @@ def find_groups(
         groups.append(g)
 
     specs: list[MaskPointSpec] = []
-    spots = [(k, v, False) for k, v in layout.items()] + [
-        (k, v, True) for k, v in norm_layout.items()
-    ]
-    for (module, arg, dim), r, norm in spots:
+    spots = (
+        [(k, v, False, None) for k, v in layout.items()]
+        + [(k, v, True, None) for k, v in norm_layout.items()]
+        + [(("<model>", -1, dim), v, False, path) for (path, dim), v in outputs.items()]
+    )
+    for (module, arg, dim), r, norm, path in spots:
         by_group: dict[int, tuple[list[int], list[int]]] = defaultdict(lambda: ([], []))
         for pos, rr in enumerate(r.tolist()):
             hit = group_of.get(rr)
@@ -188,11 +200,12 @@ def find_groups(
         if not by_group:
             continue
         parts = [(gi, np.asarray(p), np.asarray(c)) for gi, (p, c) in sorted(by_group.items())]
-        specs.append(MaskPointSpec(module, arg, dim, int(r.size), parts, norm))
+        specs.append(MaskPointSpec(module, arg, dim, int(r.size), parts, norm, path))
+        where_name = module if path is None else f"the output{path}"
         for gi, _, _ in parts:
             where = groups[gi].norms if norm else groups[gi].consumers
-            if module not in where:
-                where.append(module)
+            if where_name not in where:
+                where.append(where_name)
 
     skipped = [
         Skipped(

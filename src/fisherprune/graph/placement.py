@@ -90,12 +90,16 @@ def apply_masks(model: nn.Module, example_inputs: Any, *, strict: bool = False) 
     state is left as it was), groups the channels that must be removed together
     (residual adds, concatenation, depthwise and grouped convs, flatten into
     Linear, normalisation layers), and masks each group at the input of every
-    module that reads it. Channels that cannot be removed safely (they reach the
-    output, or an op with no channel rule, or a reshape that mixes them with
-    another dim) stay unmasked and are listed in ``.skipped``.
+    module that reads it. A width the model returns and also reads inside (the hidden
+    width of a base model) is masked in the returned tensor too: a removed channel reads
+    0 there (``shrink`` puts zeros back in its place). Channels that cannot be removed
+    safely (only the output reads them, as a classifier's classes, or an op with no
+    channel rule, or a reshape that mixes them with another dim) stay unmasked and are
+    listed in ``.skipped``.
 
     Changes: adds the submodule ``model.fisherprune_masks`` (MaskLayers, in
-    ``state_dict``) and forward pre-hooks on the consuming modules. The model's
+    ``state_dict``), forward pre-hooks on the consuming modules and, when a returned
+    width is prunable, a forward hook on the model that masks that output. The model's
     class, ``forward`` and parameters are untouched; ``remove_masks`` undoes it.
 
     Args:
@@ -153,6 +157,7 @@ def apply_masks(model: nn.Module, example_inputs: Any, *, strict: bool = False) 
                 sp.size,
                 [(renumber[gi], p, c) for gi, p, c in sp.parts if gi in renumber],
                 sp.norm,
+                sp.output,
             )
             for sp in specs
         ]
@@ -189,14 +194,19 @@ def _install(model: nn.Module, groups: list[ChannelGroup], specs: list[MaskPoint
     points = [
         (sp.module, sp.arg, sp.dim, sp.size, [(keys[gi], pos, ch) for gi, pos, ch in sp.parts])
         for sp in specs
-        if not sp.norm
+        if not sp.norm and sp.output is None
     ]
     norms = [
         (sp.module, sp.dim, sp.size, [(keys[gi], pos, ch) for gi, pos, ch in sp.parts])
         for sp in specs
         if sp.norm
     ]
-    install_mask_points(model, masks, points, norms)
+    outputs = [
+        (sp.output, sp.dim, sp.size, [(keys[gi], pos, ch) for gi, pos, ch in sp.parts])
+        for sp in specs
+        if sp.output is not None
+    ]
+    install_mask_points(model, masks, points, norms, outputs)
     _hook_module_forwards(model)
     return keys
 

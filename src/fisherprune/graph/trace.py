@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_map
 
 from fisherprune.graph.atoms import Atoms
 from fisherprune.graph.gqa import units_while_tracing
@@ -323,27 +323,41 @@ def trace_model(
             if loss_fn is not None:
                 tracer.module_stack.append("<loss>")
                 out = loss_fn(out)
-        for t in (o for o in tree_flatten(out)[0] if isinstance(o, Tensor)):
-            info = tracer.info(t)
-            trace.output_infos.append(info)
-            for lab, _cov, reason in info.on_use:
-                trace.atoms.block(lab, reason)
-            for lab, cov in zip(info.labels, info.cover, strict=True):
-                if lab is not None:
-                    trace.atoms.block(lab, "reaches the model output")
-                    trace.consumers.append(
-                        ConsumerPoint(
-                            lab,
-                            cov if cov is not None else np.full(lab.size, -1, np.int64),
-                            "model output",
-                            len(trace.ops),
-                        )
-                    )
+        _record_outputs(trace, tracer, out)
     finally:
         tracing.set_active(None)
         for h in handles:
             h.remove()
     return trace
+
+
+def _record_outputs(trace: Trace, tracer: _Tracer, out: Any) -> None:
+    """Record each output tensor as a consumer of the channels it holds ("model output"),
+    named by its pytree key path. A channel the model also reads inside (the hidden width a
+    base model returns) stays prunable: masked in the output too, zero-filled by ``shrink``.
+    One only the output reads (a classifier's classes, an LM head's vocabulary) is blocked,
+    as is every channel of an output that is not floating point (indices, counts), which a
+    mask cannot zero."""
+    roots = trace.atoms.roots()  # the trace is over: the components are final
+    inside = np.zeros(len(roots), dtype=bool)
+    for cp in trace.consumers:
+        inside[roots[cp.labels]] = True
+    for path, t in tree_flatten_with_path(out)[0]:
+        if not isinstance(t, Tensor):
+            continue
+        info = tracer.info(t)
+        trace.output_infos.append(info)
+        for lab, _cov, reason in info.on_use:
+            trace.atoms.block(lab, reason)
+        for d, (lab, cov) in enumerate(zip(info.labels, info.cover, strict=True)):
+            if lab is None:
+                continue
+            only_out = lab if not t.is_floating_point() else lab[~inside[roots[lab]]]
+            trace.atoms.block(only_out, "reaches the model output")
+            cover = cov if cov is not None else np.full(lab.size, -1, np.int64)
+            trace.consumers.append(
+                ConsumerPoint(lab, cover, "model output", len(trace.ops), output=(keystr(path), d))
+            )
 
 
 @contextlib.contextmanager

@@ -105,6 +105,9 @@ class ConsumerPoint:
     what: str
     op_index: int
     calls: tuple[int, ...] = ()  # module calls in progress, outermost first
+    #: for the model's output: the output tensor's pytree key path (``keystr``: "" for a lone
+    #: tensor, "[0]", "['last_hidden_state']") and the dim of it these labels index
+    output: tuple[str, int] | None = None
 
 
 @dataclass

@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from fisherprune.masks import tracing
 from fisherprune.masks.layer import MaskLayer, all_ones, gather_through, log_input_changed
 from fisherprune.masks.norm_points import NormPoint
+from fisherprune.masks.output_points import OutputMasks
 
 __all__ = [
     "MASKS_ATTR",
@@ -243,7 +244,9 @@ class MaskHolder(nn.ModuleDict):
     Attributes:
         points: the ``MaskPoint`` hooked on each consuming module, in install order.
         handles: the forward pre-hook handle of each point (and the forward hook of each
-            norm point).
+            norm point, and the model's ``OutputMasks`` hook).
+        outputs: the ``MaskPoint`` of each masked output dim, by the output's key path (they
+            act through the model's ``OutputMasks`` forward hook, on no module's input).
         example_inputs: a detached batch-of-one copy of the inputs the masks were found with
             (``shrink`` and ``export_model`` trace with it when given none), or None.
         groups: the channel group of each mask, by the mask's qualified name (what
@@ -253,6 +256,7 @@ class MaskHolder(nn.ModuleDict):
     def __init__(self, masks: dict[str, MaskLayer]) -> None:
         super().__init__(masks)
         self.points: list[MaskPoint] = []
+        self.outputs: dict[str, list[MaskPoint]] = {}
         self.handles: list[torch.utils.hooks.RemovableHandle] = []
         self.example_inputs: Any = None
         self.groups: dict[str, Any] = {}
@@ -345,13 +349,16 @@ def install_mask_points(
     masks: dict[str, MaskLayer],
     points: Sequence[tuple[str, int, int, int, list[tuple[str, np.ndarray, np.ndarray]]]],
     norms: Sequence[tuple[str, int, int, list[tuple[str, np.ndarray, np.ndarray]]]] = (),
+    outputs: Sequence[tuple[str, int, int, list[tuple[str, np.ndarray, np.ndarray]]]] = (),
 ) -> str:
     """Add ``masks`` as a ``fisherprune_masks`` ModuleDict and hook each point's module.
 
     The ModuleDict (a ``MaskHolder``) goes on the model itself (on the first consuming layer
     when the model is an ``nn.Sequential``, whose forward would call it). Changes: adds one
-    submodule, one forward pre-hook per point and one forward hook per norm point
-    ``(module, dim, size, parts)`` (a ``NormPoint``); on failure everything added is removed.
+    submodule, one forward pre-hook per point, one forward hook per norm point
+    ``(module, dim, size, parts)`` (a ``NormPoint``) and, when ``outputs`` (``(key path, dim,
+    size, parts)`` of model output tensors) is not empty, one forward hook on the model that
+    multiplies those outputs (``OutputMasks``); on failure everything added is removed.
 
     Returns:
         The qualified name of the ModuleDict (``"fisherprune_masks"`` usually).
@@ -385,6 +392,15 @@ def install_mask_points(
         for name, dim, size, parts in norms:
             npt = NormPoint(name, dim, size, [(holder[k], p, i) for k, p, i in parts])
             holder.handles.append(modules[name].register_forward_hook(npt))
+        for path, dim, size, parts in outputs:
+            masked = [(holder[k], p, i) for k, p, i in parts]
+            mp = MaskPoint(f"<output>{path}", -1, dim, size, masked)
+            holder.outputs.setdefault(path, []).append(mp)
+        if outputs:
+            hook = OutputMasks(
+                [(p, mp.dim, mp.size, mp.apply) for p, mps in holder.outputs.items() for mp in mps]
+            )
+            holder.handles.append(model.register_forward_hook(hook))
     except Exception:
         remove_mask_points(model)
         raise
