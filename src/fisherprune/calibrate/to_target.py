@@ -68,6 +68,8 @@ class PruneResult:
         phase_seconds: wall time of each phase: ``signals`` (estimation passes),
             ``selection`` (choosing channels), ``repair`` (the least-squares passes, one per
             stage, and solves).
+        phase_cpu_seconds: process CPU time of each phase (all threads; on a shared machine
+            the wall time also holds the waits for a core).
         rounds: rounds run.
         examples: calibration examples per pass.
         repair: what the repair changed (None with ``reconstruct=False``).
@@ -82,6 +84,7 @@ class PruneResult:
     events: list[PruneEvent] = field(default_factory=list)
     seconds: float = 0.0
     phase_seconds: dict[str, float] = field(default_factory=dict)
+    phase_cpu_seconds: dict[str, float] = field(default_factory=dict)
     rounds: int = 0
     examples: int = 0
     repair: RepairReport | None = None
@@ -268,20 +271,17 @@ def prune_to_target(
         crit, cost_model, score_model, min_channels, round_to, flops_weight, classes, set(whole)
     )
     result = PruneResult(start, start, goal, convention=convention, kept_whole=whole)
-    phases = dict.fromkeys(("signals", "selection", "repair"), 0.0)
+    clock = _PhaseClock()
     stuck = False
     for r in range(1, rounds + 1):
-        t0 = time.perf_counter()
-        if crit.uses_gradients:
-            result.examples = estimate_signals(
-                model, masks, data, loss, crit, _bar(progress, f"signals, round {r}/{rounds}")
-            )
-        t1 = time.perf_counter()
-        phases["signals"] += t1 - t0
-        round_goal = goal if r == rounds else start * (goal / start) ** (r / rounds)
-        events, stuck = selection.run(model, masks, round_goal, r)
+        with clock("signals"):
+            if crit.uses_gradients:
+                bar = _bar(progress, f"signals, round {r}/{rounds}")
+                result.examples = estimate_signals(model, masks, data, loss, crit, bar)
+        with clock("selection"):
+            round_goal = goal if r == rounds else start * (goal / start) ** (r / rounds)
+            events, stuck = selection.run(model, masks, round_goal, r)
         result.events.extend(events)
-        phases["selection"] += time.perf_counter() - t1
         result.rounds = r
         if stuck:
             break
@@ -296,13 +296,12 @@ def prune_to_target(
             stacklevel=2,
         )
     if reconstruct:
-        t2 = time.perf_counter()
-        result.repair = repair_consumers(
-            model, data, dense, ridge=ridge, progress=_bar(progress, "repair")
-        )
+        with clock("repair"):
+            result.repair = repair_consumers(
+                model, data, dense, ridge=ridge, progress=_bar(progress, "repair")
+            )
         result.examples = result.examples or result.repair.examples
-        phases["repair"] = time.perf_counter() - t2
-    result.phase_seconds = phases
+    result.phase_seconds, result.phase_cpu_seconds = clock.wall, clock.cpu
     result.seconds = time.perf_counter() - start_time
     log.info(
         "prune_to_target: cost %.6g -> %.6g (%d events, %.1f s: %s)",
@@ -310,9 +309,26 @@ def prune_to_target(
         result.cost_after,
         len(result.events),
         result.seconds,
-        ", ".join(f"{k} {v:.1f} s" for k, v in phases.items()),
+        ", ".join(f"{k} {v:.1f} s" for k, v in clock.wall.items()),
     )
     return result
+
+
+class _PhaseClock:
+    """Wall and process CPU seconds per phase, summed over the phase's blocks."""
+
+    def __init__(self) -> None:
+        self.wall = dict.fromkeys(("signals", "selection", "repair"), 0.0)
+        self.cpu = dict.fromkeys(self.wall, 0.0)
+
+    @contextmanager
+    def __call__(self, phase: str) -> Iterator[None]:
+        wall, cpu = time.perf_counter(), time.process_time()
+        try:
+            yield
+        finally:
+            self.wall[phase] += time.perf_counter() - wall
+            self.cpu[phase] += time.process_time() - cpu
 
 
 @dataclass
