@@ -1008,10 +1008,13 @@ def build(out: Path, results: Path = RESULTS) -> str:
     post = [
         (path.name, run)
         for path in sorted(results.glob("post_training*.json"))
-        if not path.stem.endswith("_quick") and (run := _load(path)) is not None
+        if not path.stem.endswith("_quick")
+        and (run := _load(path)) is not None
+        and run.get("benchmark") != "post_training_speed"
     ]
     if post:
         lines += post_training_section(post, out)
+    lines += post_training_speed_section(_load(results / "post_training_speed.json"))
     return "\n".join(lines).rstrip() + "\n"
 
 
@@ -1239,6 +1242,80 @@ def post_training_section(runs: Sequence[tuple[str, dict[str, Any]]], out: Path)
             )
             lines.append("")
     return lines
+
+
+SPEED_PHASES = ("signals", "selection", "repair")
+
+
+def post_training_speed_section(r: dict[str, Any] | None) -> list[str]:
+    """Time per phase of ``prune_to_target`` on a ResNet-50 (issue 17, item 6), with a linear
+    extrapolation to 1,000 images of the runs that used fewer."""
+    if r is None:
+        return []
+    lines = [
+        "## Pruning a trained model: time per phase (`benchmarks/post_training_speed.py`)",
+        "",
+        f"{r['model']}, {r['size']}x{r['size']} random images, `prune_to_target` to "
+        f"{r['target']:.0%} of the FLOPs with the label-free Fisher, {r['threads']} threads, "
+        "seconds of wall / process CPU time (all threads). The machine is a shared 2-core box "
+        "(load average in the last column): wall time holds the waits for a core, CPU time "
+        "does not. `apply_masks` took "
+        f"{r['apply_masks']['wall_s']:.1f} / {r['apply_masks']['cpu_s']:.1f} s (not in the "
+        "totals). `before`: fisherprune at commit 64fc153, whose selection called `prune` "
+        "once per channel (each call sorting every mask's channels again; its CPU time per "
+        "phase was not recorded); `after`: `prune_many` between the same cost reports.",
+        "",
+    ]
+    rows = []
+    for run in r["runs"]:
+        cells = [
+            f"{run['phase_wall_s'][p]:.1f} / {run['phase_cpu_s'][p]:.1f}"
+            if p != "repair" or run["reconstruct"]
+            else "-"
+            for p in SPEED_PHASES
+        ]
+        rows.append(
+            [
+                run["label"] or "-",
+                run["images"],
+                run["rounds"],
+                "on" if run["reconstruct"] else "off",
+                *cells,
+                f"{run['wall_s']:.1f} / {run['cpu_s']:.1f}",
+                f"{run['ratio']:.3f}",
+                f"{run['load_average'][0]:.1f}",
+            ]
+        )
+    lines += _table(
+        ["version", "images", "rounds", "repair", *SPEED_PHASES, "total", "FLOPs kept", "load"],
+        rows,
+    )
+    lines.append("")
+    for f in r.get("floors", []):
+        lines.append(
+            f"- Forward and backward alone (no masks, frozen, {f['images']} images), the least "
+            f"a signal pass can cost: {f['wall_s'] / f['images']:.2f} / "
+            f"{f['cpu_s'] / f['images']:.2f} s per image."
+        )
+    estimates = []
+    for run in r["runs"]:
+        if run["label"] == "before" or run["images"] >= 1000:
+            continue
+        scale = 1000 / run["images"]
+        per = {p: run["phase_cpu_s"][p] for p in SPEED_PHASES}
+        cpu = run["cpu_s"] + (scale - 1) * (per["signals"] + per["repair"])
+        estimates.append(
+            f"{run['rounds']} round(s), repair {'on' if run['reconstruct'] else 'off'}: "
+            f"{cpu / 60:.0f} CPU minutes (from {run['images']} images)"
+        )
+    if estimates:
+        lines += [
+            "- 1,000 images, extrapolated (signals and repair grow linearly with the images, "
+            "selection does not; CPU time, so about half of it in wall time on 2 idle cores): "
+            + "; ".join(estimates)
+            + ".",
+        ]
+    return [*lines, ""]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -20,6 +21,7 @@ __all__ = [
     "floor_of",
     "lowest_kept",
     "prune",
+    "prune_many",
 ]
 
 
@@ -162,40 +164,166 @@ def prune(
     check_round_to(round_to)
     md = as_mask_dict(masks)
     sd = _scores_by_name(md, scores)
-    if isinstance(uniform, bool):
-        classes = uniform_classes(md) if uniform else [[n] for n in md]
-    else:  # the given classes; a mask in none of them is a class of its own
-        classes = [[n for n in c if n in md] for c in uniform]
-        classes = [c for c in classes if c]
-        listed = {n for c in classes for n in c}
-        classes += [[n] for n in md if n not in listed]
     order = {n: i for i, n in enumerate(md)}
     best: tuple[float, int, int, dict[str, list[int]]] | None = None
-    for members in classes:
-        alive_counts = {n: int((md[n].mask.detach() > 0.5).sum()) for n in members}
-        n_alive = alive_counts[members[0]]
-        if any(c != n_alive for c in alive_counts.values()):
-            raise ValueError(
-                "uniform=True needs the copies of a repeated mask to keep the same number of "
-                f"channels, but {', '.join(f'{n!r} keeps {c}' for n, c in alive_counts.items())}"
-                ": prune them to equal widths first, or use uniform=False"
-            )
+    for members in _classes(md, uniform):
+        n_alive = _common_count(md, members)
         r = block_size(n_alive, round_to)
         if n_alive - r < floor_of(min_channels, md[members[0]].num_channels):
             continue
         chosen = {n: _lowest_alive(md[n], sd[n], r) for n in members}
-        v = float(torch.cat([sd[n][c] for n, c in chosen.items()]).mean())
-        first = members[0]
-        cand = (v, order[first], chosen[first][0], chosen)
+        cand = _candidate(chosen, sd, order)
         if best is None or cand[:3] < best[:3]:
             best = cand
     if best is None:
         return None
-    v, _, k, chosen = best
+    before = float(cost.total) if cost is not None else math.nan
+    return _remove(md, best, before, cost, step)
+
+
+def prune_many(
+    masks: MaskSet,
+    scores: Mapping[str, Tensor] | Sequence[Tensor],
+    min_channels: int | float = 1,
+    *,
+    cost: Any,
+    until: float,
+    step: int = 0,
+    round_to: int = 1,
+    uniform: bool | Sequence[Sequence[str]] = False,
+) -> list[PruneEvent]:
+    """What calling ``prune`` over and over with the same arguments does while the estimated
+    cost is above ``until``, in one pass: the same channels in the same order, the same events.
+
+    With the scores and the marginal costs fixed, each mask (or class of copies) offers its
+    alive channels in one sorted order, and its successive candidates (blocks of that order)
+    have non-decreasing mean scores; so the repeated lowest-candidate choice of ``prune`` is a
+    merge of those sequences, kept in a heap. The per-call rescan of every mask (a sort per
+    mask per removed channel: about 14 ms per channel on a ResNet-50) becomes one sort per
+    mask and ``log(masks)`` per channel. The estimated cost starts at ``cost.total`` and loses
+    each removed block's summed marginal cost, as the ``cost_before`` / ``cost_after`` of
+    ``prune``'s events chained together; it is exact while the cost is linear in each mask's
+    count, so callers take a fresh cost report between calls (``prune_to_target`` does, per
+    quarter of the remaining gap).
+
+    Changes: the removed entries of the ``mask`` buffers are set to 0, in place.
+
+    Args:
+        masks, scores, min_channels, step, round_to, uniform: as in ``prune``.
+        cost: the ``CostReport`` of the current state (its marginal costs price each channel).
+        until: stop once the estimated cost is at or below this (at least one channel is
+            removed when the cost is above it and any can be).
+
+    Returns:
+        The events in order (one per ``prune`` call it stands for). The estimated cost after
+        the last is above ``until`` only when every mask reached its floor.
+
+    Raises:
+        ValueError: as ``prune`` (nothing is changed then).
+    """
+    check_min_channels(min_channels)
+    check_round_to(round_to)
+    md = as_mask_dict(masks)
+    sd = _scores_by_name(md, scores)
+    order = {n: i for i, n in enumerate(md)}
+    queues: list[_Queue] = []
+    for members in _classes(md, uniform):
+        n_alive = _common_count(md, members)
+        sorted_alive = {n: _lowest_alive(md[n], sd[n], n_alive) for n in members}
+        floor = floor_of(min_channels, md[members[0]].num_channels)
+        queues.append(_Queue(sorted_alive, n_alive, floor))
+    heap = []
+    for i, q in enumerate(queues):
+        chosen = q.next_block(round_to)
+        if chosen is not None:
+            heap.append((*_candidate(chosen, sd, order)[:3], i, chosen))
+    heapq.heapify(heap)
+    events: list[PruneEvent] = []
+    total = float(cost.total)
+    while heap and total > until:
+        v, first, k, i, chosen = heapq.heappop(heap)
+        events.append(_remove(md, (v, first, k, chosen), total, cost, step))
+        total = events[-1].cost_after
+        queues[i].taken(chosen)
+        nxt = queues[i].next_block(round_to)
+        if nxt is not None:
+            heapq.heappush(heap, (*_candidate(nxt, sd, order)[:3], i, nxt))
+    return events
+
+
+@dataclass
+class _Queue:
+    """One class of copies in ``prune_many``: each member's alive channels, lowest score
+    first, and how many of them are gone."""
+
+    sorted_alive: dict[str, list[int]]
+    alive: int
+    floor: int
+    gone: int = 0
+
+    def next_block(self, round_to: int) -> dict[str, list[int]] | None:
+        """Each member's next block (what ``prune`` would choose now), or None at the floor."""
+        r = block_size(self.alive, round_to)
+        if self.alive - r < self.floor:
+            return None
+        return {n: idx[self.gone : self.gone + r] for n, idx in self.sorted_alive.items()}
+
+    def taken(self, chosen: dict[str, list[int]]) -> None:
+        r = len(next(iter(chosen.values())))
+        self.alive -= r
+        self.gone += r
+
+
+def _classes(md: Mapping[str, Any], uniform: bool | Sequence[Sequence[str]]) -> list[list[str]]:
+    """The classes of masks pruned together: each mask alone, ``uniform_classes``, or the
+    given classes (a mask in none of them is a class of its own)."""
+    if isinstance(uniform, bool):
+        return uniform_classes(md) if uniform else [[n] for n in md]
+    classes = [[n for n in c if n in md] for c in uniform]
+    classes = [c for c in classes if c]
+    listed = {n for c in classes for n in c}
+    return classes + [[n] for n in md if n not in listed]
+
+
+def _common_count(md: Mapping[str, Any], members: list[str]) -> int:
+    """The alive count the copies ``members`` share.
+
+    Raises:
+        ValueError: copies that keep different counts.
+    """
+    alive_counts = {n: int((md[n].mask.detach() > 0.5).sum()) for n in members}
+    n_alive = alive_counts[members[0]]
+    if any(c != n_alive for c in alive_counts.values()):
+        raise ValueError(
+            "uniform=True needs the copies of a repeated mask to keep the same number of "
+            f"channels, but {', '.join(f'{n!r} keeps {c}' for n, c in alive_counts.items())}"
+            ": prune them to equal widths first, or use uniform=False"
+        )
+    return n_alive
+
+
+def _candidate(
+    chosen: dict[str, list[int]], sd: Mapping[str, Tensor], order: Mapping[str, int]
+) -> tuple[float, int, int, dict[str, list[int]]]:
+    """A candidate's ranking key (mean score, mask order, first channel) and its channels."""
+    v = float(torch.cat([sd[n][c] for n, c in chosen.items()]).mean())
+    first = next(iter(chosen))
+    return v, order[first], chosen[first][0], chosen
+
+
+def _remove(
+    md: Mapping[str, Any],
+    cand: tuple[float, int, int, dict[str, list[int]]],
+    before: float,
+    cost: Any,
+    step: int,
+) -> PruneEvent:
+    """Zero the candidate's channels and describe it; ``cost_after`` is ``before`` less their
+    summed marginal costs (NaN without ``cost``)."""
+    v, _, k, chosen = cand
     name, *others = chosen
-    before = after = math.nan
+    after = math.nan
     if cost is not None:
-        before = float(cost.total)
         after = before - sum(float(cost.marginal[n][c].sum()) for n, c in chosen.items())
     with torch.no_grad():
         for n, c in chosen.items():

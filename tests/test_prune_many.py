@@ -1,0 +1,156 @@
+"""prune_many: the same channels, in the same order, with the same events as ``prune`` called
+once per channel; and prune_to_target's chunked selection against a selection that takes an
+exact cost report after every single channel."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import Tensor
+
+import fisherprune as fp
+from fisherprune.cost import CostModel
+from fisherprune.criteria import L1
+from fisherprune.masks import MaskLayer
+from fisherprune.pruner import prune, score_all
+from fisherprune.pruner.prune import prune_many
+from tests import zoo
+
+WIDTHS = {"a": 12, "b": 12, "c": 7, "d": 20, "e": 12}
+
+
+def _masks(seed: int) -> tuple[dict[str, MaskLayer], dict[str, Tensor], SimpleNamespace]:
+    """Masks with random signals, random scores (ties included) and a cost report whose
+    marginal costs differ per channel."""
+    g = torch.Generator().manual_seed(seed)
+    masks = {n: MaskLayer(w) for n, w in WIDTHS.items()}
+    for m in masks.values():
+        m.signal.copy_(torch.rand(m.num_channels, generator=g))
+    masks["d"].mask[[1, 5, 6]] = 0.0  # already pruned: never chosen again
+    scores = {n: torch.randint(0, 6, (w,), generator=g).double() / 5 for n, w in WIDTHS.items()}
+    marginal = {n: 1 + torch.rand(w, generator=g, dtype=torch.float64) for n, w in WIDTHS.items()}
+    report = SimpleNamespace(total=100.0, marginal=marginal)
+    return masks, scores, report
+
+
+def _one_at_a_time(masks, scores, report, until, **kw) -> list[fp.PruneEvent]:
+    """``prune`` called until the chained estimated cost is at or below ``until``."""
+    events: list[fp.PruneEvent] = []
+    cost = report.total
+    while cost > until:
+        now = SimpleNamespace(total=cost, marginal=report.marginal)
+        event = prune(masks, scores, cost=now, **kw)
+        if event is None:
+            break
+        events.append(event)
+        cost = event.cost_after
+    return events
+
+
+@pytest.mark.parametrize(
+    ("round_to", "min_channels", "uniform", "until"),
+    [
+        (1, 1, False, 40.0),
+        (1, 0.5, False, -1.0),  # unreachable: both stop with every mask at its floor
+        (4, 1, False, 50.0),
+        (3, 0, False, -1.0),
+        (1, 2, [["a", "b", "e"]], 30.0),
+        (4, 0.25, [["a", "e"], ["b"]], -1.0),
+    ],
+)
+def test_equals_prune_called_once_per_channel(round_to, min_channels, uniform, until) -> None:
+    """Events (channels, scores, signals, estimated costs) and the final masks equal those of
+    ``prune`` called in a loop, for every setting prune_to_target passes on."""
+    kw = {"min_channels": min_channels, "round_to": round_to, "uniform": uniform, "step": 3}
+    for seed in range(4):
+        ref_masks, scores, report = _masks(seed)
+        masks = copy.deepcopy(ref_masks)
+        expected = _one_at_a_time(ref_masks, scores, report, until, **kw)
+        got = prune_many(masks, scores, cost=report, until=until, **kw)
+        assert len(expected) > 3
+        assert got == expected
+        for n, m in masks.items():
+            assert torch.equal(m.mask, ref_masks[n].mask), n
+
+
+def test_refuses_a_non_finite_score_and_changes_nothing() -> None:
+    masks, scores, report = _masks(0)
+    scores["c"][2] = float("nan")
+    before = {n: m.mask.clone() for n, m in masks.items()}
+    with pytest.raises(ValueError, match=r"'c'.*non-finite"):
+        prune_many(masks, scores, cost=report, until=0.0)
+    assert all(torch.equal(m.mask, before[n]) for n, m in masks.items())
+
+
+def _select_one_at_a_time(net: torch.nn.Module, example: Tensor, goal: float) -> None:
+    """The selection prune_to_target stands for: an exact cost report after every channel,
+    the L1 importances read once, ``"auto"`` scores."""
+    cost_model = CostModel(net, example)
+    masks = fp.find_masks(net)
+    importances = L1().scores(masks, net)
+    while (report := cost_model.report()).total > goal:
+        scores = score_all(importances, dict(report.marginal), "auto")
+        assert prune(masks, scores, cost=report) is not None
+
+
+def _bigger_resnet() -> torch.nn.Module:
+    widths = {k: 6 * v for k, v in zoo.DEFAULT_WIDTHS["resnet_basic"].items()}
+    return zoo.build_resnet_basic(widths, seed=0)
+
+
+def _kept(net) -> dict[str, Tensor]:
+    return {n: m.mask.clone() for n, m in fp.find_masks(net).items()}
+
+
+@pytest.mark.parametrize("target", [0.7, 0.3])
+def test_a_report_per_channel_is_the_one_at_a_time_selection(monkeypatch, target) -> None:
+    """With chunks of one channel (a tiny STEP_FRACTION) prune_to_target keeps exactly the
+    channels of the one-at-a-time selection."""
+    monkeypatch.setattr("fisherprune.calibrate.to_target.STEP_FRACTION", 1e-12)
+    x = zoo.image_input(1)
+    net = _bigger_resnet()
+    fp.apply_masks(net, x)
+    ref = copy.deepcopy(net)
+    result = fp.prune_to_target(net, x, [(x, None)], target, criterion=L1(), reconstruct=False)
+    _select_one_at_a_time(ref, x, result.target)
+    assert len(result.events) > 20
+    kept, expected = _kept(net), _kept(ref)
+    assert all(torch.equal(kept[n], expected[n]) for n in kept)
+
+
+@pytest.mark.parametrize("target", [0.7, 0.5, 0.3])
+def test_chunked_selection_is_within_one_chunk_of_one_at_a_time(monkeypatch, target) -> None:
+    """With the default chunks (an exact cost report per quarter of the remaining gap) the
+    channels kept differ from the one-at-a-time selection's in fewer channels than the
+    largest chunk holds (a chunk prices channels at the marginal costs of its start); the
+    exact cost meets the target, and did not before the last removal."""
+    x = zoo.image_input(1)
+    net = _bigger_resnet()
+    fp.apply_masks(net, x)
+    ref = copy.deepcopy(net)
+    removed_at_report: list[int] = []
+    report = CostModel.report
+
+    def counting_report(self):
+        removed_at_report.append(sum(m.num_channels - m.kept for m in self.masks.values()))
+        return report(self)
+
+    monkeypatch.setattr(CostModel, "report", counting_report)
+    result = fp.prune_to_target(net, x, [(x, None)], target, criterion=L1(), reconstruct=False)
+    monkeypatch.setattr(CostModel, "report", report)
+    _select_one_at_a_time(ref, x, result.target)
+    chunks = [b - a for a, b in itertools.pairwise(removed_at_report)]
+    kept, expected = _kept(net), _kept(ref)
+    swapped = sum(int((kept[n] > expected[n]).sum()) for n in kept)
+    assert len(chunks) >= 3 and swapped < max(chunks), (swapped, chunks)
+    exact = fp.computational_cost(net, x).total
+    assert exact == pytest.approx(result.cost_after) and exact <= result.target
+    last = result.events[-1]
+    with torch.no_grad():
+        for n, channels in last.removed.items():
+            fp.find_masks(net)[n].mask[list(channels)] = 1.0
+    assert fp.computational_cost(net, x).total > result.target
