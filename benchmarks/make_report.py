@@ -1068,6 +1068,28 @@ def standard_size_sections(results: Path, out: Path) -> list[str]:
         if pruned:
             met = sum(1 for r in pruned if r["efficiency"] >= (target or 0))
             lines += ["", f"- eff = speed-up / FLOPs reduction ≥ {target}: {met} of {len(pruned)}"]
+        st = t.get("settings", {})
+        lines += [
+            f"- settings: batch {st.get('batch')}, {st.get('layers')} blocks, {st.get('rounds')} "
+            f"timed calls each (fastest kept), {st.get('threads')} thread(s); uniform: "
+            f"hand-made equal widths in multiples of {st.get('round_to')}; uniform=True rK: "
+            "the library's `uniform=True` with `round_to=K` (a head mask counts heads)",
+            "",
+            "How to serve a pruned transformer for speed:",
+            "",
+            "- `fisherprune.shrink` the masked model (masks multiply, they remove no work), then "
+            'serve frozen TorchScript (`export_model(..., format="torchscript", '
+            'freeze=True)`) or an AOTInductor package (`format="aoti"`); keep '
+            "`F.scaled_dot_product_attention` in the model so that the fused attention kernel "
+            "runs with the fewer heads;",
+            "- prune with `uniform=True` and `round_to` (8 or 64: vector and matrix units work "
+            "in such blocks; a head mask counts heads): every block keeps the same head count "
+            "and widths, so a Hugging Face model saves with `save_pretrained` as a standard "
+            "configuration, and no layer is left at an odd width that runs as slowly as the "
+            "next multiple;",
+            "- time the served form at the batch and sequence length you serve with "
+            '`measure_latency(..., statistic="min")`.',
+        ]
         plot = results / "transformer_latency.png"
         if plot.is_file():
             lines += ["", f"![speed-up against FLOPs reduction]({_rel_any(plot, out)})"]

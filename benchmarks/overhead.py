@@ -55,7 +55,17 @@ interval over rounds (when it spans the limit, the run cannot tell) and the numb
 which Linux PSI saw other tasks waiting for a CPU (above 20% of rounds the verdict is flagged
 unreliable). ``--wait-quiet SECONDS`` first waits for the machine to go quiet.
 
-Run ``python benchmarks/overhead.py`` (about 4 minutes on a quiet machine) or ``--quick`` (well
+Standard sizes (issue 20): ``resnet50`` (224x224), ``bert_base`` (12 blocks, d 768, 12 heads,
+128 tokens) and ``vit_b16`` (197 tokens), each with every mask ``apply_masks`` finds (heads,
+MLP units and the hidden width on the encoders), at batch 16, timed in 6 rounds of one step
+after one warm-up step, the naive baseline included. The variant ``c`` of these nets is what a
+finished run trains: its masks fold into the conv / linear weights and its norms normalise the
+kept channels once (``fisherprune.masks.norm_points``).
+
+Run ``python benchmarks/overhead.py`` (the small models: about 4 minutes on a quiet machine),
+``python benchmarks/overhead.py --standard`` (the standard-size nets alone, written to
+``benchmarks/results/overhead_standard.json``: about 16 minutes on a quiet 2-core machine with
+the default 2 threads, 11 without the naive baseline, ``--no-naive``), or ``--quick`` (well
 under a minute); the table is printed and the JSON written to ``--out`` (default
 ``benchmarks/results/overhead.json``).
 """
@@ -115,6 +125,7 @@ VARIANTS: dict[str, str] = {
     "e": "masks all ones, not collecting (info)",
 }
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "overhead.json"
+STANDARD_OUT = DEFAULT_OUT.with_name("overhead_standard.json")
 
 StepFn = Callable[[Tensor, Tensor], None]
 InputFn = Callable[[int, torch.Generator], Tensor]
@@ -658,9 +669,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="small models 8 rounds x 10 steps, 10 warm-up; standard-size ones 3 rounds x 1 "
         "step at batch 4, 1 warm-up, no naive baseline",
     )
-    p.add_argument("--std-rounds", type=int, default=None, help="standard-size rounds (def. 8)")
+    p.add_argument("--std-rounds", type=int, default=None, help="standard-size rounds (def. 6)")
     p.add_argument("--std-steps", type=int, default=None, help="standard-size steps per block (1)")
-    p.add_argument("--std-warmup", type=int, default=None, help="standard-size warm-up steps (2)")
+    p.add_argument("--std-warmup", type=int, default=None, help="standard-size warm-up steps (1)")
     p.add_argument("--std-batch", type=int, default=None, help="standard-size batch (16)")
     p.add_argument(
         "--no-naive",
@@ -675,15 +686,25 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help=f"models to run (default: the small ones; the standard sizes are {STANDARD})",
     )
     p.add_argument(
+        "--standard",
+        action="store_true",
+        help=f"run the standard-size models {STANDARD} only (instead of --models), to "
+        f"{STANDARD_OUT.name} unless --out says otherwise",
+    )
+    p.add_argument(
         "--wait-quiet",
         type=float,
         default=0.0,
         metavar="SECONDS",
         help="first wait up to this long for other processes to leave the CPU (default 0)",
     )
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON output path")
+    p.add_argument("--out", type=Path, default=None, help=f"JSON output path ({DEFAULT_OUT.name})")
     args = p.parse_args(argv)
-    defaults = (8, 10, 10, 3, 1, 1, 4) if args.quick else (40, 25, 30, 8, 1, 2, 16)
+    if args.standard:
+        args.models = list(STANDARD)
+    if args.out is None:
+        args.out = STANDARD_OUT if args.standard else DEFAULT_OUT
+    defaults = (8, 10, 10, 3, 1, 1, 4) if args.quick else (40, 25, 30, 6, 1, 1, 16)
     names = ("rounds", "steps", "warmup", "std_rounds", "std_steps", "std_warmup", "std_batch")
     for name, default in zip(names, defaults, strict=True):
         if getattr(args, name) is None:

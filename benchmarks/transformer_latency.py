@@ -2,7 +2,7 @@
 
 For each encoder of ``standard_nets`` (BERT-base-sized at 128 tokens, ViT-B/16-sized at
 224x224), every mask ``apply_masks`` finds (the heads and MLP units of every block and the
-hidden width) is pruned to 50% and to 25% of the dense network's FLOPs in two ways:
+hidden width) is pruned to 50% and to 25% of the dense network's FLOPs in three ways:
 
 * ``uneven``: the channels of lowest score ``fisherprune.score(signal, marginal FLOPs, "auto")``
   across all masks zeroed, the signals random (i.i.d. log-normal, fixed seed), as few as reach
@@ -10,7 +10,11 @@ hidden width) is pruned to 50% and to 25% of the dense network's FLOPs in two wa
 * ``uniform``: the same head count, MLP width and hidden width in every block, by hand through
   the masks (the largest keep fraction whose FLOPs are at most the target), the MLP and hidden
   widths multiples of ``--round-to`` (64); the first channels of each mask are zeroed (which
-  ones does not change the latency).
+  ones does not change the latency);
+* ``uniform=True rK``: the library's own ``uniform=True`` with ``round_to=K`` (``--lib-round-to``,
+  8): ``fisherprune.prune(..., uniform=True, round_to=K)`` on the same random signals, step by
+  step as ``PruningOptimizer`` and ``prune_to_target`` call it: every block keeps the same head
+  count (a head mask counts heads: 12 -> 8 with K = 8) and MLP width, all widths multiples of K.
 
 Each pruned network is shrunk (``fisherprune.shrink``) and its FLOPs counted by
 ``FlopCounterMode``. All networks are timed side by side, round-robin, in two forms: eager
@@ -123,7 +127,33 @@ def prune_uniform(
     raise RuntimeError(f"no uniform width reaches {target:.0%} of the FLOPs")
 
 
-def networks(name: str, layers: int, round_to: int) -> tuple[dict[str, nn.Module], dict[str, Any]]:
+def prune_library(
+    masks: dict[str, fp.MaskLayer], cost: fp.CostModel, target: float, round_to: int
+) -> int:
+    """What ``PruningOptimizer(uniform=True, round_to=round_to)`` and ``prune_to_target`` do,
+    with the same random signals as ``prune_uneven``: ``fisherprune.prune`` with
+    ``uniform=True`` removes, one block of ``round_to`` channels (a head mask counts heads) at
+    a time in every copy of a repeated block, the block of lowest mean score until the FLOPs
+    are at most ``target`` of the dense ones. Returns the number of prune steps."""
+    with torch.no_grad():
+        for m in masks.values():
+            m.mask.fill_(1.0)
+    start = cost.total()
+    gen = torch.Generator().manual_seed(0)
+    signals = {k: torch.randn(m.num_channels, generator=gen).exp() for k, m in masks.items()}
+    steps = 0
+    while cost.total() > target * start:
+        report = cost.report()
+        scores = {k: fp.score(signals[k], report.marginal[k], "auto") for k in masks}
+        if fp.prune(masks, scores, cost=report, round_to=round_to, uniform=True) is None:
+            raise RuntimeError(f"uniform=True, round_to={round_to} cannot reach {target:.0%}")
+        steps += 1
+    return steps
+
+
+def networks(
+    name: str, layers: int, round_to: int, lib_round_to: int
+) -> tuple[dict[str, nn.Module], dict[str, Any]]:
     """The dense encoder and its shrunk versions by label, and what each kept."""
     build, make_input = ENCODERS[name]
     x1 = make_input(1)
@@ -133,18 +163,23 @@ def networks(name: str, layers: int, round_to: int) -> tuple[dict[str, nn.Module
     masked = copy.deepcopy(dense)
     masks = dict(fp.apply_masks(masked, x1))
     cost = fp.CostModel(masked, x1)
-    for how in ("uneven", "uniform"):
+    choose: dict[str, tuple[str, Callable[[float], float]]] = {
+        "uneven": ("zeroed", lambda target: prune_uneven(masks, cost, target)),
+        "uniform": ("kept_fraction", lambda target: prune_uniform(masks, cost, target, round_to)),
+        f"uniform=True r{lib_round_to}": (
+            "prune_steps",
+            lambda target: prune_library(masks, cost, target, lib_round_to),
+        ),
+    }
+    for how, (what, chooser) in choose.items():
         for target in TARGETS:
             t0 = time.perf_counter()
-            if how == "uneven":
-                chosen: float = prune_uneven(masks, cost, target)
-            else:
-                chosen = prune_uniform(masks, cost, target, round_to)
+            chosen = chooser(target)
             label = f"{how} {target:.0%}"
             nets[label] = fp.shrink(masked, x1).eval()
             info[label] = {
                 "flops": counted_flops(nets[label], x1),
-                "zeroed" if how == "uneven" else "kept_fraction": chosen,
+                what: chosen,
                 "widths": {k: m.kept for k, m in masks.items()},
                 "prune_s": time.perf_counter() - t0,
             }
@@ -154,7 +189,7 @@ def networks(name: str, layers: int, round_to: int) -> tuple[dict[str, nn.Module
 
 
 def run(name: str, args: argparse.Namespace) -> dict[str, Any]:
-    nets, info = networks(name, args.layers, args.round_to)
+    nets, info = networks(name, args.layers, args.round_to, args.lib_round_to)
     x = ENCODERS[name][1](args.batch)
     forms: dict[str, Any] = {}
     for label, net in nets.items():
@@ -217,6 +252,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=None, help="timed calls each (10; quick 3)")
     p.add_argument("--warmup", type=int, default=None, help="untimed calls each (2; quick 1)")
     p.add_argument("--round-to", type=int, default=64, help="uniform widths' multiple (64)")
+    p.add_argument(
+        "--lib-round-to",
+        type=int,
+        default=8,
+        help="round_to of the uniform=True networks (default 8: heads 12 -> 8, widths in 8s)",
+    )
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads (default 2)")
     p.add_argument("--layers", type=int, default=None, help="encoder blocks (12; quick 2)")
     p.add_argument(
@@ -232,8 +273,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ):
         if getattr(args, name) is None:
             setattr(args, name, quick if args.quick else full)
-    if min(args.batch, args.rounds, args.round_to, args.threads, args.layers) < 1:
-        p.error("--batch, --rounds, --round-to, --threads and --layers must be >= 1")
+    if (
+        min(args.batch, args.rounds, args.round_to, args.lib_round_to, args.threads, args.layers)
+        < 1
+    ):
+        p.error(
+            "--batch, --rounds, --round-to, --lib-round-to, --threads and --layers must be >= 1"
+        )
     if args.warmup < 0:
         p.error("--warmup must be >= 0")
     return args
@@ -258,6 +304,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "rounds": args.rounds,
                 "warmup": args.warmup,
                 "round_to": args.round_to,
+                "lib_round_to": args.lib_round_to,
                 "layers": args.layers,
                 "threads": args.threads,
                 "quick": args.quick,

@@ -16,6 +16,7 @@ from torch.func import functional_call, grad, vmap
 import fisherprune as fp
 from fisherprune.masks import layer as mask_layer
 from fisherprune.masks.points import find_holder
+from fisherprune.signals import gather
 from tests.zoo import build_transformer_sdpa, token_input
 
 RTOL = 1e-6  # float64 model, float32 mask and signal buffers (apply_masks creates them)
@@ -139,6 +140,29 @@ def test_no_host_sync_inside_the_step(monkeypatch: pytest.MonkeyPatch, state: st
     if state == "finished":  # the fold happened: pruned columns are zero again
         layer = model.mlp.fc2
         assert layer.weight[:, : layer.in_features // 2].abs().max() == 0
+
+
+def test_no_host_sync_in_the_signal_update(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A collecting step followed by ``update_pruning_signals`` reads nothing back to the host
+    while the skip verdicts are still on their way (as on a GPU, where a read would wait for
+    the device); the signals are still updated."""
+    model, masks = _masked_transformer()
+    x, y = token_input(4).double(), torch.arange(4) % 5
+    _step(model, x, y)
+    fp.update_pruning_signals(masks, decay=0.5)  # builds the caches
+    before = {k: m.signal.clone() for k, m in masks.items()}
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise _NoSync("host sync inside the step")
+
+    monkeypatch.setattr(gather.PendingFlags, "ready", lambda self: False)
+    for attr in ("item", "__bool__", "__float__", "__int__", "tolist", "cpu", "numpy"):
+        monkeypatch.setattr(torch.Tensor, attr, refuse)
+    _step(model, x, y)
+    fp.update_pruning_signals(masks, decay=0.5)  # raises _NoSync on any read-back
+    monkeypatch.undo()
+    assert all(not torch.equal(m.signal, before[k]) for k, m in masks.items())
+    fp.update_pruning_signals(masks, decay=0.5)  # reads the verdicts that landed: no warning
 
 
 def test_nothing_per_example_kept_after_the_step() -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 from collections.abc import Callable
 
 import pytest
@@ -19,6 +20,7 @@ from torch import Tensor, nn
 
 import fisherprune as fp
 from fisherprune import MaskLayer
+from fisherprune.signals import gather
 
 RTOL = 1e-9  # float64 everywhere: the only differences are summation order
 ATOL = 1e-14
@@ -292,6 +294,24 @@ def test_nan_batch_is_skipped_with_warning() -> None:
         fp.update_pruning_signals(masks, decay=0.5)
     for k, m in masks.items():
         assert torch.equal(m.signal, before[k])
+
+
+def test_nan_batch_warning_waits_for_the_verdict(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the skip verdict is still on its way to the host (a GPU), the NaN batch is skipped
+    at once and the warning comes at the first later update that finds the verdict there."""
+    model, x, y = _make("mlp")
+    masks = fp.find_masks(model)
+    _library_estimate(model, x, y, decay=0.5)
+    before = {k: m.signal.clone() for k, m in masks.items()}
+    F.cross_entropy(model(_nan_batch(x)), y).backward()
+    monkeypatch.setattr(gather.PendingFlags, "ready", lambda self: False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fp.update_pruning_signals(masks, decay=0.5)
+    assert all(torch.equal(m.signal, before[k]) for k, m in masks.items())
+    monkeypatch.undo()
+    with pytest.warns(RuntimeWarning, match="not finite"):
+        fp.update_pruning_signals(masks, decay=0.5)
 
 
 def test_clean_batch_after_nan_batch_is_exact() -> None:

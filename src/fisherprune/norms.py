@@ -199,7 +199,7 @@ def _match(mod: nn.Module) -> NormSpec | None:
             for form in _FORMS:
                 spec = replace(form, eps=eps)
                 idx = torch.arange(x.shape[-1], device=x.device)
-                want = normalise_kept(mod, spec, x, -1, idx, torch.empty_like(out))
+                want = normalise_kept(mod, spec, x, -1, idx)
                 if isinstance(out, Tensor) and torch.allclose(out, want, rtol=1e-5, atol=1e-5):
                     return spec
     except Exception:  # a module that does not take one tensor is not a norm of these forms
@@ -211,13 +211,11 @@ def _match(mod: nn.Module) -> NormSpec | None:
     return None
 
 
-def normalise_kept(
-    module: nn.Module, spec: NormSpec, x: Tensor, dim: int, idx: Tensor, output: Tensor
-) -> Tensor:
-    """``output`` (the norm's output on ``x``) with the kept positions recomputed as the shrunk
-    norm computes them: on ``x``'s kept positions along ``dim`` (one of the normalised dims;
+def normalise_kept(module: nn.Module, spec: NormSpec, x: Tensor, dim: int, idx: Tensor) -> Tensor:
+    """The norm's output on ``x`` as the shrunk norm computes it, in one pass over the kept
+    channels: normalised over ``x``'s kept positions along ``dim`` (one of the normalised dims;
     ``idx``: the kept positions, ascending), with the kept entries of the weight and bias. The
-    other positions keep their values, which mean nothing once their channels are pruned."""
+    other positions are zeros (their channels are pruned: every reader of them is masked)."""
     k = spec.trailing(module)
     xk = x.index_select(dim, idx)
     wdim = dim % x.dim() - (x.dim() - k)
@@ -240,7 +238,9 @@ def normalise_kept(
         y = y.to(x.dtype)
         y = y * weight if weight is not None else y
         y = y + bias if bias is not None else y
-    return output.index_copy(dim, idx, y.to(output.dtype))
+    if idx.numel() == x.shape[dim]:
+        return y  # every position kept
+    return y.new_zeros(x.shape).index_copy_(dim, idx, y)
 
 
 def _check_key(key: object) -> None:

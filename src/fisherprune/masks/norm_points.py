@@ -1,13 +1,18 @@
 """Norm points: a registered norm whose width has a mask takes its statistics over the kept
-channels only (``fisherprune.norms``), by a forward hook that recomputes its output.
+channels only (``fisherprune.norms``), computed once, in place of the norm's own forward.
 
-With nothing pruned the hook returns nothing, so the norm's own output stands bit for bit;
-while a tracer runs it does the same, so the trace sees the norm's own operators.
+A forward hook cannot skip the forward it follows, and a norm run over the full width and then
+corrected costs two norms forward and backward (measured 2.3x a plain LayerNorm's step on a
+BERT-base activation). So the norm point is installed as the module's instance ``forward``
+(``remove`` restores what was there): with nothing pruned, or while a tracer runs, it calls the
+norm's own forward, so its output stands bit for bit and the trace sees the norm's operators;
+once a channel is pruned it normalises the kept channels alone, exactly as the shrunk norm does.
+The module's hooks run as before (``nn.Module.__call__`` calls whatever ``forward`` is).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -22,18 +27,25 @@ __all__ = ["NormPoint"]
 
 
 class NormPoint:
-    """The forward hook of one registered norm whose input dim ``dim`` (of size ``size``)
-    carries masked channels: ``parts`` holds, for each mask, the positions it covers and the
-    mask entry each uses (positions no mask covers are always kept)."""
+    """Stands in for the ``forward`` of one registered norm ``module`` whose input dim ``dim``
+    (of size ``size``) carries masked channels: ``parts`` holds, for each mask, the positions it
+    covers and the mask entry each uses (positions no mask covers are always kept).
+
+    Changes: sets ``module.forward`` (an instance attribute) to this point; ``remove`` puts
+    back what was there before (the class's forward, or an instance ``forward`` another tool
+    set, which is also what runs while nothing is pruned).
+    """
 
     def __init__(
         self,
         module_name: str,
+        module: nn.Module,
         dim: int,
         size: int,
         parts: Sequence[tuple[MaskLayer, np.ndarray, np.ndarray]],
     ) -> None:
         self.module_name = module_name
+        self.module = module
         self.dim, self.size = dim, size
         self.parts = [
             (m, torch.as_tensor(p, dtype=torch.long), torch.as_tensor(i, dtype=torch.long))
@@ -42,6 +54,15 @@ class NormPoint:
         self._masks = list(dict.fromkeys(m for m, _, _ in self.parts))
         self._ones_cache: dict[str, Any] = {}
         self._kept: tuple[tuple[Any, ...], Tensor] | None = None
+        self._before: Callable[..., Any] | None = module.__dict__.get("forward")
+        module.forward = self  # type: ignore[method-assign]
+
+    def remove(self) -> None:
+        """Give the module back its forward (``nn.Module`` hooks' ``remove``, for the holder)."""
+        if self.module.__dict__.get("forward") is self:
+            del self.module.forward
+            if self._before is not None:
+                self.module.forward = self._before  # type: ignore[method-assign]
 
     def kept(self, device: torch.device) -> Tensor:
         """The kept positions of the normalised dim (long, ascending), recomputed only when a
@@ -56,19 +77,21 @@ class NormPoint:
         self._kept = (key, kept)
         return kept
 
-    def __call__(self, module: nn.Module, args: tuple, output: Any) -> Any:
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if tracing.active() is not None or all_ones(self._masks, self._ones_cache):
-            return None
-        spec = norm_spec(module)
-        x = args[0] if args else None
-        if spec is None or not isinstance(x, Tensor) or not isinstance(output, Tensor):
+            if self._before is not None:
+                return self._before(*args, **kwargs)
+            return type(self.module).forward(self.module, *args, **kwargs)
+        spec = norm_spec(self.module)
+        x = args[0] if len(args) == 1 and not kwargs else None
+        if spec is None or not isinstance(x, Tensor):
             raise RuntimeError(
-                f"fisherprune norm hook on {self.module_name!r} expects a registered norm called "
+                f"fisherprune masked norm {self.module_name!r} expects a registered norm called "
                 "on one tensor, as when the masks were applied; call apply_masks again"
             )
         if x.dim() <= self.dim or x.shape[self.dim] != self.size:
             raise RuntimeError(
-                f"fisherprune norm hook on {self.module_name!r}: input of shape "
+                f"fisherprune masked norm {self.module_name!r}: input of shape "
                 f"{tuple(x.shape)} has no dim {self.dim} of size {self.size}, as traced"
             )
-        return normalise_kept(module, spec, x, self.dim, self.kept(x.device), output)
+        return normalise_kept(self.module, spec, x, self.dim, self.kept(x.device))

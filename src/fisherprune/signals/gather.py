@@ -8,9 +8,9 @@ whose estimate is not finite, and fold ``factor * total / count`` into the signa
 
 from __future__ import annotations
 
-import math
 import warnings
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -19,6 +19,45 @@ from torch import Tensor
 from fisherprune.masks import MaskLayer, MaskSet, as_mask_dict
 
 __all__ = ["fold_statistics"]
+
+
+class PendingFlags:
+    """Which masks' batches were finite in one fold, copied towards the host without waiting:
+    read (and warned about) only once the copy has landed, so that a training step on a GPU
+    never waits for it. On the CPU the flags are the host tensor and ready at once."""
+
+    def __init__(self, names: list[str], ok: Tensor) -> None:
+        self.names = names
+        self.event: Any = None
+        if ok.device.type == "cuda":
+            self.flags = torch.empty(ok.shape, dtype=ok.dtype, pin_memory=True)
+            self.flags.copy_(ok, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.flags = ok.to("cpu", non_blocking=True)
+
+    def ready(self) -> bool:
+        """Whether the flags are on the host (asks the device; never waits)."""
+        return self.event is None or bool(self.event.query())
+
+
+#: flag copies not read yet, oldest first (checked at every fold, read once ready)
+_pending: list[PendingFlags] = []
+
+
+def _warn_skipped(stacklevel: int) -> None:
+    """Warn about every skipped batch whose flags reached the host; keep the others."""
+    while _pending and _pending[0].ready():
+        done = _pending.pop(0)
+        for name, ok in zip(done.names, done.flags.tolist(), strict=True):
+            if not ok:
+                warnings.warn(
+                    f"mask {name!r}: the batch's pruning-signal estimate is not finite (NaN or "
+                    "inf gradients); this batch is skipped and the signal is unchanged",
+                    RuntimeWarning,
+                    stacklevel=stacklevel,
+                )
 
 
 def fold_statistics(
@@ -33,7 +72,9 @@ def fold_statistics(
 ) -> list[Tensor]:
     """``signal <- decay * signal + (1 - decay) * factor * mean_n statistic(g_n)`` in place for
     every mask that received gradients since the last call; their gathered statistics are
-    cleared. A batch whose estimate is not finite is skipped for that mask, with a warning.
+    cleared. A batch whose estimate is not finite is skipped for that mask (decided on the
+    device), with a warning once that verdict reaches the host: at once on the CPU, at a later
+    call on a GPU (nothing here waits for the device).
 
     Args:
         masks: the masks, as ``{name: MaskLayer}`` or a sequence.
@@ -57,31 +98,9 @@ def fold_statistics(
         if stats is not None:
             total, scale, count = stats
             ready.append((name, m, total, factor * scale / count))
-    if ready and not _all_finite([t for _, _, t, _ in ready]):
-        kept = []
-        for entry in ready:
-            if bool(torch.isfinite(entry[2]).all()):
-                kept.append(entry)
-                continue
-            warnings.warn(
-                f"mask {entry[0]!r}: the batch's pruning-signal estimate is not finite (NaN or "
-                "inf gradients); this batch is skipped and the signal is unchanged",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-        ready = kept
     _fold_into_signals(ready, float(decay))
+    _warn_skipped(stacklevel=4)
     return [m.signal for m in md.values()]
-
-
-def _all_finite(totals: list[Tensor]) -> bool:
-    """Whether every entry of every tensor is finite, with one host sync when they share a
-    device: the totals are sums of non-negative statistics, so their grand total is finite
-    exactly when each entry is (an overflow of the grand total only costs the caller the
-    per-mask check)."""
-    if any(t.device != totals[0].device for t in totals):
-        return all(bool(torch.isfinite(t).all()) for t in totals)
-    return math.isfinite(float(torch.cat(totals).sum()))
 
 
 def _all_reduce(
@@ -96,14 +115,19 @@ def _all_reduce(
 
 
 def _fold_into_signals(ready: list[tuple[str, MaskLayer, Tensor, float]], decay: float) -> None:
-    """``signal <- decay * signal + (1 - decay) * factor * total`` for each entry, in place;
-    entries sharing a factor, dtype and device are updated by one multi-tensor operation."""
-    groups: dict[tuple[float, torch.dtype, torch.device], list[tuple[Tensor, Tensor]]] = {}
-    for _, m, total, factor in ready:
-        key = (factor, m.signal.dtype, m.signal.device)
-        groups.setdefault(key, []).append((m.signal, total.to(m.signal)))
+    """``signal <- decay * signal + (1 - decay) * factor * total`` for each entry whose total
+    is finite, in place and on the device (no host read); the finiteness of each group's
+    totals (one per dtype and device) goes to ``_pending``. The totals are sums of
+    non-negative statistics, so one is finite exactly when its sum is."""
+    groups: dict[tuple[torch.dtype, torch.device], list[tuple[str, Tensor, Tensor, float]]] = {}
+    for name, m, total, factor in ready:
+        key = (m.signal.dtype, m.signal.device)
+        groups.setdefault(key, []).append((name, m.signal, total.to(m.signal), factor))
     with torch.no_grad():
-        for (factor, _, _), pairs in groups.items():
-            signals = [sig for sig, _ in pairs]
-            torch._foreach_mul_(signals, decay)
-            torch._foreach_add_(signals, [t for _, t in pairs], alpha=(1.0 - decay) * factor)
+        for entries in groups.values():
+            totals = [t for _, _, t, _ in entries]
+            ok = torch.stack(torch._foreach_norm(totals, 1)).isfinite()
+            for (_, sig, total, factor), fine in zip(entries, ok.unbind(), strict=True):
+                moved = torch.lerp(sig, total * factor, 1.0 - decay)
+                sig.copy_(torch.where(fine, moved, sig))
+            _pending.append(PendingFlags([name for name, _, _, _ in entries], ok))
