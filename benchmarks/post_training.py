@@ -19,7 +19,10 @@ the importance differs): Fisher with labels, label-free Fisher (labels sampled f
 Taylor (labels), L1 of the producing weights, random; each without and with the repair (the
 same channels: the repair runs after the no-repair measurement). 3 seeds (the calibration
 subset, the label-free sampling and the random criterion's stream change with the seed).
-Torch-Pruning's importance criteria are not run (not installed; see the report).
+Torch-Pruning's weight-based importance estimators (``tp_group_l2``: its default group L2
+norm; ``tp_lamp``: LAMP) score the same channels through an adapter (``TorchPruning``) when
+``torch-pruning`` is installed: only the importances are Torch-Pruning's, the selection and
+the repair are ours, so the comparison is of criteria at equal FLOPs.
 
 ``python benchmarks/post_training.py [--quick]`` writes ``benchmarks/results/post_training.json``
 (``_quick`` with ``--quick``: one seed, 50% only, small calibration) and
@@ -48,7 +51,7 @@ from torch import Tensor, nn
 
 import fisherprune as fp
 from fisherprune.calibrate import repair_consumers
-from fisherprune.criteria import L1, Fisher, Random, Taylor
+from fisherprune.criteria import L1, Criterion, Fisher, Random, Taylor, groups_of
 from fisherprune.distill import finetune, frozen_teacher
 from fisherprune.modes import eval_mode
 from fisherprune.train.data import DataSpec, load_data
@@ -62,6 +65,10 @@ try:
 except ImportError:  # pragma: no cover
     transformers = None
 try:
+    import torch_pruning as tp
+except ImportError:  # pragma: no cover
+    tp = None
+try:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -73,13 +80,79 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 TARGETS = (0.75, 0.5, 0.33)
 
-#: method -> (criterion factory from the seed, uses labels)
-METHODS: dict[str, tuple[Callable[[int], Any], bool]] = {
-    "fisher": (lambda s: Fisher(), True),
-    "fisher_label_free": (lambda s: Fisher(), False),
-    "taylor": (lambda s: Taylor(), True),
-    "l1": (lambda s: L1(), True),
-    "random": (lambda s: Random(seed=1000 + s), True),
+# ---------------------------------------------------------------- Torch-Pruning's importances
+class TorchPruning(Criterion):
+    """Torch-Pruning's importance estimator (``torch_pruning.importance``) as a criterion of
+    our selection: per mask, for each layer that produces its channels, Torch-Pruning's
+    dependency graph (built once on an unmasked copy of the dense model) gives the pruning
+    group of that layer's output channels and the estimator one score per output channel;
+    the scores are summed into the mask's channels (a head's channels into the head). Our
+    cost-weighted selection then ranks them like any other criterion's.
+
+    Args:
+        estimator: a Torch-Pruning ``Importance`` reading weights only (no gradients).
+        dense: the unmasked dense model.
+        example: inputs to trace it with.
+    """
+
+    def __init__(self, estimator: Any, dense: nn.Module, example: Any) -> None:
+        super().__init__("none")
+        self.estimator = estimator
+        self.net = copy.deepcopy(dense).eval()
+        self.graph = tp.DependencyGraph().build_dependency(self.net, example_inputs=example)
+
+    @torch.no_grad()
+    def importance(self, masks: Any, model: nn.Module) -> dict[str, Tensor]:
+        groups = groups_of(masks, model)
+        modules = dict(self.net.named_modules())
+        out: dict[str, Tensor] = {}
+        for name, mask in masks.items():
+            scores = torch.zeros(mask.num_channels, dtype=torch.float64)
+            for (pname, dim), channel in groups[name].members.items():
+                module, _, leaf = pname.rpartition(".")
+                layer = modules.get(module)
+                if leaf != "weight" or dim != 0 or module not in groups[name].producers:
+                    continue
+                if not isinstance(layer, (nn.Linear, nn.Conv2d)):
+                    continue
+                fn = (
+                    tp.prune_linear_out_channels
+                    if isinstance(layer, nn.Linear)
+                    else tp.prune_conv_out_channels
+                )
+                group = self.graph.get_pruning_group(
+                    layer, fn, idxs=list(range(layer.weight.shape[0]))
+                )
+                imp = self.estimator(group).double().cpu()  # (out channels,)
+                idx = torch.as_tensor(channel, dtype=torch.long)
+                keep = idx >= 0
+                scores.index_add_(0, idx[keep], imp[keep])
+            out[name] = scores
+        return out
+
+
+def _tp_methods() -> dict[str, Callable[[int], Any]]:
+    """Torch-Pruning's weight-based estimators, each built for one dense model and example."""
+    if tp is None:
+        return {}
+    return {
+        # its default: group L2 norm, mean over the coupled layers, mean-normalised
+        "tp_group_l2": lambda: tp.importance.GroupMagnitudeImportance(p=2),
+        "tp_lamp": lambda: tp.importance.LAMPImportance(p=2),
+    }
+
+
+#: method -> (criterion factory from the seed, the dense model and an example input; uses labels)
+METHODS: dict[str, tuple[Callable[[int, nn.Module, Any], Criterion], bool]] = {
+    "fisher": (lambda s, d, e: Fisher(), True),
+    "fisher_label_free": (lambda s, d, e: Fisher(), False),
+    "taylor": (lambda s, d, e: Taylor(), True),
+    "l1": (lambda s, d, e: L1(), True),
+    "random": (lambda s, d, e: Random(seed=1000 + s), True),
+    **{
+        name: (lambda s, d, e, make=make: TorchPruning(make(), d, e), True)
+        for name, make in _tp_methods().items()
+    },
 }
 
 
@@ -105,7 +178,7 @@ def _run(
         batches,
         target,
         loss_fn=loss_fn if labelled else None,
-        criterion=make(seed),
+        criterion=make(seed, dense, example),
         reconstruct=False,
         task=task,
         seed=seed,

@@ -73,7 +73,7 @@ def test_linear_refit_equals_numpy_least_squares() -> None:
         h.remove()
     _prune_some(masks)
     report = repair_consumers(
-        net, _batches(x, 64), dense, ridge=0.0, rows_per_weight=0, sequential=False
+        net, _batches(x, 64), dense, ridge=0.0, rows_per_weight=0, sequential=False, holdout=0.0
     )
     assert set(report.layers) == {"2", "4"} and report.examples == 200
     assert set(report.modes.values()) == {"weights"}
@@ -198,7 +198,7 @@ def test_channel_scales_equal_numpy_least_squares() -> None:
     h.remove()
     w0 = layer.weight.detach().numpy().copy()
     _prune_some(masks)
-    report = repair_consumers(net, _batches(x, 20), dense, ridge=0.0, sequential=False)
+    report = repair_consumers(net, _batches(x, 20), dense, ridge=0.0, sequential=False, holdout=0.0)
     assert report.modes["4"] == "scales"
     keep = (next(m for m in masks.values() if m.num_channels == 8).mask > 0.5).numpy()
     xk, wk, y = seen["x"][:, keep], w0[:, keep], seen["y"]
@@ -232,7 +232,9 @@ def test_sequential_refit_uses_the_repaired_models_inputs() -> None:
         net(x)
     y = seen["y"]
     _prune_some(masks)
-    report = repair_consumers(net, _batches(x, 64), dense, ridge=0.0, rows_per_weight=0)
+    report = repair_consumers(
+        net, _batches(x, 64), dense, ridge=0.0, rows_per_weight=0, holdout=0.0
+    )
     assert set(report.layers) == {"2", "4"}
     w = layer.weight.detach().numpy().copy()
     with torch.no_grad():
