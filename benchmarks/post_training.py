@@ -80,6 +80,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 TARGETS = (0.75, 0.5, 0.33)
 
+
 # ---------------------------------------------------------------- Torch-Pruning's importances
 class TorchPruning(Criterion):
     """Torch-Pruning's importance estimator (``torch_pruning.importance``) as a criterion of
@@ -356,8 +357,10 @@ def minilm_rows(args: argparse.Namespace) -> dict[str, Any]:
         pick = rng.choice(
             len(calib_all), size=min(args.calib_sentences, len(calib_all)), replace=False
         )
-        calib = [calib_all[i] for i in sorted(pick)]
-        batches = [(enc(calib[i : i + 32]), None) for i in range(0, len(calib), 32)]
+        # batches of similar lengths (little padding), in a seeded order
+        calib = sorted((calib_all[i] for i in pick), key=lambda t: len(tok.tokenize(t)))
+        batches = [(enc(calib[i : i + 16]), None) for i in range(0, len(calib), 16)]
+        batches = [batches[i] for i in rng.permutation(len(batches))]
         example = {k: v[:1] for k, v in batches[0][0].items()}
         for target in args.targets:
             for method in methods:
@@ -502,6 +505,31 @@ def plot(results: dict[str, Any], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def combine(paths: list[Path], out: Path) -> int:
+    """Merge the rows of several result files (same benchmark names: rows appended) into
+    ``out``, with each benchmark's summary recomputed and the plot."""
+    parts = [json.loads(p.read_text()) for p in paths]
+    results = {
+        **parts[0],
+        "parts": [{"file": p.name, **d["settings"]} for p, d in zip(paths, parts, strict=True)],
+    }
+    results["benchmarks"] = {}
+    for d in parts:
+        for name, bench in d["benchmarks"].items():
+            if name in results["benchmarks"]:
+                merged = results["benchmarks"][name]
+                merged["rows"] += bench["rows"]
+                merged["seconds"] += bench["seconds"]
+            else:
+                results["benchmarks"][name] = copy.deepcopy(bench)
+    for bench in results["benchmarks"].values():
+        bench["summary"] = summary(bench["rows"], bench["metric"])
+    write_json(out, results)
+    plot(results, ROOT / "docs" / f"{out.stem}.png")
+    print(f"wrote {out}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="one seed, 50%% only, small calibration")
@@ -525,6 +553,14 @@ def main(argv: list[str] | None = None) -> int:
         help="only time prune_to_target on a ResNet-50 with IMAGES calibration images",
     )
     p.add_argument("--out", type=Path)
+    p.add_argument(
+        "--combine",
+        type=Path,
+        nargs="+",
+        metavar="JSON",
+        help="only merge the rows of these result files (runs split by benchmark, target or "
+        "seed) into --out, with the summary and the plot",
+    )
     args = p.parse_args(argv)
     args.targets = (0.5,) if args.quick else TARGETS
     if args.targets_arg:
@@ -534,6 +570,8 @@ def main(argv: list[str] | None = None) -> int:
         args.seeds, args.calibration, args.calib_sentences = 1, 300, 64
         args.eval_sentences, args.finetune_steps = 200, 30
     torch.set_num_threads(2)
+    if args.combine:
+        return combine(args.combine, args.out or RESULTS / "post_training.json")
     if args.speed:
         write_json(args.out or RESULTS / "post_training_speed.json", speed(args.speed))
         return 0
