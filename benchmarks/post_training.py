@@ -239,7 +239,13 @@ def cnn_rows(name: str, args: argparse.Namespace) -> dict[str, Any]:
     measure = _accuracy(data.x_eval, data.y_eval)
     dense_acc = measure(dense)["accuracy"]
     print(f"{name}: dense test accuracy {dense_acc:.4f} (trained {train_s:.0f} s)", flush=True)
-    rows = []
+    rows: list[dict[str, Any]] = []
+    bench = {
+        "dense": {"accuracy": dense_acc},
+        "train_seconds": train_s,
+        "rows": rows,
+        "examples": {"train": int(data.x_train.shape[0]), "test": int(data.x_eval.shape[0])},
+    }
     for seed in range(args.seeds):
         g = torch.Generator().manual_seed(seed)
         idx = torch.randperm(data.x_train.shape[0], generator=g)[: args.calibration]
@@ -273,12 +279,8 @@ def cnn_rows(name: str, args: argparse.Namespace) -> dict[str, Any]:
                     row["repair_finetuned"] = measure(model)
                 rows.append(row)
                 _print_row(name, row)
-    return {
-        "dense": {"accuracy": dense_acc},
-        "train_seconds": train_s,
-        "rows": rows,
-        "examples": {"train": int(data.x_train.shape[0]), "test": int(data.x_eval.shape[0])},
-    }
+                _checkpoint(args, name, bench, "accuracy")
+    return bench
 
 
 # ------------------------------------------------------------------------------ MiniLM
@@ -350,7 +352,8 @@ def minilm_rows(args: argparse.Namespace) -> dict[str, Any]:
             "nn_agreement": float((_nearest(e) == ref_nn).double().mean()),
         }
 
-    rows = []
+    rows: list[dict[str, Any]] = []
+    bench = {"sentences": {"calibration": args.calib_sentences, "eval": len(evals)}, "rows": rows}
     methods = [m for m in args.methods if m != "fisher"]  # no labels: Fisher is label-free
     for seed in range(args.seeds):
         rng = np.random.default_rng(seed)
@@ -369,7 +372,8 @@ def minilm_rows(args: argparse.Namespace) -> dict[str, Any]:
                 )
                 rows.append(row)
                 _print_row("minilm", row)
-    return {"sentences": {"calibration": args.calib_sentences, "eval": len(evals)}, "rows": rows}
+                _checkpoint(args, "minilm", bench, "cosine")
+    return bench
 
 
 def _nearest(e: Tensor) -> Tensor:
@@ -425,9 +429,11 @@ class ResNet50(nn.Module):
         return self.fc(self.layers(self.stem(x)).mean((2, 3)))
 
 
-def speed(images: int) -> dict[str, Any]:
-    """Time prune_to_target (label-free Fisher, 50% FLOPs, repair) on a ResNet-50 (random
-    weights: the time does not depend on them) with ``images`` calibration images at 224."""
+def speed(images: int, criterion: str) -> dict[str, Any]:
+    """Time prune_to_target (``criterion``, label-free for Fisher, 50% FLOPs, repair) on a
+    ResNet-50 (random weights: the time does not depend on them) with ``images`` calibration
+    images at 224; with ``"l1"`` no signal pass runs, so the time is the selection's and the
+    repair's. Wall and process CPU seconds (the machine may be shared)."""
     torch.manual_seed(0)
     net = ResNet50().eval()
     x = torch.randn(images, 3, 224, 224)
@@ -435,9 +441,14 @@ def speed(images: int) -> dict[str, Any]:
     t = time.perf_counter()
     fp.apply_masks(net, x[:1])
     apply_s = time.perf_counter() - t
-    result = fp.prune_to_target(net, x[:1], batches, "50%")
+    cpu = time.process_time()
+    result = fp.prune_to_target(net, x[:1], batches, "50%", criterion=criterion)
     out = {
         "images": images,
+        "criterion": criterion,
+        "cpu_seconds": time.process_time() - cpu,
+        "repaired_layers": len(result.repair.layers) if result.repair else 0,
+        "repair_skipped": result.repair.skipped if result.repair else {},
         "apply_masks_seconds": apply_s,
         "seconds": result.seconds,
         "phase_seconds": result.phase_seconds,
@@ -450,6 +461,14 @@ def speed(images: int) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------- output
+def _checkpoint(args: argparse.Namespace, name: str, bench: dict[str, Any], metric: str) -> None:
+    """Write the results so far (this benchmark marked incomplete): a run cut short keeps
+    every row it measured."""
+    part = {**bench, "metric": metric, "summary": summary(bench["rows"], metric)}
+    args.results["benchmarks"][name] = {**part, "complete": False, "seconds": 0.0}
+    write_json(args.out_path, args.results)
+
+
 def _print_row(what: str, row: dict[str, Any]) -> None:
     metric = next(iter(row["repair"]))
     ft = row.get("repair_finetuned", {}).get(metric)
@@ -552,6 +571,7 @@ def main(argv: list[str] | None = None) -> int:
         metavar="IMAGES",
         help="only time prune_to_target on a ResNet-50 with IMAGES calibration images",
     )
+    p.add_argument("--speed_criterion", default="l1", help="criterion of --speed")
     p.add_argument("--out", type=Path)
     p.add_argument(
         "--combine",
@@ -573,7 +593,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.combine:
         return combine(args.combine, args.out or RESULTS / "post_training.json")
     if args.speed:
-        write_json(args.out or RESULTS / "post_training_speed.json", speed(args.speed))
+        out = args.out or RESULTS / "post_training_resnet50_repair.json"
+        write_json(out, speed(args.speed, args.speed_criterion))
         return 0
     which = args.only or ["digits", "mnist5k", "minilm"]
     results: dict[str, Any] = {
@@ -585,6 +606,8 @@ def main(argv: list[str] | None = None) -> int:
         "benchmarks": {},
     }
     results["settings"]["targets"] = list(args.targets)
+    out = args.out or RESULTS / ("post_training_quick.json" if args.quick else "post_training.json")
+    args.results, args.out_path = results, out
     for name in which:
         t = time.perf_counter()
         if name == "minilm":
@@ -598,7 +621,6 @@ def main(argv: list[str] | None = None) -> int:
         bench["summary"] = summary(bench["rows"], metric)
         bench["seconds"] = time.perf_counter() - t
         results["benchmarks"][name] = bench
-    out = args.out or RESULTS / ("post_training_quick.json" if args.quick else "post_training.json")
     write_json(out, results)
     plot(results, ROOT / "docs" / f"{out.stem}.png")
     print(f"wrote {out}")

@@ -62,7 +62,7 @@ class RepairReport:
             over the dense output's sum of squares, with the original kept weights and with
             the refitted ones.
         skipped: modules that read removed channels but were left as they are, and why.
-        examples: calibration examples the fit saw.
+        examples: calibration examples read (fitted on and held out).
         modes: per repaired module, ``"weights"`` (every kept weight refitted) or ``"scales"``
             (one scale per kept input channel).
         held_out: the relative squared error of the model's outputs against the dense
@@ -159,7 +159,9 @@ def repair_consumers(
     fits = layer_fits(model, positions, max_features, report.skipped)
     if not fits:
         return report
-    fitting, held = _split(list(batches), holdout)
+    data = list(batches)
+    report.examples = sum(batch_size(inputs) for inputs, _ in data)
+    fitting, held = _split(data, holdout)
     chosen = {n: m.mask.detach().clone() for n, m in masks.items()}
     originals = {
         f"{'' if name == '<model>' else name + '.'}{k}": p
@@ -209,7 +211,7 @@ def repair_consumers(
                 order = [[n for st in order for n in st]]
             best = start = held_error() if held else 0.0
             for st in progress(order) if progress else order:
-                _fit_stage(st, fits, fitting, sequence, sequential, two_forwards, report)
+                _fit_stage(st, fits, fitting, sequence, sequential, two_forwards)
                 for name in st:
                     _solve(name, fits[name], ridge, rows_per_weight, report)
                 if held:
@@ -233,7 +235,6 @@ def _fit_stage(
     sequence: list[str],
     sequential: bool,
     two_forwards: Callable[[Any, list[LayerFit], Stop], None],
-    report: RepairReport,
 ) -> None:
     """Stream one stage's sums over ``batches`` (hooks on the stage's layers only)."""
     end, calls = stop_point(stage, sequence)
@@ -243,10 +244,8 @@ def _fit_stage(
     try:
         for name in stage:
             fits[name].dense_inputs = not sequential
-        report.examples = 0
         for inputs, _ in batches:
             two_forwards(inputs, [fits[n] for n in stage], stop)
-            report.examples += batch_size(inputs)
     finally:
         for h in handles:
             h.remove()
