@@ -1263,6 +1263,12 @@ def post_training_section(runs: Sequence[tuple[str, dict[str, Any]]], out: Path)
             dense = bench.get("dense", {}).get(bench["metric"])
             head = f"### {name}" + (f" (dense {bench['metric']} {dense:.4f})" if dense else "")
             lines += [head, ""]
+            if bench.get("complete") is False:
+                lines += [
+                    f"**Cut short**: {len(bench['rows'])} runs measured of those the settings "
+                    "above plan; the table holds only those.",
+                    "",
+                ]
             header = ["FLOPs kept", "method"]
             variants = [v for v in VARIANTS if any(k[2] == v for k in cells)]
             header += [f"{m}: {v.replace('_', ' ')}" for m in metrics for v in variants]
