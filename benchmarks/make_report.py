@@ -1203,10 +1203,12 @@ def _post_findings(name: str, cells: dict[tuple, list[float]], metric: str) -> l
     out = [
         f"**{name} at 50% of FLOPs** ({metric}): the repair raises it for "
         + (", ".join(helped) or "no criterion")
-        + (f", and lowers it for {', '.join(hurt)}" if hurt else " (every criterion)")
+        + (f", and lowers it for {', '.join(hurt)}" if hurt else " (every criterion measured)")
         + "."
     ]
-    if fisher is not None:
+    if fisher is not None and not any(mean(m, "repair") for m in ("l1", "random")):
+        out[-1] += " L1 and random were not measured at 50% in this run."
+    elif fisher is not None:
         f = mean(fisher, "repair") or 0.0
         rivals = {m: mean(m, "repair") for m in ("l1", "random") if mean(m, "repair") is not None}
         beats = [m for m, v in rivals.items() if v is not None and f > v]
