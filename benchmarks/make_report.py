@@ -1216,53 +1216,140 @@ def _tables_findings(rows: list[dict[str, Any]]) -> list[str]:
     return out
 
 
-def _mean_sd(entry: dict[str, Any] | None) -> str:
-    if entry is None:
+VARIANTS = ("no_repair", "repair", "repair_finetuned")
+
+
+def _post_cells(rows: list[dict[str, Any]], metrics: Sequence[str]) -> dict[tuple, list[float]]:
+    """Per (target, method, variant, metric) the values over seeds."""
+    cells: dict[tuple, list[float]] = {}
+    for r in rows:
+        for variant in VARIANTS:
+            for metric in metrics:
+                if metric in r.get(variant, {}):
+                    key = (r["target"], r["method"], variant, metric)
+                    cells.setdefault(key, []).append(r[variant][metric])
+    return cells
+
+
+def _cell(values: list[float] | None) -> str:
+    if not values:
         return "-"
-    return f"{entry['mean']:.3f} ± {entry['std']:.3f}" if entry["std"] else f"{entry['mean']:.3f}"
+    mean = statistics.fmean(values)
+    return f"{mean:.3f} ± {statistics.stdev(values):.3f}" if len(values) > 1 else f"{mean:.3f}"
+
+
+def _post_findings(name: str, cells: dict[tuple, list[float]], metric: str) -> list[str]:
+    """What the 50% rows say: does repair help each criterion, does Fisher beat L1 and random."""
+
+    def mean(method: str, variant: str) -> float | None:
+        v = cells.get((0.5, method, variant, metric))
+        return statistics.fmean(v) if v else None
+
+    methods = sorted({k[1] for k in cells if k[0] == 0.5})
+    if not methods:
+        return []
+    helped = [m for m in methods if (mean(m, "repair") or 0) > (mean(m, "no_repair") or 0)]
+    hurt = [m for m in methods if m not in helped]
+    fisher = max(
+        (m for m in ("fisher", "fisher_label_free") if mean(m, "repair") is not None),
+        key=lambda m: mean(m, "repair") or 0,
+        default=None,
+    )
+    out = [
+        f"**{name} at 50% of FLOPs** ({metric}): the repair raises it for "
+        + (", ".join(helped) or "no criterion")
+        + (f", and lowers it for {', '.join(hurt)}" if hurt else " (every criterion measured)")
+        + "."
+    ]
+    if fisher is not None and not any(mean(m, "repair") for m in ("l1", "random")):
+        out[-1] += " L1 and random were not measured at 50% in this run."
+    elif fisher is not None:
+        f = mean(fisher, "repair") or 0.0
+        rivals = {m: mean(m, "repair") for m in ("l1", "random") if mean(m, "repair") is not None}
+        beats = [m for m, v in rivals.items() if v is not None and f > v]
+        loses = [m for m in rivals if m not in beats]
+        out[-1] += f" With repair, {fisher} ({f:.3f}) " + (
+            f"beats {' and '.join(beats)}" if beats else "beats neither L1 nor random"
+        )
+        out[-1] += (
+            f" but not {' and '.join(loses)}"
+            + "".join(f" ({m} {rivals[m]:.3f})" for m in loses)
+            + "."
+            if loses and beats
+            else "."
+        )
+    return [*out, ""]
 
 
 def post_training_section(runs: Sequence[tuple[str, dict[str, Any]]], out: Path) -> list[str]:
-    """Pruning trained models without training: one table per benchmark, mean ± sd over seeds."""
+    """Pruning trained models without training: per benchmark a table of every metric, mean ±
+    sd over seeds, without and with the repair; what the 50% rows say; the ResNet-50 repair
+    time (``post_training_resnet50_repair.json``)."""
     lines = [
         "## Pruning a trained model (no training)",
         "",
         "`benchmarks/post_training.py`: `fisherprune.prune_to_target` on trained models, every "
         "criterion with the same cost-weighted selection, without and with the least-squares "
         "repair (the same channels), mean ± sd over seeds (calibration subset, label-free "
-        "sampling and random stream). CNNs: test accuracy, and at 50% after a 100-step "
-        "fine-tune distilled from the dense model; MiniLM: cosine similarity of the sentence "
-        "embeddings to the dense model's and nearest-neighbour agreement on scikit-learn's "
-        "data-set descriptions, calibrated on Python's documentation.",
+        "sampling and random stream). CNNs trained here: test accuracy, and at 50% after a "
+        "short fine-tune distilled from the dense model; MiniLM (pretrained, no fine-tuning): "
+        "cosine similarity of the sentence embeddings to the dense model's and nearest-neighbour "
+        "agreement on scikit-learn's data-set descriptions, calibrated on Python's "
+        "documentation. `tp_*`: Torch-Pruning's importance estimators scoring our channels "
+        "(only the importance is theirs; selection and repair are ours).",
         "",
     ]
     for file, run in runs:
+        if "benchmarks" not in run:
+            continue
         png = DOCS / f"{Path(file).stem}.png"
         if png.is_file():
             lines += [f"![post-training pruning, {file}]({_rel(png, out)})", ""]
-        for name, bench in run["benchmarks"].items():
-            metric, summ = bench["metric"], bench["summary"]
-            dense = bench.get("dense", {}).get(metric)
-            head = f"### {name} ({metric}" + (f", dense {dense:.4f}" if dense else "") + ")"
-            lines += [head, "", f"From `{file}`, {run['settings']['seeds']} seed(s).", ""]
-            rows = []
-            for key in sorted(
-                {k.rsplit("|", 1)[0] for k in summ}, key=lambda k: (-float(k.split("|")[0]), k)
-            ):
-                target, method = key.split("|")
-                rows.append(
-                    [
-                        target,
-                        method,
-                        _mean_sd(summ.get(f"{key}|no_repair")),
-                        _mean_sd(summ.get(f"{key}|repair")),
-                        _mean_sd(summ.get(f"{key}|repair_finetuned")),
-                    ]
-                )
-            lines += _table(
-                ["FLOPs kept", "method", "no repair", "repair", "repair + distilled"], rows
+        for part in run.get("parts", [run["settings"]]):
+            lines.append(
+                f"- `{part.get('file', file)}`: {', '.join(part.get('only') or ['all'])}, "
+                f"{part['seeds']} seed(s), targets {part['targets']}, CNN epochs "
+                f"{part['epochs']} and {part['calibration']} calibration images, MiniLM "
+                f"{part['calib_sentences']} calibration / {part['eval_sentences']} evaluation "
+                f"sentences, {part['finetune_steps']} distillation steps"
             )
+        lines.append("")
+        for name, bench in run["benchmarks"].items():
+            metrics = [bench["metric"]] + (["nn_agreement"] if bench["metric"] == "cosine" else [])
+            cells = _post_cells(bench["rows"], metrics)
+            dense = bench.get("dense", {}).get(bench["metric"])
+            head = f"### {name}" + (f" (dense {bench['metric']} {dense:.4f})" if dense else "")
+            lines += [head, ""]
+            if bench.get("complete") is False:
+                lines += [
+                    f"**Cut short**: {len(bench['rows'])} runs measured of those the settings "
+                    "above plan; the table holds only those.",
+                    "",
+                ]
+            header = ["FLOPs kept", "method"]
+            variants = [v for v in VARIANTS if any(k[2] == v for k in cells)]
+            header += [f"{m}: {v.replace('_', ' ')}" for m in metrics for v in variants]
+            table = []
+            for target, method in sorted({k[:2] for k in cells}, key=lambda k: (-k[0], k[1])):
+                table.append(
+                    [target, method]
+                    + [_cell(cells.get((target, method, v, m))) for m in metrics for v in variants]
+                )
+            lines += _table(header, table)
             lines.append("")
+            lines += _post_findings(name, cells, bench["metric"])
+    for file, run in runs:
+        if "phase_seconds" in run:
+            ph = run["phase_seconds"]
+            lines += [
+                f"ResNet-50 (random weights, {run['images']} calibration images at 224, "
+                f"criterion {run['criterion']}, 50% of FLOPs): repair {ph['repair']:.0f} s "
+                f"({run['repaired_layers']} layers), selection {ph['selection']:.0f} s, "
+                f"signals {ph['signals']:.0f} s; {run['seconds']:.0f} s wall, "
+                f"{run['cpu_seconds']:.0f} s process CPU on a shared 2-core machine "
+                f"(`{file}`).",
+                "",
+            ]
     return lines
 
 

@@ -19,7 +19,10 @@ the importance differs): Fisher with labels, label-free Fisher (labels sampled f
 Taylor (labels), L1 of the producing weights, random; each without and with the repair (the
 same channels: the repair runs after the no-repair measurement). 3 seeds (the calibration
 subset, the label-free sampling and the random criterion's stream change with the seed).
-Torch-Pruning's importance criteria are not run (not installed; see the report).
+Torch-Pruning's weight-based importance estimators (``tp_group_l2``: its default group L2
+norm; ``tp_lamp``: LAMP) score the same channels through an adapter (``TorchPruning``) when
+``torch-pruning`` is installed: only the importances are Torch-Pruning's, the selection and
+the repair are ours, so the comparison is of criteria at equal FLOPs.
 
 ``python benchmarks/post_training.py [--quick]`` writes ``benchmarks/results/post_training.json``
 (``_quick`` with ``--quick``: one seed, 50% only, small calibration) and
@@ -48,7 +51,7 @@ from torch import Tensor, nn
 
 import fisherprune as fp
 from fisherprune.calibrate import repair_consumers
-from fisherprune.criteria import L1, Fisher, Random, Taylor
+from fisherprune.criteria import L1, Criterion, Fisher, Random, Taylor, groups_of
 from fisherprune.distill import finetune, frozen_teacher
 from fisherprune.modes import eval_mode
 from fisherprune.train.data import DataSpec, load_data
@@ -62,6 +65,10 @@ try:
 except ImportError:  # pragma: no cover
     transformers = None
 try:
+    import torch_pruning as tp
+except ImportError:  # pragma: no cover
+    tp = None
+try:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -73,13 +80,80 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 TARGETS = (0.75, 0.5, 0.33)
 
-#: method -> (criterion factory from the seed, uses labels)
-METHODS: dict[str, tuple[Callable[[int], Any], bool]] = {
-    "fisher": (lambda s: Fisher(), True),
-    "fisher_label_free": (lambda s: Fisher(), False),
-    "taylor": (lambda s: Taylor(), True),
-    "l1": (lambda s: L1(), True),
-    "random": (lambda s: Random(seed=1000 + s), True),
+
+# ---------------------------------------------------------------- Torch-Pruning's importances
+class TorchPruning(Criterion):
+    """Torch-Pruning's importance estimator (``torch_pruning.importance``) as a criterion of
+    our selection: per mask, for each layer that produces its channels, Torch-Pruning's
+    dependency graph (built once on an unmasked copy of the dense model) gives the pruning
+    group of that layer's output channels and the estimator one score per output channel;
+    the scores are summed into the mask's channels (a head's channels into the head). Our
+    cost-weighted selection then ranks them like any other criterion's.
+
+    Args:
+        estimator: a Torch-Pruning ``Importance`` reading weights only (no gradients).
+        dense: the unmasked dense model.
+        example: inputs to trace it with.
+    """
+
+    def __init__(self, estimator: Any, dense: nn.Module, example: Any) -> None:
+        super().__init__("none")
+        self.estimator = estimator
+        self.net = copy.deepcopy(dense).eval()
+        self.graph = tp.DependencyGraph().build_dependency(self.net, example_inputs=example)
+
+    @torch.no_grad()
+    def importance(self, masks: Any, model: nn.Module) -> dict[str, Tensor]:
+        groups = groups_of(masks, model)
+        modules = dict(self.net.named_modules())
+        out: dict[str, Tensor] = {}
+        for name, mask in masks.items():
+            scores = torch.zeros(mask.num_channels, dtype=torch.float64)
+            for (pname, dim), channel in groups[name].members.items():
+                module, _, leaf = pname.rpartition(".")
+                layer = modules.get(module)
+                if leaf != "weight" or dim != 0 or module not in groups[name].producers:
+                    continue
+                if not isinstance(layer, (nn.Linear, nn.Conv2d)):
+                    continue
+                fn = (
+                    tp.prune_linear_out_channels
+                    if isinstance(layer, nn.Linear)
+                    else tp.prune_conv_out_channels
+                )
+                group = self.graph.get_pruning_group(
+                    layer, fn, idxs=list(range(layer.weight.shape[0]))
+                )
+                imp = self.estimator(group).double().cpu()  # (out channels,)
+                idx = torch.as_tensor(channel, dtype=torch.long)
+                keep = idx >= 0
+                scores.index_add_(0, idx[keep], imp[keep])
+            out[name] = scores
+        return out
+
+
+def _tp_methods() -> dict[str, Callable[[int], Any]]:
+    """Torch-Pruning's weight-based estimators, each built for one dense model and example."""
+    if tp is None:
+        return {}
+    return {
+        # its default: group L2 norm, mean over the coupled layers, mean-normalised
+        "tp_group_l2": lambda: tp.importance.GroupMagnitudeImportance(p=2),
+        "tp_lamp": lambda: tp.importance.LAMPImportance(p=2),
+    }
+
+
+#: method -> (criterion factory from the seed, the dense model and an example input; uses labels)
+METHODS: dict[str, tuple[Callable[[int, nn.Module, Any], Criterion], bool]] = {
+    "fisher": (lambda s, d, e: Fisher(), True),
+    "fisher_label_free": (lambda s, d, e: Fisher(), False),
+    "taylor": (lambda s, d, e: Taylor(), True),
+    "l1": (lambda s, d, e: L1(), True),
+    "random": (lambda s, d, e: Random(seed=1000 + s), True),
+    **{
+        name: (lambda s, d, e, make=make: TorchPruning(make(), d, e), True)
+        for name, make in _tp_methods().items()
+    },
 }
 
 
@@ -105,7 +179,7 @@ def _run(
         batches,
         target,
         loss_fn=loss_fn if labelled else None,
-        criterion=make(seed),
+        criterion=make(seed, dense, example),
         reconstruct=False,
         task=task,
         seed=seed,
@@ -165,7 +239,13 @@ def cnn_rows(name: str, args: argparse.Namespace) -> dict[str, Any]:
     measure = _accuracy(data.x_eval, data.y_eval)
     dense_acc = measure(dense)["accuracy"]
     print(f"{name}: dense test accuracy {dense_acc:.4f} (trained {train_s:.0f} s)", flush=True)
-    rows = []
+    rows: list[dict[str, Any]] = []
+    bench = {
+        "dense": {"accuracy": dense_acc},
+        "train_seconds": train_s,
+        "rows": rows,
+        "examples": {"train": int(data.x_train.shape[0]), "test": int(data.x_eval.shape[0])},
+    }
     for seed in range(args.seeds):
         g = torch.Generator().manual_seed(seed)
         idx = torch.randperm(data.x_train.shape[0], generator=g)[: args.calibration]
@@ -199,12 +279,8 @@ def cnn_rows(name: str, args: argparse.Namespace) -> dict[str, Any]:
                     row["repair_finetuned"] = measure(model)
                 rows.append(row)
                 _print_row(name, row)
-    return {
-        "dense": {"accuracy": dense_acc},
-        "train_seconds": train_s,
-        "rows": rows,
-        "examples": {"train": int(data.x_train.shape[0]), "test": int(data.x_eval.shape[0])},
-    }
+                _checkpoint(args, name, bench, "accuracy")
+    return bench
 
 
 # ------------------------------------------------------------------------------ MiniLM
@@ -276,15 +352,18 @@ def minilm_rows(args: argparse.Namespace) -> dict[str, Any]:
             "nn_agreement": float((_nearest(e) == ref_nn).double().mean()),
         }
 
-    rows = []
+    rows: list[dict[str, Any]] = []
+    bench = {"sentences": {"calibration": args.calib_sentences, "eval": len(evals)}, "rows": rows}
     methods = [m for m in args.methods if m != "fisher"]  # no labels: Fisher is label-free
     for seed in range(args.seeds):
         rng = np.random.default_rng(seed)
         pick = rng.choice(
             len(calib_all), size=min(args.calib_sentences, len(calib_all)), replace=False
         )
-        calib = [calib_all[i] for i in sorted(pick)]
-        batches = [(enc(calib[i : i + 32]), None) for i in range(0, len(calib), 32)]
+        # batches of similar lengths (little padding), in a seeded order
+        calib = sorted((calib_all[i] for i in pick), key=lambda t: len(tok.tokenize(t)))
+        batches = [(enc(calib[i : i + 16]), None) for i in range(0, len(calib), 16)]
+        batches = [batches[i] for i in rng.permutation(len(batches))]
         example = {k: v[:1] for k, v in batches[0][0].items()}
         for target in args.targets:
             for method in methods:
@@ -293,7 +372,8 @@ def minilm_rows(args: argparse.Namespace) -> dict[str, Any]:
                 )
                 rows.append(row)
                 _print_row("minilm", row)
-    return {"sentences": {"calibration": args.calib_sentences, "eval": len(evals)}, "rows": rows}
+                _checkpoint(args, "minilm", bench, "cosine")
+    return bench
 
 
 def _nearest(e: Tensor) -> Tensor:
@@ -349,9 +429,11 @@ class ResNet50(nn.Module):
         return self.fc(self.layers(self.stem(x)).mean((2, 3)))
 
 
-def speed(images: int) -> dict[str, Any]:
-    """Time prune_to_target (label-free Fisher, 50% FLOPs, repair) on a ResNet-50 (random
-    weights: the time does not depend on them) with ``images`` calibration images at 224."""
+def speed(images: int, criterion: str) -> dict[str, Any]:
+    """Time prune_to_target (``criterion``, label-free for Fisher, 50% FLOPs, repair) on a
+    ResNet-50 (random weights: the time does not depend on them) with ``images`` calibration
+    images at 224; with ``"l1"`` no signal pass runs, so the time is the selection's and the
+    repair's. Wall and process CPU seconds (the machine may be shared)."""
     torch.manual_seed(0)
     net = ResNet50().eval()
     x = torch.randn(images, 3, 224, 224)
@@ -359,9 +441,14 @@ def speed(images: int) -> dict[str, Any]:
     t = time.perf_counter()
     fp.apply_masks(net, x[:1])
     apply_s = time.perf_counter() - t
-    result = fp.prune_to_target(net, x[:1], batches, "50%")
+    cpu = time.process_time()
+    result = fp.prune_to_target(net, x[:1], batches, "50%", criterion=criterion)
     out = {
         "images": images,
+        "criterion": criterion,
+        "cpu_seconds": time.process_time() - cpu,
+        "repaired_layers": len(result.repair.layers) if result.repair else 0,
+        "repair_skipped": result.repair.skipped if result.repair else {},
         "apply_masks_seconds": apply_s,
         "seconds": result.seconds,
         "phase_seconds": result.phase_seconds,
@@ -374,6 +461,14 @@ def speed(images: int) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------- output
+def _checkpoint(args: argparse.Namespace, name: str, bench: dict[str, Any], metric: str) -> None:
+    """Write the results so far (this benchmark marked incomplete): a run cut short keeps
+    every row it measured."""
+    part = {**bench, "metric": metric, "summary": summary(bench["rows"], metric)}
+    args.results["benchmarks"][name] = {**part, "complete": False, "seconds": 0.0}
+    write_json(args.out_path, args.results)
+
+
 def _print_row(what: str, row: dict[str, Any]) -> None:
     metric = next(iter(row["repair"]))
     ft = row.get("repair_finetuned", {}).get(metric)
@@ -429,6 +524,31 @@ def plot(results: dict[str, Any], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def combine(paths: list[Path], out: Path) -> int:
+    """Merge the rows of several result files (same benchmark names: rows appended) into
+    ``out``, with each benchmark's summary recomputed and the plot."""
+    parts = [json.loads(p.read_text()) for p in paths]
+    results = {
+        **parts[0],
+        "parts": [{"file": p.name, **d["settings"]} for p, d in zip(paths, parts, strict=True)],
+    }
+    results["benchmarks"] = {}
+    for d in parts:
+        for name, bench in d["benchmarks"].items():
+            if name in results["benchmarks"]:
+                merged = results["benchmarks"][name]
+                merged["rows"] += bench["rows"]
+                merged["seconds"] += bench["seconds"]
+            else:
+                results["benchmarks"][name] = copy.deepcopy(bench)
+    for bench in results["benchmarks"].values():
+        bench["summary"] = summary(bench["rows"], bench["metric"])
+    write_json(out, results)
+    plot(results, ROOT / "docs" / f"{out.stem}.png")
+    print(f"wrote {out}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="one seed, 50%% only, small calibration")
@@ -451,7 +571,16 @@ def main(argv: list[str] | None = None) -> int:
         metavar="IMAGES",
         help="only time prune_to_target on a ResNet-50 with IMAGES calibration images",
     )
+    p.add_argument("--speed_criterion", default="l1", help="criterion of --speed")
     p.add_argument("--out", type=Path)
+    p.add_argument(
+        "--combine",
+        type=Path,
+        nargs="+",
+        metavar="JSON",
+        help="only merge the rows of these result files (runs split by benchmark, target or "
+        "seed) into --out, with the summary and the plot",
+    )
     args = p.parse_args(argv)
     args.targets = (0.5,) if args.quick else TARGETS
     if args.targets_arg:
@@ -461,8 +590,11 @@ def main(argv: list[str] | None = None) -> int:
         args.seeds, args.calibration, args.calib_sentences = 1, 300, 64
         args.eval_sentences, args.finetune_steps = 200, 30
     torch.set_num_threads(2)
+    if args.combine:
+        return combine(args.combine, args.out or RESULTS / "post_training.json")
     if args.speed:
-        write_json(args.out or RESULTS / "post_training_speed.json", speed(args.speed))
+        out = args.out or RESULTS / "post_training_resnet50_repair.json"
+        write_json(out, speed(args.speed, args.speed_criterion))
         return 0
     which = args.only or ["digits", "mnist5k", "minilm"]
     results: dict[str, Any] = {
@@ -474,6 +606,8 @@ def main(argv: list[str] | None = None) -> int:
         "benchmarks": {},
     }
     results["settings"]["targets"] = list(args.targets)
+    out = args.out or RESULTS / ("post_training_quick.json" if args.quick else "post_training.json")
+    args.results, args.out_path = results, out
     for name in which:
         t = time.perf_counter()
         if name == "minilm":
@@ -487,7 +621,6 @@ def main(argv: list[str] | None = None) -> int:
         bench["summary"] = summary(bench["rows"], metric)
         bench["seconds"] = time.perf_counter() - t
         results["benchmarks"][name] = bench
-    out = args.out or RESULTS / ("post_training_quick.json" if args.quick else "post_training.json")
     write_json(out, results)
     plot(results, ROOT / "docs" / f"{out.stem}.png")
     print(f"wrote {out}")

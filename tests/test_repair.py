@@ -73,7 +73,7 @@ def test_linear_refit_equals_numpy_least_squares() -> None:
         h.remove()
     _prune_some(masks)
     report = repair_consumers(
-        net, _batches(x, 64), dense, ridge=0.0, rows_per_weight=0, sequential=False
+        net, _batches(x, 64), dense, ridge=0.0, rows_per_weight=0, sequential=False, holdout=0.0
     )
     assert set(report.layers) == {"2", "4"} and report.examples == 200
     assert set(report.modes.values()) == {"weights"}
@@ -198,7 +198,7 @@ def test_channel_scales_equal_numpy_least_squares() -> None:
     h.remove()
     w0 = layer.weight.detach().numpy().copy()
     _prune_some(masks)
-    report = repair_consumers(net, _batches(x, 20), dense, ridge=0.0, sequential=False)
+    report = repair_consumers(net, _batches(x, 20), dense, ridge=0.0, sequential=False, holdout=0.0)
     assert report.modes["4"] == "scales"
     keep = (next(m for m in masks.values() if m.num_channels == 8).mask > 0.5).numpy()
     xk, wk, y = seen["x"][:, keep], w0[:, keep], seen["y"]
@@ -232,7 +232,9 @@ def test_sequential_refit_uses_the_repaired_models_inputs() -> None:
         net(x)
     y = seen["y"]
     _prune_some(masks)
-    report = repair_consumers(net, _batches(x, 64), dense, ridge=0.0, rows_per_weight=0)
+    report = repair_consumers(
+        net, _batches(x, 64), dense, ridge=0.0, rows_per_weight=0, holdout=0.0
+    )
     assert set(report.layers) == {"2", "4"}
     w = layer.weight.detach().numpy().copy()
     with torch.no_grad():
@@ -299,3 +301,79 @@ def test_sequential_repair_helps_a_residual_transformer() -> None:
     assert errors["sequential"] < errors["one-pass"]
     with torch.no_grad():
         torch.testing.assert_close(fp.shrink(model)(test), model(test), rtol=1e-4, atol=1e-5)
+
+
+class _Tokens(nn.Module):
+    """A token model called as a tokenizer's batch: ``model(x=..., attention_mask=...)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(6, 10), nn.Linear(10, 4)
+
+    def forward(self, x: Tensor, attention_mask: Tensor) -> Tensor:
+        return self.down(torch.relu(self.up(x)))
+
+
+def test_padding_tokens_are_left_out_of_the_fit() -> None:
+    """With dict inputs carrying an ``attention_mask``, the refitted layer equals numpy's
+    least-squares fit over the unmasked tokens only (the padding rows would change it)."""
+    torch.manual_seed(0)
+    net = _Tokens().double()
+    x = torch.randn(40, 7, 6, dtype=torch.float64)
+    att = (torch.arange(7) < torch.randint(2, 8, (40, 1))).long()  # (N, T), padded at the end
+    x[att == 0] *= 5.0  # padding activations unlike the text's
+    masks = fp.apply_masks(net, {"x": x[:1], "attention_mask": att[:1]})
+    dense = {n: m.mask.clone() for n, m in masks.items()}
+    seen: dict[str, np.ndarray] = {}
+    h = net.down.register_forward_hook(
+        lambda mod, a, o: seen.update(x=a[0].numpy().copy(), y=o.detach().numpy().copy())
+    )
+    with torch.no_grad():
+        net(x, att)
+    h.remove()
+    _prune_some(masks)
+    batches = [({"x": x[i : i + 10], "attention_mask": att[i : i + 10]}, None) for i in (0, 10)]
+    batches += [({"x": x[i : i + 10], "attention_mask": att[i : i + 10]}, None) for i in (20, 30)]
+    repair_consumers(net, batches, dense, ridge=0.0, rows_per_weight=0, holdout=0.0)
+    keep = (next(iter(masks.values())).mask > 0.5).numpy()
+    rows = att.bool().numpy()
+    a = np.hstack([seen["x"][rows][:, keep], np.ones((int(rows.sum()), 1))])
+    coef, *_ = np.linalg.lstsq(a, seen["y"][rows], rcond=None)
+    np.testing.assert_allclose(net.down.weight.detach().numpy()[:, keep], coef[:-1].T, rtol=1e-6)
+    a_all = np.hstack([seen["x"].reshape(-1, 10)[:, keep], np.ones((rows.size, 1))])
+    coef_all, *_ = np.linalg.lstsq(a_all, seen["y"].reshape(-1, 4), rcond=None)
+    assert not np.allclose(coef, coef_all, rtol=1e-3)  # the check is not vacuous
+
+
+def _held_error(model: nn.Module, dense: nn.Module, held: list[Tensor]) -> float:
+    """Relative squared error of ``model``'s outputs against ``dense``'s, float64."""
+    with torch.no_grad():
+        num = sum(float((model(x) - dense(x)).double().square().sum()) for x in held)
+        return num / sum(float(dense(x).double().square().sum()) for x in held)
+
+
+def test_held_out_batches_undo_a_refit_that_hurts_them() -> None:
+    """On a 2-block encoder fitted on 3 tiny batches (ridge 0, every weight) and checked on a
+    4th unlike them, the repair without a held-out check raises that batch's output error; with
+    ``holdout`` the stages that raise it are undone, so the error (recomputed here against the
+    dense model) is no higher than unrepaired and equals the report's."""
+    torch.manual_seed(0)
+    net = nn.Sequential(_Block(), _Block()).eval()
+    dense_net = copy.deepcopy(net)
+    fit = [torch.randn(1, 4, 16) for _ in range(3)]  # 12 rows: fewer than the unknowns
+    held = [3.0 * torch.randn(2, 6, 16) + 1.0]
+    masks = fp.apply_masks(net, fit[0][:1])
+    dense = {n: m.mask.clone() for n, m in masks.items()}
+    with torch.no_grad():
+        for m in masks.values():
+            m.mask[torch.randperm(m.num_channels)[: m.num_channels // 2]] = 0.0
+    plain = _held_error(copy.deepcopy(net), dense_net, held)
+    kw = {"ridge": 0.0, "rows_per_weight": 0}
+    blind = copy.deepcopy(net)
+    repair_consumers(blind, [(x, None) for x in fit], dense, holdout=0.0, **kw)
+    assert _held_error(blind, dense_net, held) > plain  # the fit alone hurts the held-out batch
+    report = repair_consumers(net, [(x, None) for x in [*fit, *held]], dense, **kw)
+    assert report.held_out is not None and report.held_out[0] == pytest.approx(plain)
+    assert _held_error(net, dense_net, held) == pytest.approx(report.held_out[1])
+    assert report.held_out[1] <= plain
+    assert any("held-out" in why for why in report.skipped.values())

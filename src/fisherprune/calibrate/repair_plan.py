@@ -1,0 +1,139 @@
+"""What the repair fits and in which order: the layers that read removed channels
+(``layer_fits``), grouped into stages by the input they read (``stages``), and forwards cut
+short after a stage's last layer (``Stop``, ``forward_until``)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from fisherprune.calibrate.repair_fit import LayerFit
+from fisherprune.calibrate.repair_rows import REPAIRABLE
+from fisherprune.inputs import call_model
+from fisherprune.masks.points import MaskPoint, find_holder
+
+__all__ = ["StageDone", "Stop", "forward_until", "layer_fits", "stages", "stop_point"]
+
+
+def kept_positions(point: MaskPoint) -> Tensor:
+    """Indices along the masked dim of ``point`` that no mask removes."""
+    keep = torch.ones(point.size, dtype=torch.bool)
+    for m, pos, idx in point.parts:
+        keep[pos] = m.mask.detach().cpu()[idx] > 0.5
+    return torch.nonzero(keep).flatten()
+
+
+def layer_fits(
+    model: nn.Module, positions: int, max_features: int, skipped: dict[str, str]
+) -> dict[str, LayerFit]:
+    """A ``LayerFit`` for every layer that reads a removed channel and can be refitted; the
+    others that read one go into ``skipped`` with the reason."""
+    found = find_holder(model)
+    points = found[1].points if found else []
+    counts: dict[int, int] = {}
+    for _, p in model.named_parameters(remove_duplicate=False):
+        counts[id(p)] = counts.get(id(p), 0) + 1
+    fits: dict[str, LayerFit] = {}
+    for point in points:
+        kept = kept_positions(point)
+        if kept.numel() == point.size:
+            continue
+        name = point.module_name
+        mod = model.get_submodule(name) if name != "<model>" else model
+        why = _unrepairable(mod, point, counts, kept)
+        if why is None and kept.numel() * mod.weight[0, 0].numel() + 1 > max_features:
+            why = f"{kept.numel() * mod.weight[0, 0].numel()} kept features > max_features"
+        if why is not None:
+            skipped[name] = why
+            continue
+        if name not in fits:  # a module masked on several inputs: its first one
+            fits[name] = LayerFit(mod, kept.to(mod.weight.device), point.dim, positions)
+    return fits
+
+
+def _unrepairable(
+    mod: nn.Module, point: MaskPoint, counts: dict[int, int], kept: Tensor
+) -> str | None:
+    """Why ``mod`` cannot be refitted on the kept inputs of ``point``, or None."""
+    if type(mod) not in REPAIRABLE:
+        return f"{type(mod).__name__} has no least-squares repair"
+    if point.arg != 0:
+        return "the mask is not on its first input"
+    if not isinstance(mod, nn.Linear) and (point.dim != 1 or mod.groups != 1):
+        return "a grouped conv, or a mask off the channel dim"
+    if getattr(mod, "padding_mode", "zeros") != "zeros":
+        return f"padding_mode {mod.padding_mode!r}"
+    if any(counts[id(p)] > 1 for p in mod.parameters(recurse=False)):
+        return "its weights are shared with another module"
+    if kept.numel() == 0:
+        return "every input channel is removed"
+    removed = torch.ones(point.size, dtype=torch.bool)
+    removed[kept] = False
+    if not bool(mod.weight.detach()[:, removed.to(mod.weight.device)].any()):
+        return (
+            "the weights reading the removed channels are already zero (a forward pass of the "
+            "pruned model folded the masks into them), so the dense outputs are gone: repair "
+            "before running the pruned model"
+        )
+    return None
+
+
+class StageDone(Exception):
+    """Raised by a forward hook to cut a forward short after the stage's last layer."""
+
+
+class Stop:
+    """Forward hook that ends the forward at the ``calls``-th call of its module."""
+
+    def __init__(self, calls: int) -> None:
+        self.calls, self.seen = calls, 0
+
+    def __call__(self, mod: nn.Module, args: tuple, out: Tensor) -> None:
+        self.seen += 1
+        if self.seen >= self.calls:
+            raise StageDone
+
+
+def stages(model: nn.Module, fits: dict[str, LayerFit], inputs: Any) -> list[list[str]]:
+    """The fitted layers in the order one forward of ``inputs`` calls them (each by its first
+    call), consecutive ones reading the same input tensor grouped into a stage."""
+    order: list[tuple[str, Tensor]] = []
+    handles = [
+        fit.mod.register_forward_hook(lambda mod, a, o, n=n: order.append((n, a[0])))
+        for n, fit in fits.items()
+    ]
+    try:
+        call_model(model, inputs)
+    finally:
+        for h in handles:
+            h.remove()
+    stages: list[list[str]] = []
+    seen: set[str] = set()
+    prev: Tensor | None = None
+    for name, x in order:
+        if name not in seen:
+            seen.add(name)
+            if stages and x is prev:
+                stages[-1].append(name)
+            else:
+                stages.append([name])
+            prev = x
+    stages.append([n for n, _ in order])  # the call sequence, for the stop points
+    return stages
+
+
+def stop_point(stage: list[str], sequence: list[str]) -> tuple[str, int]:
+    """The layer of ``stage`` called last in ``sequence`` and how often it is called."""
+    end = max(stage, key=lambda n: len(sequence) - sequence[::-1].index(n))
+    return end, sequence.count(end)
+
+
+def forward_until(model: Callable[..., Any], inputs: Any, stop: Stop) -> None:
+    """One forward, ended early by ``stop``."""
+    stop.seen = 0
+    with contextlib.suppress(StageDone):
+        call_model(model, inputs)
