@@ -40,6 +40,7 @@ from fisherprune.graph import (
     apply_masks,
     register_channel_rule,
     remove_masks,
+    set_grouped_query_units,
     unregister_channel_rule,
 )
 from fisherprune.masks import MaskLayer, find_masks
@@ -75,6 +76,7 @@ __all__ = [
     "register_shrink_rule",
     "remove_masks",
     "score",
+    "set_grouped_query_units",
     "shrink",
     "unregister_channel_rule",
     "unregister_cost_formula",

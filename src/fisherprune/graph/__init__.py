@@ -4,6 +4,7 @@ from fisherprune.graph import rules as _rules  # noqa: F401  (registers the chan
 from fisherprune.graph import rules_layout as _rules_layout  # noqa: F401  (roll, pad, index)
 from fisherprune.graph import rules_sdpa as _rules_sdpa  # noqa: F401  (fused attention)
 from fisherprune.graph.channels import ChannelGraph
+from fisherprune.graph.gqa import set_grouped_query_units
 from fisherprune.graph.groups import ChannelGroup, Skipped, find_groups
 from fisherprune.graph.placement import AppliedMasks, apply_masks, remove_masks
 from fisherprune.graph.rules import (
@@ -24,6 +25,7 @@ __all__ = [
     "register_channel_rule",
     "registered_ops",
     "remove_masks",
+    "set_grouped_query_units",
     "trace_model",
     "unregister_channel_rule",
 ]
