@@ -17,6 +17,7 @@ Nothing here imports ``transformers``: a model counts as a Hugging Face model wh
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Callable
 
 import torch
@@ -193,4 +194,28 @@ def _shape_mismatch(model: nn.Module, config: object) -> str | None:
             f"has {want[k]} ({len(differ)} tensor(s) differ): the config has no field for "
             "such a width (e.g. a hidden size that is not heads x head size)"
         )
+    return _derived_mismatch(model, fresh)
+
+
+def _derived_mismatch(model: nn.Module, fresh: nn.Module) -> str | None:
+    """Why a module of ``fresh`` (built from the new config) holds a different float than the
+    same module of ``model``: a constant its class derives from a width at construction, not
+    stored in the weights (Gemma's embedding scale, the square root of the hidden size), which
+    ``from_pretrained`` would recompute; None if every such float agrees."""
+    built = dict(fresh.named_modules())
+    for name, mod in model.named_modules():
+        other = built.get(name)
+        if other is None:
+            continue
+        for attr, value in vars(mod).items():
+            if type(value) is not float or attr.startswith("_"):
+                continue
+            new = getattr(other, attr, None)
+            if type(new) is float and not math.isclose(new, value, rel_tol=1e-12):
+                return (
+                    f"a config with the shrunk widths gives {name or type(model).__name__}."
+                    f"{attr} = {new:g} where the shrunk model has {value:g}: the class derives "
+                    "it from a width at construction, so from_pretrained would change the "
+                    "outputs; keep that width whole (uniform=True does) or keep the PruningPlan"
+                )
     return None
