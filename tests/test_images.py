@@ -65,6 +65,22 @@ def test_rgb_is_detected_and_image_size_resizes(tmp_path: Path) -> None:
     assert px["cat"].shape == (3, 6, 5, 3)
 
 
+@pytest.mark.parametrize("one", [5, (5,), [5]])
+def test_one_image_size_means_a_square(tmp_path: Path, one: object) -> None:
+    """image_size=5 (the CLI's "--image_size 5") reads exactly what (5, 5) reads."""
+    _folder(tmp_path / "imgs", (6, 5, 3), n=3)
+    square = load_data(DataSpec(str(tmp_path / "imgs"), image_size=(5, 5), eval_fraction=0.34))
+    got = load_data(DataSpec(str(tmp_path / "imgs"), image_size=one, eval_fraction=0.34))
+    assert got.input_shape == (3, 5, 5)
+    assert torch.equal(got.x_train, square.x_train) and torch.equal(got.x_eval, square.x_eval)
+
+
+@pytest.mark.parametrize("bad", [0, (4, 0), (1, 2, 3), "32", True])
+def test_bad_image_size_is_named(tmp_path: Path, bad: object) -> None:
+    with pytest.raises(ValueError, match="image_size must be one positive integer"):
+        DataSpec(str(tmp_path), image_size=bad)
+
+
 def test_grayscale_flag_turns_colour_images_gray(tmp_path: Path) -> None:
     """image_mode='L' reads colour images as one channel."""
     _folder(tmp_path / "imgs", (6, 5, 3), n=3)

@@ -76,7 +76,8 @@ def prune_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPar
     p.add_argument("--task", default="classification", help="classification or regression")
     p.add_argument("--image_shape", help="reshape features to C,H,W, e.g. 1,28,28")
     p.add_argument(
-        "--image_size", help="resize images (a folder, or --image_column) to H,W, e.g. 32,32"
+        "--image_size",
+        help="resize images (a folder, or --image_column) to H,W (32,24) or a square (32)",
     )
     p.add_argument(
         "--image_mode", default="auto", help="images as L (gray), RGB, or auto (RGB if colour)"

@@ -108,7 +108,7 @@ HELP: dict[str, str] = {
     "eval_data": "separate evaluation file (else a split of --data)",
     "eval_fraction": "fraction held out for evaluation when no --eval_data",
     "image_shape": "reshape features to C,H,W, e.g. 1,28,28",
-    "image_size": "resize images (a folder per class, --image_column) to H,W, e.g. 32,32",
+    "image_size": "resize images (folder per class, --image_column) to H,W (32,24) or square (32)",
     "image_mode": "images as L (grayscale), RGB, or auto (RGB if they have colour)",
     "image_column": "table column holding image bytes or image file paths",
     "categorical": "text feature columns: onehot (categories of the training rows) or refuse",

@@ -133,6 +133,10 @@ class DataSpec:
         """Validate the image, encoding and streaming options."""
         if self.image_size is not None:
             size = self.image_size
+            if isinstance(size, int) and not isinstance(size, bool):
+                size = (size,)
+            if isinstance(size, (list, tuple)) and len(size) == 1:  # one size: a square
+                size = (size[0], size[0])
             if (
                 isinstance(size, (str, bytes))
                 or not isinstance(size, (list, tuple))
@@ -140,7 +144,8 @@ class DataSpec:
                 or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in size)
             ):
                 raise ValueError(
-                    f"data spec: image_size must be two positive integers H,W, got {size!r}"
+                    "data spec: image_size must be one positive integer (a square) or two, "
+                    f"H,W, got {self.image_size!r}"
                 )
             self.image_size = (int(size[0]), int(size[1]))
         for name, allowed in (
