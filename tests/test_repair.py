@@ -53,9 +53,9 @@ def _prune_some(masks: dict[str, fp.MaskLayer], seed: int = 0) -> None:
 
 
 def test_linear_refit_equals_numpy_least_squares() -> None:
-    """One-pass (sequential=False), ridge=0: each refitted Linear equals numpy's least-squares
-    fit of the dense layer's output on its dense input restricted to the kept features (plus an
-    intercept), and its removed columns are 0."""
+    """One-pass (sequential=False), ridge=0: each refitted Linear's kept outputs equal numpy's
+    least-squares fit of the dense layer's output on its dense input restricted to the kept
+    features (plus an intercept), and its removed columns are 0."""
     net = _mlp().double()
     x = torch.randn(200, 6, dtype=torch.float64)
     masks = fp.apply_masks(net, x[:1])
@@ -81,11 +81,15 @@ def test_linear_refit_equals_numpy_least_squares() -> None:
         layer = net.get_submodule(name)
         keep = next(m for m in masks.values() if m.num_channels == inp.shape[1]).mask > 0.5
         keep_np = keep.numpy()
+        outs = next((m for m in masks.values() if m.num_channels == out.shape[1]), None)
+        rows = np.ones(out.shape[1], bool) if outs is None else outs.mask.numpy() > 0.5
         a = np.hstack([inp[:, keep_np], np.ones((inp.shape[0], 1))])
-        coef, *_ = np.linalg.lstsq(a, out, rcond=None)
+        coef, *_ = np.linalg.lstsq(a, out[:, rows], rcond=None)
         w = layer.weight.detach().numpy()
-        np.testing.assert_allclose(w[:, keep_np], coef[:-1].T, rtol=1e-6, atol=1e-8)
-        np.testing.assert_allclose(layer.bias.detach().numpy(), coef[-1], rtol=1e-6, atol=1e-8)
+        np.testing.assert_allclose(w[rows][:, keep_np], coef[:-1].T, rtol=1e-6, atol=1e-8)
+        np.testing.assert_allclose(
+            layer.bias.detach().numpy()[rows], coef[-1], rtol=1e-6, atol=1e-8
+        )
         assert not w[:, ~keep_np].any()
         _, before, after = report.layers[name]
         assert after < before
@@ -301,6 +305,51 @@ def test_sequential_repair_helps_a_residual_transformer() -> None:
     assert errors["sequential"] < errors["one-pass"]
     with torch.no_grad():
         torch.testing.assert_close(fp.shrink(model)(test), model(test), rtol=1e-4, atol=1e-5)
+
+
+def test_residual_target_is_the_dense_sum_less_the_pruned_residual() -> None:
+    """Sequential, ridge=0, float64, in a post-norm encoder whose residual width is pruned too:
+    the second block's FFN output layer, added to the stream in ``LN(x + down(h))``, equals
+    numpy's least-squares fit of the DENSE sum ``x_d + down(h_d)`` less the PRUNED residual
+    ``x_p`` on its pruned input ``h_p`` (kept features plus an intercept), on the outputs the
+    pruned model keeps."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), _Block(), _Block()).double().eval()
+    x = torch.randn(48, 12, 8, dtype=torch.float64)
+    seen: dict[str, Tensor] = {}
+
+    def grab(key: str, value: Tensor) -> None:
+        seen[key] = value.detach().reshape(-1, value.shape[-1]).clone()
+
+    hooks = [net[2].ln2.register_forward_pre_hook(lambda m, a: grab("z", a[0]))]
+    with torch.no_grad():
+        net(x)
+    z_dense = seen["z"]
+    masks = fp.apply_masks(net, x[:1])
+    dense = {n: m.mask.clone() for n, m in masks.items()}
+    with torch.no_grad():
+        for m in masks.values():
+            m.mask[torch.randperm(m.num_channels)[: m.num_channels // 2]] = 0.0
+    report = repair_consumers(
+        net, _batches(x, 16), dense, ridge=0.0, rows_per_weight=0, holdout=0.0
+    )
+    assert "2.down" in report.layers
+    down = net[2].down
+    hooks.append(down.register_forward_pre_hook(lambda m, a: grab("h", a[0])))
+    hooks.append(down.register_forward_hook(lambda m, a, o: grab("o", o)))
+    with torch.no_grad():
+        net(x)  # the repaired model: its residual is the sum less the layer's output
+    for h in hooks:
+        h.remove()
+    residual = seen["z"] - seen["o"]
+    rows = (next(m for n, m in masks.items() if n.endswith(".0:out")).mask > 0.5).numpy()
+    keep = (next(m for n, m in masks.items() if n.endswith("2_up:out")).mask > 0.5).numpy()
+    a = np.hstack([seen["h"].numpy()[:, keep], np.ones((x.shape[0] * 12, 1))])
+    target = (z_dense - residual).numpy()[:, rows]
+    coef, *_ = np.linalg.lstsq(a, target, rcond=None)
+    w = down.weight.detach().numpy()
+    np.testing.assert_allclose(w[rows][:, keep], coef[:-1].T, rtol=1e-6, atol=1e-8)
+    np.testing.assert_allclose(down.bias.detach().numpy()[rows], coef[-1], rtol=1e-6, atol=1e-8)
 
 
 class _Tokens(nn.Module):

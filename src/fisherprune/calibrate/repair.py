@@ -10,7 +10,13 @@ says how big each solve is).
 Sequential (the default): the layers are fitted in the order the forward runs them, each on
 the input it gets in the PRUNED model whose earlier layers are already repaired, towards the
 DENSE model's output of that layer (``sequential=False``: every layer on the dense inputs from
-one pass, which fits the wrong problem in a residual network). Consecutive layers reading the
+one pass, which fits the wrong problem in a residual network). A layer whose output the
+forward adds straight to a residual stream (a transformer's attention and FFN output
+projections) is fitted so that the SUM matches the dense sum: its target is the dense output
+plus the dense residual less the pruned residual (``calibrate.repair_residual``; Kwon et al.
+2022 fit to this target), so it also takes up the drift the removed channels left in the
+stream. Only the outputs the pruned model keeps are fitted (its ``PruningPlan``); the others
+are removed downstream and stay as they are. Consecutive layers reading the
 same input tensor (query, key and value; a ResNet block's first conv and its shortcut) form
 one stage (``calibrate.repair_plan``). Each stage costs one pass over the fitting batches, two
 forwards per batch cut short after the stage's last layer: the dense one (the masks set to
@@ -20,14 +26,15 @@ targets, the pruned one the inputs. Rows: every token of a linear layer, except 
 ``positions`` seeded random output positions per image for a conv, so a conv's cost per image
 does not grow with its resolution.
 
-Two guards keep the repair from making things worse. A layer's refit is kept only if it lowers
-that layer's error on the fitting rows. And a share ``holdout`` of the calibration batches is
-not fitted on: after each stage the model's outputs on them are compared with the dense
-model's, and the stage's refits are undone unless that error went down. A layer-wise fit can
-lower every layer's own error while the model's output drifts (MiniLM: the FFN output layers,
-whose pruned inputs have drifted far from the dense ones, fit their dense outputs and the
-sentence embeddings get worse; the attention output layers help), and this check is what
-notices: it costs one forward of the held-out batches per stage.
+Two guards keep the repair from making things worse. A share ``holdout`` of the calibration
+batches is not fitted on. Their rows choose each layer's ridge (``calibrate.repair_fit``: the
+most conservative one that keeps nearly all of the best held-out gain), and a layer's refit is
+kept only if it lowers its error on both the fitting and the held-out rows. And after each
+stage the model's outputs on those batches are compared with the dense model's, and the
+stage's refits are undone unless that error went down. A layer-wise fit can lower every
+layer's own error while the model's output drifts (MiniLM, before the residual target: the FFN
+output layers fitted their dense outputs and the sentence embeddings got worse), and this
+check is what notices: it costs one forward of the held-out batches per stage.
 """
 
 from __future__ import annotations
@@ -42,7 +49,15 @@ from torch.func import functional_call
 from torch.utils._pytree import tree_flatten
 
 from fisherprune.calibrate.repair_fit import LayerFit
-from fisherprune.calibrate.repair_plan import Stop, forward_until, layer_fits, stages, stop_point
+from fisherprune.calibrate.repair_plan import (
+    Stop,
+    forward_until,
+    layer_fits,
+    stage_stop,
+    stages,
+    stop_point,
+)
+from fisherprune.calibrate.repair_residual import ResidualWatch
 from fisherprune.calibrate.repair_rows import REPAIRABLE
 from fisherprune.inputs import batch_size, call_model
 from fisherprune.masks import MaskLayer
@@ -67,6 +82,8 @@ class RepairReport:
             (one scale per kept input channel).
         held_out: the relative squared error of the model's outputs against the dense
             model's on the held-out batches, unrepaired and repaired (None: nothing held out).
+        ridges: per repaired module, the ridge of its fit (given, or chosen by the held-out
+            rows).
     """
 
     layers: dict[str, tuple[int, float, float]] = field(default_factory=dict)
@@ -74,6 +91,7 @@ class RepairReport:
     examples: int = 0
     modes: dict[str, str] = field(default_factory=dict)
     held_out: tuple[float, float] | None = None
+    ridges: dict[str, float] = field(default_factory=dict)
 
 
 def _tokens(inputs: Any) -> Tensor | None:
@@ -101,11 +119,12 @@ def repair_consumers(
     batches: Iterable[tuple[Any, Any]],
     dense_masks: dict[str, Tensor],
     *,
-    ridge: float = 1e-3,
+    ridge: float | None = None,
     positions: int = 10,
     max_features: int = 6144,
     rows_per_weight: float = 20.0,
     sequential: bool = True,
+    residual: bool = True,
     holdout: float = 0.25,
     progress: Callable[[Iterable[Any]], Iterable[Any]] | None = None,
 ) -> RepairReport:
@@ -127,13 +146,18 @@ def repair_consumers(
         batches: ``(inputs, targets)`` pairs (targets are ignored); read once per stage (an
             iterator is read into a list first).
         dense_masks: the mask values of the dense model, by mask name (``find_masks``).
-        ridge: ``lambda`` relative to the mean diagonal of the system.
+        ridge: ``lambda`` relative to the mean diagonal of the system; None: per layer, the
+            value of ``calibrate.repair_fit.RIDGES`` whose fit has the least error on the
+            held-out batches' rows (0.1 when nothing is held out).
         positions: output positions sampled per image and batch for a conv.
         max_features: layers with more kept input features are skipped (memory ``8 k^2``).
         rows_per_weight: refit every kept weight of a layer when the pass saw at least this
             many rows per feature; else fit one scale per kept input channel.
         sequential: fit each stage on the pruned, already repaired model's inputs (one pass
             per stage); False: every layer on the dense inputs from one pass.
+        residual: with ``sequential``, a layer whose output is added to a residual stream
+            is fitted so that the sum matches the dense sum (``calibrate.repair_residual``);
+            False: so that its own output matches the dense output.
         holdout: share of the batches (every ``round(1 / holdout)``-th) not fitted on but used
             to accept or undo each stage; 0, or too few batches: no such check.
         progress: wraps the stages (a progress bar), or None.
@@ -145,7 +169,7 @@ def repair_consumers(
         ValueError: ``ridge`` < 0, ``positions`` < 1, ``holdout`` outside [0, 1), or masks
             missing from ``dense_masks``.
     """
-    if not ridge >= 0:
+    if ridge is not None and not ridge >= 0:
         raise ValueError(f"ridge must be >= 0, got {ridge!r}")
     if positions < 1:
         raise ValueError(f"positions must be >= 1, got {positions!r}")
@@ -177,18 +201,24 @@ def repair_consumers(
         for n, m in masks.items():
             m.mask.copy_(values[n])
 
-    def two_forwards(inputs: Any, stage: list[LayerFit], stop: Stop) -> None:
+    def two_forwards(
+        inputs: Any, stage: list[LayerFit], stop: Stop, watch: ResidualWatch | None
+    ) -> None:
         """The dense forward (targets), then, sequential, the pruned one (inputs)."""
         tokens = _tokens(inputs)
         set_masks(dense_masks)
         for fit in stage:
             fit.pruned, fit.tokens = False, tokens
-        forward_until(dense, inputs, stop)
+        forward_until(dense, inputs, stop, watch)
+        for fit in stage:
+            fit.end_forward()
         if sequential:
             set_masks(chosen)
             for fit in stage:
                 fit.pruned = True
-            forward_until(model, inputs, stop)
+            forward_until(model, inputs, stop, watch)
+            for fit in stage:
+                fit.end_forward()
         for fit in stage:
             fit.targets.clear()
 
@@ -207,11 +237,13 @@ def repair_consumers(
             references = [_outputs(dense, inputs) for inputs, _ in held]
             norm = sum(float(t.double().square().sum()) for ref in references for t in ref)
             *order, sequence = stages(model, fits, fitting[0][0])
+            for fit in fits.values():
+                fit.residual = fit.residual and sequential and residual
             if not sequential:
                 order = [[n for st in order for n in st]]
             best = start = held_error() if held else 0.0
             for st in progress(order) if progress else order:
-                _fit_stage(st, fits, fitting, sequence, sequential, two_forwards)
+                _fit_stage(st, fits, fitting, held, sequence, sequential, two_forwards)
                 for name in st:
                     _solve(name, fits[name], ridge, rows_per_weight, report)
                 if held:
@@ -232,33 +264,37 @@ def _fit_stage(
     stage: list[str],
     fits: dict[str, LayerFit],
     batches: list[tuple[Any, Any]],
+    held: list[tuple[Any, Any]],
     sequence: list[str],
     sequential: bool,
-    two_forwards: Callable[[Any, list[LayerFit], Stop], None],
+    two_forwards: Callable[[Any, list[LayerFit], Stop, ResidualWatch | None], None],
 ) -> None:
-    """Stream one stage's sums over ``batches`` (hooks on the stage's layers only)."""
+    """Stream one stage's sums over the fitting ``batches`` and the ``held``-out ones (hooks
+    on the stage's layers only)."""
     end, calls = stop_point(stage, sequence)
     stop = Stop(calls)
-    handles = [fits[n].mod.register_forward_hook(fits[n].hook) for n in stage]
-    handles.append(fits[end].mod.register_forward_hook(stop))  # after the end layer's own
+    handles, watch = stage_stop([fits[n] for n in stage], fits[end], stop)
     try:
         for name in stage:
             fits[name].dense_inputs = not sequential
-        for inputs, _ in batches:
-            two_forwards(inputs, [fits[n] for n in stage], stop)
+        for held_out, part in ((False, batches), (True, held)):
+            for name in stage:
+                fits[name].held = held_out
+            for inputs, _ in part:
+                two_forwards(inputs, [fits[n] for n in stage], stop, watch)
     finally:
         for h in handles:
             h.remove()
 
 
 def _solve(
-    name: str, fit: LayerFit, ridge: float, rows_per_weight: float, report: RepairReport
+    name: str, fit: LayerFit, ridge: float | None, rows_per_weight: float, report: RepairReport
 ) -> None:
     """Solve one layer's fit (or say why not) and record it in ``report``."""
     if fit.invalid is not None or fit.count == 0:
         report.skipped[name] = fit.invalid or "the forward does not call it"
         return
-    mode, before, after = fit.solve_and_set(ridge, rows_per_weight)
+    mode, before, after, report.ridges[name] = fit.solve_and_set(ridge, rows_per_weight)
     report.layers[name] = (fit.features, before, after)
     report.modes[name] = mode
 
@@ -276,5 +312,5 @@ def _undo(
         for k, p in fits[name].mod.named_parameters(recurse=False):
             p.copy_(originals[prefix + k])
         if name in report.layers:
-            del report.layers[name], report.modes[name]
+            del report.layers[name], report.modes[name], report.ridges[name]
             report.skipped[name] = f"its stage's refit raised the held-out output error ({change})"

@@ -1,6 +1,7 @@
 """What the repair fits and in which order: the layers that read removed channels
-(``layer_fits``), grouped into stages by the input they read (``stages``), and forwards cut
-short after a stage's last layer (``Stop``, ``forward_until``)."""
+(``layer_fits``), grouped into stages by the input they read (``stages``, which also finds the
+layers whose output is added to a residual), and forwards cut short after a stage's last layer,
+or after its residual add (``Stop``, ``stage_stop``, ``forward_until``)."""
 
 from __future__ import annotations
 
@@ -12,11 +13,21 @@ import torch
 from torch import Tensor, nn
 
 from fisherprune.calibrate.repair_fit import LayerFit
+from fisherprune.calibrate.repair_residual import ResidualWatch
 from fisherprune.calibrate.repair_rows import REPAIRABLE
+from fisherprune.export.plan import PruningPlan
 from fisherprune.inputs import call_model
-from fisherprune.masks.points import MaskPoint, find_holder
+from fisherprune.masks.points import MaskPoint, find_holder, remembered_inputs
 
-__all__ = ["StageDone", "Stop", "forward_until", "layer_fits", "stages", "stop_point"]
+__all__ = [
+    "StageDone",
+    "Stop",
+    "forward_until",
+    "layer_fits",
+    "stage_stop",
+    "stages",
+    "stop_point",
+]
 
 
 def kept_positions(point: MaskPoint) -> Tensor:
@@ -30,8 +41,9 @@ def kept_positions(point: MaskPoint) -> Tensor:
 def layer_fits(
     model: nn.Module, positions: int, max_features: int, skipped: dict[str, str]
 ) -> dict[str, LayerFit]:
-    """A ``LayerFit`` for every layer that reads a removed channel and can be refitted; the
-    others that read one go into ``skipped`` with the reason."""
+    """A ``LayerFit`` for every layer that reads a removed channel and can be refitted (with
+    the outputs the pruned model keeps, read off its ``PruningPlan``); the others that read one
+    go into ``skipped`` with the reason."""
     found = find_holder(model)
     points = found[1].points if found else []
     counts: dict[int, int] = {}
@@ -52,7 +64,21 @@ def layer_fits(
             continue
         if name not in fits:  # a module masked on several inputs: its first one
             fits[name] = LayerFit(mod, kept.to(mod.weight.device), point.dim, positions)
+    if fits:
+        for name, rows in _kept_outputs(model).items():
+            if name in fits:
+                fits[name].outputs = torch.as_tensor(rows, device=fits[name].mod.weight.device)
     return fits
+
+
+def _kept_outputs(model: nn.Module) -> dict[str, list[int]]:
+    """The output rows (dim 0 of the weight) each module keeps, for those that lose some."""
+    modules = PruningPlan.from_model(model, remembered_inputs(model, None)).modules
+    return {
+        ("<model>" if name == "" else name): tensors["weight"]["kept"]["0"]
+        for name, tensors in modules.items()
+        if "0" in tensors.get("weight", {}).get("kept", {})
+    }
 
 
 def _unrepairable(
@@ -87,27 +113,61 @@ class StageDone(Exception):
 
 
 class Stop:
-    """Forward hook that ends the forward at the ``calls``-th call of its module."""
+    """Ends the forward (``StageDone``) at its ``calls``-th call: a forward hook of the stage's
+    last layer, or called by the watch after that layer's residual add."""
 
     def __init__(self, calls: int) -> None:
         self.calls, self.seen = calls, 0
 
-    def __call__(self, mod: nn.Module, args: tuple, out: Tensor) -> None:
+    def __call__(self, *args: Any) -> None:
         self.seen += 1
         if self.seen >= self.calls:
             raise StageDone
 
 
+def stage_stop(
+    stage: list[LayerFit], end: LayerFit, stop: Stop
+) -> tuple[list[Any], ResidualWatch | None]:
+    """Hook ``stage``'s layers for their rows and ``stop`` after ``end``'s output, or, when
+    ``end`` is added to a residual, after that add. Returns the hook handles and the watch of
+    the residual adds (None when no layer of the stage has one); sets each fit's ``watch``."""
+    watch = None
+    if any(f.residual for f in stage):
+
+        def seen(fit: LayerFit, other: Tensor) -> None:
+            fit.residual_seen(other)
+            if fit is end:
+                stop()
+
+        watch = ResidualWatch(seen)
+    handles = []
+    for fit in stage:
+        fit.watch = watch if fit.residual else None
+        handles.append(fit.mod.register_forward_hook(fit.hook))
+    if not end.residual:
+        handles.append(end.mod.register_forward_hook(stop))  # after the end layer's own
+    return handles, watch
+
+
 def stages(model: nn.Module, fits: dict[str, LayerFit], inputs: Any) -> list[list[str]]:
     """The fitted layers in the order one forward of ``inputs`` calls them (each by its first
-    call), consecutive ones reading the same input tensor grouped into a stage."""
+    call), consecutive ones reading the same input tensor grouped into a stage. Marks the fits
+    whose output the forward adds to a residual (``LayerFit.residual``)."""
     order: list[tuple[str, Tensor]] = []
+    watch = ResidualWatch(lambda name, other: setattr(fits[name], "residual", True))
+
+    def record(name: str, args: tuple, out: Any) -> None:
+        order.append((name, args[0]))
+        if isinstance(out, Tensor):
+            watch.watch(name, out)
+
     handles = [
-        fit.mod.register_forward_hook(lambda mod, a, o, n=n: order.append((n, a[0])))
+        fit.mod.register_forward_hook(lambda mod, a, o, n=n: record(n, a, o))
         for n, fit in fits.items()
     ]
     try:
-        call_model(model, inputs)
+        with watch:
+            call_model(model, inputs)
     finally:
         for h in handles:
             h.remove()
@@ -132,8 +192,10 @@ def stop_point(stage: list[str], sequence: list[str]) -> tuple[str, int]:
     return end, sequence.count(end)
 
 
-def forward_until(model: Callable[..., Any], inputs: Any, stop: Stop) -> None:
-    """One forward, ended early by ``stop``."""
+def forward_until(
+    model: Callable[..., Any], inputs: Any, stop: Stop, watch: ResidualWatch | None = None
+) -> None:
+    """One forward, ended early by ``stop``, with ``watch`` (if any) active."""
     stop.seen = 0
-    with contextlib.suppress(StageDone):
+    with contextlib.suppress(StageDone), watch if watch is not None else contextlib.nullcontext():
         call_model(model, inputs)

@@ -186,7 +186,7 @@ def prune_to_target(
     reconstruct: bool = True,
     task: str = "auto",
     seed: int = 0,
-    ridge: float = 1e-3,
+    ridge: float | None = None,
     progress: bool = False,
 ) -> PruneResult:
     """Prune a trained ``model`` to ``target`` using calibration ``batches``, without training.
@@ -221,7 +221,8 @@ def prune_to_target(
             order on the pruned, already repaired model's inputs (``calibrate.repair``).
         task: with ``loss_fn=None``: ``"auto"``, ``"classification"`` or ``"regression"``.
         seed: seed of the label-free sampling.
-        ridge: the repair's ridge strength (relative to the mean diagonal of ``X^T X``).
+        ridge: the repair's ridge strength (relative to the mean diagonal of ``X^T X``);
+            None: chosen per layer by the held-out calibration rows (``repair_consumers``).
         progress: show a progress bar over the calibration passes and rounds (tqdm).
 
     Returns:
