@@ -84,6 +84,8 @@ class RepairReport:
             model's on the held-out batches, unrepaired and repaired (None: nothing held out).
         ridges: per repaired module, the ridge of its fit (given, or chosen by the held-out
             rows).
+        residual: the fitted modules whose output is added to a residual stream, fitted so
+            that the sum matches the dense sum.
     """
 
     layers: dict[str, tuple[int, float, float]] = field(default_factory=dict)
@@ -92,6 +94,7 @@ class RepairReport:
     modes: dict[str, str] = field(default_factory=dict)
     held_out: tuple[float, float] | None = None
     ridges: dict[str, float] = field(default_factory=dict)
+    residual: list[str] = field(default_factory=list)
 
 
 def _tokens(inputs: Any) -> Tensor | None:
@@ -239,6 +242,7 @@ def repair_consumers(
             *order, sequence = stages(model, fits, fitting[0][0])
             for fit in fits.values():
                 fit.residual = fit.residual and sequential and residual
+            report.residual = [n for n, fit in fits.items() if fit.residual]
             if not sequential:
                 order = [[n for st in order for n in st]]
             best = start = held_error() if held else 0.0
