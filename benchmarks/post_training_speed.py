@@ -13,8 +13,8 @@ forward and backward per batch per round), ``selection`` (choosing channels: cos
 (the cost model's trace). The repair runs within ``prune_to_target``'s default
 ``repair_budget``: on a ResNet-50 at 224 that is 8 passes over the first 256 images whatever
 the number given beyond that (each run records ``repair_examples`` and ``repair_passes``), so
-a run with more than 256 images times the repair of 1,000. Wall and process CPU time (all threads) are both recorded: on a
-shared machine the wall time also holds the waits for a core.
+a run with more than 256 images times the repair of 1,000. Wall and process CPU time (all
+threads) are both recorded: on a shared machine the wall time also holds the waits for a core.
 
 ``floor``: a plain forward and backward of the same network without masks (parameters frozen,
 the backward stopping where the first mask sits), over the first ``--floor-images`` images: the
