@@ -26,9 +26,8 @@ stages one per pass (``passes=None``, the default), about ``S + 1``, quadratic i
 on a ResNet-50, ~14 CPU-s per 224x224 image on 2 cores). Grouping costs quality: on a small
 ResNet trained on digits, pruned to 50%, 8 passes for 8-21 stages kept the accuracy of the
 stage-by-stage repair for Fisher and Taylor but lost up to 5 points with the label-free Fisher
-and 30 with random channels (docs/benchmarks.md); reading fewer examples cost more than
-grouping (fewer layers get enough rows for the full refit, and the guard has less to check
-on). So ``budget`` (in forwards of one example) bounds the cost by first grouping, down to
+and 32 with random channels; reading 250 of the 1,000 examples cost more than grouping (up to
+47 points with Fisher: fewer layers get enough rows for the full refit). So ``budget`` (in forwards of one example) bounds the cost by first grouping, down to
 ``MIN_PASSES`` passes, then cutting the examples read; ``prune_to_target`` sets it from the
 network's FLOPs. ``max_examples`` caps the examples read. Rows: every token of a linear
 layer, except those a batch's ``attention_mask`` (inputs given as a dict, as a tokenizer makes
