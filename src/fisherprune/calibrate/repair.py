@@ -27,9 +27,10 @@ on a ResNet-50, ~14 CPU-s per 224x224 image on 2 cores). Grouping costs quality:
 ResNet trained on digits, pruned to 50%, 8 passes for 8-21 stages kept the accuracy of the
 stage-by-stage repair for Fisher and Taylor but lost up to 5 points with the label-free Fisher
 and 32 with random channels; reading 250 of the 1,000 examples cost more than grouping (up to
-47 points with Fisher: fewer layers get enough rows for the full refit). So ``budget`` (in forwards of one example) bounds the cost by first grouping, down to
-``MIN_PASSES`` passes, then cutting the examples read; ``prune_to_target`` sets it from the
-network's FLOPs. ``max_examples`` caps the examples read. Rows: every token of a linear
+47 points with Fisher: fewer layers get enough rows for the full refit). So ``budget`` (in
+forwards of one example) bounds the cost by first grouping, down to ``MIN_PASSES`` passes,
+then cutting the examples read; ``prune_to_target`` sets it from the network's FLOPs.
+``max_examples`` caps the examples read. Rows: every token of a linear
 layer, except those a batch's ``attention_mask`` (inputs given as a dict, as a tokenizer makes
 them) marks as padding; ``positions`` seeded random output positions per image for a conv, so
 a conv's cost per image does not grow with its resolution.
@@ -67,7 +68,7 @@ from fisherprune.masks.points import no_fold
 from fisherprune.modes import eval_mode
 from fisherprune.settings import check_int
 
-__all__ = ["MIN_PASSES", "REPAIRABLE", "RepairReport", "repair_consumers"]
+__all__ = ["MIN_PASSES", "REPAIRABLE", "RepairReport", "check_passes", "repair_consumers"]
 
 #: the fewest passes (groups of stages) a ``budget`` groups the stages into before it cuts
 #: the examples read
@@ -98,6 +99,21 @@ class RepairReport:
     modes: dict[str, str] = field(default_factory=dict)
     held_out: tuple[float, float] | None = None
     passes: int = 0
+
+
+def check_passes(
+    passes: int | None,
+    max_examples: int | None,
+    budget: float | None,
+    names: tuple[str, str, str] = ("passes", "max_examples", "budget"),
+) -> None:
+    """Raise ValueError, naming the setting (as ``names`` call them), unless ``passes`` and
+    ``max_examples`` are None or integers >= 1 and ``budget`` None or > 0."""
+    for name, value in zip(names, (passes, max_examples), strict=False):
+        if value is not None:
+            check_int(name, value, 1)
+    if budget is not None and not budget > 0:
+        raise ValueError(f"{names[2]} must be > 0 or None, got {budget!r}")
 
 
 def _tokens(inputs: Any) -> Tensor | None:
@@ -219,11 +235,7 @@ def repair_consumers(
         raise ValueError(f"positions must be >= 1, got {positions!r}")
     if not 0 <= holdout < 1:
         raise ValueError(f"holdout must lie in [0, 1), got {holdout!r}")
-    for name, value in (("passes", passes), ("max_examples", max_examples)):
-        if value is not None:
-            check_int(name, value, 1)
-    if budget is not None and not budget > 0:
-        raise ValueError(f"budget must be > 0 or None, got {budget!r}")
+    check_passes(passes, max_examples, budget)
     masks = {n: m for n, m in model.named_modules() if isinstance(m, MaskLayer)}
     missing = sorted(set(masks) - set(dense_masks))
     if missing:

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from fisherprune.calibrate.label_free import LabelFreeLoss
-from fisherprune.calibrate.repair import RepairReport, repair_consumers
+from fisherprune.calibrate.repair import RepairReport, check_passes, repair_consumers
 from fisherprune.cost import CONVENTIONS, CostModel
 from fisherprune.graph import apply_masks
 from fisherprune.inputs import batch_size, call_model
@@ -253,11 +253,8 @@ def prune_to_target(
     """
     start_time = time.perf_counter()
     rounds = check_int("rounds", rounds, 1)
-    for name, value in (("repair_passes", repair_passes), ("repair_examples", repair_examples)):
-        if value is not None:
-            check_int(name, value, 1)
-    if repair_budget is not None and not repair_budget > 0:
-        raise ValueError(f"repair_budget must be > 0 or None, got {repair_budget!r}")
+    names = ("repair_passes", "repair_examples", "repair_budget")
+    check_passes(repair_passes, repair_examples, repair_budget, names)
     min_channels = check_min_channels(min_channels)
     round_to = check_round_to(round_to)
     flops_weight = check_flops_weight(flops_weight)
