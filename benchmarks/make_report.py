@@ -1372,7 +1372,9 @@ def post_training_speed_section(r: dict[str, Any] | None) -> list[str]:
         f"{r['apply_masks']['wall_s']:.1f} / {r['apply_masks']['cpu_s']:.1f} s (not in the "
         "totals). `before`: fisherprune at commit 64fc153, whose selection called `prune` "
         "once per channel (each call sorting every mask's channels again; its CPU time per "
-        "phase was not recorded); `after`: `prune_many` between the same cost reports.",
+        "phase was not recorded); `after`: `prune_many` between the same cost reports, the "
+        "repair one stage per pass on every image; `budget`: the repair within "
+        "`prune_to_target`'s default `repair_budget` (2e13 FLOPs: 8 passes over 256 images).",
         "",
     ]
     rows = []
@@ -1412,17 +1414,23 @@ def post_training_speed_section(r: dict[str, Any] | None) -> list[str]:
             continue
         scale = 1000 / run["images"]
         per = {p: run["phase_cpu_s"][p] for p in SPEED_PHASES}
-        cpu = run["cpu_s"] + (scale - 1) * (per["signals"] + per["repair"])
+        # a repair whose budget read fewer images than given reads as many from 1,000
+        capped = 0 < run.get("repair_examples", run["images"]) < run["images"]
+        cpu = run["cpu_s"] + (scale - 1) * (per["signals"] + (0 if capped else per["repair"]))
+        read = (
+            f", the repair {run['repair_passes']} passes over {run['repair_examples']} images"
+            if capped
+            else ""
+        )
         estimates.append(
             f"{run['rounds']} round(s), repair {'on' if run['reconstruct'] else 'off'}: "
-            f"{cpu / 60:.0f} CPU minutes (from {run['images']} images)"
+            f"{cpu / 60:.0f} CPU minutes (from {run['images']} images{read})"
         )
     if estimates:
         lines += [
             "- 1,000 images, extrapolated (signals and repair grow linearly with the images, "
-            "selection does not; CPU time, so about half of it in wall time on 2 idle cores): "
-            + "; ".join(estimates)
-            + ".",
+            "selection does not, nor a repair its budget capped; CPU time, so about half of it "
+            "in wall time on 2 idle cores): " + "; ".join(estimates) + ".",
         ]
     return [*lines, ""]
 

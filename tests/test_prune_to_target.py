@@ -170,3 +170,34 @@ def test_no_batches_is_refused() -> None:
     x, _ = _data(2)
     with pytest.raises(ValueError, match="no calibration batches"):
         fp.prune_to_target(net, x[:1], [], "50%")
+
+
+def test_repair_budget_is_the_dense_flops_times_the_forwards() -> None:
+    """The repair's passes and examples follow ``repair_budget`` in FLOPs: the dense model's
+    FLOPs per example times ``examples x (passes + 1)`` (one stage per pass with no limit),
+    and ``repair_examples`` caps the examples read."""
+    x, y = _data()
+    free = fp.prune_to_target(_net(), x[:1], _batches(x, y), "50%", repair_budget=None)
+    stages = free.repair.passes
+    assert free.repair.examples == 48 and 1 < stages <= 8
+    budget = free.cost_before * 16 * (stages + 1)  # one batch of 16, one stage per pass
+    cut = fp.prune_to_target(_net(), x[:1], _batches(x, y), "50%", repair_budget=budget)
+    assert (cut.repair.passes, cut.repair.examples) == (stages, 16)
+    few = fp.prune_to_target(_net(), x[:1], _batches(x, y), "50%", repair_examples=32)
+    assert (few.repair.passes, few.repair.examples) == (stages, 32)
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        ({"repair_passes": 0}, "repair_passes"),
+        ({"repair_examples": 1.5}, "repair_examples"),
+        ({"repair_budget": -1.0}, "repair_budget"),
+    ],
+)
+def test_bad_repair_settings_are_refused_before_anything_changes(kw: dict, match: str) -> None:
+    net = _net()
+    x, y = _data(8)
+    with pytest.raises(ValueError, match=match):
+        fp.prune_to_target(net, x[:1], _batches(x, y), "50%", **kw)
+    assert not fp.find_masks(net)

@@ -13,6 +13,7 @@ from torch import Tensor, nn
 
 import fisherprune as fp
 from fisherprune.calibrate import repair_consumers
+from fisherprune.calibrate.repair import MIN_PASSES
 from tests import zoo
 
 
@@ -426,3 +427,126 @@ def test_held_out_batches_undo_a_refit_that_hurts_them() -> None:
     assert _held_error(net, dense_net, held) == pytest.approx(report.held_out[1])
     assert report.held_out[1] <= plain
     assert any("held-out" in why for why in report.skipped.values())
+
+
+def _deep_mlp(layers: int = 10) -> nn.Module:
+    """``layers`` Linear layers with ReLUs between: ``layers - 1`` stages once pruned."""
+    torch.manual_seed(0)
+    mods: list[nn.Module] = [nn.Linear(6, 12)]
+    for _ in range(layers - 2):
+        mods += [nn.ReLU(), nn.Linear(12, 12)]
+    return nn.Sequential(*mods, nn.ReLU(), nn.Linear(12, 3)).double()
+
+
+def _repaired(net: nn.Module, x: Tensor, **kw: object) -> tuple[nn.Module, object]:
+    """A pruned copy of ``net`` (a third of every mask's channels), repaired with ``kw``."""
+    model = copy.deepcopy(net)
+    masks = fp.apply_masks(model, x[:1])
+    dense = {n: m.mask.clone() for n, m in masks.items()}
+    _prune_some(masks)
+    report = repair_consumers(model, _batches(x, 20), dense, **kw)
+    return model, report
+
+
+def test_one_stage_per_pass_is_the_sequential_repair() -> None:
+    """``passes`` >= the number of stages gives exactly the weights of ``passes=None`` (one
+    stage per pass), and fewer passes other weights (the grouping is not vacuous)."""
+    x = torch.randn(200, 6, dtype=torch.float64)
+    net = _deep_mlp()
+    seq, report = _repaired(net, x)
+    assert report.passes == 9
+    for passes in (9, 50):
+        model, _ = _repaired(net, x, passes=passes)
+        for a, b in zip(model.state_dict().values(), seq.state_dict().values(), strict=True):
+            assert torch.equal(a, b)
+    grouped, report = _repaired(net, x, passes=3)
+    assert report.passes == 3
+    assert not torch.allclose(grouped[-1].weight, seq[-1].weight)
+
+
+def test_one_pass_fits_every_layer_on_the_unrepaired_pruned_inputs() -> None:
+    """passes=1, ridge=0: the last Linear equals numpy's least-squares fit of the DENSE
+    layer's output on the input it gets in the PRUNED model with no layer repaired yet."""
+    net = _mlp().double()
+    x = torch.randn(200, 6, dtype=torch.float64)
+    masks = fp.apply_masks(net, x[:1])
+    dense = {n: m.mask.clone() for n, m in masks.items()}
+    layer = net.get_submodule("4")
+    seen: dict[str, np.ndarray] = {}
+    h = layer.register_forward_hook(
+        lambda mod, a, o: seen.update(x=a[0].numpy().copy(), y=o.detach().numpy().copy())
+    )
+    with torch.no_grad():
+        net(x)
+        y = seen["y"]
+        _prune_some(masks)
+        copy.deepcopy(net)(x)  # the pruned, unrepaired model: the input "4" gets in one pass
+    h.remove()
+    kw = {"ridge": 0.0, "rows_per_weight": 0, "holdout": 0.0}
+    seq = copy.deepcopy(net)
+    repair_consumers(seq, _batches(x, 64), dense, **kw)
+    report = repair_consumers(net, _batches(x, 64), dense, passes=1, **kw)
+    assert set(report.layers) == {"2", "4"} and report.passes == 1
+    keep = (next(m for m in masks.values() if m.num_channels == 8).mask > 0.5).numpy()
+    a = np.hstack([seen["x"][:, keep], np.ones((x.shape[0], 1))])
+    coef, *_ = np.linalg.lstsq(a, y, rcond=None)
+    w = layer.weight.detach().numpy()
+    np.testing.assert_allclose(w[:, keep], coef[:-1].T, rtol=1e-6, atol=1e-8)
+    assert not np.allclose(w, seq.get_submodule("4").weight.detach().numpy(), atol=1e-6)
+
+
+def test_held_out_batches_undo_a_group_that_hurts_them() -> None:
+    """As the test above, all 4 stages in one pass: the group raises the held-out error, so
+    its stages are put back one at a time and kept only where they lower it; the error
+    (recomputed against the dense model) is the report's and no higher than unrepaired."""
+    torch.manual_seed(0)
+    net = nn.Sequential(_Block(), _Block()).eval()
+    dense_net = copy.deepcopy(net)
+    fit = [torch.randn(1, 4, 16) for _ in range(3)]
+    held = [3.0 * torch.randn(2, 6, 16) + 1.0]
+    masks = fp.apply_masks(net, fit[0][:1])
+    dense = {n: m.mask.clone() for n, m in masks.items()}
+    with torch.no_grad():
+        for m in masks.values():
+            m.mask[torch.randperm(m.num_channels)[: m.num_channels // 2]] = 0.0
+    plain = _held_error(copy.deepcopy(net), dense_net, held)
+    kw = {"ridge": 0.0, "rows_per_weight": 0, "passes": 1}
+    blind = copy.deepcopy(net)
+    repair_consumers(blind, [(x, None) for x in fit], dense, holdout=0.0, **kw)
+    assert _held_error(blind, dense_net, held) > plain
+    report = repair_consumers(net, [(x, None) for x in [*fit, *held]], dense, **kw)
+    assert report.passes == 1 and report.held_out is not None
+    assert _held_error(net, dense_net, held) == pytest.approx(report.held_out[1])
+    assert report.held_out[1] <= plain
+    assert any("held-out" in why for why in report.skipped.values())
+
+
+def test_budget_groups_down_to_min_passes_then_reads_fewer_examples() -> None:
+    """A budget of ``examples x (passes + 1)`` forwards: over it the 9 stages run in
+    ``MIN_PASSES`` passes (the weights of ``passes=MIN_PASSES``), and a smaller one reads
+    only the first examples that fit (the weights of ``max_examples``)."""
+    x = torch.randn(200, 6, dtype=torch.float64)
+    net = _deep_mlp()
+    assert MIN_PASSES == 8
+    grouped, report = _repaired(net, x, budget=200 * 9.5)
+    assert (report.passes, report.examples) == (8, 200)
+    ref, _ = _repaired(net, x, passes=8)
+    torch.testing.assert_close(grouped.state_dict(), ref.state_dict(), rtol=0, atol=0)
+    cut, report = _repaired(net, x, budget=100 * 9)
+    assert (report.passes, report.examples) == (8, 100)
+    ref, _ = _repaired(net, x, passes=8, max_examples=100)
+    torch.testing.assert_close(cut.state_dict(), ref.state_dict(), rtol=0, atol=0)
+    _, report = _repaired(net, x, budget=200 * 10)  # enough for one stage per pass
+    assert (report.passes, report.examples) == (9, 200)
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [({"passes": 0}, "passes"), ({"max_examples": 0}, "max_examples"), ({"budget": 0}, "budget")],
+)
+def test_bad_pass_settings_are_refused(kw: dict, match: str) -> None:
+    net = _mlp()
+    x = torch.randn(4, 6)
+    masks = fp.apply_masks(net, x[:1])
+    with pytest.raises(ValueError, match=match):
+        repair_consumers(net, _batches(x, 4), {n: m.mask.clone() for n, m in masks.items()}, **kw)
