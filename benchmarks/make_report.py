@@ -1052,48 +1052,73 @@ def standard_size_sections(results: Path, out: Path) -> list[str]:
         ]
     t = _load(results / "transformer_latency.json")
     if t is not None:
-        lines += ["## Latency of pruned transformers (`benchmarks/transformer_latency.py`)", ""]
-        lines += [_environment(t), ""]
-        rows = [
-            [name, r["form"], r["network"], f"{r['latency_ms']:.1f}", _fmt(r["speedup"], 2),
-             _fmt(r["flops_reduction"], 2), _fmt(r["efficiency"], 2)]
-            for name, res in t.get("models", {}).items()
-            for r in res.get("rows", [])
-        ]  # fmt: skip
-        header = ["model", "form", "network", "ms / call", "speed-up", "FLOPs /", "eff"]
-        lines += _table(header, rows)
-        target = t.get("efficiency_target")
-        pruned = [r for res in t.get("models", {}).values() for r in res.get("rows", [])]
-        pruned = [r for r in pruned if r["network"] != "dense"]
-        if pruned:
-            met = sum(1 for r in pruned if r["efficiency"] >= (target or 0))
-            lines += ["", f"- eff = speed-up / FLOPs reduction ≥ {target}: {met} of {len(pruned)}"]
-        st = t.get("settings", {})
-        lines += [
-            f"- settings: batch {st.get('batch')}, {st.get('layers')} blocks, {st.get('rounds')} "
-            f"timed calls each (fastest kept), {st.get('threads')} thread(s); uniform: "
-            f"hand-made equal widths in multiples of {st.get('round_to')}; uniform=True rK: "
-            "the library's `uniform=True` with `round_to=K` (a head mask counts heads)",
-            "",
-            "How to serve a pruned transformer for speed:",
-            "",
-            "- `fisherprune.shrink` the masked model (masks multiply, they remove no work), then "
-            'serve frozen TorchScript (`export_model(..., format="torchscript", '
-            'freeze=True)`) or an AOTInductor package (`format="aoti"`); keep '
-            "`F.scaled_dot_product_attention` in the model so that the fused attention kernel "
-            "runs with the fewer heads;",
-            "- prune with `uniform=True` and `round_to` (8 or 64: vector and matrix units work "
-            "in such blocks; a head mask counts heads): every block keeps the same head count "
-            "and widths, so a Hugging Face model saves with `save_pretrained` as a standard "
-            "configuration, and no layer is left at an odd width that runs as slowly as the "
-            "next multiple;",
-            "- time the served form at the batch and sequence length you serve with "
-            '`measure_latency(..., statistic="min")`.',
-        ]
-        plot = results / "transformer_latency.png"
-        if plot.is_file():
-            lines += ["", f"![speed-up against FLOPs reduction]({_rel_any(plot, out)})"]
-        lines.append("")
+        lines += transformer_latency_section(t, results, out)
+    return lines
+
+
+#: the advice that the transformer latency figures support (docs/usage.md says the same)
+TRANSFORMER_SERVING = [
+    "How to serve a pruned transformer for speed:",
+    "",
+    "- `fisherprune.shrink` the masked model (masks multiply, they remove no work), then "
+    'serve frozen TorchScript (`export_model(..., format="torchscript", '
+    'freeze=True)`) or an AOTInductor package (`format="aoti"`); keep '
+    "`F.scaled_dot_product_attention` in the model so that the fused attention kernel "
+    "runs with the fewer heads;",
+    "- prune with `uniform=True` and `round_to` (8 or 64: vector and matrix units work "
+    "in such blocks; a head mask counts heads): every block keeps the same head count "
+    "and widths, so a Hugging Face model saves with `save_pretrained` as a standard "
+    "configuration, and no layer is left at an odd width that runs as slowly as the "
+    "next multiple;",
+    "- time the served form at the batch and sequence length you serve with "
+    '`measure_latency(..., statistic="min")`.',
+]
+
+
+def transformer_latency_section(t: dict[str, Any], results: Path, out: Path) -> list[str]:
+    """Dense vs shrunk encoders: latency, speed-up (and its per-round range), FLOPs reduction
+    and efficiency per form, with the run's load, and how to serve such a model."""
+    lines = ["## Latency of pruned transformers (`benchmarks/transformer_latency.py`)", ""]
+    lines += [_environment(t), ""]
+    rows = []
+    for name, res in t.get("models", {}).items():
+        for r in res.get("rows", []):
+            paired = r.get("paired_speedups") or [r["speedup"]]
+            spread = f"{min(paired):.2f}-{max(paired):.2f}"
+            rows.append(
+                [name, r["form"], r["network"], f"{r['latency_ms']:.0f}", _fmt(r["speedup"], 2),
+                 spread, _fmt(r["flops_reduction"], 2), _fmt(r["efficiency"], 2)]
+            )  # fmt: skip
+    header = ["model", "form", "network", "ms / call", "speed-up", "per round", "FLOPs /", "eff"]
+    lines += _table(header, rows)
+    target = t.get("efficiency_target")
+    pruned = [r for res in t.get("models", {}).values() for r in res.get("rows", [])]
+    pruned = [r for r in pruned if r["network"] != "dense"]
+    if pruned:
+        met = sum(1 for r in pruned if r["efficiency"] >= (target or 0))
+        lines += ["", f"- eff = speed-up / FLOPs reduction ≥ {target}: {met} of {len(pruned)}"]
+    st = t.get("settings", {})
+    lines.append(
+        f"- settings: batch {st.get('batch')}, {st.get('layers')} blocks, {st.get('rounds')} "
+        f"timed calls of each form, all forms interleaved (order rotated every round; the "
+        f"fastest call kept; 'per round': the speed-up within each round), warm-up: "
+        f"{st.get('warmup', '?')}, {st.get('threads')} thread(s), nice {st.get('nice', '?')}; "
+        "uniform=True rK: the library's `uniform=True` with `round_to=K` (a head mask counts "
+        f"heads); uniform: hand-made equal widths in multiples of {st.get('round_to')}"
+    )
+    for name, res in t.get("models", {}).items():
+        timing = res.get("timing")
+        if timing:
+            stalls = [x for x in timing.get("round_cpu_stall_fraction", []) if x is not None]
+            psi = f"{100 * max(stalls):.0f}%" if stalls else "?"
+            lines.append(
+                f"- {name}: timed rounds used {timing['process_cpu_s']:.0f} s of process CPU "
+                f"time; other tasks waited for a CPU in up to {psi} of a round's time (PSI)"
+            )
+    lines += ["", *TRANSFORMER_SERVING, ""]
+    plot = results / "transformer_latency.png"
+    if plot.is_file():
+        lines += [f"![speed-up against FLOPs reduction]({_rel_any(plot, out)})", ""]
     return lines
 
 
