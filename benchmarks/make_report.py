@@ -1058,19 +1058,18 @@ def standard_size_sections(results: Path, out: Path) -> list[str]:
 
 #: the advice that the transformer latency figures support (docs/usage.md says the same)
 TRANSFORMER_SERVING = [
-    "How to serve a pruned transformer for speed:",
+    "How to serve a pruned transformer for speed (details in docs/usage.md):",
     "",
-    "- `fisherprune.shrink` the masked model (masks multiply, they remove no work), then "
-    'serve frozen TorchScript (`export_model(..., format="torchscript", '
-    'freeze=True)`) or an AOTInductor package (`format="aoti"`); keep '
-    "`F.scaled_dot_product_attention` in the model so that the fused attention kernel "
-    "runs with the fewer heads;",
-    "- prune with `uniform=True` and `round_to` (8 or 64: vector and matrix units work "
-    "in such blocks; a head mask counts heads): every block keeps the same head count "
-    "and widths, so a Hugging Face model saves with `save_pretrained` as a standard "
-    "configuration, and no layer is left at an odd width that runs as slowly as the "
-    "next multiple;",
-    "- time the served form at the batch and sequence length you serve with "
+    "- `fisherprune.shrink` the masked model (masks multiply, they remove no work);",
+    "- prune with `round_to=8` and `uniform=True`: widths that are not multiples of 8 make the "
+    "CPU's matrix multiplications slower per FLOP (the `uneven` rows; an `addmm` with 550 "
+    "output columns took 1.5-2x the time of one with 552 here), and equal blocks save as a "
+    "standard Hugging Face configuration;",
+    "- at deep cuts the GELU over a kept MLP width, the norms and the attention kernel, which "
+    "FLOPs do not count, take a growing share: check the latency before pruning that far;",
+    "- eager and frozen TorchScript run alike for these encoders (the matrix multiplications "
+    "dominate); keep `F.scaled_dot_product_attention` so the fused kernel runs with fewer "
+    "heads; time the served form at the batch and length you serve with "
     '`measure_latency(..., statistic="min")`.',
 ]
 
@@ -1115,11 +1114,57 @@ def transformer_latency_section(t: dict[str, Any], results: Path, out: Path) -> 
                 f"- {name}: timed rounds used {timing['process_cpu_s']:.0f} s of process CPU "
                 f"time; other tasks waited for a CPU in up to {psi} of a round's time (PSI)"
             )
-    lines += ["", *TRANSFORMER_SERVING, ""]
     plot = results / "transformer_latency.png"
     if plot.is_file():
-        lines += [f"![speed-up against FLOPs reduction]({_rel_any(plot, out)})", ""]
+        lines += ["", f"![speed-up against FLOPs reduction]({_rel_any(plot, out)})"]
+    prof = _load(results / "transformer_latency_profile.json")
+    if prof is not None:
+        lines += ["", *transformer_profile_lines(prof)]
+    lines += ["", *TRANSFORMER_SERVING, ""]
     return lines
+
+
+def _width_range(widths: dict[str, int], part: str) -> str:
+    """The kept counts of the masks whose name contains ``part``, as ``a`` or ``a-b``."""
+    counts = [c for n, c in widths.items() if part in n]
+    if not counts:
+        return "-"
+    return str(min(counts)) if min(counts) == max(counts) else f"{min(counts)}-{max(counts)}"
+
+
+def transformer_profile_lines(p: dict[str, Any]) -> list[str]:
+    """Where the time goes (``transformer_latency.py --profile``): per network, the widths it
+    kept and the speed-up of the whole call and of its main operators over the dense one."""
+    st = p.get("settings", {})
+    lines = [
+        f"Where the time goes (`--profile`, `benchmarks/results/transformer_latency_profile.json`"
+        f"): {st.get('layers')} blocks, batch {st.get('batch')}, {p.get('threads')} thread(s), "
+        f"eager, self CPU time by operator, the least over {st.get('rounds')} profiled calls; "
+        "speed-ups over the dense network. hidden: the hidden width kept; heads and MLP: the "
+        "head counts and MLP widths over the blocks.",
+        "",
+    ]
+    rows = []
+    for name, res in p.get("models", {}).items():
+        nets = res.get("networks", {})
+        prof = res.get("profile", {})
+        dense = prof.get("networks", {}).get("dense", {})
+        for label, entry in prof.get("networks", {}).items():
+            if label == "dense":
+                continue
+            widths = nets.get(label, {}).get("widths", {})
+            hidden = [c for n, c in widths.items() if ":dim1" in n or "patch" in n]
+            su = entry.get("speedup", {})
+            rows.append(
+                [name, label, hidden[0] if hidden else "-", _width_range(widths, "attn"),
+                 _width_range(widths, "fc1"), _fmt(entry["flops_reduction"], 2),
+                 _fmt(dense.get("total_ms", 0) / entry["total_ms"], 2),
+                 _fmt(su.get("aten::addmm"), 2),
+                 _fmt(su.get("aten::_scaled_dot_product_flash_attention_for_cpu"), 2)]
+            )  # fmt: skip
+    header = ["model", "network", "hidden", "heads", "MLP", "FLOPs /", "speed-up", "linear "
+              "(addmm)", "attention (SDPA)"]  # fmt: skip
+    return lines + _table(header, rows)
 
 
 def streaming_section(results: Path) -> list[str]:

@@ -54,6 +54,7 @@ import torch
 from _common import counted_flops, machine_info, write_json
 from overhead import cpu_stall_us, stall_fraction
 from torch import Tensor, nn
+from torch.profiler import ProfilerActivity
 
 import fisherprune as fp
 from fisherprune.export.latency import frozen_for_serving, measure_latency
@@ -255,8 +256,10 @@ def timed_rounds(
     return times, stalls
 
 
-def run(name: str, args: argparse.Namespace) -> dict[str, Any]:
-    nets, info = networks(name, args.layers, args.round_to, args.lib_round_to, args.variants)
+def run(
+    name: str, nets: dict[str, nn.Module], info: dict[str, Any], args: argparse.Namespace
+) -> dict[str, Any]:
+    """Time ``nets`` (from ``networks``) eager and as TorchScript; the rows of the report."""
     make_input = ENCODERS[name][1]
     forms, differences = serving_forms(nets, make_input, args.trace_batch)
     for label, diff in differences.items():
@@ -289,6 +292,47 @@ def run(name: str, args: argparse.Namespace) -> dict[str, Any]:
         )
     timing = {"process_cpu_s": time.process_time() - cpu0, "round_cpu_stall_fraction": stalls}
     return {"networks": info, "rows": rows, "timing": timing}
+
+
+def op_times(net: nn.Module, x: Tensor, calls: int) -> dict[str, float]:
+    """Self CPU milliseconds of one eager call of ``net`` on ``x`` by operator: for each
+    operator the least over ``calls`` profiled calls (other load only adds time)."""
+    best: dict[str, float] = {}
+    with torch.inference_mode():
+        net(x)  # untimed: first-call allocations
+        for _ in range(calls):
+            with torch.profiler.profile(activities=[ProfilerActivity.CPU]) as prof:
+                net(x)
+            for e in prof.key_averages():
+                ms = e.self_cpu_time_total / 1e3
+                best[e.key] = min(ms, best.get(e.key, ms))
+    return best
+
+
+def profile(
+    name: str, nets: dict[str, nn.Module], info: dict[str, Any], x: Tensor, calls: int
+) -> dict[str, Any]:
+    """Where the time of each eager network goes (``--profile``, instead of the timing): self
+    CPU ms of the operators that take at least 1% of the dense network's time, for the dense
+    network and each pruned one, and each operator's speed-up; read with the FLOPs reduction,
+    it shows which operators fall short of it."""
+    times = {label: op_times(net, x, calls) for label, net in nets.items()}
+    dense_total = sum(times["dense"].values())
+    ops = sorted(
+        (k for k, v in times["dense"].items() if v >= 0.01 * dense_total),
+        key=lambda k: -times["dense"][k],
+    )
+    out: dict[str, Any] = {"ops": ops, "networks": {}}
+    for label, t in times.items():
+        out["networks"][label] = {
+            "total_ms": sum(t.values()),
+            "flops_reduction": info[label]["flops_reduction"],
+            "ms": {k: t.get(k, 0.0) for k in ops},
+            "speedup": {k: times["dense"][k] / t[k] if t.get(k) else None for k in ops},
+        }
+        shares = ", ".join(f"{k} {t.get(k, 0.0):.0f} ms" for k in ops)
+        print(f"profile {name} {label}: {sum(t.values()):.0f} ms; {shares}", flush=True)
+    return out
 
 
 def plot(results: dict[str, Any], path: Path) -> None:
@@ -339,6 +383,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads (default 2)")
     p.add_argument("--layers", type=int, default=None, help="encoder blocks (12; quick 2)")
     p.add_argument("--quick", action="store_true", help="2 blocks, batch 2, 2 timed calls")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="instead of timing, profile --rounds eager calls of every network (self CPU "
+        "time by operator, the least over the calls); use another --out",
+    )
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = p.parse_args(argv)
     for name, full, quick in (("batch", 32, 2), ("rounds", 3, 2), ("layers", 12, 2)):
@@ -354,39 +404,47 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     started, load_start = time.perf_counter(), list(os.getloadavg())
-    results = {name: run(name, args) for name in args.models}
-    write_json(
-        args.out,
-        {
-            "benchmark": "transformer_latency",
-            "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "fisherprune_version": fp.__version__,
-            "torch_version": torch.__version__,
-            "machine": machine_info(),
-            "threads": args.threads,
-            "settings": {
-                "batch": args.batch,
-                "rounds": args.rounds,
-                "warmup": "one call of each form at batch 2",
-                "trace_batch": args.trace_batch,
-                "variants": args.variants,
-                "round_to": args.round_to,
-                "lib_round_to": args.lib_round_to,
-                "layers": args.layers,
+    results: dict[str, Any] = {}
+    for name in args.models:  # written after each model, so that a cut-short run keeps some
+        nets, info = networks(name, args.layers, args.round_to, args.lib_round_to, args.variants)
+        if args.profile:
+            x = ENCODERS[name][1](args.batch)
+            results[name] = {"networks": info, "profile": profile(name, nets, info, x, args.rounds)}
+        else:
+            results[name] = run(name, nets, info, args)
+        write_json(
+            args.out,
+            {
+                "benchmark": "transformer_latency",
+                "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                "fisherprune_version": fp.__version__,
+                "torch_version": torch.__version__,
+                "machine": machine_info(),
                 "threads": args.threads,
-                "quick": args.quick,
-                "statistic": "min over rounds of one call each",
-                "nice": os.nice(0),
+                "settings": {
+                    "batch": args.batch,
+                    "rounds": args.rounds,
+                    "warmup": "one call of each form at batch 2",
+                    "trace_batch": args.trace_batch,
+                    "variants": args.variants,
+                    "round_to": args.round_to,
+                    "lib_round_to": args.lib_round_to,
+                    "layers": args.layers,
+                    "threads": args.threads,
+                    "quick": args.quick,
+                    "statistic": "min over rounds of one call each",
+                    "nice": os.nice(0),
+                },
+                "load_average_start": load_start,
+                "load_average_end": list(os.getloadavg()),
+                "efficiency_target": EFFICIENCY_TARGET,
+                "models": results,
+                "elapsed_s": time.perf_counter() - started,
             },
-            "load_average_start": load_start,
-            "load_average_end": list(os.getloadavg()),
-            "efficiency_target": EFFICIENCY_TARGET,
-            "models": results,
-            "elapsed_s": time.perf_counter() - started,
-        },
-    )
-    plot(results, args.out.with_suffix(".png"))
-    print(f"wrote {args.out} and its plot")
+        )
+        if not args.profile:
+            plot(results, args.out.with_suffix(".png"))
+        print(f"wrote {args.out} ({', '.join(results)})", flush=True)
     return 0
 
 
