@@ -1063,8 +1063,8 @@ TRANSFORMER_SERVING = [
     "- `fisherprune.shrink` the masked model (masks multiply, they remove no work);",
     "- prune with `round_to=8` and `uniform=True`: widths that are not multiples of 8 make the "
     "CPU's matrix multiplications slower per FLOP (the `uneven` rows; an `addmm` with 550 "
-    "output columns took 1.5-2x the time of one with 552 here), and equal blocks save as a "
-    "standard Hugging Face configuration;",
+    "output columns took 1.5-2x the time of one with 552 in a one-off check), and equal "
+    "blocks save as a standard Hugging Face configuration;",
     "- at deep cuts the GELU over a kept MLP width, the norms and the attention kernel, which "
     "FLOPs do not count, take a growing share: check the latency before pruning that far;",
     "- eager and frozen TorchScript run alike for these encoders (the matrix multiplications "
@@ -1103,7 +1103,12 @@ def transformer_latency_section(t: dict[str, Any], results: Path, out: Path) -> 
         f"fastest call kept; 'per round': the speed-up within each round), warm-up: "
         f"{st.get('warmup', '?')}, {st.get('threads')} thread(s), nice {st.get('nice', '?')}; "
         "uniform=True rK: the library's `uniform=True` with `round_to=K` (a head mask counts "
-        f"heads); uniform: hand-made equal widths in multiples of {st.get('round_to')}"
+        "heads)"
+        + (
+            f"; uniform: hand-made equal widths in multiples of {st.get('round_to')}"
+            if "uniform" in st.get("variants", ["uniform"])
+            else ""
+        )
     )
     for name, res in t.get("models", {}).items():
         timing = res.get("timing")
