@@ -1052,49 +1052,124 @@ def standard_size_sections(results: Path, out: Path) -> list[str]:
         ]
     t = _load(results / "transformer_latency.json")
     if t is not None:
-        lines += ["## Latency of pruned transformers (`benchmarks/transformer_latency.py`)", ""]
-        lines += [_environment(t), ""]
-        rows = [
-            [name, r["form"], r["network"], f"{r['latency_ms']:.1f}", _fmt(r["speedup"], 2),
-             _fmt(r["flops_reduction"], 2), _fmt(r["efficiency"], 2)]
-            for name, res in t.get("models", {}).items()
-            for r in res.get("rows", [])
-        ]  # fmt: skip
-        header = ["model", "form", "network", "ms / call", "speed-up", "FLOPs /", "eff"]
-        lines += _table(header, rows)
-        target = t.get("efficiency_target")
-        pruned = [r for res in t.get("models", {}).values() for r in res.get("rows", [])]
-        pruned = [r for r in pruned if r["network"] != "dense"]
-        if pruned:
-            met = sum(1 for r in pruned if r["efficiency"] >= (target or 0))
-            lines += ["", f"- eff = speed-up / FLOPs reduction ≥ {target}: {met} of {len(pruned)}"]
-        st = t.get("settings", {})
-        lines += [
-            f"- settings: batch {st.get('batch')}, {st.get('layers')} blocks, {st.get('rounds')} "
-            f"timed calls each (fastest kept), {st.get('threads')} thread(s); uniform: "
-            f"hand-made equal widths in multiples of {st.get('round_to')}; uniform=True rK: "
-            "the library's `uniform=True` with `round_to=K` (a head mask counts heads)",
-            "",
-            "How to serve a pruned transformer for speed:",
-            "",
-            "- `fisherprune.shrink` the masked model (masks multiply, they remove no work), then "
-            'serve frozen TorchScript (`export_model(..., format="torchscript", '
-            'freeze=True)`) or an AOTInductor package (`format="aoti"`); keep '
-            "`F.scaled_dot_product_attention` in the model so that the fused attention kernel "
-            "runs with the fewer heads;",
-            "- prune with `uniform=True` and `round_to` (8 or 64: vector and matrix units work "
-            "in such blocks; a head mask counts heads): every block keeps the same head count "
-            "and widths, so a Hugging Face model saves with `save_pretrained` as a standard "
-            "configuration, and no layer is left at an odd width that runs as slowly as the "
-            "next multiple;",
-            "- time the served form at the batch and sequence length you serve with "
-            '`measure_latency(..., statistic="min")`.',
-        ]
-        plot = results / "transformer_latency.png"
-        if plot.is_file():
-            lines += ["", f"![speed-up against FLOPs reduction]({_rel_any(plot, out)})"]
-        lines.append("")
+        lines += transformer_latency_section(t, results, out)
     return lines
+
+
+#: the advice that the transformer latency figures support (docs/usage.md says the same)
+TRANSFORMER_SERVING = [
+    "How to serve a pruned transformer for speed (details in docs/usage.md):",
+    "",
+    "- `fisherprune.shrink` the masked model (masks multiply, they remove no work);",
+    "- prune with `round_to=8` and `uniform=True`: widths that are not multiples of 8 make the "
+    "CPU's matrix multiplications slower per FLOP (the `uneven` rows; an `addmm` with 550 "
+    "output columns took 1.5-2x the time of one with 552 in a one-off check), and equal "
+    "blocks save as a standard Hugging Face configuration;",
+    "- at deep cuts the GELU over a kept MLP width, the norms and the attention kernel, which "
+    "FLOPs do not count, take a growing share: check the latency before pruning that far;",
+    "- eager and frozen TorchScript run alike for these encoders (the matrix multiplications "
+    "dominate); keep `F.scaled_dot_product_attention` so the fused kernel runs with fewer "
+    "heads; time the served form at the batch and length you serve with "
+    '`measure_latency(..., statistic="min")`.',
+]
+
+
+def transformer_latency_section(t: dict[str, Any], results: Path, out: Path) -> list[str]:
+    """Dense vs shrunk encoders: latency, speed-up (and its per-round range), FLOPs reduction
+    and efficiency per form, with the run's load, and how to serve such a model."""
+    lines = ["## Latency of pruned transformers (`benchmarks/transformer_latency.py`)", ""]
+    lines += [_environment(t), ""]
+    rows = []
+    for name, res in t.get("models", {}).items():
+        for r in res.get("rows", []):
+            paired = r.get("paired_speedups") or [r["speedup"]]
+            spread = f"{min(paired):.2f}-{max(paired):.2f}"
+            rows.append(
+                [name, r["form"], r["network"], f"{r['latency_ms']:.0f}", _fmt(r["speedup"], 2),
+                 spread, _fmt(r["flops_reduction"], 2), _fmt(r["efficiency"], 2)]
+            )  # fmt: skip
+    header = ["model", "form", "network", "ms / call", "speed-up", "per round", "FLOPs /", "eff"]
+    lines += _table(header, rows)
+    target = t.get("efficiency_target")
+    pruned = [r for res in t.get("models", {}).values() for r in res.get("rows", [])]
+    pruned = [r for r in pruned if r["network"] != "dense"]
+    if pruned:
+        met = sum(1 for r in pruned if r["efficiency"] >= (target or 0))
+        lines += ["", f"- eff = speed-up / FLOPs reduction ≥ {target}: {met} of {len(pruned)}"]
+    st = t.get("settings", {})
+    lines.append(
+        f"- settings: batch {st.get('batch')}, {st.get('layers')} blocks, {st.get('rounds')} "
+        f"timed calls of each form, all forms interleaved (order rotated every round; the "
+        f"fastest call kept; 'per round': the speed-up within each round), warm-up: "
+        f"{st.get('warmup', '?')}, {st.get('threads')} thread(s), nice {st.get('nice', '?')}; "
+        "uniform=True rK: the library's `uniform=True` with `round_to=K` (a head mask counts "
+        "heads)"
+        + (
+            f"; uniform: hand-made equal widths in multiples of {st.get('round_to')}"
+            if "uniform" in st.get("variants", ["uniform"])
+            else ""
+        )
+    )
+    for name, res in t.get("models", {}).items():
+        timing = res.get("timing")
+        if timing:
+            stalls = [x for x in timing.get("round_cpu_stall_fraction", []) if x is not None]
+            psi = f"{100 * max(stalls):.0f}%" if stalls else "?"
+            lines.append(
+                f"- {name}: timed rounds used {timing['process_cpu_s']:.0f} s of process CPU "
+                f"time; other tasks waited for a CPU in up to {psi} of a round's time (PSI)"
+            )
+    plot = results / "transformer_latency.png"
+    if plot.is_file():
+        lines += ["", f"![speed-up against FLOPs reduction]({_rel_any(plot, out)})"]
+    prof = _load(results / "transformer_latency_profile.json")
+    if prof is not None:
+        lines += ["", *transformer_profile_lines(prof)]
+    lines += ["", *TRANSFORMER_SERVING, ""]
+    return lines
+
+
+def _width_range(widths: dict[str, int], part: str) -> str:
+    """The kept counts of the masks whose name contains ``part``, as ``a`` or ``a-b``."""
+    counts = [c for n, c in widths.items() if part in n]
+    if not counts:
+        return "-"
+    return str(min(counts)) if min(counts) == max(counts) else f"{min(counts)}-{max(counts)}"
+
+
+def transformer_profile_lines(p: dict[str, Any]) -> list[str]:
+    """Where the time goes (``transformer_latency.py --profile``): per network, the widths it
+    kept and the speed-up of the whole call and of its main operators over the dense one."""
+    st = p.get("settings", {})
+    lines = [
+        f"Where the time goes (`--profile`, `benchmarks/results/transformer_latency_profile.json`"
+        f"): {st.get('layers')} blocks, batch {st.get('batch')}, {p.get('threads')} thread(s), "
+        f"eager, self CPU time by operator, the least over {st.get('rounds')} profiled calls; "
+        "speed-ups over the dense network. hidden: the hidden width kept; heads and MLP: the "
+        "head counts and MLP widths over the blocks.",
+        "",
+    ]
+    rows = []
+    for name, res in p.get("models", {}).items():
+        nets = res.get("networks", {})
+        prof = res.get("profile", {})
+        dense = prof.get("networks", {}).get("dense", {})
+        for label, entry in prof.get("networks", {}).items():
+            if label == "dense":
+                continue
+            widths = nets.get(label, {}).get("widths", {})
+            hidden = [c for n, c in widths.items() if ":dim1" in n or "patch" in n]
+            su = entry.get("speedup", {})
+            rows.append(
+                [name, label, hidden[0] if hidden else "-", _width_range(widths, "attn"),
+                 _width_range(widths, "fc1"), _fmt(entry["flops_reduction"], 2),
+                 _fmt(dense.get("total_ms", 0) / entry["total_ms"], 2),
+                 _fmt(su.get("aten::addmm"), 2),
+                 _fmt(su.get("aten::_scaled_dot_product_flash_attention_for_cpu"), 2)]
+            )  # fmt: skip
+    header = ["model", "network", "hidden", "heads", "MLP", "FLOPs /", "speed-up", "linear "
+              "(addmm)", "attention (SDPA)"]  # fmt: skip
+    return lines + _table(header, rows)
 
 
 def streaming_section(results: Path) -> list[str]:

@@ -1,38 +1,47 @@
 """Do pruned transformers run faster? Dense vs shrunk BERT-base- and ViT-B/16-sized encoders.
 
 For each encoder of ``standard_nets`` (BERT-base-sized at 128 tokens, ViT-B/16-sized at
-224x224), every mask ``apply_masks`` finds (the heads and MLP units of every block and the
-hidden width) is pruned to 50% and to 25% of the dense network's FLOPs in three ways:
+224x224, 12 blocks), every mask ``apply_masks`` finds (the heads and MLP units of every block
+and the hidden width) is pruned to 50% and to 25% of the dense network's FLOPs, in the ways of
+``--variants`` (default ``uneven library``):
 
 * ``uneven``: the channels of lowest score ``fisherprune.score(signal, marginal FLOPs, "auto")``
   across all masks zeroed, the signals random (i.i.d. log-normal, fixed seed), as few as reach
   the target: the widths differ from layer to layer as a pruned network's do, any count;
+* ``library`` (labelled ``uniform=True rK``): the library's own ``uniform=True`` with
+  ``round_to=K`` (``--lib-round-to``, 8): ``fisherprune.prune(..., uniform=True, round_to=K)``
+  on the same random signals, step by step as ``PruningOptimizer`` and ``prune_to_target``
+  call it: every block keeps the same head count (a head mask counts heads: 12 -> 8 with
+  K = 8) and MLP width, all widths multiples of K;
 * ``uniform``: the same head count, MLP width and hidden width in every block, by hand through
   the masks (the largest keep fraction whose FLOPs are at most the target), the MLP and hidden
   widths multiples of ``--round-to`` (64); the first channels of each mask are zeroed (which
-  ones does not change the latency);
-* ``uniform=True rK``: the library's own ``uniform=True`` with ``round_to=K`` (``--lib-round-to``,
-  8): ``fisherprune.prune(..., uniform=True, round_to=K)`` on the same random signals, step by
-  step as ``PruningOptimizer`` and ``prune_to_target`` call it: every block keeps the same head
-  count (a head mask counts heads: 12 -> 8 with K = 8) and MLP width, all widths multiples of K.
+  ones does not change the latency).
 
 Each pruned network is shrunk (``fisherprune.shrink``) and its FLOPs counted by
-``FlopCounterMode``. All networks are timed side by side, round-robin, in two forms: eager
-(``nn.Module``) and frozen TorchScript (``frozen_for_serving``, what
-``export_model(format="torchscript", freeze=True)`` writes), each by its fastest block
-(``measure_latency(statistic="min")``: other load on a shared machine only adds time).
-Reported: latency, speed-up over the dense network in the same form, the FLOPs reduction
-(dense / pruned FLOPs) and ``eff`` = speed-up / FLOPs reduction (target >= 0.8 at batch 32).
+``FlopCounterMode``. Every network is timed in two forms: eager (``nn.Module``) and frozen
+TorchScript (``frozen_for_serving``, what ``export_model(format="torchscript", freeze=True)``
+writes; traced at batch ``--trace-batch`` and checked against the eager network at another
+batch). After one warm-up call of every form at batch 2, ``--rounds`` rounds each call every
+form once at the full batch, in an order rotated every round, so that dense and pruned are
+timed side by side; a form's latency is its fastest call (other load on a shared machine only
+adds time), and ``paired_speedups`` are the per-round ratios to the dense network in the same
+round. Reported: latency, speed-up over the dense network in the same form, the FLOPs
+reduction (dense / pruned FLOPs) and ``eff`` = speed-up / FLOPs reduction (target >= 0.8 at
+batch 32), with the process CPU time of the timed rounds and the share of each round in which
+Linux PSI saw tasks waiting for a CPU (other load).
 
-Run ``python benchmarks/transformer_latency.py`` (batch 32) or ``--quick`` (batch 2, fewer
-repeats; a check that it runs, not figures to quote). JSON to ``--out`` (default
-``benchmarks/results/transformer_latency.json``).
+Run ``python benchmarks/transformer_latency.py`` (batch 32, 12 blocks, 3 rounds: about 15
+minutes of 2 quiet cores) or ``--quick`` (2 blocks, batch 2, 2 rounds; a check that it runs,
+not figures to quote). JSON to ``--out`` (default
+``benchmarks/results/transformer_latency.json``) and its plot next to it.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import os
 import time
 from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
@@ -43,7 +52,9 @@ import matplotlib
 import standard_nets as sn
 import torch
 from _common import counted_flops, machine_info, write_json
+from overhead import cpu_stall_us, stall_fraction
 from torch import Tensor, nn
+from torch.profiler import ProfilerActivity
 
 import fisherprune as fp
 from fisherprune.export.latency import frozen_for_serving, measure_latency
@@ -53,6 +64,9 @@ import matplotlib.pyplot as plt  # after choosing the headless backend
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "transformer_latency.json"
 TARGETS = (0.5, 0.25)
+#: how the masks are pruned (see the module docstring): labels of ``networks``
+VARIANTS = ("uneven", "uniform", "library")
+DEFAULT_VARIANTS = ("uneven", "library")
 EFFICIENCY_TARGET = 0.8
 
 Build = Callable[..., nn.Module]
@@ -152,9 +166,10 @@ def prune_library(
 
 
 def networks(
-    name: str, layers: int, round_to: int, lib_round_to: int
+    name: str, layers: int, round_to: int, lib_round_to: int, variants: Sequence[str]
 ) -> tuple[dict[str, nn.Module], dict[str, Any]]:
-    """The dense encoder and its shrunk versions by label, and what each kept."""
+    """The dense encoder and its shrunk versions by label (those of ``variants``, see
+    ``VARIANTS``), and what each kept."""
     build, make_input = ENCODERS[name]
     x1 = make_input(1)
     dense = build(layers=layers).eval()
@@ -163,15 +178,21 @@ def networks(
     masked = copy.deepcopy(dense)
     masks = dict(fp.apply_masks(masked, x1))
     cost = fp.CostModel(masked, x1)
-    choose: dict[str, tuple[str, Callable[[float], float]]] = {
-        "uneven": ("zeroed", lambda target: prune_uneven(masks, cost, target)),
-        "uniform": ("kept_fraction", lambda target: prune_uniform(masks, cost, target, round_to)),
-        f"uniform=True r{lib_round_to}": (
+    choose: dict[str, tuple[str, str, Callable[[float], float]]] = {
+        "uneven": ("uneven", "zeroed", lambda target: prune_uneven(masks, cost, target)),
+        "uniform": (
+            "uniform",
+            "kept_fraction",
+            lambda target: prune_uniform(masks, cost, target, round_to),
+        ),
+        "library": (
+            f"uniform=True r{lib_round_to}",
             "prune_steps",
             lambda target: prune_library(masks, cost, target, lib_round_to),
         ),
     }
-    for how, (what, chooser) in choose.items():
+    for variant in variants:
+        how, what, chooser = choose[variant]
         for target in TARGETS:
             t0 = time.perf_counter()
             chosen = chooser(target)
@@ -188,36 +209,130 @@ def networks(
     return nets, info
 
 
-def run(name: str, args: argparse.Namespace) -> dict[str, Any]:
-    nets, info = networks(name, args.layers, args.round_to, args.lib_round_to)
-    x = ENCODERS[name][1](args.batch)
+def serving_forms(
+    nets: dict[str, nn.Module], make_input: Callable[[int], Tensor], trace_batch: int
+) -> tuple[dict[str, Any], dict[str, float]]:
+    """Each network eager and as frozen TorchScript (``frozen_for_serving``), by
+    ``"<form>|<label>"``; the TorchScript forms are traced at ``trace_batch`` (the batch
+    dimension stays free) and checked against the eager network at another batch. Also returns
+    the largest output difference of each TorchScript form there."""
     forms: dict[str, Any] = {}
+    check = make_input(trace_batch + 1)
+    differences = {}
     for label, net in nets.items():
+        frozen = frozen_for_serving(net, make_input(trace_batch))[0]
+        with torch.inference_mode():
+            differences[label] = float((frozen(check) - net(check)).abs().max())
+        if differences[label] > 1e-3:
+            raise RuntimeError(
+                f"{label}: frozen TorchScript traced at batch {trace_batch} is "
+                f"{differences[label]:.3g} off the eager network at batch {trace_batch + 1}"
+            )
         forms[f"eager|{label}"] = net
-        forms[f"torchscript|{label}"] = frozen_for_serving(net, x)[0]
-    lat = measure_latency(
-        forms, x, repeats=1, warmup=args.warmup, rounds=args.rounds, statistic="min"
-    )
+        forms[f"torchscript|{label}"] = frozen
+    return forms, differences
+
+
+def timed_rounds(
+    forms: dict[str, Any], x: Tensor, warmup_x: Tensor, rounds: int
+) -> tuple[dict[str, list[float]], list[float | None]]:
+    """Seconds of every call of every form: one warm-up call each at the small batch
+    ``warmup_x`` (TorchScript's profiling run, first-call allocations), then ``rounds`` rounds
+    of one call of each form at ``x``, in an order rotated every round so that every form is
+    timed next to every other (``measure_latency`` with one round). Also returns the fraction
+    of each round in which Linux PSI saw tasks waiting for a CPU (None where unknown)."""
+    measure_latency(forms, warmup_x, repeats=1, warmup=1, rounds=1)
+    times: dict[str, list[float]] = {key: [] for key in forms}
+    stalls: list[float | None] = []
+    keys = list(forms)
+    for r in range(rounds):
+        order = keys[r % len(keys) :] + keys[: r % len(keys)]
+        stall_start, t0 = cpu_stall_us(), time.perf_counter()
+        lat = measure_latency({k: forms[k] for k in order}, x, repeats=1, warmup=0, rounds=1)
+        stalls.append(stall_fraction(stall_start, cpu_stall_us(), time.perf_counter() - t0))
+        for key, seconds in lat.items():
+            times[key].append(seconds)
+        print(f"  round {r + 1}/{rounds}: {time.perf_counter() - t0:.0f} s", flush=True)
+    return times, stalls
+
+
+def run(
+    name: str, nets: dict[str, nn.Module], info: dict[str, Any], args: argparse.Namespace
+) -> dict[str, Any]:
+    """Time ``nets`` (from ``networks``) eager and as TorchScript; the rows of the report."""
+    make_input = ENCODERS[name][1]
+    forms, differences = serving_forms(nets, make_input, args.trace_batch)
+    for label, diff in differences.items():
+        info[label]["torchscript_max_abs_diff"] = diff
+    cpu0 = time.process_time()
+    times, stalls = timed_rounds(forms, make_input(args.batch), make_input(2), args.rounds)
+    lat = {key: min(ts) for key, ts in times.items()}
     rows = []
     for key, seconds in lat.items():
         form, label = key.split("|")
         speedup = lat[f"{form}|dense"] / seconds
         reduction = info[label]["flops_reduction"]
+        # the same ratio in each round, dense and pruned timed in it: its spread is the noise
+        paired = [d / t for d, t in zip(times[f"{form}|dense"], times[key], strict=True)]
         rows.append(
             {
                 "form": form,
                 "network": label,
                 "latency_ms": seconds * 1e3,
+                "round_ms": [t * 1e3 for t in times[key]],
                 "speedup": speedup,
+                "paired_speedups": paired,
                 "flops_reduction": reduction,
                 "efficiency": speedup / reduction,
             }
         )
         print(
-            f"{name:<10} {form:<12} {label:<13} {seconds * 1e3:9.1f} ms  speed-up "
+            f"{name:<10} {form:<12} {label:<20} {seconds * 1e3:9.1f} ms  speed-up "
             f"{speedup:5.2f}x  FLOPs /{reduction:5.2f}  eff {speedup / reduction:5.2f}"
         )
-    return {"networks": info, "rows": rows}
+    timing = {"process_cpu_s": time.process_time() - cpu0, "round_cpu_stall_fraction": stalls}
+    return {"networks": info, "rows": rows, "timing": timing}
+
+
+def op_times(net: nn.Module, x: Tensor, calls: int) -> dict[str, float]:
+    """Self CPU milliseconds of one eager call of ``net`` on ``x`` by operator: for each
+    operator the least over ``calls`` profiled calls (other load only adds time)."""
+    best: dict[str, float] = {}
+    with torch.inference_mode():
+        net(x)  # untimed: first-call allocations
+        for _ in range(calls):
+            with torch.profiler.profile(activities=[ProfilerActivity.CPU]) as prof:
+                net(x)
+            for e in prof.key_averages():
+                ms = e.self_cpu_time_total / 1e3
+                best[e.key] = min(ms, best.get(e.key, ms))
+    return best
+
+
+def profile(
+    name: str, nets: dict[str, nn.Module], info: dict[str, Any], x: Tensor, calls: int
+) -> dict[str, Any]:
+    """Where the time of each eager network goes (``--profile``, instead of the timing): self
+    CPU ms of the operators that take at least 1% of the dense network's time, for the dense
+    network and each pruned one, and each operator's speed-up; read with the FLOPs reduction,
+    it shows which operators fall short of it."""
+    times = {label: op_times(net, x, calls) for label, net in nets.items()}
+    dense_total = sum(times["dense"].values())
+    ops = sorted(
+        (k for k, v in times["dense"].items() if v >= 0.01 * dense_total),
+        key=lambda k: -times["dense"][k],
+    )
+    out: dict[str, Any] = {"ops": ops, "networks": {}}
+    for label, t in times.items():
+        out["networks"][label] = {
+            "total_ms": sum(t.values()),
+            "flops_reduction": info[label]["flops_reduction"],
+            "ms": {k: t.get(k, 0.0) for k in ops},
+            "speedup": {k: times["dense"][k] / t[k] if t.get(k) else None for k in ops},
+        }
+        shares = ", ".join(f"{k} {t.get(k, 0.0):.0f} ms" for k in ops)
+        print(f"profile {name} {label}: {sum(t.values()):.0f} ms; {shares}", flush=True)
+    return out
 
 
 def plot(results: dict[str, Any], path: Path) -> None:
@@ -248,9 +363,16 @@ def plot(results: dict[str, Any], path: Path) -> None:
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", nargs="+", choices=sorted(ENCODERS), default=sorted(ENCODERS))
+    p.add_argument(
+        "--variants",
+        nargs="+",
+        choices=VARIANTS,
+        default=list(DEFAULT_VARIANTS),
+        help=f"how to prune (default: {' '.join(DEFAULT_VARIANTS)})",
+    )
     p.add_argument("--batch", type=int, default=None, help="batch (default 32; quick 2)")
-    p.add_argument("--rounds", type=int, default=None, help="timed calls each (10; quick 3)")
-    p.add_argument("--warmup", type=int, default=None, help="untimed calls each (2; quick 1)")
+    p.add_argument("--rounds", type=int, default=None, help="timed calls each (3; quick 2)")
+    p.add_argument("--trace-batch", type=int, default=1, help="batch TorchScript is traced at (1)")
     p.add_argument("--round-to", type=int, default=64, help="uniform widths' multiple (64)")
     p.add_argument(
         "--lib-round-to",
@@ -260,63 +382,69 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads (default 2)")
     p.add_argument("--layers", type=int, default=None, help="encoder blocks (12; quick 2)")
+    p.add_argument("--quick", action="store_true", help="2 blocks, batch 2, 2 timed calls")
     p.add_argument(
-        "--quick", action="store_true", help="2 blocks, batch 2, 3 timed calls, 1 warm-up"
+        "--profile",
+        action="store_true",
+        help="instead of timing, profile --rounds eager calls of every network (self CPU "
+        "time by operator, the least over the calls); use another --out",
     )
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = p.parse_args(argv)
-    for name, full, quick in (
-        ("batch", 32, 2),
-        ("rounds", 10, 3),
-        ("warmup", 2, 1),
-        ("layers", 12, 2),
-    ):
+    for name, full, quick in (("batch", 32, 2), ("rounds", 3, 2), ("layers", 12, 2)):
         if getattr(args, name) is None:
             setattr(args, name, quick if args.quick else full)
-    if (
-        min(args.batch, args.rounds, args.round_to, args.lib_round_to, args.threads, args.layers)
-        < 1
-    ):
-        p.error(
-            "--batch, --rounds, --round-to, --lib-round-to, --threads and --layers must be >= 1"
-        )
-    if args.warmup < 0:
-        p.error("--warmup must be >= 0")
+    numbers = ("batch", "rounds", "trace_batch", "round_to", "lib_round_to", "threads", "layers")
+    if min(getattr(args, n) for n in numbers) < 1:
+        p.error(", ".join(f"--{n.replace('_', '-')}" for n in numbers) + " must be >= 1")
     return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    started = time.perf_counter()
-    results = {name: run(name, args) for name in args.models}
-    write_json(
-        args.out,
-        {
-            "benchmark": "transformer_latency",
-            "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "fisherprune_version": fp.__version__,
-            "torch_version": torch.__version__,
-            "machine": machine_info(),
-            "threads": args.threads,
-            "settings": {
-                "batch": args.batch,
-                "rounds": args.rounds,
-                "warmup": args.warmup,
-                "round_to": args.round_to,
-                "lib_round_to": args.lib_round_to,
-                "layers": args.layers,
+    started, load_start = time.perf_counter(), list(os.getloadavg())
+    results: dict[str, Any] = {}
+    for name in args.models:  # written after each model, so that a cut-short run keeps some
+        nets, info = networks(name, args.layers, args.round_to, args.lib_round_to, args.variants)
+        if args.profile:
+            x = ENCODERS[name][1](args.batch)
+            results[name] = {"networks": info, "profile": profile(name, nets, info, x, args.rounds)}
+        else:
+            results[name] = run(name, nets, info, args)
+        write_json(
+            args.out,
+            {
+                "benchmark": "transformer_latency",
+                "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                "fisherprune_version": fp.__version__,
+                "torch_version": torch.__version__,
+                "machine": machine_info(),
                 "threads": args.threads,
-                "quick": args.quick,
-                "statistic": "min over rounds of one call each",
+                "settings": {
+                    "batch": args.batch,
+                    "rounds": args.rounds,
+                    "warmup": "one call of each form at batch 2",
+                    "trace_batch": args.trace_batch,
+                    "variants": args.variants,
+                    "round_to": args.round_to,
+                    "lib_round_to": args.lib_round_to,
+                    "layers": args.layers,
+                    "threads": args.threads,
+                    "quick": args.quick,
+                    "statistic": "min over rounds of one call each",
+                    "nice": os.nice(0),
+                },
+                "load_average_start": load_start,
+                "load_average_end": list(os.getloadavg()),
+                "efficiency_target": EFFICIENCY_TARGET,
+                "models": results,
+                "elapsed_s": time.perf_counter() - started,
             },
-            "efficiency_target": EFFICIENCY_TARGET,
-            "models": results,
-            "elapsed_s": time.perf_counter() - started,
-        },
-    )
-    plot(results, args.out.with_suffix(".png"))
-    print(f"wrote {args.out} and its plot")
+        )
+        if not args.profile:
+            plot(results, args.out.with_suffix(".png"))
+        print(f"wrote {args.out} ({', '.join(results)})", flush=True)
     return 0
 
 

@@ -101,6 +101,7 @@ def _probe(
     ``round_to``) removed from each mask in ``names``, or why it cannot be made. The model's
     masks are restored."""
     saved = {n: masks[n].mask.detach().clone() for n in names}
+    all_ones = {n: masks[n].is_all_ones() for n in names}
     try:
         with torch.no_grad():
             for n in names:
@@ -121,6 +122,7 @@ def _probe(
         with torch.no_grad():
             for n, m in saved.items():
                 masks[n].mask.copy_(m)
+                masks[n].record_values(all_ones[n])
 
 
 register_uniform_refiner(refine_for_config)

@@ -35,7 +35,7 @@ def width_problem(
     The model is left as it was: the mask is restored and ``shrink`` works on a copy.
     """
     del group  # the mask's entries are the group's channels
-    saved = mask.mask.detach().clone()
+    saved, all_ones = mask.mask.detach().clone(), mask.is_all_ones()
     try:
         with torch.no_grad():
             mask.mask.fill_(1.0)
@@ -51,6 +51,7 @@ def width_problem(
     finally:
         with torch.no_grad():
             mask.mask.copy_(saved)
+        mask.record_values(all_ones)
     return None
 
 

@@ -141,7 +141,7 @@ def all_ones(masks: list[MaskLayer], cache: dict[str, Any]) -> bool:
     if cache.get("key") != key:
         cache["key"] = key
         cache["tensors"] = [m.mask for m in masks]  # alive, so that their ids stay theirs
-        cache["ones"] = all(bool((m.mask > 0.5).all()) for m in masks)
+        cache["ones"] = all(m.is_all_ones() for m in masks)
     return bool(cache["ones"])
 
 
@@ -242,6 +242,8 @@ class MaskLayer(nn.Module):
         self.collecting = True
         self._gathered = _Gathered()
         self._ones_cache: dict[str, Any] = {}
+        #: (mask buffer, its version, whether all ones then): known without a read-back
+        self._ones_known: tuple[Tensor, int, bool] = (self.mask, self.mask._version, True)
         self._mult_cache: tuple[Tensor, tuple[Any, ...], Tensor] | None = None
         #: False once an in-place op downstream was seen changing the input (see _MaskMultiply)
         self._alias_ok = True
@@ -318,6 +320,22 @@ class MaskLayer(nn.Module):
         self._alias_ok = False
         self.mark_received()  # the loss does reach this mask
         log_input_changed(f"MaskLayer({self.num_channels})")
+
+    def is_all_ones(self) -> bool:
+        """Whether every entry of the mask is 1. Read back from the mask's device only when
+        the buffer changed in a way this layer was not told of (``record_values``): the forward
+        of a training step asks, and on a GPU a read-back would wait for the device."""
+        known = self._ones_known
+        if known[0] is not self.mask or known[1] != self.mask._version:
+            known = (self.mask, self.mask._version, bool((self.mask > 0.5).all()))
+            self._ones_known = known
+        return known[2]
+
+    def record_values(self, all_ones: bool) -> None:
+        """Record whether the mask is all ones, for a caller that has just written it in place
+        and knows (a prune zeroed entries; a dry run restored the values it saved), so that the
+        next forward need not read it back. Changes nothing else."""
+        self._ones_known = (self.mask, self.mask._version, all_ones)
 
     # ---------------------------------------------------------------- signals
     @property

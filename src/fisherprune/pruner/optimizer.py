@@ -231,6 +231,8 @@ class PruningOptimizer:
         self.finished = False
         self._finish_logged = False  # the reason pruning finished was logged (once per run)
         self._set_collecting(True)
+        for m in self.masks.values():  # known from here on: not read back in the first step
+            m.is_all_ones()  # (after a .to() or DDP's broadcast, which rewrite the buffers)
         self._warned_silent: set[str] = set()
         if self.target > 0 and self.start_cost <= self.target:
             warnings.warn(

@@ -328,6 +328,7 @@ def _remove(
     with torch.no_grad():
         for n, c in chosen.items():
             md[n].mask[c] = 0.0
+            md[n].record_values(all_ones=False)
     signal = sum(float(md[n].signal[c].sum()) for n, c in chosen.items())
     also = tuple((n, tuple(chosen[n])) for n in others)
     return PruneEvent(name, k, v, signal, before, after, step, tuple(chosen[name]), also)

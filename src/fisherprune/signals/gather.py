@@ -3,14 +3,17 @@ shares (the per-example statistic is the criterion's; see ``criteria.GradientCri
 
 For each mask: take the statistics gathered since the last call, all-reduce them over ranks
 when ``torch.distributed`` is initialised (so every rank gets the same signal), skip a batch
-whose estimate is not finite, and fold ``factor * total / count`` into the signal EMA.
+whose estimate is not finite, and fold ``factor * total / count`` into the signal EMA. All of
+it stays on the device: nothing here reads a value back to the host (on a GPU such a read
+would wait for the device inside every training step); the example counts of the ranks are
+summed and divided by there, and the skip verdicts reach the host without being waited for.
 """
 
 from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeAlias
 
 import torch
 import torch.distributed as dist
@@ -41,6 +44,11 @@ class PendingFlags:
         """Whether the flags are on the host (asks the device; never waits)."""
         return self.event is None or bool(self.event.query())
 
+    def read(self) -> list[bool]:
+        """The flags, once ``ready()``: host memory the copy has finished writing, so reading
+        it waits for nothing."""
+        return self.flags.tolist()
+
 
 #: flag copies not read yet, oldest first (checked at every fold, read once ready)
 _pending: list[PendingFlags] = []
@@ -50,7 +58,7 @@ def _warn_skipped(stacklevel: int) -> None:
     """Warn about every skipped batch whose flags reached the host; keep the others."""
     while _pending and _pending[0].ready():
         done = _pending.pop(0)
-        for name, ok in zip(done.names, done.flags.tolist(), strict=True):
+        for name, ok in zip(done.names, done.read(), strict=True):
             if not ok:
                 warnings.warn(
                     f"mask {name!r}: the batch's pruning-signal estimate is not finite (NaN or "
@@ -58,6 +66,11 @@ def _warn_skipped(stacklevel: int) -> None:
                     RuntimeWarning,
                     stacklevel=stacklevel,
                 )
+
+
+#: name, mask, summed statistic, what multiplies it (a number, or a 0-d tensor on the device),
+#: and whether any example contributed (a 0-d bool tensor; None where the host knows it did)
+Ready: TypeAlias = tuple[str, MaskLayer, Tensor, float | Tensor, Tensor | None]
 
 
 def fold_statistics(
@@ -89,45 +102,63 @@ def fold_statistics(
         The signal tensors, in the order of ``masks``.
     """
     md = as_mask_dict(masks)
-    distributed = dist.is_available() and dist.is_initialized()
-    ready: list[tuple[str, MaskLayer, Tensor, float]] = []  # name, mask, sum, its factor
-    for name, m in md.items():
-        stats = m.take_statistics(loss_reduction, statistic, degree)
-        if distributed:
-            stats = _all_reduce(stats, m, process_group)
-        if stats is not None:
-            total, scale, count = stats
-            ready.append((name, m, total, factor * scale / count))
+    taken = {name: m.take_statistics(loss_reduction, statistic, degree) for name, m in md.items()}
+    ready: list[Ready] = []
+    if dist.is_available() and dist.is_initialized():
+        for name, (total, count) in _all_reduce(taken, md, process_group).items():
+            # count is on the device: divided there, and a mask no rank gathered for is left
+            # as it is by the fold (its total is 0, so the clamp only avoids 0/0)
+            ready.append((name, md[name], total, factor / count.clamp_min(1.0), count > 0))
+    else:
+        for name, stats in taken.items():
+            if stats is not None:
+                total, scale, count = stats
+                ready.append((name, md[name], total, factor * scale / count, None))
     _fold_into_signals(ready, float(decay))
     _warn_skipped(stacklevel=4)
     return [m.signal for m in md.values()]
 
 
 def _all_reduce(
-    stats: tuple[Tensor, float, int] | None, m: MaskLayer, group: dist.ProcessGroup | None
-) -> tuple[Tensor, float, int] | None:
-    """Sum one mask's statistics over ranks (a rank without any contributes zeros)."""
-    sq = stats[0] * stats[1] if stats else torch.zeros_like(m.signal)
-    cnt = torch.tensor([float(stats[2]) if stats else 0.0], dtype=sq.dtype, device=sq.device)
-    dist.all_reduce(sq, group=group)
-    dist.all_reduce(cnt, group=group)
-    return (sq, 1.0, int(cnt.item())) if cnt.item() > 0 else None
+    taken: dict[str, tuple[Tensor, float, int] | None],
+    md: dict[str, MaskLayer],
+    group: dist.ProcessGroup | None,
+) -> dict[str, tuple[Tensor, Tensor]]:
+    """Every mask's summed statistic and example count over all ranks (a rank without any
+    contributes zeros), as ``{name: (total, count)}`` with ``count`` a 0-d tensor on the
+    device: one ``all_reduce`` per dtype and device of the signals, nothing read back to the
+    host (every rank calls this for every mask, in the same order)."""
+    flat: dict[tuple[torch.dtype, torch.device], list[tuple[str, Tensor]]] = {}
+    for name, m in md.items():
+        stats = taken[name]
+        sq = (stats[0] * stats[1]).to(m.signal) if stats else torch.zeros_like(m.signal)
+        cnt = sq.new_full((1,), float(stats[2]) if stats else 0.0)
+        flat.setdefault((sq.dtype, sq.device), []).append((name, torch.cat([sq, cnt])))
+    out: dict[str, tuple[Tensor, Tensor]] = {}
+    for entries in flat.values():
+        buffer = torch.cat([t for _, t in entries])
+        dist.all_reduce(buffer, group=group)
+        sizes = [t.numel() for _, t in entries]
+        for (name, _), part in zip(entries, buffer.split(sizes), strict=True):
+            out[name] = (part[:-1], part[-1])
+    return out
 
 
-def _fold_into_signals(ready: list[tuple[str, MaskLayer, Tensor, float]], decay: float) -> None:
+def _fold_into_signals(ready: list[Ready], decay: float) -> None:
     """``signal <- decay * signal + (1 - decay) * factor * total`` for each entry whose total
-    is finite, in place and on the device (no host read); the finiteness of each group's
-    totals (one per dtype and device) goes to ``_pending``. The totals are sums of
-    non-negative statistics, so one is finite exactly when its sum is."""
-    groups: dict[tuple[torch.dtype, torch.device], list[tuple[str, Tensor, Tensor, float]]] = {}
-    for name, m, total, factor in ready:
+    is finite and that some example contributed to, in place and on the device (no host read);
+    the finiteness of each group's totals (one per dtype and device) goes to ``_pending``. The
+    totals are sums of non-negative statistics, so one is finite exactly when its sum is."""
+    groups: dict[tuple[torch.dtype, torch.device], list[Ready]] = {}
+    for name, m, total, factor, present in ready:
         key = (m.signal.dtype, m.signal.device)
-        groups.setdefault(key, []).append((name, m.signal, total.to(m.signal), factor))
+        groups.setdefault(key, []).append((name, m, total.to(m.signal), factor, present))
     with torch.no_grad():
         for entries in groups.values():
-            totals = [t for _, _, t, _ in entries]
+            totals = [e[2] for e in entries]
             ok = torch.stack(torch._foreach_norm(totals, 1)).isfinite()
-            for (_, sig, total, factor), fine in zip(entries, ok.unbind(), strict=True):
-                moved = torch.lerp(sig, total * factor, 1.0 - decay)
-                sig.copy_(torch.where(fine, moved, sig))
-            _pending.append(PendingFlags([name for name, _, _, _ in entries], ok))
+            for (_, m, total, factor, present), fine in zip(entries, ok.unbind(), strict=True):
+                moved = torch.lerp(m.signal, total * factor, 1.0 - decay)
+                keep = fine if present is None else fine & present
+                m.signal.copy_(torch.where(keep, moved, m.signal))
+            _pending.append(PendingFlags([e[0] for e in entries], ok))
