@@ -246,7 +246,7 @@ def cnn_rows(name: str, args: argparse.Namespace) -> dict[str, Any]:
         "rows": rows,
         "examples": {"train": int(data.x_train.shape[0]), "test": int(data.x_eval.shape[0])},
     }
-    for seed in range(args.seeds):
+    for seed in range(args.first_seed, args.seeds):
         g = torch.Generator().manual_seed(seed)
         idx = torch.randperm(data.x_train.shape[0], generator=g)[: args.calibration]
         xb, yb = data.x_train[idx], data.y_train[idx]
@@ -355,7 +355,7 @@ def minilm_rows(args: argparse.Namespace) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     bench = {"sentences": {"calibration": args.calib_sentences, "eval": len(evals)}, "rows": rows}
     methods = [m for m in args.methods if m != "fisher"]  # no labels: Fisher is label-free
-    for seed in range(args.seeds):
+    for seed in range(args.first_seed, args.seeds):
         rng = np.random.default_rng(seed)
         pick = rng.choice(
             len(calib_all), size=min(args.calib_sentences, len(calib_all)), replace=False
@@ -553,6 +553,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="one seed, 50%% only, small calibration")
     p.add_argument("--seeds", type=int, default=3)
+    p.add_argument(
+        "--first_seed", type=int, default=0, help="run seeds first_seed..seeds-1 (split runs)"
+    )
     p.add_argument("--epochs", type=int, default=15, help="CNN training epochs")
     p.add_argument("--calibration", type=int, default=1000, help="CNN calibration images")
     p.add_argument("--calib_sentences", type=int, default=256)
