@@ -72,8 +72,13 @@ def layer_fits(
 
 
 def _kept_outputs(model: nn.Module) -> dict[str, list[int]]:
-    """The output rows (dim 0 of the weight) each module keeps, for those that lose some."""
-    modules = PruningPlan.from_model(model, remembered_inputs(model, None)).modules
+    """The output rows (dim 0 of the weight) each module keeps, for those that lose some. A
+    model whose zeroed channels cannot all be removed physically has no plan: every output is
+    then fitted (correct for the masked model, only less tight), as ``shrink`` will say why."""
+    try:
+        modules = PruningPlan.from_model(model, remembered_inputs(model, None)).modules
+    except ValueError:
+        return {}
     return {
         ("<model>" if name == "" else name): tensors["weight"]["kept"]["0"]
         for name, tensors in modules.items()
