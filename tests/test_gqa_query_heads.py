@@ -107,19 +107,21 @@ def test_cost_of_query_slots_equals_flop_counter_on_the_shrunk_model(kind):
 
 
 @pytest.mark.parametrize(
-    ("kind", "block"), [("mistral", 1), ("qwen2", 1), ("gemma", 1), ("llama", 2)]
+    ("kind", "round_to", "block"),
+    [("mistral", 1, 1), ("qwen2", 1, 1), ("gemma", 1, 1), ("llama", 32, 2)],
 )
-def test_uniform_slot_pruning_round_trips_through_save_pretrained(kind, block, tmp_path):
+def test_uniform_slot_pruning_round_trips_through_save_pretrained(kind, round_to, block, tmp_path):
     """prune(uniform=True) takes as many slots from every layer, so the shrunk model's config
     (num_attention_heads, num_key_value_heads) describes it and from_pretrained (no fisherprune
     code) gives the same logits. LlamaConfig wants hidden_size % num_attention_heads == 0, so
-    two of its four slots go (round_to=2)."""
+    two of its four slots go: a slot spans 16 rows of q_proj (one head of 8 per key / value
+    head), and round_to counts rows (32: two slots)."""
     model, x, heads, kv = _hf(kind)
     masks = fp.apply_masks(model, x)
     slots = {n: masks[n] for n in _query_masks(masks)}
     g = torch.Generator().manual_seed(0)
     scores = {n: torch.rand(m.num_channels, generator=g) for n, m in slots.items()}
-    assert fp.prune(slots, scores, uniform=True, round_to=block) is not None
+    assert fp.prune(slots, scores, uniform=True, round_to=round_to) is not None
     small = fp.shrink(model, x)
     assert (small.config.num_attention_heads, small.config.num_key_value_heads) == (
         heads - block * kv,

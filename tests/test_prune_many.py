@@ -77,6 +77,24 @@ def test_equals_prune_called_once_per_channel(round_to, min_channels, uniform, u
             assert torch.equal(m.mask, ref_masks[n].mask), n
 
 
+@pytest.mark.parametrize("uniform", [False, [["a", "b", "e"]]])
+def test_equals_prune_called_once_per_channel_with_channels_of_several_rows(uniform) -> None:
+    """Masks whose channels span several weight rows (heads: ``channel_width``) take blocks
+    of ``round_to / gcd(round_to, width)`` channels in both, with the same events."""
+    kw = {"min_channels": 1, "round_to": 8, "uniform": uniform}
+    for seed in range(4):
+        ref_masks, scores, report = _masks(seed)
+        for n, width in {"a": 4, "b": 4, "e": 4, "c": 2, "d": 16}.items():
+            ref_masks[n].channel_width = width
+        masks = copy.deepcopy(ref_masks)
+        expected = _one_at_a_time(ref_masks, scores, report, 30.0, **kw)
+        got = prune_many(masks, scores, cost=report, until=30.0, **kw)
+        assert {len(e.channels) for e in expected} >= {1, 2}
+        assert got == expected
+        for n, m in masks.items():
+            assert torch.equal(m.mask, ref_masks[n].mask), n
+
+
 def test_refuses_a_non_finite_score_and_changes_nothing() -> None:
     masks, scores, report = _masks(0)
     scores["c"][2] = float("nan")

@@ -107,7 +107,12 @@ def prune_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPar
         help="skip the least-squares repair",
     )
     p.add_argument("--min_channels", type=float, default=1, help="fewest channels a group keeps")
-    p.add_argument("--round_to", type=int, default=1, help="keep multiples of this many channels")
+    p.add_argument(
+        "--round_to",
+        type=int,
+        default=1,
+        help="keep multiples of this many weight rows (a head counts head_dim)",
+    )
     p.add_argument("--finetune_steps", type=int, default=0, help="distilled fine-tuning steps")
     p.add_argument(
         "--distill.alpha",

@@ -26,7 +26,7 @@ from fisherprune._errors import first_line
 from fisherprune.export.hf_config import is_hf_model, read_widths, update_config
 from fisherprune.export.plan import PruningPlan
 from fisherprune.masks import MaskLayer
-from fisherprune.pruner.prune import block_size
+from fisherprune.pruner.prune import block_size, rounding
 from fisherprune.pruner.uniform import register_uniform_refiner
 
 __all__ = ["refine_for_config"]
@@ -106,7 +106,7 @@ def _probe(
         with torch.no_grad():
             for n in names:
                 alive = torch.nonzero(saved[n] > 0.5).flatten()
-                r = block_size(alive.numel(), round_to)
+                r = block_size(alive.numel(), rounding(masks[n], round_to))
                 if alive.numel() <= r:
                     return "nothing is left to remove"
                 masks[n].mask[alive[:r]] = 0.0

@@ -13,6 +13,8 @@ defined (docs/design.md, "Where masks act").
 
 from __future__ import annotations
 
+import functools
+import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -54,6 +56,17 @@ class ChannelGroup:
     @property
     def num_channels(self) -> int:
         return int(self.roots.size)
+
+    @property
+    def channel_width(self) -> int:
+        """Parameter rows (or columns) each channel spans, the greatest common divisor over
+        every parameter dim the group lives in: 1 for a conv or linear channel, ``head_dim``
+        for an attention head (its rows of q / k / v, its columns of the output projection)."""
+        counts = [
+            np.bincount(ch[ch >= 0], minlength=self.num_channels) for ch in self.members.values()
+        ]
+        spans = [int(c) for cs in counts for c in cs if c > 0]
+        return functools.reduce(math.gcd, spans, 0) or 1
 
 
 @dataclass

@@ -191,6 +191,8 @@ def _install(model: nn.Module, groups: list[ChannelGroup], specs: list[MaskPoint
     taken: set[str] = set()
     keys = [_key(g.name, taken) for g in groups]
     masks = {k: MaskLayer(g.num_channels) for k, g in zip(keys, groups, strict=True)}
+    for k, g in zip(keys, groups, strict=True):
+        masks[k].channel_width = g.channel_width
     points = [
         (sp.module, sp.arg, sp.dim, sp.size, [(keys[gi], pos, ch) for gi, pos, ch in sp.parts])
         for sp in specs

@@ -236,6 +236,9 @@ class MaskLayer(nn.Module):
             )
         self.num_channels = num_channels
         self.dim = dim
+        #: weight rows (or columns) one channel spans: ``apply_masks`` sets ``head_dim`` for an
+        #: attention head; ``round_to`` counts these (``fisherprune.pruner.prune.rounding``)
+        self.channel_width = 1
         self.register_buffer("mask", torch.ones(num_channels))
         self.register_buffer("signal", torch.zeros(num_channels))
         #: whether backward passes gather Fisher statistics (off once pruning is over)

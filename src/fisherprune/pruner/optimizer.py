@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from fisherprune.cost import CONVENTIONS, CostModel, CostReport
 from fisherprune.masks import MaskLayer, find_masks
-from fisherprune.pruner.prune import PruneEvent, floor_of, lowest_kept, prune
+from fisherprune.pruner.prune import PruneEvent, floor_of, lowest_kept, prune, rounding
 from fisherprune.pruner.scoring import FlopsWeight, score_all
 from fisherprune.pruner.uniform import plan_uniform
 from fisherprune.settings import (
@@ -97,7 +97,8 @@ class PruningOptimizer:
             ``update_params``); ``lr`` etc. are then ignored.
         min_channels: the fewest channels any mask keeps: an int, or a fraction in (0, 1)
             of each mask's width.
-        round_to: every mask keeps a multiple of this many channels (1: any count; a mask
+        round_to: every mask keeps a multiple of this many weight rows (a channel spanning
+            several, an attention head, counts as ``channel_width`` rows; 1: any count; a mask
             with no multiple between its floor and its width keeps its width). CPU and
             GPU kernels work on channels in blocks of 8 or 16, so 9 channels cost about as
             much time as 16: with ``round_to=8`` each prune removes the block of channels that
@@ -365,16 +366,18 @@ class PruningOptimizer:
                 continue
             alive = [k for k in range(m.num_channels) if floor[start + k] > 0.5]
             keep = lowest_kept(
-                len(alive), floor_of(self.min_channels, m.num_channels), self.round_to
+                len(alive),
+                floor_of(self.min_channels, m.num_channels),
+                rounding(m, self.round_to),
             )
             for k in alive[keep:]:
                 floor[start + k] = 0.0
         lowest = self.cost_model.total(floor)
         if lowest > self.target:
-            rounding = f" with round_to={self.round_to}" if self.round_to > 1 else ""
+            rounded = f" with round_to={self.round_to}" if self.round_to > 1 else ""
             warnings.warn(
                 f"flops_target {self.target:.6g} is below what min_channels="
-                f"{self.min_channels}{rounding} allows (about {lowest:.6g} per example); "
+                f"{self.min_channels}{rounded} allows (about {lowest:.6g} per example); "
                 "pruning will stop at that floor",
                 stacklevel=3,
             )

@@ -22,6 +22,7 @@ __all__ = [
     "lowest_kept",
     "prune",
     "prune_many",
+    "rounding",
 ]
 
 
@@ -77,6 +78,15 @@ class PruneEvent:
         return asdict(self)
 
 
+def rounding(mask: Any, round_to: int) -> int:
+    """The multiple of channels ``mask`` keeps under ``round_to``: ``round_to`` counts weight
+    rows, so a channel spanning several (``MaskLayer.channel_width``: an attention head spans
+    ``head_dim``) needs fewer of them. Heads of 64 with ``round_to=8`` go one at a time (any
+    count of them is 8-aligned); heads of 12 go two at a time (24 rows)."""
+    width = int(getattr(mask, "channel_width", 1))
+    return round_to // math.gcd(round_to, width)
+
+
 def block_size(alive: int, round_to: int) -> int:
     """Channels to remove together from a mask with ``alive`` channels so that the count it
     keeps lands on a multiple of ``round_to``."""
@@ -121,16 +131,19 @@ def prune(
 
     With ``round_to = k > 1`` every mask keeps a multiple of ``k`` channels (CPU and GPU
     kernels process channels in vector-width blocks, commonly 8 or 16: 9 channels run as
-    slowly as 16). A mask's candidate is then its ``r`` lowest-scoring alive channels, where
-    ``r`` brings its kept count down to the next multiple of ``k`` (``r = k`` once it is on
-    one), ranked across masks by their mean score: with ``"auto"`` scores and the per-mask
-    uniform marginal costs of a ``CostModel``, that is the block's summed signal over its
-    summed cost. A block that would take a mask below ``min_channels`` is not a candidate,
-    so a mask stops at the lowest multiple of ``k`` at or above its floor; when no multiple
-    of ``k`` lies between its floor and its width (e.g. 12 channels, floor 9, ``k = 8``, or a
-    mask narrower than ``k`` with a floor of 1), it keeps its full width. With ``cost``, the event's
-    ``cost_after`` subtracts the block's summed marginal costs: exact when the cost is linear
-    in the mask's count, an estimate otherwise (``PruningOptimizer`` records the exact cost).
+    slowly as 16); ``k`` counts weight rows, so a mask whose channels span several
+    (attention heads: ``rounding``) keeps a multiple of ``k / gcd(k, head_dim)`` of them,
+    any head count for heads of 64. A mask's candidate is then its ``r`` lowest-scoring
+    alive channels, where ``r`` brings its kept count down to the next multiple of ``k``
+    (``r = k`` once it is on one), ranked across masks by their mean score: with ``"auto"``
+    scores and the per-mask uniform marginal costs of a ``CostModel``, that is the block's
+    summed signal over its summed cost. A block that would take a mask below
+    ``min_channels`` is not a candidate, so a mask stops at the lowest multiple of ``k`` at
+    or above its floor; when no multiple of ``k`` lies between its floor and its width (e.g.
+    12 channels, floor 9, ``k = 8``, or a mask narrower than ``k`` with a floor of 1), it
+    keeps its full width. With ``cost``, the event's ``cost_after`` subtracts the block's
+    summed marginal costs: exact when the cost is linear in the mask's count, an estimate
+    otherwise (``PruningOptimizer`` records the exact cost).
 
     Changes: one entry (``round_to`` = 1) or one block of entries of one ``mask.mask``
     buffer (of each copy, with ``uniform``) is set to 0, in place.
@@ -143,7 +156,8 @@ def prune(
             which keeps a cost-blind criterion from thinning a layer to one channel.
         cost: optional ``CostReport`` of the current state; fills the event's costs.
         step: recorded in the event.
-        round_to: keep every mask's channel count a multiple of this (1: no rounding).
+        round_to: keep every mask's width in weight rows a multiple of this (1: no
+            rounding; see ``rounding``).
         uniform: prune the copies of a mask in repeated blocks together
             (``fisherprune.pruner.uniform.uniform_classes``): each copy loses its own
             lowest-scoring channels (or block), ranked by the mean score over all copies, so
@@ -168,7 +182,7 @@ def prune(
     best: tuple[float, int, int, dict[str, list[int]]] | None = None
     for members in _classes(md, uniform):
         n_alive = _common_count(md, members)
-        r = block_size(n_alive, round_to)
+        r = block_size(n_alive, rounding(md[members[0]], round_to))
         if n_alive - r < floor_of(min_channels, md[members[0]].num_channels):
             continue
         chosen = {n: _lowest_alive(md[n], sd[n], r) for n in members}
@@ -231,10 +245,10 @@ def prune_many(
         n_alive = _common_count(md, members)
         sorted_alive = {n: _lowest_alive(md[n], sd[n], n_alive) for n in members}
         floor = floor_of(min_channels, md[members[0]].num_channels)
-        queues.append(_Queue(sorted_alive, n_alive, floor))
+        queues.append(_Queue(sorted_alive, n_alive, floor, rounding(md[members[0]], round_to)))
     heap = []
     for i, q in enumerate(queues):
-        chosen = q.next_block(round_to)
+        chosen = q.next_block()
         if chosen is not None:
             heap.append((*_candidate(chosen, sd, order)[:3], i, chosen))
     heapq.heapify(heap)
@@ -245,7 +259,7 @@ def prune_many(
         events.append(_remove(md, (v, first, k, chosen), total, cost, step))
         total = events[-1].cost_after
         queues[i].taken(chosen)
-        nxt = queues[i].next_block(round_to)
+        nxt = queues[i].next_block()
         if nxt is not None:
             heapq.heappush(heap, (*_candidate(nxt, sd, order)[:3], i, nxt))
     return events
@@ -254,16 +268,17 @@ def prune_many(
 @dataclass
 class _Queue:
     """One class of copies in ``prune_many``: each member's alive channels, lowest score
-    first, and how many of them are gone."""
+    first, the multiple of channels they keep (``rounding``) and how many of them are gone."""
 
     sorted_alive: dict[str, list[int]]
     alive: int
     floor: int
+    multiple: int
     gone: int = 0
 
-    def next_block(self, round_to: int) -> dict[str, list[int]] | None:
+    def next_block(self) -> dict[str, list[int]] | None:
         """Each member's next block (what ``prune`` would choose now), or None at the floor."""
-        r = block_size(self.alive, round_to)
+        r = block_size(self.alive, self.multiple)
         if self.alive - r < self.floor:
             return None
         return {n: idx[self.gone : self.gone + r] for n, idx in self.sorted_alive.items()}

@@ -147,7 +147,8 @@ HELP: dict[str, str] = {
     "pruning_decay": "EMA factor of the pruning signal, in [0, 1)",
     "pruning_flops_weight": "auto (signal/cost), a number w (signal - w*cost), or 0",
     "pruning_min_channels": "fewest channels any group keeps: a count, or a fraction such as 0.1",
-    "pruning_round_to": "every group keeps a multiple of this many channels (8: CPU-friendly)",
+    "pruning_round_to": "every group keeps a multiple of this many weight rows (a head counts "
+    "head_dim; 8: CPU-friendly)",
     "pruning_uniform": "repeated blocks keep the same widths (a Hugging Face config stays valid)",
     "pruning_criterion": "how channels are ranked: fisher (the seed's), taylor, l1 or random",
     "pruning_convention": "cost of the target: flops, macs, twml, memory or params",
@@ -215,7 +216,8 @@ class TrainConfig:
         pruning_decay: signal EMA factor in [0, 1).
         pruning_flops_weight: "auto", or a number (0 = plain Fisher).
         pruning_min_channels: fewest channels per group.
-        pruning_round_to: every group keeps a multiple of this many channels (1: any count);
+        pruning_round_to: every group keeps a multiple of this many weight rows (a head counts
+            its ``head_dim``; 1: any count);
             see ``PruningOptimizer``.
         pruning_uniform: the copies of a mask in repeated blocks keep the same widths (see
             ``PruningOptimizer``'s ``uniform``); a resumed run must keep it.

@@ -4,7 +4,7 @@ what the target means is said (a target at the dense cost, or no target at all).
 from __future__ import annotations
 
 from fisherprune.pruner import PruningOptimizer
-from fisherprune.pruner.prune import floor_of, lowest_kept
+from fisherprune.pruner.prune import floor_of, lowest_kept, rounding
 from fisherprune.train.config import TrainConfig
 
 __all__ = ["preflight_lines"]
@@ -25,7 +25,11 @@ def preflight_lines(config: TrainConfig, popt: PruningOptimizer) -> list[str]:
     if popt.target <= 0:
         total = sum(m.num_channels for m in popt.masks.values())
         kept = sum(
-            lowest_kept(m.kept, floor_of(popt.min_channels, m.num_channels), popt.round_to)
+            lowest_kept(
+                m.kept,
+                floor_of(popt.min_channels, m.num_channels),
+                rounding(m, popt.round_to),
+            )
             for m in popt.masks.values()
         )
         return [
