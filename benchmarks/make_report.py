@@ -1102,8 +1102,11 @@ def transformer_latency_section(t: dict[str, Any], results: Path, out: Path) -> 
         f"timed calls of each form, all forms interleaved (order rotated every round; the "
         f"fastest call kept; 'per round': the speed-up within each round), warm-up: "
         f"{st.get('warmup', '?')}, {st.get('threads')} thread(s), nice {st.get('nice', '?')}; "
-        "uniform=True rK: the library's `uniform=True` with `round_to=K` (a head mask counts "
-        "heads)"
+        "uniform=True rK: the library's `uniform=True` with `round_to=K` (K weight rows: heads "
+        "of 64 go one at a time); uneven rK: the same with `uniform=False` (widths differ from "
+        "block to block); uneven: `round_to=1`, any count; forms: "
+        + ", ".join(st.get("forms", ["eager", "torchscript"]))
+        + " (aoti: an AOTInductor package, `export_model(format='aoti')`)"
         + (
             f"; uniform: hand-made equal widths in multiples of {st.get('round_to')}"
             if "uniform" in st.get("variants", ["uniform"])

@@ -9,31 +9,35 @@ and the hidden width) is pruned to 50% and to 25% of the dense network's FLOPs, 
   across all masks zeroed, the signals random (i.i.d. log-normal, fixed seed), as few as reach
   the target: the widths differ from layer to layer as a pruned network's do, any count;
 * ``library`` (labelled ``uniform=True rK``): the library's own ``uniform=True`` with
-  ``round_to=K`` (``--lib-round-to``, 8): ``fisherprune.prune(..., uniform=True, round_to=K)``
-  on the same random signals, step by step as ``PruningOptimizer`` and ``prune_to_target``
-  call it: every block keeps the same head count (a head mask counts heads: 12 -> 8 with
-  K = 8) and MLP width, all widths multiples of K;
+  ``round_to=K`` (``--lib-round-to``, 8) on the same random signals, in chunks between cost
+  reports as ``prune_to_target`` calls ``prune_many``: every block keeps the same head count
+  and MLP width, every width a multiple of K weight rows (a head of 64 is 8-aligned alone, so
+  heads go one at a time);
+* ``library_uneven`` (labelled ``uneven rK``): the same with ``uniform=False``: widths differ
+  from layer to layer, each a multiple of K;
 * ``uniform``: the same head count, MLP width and hidden width in every block, by hand through
   the masks (the largest keep fraction whose FLOPs are at most the target), the MLP and hidden
   widths multiples of ``--round-to`` (64); the first channels of each mask are zeroed (which
   ones does not change the latency).
 
 Each pruned network is shrunk (``fisherprune.shrink``) and its FLOPs counted by
-``FlopCounterMode``. Every network is timed in two forms: eager (``nn.Module``) and frozen
-TorchScript (``frozen_for_serving``, what ``export_model(format="torchscript", freeze=True)``
-writes; traced at batch ``--trace-batch`` and checked against the eager network at another
-batch). After one warm-up call of every form at batch 2, ``--rounds`` rounds each call every
-form once at the full batch, in an order rotated every round, so that dense and pruned are
-timed side by side; a form's latency is its fastest call (other load on a shared machine only
-adds time), and ``paired_speedups`` are the per-round ratios to the dense network in the same
-round. Reported: latency, speed-up over the dense network in the same form, the FLOPs
-reduction (dense / pruned FLOPs) and ``eff`` = speed-up / FLOPs reduction (target >= 0.8 at
-batch 32), with the process CPU time of the timed rounds and the share of each round in which
-Linux PSI saw tasks waiting for a CPU (other load).
+``FlopCounterMode``. Every network is timed in the forms of ``--forms`` (default ``eager
+aoti``): eager (``nn.Module``), an AOTInductor package (``aoti``: what
+``export_model(format="aoti")`` writes, loaded with ``load_aoti_export``: the recommended
+serving form) and frozen TorchScript (``torchscript``: ``frozen_for_serving``, traced at batch
+``--trace-batch``; deprecated since torch 2.13). Each compiled form is checked against the
+eager network at another batch. After one warm-up call of every form at batch 2, ``--rounds``
+rounds each call every form once at the full batch, in an order rotated every round, so that
+dense and pruned are timed side by side; a form's latency is its fastest call (other load on
+a shared machine only adds time), and ``paired_speedups`` are the per-round ratios to the
+dense network in the same round. Reported: latency, speed-up over the dense network in the
+same form, the FLOPs reduction (dense / pruned FLOPs) and ``eff`` = speed-up / FLOPs
+reduction (target >= 0.8 at batch 32), with the process CPU time of the timed rounds and the
+share of each round in which Linux PSI saw tasks waiting for a CPU (other load).
 
-Run ``python benchmarks/transformer_latency.py`` (batch 32, 12 blocks, 3 rounds: about 15
-minutes of 2 quiet cores) or ``--quick`` (2 blocks, batch 2, 2 rounds; a check that it runs,
-not figures to quote). JSON to ``--out`` (default
+Run ``python benchmarks/transformer_latency.py`` (batch 32, 12 blocks, 3 rounds: about 25
+minutes of 2 quiet cores, compiling included) or ``--quick`` (2 blocks, batch 2, 2 rounds; a
+check that it runs, not figures to quote). JSON to ``--out`` (default
 ``benchmarks/results/transformer_latency.json``) and its plot next to it.
 """
 
@@ -42,6 +46,7 @@ from __future__ import annotations
 import argparse
 import copy
 import os
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
@@ -57,7 +62,9 @@ from torch import Tensor, nn
 from torch.profiler import ProfilerActivity
 
 import fisherprune as fp
+from fisherprune.export import load_aoti_export
 from fisherprune.export.latency import frozen_for_serving, measure_latency
+from fisherprune.pruner.prune import prune_many
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # after choosing the headless backend
@@ -65,8 +72,11 @@ import matplotlib.pyplot as plt  # after choosing the headless backend
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "transformer_latency.json"
 TARGETS = (0.5, 0.25)
 #: how the masks are pruned (see the module docstring): labels of ``networks``
-VARIANTS = ("uneven", "uniform", "library")
-DEFAULT_VARIANTS = ("uneven", "library")
+VARIANTS = ("uneven", "uniform", "library", "library_uneven")
+DEFAULT_VARIANTS = ("uneven", "library", "library_uneven")
+#: how each network is run: eager, or compiled for serving (see ``serving_forms``)
+FORMS = ("eager", "aoti", "torchscript")
+DEFAULT_FORMS = ("eager", "aoti")
 EFFICIENCY_TARGET = 0.8
 
 Build = Callable[..., nn.Module]
@@ -142,26 +152,33 @@ def prune_uniform(
 
 
 def prune_library(
-    masks: dict[str, fp.MaskLayer], cost: fp.CostModel, target: float, round_to: int
+    masks: dict[str, fp.MaskLayer],
+    cost: fp.CostModel,
+    target: float,
+    round_to: int,
+    uniform: bool,
 ) -> int:
-    """What ``PruningOptimizer(uniform=True, round_to=round_to)`` and ``prune_to_target`` do,
-    with the same random signals as ``prune_uneven``: ``fisherprune.prune`` with
-    ``uniform=True`` removes, one block of ``round_to`` channels (a head mask counts heads) at
-    a time in every copy of a repeated block, the block of lowest mean score until the FLOPs
-    are at most ``target`` of the dense ones. Returns the number of prune steps."""
+    """What ``prune_to_target(round_to=round_to, uniform=uniform)`` does, with the same random
+    signals as ``prune_uneven``: ``prune_many`` removes the blocks of lowest mean score
+    (``round_to`` weight rows: a head of 64 alone, 8 MLP or hidden units; with ``uniform``, in
+    every copy of a repeated block at once) in chunks of a quarter of the remaining gap,
+    between exact cost reports, until the FLOPs are at most ``target`` of the dense ones.
+    Returns the number of blocks removed."""
     with torch.no_grad():
         for m in masks.values():
             m.mask.fill_(1.0)
-    start = cost.total()
+    goal = target * cost.total()
     gen = torch.Generator().manual_seed(0)
     signals = {k: torch.randn(m.num_channels, generator=gen).exp() for k, m in masks.items()}
     steps = 0
-    while cost.total() > target * start:
-        report = cost.report()
+    while (report := cost.report()).total > goal:
         scores = {k: fp.score(signals[k], report.marginal[k], "auto") for k in masks}
-        if fp.prune(masks, scores, cost=report, round_to=round_to, uniform=True) is None:
-            raise RuntimeError(f"uniform=True, round_to={round_to} cannot reach {target:.0%}")
-        steps += 1
+        until = report.total - 0.25 * (report.total - goal)
+        chunk = prune_many(masks, scores, cost=report, until=until, round_to=round_to,
+                           uniform=uniform)  # fmt: skip
+        if not chunk:
+            raise RuntimeError(f"round_to={round_to} cannot reach {target:.0%} of the FLOPs")
+        steps += len(chunk)
     return steps
 
 
@@ -188,7 +205,12 @@ def networks(
         "library": (
             f"uniform=True r{lib_round_to}",
             "prune_steps",
-            lambda target: prune_library(masks, cost, target, lib_round_to),
+            lambda target: prune_library(masks, cost, target, lib_round_to, uniform=True),
+        ),
+        "library_uneven": (
+            f"uneven r{lib_round_to}",
+            "prune_steps",
+            lambda target: prune_library(masks, cost, target, lib_round_to, uniform=False),
         ),
     }
     for variant in variants:
@@ -209,28 +231,58 @@ def networks(
     return nets, info
 
 
+def _torchscript(net: nn.Module, make_input: Callable[[int], Tensor], batch: int, tmp: Path) -> Any:
+    """Frozen TorchScript traced at ``batch`` (``frozen_for_serving``)."""
+    return frozen_for_serving(net, make_input(batch))[0]
+
+
+def _aoti(net: nn.Module, make_input: Callable[[int], Tensor], batch: int, tmp: Path) -> Any:
+    """``export_model(format="aoti")`` written under ``tmp`` and loaded back."""
+    path = tmp / f"net{len(list(tmp.iterdir()))}.pt2"
+    fp.export_model(net, path, make_input(batch), format="aoti")
+    return load_aoti_export(path)
+
+
+COMPILERS: dict[str, Callable[[nn.Module, Callable[[int], Tensor], int, Path], Any]] = {
+    "torchscript": _torchscript,
+    "aoti": _aoti,
+}
+
+
 def serving_forms(
-    nets: dict[str, nn.Module], make_input: Callable[[int], Tensor], trace_batch: int
-) -> tuple[dict[str, Any], dict[str, float]]:
-    """Each network eager and as frozen TorchScript (``frozen_for_serving``), by
-    ``"<form>|<label>"``; the TorchScript forms are traced at ``trace_batch`` (the batch
-    dimension stays free) and checked against the eager network at another batch. Also returns
-    the largest output difference of each TorchScript form there."""
-    forms: dict[str, Any] = {}
+    nets: dict[str, nn.Module],
+    make_input: Callable[[int], Tensor],
+    forms: Sequence[str],
+    trace_batch: int,
+    tmp: Path,
+) -> tuple[dict[str, Any], dict[str, dict[str, float]], dict[str, float]]:
+    """Each network in each of ``forms``, by ``"<form>|<label>"``: eager, or compiled at batch
+    ``trace_batch`` (AOTInductor packages live in ``tmp``) with the batch dimension free and
+    checked against the eager network at another batch. Also returns, per compiled form and
+    network, the largest output difference there, and the seconds each compile took."""
+    out: dict[str, Any] = {}
+    differences: dict[str, dict[str, float]] = {}
+    compile_s: dict[str, float] = {}
     check = make_input(trace_batch + 1)
-    differences = {}
     for label, net in nets.items():
-        frozen = frozen_for_serving(net, make_input(trace_batch))[0]
-        with torch.inference_mode():
-            differences[label] = float((frozen(check) - net(check)).abs().max())
-        if differences[label] > 1e-3:
-            raise RuntimeError(
-                f"{label}: frozen TorchScript traced at batch {trace_batch} is "
-                f"{differences[label]:.3g} off the eager network at batch {trace_batch + 1}"
-            )
-        forms[f"eager|{label}"] = net
-        forms[f"torchscript|{label}"] = frozen
-    return forms, differences
+        for form in forms:
+            if form == "eager":
+                out[f"eager|{label}"] = net
+                continue
+            t0 = time.perf_counter()
+            served = COMPILERS[form](net, make_input, trace_batch, tmp)
+            compile_s[f"{form}|{label}"] = time.perf_counter() - t0
+            with torch.inference_mode():
+                diff = float((served(check) - net(check)).abs().max())
+            differences.setdefault(form, {})[label] = diff
+            if diff > 1e-3:
+                raise RuntimeError(
+                    f"{label}: {form} compiled at batch {trace_batch} is {diff:.3g} off the "
+                    f"eager network at batch {trace_batch + 1}"
+                )
+            out[f"{form}|{label}"] = served
+            print(f"  {form} {label}: compiled in {compile_s[f'{form}|{label}']:.0f} s", flush=True)
+    return out, differences, compile_s
 
 
 def timed_rounds(
@@ -259,13 +311,19 @@ def timed_rounds(
 def run(
     name: str, nets: dict[str, nn.Module], info: dict[str, Any], args: argparse.Namespace
 ) -> dict[str, Any]:
-    """Time ``nets`` (from ``networks``) eager and as TorchScript; the rows of the report."""
+    """Time ``nets`` (from ``networks``) in every form of ``args.forms``; the rows of the
+    report."""
     make_input = ENCODERS[name][1]
-    forms, differences = serving_forms(nets, make_input, args.trace_batch)
-    for label, diff in differences.items():
-        info[label]["torchscript_max_abs_diff"] = diff
-    cpu0 = time.process_time()
-    times, stalls = timed_rounds(forms, make_input(args.batch), make_input(2), args.rounds)
+    with tempfile.TemporaryDirectory() as tmp:  # AOTInductor packages live here while timed
+        forms, differences, compile_s = serving_forms(
+            nets, make_input, args.forms, args.trace_batch, Path(tmp)
+        )
+        for form, by_label in differences.items():
+            for label, diff in by_label.items():
+                info[label][f"{form}_max_abs_diff"] = diff
+        cpu0 = time.process_time()
+        times, stalls = timed_rounds(forms, make_input(args.batch), make_input(2), args.rounds)
+        del forms  # the loaded packages, before their folder goes
     lat = {key: min(ts) for key, ts in times.items()}
     rows = []
     for key, seconds in lat.items():
@@ -290,7 +348,11 @@ def run(
             f"{name:<10} {form:<12} {label:<20} {seconds * 1e3:9.1f} ms  speed-up "
             f"{speedup:5.2f}x  FLOPs /{reduction:5.2f}  eff {speedup / reduction:5.2f}"
         )
-    timing = {"process_cpu_s": time.process_time() - cpu0, "round_cpu_stall_fraction": stalls}
+    timing = {
+        "process_cpu_s": time.process_time() - cpu0,
+        "round_cpu_stall_fraction": stalls,
+        "compile_s": compile_s,
+    }
     return {"networks": info, "rows": rows, "timing": timing}
 
 
@@ -339,7 +401,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
     """Speed-up against FLOPs reduction, one marker per pruned network and form; the line is
     a speed-up equal to the FLOPs reduction, the dashed one ``EFFICIENCY_TARGET`` of it."""
     fig, ax = plt.subplots(figsize=(6, 4.5))
-    markers = {"eager": "o", "torchscript": "s"}
+    markers = {"eager": "o", "aoti": "^", "torchscript": "s"}
     for name, res in results.items():
         for form, marker in markers.items():
             rows = [r for r in res["rows"] if r["form"] == form and r["network"] != "dense"]
@@ -372,7 +434,16 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--batch", type=int, default=None, help="batch (default 32; quick 2)")
     p.add_argument("--rounds", type=int, default=None, help="timed calls each (3; quick 2)")
-    p.add_argument("--trace-batch", type=int, default=1, help="batch TorchScript is traced at (1)")
+    p.add_argument(
+        "--forms",
+        nargs="+",
+        choices=FORMS,
+        default=list(DEFAULT_FORMS),
+        help=f"how each network runs (default: {' '.join(DEFAULT_FORMS)})",
+    )
+    p.add_argument(
+        "--trace-batch", type=int, default=1, help="batch the compiled forms are made at (1)"
+    )
     p.add_argument("--round-to", type=int, default=64, help="uniform widths' multiple (64)")
     p.add_argument(
         "--lib-round-to",
@@ -426,6 +497,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "rounds": args.rounds,
                     "warmup": "one call of each form at batch 2",
                     "trace_batch": args.trace_batch,
+                    "forms": args.forms,
                     "variants": args.variants,
                     "round_to": args.round_to,
                     "lib_round_to": args.lib_round_to,
