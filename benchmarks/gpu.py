@@ -1,0 +1,509 @@
+"""Issue 20 on a GPU: training-step overhead, peak memory, host syncs, latency, throughput.
+
+How to run on a GPU
+-------------------
+From the repository root, with fisherprune importable (``pip install -e .``) and a CUDA torch:
+``python benchmarks/gpu.py`` (bf16 autocast, fp32 weights; about 10 minutes on one modern GPU)
+prints the tables and writes ``benchmarks/results/gpu.json``. ``--dtype float16`` (GradScaler)
+or ``float32`` changes the arithmetic, ``--no-compile`` skips ``torch.compile``, ``--quick``
+(2 blocks, small inputs, batch 2, few steps) checks in a minute that everything runs.
+``--device cpu`` runs the same code on the CPU: a check of the script, not figures to quote (no
+CUDA events, peak memory or sync check there). Send back the JSON: every ratio in it was taken
+side by side in one run.
+
+For ResNet-50 (224x224) and BERT-base- and ViT-B/16-sized encoders (12 blocks, d 768, 12 heads;
+128 tokens, 224x224), each with every mask ``apply_masks`` finds, at batch 32:
+
+1. overhead: ms per step of ``overhead.py``'s variants (a) plain, (b) collecting, (c) pruned,
+   not collecting, built by ``overhead.VARIANT_STEPS`` with its ``make_step`` swapped for one
+   that runs forward and loss under ``torch.autocast`` (fp16: a GradScaler; the signal then
+   gathers scaled gradients, at the same cost); interleaved rounds, rotated each round, each
+   block of steps between two CUDA events (no synchronisation inside a block); medians, their
+   ratios and the per-round ratios;
+2. peak memory: ``torch.cuda.max_memory_allocated`` of one step per variant (one model on the
+   device at a time);
+3. host syncs: a few steps of each variant, and of the trainer's loop below on steps that do not
+   prune, under ``torch.cuda.set_sync_debug_mode("error")``: "pass" or the error message;
+4. latency, batch 32, ``model.to(dtype)``, eager and ``torch.compile``d, of the dense encoders
+   and of them shrunk to 50% and 25% of the FLOPs (``transformer_latency.prune_library``,
+   ``round_to=8``, ``uniform=True``): speed-up, FLOPs reduction, eff = speed-up / reduction;
+5. throughput (examples/s) of the step that ``fisherprune train`` runs (forward under the
+   trainer's ``Precision.autocast``, ``Precision.minimize`` of a ``PruningOptimizer`` pruning
+   every 10 steps towards 50% of the FLOPs) against a plain step of the unmasked network; not a
+   whole ``PruningTrainer`` run, whose data loading, evaluation and export would blur it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import gc
+import itertools
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+import overhead as ov
+import standard_nets as sn
+import torch
+import torch.nn.functional as F
+import transformer_latency as tl
+from _common import counted_flops, machine_info, write_json
+from torch import Tensor, nn
+
+import fisherprune as fp
+from fisherprune.train.devices import Precision
+
+DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "gpu.json"
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+PRECISION_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+STEP_VARIANTS = ("a", "b", "c")  # overhead.py's plain, collecting, pruned-not-collecting
+LATENCY_TARGETS = (0.5, 0.25)
+ROUND_TO = 8
+PRUNE_EVERY = 10
+SYNC_STEPS = 3
+#: the PruningOptimizer of the throughput and sync runs (and overhead.py's SGD settings)
+POPT: dict[str, Any] = {
+    "lr": ov.LR,
+    "momentum": ov.MOMENTUM,
+    "decay": ov.DECAY,
+    "flops_target": "50%",
+}
+Fn = Callable[[], Any]
+
+
+# ------------------------------------------------------------------ models
+def quick_specs() -> dict[str, ov.ModelSpec]:
+    """Two-block encoders, 32x32 images, 32 tokens: the standard nets' code at a check size,
+    the masked models with every mask ``apply_masks`` finds."""
+
+    def found_masks(build: Callable[[], nn.Module], x: ov.InputFn) -> Callable[[bool], nn.Module]:
+        def masked_or_plain(masked: bool) -> nn.Module:
+            model = build()
+            if masked:
+                fp.apply_masks(model, x(1, torch.Generator().manual_seed(2)))
+            return model
+
+        return masked_or_plain
+
+    def images(n: int, gen: torch.Generator) -> Tensor:
+        return torch.randn(n, 3, 32, 32, generator=gen)
+
+    def tokens(n: int, gen: torch.Generator) -> Tensor:
+        return torch.randint(0, 30522, (n, 32), generator=gen)
+
+    builds: dict[str, tuple[Callable[[], nn.Module], ov.InputFn]] = {
+        "resnet50": (sn.build_resnet50, images),
+        "bert_base": (lambda: sn.build_bert_base(length=32, layers=2), tokens),
+        "vit_b16": (lambda: sn.Encoder(vocab=None, length=5, layers=2), images),
+    }
+    return {
+        name: dataclasses.replace(
+            ov.MODELS[name],
+            description=f"{name}, quick size",
+            build=found_masks(b, x),
+            make_input=x,
+        )
+        for name, (b, x) in builds.items()
+    }
+
+
+def on_device(spec: ov.ModelSpec, device: torch.device) -> ov.ModelSpec:
+    """``spec`` whose models are built (masks found on the CPU) and then moved to ``device``."""
+    return dataclasses.replace(spec, build=lambda masked: spec.build(masked).to(device))
+
+
+def amp_step_builder(device: torch.device, dtype: torch.dtype) -> Callable[..., ov.StepFn]:
+    """A drop-in for ``overhead.make_step``: forward and loss under ``torch.autocast(dtype)``
+    (fp32 weights), backward and SGD step outside it, a ``GradScaler`` for float16."""
+
+    def make_step(
+        model: nn.Module,
+        after_backward: Callable[[Tensor, Tensor], None] | None = None,
+        after_step: Fn | None = None,
+    ) -> ov.StepFn:
+        if after_backward is not None:
+            raise ValueError("the naive per-example baseline is not run on a GPU")
+        opt = torch.optim.SGD(model.parameters(), lr=ov.LR, momentum=ov.MOMENTUM)
+        scaler = torch.amp.GradScaler(device.type) if dtype is torch.float16 else None
+        model.train()
+
+        def step(x: Tensor, y: Tensor) -> None:
+            opt.zero_grad(set_to_none=True)
+            with torch.autocast(device.type, dtype=dtype, enabled=dtype is not torch.float32):
+                loss = F.cross_entropy(model(x), y)
+            if scaler is None:
+                loss.backward()
+                opt.step()
+            else:
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+            if after_step is not None:
+                after_step()
+
+        return step
+
+    return make_step
+
+
+def variant_step(spec: ov.ModelSpec, v: str, device: torch.device, dtype: torch.dtype) -> ov.StepFn:
+    """``overhead.VARIANT_STEPS[v]`` on ``device`` in mixed precision."""
+    with mock.patch.object(ov, "make_step", amp_step_builder(device, dtype)):
+        return ov.VARIANT_STEPS[v](on_device(spec, device), ov.DECAY)
+
+
+def device_batches(
+    spec: ov.ModelSpec, batch: int, device: torch.device
+) -> list[tuple[Tensor, Tensor]]:
+    return [(x.to(device), y.to(device)) for x, y in ov.make_batches(spec, ov.NUM_BATCHES, batch)]
+
+
+def cycling(step: ov.StepFn, batches: Sequence[tuple[Tensor, Tensor]]) -> Fn:
+    """One call: one step on the next batch of ``batches``."""
+    it = itertools.cycle(batches)
+    return lambda: step(*next(it))
+
+
+def variant_fns(spec: ov.ModelSpec, args: argparse.Namespace, keys: Sequence[str]) -> dict[str, Fn]:
+    """The steps of the variants ``keys`` on the device, each cycling through the same batches."""
+    batches = device_batches(spec, args.batch, args.device)
+    return {v: cycling(variant_step(spec, v, args.device, args.dtype), batches) for v in keys}
+
+
+# ------------------------------------------------------------------ timing
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def block_ms(fn: Fn, count: int, device: torch.device) -> float:
+    """ms per call over ``count`` back-to-back calls: between two CUDA events on a GPU (no
+    synchronisation inside the block), by the wall clock on the CPU; garbage collector off."""
+    gc.collect()
+    gc.disable()
+    try:
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(count):
+                fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / count
+        t0 = time.perf_counter()
+        for _ in range(count):
+            fn()
+        return (time.perf_counter() - t0) * 1e3 / count
+    finally:
+        gc.enable()
+
+
+def interleaved(
+    fns: dict[str, Fn], rounds: int, count: int, warmup: int, device: torch.device
+) -> dict[str, list[float]]:
+    """Per key, ms per call in each of ``rounds`` rounds; every round times a block of ``count``
+    calls of each function, in an order rotated every round, after ``warmup`` calls each."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    sync(device)
+    keys = list(fns)
+    out: dict[str, list[float]] = {k: [] for k in keys}
+    for r in range(rounds):
+        for k in keys[r % len(keys) :] + keys[: r % len(keys)]:
+            out[k].append(block_ms(fns[k], count, device))
+    return out
+
+
+def ratios(times: dict[str, list[float]], ref: str) -> dict[str, dict[str, Any]]:
+    """Per key: median ms, per-round ms, ratio of medians to ``ref`` and the per-round ratios."""
+    base = statistics.median(times[ref])
+    out = {}
+    for k, ts in times.items():
+        per_round = [t / a for t, a in zip(ts, times[ref], strict=True)]
+        out[k] = {
+            "median_ms": statistics.median(ts),
+            "round_ms": ts,
+            "ratio": statistics.median(ts) / base,
+            "paired_ratio": statistics.median(per_round),
+            "round_ratios": per_round,
+        }
+    return out
+
+
+# ------------------------------------------------------------------ 1-3: steps
+def peak_memory(spec: ov.ModelSpec, args: argparse.Namespace) -> dict[str, Any]:
+    """Peak bytes allocated during one step of each variant (after a warm-up step), one
+    variant's model on the device at a time; ratios to the plain step."""
+    if args.device.type != "cuda":
+        return {"skipped": "torch.cuda.max_memory_allocated needs a CUDA device"}
+    peaks = {}
+    for v in STEP_VARIANTS:
+        step = variant_fns(spec, args, v)[v]
+        step()
+        sync(args.device)
+        torch.cuda.reset_peak_memory_stats(args.device)
+        step()
+        sync(args.device)
+        peaks[v] = torch.cuda.max_memory_allocated(args.device)
+        del step
+        gc.collect()
+        torch.cuda.empty_cache()
+    return {v: {"peak_bytes": p, "ratio": p / peaks["a"]} for v, p in peaks.items()}
+
+
+def popt_loop(
+    spec: ov.ModelSpec, args: argparse.Namespace, prune_every: int
+) -> tuple[Fn, fp.PruningOptimizer, Precision]:
+    """One call: one step of the trainer's loop (``Precision.autocast`` forward and loss,
+    ``Precision.minimize``) on the masked model with a ``PruningOptimizer`` that prunes every
+    ``prune_every`` steps towards 50% of the FLOPs."""
+    model = ov.make_model(on_device(spec, args.device), masked=True)
+    batches = itertools.cycle(device_batches(spec, args.batch, args.device))
+    example = ov.make_batches(spec, 1, 1)[0][0].to(args.device)
+    popt = fp.PruningOptimizer(model, example, prune_every=prune_every, **POPT)
+    precision = Precision(PRECISION_NAMES[args.dtype], args.device)
+    model.train()
+
+    def step() -> None:
+        x, y = next(batches)
+        with precision.autocast():
+            loss = F.cross_entropy(model(x).float(), y)
+        precision.minimize(popt, loss)
+
+    return step, popt, precision
+
+
+def sync_check(spec: ov.ModelSpec, args: argparse.Namespace) -> dict[str, Any]:
+    """Per variant (and the ``PruningOptimizer`` loop on non-pruning steps): ``"pass"`` when
+    ``SYNC_STEPS`` steps ran under ``set_sync_debug_mode("error")``, else the error message."""
+    if args.device.type != "cuda":
+        return {"skipped": "torch.cuda.set_sync_debug_mode needs a CUDA device"}
+    fns = variant_fns(spec, args, STEP_VARIANTS)
+    fns["pruning_optimizer"] = popt_loop(spec, args, prune_every=10**9)[0]
+    out: dict[str, Any] = {}
+    for k, fn in fns.items():
+        fn()  # first step: lazy initialisation (cuBLAS handles, the first-step checks)
+        sync(args.device)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for _ in range(SYNC_STEPS):
+                fn()
+            out[k] = "pass"
+        except RuntimeError as exc:
+            out[k] = f"FAIL: {exc}"
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    if args.dtype is torch.float16:
+        out["note"] = "GradScaler.step reads its inf check on the host: fp16 fails by design"
+    return out
+
+
+def step_figures(spec: ov.ModelSpec, args: argparse.Namespace) -> dict[str, Any]:
+    """Overhead (interleaved rounds), peak memory and the sync check of one model."""
+    memory = peak_memory(spec, args)
+    syncs = sync_check(spec, args)
+    fns = variant_fns(spec, args, STEP_VARIANTS)
+    times = interleaved(fns, args.rounds, args.steps, args.warmup, args.device)
+    masks = fp.find_masks(ov.make_model(spec, masked=True))
+    return {
+        "architecture": spec.description,
+        "masks": len(masks),
+        "mask_channels": sum(m.num_channels for m in masks.values()),
+        "variants": {v: {"label": ov.VARIANTS[v], **r} for v, r in ratios(times, "a").items()},
+        "memory": memory,
+        "sync_check": syncs,
+    }
+
+
+def throughput(spec: ov.ModelSpec, args: argparse.Namespace) -> dict[str, Any]:
+    """Examples/s of the trainer's loop with pruning against a plain step, interleaved."""
+    try:
+        on, popt, _ = popt_loop(spec, args, PRUNE_EVERY)
+    except ValueError as exc:  # e.g. fp16 on a CPU: the trainer refuses it too
+        return {"skipped": str(exc)}
+    off = variant_fns(spec, args, "a")["a"]
+    times = interleaved({"off": off, "on": on}, args.rounds, args.steps, args.warmup, args.device)
+    per_s = {k: args.batch * 1e3 / statistics.median(ts) for k, ts in times.items()}
+    return {
+        "examples_per_s": per_s,
+        "on_over_off": per_s["on"] / per_s["off"],
+        "detail": ratios(times, "off"),
+        "prunes": len(popt.history),
+        "finished": popt.finished,
+    }
+
+
+# ------------------------------------------------------------------ 4: latency
+def encoder_latency(name: str, args: argparse.Namespace) -> dict[str, Any]:
+    """Dense vs shrunk (``prune_library``, uniform, round_to 8) at each FLOPs target, eager
+    and compiled, in ``args.dtype`` on the device; speed-ups over the dense net in each form."""
+    build, make_input = tl.ENCODERS[name]
+    x1 = make_input(1)
+    dense = build(layers=args.layers).eval()
+    masked = copy.deepcopy(dense)
+    masks = dict(fp.apply_masks(masked, x1))
+    cost = fp.CostModel(masked, x1)
+    nets, flops = {"dense": dense}, {"dense": counted_flops(dense, x1)}
+    for target in LATENCY_TARGETS:
+        tl.prune_library(masks, cost, target, ROUND_TO, True)
+        label = f"uniform r{ROUND_TO} {target:.0%}"
+        nets[label] = fp.shrink(masked, x1).eval()
+        flops[label] = counted_flops(nets[label], x1)
+    x = make_input(args.latency_batch).to(args.device)
+    x = x.to(args.dtype) if x.is_floating_point() else x
+    forms: dict[str, Fn] = {}
+    compile_errors: dict[str, str] = {}
+    for label, net in nets.items():
+        net = net.to(args.device, args.dtype)
+        forms[f"eager|{label}"] = lambda net=net: net(x)
+        if args.compile:
+            compiled = torch.compile(net)
+            try:
+                with torch.inference_mode():
+                    compiled(x)
+                forms[f"compiled|{label}"] = lambda net=compiled: net(x)
+            except Exception as exc:  # any compiler failure is recorded
+                compile_errors[label] = f"{type(exc).__name__}: {exc}"[:500]
+    with torch.inference_mode():
+        times = interleaved(forms, args.rounds, args.calls, 1, args.device)
+    rows = []
+    for key, ts in times.items():
+        form, label = key.split("|")
+        dense_ts = times[f"{form}|dense"]
+        speedup = min(dense_ts) / min(ts)
+        reduction = flops["dense"] / flops[label]
+        rows.append(
+            {
+                "form": form,
+                "network": label,
+                "latency_ms": min(ts),
+                "round_ms": ts,
+                "speedup": speedup,
+                "paired_speedups": [d / t for d, t in zip(dense_ts, ts, strict=True)],
+                "flops_reduction": reduction,
+                "efficiency": speedup / reduction,
+            }
+        )
+    return {"flops_per_example": flops, "rows": rows, "compile_errors": compile_errors or None}
+
+
+# ------------------------------------------------------------------ report
+SIZES: dict[str, dict[str, int]] = {  # --quick, and the figures to quote
+    "quick": dict(batch=2, rounds=2, steps=1, warmup=0, calls=1, layers=2, latency_batch=2),
+    "full": dict(batch=32, rounds=10, steps=10, warmup=5, calls=5, layers=12, latency_batch=32),
+}
+
+
+def print_tables(results: dict[str, Any]) -> None:
+    head = ("model", "variant", "ms/step", "ratio", "paired", "peak MiB", "mem")
+    print("\n{:<10} {:<36} {:>9} {:>6} {:>7} {:>9} {:>5}  sync".format(*head))
+    for name, res in results["steps"].items():
+        for v, r in res["variants"].items():
+            mem = res["memory"].get(v, {"peak_bytes": float("nan"), "ratio": float("nan")})
+            print(
+                f"{name:<10} {f'({v}) ' + r['label']:<36} {r['median_ms']:9.2f} {r['ratio']:6.3f} "
+                f"{r['paired_ratio']:7.3f} {mem['peak_bytes'] / 2**20:9.0f} {mem['ratio']:5.2f}  "
+                f"{str(res['sync_check'].get(v, '-'))[:60]}"
+            )
+        print(
+            f"{name:<10} PruningOptimizer loop: {res['sync_check'].get('pruning_optimizer', '-')}"
+        )
+    head = ("model", "form", "network", "ms", "speed-up", "FLOPs /", "eff")
+    print("\n{:<10} {:<9} {:<18} {:>9} {:>9} {:>8} {:>5}".format(*head))
+    for name, res in results["latency"].items():
+        for r in res["rows"]:
+            print(
+                f"{name:<10} {r['form']:<9} {r['network']:<18} {r['latency_ms']:9.2f} "
+                f"{r['speedup']:9.2f} {r['flops_reduction']:8.2f} {r['efficiency']:5.2f}"
+            )
+        if res["compile_errors"]:
+            print(f"{name:<10} torch.compile failed: {res['compile_errors']}")
+    print(f"\n{'model':<10} {'ex/s off':>10} {'ex/s on':>10} {'on/off':>7}  prunes")
+    for name, res in results["throughput"].items():
+        e = res.get("examples_per_s", {"off": float("nan"), "on": float("nan")})
+        ratio, prunes = res.get("on_over_off", float("nan")), res.get("prunes", res.get("skipped"))
+        print(f"{name:<10} {e['off']:10.1f} {e['on']:10.1f} {ratio:7.3f}  {prunes}")
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda", help="cuda (default), cuda:N or cpu (a check)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    p.add_argument("--quick", action="store_true", help=f"a check: {SIZES['quick']}")
+    p.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="also time torch.compile'd encoders (default: on, off with --quick)",
+    )
+    p.add_argument("--models", nargs="+", choices=list(ov.STANDARD), default=list(ov.STANDARD))
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON output path")
+    args = p.parse_args(argv)
+    args.device, args.dtype = torch.device(args.device), DTYPES[args.dtype]
+    if args.device.type == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: torch sees no CUDA device; --device cpu checks the script")
+    if args.compile is None:
+        args.compile = not args.quick
+    args.sizes = SIZES["quick" if args.quick else "full"]
+    for k, v in args.sizes.items():
+        setattr(args, k, v)
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    started = time.perf_counter()
+    specs = quick_specs() if args.quick else ov.MODELS
+    results: dict[str, Any] = {"steps": {}, "latency": {}, "throughput": {}}
+    for name in args.models:
+        print(f"{name}: training steps", flush=True)
+        results["steps"][name] = step_figures(specs[name], args)
+        results["throughput"][name] = throughput(specs[name], args)
+        if name in tl.ENCODERS:
+            print(f"{name}: latency", flush=True)
+            results["latency"][name] = encoder_latency(name, args)
+    print_tables(results)
+    cuda = args.device.type == "cuda"
+    payload = {
+        "benchmark": "gpu",
+        "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "fisherprune_version": fp.__version__,
+        "torch_version": torch.__version__,
+        "cuda_version": torch.version.cuda,
+        "device": str(args.device),
+        "device_name": torch.cuda.get_device_name(args.device) if cuda else "cpu",
+        "dtype": str(args.dtype).removeprefix("torch."),
+        "machine": machine_info(),
+        "note": None
+        if cuda
+        else "a CPU run checks that the script runs: no CUDA events, peak "
+        "memory or sync check, and its figures say nothing about a GPU",
+        "settings": {"quick": args.quick, "compile": args.compile, **args.sizes}
+        | {
+            "round_to": ROUND_TO,
+            "uniform": True,
+            "prune_every": PRUNE_EVERY,
+            "sync_steps": SYNC_STEPS,
+        }
+        | {
+            "trainer_loop": POPT,
+            "throughput": "the trainer's loop (Precision + "
+            "PruningOptimizer) vs a plain SGD step, not a whole PruningTrainer run",
+        },
+        **results,
+        "elapsed_s": time.perf_counter() - started,
+    }
+    write_json(args.out, payload)
+    print(f"\nwrote {args.out} ({payload['elapsed_s']:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
