@@ -30,7 +30,8 @@ For ResNet-50 (224x224) and BERT-base- and ViT-B/16-sized encoders (12 blocks, d
 5. throughput (examples/s) of the step that ``fisherprune train`` runs (forward under the
    trainer's ``Precision.autocast``, ``Precision.minimize`` of a ``PruningOptimizer`` pruning
    every 10 steps towards 50% of the FLOPs) against a plain step of the unmasked network; not a
-   whole ``PruningTrainer`` run, whose data loading, evaluation and export would blur it.
+   whole ``PruningTrainer`` run, whose data loading, evaluation and export would blur it (nor
+   its per-step ``float(loss)`` for the divergence guard, a host read with or without pruning).
 """
 
 from __future__ import annotations
@@ -396,7 +397,7 @@ def encoder_latency(name: str, args: argparse.Namespace) -> dict[str, Any]:
 
 # ------------------------------------------------------------------ report
 SIZES: dict[str, dict[str, int]] = {  # --quick, and the figures to quote
-    "quick": dict(batch=2, rounds=2, steps=1, warmup=0, calls=1, layers=2, latency_batch=2),
+    "quick": dict(batch=2, rounds=1, steps=1, warmup=0, calls=1, layers=2, latency_batch=2),
     "full": dict(batch=32, rounds=10, steps=10, warmup=5, calls=5, layers=12, latency_batch=32),
 }
 
@@ -449,6 +450,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.device, args.dtype = torch.device(args.device), DTYPES[args.dtype]
     if args.device.type == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: torch sees no CUDA device; --device cpu checks the script")
+    if args.device.type == "cuda":
+        torch.cuda.set_device(args.device)  # the CUDA events time the current device's stream
     if args.compile is None:
         args.compile = not args.quick
     args.sizes = SIZES["quick" if args.quick else "full"]
@@ -463,12 +466,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     specs = quick_specs() if args.quick else ov.MODELS
     results: dict[str, Any] = {"steps": {}, "latency": {}, "throughput": {}}
     for name in args.models:
-        print(f"{name}: training steps", flush=True)
+        t0 = time.perf_counter()
         results["steps"][name] = step_figures(specs[name], args)
         results["throughput"][name] = throughput(specs[name], args)
+        print(f"{name}: training steps {time.perf_counter() - t0:.0f} s", flush=True)
         if name in tl.ENCODERS:
-            print(f"{name}: latency", flush=True)
+            t0 = time.perf_counter()
             results["latency"][name] = encoder_latency(name, args)
+            print(f"{name}: latency {time.perf_counter() - t0:.0f} s", flush=True)
     print_tables(results)
     cuda = args.device.type == "cuda"
     payload = {
