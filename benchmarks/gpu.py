@@ -15,11 +15,11 @@ For ResNet-50 (224x224) and BERT-base- and ViT-B/16-sized encoders (12 blocks, d
 128 tokens, 224x224), each with every mask ``apply_masks`` finds, at batch 32:
 
 1. overhead: ms per step of ``overhead.py``'s variants (a) plain, (b) collecting, (c) pruned,
-   not collecting, built by ``overhead.VARIANT_STEPS`` with its ``make_step`` swapped for one
-   that runs forward and loss under ``torch.autocast`` (fp16: a GradScaler; the signal then
-   gathers scaled gradients, at the same cost); interleaved rounds, rotated each round, each
-   block of steps between two CUDA events (no synchronisation inside a block); medians, their
-   ratios and the per-round ratios;
+   not collecting, built by ``overhead.VARIANT_STEPS`` with a step builder in place of its
+   ``make_step`` that runs forward and loss under ``torch.autocast`` (fp16: a GradScaler;
+   the signal then gathers scaled gradients, at the same cost); interleaved rounds, rotated
+   each round, each block of steps between two CUDA events (no synchronisation inside a
+   block); medians, their ratios and the per-round ratios;
 2. peak memory: ``torch.cuda.max_memory_allocated`` of one step per variant (one model on the
    device at a time);
 3. host syncs: a few steps of each variant, and of the trainer's loop below on steps that do not
@@ -47,7 +47,6 @@ from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
-from unittest import mock
 
 import overhead as ov
 import standard_nets as sn
@@ -155,8 +154,7 @@ def amp_step_builder(device: torch.device, dtype: torch.dtype) -> Callable[..., 
 
 def variant_step(spec: ov.ModelSpec, v: str, device: torch.device, dtype: torch.dtype) -> ov.StepFn:
     """``overhead.VARIANT_STEPS[v]`` on ``device`` in mixed precision."""
-    with mock.patch.object(ov, "make_step", amp_step_builder(device, dtype)):
-        return ov.VARIANT_STEPS[v](on_device(spec, device), ov.DECAY)
+    return ov.VARIANT_STEPS[v](on_device(spec, device), ov.DECAY, amp_step_builder(device, dtype))
 
 
 def device_batches(

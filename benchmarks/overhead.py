@@ -128,6 +128,8 @@ DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "overhead.json"
 STANDARD_OUT = DEFAULT_OUT.with_name("overhead_standard.json")
 
 StepFn = Callable[[Tensor, Tensor], None]
+#: ``make_step``'s signature: a model and optional hooks after backward / after the step
+StepBuilder = Callable[..., StepFn]
 InputFn = Callable[[int, torch.Generator], Tensor]
 
 
@@ -352,17 +354,17 @@ def make_step(
     return step
 
 
-def _plain(spec: ModelSpec, decay: float) -> StepFn:
+def _plain(spec: ModelSpec, decay: float, make_step: StepBuilder = make_step) -> StepFn:
     return make_step(make_model(spec, masked=False))
 
 
-def _collecting(spec: ModelSpec, decay: float) -> StepFn:
+def _collecting(spec: ModelSpec, decay: float, make_step: StepBuilder = make_step) -> StepFn:
     model = make_model(spec, masked=True)
     masks = fisherprune.find_masks(model)
     return make_step(model, after_step=lambda: fisherprune.update_pruning_signals(masks, decay))
 
 
-def _finished(spec: ModelSpec, decay: float) -> StepFn:
+def _finished(spec: ModelSpec, decay: float, make_step: StepBuilder = make_step) -> StepFn:
     model = make_model(spec, masked=True)
     with torch.no_grad():
         for m in fisherprune.find_masks(model).values():
@@ -371,7 +373,7 @@ def _finished(spec: ModelSpec, decay: float) -> StepFn:
     return make_step(model)
 
 
-def _naive(spec: ModelSpec, decay: float) -> StepFn:
+def _naive(spec: ModelSpec, decay: float, make_step: StepBuilder = make_step) -> StepFn:
     model = make_model(spec, masked=True)
     masks = fisherprune.find_masks(model)
     for m in masks.values():
@@ -380,15 +382,16 @@ def _naive(spec: ModelSpec, decay: float) -> StepFn:
     return make_step(model, after_backward=lambda x, y: per_example.update(x, y, decay))
 
 
-def _all_ones(spec: ModelSpec, decay: float) -> StepFn:
+def _all_ones(spec: ModelSpec, decay: float, make_step: StepBuilder = make_step) -> StepFn:
     model = make_model(spec, masked=True)
     for m in fisherprune.find_masks(model).values():
         m.collecting = False
     return make_step(model)
 
 
-#: how each variant's step is built (a fresh model each, with the same initial weights)
-VARIANT_STEPS: dict[str, Callable[[ModelSpec, float], StepFn]] = {
+#: how each variant's step is built (a fresh model each, with the same initial weights), by
+#: ``make_step`` or another step builder given as third argument (``gpu.py``: mixed precision)
+VARIANT_STEPS: dict[str, Callable[..., StepFn]] = {
     "a": _plain,
     "b": _collecting,
     "c": _finished,
