@@ -161,3 +161,45 @@ def test_a_grad_scaler_leaves_the_signal_unchanged() -> None:
         precision.minimize(popt, F.cross_entropy(model(x), y))
         signals.append(model[1].signal.clone())
     torch.testing.assert_close(signals[1], signals[0], rtol=1e-5, atol=0.0)
+
+
+def test_a_step_the_grad_scaler_skips_leaves_no_statistics_behind() -> None:
+    """A scale so large that the gradients overflow: ``GradScaler`` skips the step (the
+    optimizer's counter does not move) and the inf gradients the masks gathered are dropped,
+    so the next step's signal is that of its own batch alone, as on a fresh model."""
+    x, y = torch.randn(16, 3, 32, 32), torch.randint(0, 4, (16,))
+    fresh = _masked_conv()
+    model = _masked_conv()
+    signals = []
+    for m, overflow_first in ((fresh, False), (model, True)):
+        popt = PruningOptimizer(m, x[:1], lr=0.0, decay=0.0, prune_every=1000)
+        precision = Precision("fp32", torch.device("cpu"))
+        if overflow_first:
+            precision.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**127)
+            precision.minimize(popt, 1e6 * F.cross_entropy(m(x), y))  # scaled: inf
+            assert popt.counter == 1  # skipped
+            precision.scaler = None
+        precision.minimize(popt, F.cross_entropy(m(x), y))
+        assert popt.counter == 2
+        signals.append(m[1].signal.clone())
+    assert torch.isfinite(signals[1]).all()
+    torch.testing.assert_close(signals[1], signals[0], rtol=1e-5, atol=0.0)
+
+
+def test_a_scaled_step_does_not_read_the_scale_back_to_the_host(monkeypatch) -> None:
+    """``GradScaler.get_scale()`` is an ``.item()`` of the scale (a wait for the GPU in every
+    step); ``minimize`` unscales with the scale tensor and tells a skipped step by the
+    optimizer's counter instead, so it never calls it."""
+
+    def refuse(self) -> float:
+        raise AssertionError("get_scale() read the scale back to the host")
+
+    monkeypatch.setattr(torch.amp.GradScaler, "get_scale", refuse)
+    x, y = torch.randn(16, 3, 32, 32), torch.randint(0, 4, (16,))
+    model = _masked_conv()
+    popt = PruningOptimizer(model, x[:1], lr=0.01, decay=0.0, prune_every=1000)
+    precision = Precision("fp32", torch.device("cpu"))
+    precision.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
+    for _ in range(2):
+        precision.minimize(popt, F.cross_entropy(model(x), y))
+    assert popt.counter == 3

@@ -182,7 +182,7 @@ class _Gathered:
             self.passes.append(self.current)
         self.current, self.backward_seen = None, False
 
-    def divide(self, scale: float) -> None:
+    def divide(self, scale: float | Tensor) -> None:
         """Divide every gradient gathered so far by ``scale``."""
         if self.current is not None:
             self.current = self.current / scale
@@ -398,7 +398,7 @@ class MaskLayer(nn.Module):
         assert isinstance(total, Tensor)
         return total, 1.0, count
 
-    def unscale_gradients(self, scale: float) -> None:
+    def unscale_gradients(self, scale: float | Tensor) -> None:
         """Divide the per-example gradients gathered since the last update by ``scale``: the
         factor a ``GradScaler`` multiplied the loss by, so that the signal is that of the
         unscaled loss (call after ``backward``, before the optimizer step)."""

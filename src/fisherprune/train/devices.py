@@ -129,11 +129,13 @@ class Precision:
             return
         popt.zero_grad()
         self.scaler.scale(loss).backward()
-        scale = self.scaler.get_scale()
+        # the scale as a tensor on the device (get_scale() would read it back to the host)
+        scale = self.scaler.scale(torch.ones((), device=loss.device))
         for m in popt.masks.values():  # the signal is that of the unscaled loss
             m.unscale_gradients(scale)
+        counter = popt.counter
         self.scaler.step(popt)
         self.scaler.update()
-        if self.scaler.get_scale() < scale:  # the step was skipped: its gradients overflowed
+        if popt.counter == counter:  # GradScaler skipped the step: its gradients overflowed
             for m in popt.masks.values():
                 m.reset_statistics()
