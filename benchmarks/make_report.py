@@ -1534,6 +1534,16 @@ def post_training_speed_section(r: dict[str, Any] | None) -> list[str]:
             "selection does not, nor a repair its budget capped; CPU time, so about half of it "
             "in wall time on 2 idle cores): " + "; ".join(estimates) + ".",
         ]
+    for run in r["runs"]:
+        if run["images"] >= 1000:
+            wall, cpu = run["phase_wall_s"], run["phase_cpu_s"]
+            lines.append(
+                f"- {run['images']:,} images, measured (load average {run['load_average'][0]:.1f}"
+                f" at the start): {run['wall_s'] / 60:.1f} min wall, {run['cpu_s'] / 60:.1f} "
+                "CPU-min; "
+                + ", ".join(f"{p} {wall[p]:.0f} s ({cpu[p]:.0f} CPU-s)" for p in SPEED_PHASES)
+                + "."
+            )
     return [*lines, ""]
 
 

@@ -35,6 +35,7 @@ import argparse
 import copy
 import importlib.util
 import json
+import math
 import pydoc_data.topics
 import re
 import statistics
@@ -535,7 +536,11 @@ def combine(paths: list[Path], out: Path) -> int:
     parts = [json.loads(p.read_text()) for p in paths]
     results = {
         **parts[0],
-        "parts": [{"file": p.name, **d["settings"]} for p, d in zip(paths, parts, strict=True)],
+        "parts": [  # a file that is itself a merge lists its own parts
+            part
+            for p, d in zip(paths, parts, strict=True)
+            for part in d.get("parts", [{"file": p.name, **d["settings"]}])
+        ],
     }
     results["benchmarks"] = {}
     for d in parts:
@@ -548,6 +553,10 @@ def combine(paths: list[Path], out: Path) -> int:
                 results["benchmarks"][name] = copy.deepcopy(bench)
     for bench in results["benchmarks"].values():
         bench["summary"] = summary(bench["rows"], bench["metric"])
+        # complete when every method ran at every target with every seed, whichever part did
+        runs = {(r["method"], r["target"], r["seed"]) for r in bench["rows"]}
+        grid = [{k[i] for k in runs} for i in range(3)]
+        bench["complete"] = len(runs) == math.prod(len(axis) for axis in grid)
     write_json(out, results)
     plot(results, ROOT / "docs" / f"{out.stem}.png")
     print(f"wrote {out}")
