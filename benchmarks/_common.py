@@ -13,15 +13,19 @@ import torch
 from torch import Tensor, nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from fisherprune.cost.formulas import SAME_AS_TORCH
+
 
 @torch.no_grad()
 def counted_flops(model: nn.Module, x: Tensor) -> float:
     """FLOPs per example by ``FlopCounterMode`` (2 per multiply-accumulate), in eval mode;
-    the model's training flag is restored afterwards."""
+    the model's training flag is restored afterwards. CPU's fused attention kernel is counted
+    as PyTorch counts its flash kernel (``SAME_AS_TORCH``): left to itself the counter counts
+    0 for it, and a pruned transformer's FLOPs reduction would leave its attention out."""
     was = model.training
     model.eval()
     try:
-        with FlopCounterMode(display=False) as counter:
+        with FlopCounterMode(display=False, custom_mapping=dict(SAME_AS_TORCH)) as counter:
             model(x)
     finally:
         model.train(was)
