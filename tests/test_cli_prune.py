@@ -12,7 +12,11 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
+from fisherprune.calibrate import prune_to_target
+from fisherprune.cli.main import build_parser
+from fisherprune.cli.prune import _job
 from fisherprune.export import load_state_dict_export
+from fisherprune.masks import find_masks
 from fisherprune.train.data import DataSpec, load_data
 from fisherprune.train.models import build_model
 from tests.test_cli import run_cli
@@ -157,3 +161,48 @@ def test_prune_reads_an_image_folder_and_writes_a_cnn_with_the_masked_accuracy(
         return counter.get_total_flops()
 
     assert flops(small) <= 0.5 * flops(dense)
+
+
+def test_score_convention_and_uniform_choose_what_prune_to_target_chooses(
+    tmp_path: Path,
+) -> None:
+    """--score_convention memory --uniform keep exactly the channels that prune_to_target
+    keeps with score_convention="memory", uniform=True on the command's own calibration
+    batches (the reference), which differ from the FLOPs-weighed choice; the report says so."""
+    data, weights, _, _ = _data_and_weights(tmp_path)
+    common = ["prune", "mlp", "--width", "32", "--depth", "2", "--weights", weights]
+    common += ["--data", data, "--target", "50%", "--no-reconstruct"]
+    argv = [*common, "--score_convention", "memory", "--uniform", "--out", tmp_path / "m"]
+    cli = run_cli(*argv)
+    assert cli.code == 0, cli.err
+    report = json.loads((tmp_path / "m" / "report.json").read_text())
+    assert report["score_convention"] == "memory" and report["uniform"] is True
+
+    args = build_parser().parse_args([str(a) for a in argv])
+    torch.manual_seed(args.seed)
+    job = _job(args)
+    prune_to_target(job.model, job.example, job.batches, "50%", loss_fn=job.loss_fn,
+                    score_convention="memory", uniform=True, reconstruct=False,
+                    task=job.task, seed=args.seed)  # fmt: skip
+    expected = {
+        name: [int(i) for i in torch.nonzero(m.mask).flatten()]
+        for name, m in find_masks(job.model).items()
+    }
+
+    def kept(folder: str) -> list[list[int]]:
+        plan = json.loads((tmp_path / folder / "plan.json").read_text())
+        return [
+            p["weight"]["kept"]["0"] for p in plan["modules"].values() if "0" in p["weight"]["kept"]
+        ]
+
+    assert sorted(kept("m")) == sorted(expected.values())
+    assert run_cli(*common, "--out", tmp_path / "f").code == 0
+    assert kept("f") != kept("m")
+
+
+def test_unknown_score_convention_exits_2(tmp_path: Path) -> None:
+    data, weights, _, _ = _data_and_weights(tmp_path)
+    cli = run_cli("prune", "mlp", "--weights", weights, "--data", data,
+                  "--score_convention", "latency", "--out", tmp_path / "o")  # fmt: skip
+    assert cli.code == 2 and "--score_convention" in cli.err and "memory" in cli.err
+    assert not (tmp_path / "o").exists()

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fisherprune.calibrate import output_tensor, prune_to_target
+from fisherprune.cost import CONVENTIONS
 from fisherprune.distill import finetune, frozen_teacher
 from fisherprune.export import export_model, load_state_dict_export
 from fisherprune.export.latency import measure_latency
@@ -112,6 +113,17 @@ def prune_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPar
         type=int,
         default=1,
         help="keep multiples of this many weight rows (a head counts head_dim)",
+    )
+    p.add_argument(
+        "--uniform",
+        action="store_true",
+        help="prune every copy of a repeated block alike (same head count and widths)",
+    )
+    p.add_argument(
+        "--score_convention",
+        choices=CONVENTIONS,
+        help="cost the signal is weighed against (default: FLOPs, the target's); memory "
+        "(activation elements) spreads the cut and often runs faster, see docs/usage.md",
     )
     p.add_argument("--finetune_steps", type=int, default=0, help="distilled fine-tuning steps")
     p.add_argument(
@@ -312,6 +324,8 @@ def prune_command(args: argparse.Namespace) -> int:
         rounds=args.rounds,
         min_channels=min_channels,
         round_to=args.round_to,
+        uniform=args.uniform,
+        score_convention=args.score_convention,
         reconstruct=args.reconstruct,
         task=job.task,
         seed=args.seed,
@@ -349,6 +363,9 @@ def prune_command(args: argparse.Namespace) -> int:
         "criterion": args.criterion,
         "label_free": job.loss_fn is None,
         "reconstruct": args.reconstruct,
+        "round_to": args.round_to,
+        "uniform": args.uniform,
+        "score_convention": args.score_convention or result.convention,
         "rounds": result.rounds,
         "cost_before": result.cost_before,
         "cost_after": result.cost_after,
