@@ -206,3 +206,56 @@ def test_unknown_score_convention_exits_2(tmp_path: Path) -> None:
                   "--score_convention", "latency", "--out", tmp_path / "o")  # fmt: skip
     assert cli.code == 2 and "--score_convention" in cli.err and "memory" in cli.err
     assert not (tmp_path / "o").exists()
+
+
+def _bert_folder(tmp_path: Path) -> tuple[Path, Path]:
+    """A small BERT built from its config, saved with a word-piece tokenizer as a Hugging Face
+    model folder, and a text file of 40 sentences over the tokenizer's words."""
+    transformers = pytest.importorskip("transformers")
+    words = [f"w{i}" for i in range(40)]
+    vocab = tmp_path / "vocab.txt"
+    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *words]) + "\n")
+    folder = tmp_path / "bert"
+    transformers.BertTokenizerFast(vocab_file=str(vocab)).save_pretrained(folder)
+    config = transformers.BertConfig(
+        vocab_size=45, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=64, max_position_embeddings=64,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    transformers.BertModel(config).save_pretrained(folder)
+    rng = np.random.default_rng(0)
+    lines = [" ".join(rng.choice(words, size=rng.integers(4, 12))) for _ in range(40)]
+    text = tmp_path / "sentences.txt"
+    text.write_text("\n".join(lines) + "\n")
+    return folder, text
+
+
+def test_prune_a_hugging_face_folder_without_fine_tuning(tmp_path: Path) -> None:
+    """A Hugging Face folder with --text and no --finetune_steps (no labels, so no loss):
+    model.pt loaded into the folder's model has the fidelity the report gives after pruning,
+    recomputed here on the held-out lines (the last 20%) against the dense model."""
+    transformers = pytest.importorskip("transformers")
+    folder, text = _bert_folder(tmp_path)
+    out = tmp_path / "out"
+    cli = run_cli("prune", folder, "--text", text, "--target", "50%", "--out", out)
+    assert cli.code == 0, cli.err
+    report = json.loads((out / "report.json").read_text())
+    assert report["metric"] == "cosine_to_dense" and report["cost_ratio"] <= 0.5
+    assert report["label_free"] and report["finetune_steps"] == 0
+    small = load_state_dict_export(
+        out / "model.pt", transformers.AutoModel.from_pretrained(folder)
+    ).eval()
+    dense = transformers.AutoModel.from_pretrained(folder).eval()
+    tok = transformers.AutoTokenizer.from_pretrained(folder)
+    held = [s for s in text.read_text().splitlines() if s][-8:]
+    enc = tok(held, padding=True, truncation=True, max_length=128, return_tensors="pt")
+
+    def pooled(model: torch.nn.Module) -> torch.Tensor:
+        h = model(**enc).last_hidden_state
+        w = enc["attention_mask"].unsqueeze(-1).to(h.dtype)
+        return (h * w).sum(1) / w.sum(1)
+
+    with torch.no_grad():
+        a, b = pooled(small), pooled(dense)
+    cosine = float(F.cosine_similarity(a, b, dim=-1).mean())
+    assert cosine == pytest.approx(report["after"], abs=1e-5)

@@ -332,17 +332,19 @@ def prune_command(args: argparse.Namespace) -> int:
         progress=True,
     )
     after_prune = job.evaluate(job.model, dense)
-    losses = finetune(
-        job.model,
-        teacher,
-        job.batches,
-        args.finetune_steps,
-        loss_fn=job.loss_fn,
-        alpha=args.alpha if job.loss_fn else 1.0,
-        temperature=args.temperature,
-        task=job.task,
-        lr=args.lr,
-    )
+    losses: list[float] = []
+    if args.finetune_steps > 0:  # an unlabelled job has only the teacher made for it above
+        losses = finetune(
+            job.model,
+            teacher,
+            job.batches,
+            args.finetune_steps,
+            loss_fn=job.loss_fn,
+            alpha=args.alpha if job.loss_fn else 1.0,
+            temperature=args.temperature,
+            task=job.task,
+            lr=args.lr,
+        )
     after = job.evaluate(job.model, dense) if losses else after_prune
     with eval_mode(job.model), torch.no_grad():
         masked_out = output_tensor(call_model(job.model, job.batches[0][0]))
