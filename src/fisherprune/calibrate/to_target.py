@@ -61,6 +61,22 @@ STEP_FRACTION = 0.25
 REPAIR_FLOPS = 2e13
 
 
+def _stuck_message(result: PruneResult, goal: float, min_channels: Any, round_to: int) -> str:
+    """Why the cost stays above the target: every prunable mask at its floor, and the masks
+    ``uniform=True`` keeps whole (with the first reason) when there are any."""
+    floor = f"(min_channels={min_channels}, round_to={round_to})"
+    gap = f"the cost {result.cost_after:.6g} stays above the target {goal:.6g}"
+    if not result.kept_whole:
+        return f"every mask is at its floor {floor}; {gap}"
+    name, reason = next(iter(result.kept_whole.items()))
+    return (
+        f"every mask uniform=True may prune is at its floor {floor}; {gap}. uniform=True keeps "
+        f"{len(result.kept_whole)} mask(s) whole, e.g. {name}: {reason}. Prune with "
+        "uniform=False to reach the target (the model then no longer saves as a standard "
+        "configuration), or choose a higher target"
+    )
+
+
 @dataclass
 class PruneResult:
     """What ``prune_to_target`` did.
@@ -312,11 +328,7 @@ def prune_to_target(
         m.reset_statistics()
     result.cost_after = cost_model.total()
     if stuck:
-        warnings.warn(
-            f"every mask is at its floor (min_channels={min_channels}, round_to={round_to}); "
-            f"the cost {result.cost_after:.6g} stays above the target {goal:.6g}",
-            stacklevel=2,
-        )
+        warnings.warn(_stuck_message(result, goal, min_channels, round_to), stacklevel=2)
     if reconstruct:
         with clock("repair"):
             result.repair = repair_consumers(
