@@ -1069,12 +1069,12 @@ TRANSFORMER_SERVING = [
     "that are not multiples of 8 make the CPU's matrix multiplications slower per FLOP (the "
     "`uneven` rows, `round_to=1`); `uniform=True` keeps blocks alike, so a Hugging Face model "
     "saves as a standard configuration;",
-    '- weigh the signal against activation memory (`score_convention="memory"`, '
+    '- try weighing the signal against activation memory (`score_convention="memory"`, '
     "`fisherprune prune --score_convention memory`; the target stays in FLOPs): it spreads the "
     "cut over the MLP and heads instead of the hidden width that FLOPs make look dearest, so "
-    "the GELU, norms and copies shrink too (the `memory` rows); on the pretrained MiniLM it "
-    "also kept the embeddings closer to the dense model's (docs/benchmarks.md, 'Pruning a "
-    "trained model');",
+    "the GELU, norms and copies shrink too (the `memory` rows); its fidelity is a trade (better "
+    "on the MiniLM above without repair, worse with the repair at deep cuts in 'Pruning a "
+    "trained model'): run both and compare;",
     "- keep `F.scaled_dot_product_attention` so the fused kernel runs with fewer heads; time the "
     "served form at the batch and length you serve with "
     '`measure_latency(..., statistic="min")`.',
@@ -1174,7 +1174,9 @@ def transformer_profile_lines(p: dict[str, Any]) -> list[str]:
         f"): {st.get('layers')} blocks, batch {st.get('batch')}, {p.get('threads')} thread(s), "
         f"eager, self CPU time by operator, the least over {st.get('rounds')} profiled calls; "
         "speed-ups over the dense network. hidden: the hidden width kept; heads and MLP: the "
-        "head counts and MLP widths over the blocks.",
+        "head counts and MLP widths over the blocks; GELU + copy: the share of the pruned "
+        "call's time in the GELU and the bias copies of `addmm` (element-wise work over the "
+        "MLP width, which FLOPs do not count), dense in brackets.",
         "",
     ]
     rows = []
@@ -1188,16 +1190,24 @@ def transformer_profile_lines(p: dict[str, Any]) -> list[str]:
             widths = nets.get(label, {}).get("widths", {})
             hidden = [c for n, c in widths.items() if ":dim1" in n or "patch" in n]
             su = entry.get("speedup", {})
+            share = _elementwise_share(entry)
             rows.append(
                 [name, label, hidden[0] if hidden else "-", _width_range(widths, "attn"),
                  _width_range(widths, "fc1"), _fmt(entry["flops_reduction"], 2),
                  _fmt(dense.get("total_ms", 0) / entry["total_ms"], 2),
                  _fmt(su.get("aten::addmm"), 2),
-                 _fmt(su.get("aten::_scaled_dot_product_flash_attention_for_cpu"), 2)]
+                 _fmt(su.get("aten::_scaled_dot_product_flash_attention_for_cpu"), 2),
+                 f"{share:.0%} ({_elementwise_share(dense):.0%})" if dense else "-"]
             )  # fmt: skip
     header = ["model", "network", "hidden", "heads", "MLP", "FLOPs /", "speed-up", "linear "
-              "(addmm)", "attention (SDPA)"]  # fmt: skip
+              "(addmm)", "attention (SDPA)", "GELU + copy"]  # fmt: skip
     return lines + _table(header, rows)
+
+
+def _elementwise_share(entry: dict[str, Any]) -> float:
+    """The share of a profiled call's time in ``aten::gelu`` and ``aten::copy_``."""
+    ms = entry.get("ms", {})
+    return (ms.get("aten::gelu", 0.0) + ms.get("aten::copy_", 0.0)) / entry["total_ms"]
 
 
 def streaming_section(results: Path) -> list[str]:
