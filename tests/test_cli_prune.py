@@ -259,3 +259,15 @@ def test_prune_a_hugging_face_folder_without_fine_tuning(tmp_path: Path) -> None
         a, b = pooled(small), pooled(dense)
     cosine = float(F.cosine_similarity(a, b, dim=-1).mean())
     assert cosine == pytest.approx(report["after"], abs=1e-5)
+
+
+def test_weights_of_another_width_exit_2_naming_the_mismatch(tmp_path: Path) -> None:
+    """Weights trained at --width 32 given to a --width 16 build: exit 2 with the first
+    mismatched tensor and both shapes (not a load_state_dict traceback); nothing written."""
+    data, weights, _, _ = _data_and_weights(tmp_path)
+    cli = run_cli("prune", "mlp", "--width", "16", "--depth", "2", "--weights", weights,
+                  "--data", data, "--out", tmp_path / "o")  # fmt: skip
+    assert cli.code == 2, cli.err
+    assert "does not fit the model" in cli.err and "shape mismatch" in cli.err
+    assert "(32, 6) in the file, (16, 6) in the model" in cli.err
+    assert "Traceback" not in cli.err and not (tmp_path / "o").exists()
