@@ -40,6 +40,7 @@ from fisherprune.modes import eval_mode
 from fisherprune.signals.criteria import CRITERIA
 from fisherprune.train.data import DataSpec, load_data
 from fisherprune.train.models import build_model
+from fisherprune.train.pretrained import misfit
 
 try:
     import transformers
@@ -168,35 +169,13 @@ def _read_weights(model: nn.Module, path: str | None, example: Any) -> None:
             f"weights file {path} holds fisherprune masks (a training checkpoint): export it "
             "with fisherprune export, or save the dense model's state_dict"
         )
-    problem = _misfit(model.state_dict(), state)
-    if problem:
+    problems = misfit(model.state_dict(), state)
+    if problems:
         raise ValueError(
-            f"weights file {path} does not fit the model: {problem}; build the model as it was "
-            "trained (the same --model, --width, --depth and data shape)"
+            f"weights file {path} does not fit the model ({'; '.join(problems)}); build the "
+            "model as it was trained (the same --model, --width, --depth and data shape)"
         )
     model.load_state_dict(state)
-
-
-def _misfit(own: dict[str, Tensor], state: dict[str, Any]) -> str:
-    """What keeps ``state`` from loading into a model whose state_dict is ``own``: missing and
-    unexpected keys and shape mismatches, the first of each named ("" if it fits)."""
-    missing = [k for k in own if k not in state]
-    unexpected = [k for k in state if k not in own]
-    shapes = [
-        f"{k} is {tuple(state[k].shape)} in the file, {tuple(v.shape)} in the model"
-        for k, v in own.items()
-        if k in state and isinstance(state[k], Tensor) and state[k].shape != v.shape
-    ]
-    parts = [
-        f"{len(keys)} {what} (first: {keys[0]})"
-        for what, keys in (
-            ("missing key(s)", missing),
-            ("unexpected key(s)", unexpected),
-            ("shape mismatch(es)", shapes),
-        )
-        if keys
-    ]
-    return "; ".join(parts)
 
 
 def _accuracy_or_mse(

@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from fisherprune.export.safe_load import load_plain
 from fisherprune.masks import MaskLayer
 
-__all__ = ["load_pretrained"]
+__all__ = ["load_pretrained", "misfit"]
 
 _REMEDY = "save the weights with torch.save(model.state_dict(), path), which holds tensors only"
 _SHOWN = 8  # keys named in a mismatch message, per kind
@@ -50,6 +50,32 @@ def _listed(keys: list[str]) -> str:
 _INNER = "model."  # where train.scaling.with_scaling puts the network
 
 
+def misfit(
+    expected: dict[str, Tensor],
+    weights: dict[str, Any],
+    optional: set[str] | frozenset[str] = frozenset(),
+) -> list[str]:
+    """What keeps ``weights`` from loading into a model whose state_dict is ``expected``: keys
+    missing from the file (those in ``optional`` may be), keys the model lacks, and shapes that
+    differ, each kind named (empty if it fits)."""
+    missing = sorted(k for k in expected if k not in weights and k not in optional)
+    unexpected = sorted(k for k in weights if k not in expected)
+    shapes = sorted(
+        f"{k} {tuple(weights[k].shape)} (model: {tuple(v.shape)})"
+        for k, v in expected.items()
+        if k in weights and isinstance(weights[k], Tensor) and weights[k].shape != v.shape
+    )
+    return [
+        f"{label}: {_listed(keys)}"
+        for label, keys in (
+            ("missing from the file", missing),
+            ("not in the model", unexpected),
+            ("shapes differ", shapes),
+        )
+        if keys
+    ]
+
+
 def load_pretrained(model: nn.Module, masks: dict[str, MaskLayer], path: str | Path) -> None:
     """Load the weights of ``path`` into ``model`` (masks attached). Mask states (``mask``,
     ``signal``) are loaded when the file has them (a fisherprune checkpoint) and left as they
@@ -72,22 +98,7 @@ def load_pretrained(model: nn.Module, masks: dict[str, MaskLayer], path: str | P
         # given the weights of the bare network: they go inside, the scaling stays this run's
         weights = {_INNER + k: v for k, v in weights.items()}
         mask_keys |= {k for k in expected if not k.startswith(_INNER)}
-    missing = sorted(k for k in expected if k not in weights and k not in mask_keys)
-    unexpected = sorted(k for k in weights if k not in expected)
-    shapes = sorted(
-        f"{k} {tuple(weights[k].shape)} (model: {tuple(v.shape)})"
-        for k, v in expected.items()
-        if k in weights and weights[k].shape != v.shape
-    )
-    problems = [
-        f"{label}: {_listed(keys)}"
-        for label, keys in (
-            ("missing from the file", missing),
-            ("not in the model", unexpected),
-            ("shapes differ", shapes),
-        )
-        if keys
-    ]
+    problems = misfit(expected, weights, optional=mask_keys)
     if problems:
         raise ValueError(
             f"--init_from {p} does not fit the model ({'; '.join(problems)}); give the --model, "
