@@ -271,3 +271,40 @@ def test_weights_of_another_width_exit_2_naming_the_mismatch(tmp_path: Path) -> 
     assert "does not fit the model" in cli.err and "shapes differ" in cli.err
     assert "net.1.weight (32, 6) (model: (16, 6))" in cli.err
     assert "Traceback" not in cli.err and not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--batch_size", "0"], "--batch_size must be an integer >= 1, got 0"),
+        (["--calibration", "0"], "--calibration must be an integer >= 1, got 0"),
+        (["--finetune_steps", "-3"], "--finetune_steps must be an integer >= 0, got -3"),
+        (["--lr", "0"], "--lr must be > 0"),
+        (["--distill.temperature", "-1"], "--distill.temperature must be > 0"),
+    ],
+)
+def test_bad_counts_exit_2_before_any_work(tmp_path: Path, extra: list[str], message: str) -> None:
+    data, weights, _, _ = _data_and_weights(tmp_path)
+    cli = run_cli("prune", "mlp", "--width", "32", "--depth", "2", "--weights", weights,
+                  "--data", data, *extra, "--out", tmp_path / "o")  # fmt: skip
+    assert cli.code == 2 and message in cli.err
+    assert "signals" not in cli.err  # refused before the calibration pass
+    assert not (tmp_path / "o").exists()
+
+
+def test_out_that_is_a_file_exits_2_and_leaves_it(tmp_path: Path) -> None:
+    data, weights, _, _ = _data_and_weights(tmp_path)
+    taken = tmp_path / "taken"
+    taken.write_text("mine")
+    cli = run_cli("prune", "mlp", "--width", "32", "--depth", "2", "--weights", weights,
+                  "--data", data, "--out", taken)  # fmt: skip
+    assert cli.code == 2 and "is a file" in cli.err and taken.read_text() == "mine"
+
+
+def test_weights_with_a_hugging_face_folder_exit_2(tmp_path: Path) -> None:
+    """--weights would be ignored for a folder (it loads its own): refused, not ignored."""
+    folder, text = _bert_folder(tmp_path)
+    _, weights, _, _ = _data_and_weights(tmp_path)
+    cli = run_cli("prune", folder, "--text", text, "--weights", weights, "--out", tmp_path / "o")
+    assert cli.code == 2 and "--weights is not read for a Hugging Face folder" in cli.err
+    assert not (tmp_path / "o").exists()

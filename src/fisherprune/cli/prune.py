@@ -311,9 +311,35 @@ def _job(args: argparse.Namespace) -> _Job:
     return _builtin_job(args)
 
 
+#: options that must be positive integers, or non-negative ones
+_POSITIVE = ("calibration", "batch_size", "max_length")
+_NON_NEGATIVE = ("finetune_steps",)
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    """Refuse, before any work, what would fail or be ignored later: counts out of range,
+    ``--weights`` with a Hugging Face folder (its own weights load), a learning rate or
+    temperature that is not positive, and an ``--out`` that is an existing file."""
+    for name in _POSITIVE + _NON_NEGATIVE:
+        value, low = getattr(args, name), 1 if name in _POSITIVE else 0
+        if value < low:
+            raise ValueError(f"--{name} must be an integer >= {low}, got {value}")
+    for flag, value in (("--lr", args.lr), ("--distill.temperature", args.temperature)):
+        if not value > 0:
+            raise ValueError(f"{flag} must be > 0, got {value}")
+    if Path(args.model).is_dir() and args.weights is not None:
+        raise ValueError(
+            f"--weights is not read for a Hugging Face folder ({args.model} loads its own "
+            "weights): leave it out, or save the trained model into the folder"
+        )
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        raise ValueError(f"--out {args.out} is a file: give a folder (it is created if absent)")
+
+
 def prune_command(args: argparse.Namespace) -> int:
     """Run ``fisherprune prune``; writes ``model.pt`` (shrunk weights + plan, as
     ``export_model(format="state_dict")``), ``plan.json`` and ``report.json`` under ``--out``."""
+    _check_args(args)
     torch.manual_seed(args.seed)
     out = Path(args.out)
     job = _job(args)
