@@ -555,6 +555,14 @@ def plot(results: dict[str, Any], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def plot_path(out: Path) -> Path:
+    """Where the plot of results written to ``out`` goes: ``docs/`` for the report's own file
+    (``post_training.json``), next to ``out`` for a part or a quick run."""
+    if out.resolve() == (RESULTS / "post_training.json").resolve():
+        return ROOT / "docs" / "post_training.png"
+    return out.with_suffix(".png")
+
+
 def combine(paths: list[Path], out: Path) -> int:
     """Merge the rows of several result files (same benchmark names: rows appended) into
     ``out``, with each benchmark's summary recomputed and the plot."""
@@ -583,7 +591,7 @@ def combine(paths: list[Path], out: Path) -> int:
         grid = [{k[i] for k in runs} for i in range(3)]
         bench["complete"] = len(runs) == math.prod(len(axis) for axis in grid)
     write_json(out, results)
-    plot(results, ROOT / "docs" / f"{out.stem}.png")
+    plot(results, plot_path(out))
     print(f"wrote {out}")
     return 0
 
@@ -664,7 +672,7 @@ def main(argv: list[str] | None = None) -> int:
         bench["seconds"] = time.perf_counter() - t
         results["benchmarks"][name] = bench
     write_json(out, results)
-    plot(results, ROOT / "docs" / f"{out.stem}.png")
+    plot(results, plot_path(out))
     print(f"wrote {out}")
     return 0
 
