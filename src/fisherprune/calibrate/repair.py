@@ -1,6 +1,7 @@
 """Repair without retraining: refit the layers that read removed channels by least squares.
 
 After channels are chosen, every ``nn.Linear`` / ``nn.Conv1d`` / ``nn.Conv2d`` (``groups=1``)
+or Hugging Face ``Conv1D`` (GPT-2's transposed linear; ``repair_rows.TRANSPOSED_LINEARS``)
 whose input a mask thins has its weights on the kept input features (and its bias, when it has
 one) refitted so that its output on the calibration data matches the dense model's output
 (He et al. 2017, "Channel Pruning"; Kwon et al. 2022's "mask tuning" fits per-channel scales,

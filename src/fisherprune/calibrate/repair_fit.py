@@ -27,7 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from fisherprune.calibrate.repair_residual import ResidualWatch
-from fisherprune.calibrate.repair_rows import REPAIRABLE
+from fisherprune.calibrate.repair_rows import linear_rows, out_in_weight, rows_reader
 
 __all__ = ["RIDGES", "LayerFit", "Sums"]
 
@@ -71,11 +71,13 @@ class LayerFit:
         self.generator = torch.Generator().manual_seed(0)  # its own stream: global RNG untouched
         #: why the layer turned out not to be fittable during the pass (None: it is)
         self.invalid: str | None = None
-        self.rows = REPAIRABLE[type(mod)]
+        reader = rows_reader(mod)
+        if reader is None:
+            raise TypeError(f"{type(mod).__name__} has no least-squares repair")
+        self.rows = reader
         #: the current batch's token mask (``linear_rows``), or None
         self.tokens: Tensor | None = None
-        w = mod.weight
-        self.kernel = int(w[0, 0].numel())
+        self.kernel = int(out_in_weight(mod)[0, 0].numel())
         self.features = kept.numel() * self.kernel + (mod.bias is not None)
         # filled by the stage's pass and released by the solve: one stage's sums at a time
         self.sums, self.held_sums = Sums(), Sums()
@@ -141,7 +143,7 @@ class LayerFit:
 
     def add(self, x: Tensor, y: Tensor) -> None:
         """Add one call's rows (input ``x``, target output ``y``) to the sums."""
-        if isinstance(self.mod, nn.Linear) and self.dim != x.dim() - 1:
+        if self.rows is linear_rows and self.dim != x.dim() - 1:
             self.invalid = "the mask is not on the features (last) dim"
         if self.invalid is not None:
             return
@@ -163,7 +165,7 @@ class LayerFit:
 
     def current(self) -> Tensor:
         """The layer's weights as the fit's unknowns: (features, out)."""
-        w = self.mod.weight.detach().double()
+        w = out_in_weight(self.mod).detach().double()
         cols = w[:, self.kept].reshape(w.shape[0], -1)
         if self.mod.bias is not None:
             cols = torch.cat([cols, self.mod.bias.detach().double()[:, None]], 1)
@@ -233,7 +235,7 @@ class LayerFit:
         self.sums, self.held_sums = Sums(), Sums()
         if worse:  # a ridge fit loses only on nearly singular data or out of sample
             return mode, before, before, ridge
-        w, bias = self.mod.weight, self.mod.bias
+        w, bias = out_in_weight(self.mod), self.mod.bias
         n_w = self.kept.numel() * self.kernel
         rows = torch.arange(w.shape[0], device=w.device) if self.outputs is None else self.outputs
         with torch.no_grad():

@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from fisherprune.calibrate.repair_fit import LayerFit
 from fisherprune.calibrate.repair_residual import ResidualWatch
-from fisherprune.calibrate.repair_rows import REPAIRABLE
+from fisherprune.calibrate.repair_rows import linear_rows, out_in_weight, rows_reader, transposed
 from fisherprune.export.plan import PruningPlan
 from fisherprune.inputs import call_model
 from fisherprune.masks.points import MaskPoint, find_holder, remembered_inputs
@@ -57,8 +57,9 @@ def layer_fits(
         name = point.module_name
         mod = model.get_submodule(name) if name != "<model>" else model
         why = _unrepairable(mod, point, counts, kept)
-        if why is None and kept.numel() * mod.weight[0, 0].numel() + 1 > max_features:
-            why = f"{kept.numel() * mod.weight[0, 0].numel()} kept features > max_features"
+        taps = out_in_weight(mod)[0, 0].numel() if why is None else 0
+        if why is None and kept.numel() * taps + 1 > max_features:
+            why = f"{kept.numel() * taps} kept features > max_features"
         if why is not None:
             skipped[name] = why
             continue
@@ -72,29 +73,33 @@ def layer_fits(
 
 
 def _kept_outputs(model: nn.Module) -> dict[str, list[int]]:
-    """The output rows (dim 0 of the weight) each module keeps, for those that lose some. A
+    """The outputs (dim 0 of the weight; dim 1 of a transposed linear's) each module keeps,
+    for those that lose some. A
     model whose zeroed channels cannot all be removed physically has no plan: every output is
     then fitted (correct for the masked model, only less tight), as ``shrink`` will say why."""
     try:
         modules = PruningPlan.from_model(model, remembered_inputs(model, None)).modules
     except ValueError:
         return {}
-    return {
-        ("<model>" if name == "" else name): tensors["weight"]["kept"]["0"]
-        for name, tensors in modules.items()
-        if "0" in tensors.get("weight", {}).get("kept", {})
-    }
+    kept_outputs = {}
+    for name, tensors in modules.items():
+        out_dim = "1" if transposed(model.get_submodule(name)) else "0"
+        rows = tensors.get("weight", {}).get("kept", {}).get(out_dim)
+        if rows is not None:
+            kept_outputs["<model>" if name == "" else name] = rows
+    return kept_outputs
 
 
 def _unrepairable(
     mod: nn.Module, point: MaskPoint, counts: dict[int, int], kept: Tensor
 ) -> str | None:
     """Why ``mod`` cannot be refitted on the kept inputs of ``point``, or None."""
-    if type(mod) not in REPAIRABLE:
+    reader = rows_reader(mod)
+    if reader is None:
         return f"{type(mod).__name__} has no least-squares repair"
     if point.arg != 0:
         return "the mask is not on its first input"
-    if not isinstance(mod, nn.Linear) and (point.dim != 1 or mod.groups != 1):
+    if reader is not linear_rows and (point.dim != 1 or mod.groups != 1):
         return "a grouped conv, or a mask off the channel dim"
     if getattr(mod, "padding_mode", "zeros") != "zeros":
         return f"padding_mode {mod.padding_mode!r}"
@@ -104,7 +109,8 @@ def _unrepairable(
         return "every input channel is removed"
     removed = torch.ones(point.size, dtype=torch.bool)
     removed[kept] = False
-    if not bool(mod.weight.detach()[:, removed.to(mod.weight.device)].any()):
+    weight = out_in_weight(mod).detach()
+    if not bool(weight[:, removed.to(weight.device)].any()):
         return (
             "the weights reading the removed channels are already zero (a forward pass of the "
             "pruned model folded the masks into them), so the dense outputs are gone: repair "

@@ -16,7 +16,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["REPAIRABLE", "Sampler", "conv_rows", "linear_rows"]
+__all__ = [
+    "REPAIRABLE",
+    "TRANSPOSED_LINEARS",
+    "Sampler",
+    "conv_rows",
+    "linear_rows",
+    "out_in_weight",
+    "rows_reader",
+    "transposed",
+]
 
 #: ``sample(n)``: the indices of the output positions (of ``n``) that a batch's fit reads
 Sampler = Callable[[int], Tensor]
@@ -75,3 +84,24 @@ REPAIRABLE: dict[type[nn.Module], Callable[..., Any]] = {
     nn.Conv1d: conv_rows,
     nn.Conv2d: conv_rows,
 }
+
+#: linear layers that store their weight transposed, (in, out), by qualified class name (an
+#: optional package's class, matched without importing it): Hugging Face's ``Conv1D`` (GPT-2)
+TRANSPOSED_LINEARS: frozenset[str] = frozenset({"transformers.pytorch_utils.Conv1D"})
+
+
+def transposed(mod: nn.Module) -> bool:
+    """Whether ``mod`` is a linear layer whose weight is stored (in, out)."""
+    cls = type(mod)
+    return f"{cls.__module__}.{cls.__qualname__}" in TRANSPOSED_LINEARS
+
+
+def rows_reader(mod: nn.Module) -> Callable[..., Any] | None:
+    """The reader of ``mod``'s fitting rows, or None when its type has no repair."""
+    return linear_rows if transposed(mod) else REPAIRABLE.get(type(mod))
+
+
+def out_in_weight(mod: nn.Module) -> Tensor:
+    """``mod.weight`` as (out, in, *kernel): the parameter itself, or for a transposed linear
+    a view of it, so that in-place writes change the parameter."""
+    return mod.weight.T if transposed(mod) else mod.weight
