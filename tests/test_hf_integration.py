@@ -240,3 +240,21 @@ def test_uniform_target_out_of_reach_says_which_masks_it_keeps_whole():
     other = build().eval()
     free = fp.prune_to_target(other, x, batches, "20%", uniform=False, reconstruct=False)
     assert free.cost_after <= free.target
+
+
+def test_t5_pruned_unevenly_shrinks_to_the_masked_outputs():
+    """T5 builds its cross-attention bias as zeros with the first block's head count and reuses
+    it in every block, so those heads must stay (apply_masks says why); everything else prunes
+    block by block (uniform=False) and the shrunk model gives the masked model's logits."""
+    build, x = _models()["t5"]
+    torch.manual_seed(0)
+    model = build().eval()
+    g = torch.Generator().manual_seed(3)
+    ids = [torch.randint(0, 100, (4, 8), generator=g) for _ in range(3)]
+    batches = [({"input_ids": i, "decoder_input_ids": i}, None) for i in ids]
+    result = fp.prune_to_target(model, x, batches, "50%", uniform=False, reconstruct=False)
+    assert result.cost_after <= result.target
+    assert not any("EncDecAttention" in n for n in fp.find_masks(model))
+    small = fp.shrink(model, x)
+    with torch.no_grad():
+        torch.testing.assert_close(small(**x).logits, model(**x).logits, rtol=1e-4, atol=1e-5)

@@ -6,8 +6,10 @@ cuDNN kernel (the composite ``scaled_dot_product_attention`` too, should a backe
 decompose it). Head h of q reads head h // (H / Hkv) of k and v, so those heads are tied
 (with the reshape rule's split into heads, each head is one prunable channel; grouped- and
 multi-query attention as ``fisherprune.graph.gqa.tie_heads`` says); a per-head
-additive bias (T5's relative positions) is tied to the heads too. Channels inside a head are
-contracted (q, k) or passed to the output (v).
+additive bias (T5's relative positions) is tied to the heads too, and heads that get an
+untracked bias with one entry per head (T5's cross-attention zeros, sized by the first block's
+head count) stay whole. Channels inside a head are contracted (q, k) or passed to the output
+(v).
 
 Cost: PyTorch 2.13's ``FlopCounterMode`` has formulas for the CUDA kernels but none for
 ``_scaled_dot_product_flash_attention_for_cpu``: it counts SDPA on CPU as 0 FLOPs, with
@@ -74,6 +76,13 @@ def _sdpa(ctx: RuleContext) -> list[TensorInfo]:
         for d in range(max(0, -off), len(mi.shape)):
             e = d + off
             if mi.labels[d] is None:
+                if 0 <= e < nd - 2 and mi.shape[d] == q.shape[e] > 1 and q.labels[e] is not None:
+                    # a bias with one untracked entry per head (T5's zeros for cross-attention,
+                    # made from a head count and reused by later blocks): the shrunk model
+                    # would make it with the old count, so these heads must stay
+                    why = f"{ctx.where()} adds an untracked bias with one entry per head"
+                    ctx.block(q.labels[e], why)
+                    ctx.consume(q.labels[e], q.cover[e], why)
                 continue
             if e < nd - 2 and mi.shape[d] == q.shape[e] and q.labels[e] is not None:
                 ctx.atoms.union(mi.labels[d], q.labels[e])
