@@ -258,3 +258,21 @@ def test_t5_pruned_unevenly_shrinks_to_the_masked_outputs():
     small = fp.shrink(model, x)
     with torch.no_grad():
         torch.testing.assert_close(small(**x).logits, model(**x).logits, rtol=1e-4, atol=1e-5)
+
+
+def test_falcon_shrinks_though_its_head_dim_is_a_read_only_property():
+    """FalconConfig derives head_dim (a property with no setter): shrink leaves it to follow
+    the fields it derives from instead of failing to set it, and gives the masked logits."""
+    cfg = transformers.FalconConfig(
+        vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4
+    )
+    torch.manual_seed(0)
+    model = transformers.FalconForCausalLM(cfg).eval()
+    x = {"input_ids": IDS}
+    g = torch.Generator().manual_seed(3)
+    batches = [({"input_ids": torch.randint(0, 100, (4, 8), generator=g)}, None)] * 2
+    fp.prune_to_target(model, x, batches, "50%", reconstruct=False)
+    small = fp.shrink(model, x)
+    assert small.config.head_dim == small.config.hidden_size // small.config.num_attention_heads
+    with torch.no_grad():
+        torch.testing.assert_close(small(**x).logits, model(**x).logits, rtol=1e-4, atol=1e-5)

@@ -550,3 +550,30 @@ def test_bad_pass_settings_are_refused(kw: dict, match: str) -> None:
     masks = fp.apply_masks(net, x[:1])
     with pytest.raises(ValueError, match=match):
         repair_consumers(net, _batches(x, 4), {n: m.mask.clone() for n, m in masks.items()}, **kw)
+
+
+class _SubLinear(nn.Linear):
+    """A subclass with no repair of its own (as Falcon's FalconLinear)."""
+
+
+def test_a_linear_subclass_is_refitted_as_its_base_class() -> None:
+    """A subclass of nn.Linear is repaired with nn.Linear's rows (its nearest registered base
+    class), to exactly the weights the same nn.Linear gets."""
+    x = torch.randn(200, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    nets = []
+    for sub in (False, True):
+        net = _mlp().double()
+        if sub:
+            for i in (2, 4):
+                old = net[i]
+                net[i] = _SubLinear(old.in_features, old.out_features).double()
+                net[i].load_state_dict(old.state_dict())
+        masks = fp.apply_masks(net, x[:1])
+        dense = {n: m.mask.clone() for n, m in masks.items()}
+        _prune_some(masks)
+        report = repair_consumers(net, _batches(x, 50), dense, ridge=0.0, rows_per_weight=0,
+                                  sequential=False, holdout=0.0)  # fmt: skip
+        assert set(report.layers) == {"2", "4"}
+        nets.append(net)
+    for i in (2, 4):
+        torch.testing.assert_close(nets[1][i].weight, nets[0][i].weight, rtol=1e-9, atol=1e-12)

@@ -97,8 +97,13 @@ def transposed(mod: nn.Module) -> bool:
 
 
 def rows_reader(mod: nn.Module) -> Callable[..., Any] | None:
-    """The reader of ``mod``'s fitting rows, or None when its type has no repair."""
-    return linear_rows if transposed(mod) else REPAIRABLE.get(type(mod))
+    """The reader of ``mod``'s fitting rows: its class's, or its nearest registered base
+    class's (Falcon's ``FalconLinear`` is an ``nn.Linear``; a subclass whose forward computes
+    something else is caught by the repair's check of each stage's real output error), or
+    None when it has no repair."""
+    if transposed(mod):
+        return linear_rows
+    return next((REPAIRABLE[c] for c in type(mod).__mro__ if c in REPAIRABLE), None)
 
 
 def out_in_weight(mod: nn.Module) -> Tensor:

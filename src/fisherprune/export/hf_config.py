@@ -143,7 +143,7 @@ def update_config(model: nn.Module) -> str | None:
     new = copy.deepcopy(config)
     for fields, read in CONFIG_FIELDS.items():
         present = [f for f in fields if _holds_width(config, f)] or [
-            f for f in fields if f in _ADDED
+            f for f in fields if f in _ADDED and not _read_only(config, f)
         ]
         values = sorted(set(read(model)))
         if not present or not values:
@@ -166,10 +166,17 @@ def update_config(model: nn.Module) -> str | None:
     return None
 
 
+def _read_only(config: object, field: str) -> bool:
+    """Whether ``field`` is a property of the config's class with no setter."""
+    attr = getattr(type(config), field, None)
+    return isinstance(attr, property) and attr.fset is None
+
+
 def _holds_width(config: object, field: str) -> bool:
-    """Whether the config has ``field`` as a width: an int, or None for "derived" (GPT-2's
-    ``n_inner``)."""
-    if not hasattr(config, field):
+    """Whether the config has ``field`` as a width it stores: an int, or None for "derived"
+    (GPT-2's ``n_inner``); not a read-only property computed from other fields (Falcon's
+    ``head_dim``), which follows them."""
+    if _read_only(config, field) or not hasattr(config, field):
         return False
     v = getattr(config, field)
     return v is None or (isinstance(v, int) and not isinstance(v, bool))
