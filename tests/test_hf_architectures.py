@@ -1,0 +1,162 @@
+"""Hugging Face architectures beyond the ones test_hf_integration studies, each built from
+its config as a user would bring it: ``prune_to_target`` (label-free Fisher, with the repair)
+reaches 50% of the FLOPs, and the shrunk model gives the masked model's logits."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import fisherprune as fp  # noqa: E402
+
+T = transformers
+_TEXT = dict(
+    vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4
+)
+_SEQ2SEQ = dict(
+    vocab_size=100, d_model=32, encoder_ffn_dim=64, decoder_ffn_dim=64, encoder_layers=2,
+    decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
+    max_position_embeddings=64,
+)  # fmt: skip
+
+
+def _ids(n: int, g: torch.Generator) -> dict[str, torch.Tensor]:
+    return {"input_ids": torch.randint(3, 100, (n, 12), generator=g)}
+
+
+def _ids_dec(n: int, g: torch.Generator) -> dict[str, torch.Tensor]:
+    ids = torch.randint(3, 100, (n, 12), generator=g)
+    return {"input_ids": ids, "decoder_input_ids": ids.flip(1)}
+
+
+def _pixels(n: int, g: torch.Generator) -> dict[str, torch.Tensor]:
+    return {"pixel_values": torch.randn(n, 3, 32, 32, generator=g)}
+
+
+Case = tuple[Callable[[], torch.nn.Module], Callable[[int, torch.Generator], dict]]
+CASES: dict[str, Case] = {
+    "mistral": (
+        lambda: T.MistralForCausalLM(T.MistralConfig(**_TEXT, num_key_value_heads=2)),
+        _ids,
+    ),
+    "phi3": (
+        lambda: T.Phi3ForCausalLM(T.Phi3Config(**_TEXT, num_key_value_heads=2, pad_token_id=0)),
+        _ids,
+    ),
+    "gpt_neox": (lambda: T.GPTNeoXForCausalLM(T.GPTNeoXConfig(**_TEXT)), _ids),
+    "opt": (
+        lambda: T.OPTForCausalLM(
+            T.OPTConfig(
+                vocab_size=100,
+                hidden_size=32,
+                ffn_dim=64,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                word_embed_proj_dim=32,
+            )
+        ),
+        _ids,
+    ),
+    "falcon": (
+        lambda: T.FalconForCausalLM(
+            T.FalconConfig(
+                vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4
+            )
+        ),
+        _ids,
+    ),
+    "gpt2_lm": (
+        lambda: T.GPT2LMHeadModel(
+            T.GPT2Config(vocab_size=100, n_embd=32, n_layer=2, n_head=4, n_positions=32)
+        ),
+        _ids,
+    ),
+    "bart": (lambda: T.BartForConditionalGeneration(T.BartConfig(**_SEQ2SEQ)), _ids_dec),
+    "t5": (
+        lambda: T.T5ForConditionalGeneration(
+            T.T5Config(
+                vocab_size=100,
+                d_model=32,
+                d_kv=8,
+                d_ff=64,
+                num_layers=2,
+                num_heads=4,
+                decoder_start_token_id=0,
+            )
+        ),
+        _ids_dec,
+    ),
+    "electra": (
+        lambda: T.ElectraForSequenceClassification(
+            T.ElectraConfig(**_TEXT, embedding_size=16, num_labels=3)
+        ),
+        _ids,
+    ),
+    "albert": (
+        lambda: T.AlbertForSequenceClassification(
+            T.AlbertConfig(**_TEXT, embedding_size=16, num_labels=3)
+        ),
+        _ids,
+    ),
+    "deit": (
+        lambda: T.DeiTForImageClassification(
+            T.DeiTConfig(
+                image_size=32,
+                patch_size=8,
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_labels=5,
+            )
+        ),
+        _pixels,
+    ),
+    "convnext": (
+        lambda: T.ConvNextForImageClassification(
+            T.ConvNextConfig(hidden_sizes=[16, 32], depths=[1, 1], num_stages=2, num_labels=5)
+        ),
+        _pixels,
+    ),
+    "resnet": (
+        lambda: T.ResNetForImageClassification(
+            T.ResNetConfig(embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1], num_labels=5)
+        ),
+        _pixels,
+    ),
+    "swin": (
+        lambda: T.SwinForImageClassification(
+            T.SwinConfig(
+                image_size=32,
+                patch_size=4,
+                embed_dim=16,
+                depths=[1, 1],
+                num_heads=[2, 4],
+                window_size=4,
+                num_labels=5,
+            )
+        ),
+        _pixels,
+    ),
+}
+
+
+@pytest.mark.filterwarnings("ignore:the model.s Hugging Face config still describes")
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_pruned_and_repaired_model_shrinks_to_the_masked_logits(name: str) -> None:
+    build, inputs = CASES[name]
+    torch.manual_seed(0)
+    model = build().eval()
+    g = torch.Generator().manual_seed(1)
+    batches = [(inputs(8, g), None) for _ in range(3)]
+    example = {k: v[:1] for k, v in batches[0][0].items()}
+    result = fp.prune_to_target(model, example, batches, 0.5, seed=0)
+    assert result.cost_after <= result.target
+    x = inputs(2, g)
+    small = fp.shrink(model, x)
+    with torch.no_grad():
+        torch.testing.assert_close(small(**x).logits, model(**x).logits, rtol=1e-4, atol=1e-5)
