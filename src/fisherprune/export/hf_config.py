@@ -204,21 +204,31 @@ def _shape_mismatch(model: nn.Module, config: object) -> str | None:
     return _derived_mismatch(model, fresh)
 
 
+#: int attributes that a class derives from a width at construction and its forward reads
+#: (most int width attributes a module keeps are not read, and shrink leaves them): T5's
+#: ``model_dim`` (``d_model``), whose inverse square root scales the tied output embedding
+DERIVED_INTS: frozenset[str] = frozenset({"model_dim"})
+
+
 def _derived_mismatch(model: nn.Module, fresh: nn.Module) -> str | None:
-    """Why a module of ``fresh`` (built from the new config) holds a different float than the
+    """Why a module of ``fresh`` (built from the new config) holds a different number than the
     same module of ``model``: a constant its class derives from a width at construction, not
-    stored in the weights (Gemma's embedding scale, the square root of the hidden size), which
-    ``from_pretrained`` would recompute; None if every such float agrees."""
+    stored in the weights (Gemma's embedding scale, the square root of the hidden size; T5's
+    ``model_dim``, whose inverse square root scales the tied output embedding), which
+    ``from_pretrained`` would recompute; None if every such float, and every int named in
+    ``DERIVED_INTS``, agrees."""
     built = dict(fresh.named_modules())
     for name, mod in model.named_modules():
         other = built.get(name)
         if other is None:
             continue
         for attr, value in vars(mod).items():
-            if type(value) is not float or attr.startswith("_"):
+            if attr.startswith("_") or not (
+                type(value) is float or (type(value) is int and attr in DERIVED_INTS)
+            ):
                 continue
             new = getattr(other, attr, None)
-            if type(new) is float and not math.isclose(new, value, rel_tol=1e-12):
+            if type(new) is type(value) and not math.isclose(new, value, rel_tol=1e-12):
                 return (
                     f"a config with the shrunk widths gives {name or type(model).__name__}."
                     f"{attr} = {new:g} where the shrunk model has {value:g}: the class derives "
