@@ -82,15 +82,6 @@ def quick_specs() -> dict[str, ov.ModelSpec]:
     """Two-block encoders, 32x32 images, 32 tokens: the standard nets' code at a check size,
     the masked models with every mask ``apply_masks`` finds."""
 
-    def found_masks(build: Callable[[], nn.Module], x: ov.InputFn) -> Callable[[bool], nn.Module]:
-        def masked_or_plain(masked: bool) -> nn.Module:
-            model = build()
-            if masked:
-                fp.apply_masks(model, x(1, torch.Generator().manual_seed(2)))
-            return model
-
-        return masked_or_plain
-
     def images(n: int, gen: torch.Generator) -> Tensor:
         return torch.randn(n, 3, 32, 32, generator=gen)
 
@@ -106,7 +97,7 @@ def quick_specs() -> dict[str, ov.ModelSpec]:
         name: dataclasses.replace(
             ov.MODELS[name],
             description=f"{name}, quick size",
-            build=found_masks(b, x),
+            build=ov.found_masks(b, x),
             make_input=x,
         )
         for name, (b, x) in builds.items()

@@ -177,9 +177,7 @@ def _tokens(batch: int, gen: torch.Generator) -> Tensor:
     return torch.randint(0, 30522, (batch, 128), generator=gen)
 
 
-def _found_masks(
-    build: Callable[[], nn.Module], make_input: InputFn
-) -> Callable[[bool], nn.Module]:
+def found_masks(build: Callable[[], nn.Module], make_input: InputFn) -> Callable[[bool], nn.Module]:
     """A builder whose masked model has every mask ``apply_masks`` finds."""
 
     def masked_or_plain(masked: bool) -> nn.Module:
@@ -222,7 +220,7 @@ MODELS: dict[str, ModelSpec] = {
     "resnet50": ModelSpec(
         "resnet50",
         "ResNet-50, 3x224x224, every mask apply_masks finds",
-        _found_masks(sn.build_resnet50, _images),
+        found_masks(sn.build_resnet50, _images),
         _images,
         batch=16,
         standard=True,
@@ -231,7 +229,7 @@ MODELS: dict[str, ModelSpec] = {
         "bert_base",
         "BERT-base-sized encoder (12 x post-LN, d 768, 12 heads, MLP 3072), 128 tokens, every "
         "mask apply_masks finds (heads, MLP units, hidden width)",
-        _found_masks(sn.build_bert_base, _tokens),
+        found_masks(sn.build_bert_base, _tokens),
         _tokens,
         batch=16,
         standard=True,
@@ -240,7 +238,7 @@ MODELS: dict[str, ModelSpec] = {
         "vit_b16",
         "ViT-B/16-sized encoder (12 x pre-LN, d 768, 12 heads, MLP 3072), 3x224x224 (197 "
         "tokens), every mask apply_masks finds (heads, MLP units, hidden width)",
-        _found_masks(sn.build_vit_b16, _images),
+        found_masks(sn.build_vit_b16, _images),
         _images,
         batch=16,
         standard=True,

@@ -74,9 +74,9 @@ def layer_fits(
 
 def _kept_outputs(model: nn.Module) -> dict[str, list[int]]:
     """The outputs (dim 0 of the weight; dim 1 of a transposed linear's) each module keeps,
-    for those that lose some. A
-    model whose zeroed channels cannot all be removed physically has no plan: every output is
-    then fitted (correct for the masked model, only less tight), as ``shrink`` will say why."""
+    for those that lose some. A model whose zeroed channels cannot all be removed physically
+    has no plan: every output is then fitted (correct for the masked model, only less tight),
+    as ``shrink`` will say why."""
     try:
         modules = PruningPlan.from_model(model, remembered_inputs(model, None)).modules
     except ValueError:

@@ -91,9 +91,9 @@ TRANSPOSED_LINEARS: frozenset[str] = frozenset({"transformers.pytorch_utils.Conv
 
 
 def transposed(mod: nn.Module) -> bool:
-    """Whether ``mod`` is a linear layer whose weight is stored (in, out)."""
-    cls = type(mod)
-    return f"{cls.__module__}.{cls.__qualname__}" in TRANSPOSED_LINEARS
+    """Whether ``mod`` is a linear layer whose weight is stored (in, out): its class or a base
+    class is named in ``TRANSPOSED_LINEARS``."""
+    return any(f"{c.__module__}.{c.__qualname__}" in TRANSPOSED_LINEARS for c in type(mod).__mro__)
 
 
 def rows_reader(mod: nn.Module) -> Callable[..., Any] | None:

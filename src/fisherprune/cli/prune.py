@@ -311,17 +311,16 @@ def _job(args: argparse.Namespace) -> _Job:
     return _builtin_job(args)
 
 
-#: options that must be positive integers, or non-negative ones
-_POSITIVE = ("calibration", "batch_size", "max_length")
-_NON_NEGATIVE = ("finetune_steps",)
+#: the least value of each integer option
+_LEAST = {"calibration": 1, "batch_size": 1, "max_length": 1, "finetune_steps": 0}
 
 
 def _check_args(args: argparse.Namespace) -> None:
     """Refuse, before any work, what would fail or be ignored later: counts out of range,
     ``--weights`` with a Hugging Face folder (its own weights load), a learning rate or
     temperature that is not positive, and an ``--out`` that is an existing file."""
-    for name in _POSITIVE + _NON_NEGATIVE:
-        value, low = getattr(args, name), 1 if name in _POSITIVE else 0
+    for name, low in _LEAST.items():
+        value = getattr(args, name)
         if value < low:
             raise ValueError(f"--{name} must be an integer >= {low}, got {value}")
     for flag, value in (("--lr", args.lr), ("--distill.temperature", args.temperature)):

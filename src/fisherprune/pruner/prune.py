@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from fisherprune.masks import MaskSet, as_mask_dict
+from fisherprune.masks import MaskLayer, MaskSet, as_mask_dict
 from fisherprune.pruner.uniform import uniform_classes
 from fisherprune.settings import check_min_channels, check_round_to
 
@@ -78,13 +78,12 @@ class PruneEvent:
         return asdict(self)
 
 
-def rounding(mask: Any, round_to: int) -> int:
+def rounding(mask: MaskLayer, round_to: int) -> int:
     """The multiple of channels ``mask`` keeps under ``round_to``: ``round_to`` counts weight
     rows, so a channel spanning several (``MaskLayer.channel_width``: an attention head spans
     ``head_dim``) needs fewer of them. Heads of 64 with ``round_to=8`` go one at a time (any
     count of them is 8-aligned); heads of 12 go two at a time (24 rows)."""
-    width = int(getattr(mask, "channel_width", 1))
-    return round_to // math.gcd(round_to, width)
+    return round_to // math.gcd(round_to, mask.channel_width)
 
 
 def block_size(alive: int, round_to: int) -> int:
