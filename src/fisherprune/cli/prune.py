@@ -415,6 +415,7 @@ def prune_command(args: argparse.Namespace) -> int:
         "phase_seconds": result.phase_seconds,
         "repaired_layers": len(result.repair.layers) if result.repair else 0,
         "repair_held_out_error": result.repair.held_out if result.repair else None,
+        "repair_skipped": result.repair.skipped if result.repair else {},
         "written_vs_masked_max_abs_diff": diff,
         "latency_seconds": latency,
         "speedup": latency["dense"] / latency["pruned"] if latency["pruned"] > 0 else math.nan,
