@@ -1,9 +1,10 @@
 """No host read inside a collecting training step, as users run one: forward, backward and
-``PruningOptimizer.step`` (or the Hugging Face ``Trainer`` with ``FisherPruningCallback``, or
-two ranks under DDP) make no ``.item()`` / ``.tolist()`` / ``.cpu()`` / ``.numpy()`` /
-``bool()`` / ``float()`` / ``int()`` call from fisherprune's code, in any step, including the
-first and the one after a prune; only the prune decision itself reads the signals
-(``tests.host_reads`` says how calls are told apart)."""
+``PruningOptimizer.step`` (or the Hugging Face ``Trainer`` with ``FisherPruningCallback``, two
+ranks under DDP, or ``PruningTrainer``'s own loop) make no ``.item()`` / ``.tolist()`` /
+``.cpu()`` / ``.numpy()`` / ``bool()`` / ``float()`` / ``int()`` call from fisherprune's code,
+in any step, including the first and the one after a prune; only the prune decision itself
+reads the signals (``tests.host_reads`` says how calls are told apart), and the trainer reads
+its losses only every few steps on an accelerator."""
 
 from __future__ import annotations
 
@@ -22,7 +23,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import fisherprune as fp
+import fisherprune.train.phases as phases
+import fisherprune.train.trainer as trainer_module
 from fisherprune.integrations.hf import FisherPruningCallback
+from fisherprune.train import PruningTrainer, TrainConfig
 from tests import ddp_step_driver as driver
 from tests.host_reads import HostReads, spied_tensor_reads
 from tests.zoo import build_resnet_basic, image_input
@@ -155,6 +159,41 @@ def test_trainer_callback_steps_read_nothing_back(tmp_path: Path) -> None:
         trainer.train()
     assert prune.pruner is not None and len(watch.outside) == 4
     _assert_clean(prune.pruner, watch.outside, watch.pruning)
+
+
+def test_trainer_steps_read_nothing_back_between_loss_reads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``PruningTrainer`` as it runs on a GPU (its losses kept on the device and read every 5
+    steps): every step that does not read them (no prune, eval or checkpoint due) makes no host
+    read at all, across the dense, pruning and fine-tuning phases (it read ``float(loss)`` in
+    every step)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(200, 4, generator=g)
+    rows = [",".join(f"{v:.5f}" for v in r) + f",{int(r[0] > 0)}" for r in x.tolist()]
+    (tmp_path / "t.csv").write_text("a,b,c,d,label\n" + "\n".join(rows) + "\n")
+    monkeypatch.setattr(trainer_module, "loss_read_every", lambda device: 5)
+    original, watched = phases.train_step, []
+
+    def watched_step(loop: phases.Loop) -> None:
+        with reads.watching():
+            original(loop)
+        watched.append((loop.guard._pending != [], reads.step, reads.prune_time))
+
+    monkeypatch.setattr(phases, "train_step", watched_step)
+    cfg = TrainConfig(
+        data=str(tmp_path / "t.csv"), label="label", model="mlp", width=16, depth=2, steps=60,
+        pruning_burn_in=10, pruning_iter=7, eval_every=25, fine_tune_steps=5,
+        save_dir=str(tmp_path / "run"), export_formats=["state_dict"], progress="none",
+        weight_decay=5e-4,
+    )  # fmt: skip
+    with spied_tensor_reads() as reads:
+        trainer = PruningTrainer(cfg)
+        trainer.run()
+    unread = [step for kept, step, _ in watched if kept]
+    assert len(watched) == 60 and len(unread) >= 30
+    assert unread == [[]] * len(unread), unread
+    assert any(prune for _, _, prune in watched), "no prune: the pruning phase was not watched"
 
 
 def _free_port() -> int:

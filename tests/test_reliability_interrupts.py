@@ -27,10 +27,19 @@ def test_guard_turns_the_first_signal_into_a_request_and_the_second_into_an_inte
     before = signal.getsignal(signal.SIGINT)
     with StopGuard(10.0) as guard:
         os.kill(os.getpid(), signal.SIGTERM)
-        assert guard.poll(torch.tensor(1.0), 0)[0] == signal.SIGTERM
+        assert guard.poll(torch.tensor(1.0), 0) == signal.SIGTERM
         with pytest.raises(KeyboardInterrupt):
             os.kill(os.getpid(), signal.SIGINT)
     assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_a_signal_is_answered_at_once_when_losses_are_kept_on_the_device() -> None:
+    """With losses read every 100 steps (an accelerator), a stop asked outside torchrun is
+    still answered at the step it came in: the kept losses are read then."""
+    guard = StopGuard(10.0, read_every=100)
+    assert guard.poll(torch.tensor(1.0), 0) == 0
+    guard.signum = signal.SIGTERM  # what the handler sets
+    assert guard.poll(torch.tensor(2.0), 1) == signal.SIGTERM and guard.loss == 2.0
 
 
 def test_resume_command_adds_resume_and_drops_overwrite() -> None:

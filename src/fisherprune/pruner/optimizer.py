@@ -286,10 +286,16 @@ class PruningOptimizer:
         if not self.finished and self.criterion.uses_gradients:
             self._check_received()
             self.criterion.update(self.masks, self.decay, loss_reduction=self.loss_reduction)
-        due = self.counter > self.burn_in and self.counter % self.prune_every == 0
-        if due and not self.finished:
+        if self.prune_due:
             self._maybe_prune()
         self.counter += 1
+
+    @property
+    def prune_due(self) -> bool:
+        """Whether the next ``step`` (``after_update``) may prune: it reads the signals and the
+        cost on the host then, so a loop that keeps its loss on the device reads it first."""
+        due = self.counter > self.burn_in and self.counter % self.prune_every == 0
+        return due and not self.finished
 
     # --------------------------------------------------------------- pruning
     def cost(self) -> CostReport:

@@ -1,6 +1,7 @@
 """Stopping a run cleanly: on Ctrl-C / SIGTERM after the step under way, on a loss that is no
-longer finite before it reaches the weights or the pruner; under ``torchrun`` every rank stops
-at the same step, and a rank that stops answering ends the job after ``dist_timeout`` seconds.
+longer finite before a prune, a checkpoint or the export uses it (on the CPU, before it reaches
+the weights); under ``torchrun`` every rank stops at the same step, and a rank that stops
+answering ends the job after ``dist_timeout`` seconds.
 """
 
 from __future__ import annotations
@@ -18,11 +19,13 @@ import torch.distributed as dist
 from torch import Tensor
 
 __all__ = [
+    "ACCELERATOR_READ_EVERY",
     "DivergedError",
     "Interrupted",
     "PeerTimeoutError",
     "StopGuard",
     "init_distributed",
+    "loss_read_every",
     "monitored_barrier",
     "peer_timeout",
 ]
@@ -31,8 +34,8 @@ _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 class DivergedError(RuntimeError):
-    """The training loss became NaN or infinite; the run stopped before that step changed
-    the weights or pruned anything."""
+    """The training loss became NaN or infinite; the run stopped before anything was pruned,
+    checkpointed or exported from that step on."""
 
 
 class PeerTimeoutError(RuntimeError):
@@ -70,7 +73,7 @@ def init_distributed(timeout_s: float, backend: str = "gloo") -> None:
 def monitored_barrier(timeout_s: float, where: str) -> None:
     """Wait until every rank gets here; after ``timeout_s`` seconds raise PeerTimeoutError
     naming the ranks that did not (does nothing outside a process group)."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+    if not _in_group():
         return
     try:
         dist.monitored_barrier(timeout=timedelta(seconds=timeout_s), wait_all_ranks=True)
@@ -102,18 +105,39 @@ def _lost_peer(e: BaseException) -> bool:
     )
 
 
+#: steps between two reads of the training loss on an accelerator: each read waits for the
+#: device, so the losses are kept there and read together
+ACCELERATOR_READ_EVERY = 20
+
+
+def loss_read_every(device: torch.device) -> int:
+    """How many steps' losses ``StopGuard`` keeps before it reads them: 1 on the CPU (a read
+    waits for nothing there, and each loss is checked before its update),
+    ``ACCELERATOR_READ_EVERY`` on a GPU or another accelerator."""
+    return 1 if device.type == "cpu" else ACCELERATOR_READ_EVERY
+
+
 class StopGuard:
     """While entered, SIGINT and SIGTERM only ask the run to stop (a second one stops it at
-    once, with KeyboardInterrupt); ``check`` tells the training loop, at each step, whether to
-    stop, agreed by every rank under torchrun.
+    once, with KeyboardInterrupt); ``poll`` tells the training loop whether to stop, agreed by
+    every rank under torchrun, and stops it on a loss that is NaN or infinite.
+
+    The losses are kept on their device and read to the host in one go every ``read_every``
+    steps (``poll``), and whenever the loop is about to use the weights (``flush``: before a
+    prune, an evaluation, a checkpoint or the export), so that a step on a GPU does not wait
+    for the device; with ``read_every=1`` (the CPU) every step's loss is read before its update.
 
     Changes: the process's SIGINT and SIGTERM handlers while entered (only in the main
-    thread; elsewhere signals keep their handlers and ``check`` sees none).
+    thread; elsewhere signals keep their handlers and ``poll`` sees none).
     """
 
-    def __init__(self, timeout_s: float) -> None:
+    def __init__(self, timeout_s: float, read_every: int = 1) -> None:
         self.timeout_s = timeout_s
+        self.read_every = read_every
         self.signum = 0
+        self.loss = math.nan  # the last loss read
+        self._pending: list[Tensor] = []  # losses not read yet, of steps _first, _first + 1...
+        self._first = 0
         self._old: dict[int, Any] = {}
 
     def __enter__(self) -> StopGuard:
@@ -140,7 +164,7 @@ class StopGuard:
 
     def _agree(self, values: list[float]) -> list[float]:
         """The largest of each value over all ranks (the values themselves outside torchrun)."""
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        if not _in_group():
             return values
         device = "cuda" if dist.get_backend() == "nccl" else "cpu"  # NCCL reduces on the GPU
         t = torch.tensor(values, dtype=torch.float64, device=device)
@@ -150,22 +174,56 @@ class StopGuard:
             raise peer_timeout(e, f"did not answer within {self.timeout_s:g} s") from None
         return t.tolist()
 
-    def poll(self, loss: Tensor, step: int) -> tuple[int, float]:
-        """What every rank must agree on before ``loss`` reaches ``backward`` and the
-        optimizer, in one reduction: the signal that asked the run to stop (on any rank, 0 if
-        none), and the loss as a number (one host read per step, reused for the progress line).
+    def poll(self, loss: Tensor, step: int, read: bool = False) -> int:
+        """Keep ``loss``, the loss of step ``step`` (counted from 0) before it reaches
+        ``backward`` and the optimizer; read the kept losses (``flush``) when ``read``, every
+        ``read_every`` steps, or once a signal came outside torchrun (where no other rank has
+        to agree on the step). Returns the signal that asked the run to stop, on any rank (0
+        if none, or nothing was read); ``self.loss`` is the last loss read.
 
         Raises:
-            DivergedError: ``loss`` is NaN or infinite on any rank.
+            DivergedError: a kept loss is NaN or infinite on any rank.
         """
-        value = float(loss.detach())
-        signum, bad = self._agree([float(self.signum), 0.0 if math.isfinite(value) else 1.0])
-        if bad:
-            what = f"{value}" if not math.isfinite(value) else "not finite on another rank"
-            raise DivergedError(
-                f"the training loss is {what} at step {step + 1}: training diverged, so the run "
-                "stopped before that step changed the weights or pruned anything (nothing "
-                "exported). Lower "
-                "--learning_rate, or check the data for NaN or huge values"
-            )
-        return int(signum), value
+        if not self._pending:
+            self._first = step
+        self._pending.append(loss.detach().float().reshape(()))
+        if read or len(self._pending) >= self.read_every or (self.signum and not _in_group()):
+            return self.flush()
+        return 0
+
+    def flush(self) -> int:
+        """Read the kept losses to the host (one read; one reduction under torchrun, so every
+        rank must call it at the same step) and agree on a stop; see ``poll``.
+
+        Raises:
+            DivergedError: a kept loss is NaN or infinite on any rank; it names the step.
+        """
+        if not self._pending:
+            return 0
+        values = torch.stack(self._pending).tolist()
+        first, now = self._first, self._first + len(values) - 1
+        self._pending = []
+        self.loss = values[-1]
+        bad = next((i for i, v in enumerate(values) if not math.isfinite(v)), None)
+        signum, other = self._agree([float(self.signum), 0.0 if bad is None else 1.0])
+        if bad is None and not other:
+            return int(signum)
+        if bad is None:
+            what = f"not finite on another rank by step {now + 1}"
+        else:
+            what = f"{values[bad]} at step {first + bad + 1}"
+            if first + bad < now:
+                what += (
+                    f" (read at step {now + 1}: on an accelerator the loss is read every "
+                    f"{self.read_every} steps, so that steps do not wait for the device)"
+                )
+        raise DivergedError(
+            f"the training loss is {what}: training diverged, so the run stopped before "
+            "anything was pruned, checkpointed or exported from that step on (nothing "
+            "exported). Lower --learning_rate, or check the data for NaN or huge values"
+        )
+
+
+def _in_group() -> bool:
+    """Whether this process is one of several ranks under torchrun."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1

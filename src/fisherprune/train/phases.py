@@ -13,6 +13,7 @@ where a resumed run's ``RunState`` left off; how long each lasts is ``schedule``
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -68,7 +69,7 @@ class Loop:
     check_dense: Callable[[float], DenseCheck]  # did the dense model learn?
     checkpoint: Callable[[], dict[str, Any]]  # what a checkpoint holds now
     write: bool  # rank 0: writes checkpoints
-    guard: StopGuard | None = None  # set while the phases run: signals, a diverging loss
+    guard: StopGuard  # entered while the phases run: signals, a diverging loss
     model: nn.Module | None = None  # the trainer's model itself (``net`` may wrap it)
     teacher: nn.Module | None = None  # the dense model, frozen, with ``distill_alpha`` > 0
 
@@ -82,7 +83,13 @@ class Loop:
         return saved
 
     def save_checkpoint(self) -> None:
-        """Write a checkpoint of the run as it stands (rank 0 only)."""
+        """Write a checkpoint of the run as it stands (rank 0 only), once the losses not read
+        yet are read and finite (every rank).
+
+        Raises:
+            DivergedError: one of them is not (nothing written).
+        """
+        self.guard.flush()
         if self.write:
             self.ckpts.save(self.state.step, self.snapshot())
 
@@ -174,10 +181,8 @@ def train_step(loop: Loop) -> None:
     loop.net.train()
     with loop.precision.autocast():
         loss = _train_loss(loop, loop.net(x), x, y)
-    if loop.guard is None:
-        signum, loss_value = 0, float(loss.detach())
-    else:  # before the update: a stop or a diverged loss leaves this step's weights as they were
-        signum, loss_value = loop.guard.poll(loss, state.step)
+    # before the update, and read before a prune: a stop or a diverged loss prunes nothing
+    signum = loop.guard.poll(loss, state.step, read=popt.prune_due)
     if signum:
         saved = loop.write and state.step > 0
         path = loop.ckpts.save(state.step, loop.snapshot()) if saved else None
@@ -200,9 +205,11 @@ def train_step(loop: Loop) -> None:
                 "cost": ev.cost_after,
             }
         )
-    loop.progress.update(step, f"loss {loss_value:.4f} pruned {channels_removed(popt)}")
+    read = loop.guard.loss  # NaN until the first read (the losses are read every few steps)
+    shown = "" if math.isnan(read) else f"loss {read:.4f} "
+    loop.progress.update(step, f"{shown}pruned {channels_removed(popt)}")
     if step % cfg.eval_every == 0:
-        _eval_point(loop, loss_value)
+        _eval_point(loop)
     if step % cfg.checkpoint_every == 0:
         loop.save_checkpoint()
 
@@ -229,6 +236,7 @@ def _dense_point(loop: Loop) -> dict[str, Any]:
     """Evaluate the model before pruning, check that it learned, record it and print it;
     return its entry (``learned`` and, when it did not, ``check``: the warning). With
     ``distill_alpha`` > 0, keep a frozen copy of it as the fine-tuning teacher."""
+    loop.guard.flush()
     if loop.config.distill_alpha > 0 and loop.model is not None:
         loop.teacher = frozen_teacher(loop.model)
     value = loop.evaluate()
@@ -255,9 +263,12 @@ def _dense_point(loop: Loop) -> dict[str, Any]:
     return entry
 
 
-def _eval_point(loop: Loop, loss: float) -> None:
+def _eval_point(loop: Loop) -> None:
     """Evaluate the model as it stands on the first ``eval_rows`` eval rows (all with 0),
-    record the entry and print it. The dense and the final points read every eval row."""
+    record the entry with the last step's loss and print it. The dense and the final points
+    read every eval row."""
+    loop.guard.flush()
+    loss = loop.guard.loss
     limit = loop.config.eval_rows or None
     value = loop.evaluate(limit=limit)
     popt, metric, step = loop.popt, loop.metric_name, loop.state.step

@@ -26,7 +26,7 @@ from fisherprune.train.config import TrainConfig
 from fisherprune.train.data import Dataset, DataSpec, StreamingDataset, data_card, load_data
 from fisherprune.train.devices import Precision, process_group_backend, resolve_device
 from fisherprune.train.finish import RunOutput
-from fisherprune.train.interrupts import StopGuard, init_distributed
+from fisherprune.train.interrupts import StopGuard, init_distributed, loss_read_every
 from fisherprune.train.lock import RunLock
 from fisherprune.train.logging_sinks import open_sinks
 from fisherprune.train.models import build_model
@@ -241,7 +241,7 @@ class PruningTrainer:
         try:
             loop = self._start()
             try:
-                with StopGuard(self.config.dist_timeout) as loop.guard:
+                with loop.guard:
                     dense_phase(loop)
                     pruning_phase(loop)
                     fine_tune_phase(loop)
@@ -291,6 +291,7 @@ class PruningTrainer:
             check_dense=self._check_dense,
             checkpoint=lambda: self._checkpoint(popt, state),
             write=write,
+            guard=StopGuard(cfg.dist_timeout, loss_read_every(self.device)),
             model=self.model,
         )
         restore_teacher(loop, self._teacher_weights)
