@@ -164,13 +164,16 @@ def test_pruned_and_repaired_model_shrinks_to_the_masked_logits(name: str) -> No
         torch.testing.assert_close(small(**x).logits, model(**x).logits, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["t5", "mistral", "gpt2_lm"])
+@pytest.mark.parametrize("name", ["t5", "mistral", "gpt2_lm", "electra", "albert", "falcon"])
 def test_uniform_pruned_model_reloads_from_its_config_to_the_masked_logits(
     name: str, tmp_path: Path
 ) -> None:
     """uniform=True, shrink, save_pretrained, from_pretrained with no fisherprune code: the
     reloaded model gives the masked model's logits. T5 scales its tied output embedding by
-    d_model ** -0.5 with d_model fixed at construction, so its hidden width stays whole."""
+    d_model ** -0.5 with d_model fixed at construction, so its hidden width stays whole.
+    ELECTRA and ALBERT normalise embeddings narrower than the hidden width (``embedding_size``)
+    and Falcon has one key/value head for four query heads in one fused projection: they
+    reached 60% (uniform=True pruned nothing there when their widths were misread)."""
     build, inputs = CASES[name]
     torch.manual_seed(0)
     model = build().eval()
@@ -179,7 +182,8 @@ def test_uniform_pruned_model_reloads_from_its_config_to_the_masked_logits(
     example = {k: v[:1] for k, v in batches[0][0].items()}
     with warnings.catch_warnings():  # T5 stops above 60%: only its MLP and heads may go
         warnings.simplefilter("ignore")
-        fp.prune_to_target(model, example, batches, 0.6, uniform=True, seed=0)
+        result = fp.prune_to_target(model, example, batches, 0.6, uniform=True, seed=0)
+    assert result.cost_after < 0.7 * result.cost_before  # T5 stops at 67%, the others at 60%
     x = inputs(2, g)
     fp.shrink(model, x).save_pretrained(tmp_path)
     back = type(model).from_pretrained(tmp_path).eval()

@@ -30,8 +30,9 @@ __all__ = ["CONFIG_FIELDS", "is_hf_model", "read_widths", "update_config"]
 _QUERY = ("query", "q_proj", "q", "q_lin")
 _KEY = ("key", "k_proj", "k", "k_lin")
 _FUSED_QKV = ("c_attn", "qkv", "Wqkv", "query_key_value")
+_KV_HEADS = ("num_kv_heads", "num_key_value_heads")
 _HEAD_SIZE = ("head_dim", "attention_head_size", "key_value_proj_dim", "head_size")
-_MLP_IN = ("up_proj", "fc1", "c_fc", "wi", "wi_0", "lin1", "fc_in", "dense_h_to_4h", "w1")
+_MLP_IN = ("up_proj", "fc1", "c_fc", "wi", "wi_0", "lin1", "fc_in", "dense_h_to_4h", "w1", "ffn")
 
 
 def _out_width(mod: nn.Module) -> int | None:
@@ -60,8 +61,14 @@ def _attention(model: nn.Module) -> list[tuple[int, int]]:
         if q is not None and k is not None and _out_width(q) and _out_width(k):
             found.append((_out_width(q) // size, _out_width(k) // size))
         elif fused is not None and _out_width(fused):
-            heads = _out_width(fused) // 3 // size
-            found.append((heads, heads))
+            rows = _out_width(fused) // size  # query, key and value heads, stacked
+            kv = next(
+                (getattr(mod, a) for a in _KV_HEADS if isinstance(getattr(mod, a, None), int)), None
+            )
+            if kv is None:  # as many of each (GPT-2, GPT-NeoX)
+                found.append((rows // 3, rows // 3))
+            else:  # fewer key/value heads (Falcon's multi-query attention)
+                found.append((rows - 2 * kv, kv))
     return found
 
 
@@ -78,12 +85,28 @@ def _mlp(model: nn.Module) -> list[int]:
 
 
 def _hidden(model: nn.Module) -> list[int]:
-    """The width the first normalisation layer normalises (the residual stream's)."""
-    for mod in model.modules():
-        w = getattr(mod, "weight", None)
-        if "Norm" in type(mod).__name__ and isinstance(w, torch.Tensor) and w.dim() == 1:
-            return [w.numel()]
-    return []
+    """The width the first normalisation layer normalises (the residual stream's), outside a
+    module named ``embeddings`` where there is one (ELECTRA and ALBERT normalise their
+    narrower embeddings, ``embedding_size`` wide, before projecting them to the hidden width)."""
+    norms = [
+        (name, w.numel())
+        for name, mod in model.named_modules()
+        if "Norm" in type(mod).__name__
+        and isinstance(w := getattr(mod, "weight", None), torch.Tensor)
+        and w.dim() == 1
+    ]
+    outside = [n for name, n in norms if "embeddings" not in name.split(".")]
+    return (outside or [n for _, n in norms])[:1]
+
+
+def _embedding(model: nn.Module) -> list[int]:
+    """The width of the input embeddings (``get_input_embeddings``), where the model has them."""
+    try:
+        emb = model.get_input_embeddings()  # type: ignore[operator]
+    except (AttributeError, NotImplementedError, TypeError):
+        return []
+    width = getattr(emb, "embedding_dim", None)
+    return [width] if isinstance(width, int) else []
 
 
 #: config fields by what they hold, and how the shrunk model's values are read
@@ -105,8 +128,10 @@ CONFIG_FIELDS: dict[tuple[str, ...], Callable[[nn.Module], list[int]]] = {
         "ffn_dim",
         "encoder_ffn_dim",
         "decoder_ffn_dim",
+        "ffn_hidden_size",
     ): _mlp,
     ("head_dim",): lambda m: [s for s in (_head_size(x) for x in m.modules()) if s],
+    ("embedding_size",): _embedding,
 }
 #: fields written even when the config lacks them (a model reading ``config.head_dim`` with a
 #: default then follows it; one that does not is caught by the shape check)
