@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import platform
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -17,8 +18,9 @@ from fisherprune.cost.formulas import SAME_AS_TORCH
 
 
 @torch.no_grad()
-def counted_flops(model: nn.Module, x: Tensor) -> float:
-    """FLOPs per example by ``FlopCounterMode`` (2 per multiply-accumulate), in eval mode;
+def counted_flops(model: nn.Module, x: Tensor | Mapping[str, Tensor]) -> float:
+    """FLOPs per example by ``FlopCounterMode`` (2 per multiply-accumulate) of ``model(x)``,
+    or ``model(**x)`` for keyword inputs (the batch size read off the first), in eval mode;
     the model's training flag is restored afterwards. CPU's fused attention kernel is counted
     as PyTorch counts its flash kernel (``SAME_AS_TORCH``): left to itself the counter counts
     0 for it, and a pruned transformer's FLOPs reduction would leave its attention out."""
@@ -26,10 +28,11 @@ def counted_flops(model: nn.Module, x: Tensor) -> float:
     model.eval()
     try:
         with FlopCounterMode(display=False, custom_mapping=dict(SAME_AS_TORCH)) as counter:
-            model(x)
+            model(**x) if isinstance(x, Mapping) else model(x)
     finally:
         model.train(was)
-    return float(counter.get_total_flops()) / x.shape[0]
+    batch = next(iter(x.values())) if isinstance(x, Mapping) else x
+    return float(counter.get_total_flops()) / batch.shape[0]
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:

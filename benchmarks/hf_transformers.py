@@ -4,8 +4,8 @@ What is measured
 ----------------
 Hugging Face models with a 2-label task head (``...ForSequenceClassification``,
 ``ViTForImageClassification``; the T5 encoder without one), as a fine-tuned model comes: the
-hidden width is then inside the model (a base model returns it as ``last_hidden_state``, so
-there it is part of the output and never pruned). Built from small but realistically shaped
+hidden width is then inside the model (the T5 encoder returns it as ``last_hidden_state``:
+pruned there, its units come back as zero columns, the output's shape kept). Built from small but realistically shaped
 configs with random weights (nothing downloads): hidden size 128, 4 layers, 8 attention heads
 of 16, MLP intermediate size 512 (4x), vocabulary 1000, batch 2 x sequence 64 (one example
 padded: its last 16 tokens have ``attention_mask`` 0) or 2 images of 64x64 in 8x8 patches.
@@ -71,12 +71,10 @@ from typing import Any
 
 import numpy as np
 import torch
-from _common import machine_info, write_json
+from _common import counted_flops, machine_info, write_json
 from torch import Tensor, nn
-from torch.utils.flop_counter import FlopCounterMode
 
 import fisherprune as fp
-from fisherprune.cost.formulas import SAME_AS_TORCH
 
 RATIO = 0.3
 TP_LIMIT_S = 30  # Torch-Pruning's construction or step taking longer is a failure row
@@ -140,15 +138,6 @@ def build(kind: str, attention: str) -> tuple[nn.Module, dict[str, Tensor]]:
     return model.float().eval(), inputs
 
 
-def counted(model: nn.Module, inputs: dict[str, Tensor]) -> float:
-    """FlopCounterMode's FLOPs per example for ``model(**inputs)`` (fused CPU attention
-    counted as torch counts its flash kernel)."""
-    counter = FlopCounterMode(display=False, custom_mapping=dict(SAME_AS_TORCH))
-    with counter, torch.no_grad():
-        model(**inputs)
-    return float(counter.get_total_flops()) / BATCH
-
-
 def hidden(model: nn.Module, inputs: dict[str, Tensor]) -> Tensor:
     """The model's logits (task-head models) or last hidden state (T5's encoder)."""
     with torch.no_grad():
@@ -169,7 +158,7 @@ def run_fisherprune(kind: str, attention: str) -> dict[str, Any]:
     model, inputs = build(kind, attention)
     row: dict[str, Any] = {"ok": False}
     try:
-        dense = counted(model, inputs)
+        dense = counted_flops(model, inputs)
         row["dense_flops"] = dense
         fp.apply_masks(copy.deepcopy(model), inputs)  # warm-up
         t0 = time.perf_counter()
@@ -192,7 +181,7 @@ def run_fisherprune(kind: str, attention: str) -> dict[str, Any]:
         cost = fp.computational_cost(model, inputs).total
         row["cost_flops"] = cost
         small = fp.shrink(model)
-        got = counted(small, inputs)
+        got = counted_flops(small, inputs)
         row["shrunk_flops"] = got
         row["saved_share"] = 1.0 - got / dense
         row["cost_equals_counted"] = abs(cost - got) <= 1e-9 * max(abs(got), 1.0)
@@ -280,7 +269,7 @@ def run_torch_pruning(tp: Any, kind: str, attention: str) -> dict[str, Any]:
     model, inputs = build(kind, attention)
     row: dict[str, Any] = {"ok": False, "runs": False}
     try:
-        dense = counted(model, inputs)
+        dense = counted_flops(model, inputs)
         row["dense_flops"] = dense
         t0 = time.perf_counter()
         with _time_limit(TP_LIMIT_S):
@@ -309,7 +298,7 @@ def run_torch_pruning(tp: Any, kind: str, attention: str) -> dict[str, Any]:
         out = hidden(model, inputs)
         row["runs"] = bool(torch.isfinite(out).all())
         row["output_width"] = int(out.shape[-1])
-        got = counted(model, inputs)
+        got = counted_flops(model, inputs)
         row["pruned_flops"] = got
         row["saved_share"] = 1.0 - got / dense
         row["ok"] = row["runs"]

@@ -903,17 +903,15 @@ def transformers_section(t: dict[str, Any], out: Path) -> list[str]:
             f"- apply_masks took {min(f['trace_s'] for f in ok):.2f} to "
             f"{max(f['trace_s'] for f in ok):.2f} s"
         )
-        width = [r for r in t.get("rows", []) if (r.get("fisherprune") or {}).get("ok")]
-        inner = [r["fisherprune"]["saved_share"] for r in width if r.get("model") != "t5"]
         lines.append(
             "- prunable near 100% means that every counted op (FlopCounterMode counts matmuls "
-            "and convolutions) has a head, MLP-unit or hidden-width dimension. With a task head "
-            "the hidden width is inside the model and is one group across all blocks (its norms "
-            "normalise over the kept channels), so removing 30% of every group saves "
-            + (f"{_pct(min(inner))} to {_pct(max(inner))}" if inner else "-")
+            "and convolutions) has a head, MLP-unit or hidden-width dimension. The hidden width "
+            "is one group across all blocks (its norms normalise over the kept channels), so "
+            "removing 30% of every group saves "
+            + f"{_pct(min(sv))} to {_pct(max(sv))}"
             + " (two pruned dims per matmul: 1 - 0.7^2 is 51%); the T5 encoder returns its "
-            "hidden state, whose width is then the model's output and stays, so it saves about "
-            "the 30% of its heads and MLP units"
+            "hidden state, so there the pruned hidden units come back as zero columns of "
+            "`last_hidden_state` (its shape is kept)"
         )
     if tps:
         good = [x for x in tps if x.get("ok")]

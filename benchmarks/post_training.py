@@ -413,84 +413,6 @@ def _nearest(e: Tensor) -> Tensor:
     return sim.argmax(1)
 
 
-# ------------------------------------------------------------------------------ speed
-class Bottleneck(nn.Module):
-    """ResNet-50's block: 1x1, 3x3 (stride), 1x1 x4, projection when the shape changes."""
-
-    def __init__(self, cin: int, mid: int, stride: int) -> None:
-        super().__init__()
-        cout = mid * 4
-        self.c1, self.b1 = nn.Conv2d(cin, mid, 1, bias=False), nn.BatchNorm2d(mid)
-        self.c2, self.b2 = nn.Conv2d(mid, mid, 3, stride, 1, bias=False), nn.BatchNorm2d(mid)
-        self.c3, self.b3 = nn.Conv2d(mid, cout, 1, bias=False), nn.BatchNorm2d(cout)
-        self.down = None
-        if stride != 1 or cin != cout:
-            self.down = nn.Sequential(
-                nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout)
-            )
-
-    def forward(self, x: Tensor) -> Tensor:
-        h = F.relu(self.b1(self.c1(x)))
-        h = F.relu(self.b2(self.c2(h)))
-        h = self.b3(self.c3(h))
-        return F.relu(h + (x if self.down is None else self.down(x)))
-
-
-class ResNet50(nn.Module):
-    """ResNet-50 (He et al. 2016): blocks (3, 4, 6, 3), 25.6M parameters, 4.1 GMACs at 224."""
-
-    def __init__(self, classes: int = 1000) -> None:
-        super().__init__()
-        self.stem = nn.Sequential(
-            nn.Conv2d(3, 64, 7, 2, 3, bias=False),
-            nn.BatchNorm2d(64),
-            nn.ReLU(),
-            nn.MaxPool2d(3, 2, 1),
-        )
-        blocks: list[nn.Module] = []
-        cin = 64
-        for mid, n, stride in ((64, 3, 1), (128, 4, 2), (256, 6, 2), (512, 3, 2)):
-            for i in range(n):
-                blocks.append(Bottleneck(cin, mid, stride if i == 0 else 1))
-                cin = mid * 4
-        self.layers = nn.Sequential(*blocks)
-        self.fc = nn.Linear(cin, classes)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.fc(self.layers(self.stem(x)).mean((2, 3)))
-
-
-def speed(images: int, criterion: str) -> dict[str, Any]:
-    """Time prune_to_target (``criterion``, label-free for Fisher, 50% FLOPs, repair) on a
-    ResNet-50 (random weights: the time does not depend on them) with ``images`` calibration
-    images at 224; with ``"l1"`` no signal pass runs, so the time is the selection's and the
-    repair's. Wall and process CPU seconds (the machine may be shared)."""
-    torch.manual_seed(0)
-    net = ResNet50().eval()
-    x = torch.randn(images, 3, 224, 224)
-    batches = [(x[i : i + 25], None) for i in range(0, images, 25)]
-    t = time.perf_counter()
-    fp.apply_masks(net, x[:1])
-    apply_s = time.perf_counter() - t
-    cpu = time.process_time()
-    result = fp.prune_to_target(net, x[:1], batches, "50%", criterion=criterion)
-    out = {
-        "images": images,
-        "criterion": criterion,
-        "cpu_seconds": time.process_time() - cpu,
-        "repaired_layers": len(result.repair.layers) if result.repair else 0,
-        "repair_skipped": result.repair.skipped if result.repair else {},
-        "apply_masks_seconds": apply_s,
-        "seconds": result.seconds,
-        "phase_seconds": result.phase_seconds,
-        "events": len(result.events),
-        "cost_ratio": result.ratio,
-        "machine": machine_info(),
-    }
-    print(json.dumps(out, indent=1))
-    return out
-
-
 # ----------------------------------------------------------------------------- output
 def _checkpoint(args: argparse.Namespace, name: str, bench: dict[str, Any], metric: str) -> None:
     """Write the results so far (this benchmark marked incomplete): a run cut short keeps
@@ -615,13 +537,6 @@ def main(argv: list[str] | None = None) -> int:
         help="comma-separated FLOPs fractions (default 0.75,0.5,0.33)",
     )
     p.add_argument("--methods", help="comma-separated subset of " + ", ".join(METHODS))
-    p.add_argument(
-        "--speed",
-        type=int,
-        metavar="IMAGES",
-        help="only time prune_to_target on a ResNet-50 with IMAGES calibration images",
-    )
-    p.add_argument("--speed_criterion", default="l1", help="criterion of --speed")
     p.add_argument("--out", type=Path)
     p.add_argument(
         "--combine",
@@ -642,10 +557,6 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(2)
     if args.combine:
         return combine(args.combine, args.out or RESULTS / "post_training.json")
-    if args.speed:
-        out = args.out or RESULTS / "post_training_resnet50_repair.json"
-        write_json(out, speed(args.speed, args.speed_criterion))
-        return 0
     which = args.only or ["digits", "mnist5k", "minilm"]
     results: dict[str, Any] = {
         "benchmark": "post_training",
