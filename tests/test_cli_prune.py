@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
+import fisherprune as fp
 from fisherprune.calibrate import prune_to_target
 from fisherprune.cli.main import build_parser
 from fisherprune.cli.prune import _job
@@ -259,6 +260,81 @@ def test_prune_a_hugging_face_folder_without_fine_tuning(tmp_path: Path) -> None
         a, b = pooled(small), pooled(dense)
     cosine = float(F.cosine_similarity(a, b, dim=-1).mean())
     assert cosine == pytest.approx(report["after"], abs=1e-5)
+
+
+def test_uniform_pruned_hugging_face_folder_is_written_for_from_pretrained(
+    tmp_path: Path,
+) -> None:
+    """With --uniform the shrunk BERT is also written as a Hugging Face folder (out/hf, with
+    its tokenizer): AutoModel.from_pretrained, with no fisherprune code, gives model.pt's
+    outputs, on a smaller config than the dense one."""
+    transformers = pytest.importorskip("transformers")
+    folder, text = _bert_folder(tmp_path)
+    out = tmp_path / "out"
+    cli = run_cli("prune", folder, "--text", text, "--target", "70%", "--uniform", "--out", out)
+    assert cli.code == 0, cli.err
+    report = json.loads((out / "report.json").read_text())
+    assert report["hugging_face_folder"] == "hf" and "from_pretrained" in cli.out
+    back = transformers.AutoModel.from_pretrained(out / "hf").eval()
+    assert back.config.intermediate_size < 64  # BERT's MLP is what uniform=True prunes
+    small = load_state_dict_export(
+        out / "model.pt", transformers.AutoModel.from_pretrained(folder)
+    ).eval()
+    tok = transformers.AutoTokenizer.from_pretrained(out / "hf")
+    enc = tok(text.read_text().splitlines()[:4], padding=True, return_tensors="pt")
+    with torch.no_grad():
+        torch.testing.assert_close(
+            back(**enc).last_hidden_state, small(**enc).last_hidden_state, rtol=1e-4, atol=1e-5
+        )
+
+
+def test_uneven_pruning_writes_no_hugging_face_folder_and_says_why(tmp_path: Path) -> None:
+    """Without --uniform the blocks keep different head counts, which no config holds: no
+    out/hf (the one of an earlier --uniform run there is removed, not left stale), and the
+    report and the output say why and how model.pt loads."""
+    folder, text = _bert_folder(tmp_path)
+    out = tmp_path / "out"
+    args = ("prune", folder, "--text", text, "--target", "60%", "--out", out)
+    assert run_cli(*args, "--uniform").code == 0 and (out / "hf").is_dir()
+    cli = run_cli(*args)
+    assert cli.code == 0, cli.err
+    report = json.loads((out / "report.json").read_text())
+    assert report["hugging_face_folder"] is None and not (out / "hf").exists()
+    why = report["hugging_face_folder_missing"]
+    assert "different widths" in why and "load_state_dict_export" in why and why in cli.out
+    assert "UserWarning" not in cli.err
+
+
+def test_hugging_face_folder_of_a_pruned_returned_width_holds_the_kept_units(
+    tmp_path: Path,
+) -> None:
+    """A LLaMA base model whose returned hidden width lost 8 of 32 units: hf/ reloads to
+    model.pt's output without its zero columns, and the note says so."""
+    transformers = pytest.importorskip("transformers")
+    from fisherprune.cli.prune import _hugging_face_folder, _Job
+
+    config = transformers.LlamaConfig(
+        vocab_size=45, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=64, head_dim=8,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.LlamaModel(config).eval()
+    x = {"input_ids": torch.randint(0, 45, (2, 8))}
+    masks = fp.apply_masks(model, x)
+    with torch.no_grad():
+        masks["fisherprune_masks.embed_tokens:dim1"].mask[::4] = 0.0
+    small = fp.shrink(model, x)
+    job = _Job(model, x, [(x, None)], lambda m, d: 1.0, "cosine_to_dense", None,
+               "regression", lambda: model, extras=lambda path: None)  # fmt: skip
+    name, missing, note = _hugging_face_folder(job, small, tmp_path)
+    assert (name, missing) == ("hf", None)
+    assert "24 of 32" in note and "zeros" in note
+    back = transformers.LlamaModel.from_pretrained(tmp_path / "hf").eval()
+    kept = [i for i in range(32) if i % 4]
+    with torch.no_grad():
+        full = small(**x).last_hidden_state
+        torch.testing.assert_close(back(**x).last_hidden_state, full[..., kept])
+    assert full[..., ::4].abs().max() == 0  # model.pt's output: zeros in the removed units
 
 
 def test_weights_of_another_width_exit_2_naming_the_mismatch(tmp_path: Path) -> None:

@@ -13,11 +13,13 @@ import errno
 import hashlib
 import os
 import re
+import shutil
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 __all__ = [
+    "atomic_directory",
     "atomic_path",
     "atomic_save",
     "atomic_write_bytes",
@@ -120,6 +122,47 @@ def atomic_path(path: Path, suffix: str = ".tmp") -> Iterator[Path]:
         if isinstance(e, OSError):
             raise _located(e, path) from e
         raise
+
+
+@contextlib.contextmanager
+def atomic_directory(path: Path) -> Iterator[Path]:
+    """Yield an empty temporary folder beside ``path``; on success it takes ``path``'s place
+    (a folder already there is replaced whole, never merged), so that a reader sees the old
+    folder or the complete new one.
+
+    On any exception the temporary folder is removed and ``path`` is left as it was.
+
+    Raises:
+        FileNotFoundError: the parent directory does not exist.
+        FileExistsError: ``path`` is a file.
+        OSError: the write failed; it names ``path``.
+    """
+    path = Path(path)
+    if not path.parent.is_dir():
+        raise FileNotFoundError(f"cannot write {path}: directory {path.parent} does not exist")
+    if path.exists() and not path.is_dir():
+        raise FileExistsError(errno.EEXIST, "is a file; give a folder name", str(path))
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    except OSError as e:
+        raise _located(e, path) from e
+    aside = None
+    try:
+        yield tmp
+        if path.exists():
+            aside = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".old", dir=path.parent))
+            os.replace(path, aside / path.name)
+        os.replace(tmp, path)
+    except BaseException as e:
+        if aside is not None and not path.exists():  # put the old folder back
+            os.replace(aside / path.name, path)
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError):
+            raise _located(e, path) from e
+        raise
+    finally:
+        if aside is not None:
+            shutil.rmtree(aside, ignore_errors=True)
 
 
 def atomic_write_bytes(path: Path, data: bytes | memoryview) -> None:
