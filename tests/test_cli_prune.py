@@ -4,6 +4,7 @@ accuracy; the report says what happened; bad inputs exit 2 with one line."""
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -296,13 +297,28 @@ def test_uneven_pruning_writes_no_hugging_face_folder_and_says_why(tmp_path: Pat
     out = tmp_path / "out"
     args = ("prune", folder, "--text", text, "--target", "60%", "--out", out)
     assert run_cli(*args, "--uniform").code == 0 and (out / "hf").is_dir()
-    cli = run_cli(*args)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cli = run_cli(*args)
     assert cli.code == 0, cli.err
     report = json.loads((out / "report.json").read_text())
     assert report["hugging_face_folder"] is None and not (out / "hf").exists()
     why = report["hugging_face_folder_missing"]
     assert "different widths" in why and "load_state_dict_export" in why and why in cli.out
-    assert "UserWarning" not in cli.err
+    said = [w for w in caught if "still describes the dense model" in str(w.message)]
+    assert not said, said  # said once, in the output, not again as a Python warning
+
+
+def test_a_folder_that_is_no_hugging_face_model_exits_2_before_any_work(tmp_path: Path) -> None:
+    """A folder without config.json (an image folder given as the model) is refused naming
+    it and what to give instead, not with transformers' six-line tokenizer error."""
+    (tmp_path / "images" / "a").mkdir(parents=True)
+    text = tmp_path / "s.txt"
+    text.write_text("a b\nc d\n")
+    cli = run_cli("prune", tmp_path / "images", "--text", text, "--out", tmp_path / "o")
+    assert cli.code == 2, cli.err
+    assert "without config.json" in cli.err and "mlp" in cli.err
+    assert len(cli.err.strip().splitlines()) == 1 and not (tmp_path / "o").exists()
 
 
 def test_hugging_face_folder_of_a_pruned_returned_width_holds_the_kept_units(

@@ -43,7 +43,7 @@ from fisherprune.masks.points import MASKS_ATTR
 from fisherprune.modes import eval_mode
 from fisherprune.signals.criteria import CRITERIA
 from fisherprune.train.data import DataSpec, load_data
-from fisherprune.train.models import build_model
+from fisherprune.train.models import MODELS, build_model
 from fisherprune.train.pretrained import misfit
 
 try:
@@ -399,7 +399,8 @@ _LEAST = {"calibration": 1, "batch_size": 1, "max_length": 1, "finetune_steps": 
 
 def _check_args(args: argparse.Namespace) -> None:
     """Refuse, before any work, what would fail or be ignored later: counts out of range,
-    ``--weights`` with a Hugging Face folder (its own weights load), a learning rate or
+    a folder that is not a Hugging Face model folder (no ``config.json``), ``--weights`` with
+    a Hugging Face folder (its own weights load), a learning rate or
     temperature that is not positive, and an ``--out`` that is an existing file."""
     for name, low in _LEAST.items():
         value = getattr(args, name)
@@ -408,6 +409,12 @@ def _check_args(args: argparse.Namespace) -> None:
     for flag, value in (("--lr", args.lr), ("--distill.temperature", args.temperature)):
         if not value > 0:
             raise ValueError(f"{flag} must be > 0, got {value}")
+    if Path(args.model).is_dir() and not (Path(args.model) / "config.json").is_file():
+        raise ValueError(
+            f"{args.model} is a folder without config.json, so not a Hugging Face model folder "
+            f"(one written by save_pretrained); for a built-in model give its name "
+            f"({', '.join(sorted(MODELS))}) or package.module:function, with --weights and --data"
+        )
     if Path(args.model).is_dir() and args.weights is not None:
         raise ValueError(
             f"--weights is not read for a Hugging Face folder ({args.model} loads its own "
@@ -465,9 +472,9 @@ def prune_command(args: argparse.Namespace) -> int:
     with eval_mode(job.model), torch.no_grad():
         masked_out = output_tensor(call_model(job.model, job.batches[0][0]))
     out.mkdir(parents=True, exist_ok=True)
-    path = export_model(job.model, out / MODEL_FILE, job.example, format="state_dict")
     with warnings.catch_warnings():  # the config's verdict is reported below
         warnings.filterwarnings("ignore", "the model's Hugging Face config still describes")
+        path = export_model(job.model, out / MODEL_FILE, job.example, format="state_dict")
         small = load_state_dict_export(path, job.rebuild()).eval()
     with torch.no_grad():
         diff = float((output_tensor(call_model(small, job.batches[0][0])) - masked_out).abs().max())
