@@ -144,6 +144,60 @@ def test_keyword_inputs_and_an_iterator_of_batches() -> None:
     assert result.repair.examples == 40
 
 
+def _hf_classifier() -> nn.Module:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BertConfig(
+        vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=64, num_labels=3,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.BertForSequenceClassification(config).eval()
+
+
+def _hf_rows(n: int = 24) -> list[dict[str, Tensor]]:
+    """Rows as a Hugging Face dataset gives them to a DataLoader: keyword inputs and labels."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 100, (n, 12), generator=g)
+    labels = torch.randint(0, 3, (n,), generator=g)
+    return [
+        {"input_ids": ids[i], "attention_mask": torch.ones(12, dtype=torch.long),
+         "labels": labels[i]}
+        for i in range(n)
+    ]  # fmt: skip
+
+
+def _removed(net: nn.Module) -> dict[str, list[int]]:
+    return {n: (m.mask < 0.5).nonzero().flatten().tolist() for n, m in fp.find_masks(net).items()}
+
+
+def test_a_hugging_face_dataloader_of_dict_batches_prunes_as_pairs_do() -> None:
+    """Batches of a DataLoader over Hugging Face rows (dicts with ``labels``) are the model's
+    keyword inputs: with the model's own loss (``out.loss``) they remove the channels that
+    (inputs, labels) pairs with cross-entropy remove (it failed with "too many values to
+    unpack")."""
+    rows = _hf_rows()
+    loader = torch.utils.data.DataLoader(rows, batch_size=8)
+    example = {k: v[:1] for k, v in next(iter(loader)).items() if k != "labels"}
+    by_dict = _hf_classifier()
+    fp.prune_to_target(by_dict, example, loader, "50%", loss_fn=lambda out, _: out.loss)
+    pairs = [({k: v for k, v in b.items() if k != "labels"}, b["labels"]) for b in loader]
+    by_pair = _hf_classifier()
+    fp.prune_to_target(
+        by_pair, example, pairs, "50%", loss_fn=lambda out, y: F.cross_entropy(out.logits, y)
+    )
+    assert _removed(by_dict) == _removed(by_pair) and any(_removed(by_dict).values())
+
+
+@pytest.mark.parametrize("batch", [(1, 2, 3), torch.zeros(2, 4)])
+def test_a_batch_neither_pair_nor_dict_is_refused_naming_it(batch: object) -> None:
+    net = _net()
+    x, _ = _data(2)
+    with pytest.raises(
+        ValueError, match=r"\(inputs, targets\) pair or a dict.*got a (tuple of 3|Tensor)"
+    ):
+        fp.prune_to_target(net, x[:1], [batch], "50%")
+
+
 def test_repaired_model_shrinks_to_the_same_outputs() -> None:
     """After prune_to_target with repair, shrink gives the masked model's outputs."""
     net = _net().eval()

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fisherprune.calibrate.label_free import output_tensor, resolve_task
-from fisherprune.inputs import call_model
+from fisherprune.inputs import as_pair, call_model
 from fisherprune.masks import find_masks
 from fisherprune.modes import eval_mode
 
@@ -113,7 +113,8 @@ def finetune(
         model: the pruned model, with its masks.
         teacher: the dense model (``frozen_teacher`` of it before pruning), or None to train
             on the labels alone.
-        batches: ``(inputs, targets)`` pairs, cycled until ``steps``.
+        batches: ``(inputs, targets)`` pairs or dicts of keyword inputs
+            (``fisherprune.inputs.as_pair``), cycled until ``steps``.
         steps: optimizer steps (0: nothing is done).
         loss_fn, alpha, temperature, task: as in ``distill_loss``.
         lr: the learning rate of the default Adam.
@@ -131,7 +132,7 @@ def finetune(
         raise ValueError("finetune needs a teacher, a loss_fn, or both")
     if steps <= 0:
         return []
-    data = list(batches)
+    data = [as_pair(b) for b in batches]
     if not data:
         raise ValueError("finetune got no batches")
     for m in find_masks(model).values():

@@ -34,7 +34,7 @@ when an export makes its batch dimension dynamic.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,7 +44,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from fisherprune.modes import eval_mode
 
-__all__ = ["Inputs", "batch_size", "call_model", "eval_outputs"]
+__all__ = ["Inputs", "as_pair", "batch_size", "calibration_pairs", "call_model", "eval_outputs"]
 
 #: how an ``example_inputs`` value was given, so that ``Inputs.value`` gives the same form back
 _FORMS = ("one", "tuple", "list", "dict")
@@ -257,6 +257,51 @@ def batch_size(example_inputs: Any) -> int:
         ValueError: no argument has a batch.
     """
     return Inputs.of(example_inputs).batch_size
+
+
+def as_pair(batch: Any) -> tuple[Any, Any]:
+    """A data batch as ``(inputs, targets)``: a pair as it is; a mapping (a Hugging Face
+    batch, ``labels`` among its keys or not) as ``(batch, None)``: the model gets every key as
+    a keyword, so a loss can read the model's own (``loss_fn=lambda out, _: out.loss``).
+
+    Raises:
+        ValueError: anything else; it says what came.
+    """
+    if isinstance(batch, Mapping):
+        return batch, None
+    if isinstance(batch, (tuple, list)) and len(batch) == 2:
+        return batch[0], batch[1]
+    what = f"a {type(batch).__name__}" + (
+        f" of {len(batch)}" if isinstance(batch, (tuple, list)) else ""
+    )
+    raise ValueError(
+        f"a data batch must be an (inputs, targets) pair or a dict of the model's keyword "
+        f"inputs (a Hugging Face batch), got {what}; yield (inputs, None) when there are no "
+        "targets"
+    )
+
+
+class _PairView:
+    """A re-iterable of batches seen as ``(inputs, targets)`` pairs (``as_pair``)."""
+
+    def __init__(self, batches: Iterable[Any]) -> None:
+        self.batches = batches
+
+    def __iter__(self) -> Iterator[tuple[Any, Any]]:
+        return (as_pair(b) for b in self.batches)
+
+
+def calibration_pairs(batches: Iterable[Any]) -> Iterable[tuple[Any, Any]]:
+    """``batches`` as ``(inputs, targets)`` pairs (``as_pair``), iterable once per pass: an
+    iterator is read into a list, a re-iterable (a list, a ``DataLoader``) is read again on
+    each pass.
+
+    Raises:
+        ValueError: a batch of an iterator that is neither a pair nor a mapping.
+    """
+    if iter(batches) is batches:
+        return [as_pair(b) for b in batches]
+    return _PairView(batches)
 
 
 def eval_outputs(model: nn.Module, example_inputs: Any) -> list[Tensor]:

@@ -78,7 +78,7 @@ from fisherprune.calibrate.repair_plan import (
 )
 from fisherprune.calibrate.repair_residual import ResidualWatch
 from fisherprune.calibrate.repair_rows import REPAIRABLE
-from fisherprune.inputs import batch_size, call_model
+from fisherprune.inputs import as_pair, batch_size, call_model
 from fisherprune.masks import MaskLayer
 from fisherprune.masks.points import no_fold
 from fisherprune.modes import eval_mode
@@ -162,7 +162,8 @@ def _first(batches: Iterable[tuple[Any, Any]], max_examples: int | None) -> list
     """The first batches holding at most ``max_examples`` examples (at least one batch; None:
     all). An iterator is read no further than that."""
     data, seen = [], 0
-    for inputs, targets in batches:
+    for batch in batches:
+        inputs, targets = as_pair(batch)
         seen += batch_size(inputs)
         if data and max_examples is not None and seen > max_examples:
             break
@@ -222,8 +223,9 @@ def repair_consumers(
         model: a model masked by ``apply_masks``, with its channels chosen and not run since
             (a forward pass of a model whose masks no longer collect zeroes the weight columns
             of removed channels, and the dense outputs with them: such layers are skipped).
-        batches: ``(inputs, targets)`` pairs (targets are ignored); read once per pass (an
-            iterator is read into a list first).
+        batches: ``(inputs, targets)`` pairs (targets are ignored) or dicts of keyword inputs
+            (``fisherprune.inputs.as_pair``); read once per pass (an iterator is read into a
+            list first).
         dense_masks: the mask values of the dense model, by mask name (``find_masks``).
         ridge: ``lambda`` relative to the mean diagonal of the system; None: per layer, the
             value of ``calibrate.repair_fit.RIDGES`` whose fit has the least error on the

@@ -30,7 +30,7 @@ from fisherprune.calibrate.label_free import LabelFreeLoss
 from fisherprune.calibrate.repair import RepairReport, check_passes, repair_consumers
 from fisherprune.cost import CONVENTIONS, CostModel
 from fisherprune.graph import apply_masks
-from fisherprune.inputs import batch_size, call_model
+from fisherprune.inputs import batch_size, calibration_pairs, call_model
 from fisherprune.masks import MaskLayer, find_masks
 from fisherprune.modes import eval_mode
 from fisherprune.pruner.optimizer import resolve_target
@@ -176,12 +176,6 @@ def estimate_signals(
     return examples
 
 
-def _reusable(batches: Iterable[tuple[Any, Any]]) -> Iterable[tuple[Any, Any]]:
-    """The batches as something that can be iterated once per pass (an iterator is read
-    into a list)."""
-    return list(batches) if iter(batches) is batches else batches
-
-
 def _bar(progress: bool, what: str) -> Callable[[Iterable[Any]], Iterable[Any]] | None:
     if not progress:
         return None
@@ -229,9 +223,11 @@ def prune_to_target(
     Args:
         model: a trained network.
         example_inputs: inputs to trace it with (a tensor, tuple or dict; a batch of one does).
-        batches: calibration data, ``(inputs, targets)`` pairs, iterated once per round and
-            once per repair pass (an iterator is read into a list first). ``targets`` may be
-            None with ``loss_fn=None``. Inputs must be on the model's device.
+        batches: calibration data, ``(inputs, targets)`` pairs or dicts of keyword inputs (a
+            Hugging Face ``DataLoader``'s batches: ``fisherprune.inputs.as_pair``), iterated
+            once per round and once per repair pass (an iterator is read into a list first).
+            ``targets`` may be None with ``loss_fn=None``. Inputs must be on the model's
+            device.
         target: the cost to reach per example: absolute (>= 1), a fraction in (0, 1) or a
             percentage string of the starting cost, in ``convention`` units.
         loss_fn: ``loss(outputs, targets)``, averaged over the batch; None: the label-free
@@ -282,7 +278,7 @@ def prune_to_target(
             f"got {score_convention!r}"
         )
     loss = loss_fn if loss_fn is not None else LabelFreeLoss(task, seed)
-    data = _reusable(batches)
+    data = calibration_pairs(batches)
     masks = find_masks(model)
     if not masks:
         apply_masks(model, example_inputs)
