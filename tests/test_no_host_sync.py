@@ -25,6 +25,7 @@ from torch import Tensor
 import fisherprune as fp
 import fisherprune.train.phases as phases
 import fisherprune.train.trainer as trainer_module
+from fisherprune.distill import finetune, frozen_teacher
 from fisherprune.integrations.hf import FisherPruningCallback
 from fisherprune.train import PruningTrainer, TrainConfig
 from tests import ddp_step_driver as driver
@@ -194,6 +195,20 @@ def test_trainer_steps_read_nothing_back_between_loss_reads(
     assert len(watched) == 60 and len(unread) >= 30
     assert unread == [[]] * len(unread), unread
     assert any(prune for _, _, prune in watched), "no prune: the pruning phase was not watched"
+
+
+def test_distilled_finetune_reads_its_losses_once() -> None:
+    """``finetune`` (the fine-tune after ``prune_to_target``) keeps its losses on the device:
+    8 steps make one host read, at the end, not one per step; the losses are still returned."""
+    model = build_resnet_basic()
+    x, y = image_input(8), torch.arange(8) % 5
+    fp.apply_masks(model, x[:1])
+    teacher = frozen_teacher(model)
+    finetune(model, teacher, [(x, y)], 1, loss_fn=F.cross_entropy)  # masks read once, cached
+    with spied_tensor_reads() as reads, reads.watching():
+        losses = finetune(model, teacher, [(x, y)], 8, loss_fn=F.cross_entropy)
+    assert len(losses) == 8 and all(isinstance(v, float) for v in losses)
+    assert len(reads.step) == 1 and reads.step[0].startswith("tolist at distill.py"), reads.step
 
 
 def _free_port() -> int:

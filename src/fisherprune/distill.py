@@ -138,7 +138,7 @@ def finetune(
     for m in find_masks(model).values():
         m.collecting = False
     opt = optimizer or torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr)
-    losses: list[float] = []
+    losses: list[Tensor] = []  # kept on the device, read once at the end (no wait per step)
     with eval_mode(model):  # gives every submodule its train/eval flag back afterwards
         model.train()
         for step in range(steps):
@@ -161,5 +161,5 @@ def finetune(
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
-            losses.append(float(loss.detach()))
-    return losses
+            losses.append(loss.detach().float().reshape(()))
+    return torch.stack(losses).tolist()
