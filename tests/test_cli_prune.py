@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import warnings
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -210,9 +211,10 @@ def test_unknown_score_convention_exits_2(tmp_path: Path) -> None:
     assert not (tmp_path / "o").exists()
 
 
-def _bert_folder(tmp_path: Path) -> tuple[Path, Path]:
-    """A small BERT built from its config, saved with a word-piece tokenizer as a Hugging Face
-    model folder, and a text file of 40 sentences over the tokenizer's words."""
+def _bert_folder(tmp_path: Path, model: Any = None) -> tuple[Path, Path]:
+    """A small BERT built from its config (or ``model``), saved with a word-piece tokenizer
+    as a Hugging Face model folder, and a text file of 40 sentences over the tokenizer's
+    words."""
     transformers = pytest.importorskip("transformers")
     words = [f"w{i}" for i in range(40)]
     vocab = tmp_path / "vocab.txt"
@@ -224,7 +226,7 @@ def _bert_folder(tmp_path: Path) -> tuple[Path, Path]:
         intermediate_size=64, max_position_embeddings=64,
     )  # fmt: skip
     torch.manual_seed(0)
-    transformers.BertModel(config).save_pretrained(folder)
+    (model or transformers.BertModel(config)).save_pretrained(folder)
     rng = np.random.default_rng(0)
     lines = [" ".join(rng.choice(words, size=rng.integers(4, 12))) for _ in range(40)]
     text = tmp_path / "sentences.txt"
@@ -307,6 +309,36 @@ def test_uneven_pruning_writes_no_hugging_face_folder_and_says_why(tmp_path: Pat
     assert "different widths" in why and "load_state_dict_export" in why and why in cli.out
     said = [w for w in caught if "still describes the dense model" in str(w.message)]
     assert not said, said  # said once, in the output, not again as a Python warning
+
+
+def _t5(encoder_only: bool) -> Any:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.T5Config(
+        vocab_size=45, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4
+    )
+    torch.manual_seed(0)
+    return (transformers.T5EncoderModel if encoder_only else transformers.T5Model)(config)
+
+
+def test_a_t5_encoder_folder_is_pruned_as_the_encoder_it_was_saved_as(tmp_path: Path) -> None:
+    """A T5EncoderModel folder (sentence-T5 style) loads as T5EncoderModel, not AutoModel's
+    T5Model (which asked for decoder inputs), and --uniform writes it back as one."""
+    transformers = pytest.importorskip("transformers")
+    folder, text = _bert_folder(tmp_path, _t5(encoder_only=True))
+    out = tmp_path / "out"
+    cli = run_cli("prune", folder, "--text", text, "--target", "60%", "--uniform", "--out", out)
+    assert cli.code == 0, cli.err
+    assert json.loads((out / "report.json").read_text())["cost_ratio"] <= 0.6
+    back = transformers.AutoConfig.from_pretrained(out / "hf")
+    assert back.architectures == ["T5EncoderModel"] and back.d_ff < 64
+
+
+def test_an_encoder_decoder_folder_exits_2_saying_to_save_its_encoder(tmp_path: Path) -> None:
+    folder, text = _bert_folder(tmp_path, _t5(encoder_only=False))
+    cli = run_cli("prune", folder, "--text", text, "--out", tmp_path / "o")
+    assert cli.code == 2, cli.err
+    assert "encoder-decoder" in cli.err and "T5EncoderModel" in cli.err
+    assert not (tmp_path / "o").exists()
 
 
 def test_a_folder_that_is_no_hugging_face_model_exits_2_before_any_work(tmp_path: Path) -> None:

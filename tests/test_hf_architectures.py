@@ -78,6 +78,14 @@ CASES: dict[str, Case] = {
         _ids,
     ),
     "bart": (lambda: T.BartForConditionalGeneration(T.BartConfig(**_SEQ2SEQ)), _ids_dec),
+    "distilbert": (
+        lambda: T.DistilBertForSequenceClassification(
+            T.DistilBertConfig(
+                vocab_size=100, dim=32, n_layers=2, n_heads=4, hidden_dim=64, num_labels=3
+            )
+        ),
+        _ids,
+    ),
     "t5": (
         lambda: T.T5ForConditionalGeneration(
             T.T5Config(
@@ -164,7 +172,9 @@ def test_pruned_and_repaired_model_shrinks_to_the_masked_logits(name: str) -> No
         torch.testing.assert_close(small(**x).logits, model(**x).logits, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["t5", "mistral", "gpt2_lm", "electra", "albert", "falcon"])
+@pytest.mark.parametrize(
+    "name", ["t5", "mistral", "gpt2_lm", "electra", "albert", "falcon", "distilbert"]
+)
 def test_uniform_pruned_model_reloads_from_its_config_to_the_masked_logits(
     name: str, tmp_path: Path
 ) -> None:
@@ -172,8 +182,9 @@ def test_uniform_pruned_model_reloads_from_its_config_to_the_masked_logits(
     reloaded model gives the masked model's logits. T5 scales its tied output embedding by
     d_model ** -0.5 with d_model fixed at construction, so its hidden width stays whole.
     ELECTRA and ALBERT normalise embeddings narrower than the hidden width (``embedding_size``)
-    and Falcon has one key/value head for four query heads in one fused projection: they
-    reached 60% (uniform=True pruned nothing there when their widths were misread)."""
+    and Falcon has one key/value head for four query heads in one fused projection;
+    DistilBERT calls its MLP width ``hidden_dim``: they reached 60% (uniform=True pruned
+    nothing there when their widths were misread)."""
     build, inputs = CASES[name]
     torch.manual_seed(0)
     model = build().eval()

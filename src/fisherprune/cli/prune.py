@@ -7,7 +7,8 @@ with ``--weights`` (a ``state_dict`` file) and a dataset (``--data``, read as ``
 it, whole: a table, arrays, a folder of images per class or a table column of images with
 ``--image_size``; calibration from its training split, accuracy or mse on its eval split, or
 on ``--eval_data``); or a Hugging Face
-model folder (``transformers`` installed) with ``--text``, one sentence per line (calibration
+model folder (``transformers`` installed; its base model, or the encoder-only class it was
+saved as) with ``--text``, one sentence per line (calibration
 from the first lines, fidelity on the last ``--eval_fraction`` of them: the cosine similarity
 of mean-pooled embeddings to the dense model's).
 """
@@ -281,9 +282,10 @@ def _hf_job(args: argparse.Namespace) -> _Job:
         raise ValueError(f"--text {args.text} needs at least 2 non-empty lines")
     calib, held_out = lines[: len(lines) - held][: args.calibration], lines[len(lines) - held :]
     tok = transformers.AutoTokenizer.from_pretrained(args.model)
+    model_class = _text_encoder_class(args.model)
 
     def rebuild() -> nn.Module:
-        return transformers.AutoModel.from_pretrained(args.model).eval()
+        return model_class.from_pretrained(args.model).eval()
 
     def encode(texts: list[str]) -> dict[str, Tensor]:
         enc = tok(
@@ -318,6 +320,26 @@ def _hf_job(args: argparse.Namespace) -> _Job:
         rebuild,
         extras=tok.save_pretrained,
     )
+
+
+def _text_encoder_class(folder: str) -> Any:
+    """The class that turns the folder's tokens into hidden states: the encoder-only class the
+    folder was saved from (``T5EncoderModel``), else ``AutoModel``'s base model.
+
+    Raises:
+        ValueError: an encoder-decoder model (T5, BART), whose base model needs decoder inputs.
+    """
+    config = transformers.AutoConfig.from_pretrained(folder)
+    arch = next(iter(getattr(config, "architectures", None) or []), "")
+    if arch.endswith("EncoderModel") and hasattr(transformers, arch):
+        return getattr(transformers, arch)
+    if getattr(config, "is_encoder_decoder", False):
+        raise ValueError(
+            f"{folder} holds an encoder-decoder model ({config.model_type}), whose base model "
+            "needs decoder inputs besides the sentences; save its encoder alone (e.g. "
+            "T5EncoderModel.from_pretrained(folder).save_pretrained(other)) and prune that"
+        )
+    return transformers.AutoModel
 
 
 def _hugging_face_folder(

@@ -129,6 +129,7 @@ CONFIG_FIELDS: dict[tuple[str, ...], Callable[[nn.Module], list[int]]] = {
         "encoder_ffn_dim",
         "decoder_ffn_dim",
         "ffn_hidden_size",
+        "hidden_dim",  # DistilBERT's MLP width (its hidden width is ``dim``)
     ): _mlp,
     ("head_dim",): lambda m: [s for s in (_head_size(x) for x in m.modules()) if s],
     ("embedding_size",): _embedding,
