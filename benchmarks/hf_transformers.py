@@ -5,14 +5,14 @@ What is measured
 Hugging Face models with a 2-label task head (``...ForSequenceClassification``,
 ``ViTForImageClassification``; the T5 encoder without one), as a fine-tuned model comes: the
 hidden width is then inside the model (the T5 encoder returns it as ``last_hidden_state``:
-pruned there, its units come back as zero columns, the output's shape kept). Built from small but realistically shaped
-configs with random weights (nothing downloads): hidden size 128, 4 layers, 8 attention heads
-of 16, MLP intermediate size 512 (4x), vocabulary 1000, batch 2 x sequence 64 (one example
-padded: its last 16 tokens have ``attention_mask`` 0) or 2 images of 64x64 in 8x8 patches.
-BERT, GPT-2, LLaMA and Qwen2 with grouped-query attention (4 key/value heads for 8 query
-heads), ViT and the T5 encoder, each with ``attn_implementation`` ``eager`` and/or ``sdpa``,
-called with their
-keyword inputs directly (``model(**inputs)``). Float32, eval mode, CPU.
+pruned there, its units come back as zero columns, the output's shape kept). Built from small
+but realistically shaped configs with random weights (nothing downloads): hidden size 128, 4
+layers, 8 attention heads of 16, MLP intermediate size 512 (4x), vocabulary 1000, batch 2 x
+sequence 64 (one example padded: its last 16 tokens have ``attention_mask`` 0) or 2 images of
+64x64 in 8x8 patches. BERT, GPT-2, LLaMA and Qwen2 with grouped-query attention (4 key/value
+heads for 8 query heads), ViT and the T5 encoder, each with ``attn_implementation`` ``eager``
+and/or ``sdpa``, called with their keyword inputs directly (``model(**inputs)``). Float32,
+eval mode, CPU.
 
 For fisherprune (whatever the installed version prunes; rerun it when the library grows):
 

@@ -333,6 +333,37 @@ def test_a_t5_encoder_folder_is_pruned_as_the_encoder_it_was_saved_as(tmp_path: 
     assert back.architectures == ["T5EncoderModel"] and back.d_ff < 64
 
 
+def test_a_fine_tuned_classifier_folder_keeps_its_head(tmp_path: Path) -> None:
+    """A BertForSequenceClassification folder is pruned as that class (AutoModel dropped its
+    classifier): fidelity is the share of held-out sentences whose predicted class stays,
+    recomputed here from model.pt, and hf/ reloads as the classifier with model.pt's logits."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BertConfig(
+        vocab_size=45, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=64, max_position_embeddings=64, num_labels=3,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    folder, text = _bert_folder(tmp_path, transformers.BertForSequenceClassification(config))
+    out = tmp_path / "out"
+    cli = run_cli("prune", folder, "--text", text, "--target", "70%", "--uniform", "--out", out)
+    assert cli.code == 0, cli.err
+    report = json.loads((out / "report.json").read_text())
+    assert report["metric"] == "agreement_with_dense"
+    dense = transformers.BertForSequenceClassification.from_pretrained(folder).eval()
+    small = load_state_dict_export(
+        out / "model.pt", transformers.BertForSequenceClassification.from_pretrained(folder)
+    ).eval()
+    back = transformers.AutoModelForSequenceClassification.from_pretrained(out / "hf").eval()
+    tok = transformers.AutoTokenizer.from_pretrained(folder)
+    held = [s for s in text.read_text().splitlines() if s][-8:]
+    enc = tok(held, padding=True, return_tensors="pt")
+    with torch.no_grad():
+        logits = small(**enc).logits
+        same = (logits.argmax(-1) == dense(**enc).logits.argmax(-1)).float().mean()
+        torch.testing.assert_close(back(**enc).logits, logits, rtol=1e-4, atol=1e-5)
+    assert float(same) == pytest.approx(report["after"])
+
+
 def test_an_encoder_decoder_folder_exits_2_saying_to_save_its_encoder(tmp_path: Path) -> None:
     folder, text = _bert_folder(tmp_path, _t5(encoder_only=False))
     cli = run_cli("prune", folder, "--text", text, "--out", tmp_path / "o")

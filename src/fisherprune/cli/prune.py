@@ -7,10 +7,11 @@ with ``--weights`` (a ``state_dict`` file) and a dataset (``--data``, read as ``
 it, whole: a table, arrays, a folder of images per class or a table column of images with
 ``--image_size``; calibration from its training split, accuracy or mse on its eval split, or
 on ``--eval_data``); or a Hugging Face
-model folder (``transformers`` installed; its base model, or the encoder-only class it was
-saved as) with ``--text``, one sentence per line (calibration
-from the first lines, fidelity on the last ``--eval_fraction`` of them: the cosine similarity
-of mean-pooled embeddings to the dense model's).
+model folder (``transformers`` installed; read as the class it was saved as) with
+``--text``, one sentence per line (calibration from the first lines, fidelity on the last
+``--eval_fraction`` of them: the share of predictions that stay the dense model's for a model
+with a head, the cosine similarity of mean-pooled embeddings to the dense model's for one
+without).
 """
 
 from __future__ import annotations
@@ -282,7 +283,7 @@ def _hf_job(args: argparse.Namespace) -> _Job:
         raise ValueError(f"--text {args.text} needs at least 2 non-empty lines")
     calib, held_out = lines[: len(lines) - held][: args.calibration], lines[len(lines) - held :]
     tok = transformers.AutoTokenizer.from_pretrained(args.model)
-    model_class = _text_encoder_class(args.model)
+    model_class = _text_model_class(args.model)
 
     def rebuild() -> nn.Module:
         return model_class.from_pretrained(args.model).eval()
@@ -298,48 +299,58 @@ def _hf_job(args: argparse.Namespace) -> _Job:
         (encode(calib[i : i + bs]), None) for i in range(0, len(calib), bs)
     ]
     evals = [encode(held_out[i : i + bs]) for i in range(0, len(held_out), bs)]
+    model = rebuild()
+    with torch.no_grad():
+        logits = getattr(call_model(model, evals[0]), "logits", None)
+    if logits is None:  # hidden states: mean-pooled, compared by cosine
+        metric, task, compare = "cosine_to_dense", "regression", _pooled_cosine
+    elif logits.dim() == 2:  # one prediction per sentence (a sequence classifier)
+        metric, task, compare = "agreement_with_dense", "classification", _same_prediction
+    else:  # one per token (token classification, a language model)
+        metric, task, compare = "token_agreement_with_dense", "classification", _same_prediction
 
     def fidelity(model: nn.Module, dense: nn.Module) -> float:
-        sims = []
+        scores = []
         with eval_mode(model, dense), torch.no_grad():
             for e in evals:
-                a = _mean_pooled(call_model(model, e), e["attention_mask"])
-                b = _mean_pooled(call_model(dense, e), e["attention_mask"])
-                sims.append(F.cosine_similarity(a, b, dim=-1))
-        return float(torch.cat(sims).mean())
+                scores.append(compare(call_model(model, e), call_model(dense, e), e))
+        return float(torch.cat(scores).mean())
 
     example = {k: v[:1] for k, v in batches[0][0].items()}
     return _Job(
-        rebuild(),
-        example,
-        batches,
-        fidelity,
-        "cosine_to_dense",
-        None,
-        "regression",
-        rebuild,
-        extras=tok.save_pretrained,
+        model, example, batches, fidelity, metric, None, task, rebuild, extras=tok.save_pretrained
     )
 
 
-def _text_encoder_class(folder: str) -> Any:
-    """The class that turns the folder's tokens into hidden states: the encoder-only class the
-    folder was saved from (``T5EncoderModel``), else ``AutoModel``'s base model.
+def _pooled_cosine(out: Any, dense_out: Any, enc: dict[str, Tensor]) -> Tensor:
+    """Per sentence: the cosine of the mean-pooled hidden states to the dense model's."""
+    mask = enc["attention_mask"]
+    return F.cosine_similarity(_mean_pooled(out, mask), _mean_pooled(dense_out, mask), dim=-1)
+
+
+def _same_prediction(out: Any, dense_out: Any, enc: dict[str, Tensor]) -> Tensor:
+    """Per sentence (per non-padding token, for token logits): 1 where the arg-max of the
+    logits is the dense model's, else 0."""
+    same = (out.logits.argmax(-1) == dense_out.logits.argmax(-1)).float()
+    return same if same.dim() == 1 else same[enc["attention_mask"] > 0]
+
+
+def _text_model_class(folder: str) -> Any:
+    """The class the folder was saved as (``config.architectures``: a fine-tuned classifier
+    keeps its head, a ``T5EncoderModel`` stays an encoder), else ``AutoModel``'s base model.
 
     Raises:
-        ValueError: an encoder-decoder model (T5, BART), whose base model needs decoder inputs.
+        ValueError: an encoder-decoder model (T5, BART), which needs decoder inputs.
     """
     config = transformers.AutoConfig.from_pretrained(folder)
     arch = next(iter(getattr(config, "architectures", None) or []), "")
-    if arch.endswith("EncoderModel") and hasattr(transformers, arch):
-        return getattr(transformers, arch)
-    if getattr(config, "is_encoder_decoder", False):
+    if getattr(config, "is_encoder_decoder", False) and not arch.endswith("EncoderModel"):
         raise ValueError(
-            f"{folder} holds an encoder-decoder model ({config.model_type}), whose base model "
-            "needs decoder inputs besides the sentences; save its encoder alone (e.g. "
+            f"{folder} holds an encoder-decoder model ({config.model_type}), which needs "
+            "decoder inputs besides the sentences; save its encoder alone (e.g. "
             "T5EncoderModel.from_pretrained(folder).save_pretrained(other)) and prune that"
         )
-    return transformers.AutoModel
+    return getattr(transformers, arch, None) or transformers.AutoModel
 
 
 def _hugging_face_folder(
