@@ -23,15 +23,18 @@ For ResNet-50 (224x224) and BERT-base- and ViT-B/16-sized encoders (12 blocks, d
 2. peak memory: ``torch.cuda.max_memory_allocated`` of one step per variant (one model on the
    device at a time);
 3. host syncs: a few steps of each variant, and of the trainer's loop below on steps that do not
-   prune, under ``torch.cuda.set_sync_debug_mode("error")``: "pass" or the error message;
+   prune, under ``torch.cuda.set_sync_debug_mode("error")``: "pass" or the error message; and
+   a short ``PruningTrainer`` run itself (an MLP on a generated table, ``trainer_sync_check``)
+   whose steps run under ``set_sync_debug_mode("warn")``: the synchronising calls seen in the
+   steps that read no loss (no prune, evaluation or checkpoint due; the trainer reads its
+   losses every ``ACCELERATOR_READ_EVERY`` steps on a GPU);
 4. latency, batch 32, ``model.to(dtype)``, eager and ``torch.compile``d, of the dense encoders
    and of them shrunk to 50% and 25% of the FLOPs (``transformer_latency.prune_library``,
    ``round_to=8``, ``uniform=True``): speed-up, FLOPs reduction, eff = speed-up / reduction;
 5. throughput (examples/s) of the step that ``fisherprune train`` runs (forward under the
    trainer's ``Precision.autocast``, ``Precision.minimize`` of a ``PruningOptimizer`` pruning
    every 10 steps towards 50% of the FLOPs) against a plain step of the unmasked network; not a
-   whole ``PruningTrainer`` run, whose data loading, evaluation and export would blur it (nor
-   its per-step ``float(loss)`` for the divergence guard, a host read with or without pruning).
+   whole ``PruningTrainer`` run, whose data loading, evaluation and export would blur it.
 """
 
 from __future__ import annotations
@@ -42,7 +45,9 @@ import dataclasses
 import gc
 import itertools
 import statistics
+import tempfile
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
@@ -57,6 +62,8 @@ from _common import counted_flops, machine_info, write_json
 from torch import Tensor, nn
 
 import fisherprune as fp
+import fisherprune.train.phases as phases
+from fisherprune.train import PruningTrainer, TrainConfig
 from fisherprune.train.devices import Precision
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "gpu.json"
@@ -295,6 +302,55 @@ def sync_check(spec: ov.ModelSpec, args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def trainer_sync_check(args: argparse.Namespace, steps: int = 120) -> dict[str, Any]:
+    """``steps`` steps of ``PruningTrainer`` (an MLP of width 256 on a generated table of 4,000
+    rows, pruning every 10 steps after 20, in the run's precision), each step under
+    ``set_sync_debug_mode("warn")``: the synchronising calls seen in the steps that read no
+    loss, "pass" when there are none."""
+    if args.device.type != "cuda":
+        return {"skipped": "torch.cuda.set_sync_debug_mode needs a CUDA device"}
+    seen: list[tuple[bool, list[str]]] = []
+    original = phases.train_step
+
+    def watched(loop: phases.Loop) -> None:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                original(loop)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        syncs = [str(w.message)[:160] for w in caught if "synchroniz" in str(w.message)]
+        seen.append((bool(loop.guard._pending), syncs))
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4000, 16, generator=g)
+    rows = [",".join(f"{v:.4f}" for v in r) + f",{int(r[0] + r[1] > 0)}" for r in x.tolist()]
+    with tempfile.TemporaryDirectory() as tmp:
+        table = Path(tmp) / "t.csv"
+        table.write_text(",".join(f"f{i}" for i in range(16)) + ",label\n" + "\n".join(rows))
+        cfg = TrainConfig(
+            data=str(table), label="label", model="mlp", width=256, depth=2, steps=steps,
+            pruning_burn_in=20, pruning_iter=10, eval_every=10**6, checkpoint_every=10**6,
+            fine_tune_steps=10, save_dir=str(Path(tmp) / "run"), export_formats=["state_dict"],
+            progress="none", device=str(args.device), precision=PRECISION_NAMES[args.dtype],
+            weight_decay=5e-4,
+        )  # fmt: skip
+        phases.train_step = watched
+        try:
+            PruningTrainer(cfg).run()
+        finally:
+            phases.train_step = original
+    quiet = [syncs for unread, syncs in seen if unread]
+    found = [s for syncs in quiet for s in syncs]
+    return {
+        "steps": len(seen),
+        "steps_reading_no_loss": len(quiet),
+        "syncs_in_those": len(found),
+        "result": "pass" if quiet and not found else f"FAIL: {found[:1] or 'no such step'}",
+    }
+
+
 def step_figures(spec: ov.ModelSpec, args: argparse.Namespace) -> dict[str, Any]:
     """Overhead (interleaved rounds), peak memory and the sync check of one model."""
     memory = peak_memory(spec, args)
@@ -415,6 +471,8 @@ def print_tables(results: dict[str, Any]) -> None:
             )
         if res["compile_errors"]:
             print(f"{name:<10} torch.compile failed: {res['compile_errors']}")
+    trainer = results.get("trainer_sync", {})
+    print(f"\nPruningTrainer steps reading no loss: {trainer.get('result', trainer)}")
     print(f"\n{'model':<10} {'ex/s off':>10} {'ex/s on':>10} {'on/off':>7}  prunes")
     for name, res in results["throughput"].items():
         e = res.get("examples_per_s", {"off": float("nan"), "on": float("nan")})
@@ -463,6 +521,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             t0 = time.perf_counter()
             results["latency"][name] = encoder_latency(name, args)
             print(f"{name}: latency {time.perf_counter() - t0:.0f} s", flush=True)
+    results["trainer_sync"] = trainer_sync_check(args)
     print_tables(results)
     cuda = args.device.type == "cuda"
     payload = {
