@@ -14,7 +14,6 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-import fisherprune as fp
 from fisherprune.calibrate import prune_to_target
 from fisherprune.cli.main import build_parser
 from fisherprune.cli.prune import _job
@@ -382,38 +381,6 @@ def test_a_folder_that_is_no_hugging_face_model_exits_2_before_any_work(tmp_path
     assert cli.code == 2, cli.err
     assert "without config.json" in cli.err and "mlp" in cli.err
     assert len(cli.err.strip().splitlines()) == 1 and not (tmp_path / "o").exists()
-
-
-def test_hugging_face_folder_of_a_pruned_returned_width_holds_the_kept_units(
-    tmp_path: Path,
-) -> None:
-    """A LLaMA base model whose returned hidden width lost 8 of 32 units: hf/ reloads to
-    model.pt's output without its zero columns, and the note says so."""
-    transformers = pytest.importorskip("transformers")
-    from fisherprune.cli.prune import _hugging_face_folder, _Job
-
-    config = transformers.LlamaConfig(
-        vocab_size=45, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, intermediate_size=64, head_dim=8,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = transformers.LlamaModel(config).eval()
-    x = {"input_ids": torch.randint(0, 45, (2, 8))}
-    masks = fp.apply_masks(model, x)
-    with torch.no_grad():
-        masks["fisherprune_masks.embed_tokens:dim1"].mask[::4] = 0.0
-    small = fp.shrink(model, x)
-    job = _Job(model, x, [(x, None)], lambda m, d: 1.0, "cosine_to_dense", None,
-               "regression", lambda: model, extras=lambda path: None)  # fmt: skip
-    name, missing, note = _hugging_face_folder(job, small, tmp_path)
-    assert (name, missing) == ("hf", None)
-    assert "24 of 32" in note and "zeros" in note
-    back = transformers.LlamaModel.from_pretrained(tmp_path / "hf").eval()
-    kept = [i for i in range(32) if i % 4]
-    with torch.no_grad():
-        full = small(**x).last_hidden_state
-        torch.testing.assert_close(back(**x).last_hidden_state, full[..., kept])
-    assert full[..., ::4].abs().max() == 0  # model.pt's output: zeros in the removed units
 
 
 def test_weights_of_another_width_exit_2_naming_the_mismatch(tmp_path: Path) -> None:

@@ -20,7 +20,6 @@ import argparse
 import copy
 import json
 import math
-import shutil
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,14 +31,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fisherprune.calibrate import output_tensor, prune_to_target
+from fisherprune.cli.hf_folder import write_hf_folder
 from fisherprune.cost import CONVENTIONS
 from fisherprune.distill import finetune, frozen_teacher
 from fisherprune.export import export_model, load_state_dict_export
-from fisherprune.export.hf_config import update_config
 from fisherprune.export.latency import measure_latency
-from fisherprune.export.output_fill import output_fill
 from fisherprune.export.safe_load import load_plain
-from fisherprune.export.storage import atomic_directory, atomic_path
+from fisherprune.export.storage import atomic_path
 from fisherprune.inputs import call_model
 from fisherprune.masks.points import MASKS_ATTR
 from fisherprune.modes import eval_mode
@@ -353,73 +351,6 @@ def _text_model_class(folder: str) -> Any:
     return getattr(transformers, arch, None) or transformers.AutoModel
 
 
-def _hugging_face_folder(
-    job: _Job, small: nn.Module, out: Path
-) -> tuple[str | None, str | None, str | None]:
-    """Write the shrunk Hugging Face model with ``save_pretrained`` (and its tokenizer) to
-    ``out / HF_FOLDER`` when its config describes it and ``from_pretrained``, with no
-    fisherprune code, gives back ``small``'s outputs on the first calibration batch (those of
-    the kept units, where a returned width lost some). Returns the folder's name or None, why
-    there is none, and a note on what the folder returns. A folder of an earlier run that no
-    longer fits is removed, so it is never stale."""
-    if job.extras is None:
-        return None, None, None
-    why = update_config(small)
-    fill = output_fill(small)
-    if why is None:
-        try:
-            with atomic_directory(out / HF_FOLDER) as tmp:
-                small.save_pretrained(tmp)
-                job.extras(tmp)
-                why = _reload_differs(type(small).from_pretrained(tmp), small, job.batches[0][0])
-                if why is not None:
-                    raise _NotWritten
-        except _NotWritten:
-            pass
-    if why is not None:
-        shutil.rmtree(out / HF_FOLDER, ignore_errors=True)
-        return (
-            None,
-            (
-                f"no {HF_FOLDER}/ folder for from_pretrained: {why}. {MODEL_FILE} loads "
-                "with fisherprune.load_state_dict_export"
-            ),
-            None,
-        )
-    if fill is None:
-        return HF_FOLDER, None, None
-    kept = ", ".join(f"{len(o.kept)} of {o.size} along dim {o.dim} of {o.path or 'the output'}"
-                     for o in fill.outputs)  # fmt: skip
-    return (
-        HF_FOLDER,
-        None,
-        (
-            f"{HF_FOLDER}/ returns the kept units only ({kept}); {MODEL_FILE} returns the removed "
-            "ones as zeros: cosine similarities and dot products are the same"
-        ),
-    )
-
-
-class _NotWritten(Exception):
-    """The Hugging Face folder was abandoned (its temporary copy removed)."""
-
-
-def _reload_differs(back: nn.Module, small: nn.Module, batch: Any) -> str | None:
-    """Why ``back`` (reloaded by ``from_pretrained``) does not give ``small``'s outputs on
-    ``batch`` (its kept units, where ``small`` zero-fills a returned width), or None."""
-    fill = output_fill(small)
-    with eval_mode(back, small), torch.no_grad():
-        want = call_model(small, batch)
-        got = output_tensor(call_model(back, batch))
-    want = output_tensor(fill.kept_outputs(want) if fill is not None else want)
-    if got.shape != want.shape:
-        return f"from_pretrained gives outputs of shape {tuple(got.shape)}, not {tuple(want.shape)}"
-    err = float((got - want).abs().max())
-    if err > 1e-4 * max(1.0, float(want.abs().max())):
-        return f"from_pretrained gives outputs {err:.3g} away from the pruned model's"
-    return None
-
-
 def _job(args: argparse.Namespace) -> _Job:
     if Path(args.model).is_dir():
         return _hf_job(args)
@@ -514,7 +445,17 @@ def prune_command(args: argparse.Namespace) -> int:
     payload = load_plain(path, "export", "")
     with atomic_path(out / "plan.json") as tmp:
         Path(tmp).write_text(json.dumps(payload["plan"], indent=1) + "\n")
-    hf_folder, hf_missing, hf_note = _hugging_face_folder(job, small, out)
+    hf = None
+    if job.extras is not None:
+        hf = write_hf_folder(
+            small, out / HF_FOLDER, job.batches[0][0], Path(args.model), job.extras
+        )
+    hf_missing = None
+    if hf is not None and not hf.written:
+        hf_missing = (
+            f"no {HF_FOLDER}/ folder for from_pretrained: {hf.missing}. {MODEL_FILE} loads with "
+            "fisherprune.load_state_dict_export"
+        )
     latency = measure_latency(
         {"dense": dense, "pruned": small}, job.batches[0][0], repeats=5, rounds=3
     )
@@ -544,9 +485,9 @@ def prune_command(args: argparse.Namespace) -> int:
         "repair_held_out_error": result.repair.held_out if result.repair else None,
         "repair_skipped": result.repair.skipped if result.repair else {},
         "written_vs_masked_max_abs_diff": diff,
-        **({"hugging_face_folder": hf_folder} if job.extras else {}),
+        **({"hugging_face_folder": HF_FOLDER if hf.written else None} if hf else {}),
         **({"hugging_face_folder_missing": hf_missing} if hf_missing else {}),
-        **({"hugging_face_folder_returns": hf_note} if hf_note else {}),
+        **({"hugging_face_folder_notes": list(hf.notes)} if hf and hf.notes else {}),
         "latency_seconds": latency,
         "speedup": latency["dense"] / latency["pruned"] if latency["pruned"] > 0 else math.nan,
     }
@@ -557,9 +498,9 @@ def prune_command(args: argparse.Namespace) -> int:
         + (f" -> {after:.4f} after {args.finetune_steps} fine-tuning steps" if losses else "")
         + f"; cost {result.cost_before:,.0f} -> {result.cost_after:,.0f} ({result.ratio:.1%}); "
         f"latency {latency['dense'] * 1e3:.2f} -> {latency['pruned'] * 1e3:.2f} ms; wrote {out}"
-        + (f" (from_pretrained: {out / hf_folder})" if hf_folder else "")
+        + (f" (from_pretrained: {out / HF_FOLDER})" if hf and hf.written else "")
     )
-    for line in (hf_missing, hf_note):
+    for line in (hf_missing, *(hf.notes if hf else ())):
         if line:
             print(line)
     return 0

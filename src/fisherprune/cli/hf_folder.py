@@ -1,0 +1,161 @@
+"""The Hugging Face folder ``fisherprune prune`` writes beside ``model.pt``: the shrunk model by
+``save_pretrained``, its tokenizer, and a sentence-transformers model's own files, loadable with
+no fisherprune code (``from_pretrained``, ``SentenceTransformer``).
+
+It is written only when the model's config describes the shrunk model and a reload gives its
+outputs back (those of the kept units, where a width the model returns lost some), into a
+temporary folder swapped in whole; otherwise a folder of an earlier run is removed, so that it
+is never stale, and the reason is returned.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from fisherprune.calibrate import output_tensor
+from fisherprune.export.hf_config import update_config
+from fisherprune.export.output_fill import output_fill
+from fisherprune.export.storage import atomic_directory
+from fisherprune.inputs import call_model
+from fisherprune.modes import eval_mode
+
+__all__ = ["HFFolder", "write_hf_folder"]
+
+#: sentence-transformers modules that hold no weights of the pruned width: copied, the pooling's
+#: width rewritten (a Dense module after the pooling reads that width: copied only if unchanged)
+_ST_WIDTHLESS = {
+    f"sentence_transformers.models.{m}" for m in ("Transformer", "Pooling", "Normalize")
+}
+_ST_FILES = ("modules.json", "sentence_bert_config.json", "config_sentence_transformers.json")
+
+
+@dataclass(frozen=True)
+class HFFolder:
+    """What ``write_hf_folder`` did: ``written``, else ``missing`` (why not); ``notes``: what
+    the folder returns or lacks, one line each."""
+
+    written: bool
+    missing: str | None = None
+    notes: tuple[str, ...] = ()
+
+
+class _NotWritten(Exception):
+    """The folder was abandoned (its temporary copy removed)."""
+
+
+def write_hf_folder(
+    small: nn.Module,
+    folder: Path,
+    batch: Any,
+    source: Path,
+    save_tokenizer: Callable[[Path], Any],
+) -> HFFolder:
+    """Write ``small`` (shrunk, with a Hugging Face config) to ``folder`` with
+    ``save_pretrained``, ``save_tokenizer(folder)`` and the sentence-transformers files of the
+    ``source`` folder, when its config describes it and ``type(small).from_pretrained`` gives
+    its outputs on ``batch`` back.
+
+    Changes: ``folder`` (replaced whole, or removed when nothing fits); ``small.config``'s
+    widths (``update_config``).
+    """
+    why, st_note = update_config(small), None
+    if why is None:
+        try:
+            with atomic_directory(folder) as tmp:
+                small.save_pretrained(tmp)
+                save_tokenizer(tmp)
+                why, width = _reload(type(small).from_pretrained(tmp), small, batch)
+                if why is not None:
+                    raise _NotWritten
+                st_note = _copy_sentence_transformers(source, tmp, width)
+        except _NotWritten:
+            pass
+    if why is not None:
+        shutil.rmtree(folder, ignore_errors=True)
+        return HFFolder(False, missing=why)
+    notes = [n for n in (_filled_note(small, folder.name), st_note) if n]
+    return HFFolder(True, notes=tuple(notes))
+
+
+def _reload(back: nn.Module, small: nn.Module, batch: Any) -> tuple[str | None, int]:
+    """Why ``back`` (reloaded by ``from_pretrained``) does not give ``small``'s outputs on
+    ``batch`` (its kept units, where ``small`` zero-fills a returned width), or None; and the
+    width of ``back``'s output."""
+    fill = output_fill(small)
+    with eval_mode(back, small), torch.no_grad():
+        want = call_model(small, batch)
+        got = output_tensor(call_model(back, batch))
+    want = output_tensor(fill.kept_outputs(want) if fill is not None else want)
+    if got.shape != want.shape:
+        shapes = f"{tuple(got.shape)}, not {tuple(want.shape)}"
+        return f"from_pretrained gives outputs of shape {shapes}", got.shape[-1]
+    err = float((got - want).abs().max())
+    if err > 1e-4 * max(1.0, float(want.abs().max())):
+        return f"from_pretrained gives outputs {err:.3g} away from the pruned model's", 0
+    return None, got.shape[-1]
+
+
+def _filled_note(small: nn.Module, name: str) -> str | None:
+    """What the folder returns where ``small`` zero-fills a returned width, or None."""
+    fill = output_fill(small)
+    if fill is None:
+        return None
+    kept = ", ".join(f"{len(o.kept)} of {o.size} along dim {o.dim} of {o.path or 'the output'}"
+                     for o in fill.outputs)  # fmt: skip
+    return (
+        f"{name}/ returns the kept units only ({kept}); model.pt returns the removed ones as "
+        "zeros: cosine similarities and dot products are the same"
+    )
+
+
+def _copy_sentence_transformers(source: Path, target: Path, width: int) -> str | None:
+    """Copy a sentence-transformers model's files (``modules.json``, its settings, each module's
+    folder) from ``source`` to ``target``, the pooling's ``word_embedding_dimension`` set to
+    ``width``; returns why they were not copied (a module after the pooling that reads the
+    pruned width), or None (also when ``source`` is no sentence-transformers model)."""
+    listed = source / "modules.json"
+    if not listed.is_file():
+        return None
+    modules = json.loads(listed.read_text())
+    pooling = [m for m in modules if m.get("type", "").endswith(".Pooling")]
+    dense_width = _pooling_width(source, pooling)
+    others = sorted({m.get("type", "?") for m in modules} - _ST_WIDTHLESS)
+    if others and dense_width != width:
+        return (
+            f"the sentence-transformers modules were not copied: {', '.join(others)} read the "
+            f"embedding width, pruned from {dense_width} to {width}; load the folder with "
+            "transformers, or prune with the hidden width whole"
+        )
+    for name in _ST_FILES:
+        if (source / name).is_file():
+            shutil.copy2(source / name, target / name)
+    for m in modules:
+        path = m.get("path", "")
+        if path and (source / path).is_dir():
+            shutil.copytree(source / path, target / path)
+        elif path:
+            (target / path).mkdir(parents=True)  # a module with nothing saved (Normalize)
+    for m in pooling:
+        config = target / m["path"] / "config.json"
+        if config.is_file():
+            settings = json.loads(config.read_text())
+            settings["word_embedding_dimension"] = width
+            config.write_text(json.dumps(settings, indent=2) + "\n")
+    return None
+
+
+def _pooling_width(source: Path, pooling: list[dict[str, Any]]) -> int | None:
+    """The embedding width the source's pooling module was saved with, if it says."""
+    for m in pooling:
+        config = source / m.get("path", "") / "config.json"
+        if config.is_file():
+            return json.loads(config.read_text()).get("word_embedding_dimension")
+    return None

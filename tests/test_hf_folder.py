@@ -1,0 +1,113 @@
+"""The Hugging Face folder ``fisherprune prune`` writes (``cli.hf_folder.write_hf_folder``):
+it reloads with no fisherprune code to the shrunk model's outputs, a returned width that lost
+units comes back narrower (said in a note), and a sentence-transformers model keeps its
+pipeline files with the pooling's width rewritten, or is told why not."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import fisherprune as fp
+from fisherprune.cli.hf_folder import write_hf_folder
+
+transformers = pytest.importorskip("transformers")
+
+X = {"input_ids": torch.randint(0, 45, (2, 8), generator=torch.Generator().manual_seed(0))}
+
+
+def _llama_without_hidden_units(every: int) -> tuple[nn.Module, nn.Module]:
+    """A LLaMA base model (hidden 32) with every ``every``-th hidden unit removed: the masked
+    model and its shrunk copy (which zero-fills the returned hidden state)."""
+    config = transformers.LlamaConfig(
+        vocab_size=45, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=64, head_dim=8,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.LlamaModel(config).eval()
+    masks = fp.apply_masks(model, X)
+    with torch.no_grad():
+        masks["fisherprune_masks.embed_tokens:dim1"].mask[::every] = 0.0
+    return model, fp.shrink(model, X)
+
+
+def _sentence_transformer(source: Path, extra: list[dict] | None = None) -> None:
+    """A sentence-transformers pipeline's files as such a model folder holds them (mean
+    pooling of the 32-wide hidden state, then normalisation, then ``extra`` modules)."""
+    source.mkdir()
+    kinds = [("", "Transformer"), ("1_Pooling", "Pooling"), ("2_Normalize", "Normalize")]
+    modules = [
+        {"idx": i, "name": str(i), "path": path, "type": f"sentence_transformers.models.{kind}"}
+        for i, (path, kind) in enumerate(kinds)
+    ] + (extra or [])
+    (source / "modules.json").write_text(json.dumps(modules))
+    (source / "sentence_bert_config.json").write_text('{"max_seq_length": 128}')
+    (source / "1_Pooling").mkdir()
+    pooling = {"word_embedding_dimension": 32, "pooling_mode_mean_tokens": True}
+    (source / "1_Pooling" / "config.json").write_text(json.dumps(pooling))
+
+
+def test_a_pruned_returned_width_reloads_as_its_kept_units(tmp_path: Path) -> None:
+    """Hidden width 32 less 8 units: from_pretrained gives the shrunk model's output without
+    its zero columns, and a note says so."""
+    _, small = _llama_without_hidden_units(every=4)
+    done = write_hf_folder(small, tmp_path / "hf", X, tmp_path, lambda path: None)
+    assert done.written and done.missing is None
+    assert any("24 of 32" in n and "zeros" in n for n in done.notes), done.notes
+    back = transformers.LlamaModel.from_pretrained(tmp_path / "hf").eval()
+    kept = [i for i in range(32) if i % 4]
+    with torch.no_grad():
+        full = small(**X).last_hidden_state
+        torch.testing.assert_close(back(**X).last_hidden_state, full[..., kept])
+    assert full[..., ::4].abs().max() == 0
+
+
+def test_sentence_transformers_files_follow_with_the_pooling_width_rewritten(
+    tmp_path: Path,
+) -> None:
+    """modules.json, the settings and every module folder are copied (the Normalize folder
+    that was never saved is made), the pooling's width set to the 24 units kept."""
+    source = tmp_path / "source"
+    _sentence_transformer(source)
+    _, small = _llama_without_hidden_units(every=4)
+    done = write_hf_folder(small, tmp_path / "hf", X, source, lambda path: None)
+    assert done.written
+    hf = tmp_path / "hf"
+    assert json.loads((hf / "modules.json").read_text())[1]["path"] == "1_Pooling"
+    assert (hf / "sentence_bert_config.json").is_file() and (hf / "2_Normalize").is_dir()
+    pooling = json.loads((hf / "1_Pooling" / "config.json").read_text())
+    assert pooling == {"word_embedding_dimension": 24, "pooling_mode_mean_tokens": True}
+
+
+def test_a_dense_module_after_the_pooling_is_not_copied_when_the_width_changed(
+    tmp_path: Path,
+) -> None:
+    """A Dense module reads the embedding width: with the width pruned the pipeline files are
+    left out (the folder still loads with transformers) and a note says why."""
+    source = tmp_path / "source"
+    dense = {"idx": 3, "name": "3", "path": "3_Dense", "type": "sentence_transformers.models.Dense"}
+    _sentence_transformer(source, [dense])
+    _, small = _llama_without_hidden_units(every=4)
+    done = write_hf_folder(small, tmp_path / "hf", X, source, lambda path: None)
+    assert done.written and not (tmp_path / "hf" / "modules.json").exists()
+    assert any("Dense" in n and "from 32 to 24" in n for n in done.notes), done.notes
+
+
+def test_a_folder_that_no_longer_fits_is_removed_not_left_stale(tmp_path: Path) -> None:
+    """When the config cannot describe the model (blocks of different widths), an hf/ of an
+    earlier run is removed and the reason returned."""
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text("{}")
+    model, _ = _llama_without_hidden_units(every=4)
+    masks = fp.find_masks(model)
+    with torch.no_grad():
+        masks["fisherprune_masks.layers_0_mlp_gate_proj:out"].mask[:5] = 0.0
+    with pytest.warns(UserWarning, match="still describes the dense model"):
+        small = fp.shrink(model, X)
+    done = write_hf_folder(small, tmp_path / "hf", X, tmp_path, lambda path: None)
+    assert not done.written and "different widths" in done.missing
+    assert not (tmp_path / "hf").exists()
