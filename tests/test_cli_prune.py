@@ -371,6 +371,24 @@ def test_an_encoder_decoder_folder_exits_2_saying_to_save_its_encoder(tmp_path: 
     assert not (tmp_path / "o").exists()
 
 
+def test_sentences_longer_than_the_model_reads_exit_2_naming_the_length(tmp_path: Path) -> None:
+    """Sentences of 100 words for a BERT with 64 positions (truncated to --max_length 128):
+    exit 2 naming the length, the model's limit and --max_length, before any work (it failed
+    with a traceback from inside the embeddings); --max_length 64 then runs."""
+    folder, _ = _bert_folder(tmp_path)
+    rng = np.random.default_rng(1)
+    text = tmp_path / "long.txt"
+    text.write_text(
+        "\n".join(" ".join(f"w{i}" for i in rng.integers(0, 40, 100)) for _ in range(12))
+    )
+    out = tmp_path / "o"
+    cli = run_cli("prune", folder, "--text", text, "--out", out)
+    assert cli.code == 2, cli.err
+    assert "102 tokens" in cli.err and "max_position_embeddings=64" in cli.err
+    assert "--max_length" in cli.err and "Traceback" not in cli.err and not out.exists()
+    assert run_cli("prune", folder, "--text", text, "--max_length", "64", "--out", out).code == 0
+
+
 def test_a_folder_that_is_no_hugging_face_model_exits_2_before_any_work(tmp_path: Path) -> None:
     """A folder without config.json (an image folder given as the model) is refused naming
     it and what to give instead, not with transformers' six-line tokenizer error."""

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from fisherprune._errors import first_line
 from fisherprune.calibrate import output_tensor, prune_to_target
 from fisherprune.cli.hf_folder import write_hf_folder
 from fisherprune.cost import CONVENTIONS
@@ -298,6 +299,7 @@ def _hf_job(args: argparse.Namespace) -> _Job:
     ]
     evals = [encode(held_out[i : i + bs]) for i in range(0, len(held_out), bs)]
     model = rebuild()
+    _check_length(model, [b for b, _ in batches] + evals, args.max_length)
     with torch.no_grad():
         logits = getattr(call_model(model, evals[0]), "logits", None)
     if logits is None:  # hidden states: mean-pooled, compared by cosine
@@ -318,6 +320,28 @@ def _hf_job(args: argparse.Namespace) -> _Job:
     return _Job(
         model, example, batches, fidelity, metric, None, task, rebuild, extras=tok.save_pretrained
     )
+
+
+def _check_length(model: nn.Module, encoded: list[dict[str, Tensor]], max_length: int) -> None:
+    """Run ``model`` on the longest encoded sentence, so that a sentence longer than the model
+    can read (its position embeddings) is refused before any work.
+
+    Raises:
+        ValueError: it fails; it names the length and what to give.
+    """
+    longest = max(encoded, key=lambda e: e["input_ids"].shape[1])
+    row = int(longest["attention_mask"].sum(1).argmax())
+    try:
+        with torch.no_grad():
+            call_model(model, {k: v[row : row + 1] for k, v in longest.items()})
+    except (RuntimeError, IndexError, ValueError) as e:
+        tokens = longest["input_ids"].shape[1]
+        limit = getattr(model.config, "max_position_embeddings", None)
+        hint = f" (its config has max_position_embeddings={limit})" if limit else ""
+        raise ValueError(
+            f"the model cannot read a sentence of {tokens} tokens{hint}: {first_line(e)}; give "
+            f"a smaller --max_length (now {max_length})"
+        ) from None
 
 
 def _pooled_cosine(out: Any, dense_out: Any, enc: dict[str, Tensor]) -> Tensor:
