@@ -42,6 +42,40 @@ def test_a_signal_is_answered_at_once_when_losses_are_kept_on_the_device() -> No
     assert guard.poll(torch.tensor(2.0), 1) == signal.SIGTERM and guard.loss == 2.0
 
 
+def test_a_stop_agreed_at_a_checkpoint_read_stops_there_under_torchrun_rules(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As under torchrun on GPUs (losses read every 100 steps, a stop answered only where
+    every rank reads): SIGTERM at step 13 stops the run at the checkpoint read of step 20,
+    with that checkpoint, instead of being left unanswered until the run ended."""
+    import fisherprune.train.interrupts as interrupts
+    import fisherprune.train.phases as phases
+    import fisherprune.train.trainer as trainer_module
+
+    monkeypatch.setattr(trainer_module, "loss_read_every", lambda device: 100)
+    monkeypatch.setattr(interrupts, "_in_group", lambda: True)
+    monkeypatch.setattr(StopGuard, "_agree", lambda self, values: values)
+    original = phases.train_step
+
+    def signalled(loop: phases.Loop) -> None:
+        if loop.state.step == 13:
+            loop.guard.signum = signal.SIGTERM  # what the handler sets
+        original(loop)
+
+    monkeypatch.setattr(phases, "train_step", signalled)
+    save = tmp_path / "run"
+    code = main([
+        "train", "--model", "mlp", "--width", "8", "--depth", "1", "--steps", "60",
+        "--pruning.burn_in", "100000", "--eval_every", "100000", "--checkpoint_every", "20",
+        "--progress", "none", "--export_formats", "state_dict", "--save_dir", str(save),
+        "--weight_decay", "5e-4",
+    ])  # fmt: skip
+    assert code == 128 + signal.SIGTERM
+    (ckpt,) = CheckpointManager(save / "checkpoints", 3).paths()
+    assert CheckpointManager.load(ckpt)["state"]["step"] == 20
+    assert not (save / "export").exists()
+
+
 def test_resume_command_adds_resume_and_drops_overwrite() -> None:
     assert resume_command(["train", "--overwrite", "--save_dir", "a b"]) == (
         "fisherprune train --save_dir 'a b' --resume"

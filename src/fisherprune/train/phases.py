@@ -16,7 +16,7 @@ import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch import Tensor, nn
@@ -82,14 +82,36 @@ class Loop:
             saved["teacher"] = {k: v.detach().cpu() for k, v in weights}
         return saved
 
-    def save_checkpoint(self) -> None:
-        """Write a checkpoint of the run as it stands (rank 0 only), once the losses not read
-        yet are read and finite (every rank).
+    def read_losses(self) -> None:
+        """Read the losses kept on the device (``StopGuard.flush``; every rank calls it at the
+        same step); a stop agreed there stops the run as ``train_step`` does.
 
         Raises:
-            DivergedError: one of them is not (nothing written).
+            DivergedError: one of them is NaN or infinite (nothing written).
+            Interrupted: a rank was asked to stop (a checkpoint of the step reached written).
         """
-        self.guard.flush()
+        signum = self.guard.flush()
+        if signum:
+            self.stop(signum)
+
+    def stop(self, signum: int) -> NoReturn:
+        """End the run on ``signum``: a checkpoint of the step reached (rank 0, after step 0).
+
+        Raises:
+            Interrupted: always; it names the checkpoint.
+        """
+        saved = self.write and self.state.step > 0
+        path = self.ckpts.save(self.state.step, self.snapshot()) if saved else None
+        raise Interrupted(signum, self.state.step, path)
+
+    def save_checkpoint(self) -> None:
+        """Write a checkpoint of the run as it stands (rank 0 only), once the losses not read
+        yet are read and finite (``read_losses``).
+
+        Raises:
+            DivergedError, Interrupted: as ``read_losses``.
+        """
+        self.read_losses()
         if self.write:
             self.ckpts.save(self.state.step, self.snapshot())
 
@@ -184,9 +206,7 @@ def train_step(loop: Loop) -> None:
     # before the update, and read before a prune: a stop or a diverged loss prunes nothing
     signum = loop.guard.poll(loss, state.step, read=popt.prune_due)
     if signum:
-        saved = loop.write and state.step > 0
-        path = loop.ckpts.save(state.step, loop.snapshot()) if saved else None
-        raise Interrupted(signum, state.step, path)
+        loop.stop(signum)
     seen = len(popt.history)
     loop.precision.minimize(popt, loss)
     state.step += 1
@@ -236,7 +256,7 @@ def _dense_point(loop: Loop) -> dict[str, Any]:
     """Evaluate the model before pruning, check that it learned, record it and print it;
     return its entry (``learned`` and, when it did not, ``check``: the warning). With
     ``distill_alpha`` > 0, keep a frozen copy of it as the fine-tuning teacher."""
-    loop.guard.flush()
+    loop.read_losses()
     if loop.config.distill_alpha > 0 and loop.model is not None:
         loop.teacher = frozen_teacher(loop.model)
     value = loop.evaluate()
@@ -267,7 +287,7 @@ def _eval_point(loop: Loop) -> None:
     """Evaluate the model as it stands on the first ``eval_rows`` eval rows (all with 0),
     record the entry with the last step's loss and print it. The dense and the final points
     read every eval row."""
-    loop.guard.flush()
+    loop.read_losses()
     loss = loop.guard.loss
     limit = loop.config.eval_rows or None
     value = loop.evaluate(limit=limit)
