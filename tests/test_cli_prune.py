@@ -363,6 +363,71 @@ def test_a_fine_tuned_classifier_folder_keeps_its_head(tmp_path: Path) -> None:
     assert float(same) == pytest.approx(report["after"])
 
 
+def _bert_config(**kw: Any) -> Any:
+    transformers = pytest.importorskip("transformers")
+    return transformers.BertConfig(
+        vocab_size=45, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=64, max_position_embeddings=64, **kw,
+    )  # fmt: skip
+
+
+def test_a_one_score_head_is_judged_by_the_squared_difference(tmp_path: Path) -> None:
+    """A sequence classifier with one label (a regressor, a cross-encoder): the report's
+    metric is the mean squared difference of the scores to the dense ones, recomputed here
+    (arg-max agreement was always 1, and a one-class label-free loss has no gradient)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    head = transformers.BertForSequenceClassification(_bert_config(num_labels=1))
+    folder, text = _bert_folder(tmp_path, head)
+    out = tmp_path / "out"
+    cli = run_cli("prune", folder, "--text", text, "--target", "50%", "--out", out)
+    assert cli.code == 0, cli.err
+    report = json.loads((out / "report.json").read_text())
+    assert report["metric"] == "mse_to_dense" and report["before"] == 0.0
+    dense = transformers.BertForSequenceClassification.from_pretrained(folder).eval()
+    small = load_state_dict_export(
+        out / "model.pt", transformers.BertForSequenceClassification.from_pretrained(folder)
+    ).eval()
+    tok = transformers.AutoTokenizer.from_pretrained(folder)
+    held = [s for s in text.read_text().splitlines() if s][-8:]
+    enc = tok(held, padding=True, truncation=True, max_length=128, return_tensors="pt")
+    with torch.no_grad():
+        mse = float((small(**enc).logits - dense(**enc).logits).pow(2).mean())
+    assert mse == pytest.approx(report["after"], rel=1e-4) and mse > 0
+
+
+def test_a_head_that_needs_more_than_text_is_pruned_as_its_base_model(tmp_path: Path) -> None:
+    """A question-answering folder (its head returns start and end logits) is read as its
+    encoder, as AutoModel reads it, and judged by the cosine of embeddings (it failed with
+    "cannot tell which tensor the model's output is")."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    folder, text = _bert_folder(tmp_path, transformers.BertForQuestionAnswering(_bert_config()))
+    out = tmp_path / "out"
+    cli = run_cli("prune", folder, "--text", text, "--target", "60%", "--uniform", "--out", out)
+    assert cli.code == 0, cli.err
+    assert json.loads((out / "report.json").read_text())["metric"] == "cosine_to_dense"
+    assert transformers.AutoConfig.from_pretrained(out / "hf").architectures == ["BertModel"]
+
+
+def test_a_model_that_does_not_run_on_text_alone_exits_2_saying_so(tmp_path: Path) -> None:
+    """CLIP (text and images) is refused before any work, naming the class and the error, not
+    blamed on --max_length."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.CLIPConfig(
+        text_config={"vocab_size": 45, "hidden_size": 32, "intermediate_size": 64,
+                     "num_hidden_layers": 1, "num_attention_heads": 4},
+        vision_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+                       "num_attention_heads": 4, "image_size": 32, "patch_size": 8},
+        projection_dim=16,
+    )  # fmt: skip
+    folder, text = _bert_folder(tmp_path, transformers.CLIPModel(config))
+    cli = run_cli("prune", folder, "--text", text, "--out", tmp_path / "o")
+    assert cli.code == 2, cli.err
+    assert "CLIPModel does not run on the tokenized sentences alone" in cli.err
+    assert "--max_length" not in cli.err and not (tmp_path / "o").exists()
+
+
 def test_an_encoder_decoder_folder_exits_2_saying_to_save_its_encoder(tmp_path: Path) -> None:
     folder, text = _bert_folder(tmp_path, _t5(encoder_only=False))
     cli = run_cli("prune", folder, "--text", text, "--out", tmp_path / "o")

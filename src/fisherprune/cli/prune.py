@@ -304,6 +304,8 @@ def _hf_job(args: argparse.Namespace) -> _Job:
         logits = getattr(call_model(model, evals[0]), "logits", None)
     if logits is None:  # hidden states: mean-pooled, compared by cosine
         metric, task, compare = "cosine_to_dense", "regression", _pooled_cosine
+    elif logits.shape[-1] == 1:  # one score per sentence (a regressor, a cross-encoder)
+        metric, task, compare = "mse_to_dense", "regression", _squared_difference
     elif logits.dim() == 2:  # one prediction per sentence (a sequence classifier)
         metric, task, compare = "agreement_with_dense", "classification", _same_prediction
     else:  # one per token (token classification, a language model)
@@ -334,13 +336,19 @@ def _check_length(model: nn.Module, encoded: list[dict[str, Tensor]], max_length
     try:
         with torch.no_grad():
             call_model(model, {k: v[row : row + 1] for k, v in longest.items()})
-    except (RuntimeError, IndexError, ValueError) as e:
+    except Exception as e:
         tokens = longest["input_ids"].shape[1]
         limit = getattr(model.config, "max_position_embeddings", None)
-        hint = f" (its config has max_position_embeddings={limit})" if limit else ""
+        if isinstance(limit, int) and tokens > limit:
+            raise ValueError(
+                f"the model cannot read a sentence of {tokens} tokens (its config has "
+                f"max_position_embeddings={limit}): {first_line(e)}; give a smaller "
+                f"--max_length (now {max_length})"
+            ) from None
         raise ValueError(
-            f"the model cannot read a sentence of {tokens} tokens{hint}: {first_line(e)}; give "
-            f"a smaller --max_length (now {max_length})"
+            f"{type(model).__name__} does not run on the tokenized sentences alone "
+            f"({first_line(e)}): fisherprune prune reads a text model (a base model, a "
+            "sequence or token classifier, a causal language model)"
         ) from None
 
 
@@ -350,6 +358,11 @@ def _pooled_cosine(out: Any, dense_out: Any, enc: dict[str, Tensor]) -> Tensor:
     return F.cosine_similarity(_mean_pooled(out, mask), _mean_pooled(dense_out, mask), dim=-1)
 
 
+def _squared_difference(out: Any, dense_out: Any, enc: dict[str, Tensor]) -> Tensor:
+    """Per sentence: the squared difference of the score to the dense model's."""
+    return (out.logits - dense_out.logits).pow(2).flatten()
+
+
 def _same_prediction(out: Any, dense_out: Any, enc: dict[str, Tensor]) -> Tensor:
     """Per sentence (per non-padding token, for token logits): 1 where the arg-max of the
     logits is the dense model's, else 0."""
@@ -357,9 +370,14 @@ def _same_prediction(out: Any, dense_out: Any, enc: dict[str, Tensor]) -> Tensor
     return same if same.dim() == 1 else same[enc["attention_mask"] > 0]
 
 
+#: heads that run on the sentences alone, which a folder saved with one keeps
+_TEXT_HEADS = ("ForSequenceClassification", "ForTokenClassification", "ForCausalLM", "EncoderModel")
+
+
 def _text_model_class(folder: str) -> Any:
-    """The class the folder was saved as (``config.architectures``: a fine-tuned classifier
-    keeps its head, a ``T5EncoderModel`` stays an encoder), else ``AutoModel``'s base model.
+    """The class the folder was saved as when it is one of ``_TEXT_HEADS`` (a fine-tuned
+    classifier keeps its head, a ``T5EncoderModel`` stays an encoder), else ``AutoModel``'s
+    base model (the encoder of a masked LM, of a question-answering or pre-training head).
 
     Raises:
         ValueError: an encoder-decoder model (T5, BART), which needs decoder inputs.
@@ -372,7 +390,9 @@ def _text_model_class(folder: str) -> Any:
             "decoder inputs besides the sentences; save its encoder alone (e.g. "
             "T5EncoderModel.from_pretrained(folder).save_pretrained(other)) and prune that"
         )
-    return getattr(transformers, arch, None) or transformers.AutoModel
+    if arch.endswith(_TEXT_HEADS) and hasattr(transformers, arch):
+        return getattr(transformers, arch)
+    return transformers.AutoModel
 
 
 def _job(args: argparse.Namespace) -> _Job:
