@@ -7,6 +7,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import fisherprune as fp  # noqa: E402
+from fisherprune.export.hf_config import update_config  # noqa: E402
 
 T = transformers
 _TEXT = dict(
@@ -200,3 +202,21 @@ def test_uniform_pruned_model_reloads_from_its_config_to_the_masked_logits(
     back = type(model).from_pretrained(tmp_path).eval()
     with torch.no_grad():
         torch.testing.assert_close(back(**x).logits, model(**x).logits, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda: T.MobileBertModel(T.MobileBertConfig(**_TEXT, embedding_size=16)),
+        lambda: T.LiltModel(T.LiltConfig(**_TEXT)),
+        lambda: T.ElectraModel(T.ElectraConfig(**_TEXT, embedding_size=16)),
+        lambda: T.AlbertModel(T.AlbertConfig(**_TEXT, embedding_size=16)),
+    ],
+    ids=["mobilebert", "lilt", "electra", "albert"],
+)
+def test_an_unpruned_model_is_described_by_its_own_config(build: Callable[[], Any]) -> None:
+    """The widths read off an unpruned model reproduce its config: MobileBERT's bottleneck
+    and LiLT's layout norms come after the embeddings, ELECTRA's and ALBERT's embeddings are
+    narrower than the hidden width (each was misread by one rule or another)."""
+    torch.manual_seed(0)
+    assert update_config(build()) is None

@@ -30,6 +30,7 @@ __all__ = ["CONFIG_FIELDS", "is_hf_model", "read_widths", "update_config"]
 _QUERY = ("query", "q_proj", "q", "q_lin")
 _KEY = ("key", "k_proj", "k", "k_lin")
 _FUSED_QKV = ("c_attn", "qkv", "Wqkv", "query_key_value")
+_EMBEDDING_PROJECTIONS = ("embeddings_project", "embedding_hidden_mapping_in")
 _KV_HEADS = ("num_kv_heads", "num_key_value_heads")
 _HEAD_SIZE = ("head_dim", "attention_head_size", "key_value_proj_dim", "head_size")
 _MLP_IN = ("up_proj", "fc1", "c_fc", "wi", "wi_0", "lin1", "fc_in", "dense_h_to_4h", "w1", "ffn")
@@ -85,18 +86,18 @@ def _mlp(model: nn.Module) -> list[int]:
 
 
 def _hidden(model: nn.Module) -> list[int]:
-    """The width the first normalisation layer normalises (the residual stream's), outside a
-    module named ``embeddings`` where there is one (ELECTRA and ALBERT normalise their
-    narrower embeddings, ``embedding_size`` wide, before projecting them to the hidden width)."""
-    norms = [
-        (name, w.numel())
-        for name, mod in model.named_modules()
-        if "Norm" in type(mod).__name__
-        and isinstance(w := getattr(mod, "weight", None), torch.Tensor)
-        and w.dim() == 1
-    ]
-    outside = [n for name, n in norms if "embeddings" not in name.split(".")]
-    return (outside or [n for _, n in norms])[:1]
+    """The residual stream's width: the output width of the projection that lifts narrower
+    embeddings to it (ELECTRA's ``embeddings_project``, ALBERT's
+    ``embedding_hidden_mapping_in``; their embedding norm is ``embedding_size`` wide), else
+    the width the first normalisation layer normalises."""
+    for name, mod in model.named_modules():
+        if name.rsplit(".", 1)[-1] in _EMBEDDING_PROJECTIONS and _out_width(mod):
+            return [_out_width(mod)]  # type: ignore[list-item]
+    for mod in model.modules():
+        w = getattr(mod, "weight", None)
+        if "Norm" in type(mod).__name__ and isinstance(w, torch.Tensor) and w.dim() == 1:
+            return [w.numel()]
+    return []
 
 
 def _embedding(model: nn.Module) -> list[int]:
