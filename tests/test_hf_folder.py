@@ -111,3 +111,80 @@ def test_a_folder_that_no_longer_fits_is_removed_not_left_stale(tmp_path: Path) 
     done = write_hf_folder(small, tmp_path / "hf", X, tmp_path, lambda path: None)
     assert not done.written and "different widths" in done.missing
     assert not (tmp_path / "hf").exists()
+
+
+def test_a_transformer_module_in_a_sub_folder_is_pointed_at_the_pruned_root(
+    tmp_path: Path,
+) -> None:
+    """A pipeline whose transformer was saved in 0_Transformer/: the copied modules.json points
+    it at the folder's root, where the pruned model is, and the dense copy is not carried."""
+    source = tmp_path / "source"
+    _sentence_transformer(source)
+    modules = json.loads((source / "modules.json").read_text())
+    modules[0]["path"] = "0_Transformer"
+    (source / "modules.json").write_text(json.dumps(modules))
+    (source / "0_Transformer").mkdir()
+    (source / "0_Transformer" / "sentence_bert_config.json").write_text('{"max_seq_length": 64}')
+    _, small = _llama_without_hidden_units(every=4)
+    assert write_hf_folder(small, tmp_path / "hf", X, source, lambda path: None).written
+    hf = tmp_path / "hf"
+    assert json.loads((hf / "modules.json").read_text())[0]["path"] == ""
+    assert not (hf / "0_Transformer").exists()
+    assert json.loads((hf / "sentence_bert_config.json").read_text()) == {"max_seq_length": 64}
+
+
+def test_a_failed_write_leaves_no_folder_of_an_earlier_run(tmp_path: Path) -> None:
+    """A full disk while writing: OSError, and the earlier run's hf/ is gone rather than left
+    beside this run's model.pt."""
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text('{"old": "run"}')
+    _, small = _llama_without_hidden_units(every=4)
+
+    def full(path: Path) -> None:
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError, match="No space left"):
+        write_hf_folder(small, tmp_path / "hf", X, tmp_path, full)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_a_model_that_cannot_save_itself_gets_no_folder_and_a_reason(tmp_path: Path) -> None:
+    _, small = _llama_without_hidden_units(every=4)
+
+    def broken(path: Path) -> None:
+        raise RuntimeError("tokenizer has no files")
+
+    done = write_hf_folder(small, tmp_path / "hf", X, tmp_path, broken)
+    assert not done.written and "tokenizer has no files" in done.missing
+    assert not (tmp_path / "hf").exists()
+
+
+def test_an_old_folder_that_cannot_be_put_back_is_kept_and_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """atomic_directory: the new folder fails to move in and the old one cannot be moved back:
+    the old one is kept where it was set aside, named in the error, not deleted."""
+    import os
+
+    from fisherprune.export import storage
+
+    target = tmp_path / "hf"
+    target.mkdir()
+    (target / "old.txt").write_text("old")
+    real = os.replace
+    calls = []
+
+    def failing(src: object, dst: object) -> None:
+        calls.append(dst)
+        if len(calls) >= 2:  # the new folder moving in, then the old one moving back
+            raise OSError(5, "I/O error")
+        real(src, dst)
+
+    monkeypatch.setattr(storage.os, "replace", failing)
+    with (
+        pytest.raises(OSError, match="left at") as caught,
+        storage.atomic_directory(target) as tmp,
+    ):
+        (tmp / "new.txt").write_text("new")
+    kept = Path(str(caught.value).split("left at ")[1].split(":")[0].rstrip(")"))
+    assert (kept / "old.txt").read_text() == "old"

@@ -290,6 +290,10 @@ class _PairView:
     def __iter__(self) -> Iterator[tuple[Any, Any]]:
         return (as_pair(b) for b in self.batches)
 
+    def __len__(self) -> int:
+        """The number of batches (a progress bar's total); TypeError where it is unknown."""
+        return len(self.batches)  # type: ignore[arg-type]
+
 
 def calibration_pairs(batches: Iterable[Any]) -> Iterable[tuple[Any, Any]]:
     """``batches`` as ``(inputs, targets)`` pairs (``as_pair``), iterable once per pass: an

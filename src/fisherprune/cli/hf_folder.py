@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fisherprune._errors import first_line
 from fisherprune.calibrate import output_tensor
 from fisherprune.export.hf_config import update_config
 from fisherprune.export.output_fill import output_fill
@@ -63,8 +64,11 @@ def write_hf_folder(
     ``source`` folder, when its config describes it and ``type(small).from_pretrained`` gives
     its outputs on ``batch`` back.
 
-    Changes: ``folder`` (replaced whole, or removed when nothing fits); ``small.config``'s
-    widths (``update_config``).
+    Changes: ``folder`` (replaced whole, or removed when nothing fits or the write fails);
+    ``small.config``'s widths (``update_config``).
+
+    Raises:
+        OSError: the folder could not be written (it names it; no folder is left).
     """
     why, st_note = update_config(small), None
     if why is None:
@@ -78,6 +82,14 @@ def write_hf_folder(
                 st_note = _copy_sentence_transformers(source, tmp, width)
         except _NotWritten:
             pass
+        except Exception as e:  # a class that cannot save or reload itself: no folder
+            if isinstance(e, OSError):  # a write that failed (a full disk) fails the command
+                shutil.rmtree(folder, ignore_errors=True)
+                raise
+            why = f"saving or reloading it failed ({first_line(e)})"
+        except BaseException:  # interrupted: no folder from an earlier run beside this one's
+            shutil.rmtree(folder, ignore_errors=True)
+            raise
     if why is not None:
         shutil.rmtree(folder, ignore_errors=True)
         return HFFolder(False, missing=why)
@@ -119,8 +131,10 @@ def _filled_note(small: nn.Module, name: str) -> str | None:
 def _copy_sentence_transformers(source: Path, target: Path, width: int) -> str | None:
     """Copy a sentence-transformers model's files (``modules.json``, its settings, each module's
     folder) from ``source`` to ``target``, the pooling's ``word_embedding_dimension`` set to
-    ``width``; returns why they were not copied (a module after the pooling that reads the
-    pruned width), or None (also when ``source`` is no sentence-transformers model)."""
+    ``width`` and the transformer module pointed at the folder's root (the pruned model, not a
+    dense copy in a module folder); returns why they were not copied (a module after the
+    pooling that reads the pruned width), or None (also when ``source`` is no
+    sentence-transformers model)."""
     listed = source / "modules.json"
     if not listed.is_file():
         return None
@@ -139,10 +153,15 @@ def _copy_sentence_transformers(source: Path, target: Path, width: int) -> str |
             shutil.copy2(source / name, target / name)
     for m in modules:
         path = m.get("path", "")
-        if path and (source / path).is_dir():
+        if m.get("type", "").endswith(".Transformer"):  # the pruned model at the folder's root
+            if path and (source / path / _ST_FILES[1]).is_file():
+                shutil.copy2(source / path / _ST_FILES[1], target / _ST_FILES[1])
+            m["path"] = ""
+        elif path and (source / path).is_dir():
             shutil.copytree(source / path, target / path)
         elif path:
             (target / path).mkdir(parents=True)  # a module with nothing saved (Normalize)
+    (target / _ST_FILES[0]).write_text(json.dumps(modules, indent=2) + "\n")
     for m in pooling:
         config = target / m["path"] / "config.json"
         if config.is_file():

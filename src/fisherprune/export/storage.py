@@ -154,9 +154,15 @@ def atomic_directory(path: Path) -> Iterator[Path]:
             os.replace(path, aside / path.name)
         os.replace(tmp, path)
     except BaseException as e:
-        if aside is not None and not path.exists():  # put the old folder back
-            os.replace(aside / path.name, path)
         shutil.rmtree(tmp, ignore_errors=True)
+        if aside is not None and not path.exists():  # put the old folder back
+            try:
+                os.replace(aside / path.name, path)
+            except OSError:  # it stays aside, named in the error, rather than deleted
+                kept, aside = aside / path.name, None
+                raise OSError(
+                    errno.EIO, f"the folder it replaced is left at {kept}", str(path)
+                ) from e
         if isinstance(e, OSError):
             raise _located(e, path) from e
         raise
