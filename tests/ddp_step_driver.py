@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -71,7 +72,23 @@ def worker(rank: int, port: int, out: str) -> None:
                 record["signals"] = {n: m.signal.tolist() for n, m in popt.masks.items()}
     record["prunes"] = len(popt.history)
     (Path(out) / f"rank{rank}.json").write_text(json.dumps(record))
-    dist.barrier()  # rank 0 hosts the store: nobody tears down while another still talks
+    leave_group(rank, Path(out))
+
+
+def leave_group(rank: int, out: Path) -> None:
+    """Tear the process group down with rank 0, which hosts the TCP store, last: every rank
+    meets at a barrier, the others destroy the group and say so in a file under ``out``, then
+    rank 0 destroys it (a rank still talking to the store while rank 0 tore it down aborted
+    in gloo under load: "terminate called without an active exception")."""
+    dist.barrier()
+    if rank != 0:
+        dist.destroy_process_group()
+        (out / f"left{rank}").touch()
+        return
+    others = [out / f"left{r}" for r in range(1, dist.get_world_size())]
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not all(p.exists() for p in others):
+        time.sleep(0.02)
     dist.destroy_process_group()
 
 

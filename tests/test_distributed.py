@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 TIMEOUT = 120  # seconds
+ROOT = Path(__file__).resolve().parent.parent
 
 # Run by torchrun on every rank: chdir into rank<r>/ so that a relative --save_dir gives each
 # rank its own directory (anything rank 1 writes shows up there), record the masks and signals
@@ -81,6 +82,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fisherprune
+from tests.ddp_step_driver import leave_group
 
 
 class Net(nn.Module):
@@ -127,10 +129,7 @@ def worker(rank, world, port, out):
         history.append(state)
     record = {"masks": history, "first_batch": first_batch, "prunes": len(popt.history)}
     (Path(out) / f"rank{rank}.json").write_text(json.dumps(record))
-    # every rank reaches here before any tears down: rank 0 hosts the TCP store, and a rank
-    # still talking to it while rank 0 exits was seen to abort in gloo under load
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_group(rank, Path(out))
 
 
 if __name__ == "__main__":
@@ -147,6 +146,7 @@ def _free_port() -> int:
 def _env() -> dict[str, str]:
     env = dict(os.environ)
     env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     return env
 
 
