@@ -4,6 +4,8 @@ accuracy; the report says what happened; bad inputs exit 2 with one line."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -452,6 +454,22 @@ def test_sentences_longer_than_the_model_reads_exit_2_naming_the_length(tmp_path
     assert "102 tokens" in cli.err and "max_position_embeddings=64" in cli.err
     assert "--max_length" in cli.err and "Traceback" not in cli.err and not out.exists()
     assert run_cli("prune", folder, "--text", text, "--max_length", "64", "--out", out).code == 0
+
+
+def test_the_command_shows_fisherprune_warnings_as_one_line(tmp_path: Path) -> None:
+    """A target --uniform cannot reach on BERT (only its MLP may go): the warning is one line,
+    ``fisherprune prune: warning: ...``, not Python's file, line and source line (run as the
+    console script runs, since pytest records warnings in-process)."""
+    folder, text = _bert_folder(tmp_path)
+    done = subprocess.run(
+        [sys.executable, "-m", "fisherprune", "prune", str(folder), "--text", str(text),
+         "--target", "40%", "--uniform", "--out", str(tmp_path / "o")],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    said = [line for line in done.stderr.splitlines() if "uniform=True may prune" in line]
+    assert len(said) == 1 and said[0].startswith("fisherprune prune: warning: every mask")
+    assert "UserWarning" not in done.stderr and "prune_to_target(" not in done.stderr
 
 
 def test_a_folder_that_is_no_hugging_face_model_exits_2_before_any_work(tmp_path: Path) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import re
@@ -10,7 +11,9 @@ import shlex
 import signal
 import sys
 import threading
-from collections.abc import Sequence
+import warnings
+from collections.abc import Iterator, Sequence
+from pathlib import Path
 from types import FrameType
 
 from fisherprune._version import __version__
@@ -24,6 +27,8 @@ from fisherprune.export.storage import os_error_text
 from fisherprune.train.interrupts import DivergedError, Interrupted, PeerTimeoutError
 
 __all__ = ["main"]
+
+_PACKAGE = Path(__file__).resolve().parent.parent  # fisherprune's own source files
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -94,10 +99,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     in_main = threading.current_thread() is threading.main_thread()
     before = signal.signal(signal.SIGTERM, _terminated) if in_main else None
     try:
-        return _dispatch(args, argv)
+        with _one_line_warnings(args.command):
+            return _dispatch(args, argv)
     finally:
         if in_main:
             signal.signal(signal.SIGTERM, before)
+
+
+@contextlib.contextmanager
+def _one_line_warnings(command: str) -> Iterator[None]:
+    """Format fisherprune's own warnings as one line, ``fisherprune COMMAND: warning: ...``,
+    without the file and source line Python adds (meant for a library's user, not a
+    command's); other packages' warnings keep Python's form. Changes:
+    ``warnings.formatwarning`` inside the block (where they are shown is left alone)."""
+    formatted = warnings.formatwarning
+
+    def one_line(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+                 line: str | None = None) -> str:  # fmt: skip
+        if Path(filename).resolve().is_relative_to(_PACKAGE):
+            return f"fisherprune {command}: warning: {message}\n"
+        return formatted(message, category, filename, lineno, line)
+
+    warnings.formatwarning = one_line
+    try:
+        yield
+    finally:
+        warnings.formatwarning = formatted
 
 
 def _dispatch(args: argparse.Namespace, argv: list[str]) -> int:
