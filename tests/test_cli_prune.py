@@ -398,6 +398,30 @@ def test_a_one_score_head_is_judged_by_the_squared_difference(tmp_path: Path) ->
     assert mse == pytest.approx(report["after"], rel=1e-4) and mse > 0
 
 
+@pytest.mark.parametrize(
+    ("config", "arch", "read_as"),
+    [
+        ("BertConfig", "BertForSequenceClassification", "BertForSequenceClassification"),
+        ("BertConfig", "BertForTokenClassification", "BertForTokenClassification"),
+        ("LlamaConfig", "LlamaForCausalLM", "LlamaForCausalLM"),
+        ("GPT2Config", "GPT2LMHeadModel", "GPT2LMHeadModel"),
+        ("T5Config", "T5EncoderModel", "T5EncoderModel"),
+        ("BertConfig", "BertForMaskedLM", "AutoModel"),
+        ("BertConfig", "BertForQuestionAnswering", "AutoModel"),
+        ("ElectraConfig", "ElectraForPreTraining", "AutoModel"),
+        ("BertConfig", "BertModel", "AutoModel"),
+    ],
+)
+def test_a_folder_is_read_as_its_head_when_that_runs_on_text(
+    tmp_path: Path, config: str, arch: str, read_as: str
+) -> None:
+    transformers = pytest.importorskip("transformers")
+    from fisherprune.cli.prune import _text_model_class
+
+    getattr(transformers, config)(architectures=[arch]).save_pretrained(tmp_path)
+    assert _text_model_class(str(tmp_path)) is getattr(transformers, read_as)
+
+
 def test_a_head_that_needs_more_than_text_is_pruned_as_its_base_model(tmp_path: Path) -> None:
     """A question-answering folder (its head returns start and end logits) is read as its
     encoder, as AutoModel reads it, and judged by the cosine of embeddings (it failed with

@@ -371,7 +371,13 @@ def _same_prediction(out: Any, dense_out: Any, enc: dict[str, Tensor]) -> Tensor
 
 
 #: heads that run on the sentences alone, which a folder saved with one keeps
-_TEXT_HEADS = ("ForSequenceClassification", "ForTokenClassification", "ForCausalLM", "EncoderModel")
+_TEXT_HEADS = (
+    "ForSequenceClassification",
+    "ForTokenClassification",
+    "ForCausalLM",
+    "LMHeadModel",  # GPT-2's causal LM
+    "EncoderModel",
+)
 
 
 def _text_model_class(folder: str) -> Any:
