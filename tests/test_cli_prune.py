@@ -508,6 +508,31 @@ def test_a_folder_that_is_no_hugging_face_model_exits_2_before_any_work(tmp_path
     assert len(cli.err.strip().splitlines()) == 1 and not (tmp_path / "o").exists()
 
 
+def test_a_dense_model_exported_by_fisherprune_train_is_pruned_as_trained(
+    tmp_path: Path,
+) -> None:
+    """``fisherprune train`` wraps a table's network in its feature scaling; its dense export
+    given as --weights is read with that scaling (it was refused: "model.net.1.weight not in
+    the model"), and the dense accuracy prune reports is the one train reported."""
+    data, _, _, _ = _data_and_weights(tmp_path)
+    run = tmp_path / "dense"
+    trained = run_cli(
+        "train", "--data", data, "--label", "label", "--model", "mlp", "--width", "32",
+        "--depth", "2", "--steps", "150", "--pruning.flops_target", "1e12",
+        "--save_dir", run, "--progress", "none", "--export_formats", "state_dict",
+    )  # fmt: skip
+    assert trained.code == 0, trained.err
+    out = tmp_path / "out"
+    cli = run_cli("prune", "mlp", "--width", "32", "--depth", "2", "--weights",
+                  run / "export" / "model.pt", "--data", data, "--target", "50%",
+                  "--out", out)  # fmt: skip
+    assert cli.code == 0, cli.err
+    report = json.loads((out / "report.json").read_text())
+    result = json.loads((run / "result.json").read_text())
+    assert report["before"] == pytest.approx(result["final_metric"])
+    assert report["cost_ratio"] <= 0.5 and report["written_vs_masked_max_abs_diff"] < 1e-5
+
+
 def test_weights_of_another_width_exit_2_naming_the_mismatch(tmp_path: Path) -> None:
     """Weights trained at --width 32 given to a --width 16 build: exit 2 with the first
     mismatched tensor and both shapes (not a load_state_dict traceback); nothing written."""

@@ -43,9 +43,10 @@ from fisherprune.inputs import call_model
 from fisherprune.masks.points import MASKS_ATTR
 from fisherprune.modes import eval_mode
 from fisherprune.signals.criteria import CRITERIA
-from fisherprune.train.data import DataSpec, load_data
+from fisherprune.train.data import DataSpec, Scaling, load_data
 from fisherprune.train.models import MODELS, build_model
 from fisherprune.train.pretrained import misfit
+from fisherprune.train.scaling import with_scaling
 
 try:
     import transformers
@@ -164,7 +165,12 @@ class _Job:
     extras: Callable[[Path], None] | None = None
 
 
-def _read_weights(model: nn.Module, path: str | None, example: Any) -> None:
+def _weights_file(path: str | None) -> dict[str, Any]:
+    """The state_dict in ``path`` (a plain one, or a fisherprune export's).
+
+    Raises:
+        ValueError: no path, no state_dict, or a training checkpoint (masks in it).
+    """
     if path is None:
         raise ValueError("--weights is required for a built-in or package.module:function model")
     state = load_plain(path, "weights file", "save the model with torch.save(model.state_dict())")
@@ -177,13 +183,33 @@ def _read_weights(model: nn.Module, path: str | None, example: Any) -> None:
             f"weights file {path} holds fisherprune masks (a training checkpoint): export it "
             "with fisherprune export, or save the dense model's state_dict"
         )
-    problems = misfit(model.state_dict(), state)
-    if problems:
-        raise ValueError(
-            f"weights file {path} does not fit the model ({'; '.join(problems)}); build the "
-            "model as it was trained (the same --model, --width, --depth and data shape)"
-        )
-    model.load_state_dict(state)
+    return state
+
+
+def _fitting_build(
+    build: Callable[[], nn.Module], scaling: Scaling | None, state: dict[str, Any], path: str
+) -> Callable[[], nn.Module]:
+    """How to build the model the weights fit: the bare network (a model trained on the
+    features as they are), or the network between this data's scaling modules as
+    ``fisherprune train`` trains it on a table (``train.scaling``; the file's own scaling
+    values load over the data's).
+
+    Raises:
+        ValueError: neither fits; it names the mismatches of the bare network.
+    """
+
+    def wrapped() -> nn.Module:
+        return with_scaling(build(), scaling)
+
+    problems = misfit(build().state_dict(), state)
+    if not problems:
+        return build
+    if scaling is not None and not misfit(wrapped().state_dict(), state):
+        return wrapped
+    raise ValueError(
+        f"weights file {path} does not fit the model ({'; '.join(problems)}); build the "
+        "model as it was trained (the same --model, --width, --depth and data shape)"
+    )
 
 
 def _accuracy_or_mse(
@@ -232,12 +258,14 @@ def _builtin_job(args: argparse.Namespace) -> _Job:
     classify = data.num_classes is not None
     outputs = data.num_classes if classify else 1
 
-    def rebuild() -> nn.Module:
+    def bare() -> nn.Module:
         return build_model(args.model, data.input_shape, outputs, args.width, args.depth)
 
+    state = _weights_file(args.weights)
+    rebuild = _fitting_build(bare, data.scaling, state, args.weights)
     model = rebuild()
+    model.load_state_dict(state)
     example = data.x_train[:1]
-    _read_weights(model, args.weights, example)
     n = min(args.calibration, data.x_train.shape[0])
     bs = args.batch_size
     batches = [
