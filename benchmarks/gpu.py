@@ -321,7 +321,7 @@ def trainer_sync_check(args: argparse.Namespace, steps: int = 120) -> dict[str, 
             finally:
                 torch.cuda.set_sync_debug_mode("default")
         syncs = [str(w.message)[:160] for w in caught if "synchroniz" in str(w.message)]
-        seen.append((bool(loop.guard._pending), syncs))
+        seen.append((loop.guard.unread > 0, syncs))
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(4000, 16, generator=g)

@@ -157,18 +157,24 @@ CASES: dict[str, Case] = {
 }
 
 
-@pytest.mark.filterwarnings("ignore:the model.s Hugging Face config still describes")
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_pruned_and_repaired_model_shrinks_to_the_masked_logits(name: str) -> None:
+def _pruned(name: str, target: float, **kw: Any) -> tuple[torch.nn.Module, Any, dict]:
+    """CASES[name] built (seed 0), pruned by ``prune_to_target`` to ``target`` on 3 batches of
+    8 (``kw`` passed on): the masked model, the result, and 2 further inputs to check it on."""
     build, inputs = CASES[name]
     torch.manual_seed(0)
     model = build().eval()
     g = torch.Generator().manual_seed(1)
     batches = [(inputs(8, g), None) for _ in range(3)]
     example = {k: v[:1] for k, v in batches[0][0].items()}
-    result = fp.prune_to_target(model, example, batches, 0.5, seed=0)
+    result = fp.prune_to_target(model, example, batches, target, seed=0, **kw)
+    return model, result, inputs(2, g)
+
+
+@pytest.mark.filterwarnings("ignore:the model.s Hugging Face config still describes")
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_pruned_and_repaired_model_shrinks_to_the_masked_logits(name: str) -> None:
+    model, result, x = _pruned(name, 0.5)
     assert result.cost_after <= result.target
-    x = inputs(2, g)
     small = fp.shrink(model, x)
     with torch.no_grad():
         torch.testing.assert_close(small(**x).logits, model(**x).logits, rtol=1e-4, atol=1e-5)
@@ -187,17 +193,10 @@ def test_uniform_pruned_model_reloads_from_its_config_to_the_masked_logits(
     and Falcon has one key/value head for four query heads in one fused projection;
     DistilBERT calls its MLP width ``hidden_dim``: they reached 60% (uniform=True pruned
     nothing there when their widths were misread)."""
-    build, inputs = CASES[name]
-    torch.manual_seed(0)
-    model = build().eval()
-    g = torch.Generator().manual_seed(1)
-    batches = [(inputs(8, g), None) for _ in range(3)]
-    example = {k: v[:1] for k, v in batches[0][0].items()}
     with warnings.catch_warnings():  # T5 stops above 60%: only its MLP and heads may go
         warnings.simplefilter("ignore")
-        result = fp.prune_to_target(model, example, batches, 0.6, uniform=True, seed=0)
+        model, result, x = _pruned(name, 0.6, uniform=True)
     assert result.cost_after < 0.7 * result.cost_before  # T5 stops at 67%, the others at 60%
-    x = inputs(2, g)
     fp.shrink(model, x).save_pretrained(tmp_path)
     back = type(model).from_pretrained(tmp_path).eval()
     with torch.no_grad():

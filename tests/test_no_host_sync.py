@@ -179,7 +179,7 @@ def test_trainer_steps_read_nothing_back_between_loss_reads(
     def watched_step(loop: phases.Loop) -> None:
         with reads.watching():
             original(loop)
-        watched.append((loop.guard._pending != [], reads.step, reads.prune_time))
+        watched.append((loop.guard.unread > 0, reads.step, reads.prune_time))
 
     monkeypatch.setattr(phases, "train_step", watched_step)
     cfg = TrainConfig(

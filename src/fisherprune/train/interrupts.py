@@ -174,6 +174,11 @@ class StopGuard:
             raise peer_timeout(e, f"did not answer within {self.timeout_s:g} s") from None
         return t.tolist()
 
+    @property
+    def unread(self) -> int:
+        """How many kept losses have not been read to the host yet."""
+        return len(self._pending)
+
     def poll(self, loss: Tensor, step: int, read: bool = False) -> int:
         """Keep ``loss``, the loss of step ``step`` (counted from 0) before it reaches
         ``backward`` and the optimizer; read the kept losses (``flush``) when ``read``, every
