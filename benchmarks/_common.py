@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
 import platform
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -15,6 +17,7 @@ from torch import Tensor, nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from fisherprune.cost.formulas import SAME_AS_TORCH
+from fisherprune.export.latency import retain_freed_memory
 
 
 @torch.no_grad()
@@ -60,3 +63,33 @@ def machine_info() -> dict[str, Any]:
     with contextlib.suppress(OSError, AttributeError):
         info["load_average"] = list(os.getloadavg())
     return info
+
+
+#: how ``--allocator`` leaves glibc's malloc for the timed forward passes
+ALLOCATORS = ("retain", "glibc-default")
+
+
+def add_allocator_option(parser: argparse.ArgumentParser, default: str = "retain") -> None:
+    """Add ``--allocator`` (one of ``ALLOCATORS``, ``default``) to a benchmark's ``parser``."""
+    parser.add_argument(
+        "--allocator",
+        choices=ALLOCATORS,
+        default=default,
+        help="retain: fisherprune.export.retain_freed_memory() before timing, so activations "
+        "are not page-faulted in at every pass (what docs/usage.md recommends for serving); "
+        f"glibc-default: leave malloc as it is (default: {default})",
+    )
+
+
+def apply_allocator(choice: str) -> tuple[bool, str]:
+    """Apply ``--allocator`` to this process's malloc; return (retained, how it was left).
+
+    Changes: with ``retain``, glibc's settings for the rest of the process (see
+    ``retain_freed_memory``); prints a note to stderr when the C library is not glibc.
+    """
+    if choice == "glibc-default":
+        return False, "glibc malloc defaults"
+    if retain_freed_memory():
+        return True, "freed memory retained"
+    print("NOTE: not glibc; the allocator is left as it is", file=sys.stderr)
+    return False, "allocator left as it is (not glibc)"

@@ -131,12 +131,12 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from _common import counted_flops, write_json
+from _common import add_allocator_option, apply_allocator, counted_flops, write_json
 from torch import Tensor, nn
 
 import fisherprune as fp
 from fisherprune.export import load_aoti_export
-from fisherprune.export.latency import frozen_for_serving, measure_latency, retain_freed_memory
+from fisherprune.export.latency import frozen_for_serving, measure_latency
 from fisherprune.export.layout import to_channels_last
 from fisherprune.settings import check_min_channels
 
@@ -852,13 +852,7 @@ def main(argv: list[str] | None = None) -> int:
         help="prune with every mask keeping a multiple of this many channels, one row per "
         "value (default: 1 8; 1 = any count; 8 = the AVX2 vector width in float32)",
     )
-    ap.add_argument(
-        "--allocator",
-        choices=["retain", "glibc-default"],
-        default="retain",
-        help="retain (default): fisherprune.export.retain_freed_memory() before timing, so "
-        "activations are not page-faulted in at every pass; glibc-default: leave malloc as is",
-    )
+    add_allocator_option(ap)
     ap.add_argument(
         "--channels-last",
         action="store_true",
@@ -910,17 +904,9 @@ def main(argv: list[str] | None = None) -> int:
     with contextlib.suppress(RuntimeError):  # already set in this process
         torch.set_num_interop_threads(1)
     logging.getLogger("fisherprune").setLevel(logging.ERROR)
-    retained = args.allocator == "retain" and retain_freed_memory()
-    if args.allocator == "retain" and not retained:
-        print("NOTE: not glibc; the allocator is left as it is", file=sys.stderr)
+    retained, alloc_note = apply_allocator(args.allocator)
     layout = "channels-last" if args.channels_last or args.serve == "aoti" else "contiguous (NCHW)"
     serve_note = SERVE_NOTES[args.serve]
-    if retained:
-        alloc_note = "freed memory retained"
-    elif args.allocator == "retain":
-        alloc_note = "allocator left as it is (not glibc)"
-    else:
-        alloc_note = "glibc malloc defaults"
     load_before = os.getloadavg()
     t0 = time.perf_counter()
     rows: list[Row] = []

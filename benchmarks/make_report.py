@@ -572,7 +572,8 @@ def overhead_section(
     stall = o.get("cpu_stall_fraction")
     if stall is not None:
         lines.append(f"- CPU contention while timing (Linux PSI): {100 * stall:.0f}% of the time")
-    lines.append("")
+    allocator = o.get("settings", {}).get("allocator", "glibc malloc defaults")
+    lines += [f"- allocator: {allocator} (`--allocator`)", ""]
     return lines
 
 
@@ -1020,13 +1021,16 @@ def standard_size_sections(results: Path, out: Path) -> list[str]:
     """Overhead, memory and pruned-transformer latency at standard sizes (issue 20), each
     from its JSON file when present."""
     lines: list[str] = []
+    title = "## Training-step overhead at standard sizes (`benchmarks/overhead.py`"
     o = _load(results / "overhead_standard.json")
     if o is not None:
-        title = "## Training-step overhead at standard sizes (`benchmarks/overhead.py`)"
-        lines += overhead_section(o, title)
+        lines += overhead_section(o, title + ")")
         plot = results / "overhead_standard.png"
         if plot.is_file():
             lines += [f"![overhead ratios]({_rel_any(plot, out)})", ""]
+    o = _load(results / "overhead_standard_retain.json")
+    if o is not None:
+        lines += overhead_section(o, title + ", `--allocator retain`)")
     m = _load(results / "overhead_memory.json")
     if m is not None:
         lines += ["## Peak memory of a collecting step (`benchmarks/overhead_memory.py`)", ""]
@@ -1059,10 +1063,14 @@ TRANSFORMER_SERVING = [
     "How to serve a pruned transformer for speed (details in docs/usage.md):",
     "",
     "- `fisherprune.shrink` the masked model (masks multiply, they remove no work);",
-    "- serve the AOTInductor package (`export_model(format='aoti')`, `load_aoti_export`): it "
-    "fuses the GELU, norms, residual adds and head reshapes that FLOPs do not count and that a "
-    "pruned network keeps a larger share of (the `aoti` rows against the `eager` ones, most at "
-    "25% of the FLOPs);",
+    "- keep freed memory in the serving process (`fisherprune.export.retain_freed_memory()`, or "
+    "`MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=1073741824`): with glibc's defaults the large "
+    "activations are page-faulted in at every call, work that does not shrink with the FLOPs "
+    "(the allocator table above);",
+    "- eager or the AOTInductor package (`export_model(format='aoti')`, `load_aoti_export`): "
+    "with freed memory kept they ran alike here at batch 32; the package fuses the GELU, "
+    "norms, residual adds and head reshapes that FLOPs do not count, and kept its speed under "
+    "glibc's defaults too;",
     "- prune with `round_to=8` (it counts weight rows: heads of 64 go one at a time): widths "
     "that are not multiples of 8 make the CPU's matrix multiplications slower per FLOP (the "
     "`uneven` rows, `round_to=1`); `uniform=True` keeps blocks alike, so a Hugging Face model "
@@ -1109,7 +1117,8 @@ def transformer_latency_section(t: dict[str, Any], results: Path, out: Path) -> 
         f"- settings: batch {st.get('batch')}, {st.get('layers')} blocks, {st.get('rounds')} "
         f"timed calls of each form, all forms interleaved (order rotated every round; the "
         f"fastest call kept; 'per round': the speed-up within each round), warm-up: "
-        f"{st.get('warmup', '?')}, {st.get('threads')} thread(s), nice {st.get('nice', '?')}; "
+        f"{st.get('warmup', '?')}, {st.get('threads')} thread(s), nice {st.get('nice', '?')}, "
+        f"{st.get('allocator', 'glibc malloc defaults')}; "
         "uniform=True rK: the library's `uniform=True` with `round_to=K` (K weight rows: heads "
         "of 64 go one at a time); uneven rK: the same with `uniform=False` (widths differ from "
         "block to block); uniform=True rK memory: the same as uniform=True rK with the signals "
@@ -1148,10 +1157,58 @@ def transformer_latency_section(t: dict[str, Any], results: Path, out: Path) -> 
     plot = results / "transformer_latency.png"
     if plot.is_file():
         lines += ["", f"![speed-up against FLOPs reduction]({_rel_any(plot, out)})"]
+    glibc = _load(results / "transformer_latency_glibc_default.json")
+    if glibc is not None:
+        lines += ["", *allocator_comparison_lines(t, glibc)]
     prof = _load(results / "transformer_latency_profile.json")
     if prof is not None:
         lines += ["", *transformer_profile_lines(prof)]
     lines += ["", *TRANSFORMER_SERVING, ""]
+    return lines
+
+
+def _efficiencies(t: dict[str, Any]) -> dict[tuple[str, str, str], float]:
+    """(model, form, network) -> eff of every pruned network of a transformer_latency run."""
+    return {
+        (name, r["form"], r["network"]): r["efficiency"]
+        for name, res in t.get("models", {}).items()
+        for r in res.get("rows", [])
+        if r["network"] != "dense"
+    }
+
+
+def allocator_comparison_lines(t: dict[str, Any], glibc: dict[str, Any]) -> list[str]:
+    """eff of the main run beside a second run of the same networks with glibc's malloc
+    defaults (``--allocator glibc-default``); each eff is a ratio taken within its own run."""
+    main, other = _efficiencies(t), _efficiencies(glibc)
+    forms = list(dict.fromkeys(k[1] for k in main))
+    nets = list(dict.fromkeys((k[0], k[2]) for k in main))
+    rows = [
+        [model, net]
+        + [_fmt(effs.get((model, form, net)), 2) for form in forms for effs in (main, other)]
+        for model, net in nets
+    ]
+    if not any(k in other for k in main):
+        return []
+    target = t.get("efficiency_target") or 0
+    lines = [
+        "The allocator (`benchmarks/results/transformer_latency_glibc_default.json`: the same "
+        f"networks timed again in a second process, {glibc.get('timestamp', '?')}, with "
+        "`--allocator glibc-default`): eff with freed memory retained (the run above) and "
+        "with glibc's malloc defaults, each a ratio to the dense network in the same form "
+        "within its own run. With the defaults, every activation buffer over 32 MiB (an MLP "
+        "activation at batch 32 is 48 MiB) is mapped afresh and page-faulted in at every "
+        "call: work that FLOPs do not count and that a pruned network keeps a larger share of.",
+        "",
+    ]
+    header = ["model", "network"]
+    header += [f"{form} {label}" for form in forms for label in ("retained", "glibc defaults")]
+    lines += [*_table(header, rows), ""]
+    for form in forms:
+        for label, effs in (("retained", main), ("glibc defaults", other)):
+            got = [e for k, e in effs.items() if k[1] == form]
+            met = sum(e >= target for e in got)
+            lines.append(f"- {form}, {label}: eff ≥ {target} in {met} of {len(got)}")
     return lines
 
 
@@ -1170,7 +1227,8 @@ def transformer_profile_lines(p: dict[str, Any]) -> list[str]:
     lines = [
         f"Where the time goes (`--profile`, `benchmarks/results/transformer_latency_profile.json`"
         f"): {st.get('layers')} blocks, batch {st.get('batch')}, {p.get('threads')} thread(s), "
-        f"eager, self CPU time by operator, the least over {st.get('rounds')} profiled calls; "
+        f"eager, {st.get('allocator', 'glibc malloc defaults')}, self CPU time by operator, "
+        f"the least over {st.get('rounds')} profiled calls; "
         "speed-ups over the dense network. hidden: the hidden width kept; heads and MLP: the "
         "head counts and MLP widths over the blocks; GELU + copy: the share of the pruned "
         "call's time in the GELU and the bias copies of `addmm` (element-wise work over the "

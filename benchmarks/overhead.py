@@ -89,7 +89,7 @@ import matplotlib
 import standard_nets as sn
 import torch
 import torch.nn.functional as F
-from _common import machine_info, write_json
+from _common import add_allocator_option, apply_allocator, machine_info, write_json
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
@@ -699,6 +699,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         metavar="SECONDS",
         help="first wait up to this long for other processes to leave the CPU (default 0)",
     )
+    add_allocator_option(p, default="glibc-default")
     p.add_argument("--out", type=Path, default=None, help=f"JSON output path ({DEFAULT_OUT.name})")
     args = p.parse_args(argv)
     if args.standard:
@@ -722,6 +723,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
+    _, allocator = apply_allocator(args.allocator)
     started = time.perf_counter()
     load_start = load_average()
     specs = [MODELS[m] for m in args.models]
@@ -794,6 +796,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "warmup_steps": args.std_warmup,
                 "naive": not args.no_naive,
             },
+            "allocator": allocator,
             "quick": args.quick,
             "decay": DECAY,
             "optimizer": f"SGD(lr={LR}, momentum={MOMENTUM})",

@@ -40,6 +40,13 @@ the dense network in the same form, the FLOPs reduction (dense / pruned FLOPs) a
 speed-up / FLOPs reduction (target >= 0.8 at batch 32), with the process CPU time of the timed
 rounds and the share of each round in which Linux PSI saw tasks waiting for a CPU (other load).
 
+Before anything is timed the process calls ``fisherprune.export.retain_freed_memory()``
+(``--allocator retain``, the default), as docs/usage.md recommends for serving on CPU: with
+glibc's defaults every buffer over 32 MiB (the MLP activations of a BERT-base at batch 32 are
+48 MiB) is mapped afresh and page-faulted in at every call, a cost proportional to activation
+memory that FLOPs do not count and that a pruned network keeps a larger share of.
+``--allocator glibc-default`` times without it.
+
 Run ``python benchmarks/transformer_latency.py`` (batch 32, 12 blocks, 3 rounds: about 25
 minutes of 2 quiet cores, compiling included) or ``--quick`` (2 blocks, batch 2, 2 rounds; a
 check that it runs, not figures to quote). JSON to ``--out`` (default
@@ -63,7 +70,7 @@ import matplotlib
 import post_training as pt
 import standard_nets as sn
 import torch
-from _common import counted_flops, machine_info, write_json
+from _common import add_allocator_option, apply_allocator, counted_flops, machine_info, write_json
 from overhead import cpu_stall_us, stall_fraction
 from torch import Tensor, nn
 from torch.profiler import ProfilerActivity
@@ -557,6 +564,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "time, MLP and hidden units in 8s)",
     )
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads (default 2)")
+    add_allocator_option(p)
     p.add_argument("--layers", type=int, default=None, help="encoder blocks (12; quick 2)")
     p.add_argument("--quick", action="store_true", help="2 blocks, batch 2, 2 timed calls")
     p.add_argument(
@@ -584,6 +592,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
+    _, allocator = apply_allocator(args.allocator)
     started, load_start = time.perf_counter(), list(os.getloadavg())
     results: dict[str, Any] = {}
     if args.append and args.out.is_file():
@@ -622,6 +631,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "lib_round_to": args.lib_round_to,
                     "layers": args.layers,
                     "threads": args.threads,
+                    "allocator": allocator,
                     "quick": args.quick,
                     "statistic": "min over rounds of one call each",
                     "nice": os.nice(0),
