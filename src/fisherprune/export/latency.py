@@ -112,7 +112,9 @@ def measure_latency(
 
     The models are timed round-robin (``rounds`` rounds of ``repeats`` calls each) so
     that all of them see the same machine load; each model's blocks are summarised by
-    ``statistic``.
+    ``statistic``. The process's allocator is used as it is: under glibc's defaults large
+    activations are page-faulted in at every call, which hides part of what pruning saves;
+    call ``retain_freed_memory()`` first to time as a serving process should run.
 
     Args:
         models: what to time, by name: ``nn.Module`` s, TorchScript modules (frozen ones too),
