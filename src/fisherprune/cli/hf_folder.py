@@ -106,13 +106,16 @@ def _reload(back: nn.Module, small: nn.Module, batch: Any) -> tuple[str | None, 
         want = call_model(small, batch)
         got = output_tensor(call_model(back, batch))
     want = output_tensor(fill.kept_outputs(want) if fill is not None else want)
+    width = got.shape[-1]
     if got.shape != want.shape:
-        shapes = f"{tuple(got.shape)}, not {tuple(want.shape)}"
-        return f"from_pretrained gives outputs of shape {shapes}", got.shape[-1]
+        return (
+            f"from_pretrained gives outputs of shape {tuple(got.shape)}, not {tuple(want.shape)}",
+            width,
+        )
     err = float((got - want).abs().max())
     if err > 1e-4 * max(1.0, float(want.abs().max())):
-        return f"from_pretrained gives outputs {err:.3g} away from the pruned model's", 0
-    return None, got.shape[-1]
+        return f"from_pretrained gives outputs {err:.3g} away from the pruned model's", width
+    return None, width
 
 
 def _filled_note(small: nn.Module, name: str) -> str | None:

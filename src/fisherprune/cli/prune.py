@@ -536,7 +536,8 @@ def prune_command(args: argparse.Namespace) -> int:
         )
     # timed as docs/usage.md advises serving on CPU, with freed memory kept in the process:
     # glibc's defaults page-fault large activations in at every call, a cost that does not
-    # shrink with the FLOPs (the process ends after the report, so the setting goes with it)
+    # shrink with the FLOPs. The setting is process-wide and lasts: the console script ends
+    # after the report; a caller of main() in its own process keeps it (retain_freed_memory)
     allocator = "freed memory retained" if retain_freed_memory() else "allocator as it was"
     latency = measure_latency(
         {"dense": dense, "pruned": small}, job.batches[0][0], repeats=5, rounds=3

@@ -91,8 +91,8 @@ def _hidden(model: nn.Module) -> list[int]:
     ``embedding_hidden_mapping_in``; their embedding norm is ``embedding_size`` wide), else
     the width the first normalisation layer normalises."""
     for name, mod in model.named_modules():
-        if name.rsplit(".", 1)[-1] in _EMBEDDING_PROJECTIONS and _out_width(mod):
-            return [_out_width(mod)]  # type: ignore[list-item]
+        if name.rsplit(".", 1)[-1] in _EMBEDDING_PROJECTIONS and (width := _out_width(mod)):
+            return [width]
     for mod in model.modules():
         w = getattr(mod, "weight", None)
         if "Norm" in type(mod).__name__ and isinstance(w, torch.Tensor) and w.dim() == 1:
