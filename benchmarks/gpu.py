@@ -279,7 +279,8 @@ def popt_loop(
 
 def sync_check(spec: ov.ModelSpec, args: argparse.Namespace) -> dict[str, Any]:
     """Per variant (and the ``PruningOptimizer`` loop on non-pruning steps): ``"pass"`` when
-    ``SYNC_STEPS`` steps ran under ``set_sync_debug_mode("error")``, else the error message."""
+    ``SYNC_STEPS`` steps ran under ``set_sync_debug_mode("warn")`` with no synchronising call,
+    else ``"FAIL"`` and where each one was made (file:line of the Python code that made it)."""
     if args.device.type != "cuda":
         return {"skipped": "torch.cuda.set_sync_debug_mode needs a CUDA device"}
     fns = variant_fns(spec, args, STEP_VARIANTS)
@@ -288,15 +289,18 @@ def sync_check(spec: ov.ModelSpec, args: argparse.Namespace) -> dict[str, Any]:
     for k, fn in fns.items():
         fn()  # first step: lazy initialisation (cuBLAS handles, the first-step checks)
         sync(args.device)
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            for _ in range(SYNC_STEPS):
-                fn()
-            out[k] = "pass"
-        except RuntimeError as exc:
-            out[k] = f"FAIL: {exc}"
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                for _ in range(SYNC_STEPS):
+                    fn()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        where = sorted(
+            {f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)}
+        )
+        out[k] = "pass" if not where else f"FAIL: synchronising calls at {', '.join(where)}"
     if args.dtype is torch.float16:
         out["note"] = "GradScaler.step reads its inf check on the host: fp16 fails by design"
     return out
@@ -498,6 +502,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.device.type == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: torch sees no CUDA device; --device cpu checks the script")
     if args.device.type == "cuda":
+        if args.device.index is None:  # "cuda": the current device, named (set_device needs it)
+            args.device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(args.device)  # the CUDA events time the current device's stream
     if args.compile is None:
         args.compile = not args.quick

@@ -413,25 +413,84 @@ def test_mask_buffer_stays_differentiable_under_torch_func() -> None:
     _assert_close({k.removesuffix(".mask"): v for k, v in got.items()}, want)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("shape", [(3, 5, 7), (4, 8, 64, 64), (2, 4, 3, 64, 64)])
-def test_per_example_channel_dot_against_loop(shape: tuple[int, ...], dtype: torch.dtype) -> None:
-    """The per-(example, channel) dot product, on both of its code paths (small tensors and
-    large contiguous ones), equals a plain float64 loop over examples and channels."""
-    from fisherprune.masks.layer import FUSED_DOT_MIN_NUMEL, _per_example_channel_dot
+def _dot_reference(grad: Tensor, x: Tensor, dim: int) -> Tensor:
+    """Per-(example, channel) sums of ``grad * x`` by a float64 loop."""
+    grad, x = grad.double().movedim(dim, 1), x.double().movedim(dim, 1)
+    want = torch.empty(x.shape[:2], dtype=torch.float64)
+    for n in range(x.shape[0]):
+        for c in range(x.shape[1]):
+            want[n, c] = (grad[n, c] * x[n, c]).sum()
+    return want
+
+
+DOT_TOLERANCE = {
+    torch.float64: {"rtol": 1e-12, "atol": 1e-11},
+    torch.float32: {"rtol": 1e-5, "atol": 1e-4},
+    # each product is rounded to the inputs' precision, the sum is not: the error is that of
+    # the products, a few units of 2**-8 (bf16) / 2**-11 (fp16) of the sum of their sizes
+    torch.bfloat16: {"rtol": 2e-2, "atol": 2e-1},
+    torch.float16: {"rtol": 3e-3, "atol": 3e-2},
+}
+
+
+@pytest.fixture(params=["fused", "generic"])
+def dot_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run a test on the fused batch-norm-backward path (where the shape takes it) and again
+    with that path refused, as a backend that lacks it refuses it."""
+    from fisherprune.masks import layer
+
+    monkeypatch.setattr(layer, "_NO_FUSED", set())
+    if request.param == "generic":
+
+        def refuse(*_a: object, **_k: object) -> None:
+            raise RuntimeError("tensor does not have a device")
+
+        monkeypatch.setattr(torch.ops.aten, "native_batch_norm_backward", refuse)
+    return str(request.param)
+
+
+@pytest.mark.parametrize("dtype", list(DOT_TOLERANCE))
+@pytest.mark.parametrize(
+    "shape, dim", [((3, 5, 7), 1), ((4, 8, 64, 64), 1), ((2, 4, 3, 64, 64), 1), ((4, 96, 24), 2)]
+)
+def test_per_example_channel_dot_against_loop(
+    shape: tuple[int, ...], dim: int, dtype: torch.dtype, dot_path: str
+) -> None:
+    """The per-(example, channel) dot product, on the fused path and on the generic one that
+    serves every backend, equals a plain float64 loop over examples and channels; half-precision
+    inputs give a float32 result."""
+    from fisherprune.masks.layer import _per_example_channel_dot
 
     gen = torch.Generator().manual_seed(0)
     grad = torch.randn(shape, generator=gen, dtype=torch.float64)
     x = torch.randn(shape, generator=gen, dtype=torch.float64).relu()
-    want = torch.empty(shape[:2], dtype=torch.float64)
-    for n in range(shape[0]):
-        for c in range(shape[1]):
-            want[n, c] = (grad[n, c] * x[n, c]).sum()
-    got = _per_example_channel_dot(grad.to(dtype), x.to(dtype), 1)
-    assert got.dtype == dtype and got.shape == shape[:2]
-    tol = {"rtol": 1e-5, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 1e-12, "atol": 1e-11}
-    torch.testing.assert_close(got.double(), want, **tol)
-    assert (x.numel() >= FUSED_DOT_MIN_NUMEL) == (len(shape) > 3)  # both paths are covered
+    g_in, x_in = grad.to(dtype), x.to(dtype)
+    got = _per_example_channel_dot(g_in, x_in, dim)
+    low = dtype in (torch.bfloat16, torch.float16)
+    assert got.dtype == (torch.float32 if low else dtype)
+    assert got.shape == (shape[0], shape[dim])
+    torch.testing.assert_close(
+        got.double(), _dot_reference(g_in, x_in, dim), **DOT_TOLERANCE[dtype]
+    )
+
+
+def test_refused_fused_dot_is_remembered(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A backend that refuses the fused path is asked once: later calls go straight to the
+    generic path (no exception raised and caught in every backward)."""
+    from fisherprune.masks import layer
+
+    monkeypatch.setattr(layer, "_NO_FUSED", set())
+    calls: list[int] = []
+
+    def refuse(*_a: object, **_k: object) -> None:
+        calls.append(1)
+        raise RuntimeError("tensor does not have a device")
+
+    monkeypatch.setattr(torch.ops.aten, "native_batch_norm_backward", refuse)
+    x = torch.rand(4, 8, 64, 64)
+    for _ in range(3):
+        layer._per_example_channel_dot(x, x, 1)
+    assert len(calls) == 1 and ("cpu", torch.float32) in layer._NO_FUSED
 
 
 def _conv_pool_net(mask_before_pool: bool) -> nn.Sequential:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import re
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+import torch
 from torch import nn
 
 from fisherprune.graph.channels import ChannelGraph
@@ -190,7 +192,8 @@ _UNSAFE = (
 def _install(model: nn.Module, groups: list[ChannelGroup], specs: list[MaskPointSpec]) -> list[str]:
     taken: set[str] = set()
     keys = [_key(g.name, taken) for g in groups]
-    masks = {k: MaskLayer(g.num_channels) for k, g in zip(keys, groups, strict=True)}
+    device = _model_device(model)
+    masks = {k: MaskLayer(g.num_channels).to(device) for k, g in zip(keys, groups, strict=True)}
     for k, g in zip(keys, groups, strict=True):
         masks[k].channel_width = g.channel_width
     points = [
@@ -211,6 +214,14 @@ def _install(model: nn.Module, groups: list[ChannelGroup], specs: list[MaskPoint
     install_mask_points(model, masks, points, norms, outputs)
     _hook_module_forwards(model)
     return keys
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    """Where the model's first parameter (or buffer) lives: its masks go there too, so that
+    a step never copies a mask between host and device."""
+    for t in itertools.chain(model.parameters(), model.buffers()):
+        return t.device
+    return torch.device("cpu")
 
 
 def _hook_module_forwards(model: nn.Module) -> None:

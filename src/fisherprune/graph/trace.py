@@ -30,6 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_map
 
 from fisherprune.graph.atoms import Atoms
+from fisherprune.graph.cpu_standin import on_cpu
 from fisherprune.graph.gqa import units_while_tracing
 from fisherprune.graph.heads import group_size_attributes, head_attributes, width_attributes
 from fisherprune.graph.module_forwards import module_forward, share_inputs_hooks
@@ -51,7 +52,7 @@ from fisherprune.masks.layer import MaskLayer
 from fisherprune.modes import eval_mode
 from fisherprune.norms import detect_norms, norm_spec
 
-__all__ = ["Trace", "trace_model"]
+__all__ = ["Trace", "on_cpu", "trace_model"]
 
 
 @dataclass
@@ -283,7 +284,11 @@ def trace_model(
 ) -> Trace:
     """Run one forward pass of ``model`` in eval mode under the tracer.
 
-    The model's parameters, buffers and training flags are left as they were.
+    The model's parameters, buffers and training flags are left as they were. The forward
+    always runs on the CPU (``on_cpu``), whatever device the model lives on: a GPU dispatches
+    other ATen operators (cuDNN's batch norm, the flash and memory-efficient attention
+    kernels, fused RMS norm), and a network's groups, mask placement and cost must not depend
+    on where it lives. ``loss_fn`` therefore receives the output of that CPU forward.
 
     Args:
         model: the network.
@@ -296,7 +301,11 @@ def trace_model(
     Raises:
         ValueError: no input with a batch dimension.
     """
-    inputs = Inputs.of(example_inputs)
+    with on_cpu(model, Inputs.of(example_inputs)) as inputs:
+        return _trace(model, inputs, loss_fn)
+
+
+def _trace(model: nn.Module, inputs: Inputs, loss_fn: Callable[[Any], Tensor] | None) -> Trace:
     trace = Trace(batch_size=inputs.batch_size)
     detect_norms(model)  # before the tracer runs: the probe's own ops are not the model's
     masks = {id(m): n for n, m in model.named_modules() if isinstance(m, MaskLayer)}

@@ -101,6 +101,8 @@ class MaskPoint:
             for m, p, i in parts
         ]
         self._np_parts = [(m, np.asarray(p), np.asarray(i)) for m, p, i in parts]
+        self._parts_on: dict[torch.device, list[tuple[MaskLayer, Tensor, Tensor]]] = {}
+        self._vector_cache: tuple[tuple[Any, ...], Tensor] | None = None
         m0, p0, i0 = self.parts[0]
         self._direct = (
             len(self.parts) == 1
@@ -120,13 +122,30 @@ class MaskPoint:
         #: False once an in-place op downstream was seen changing the input (see _MaskMultiply)
         self._alias_ok = True
 
+    def parts_on(self, device: torch.device) -> list[tuple[MaskLayer, Tensor, Tensor]]:
+        """``parts`` with the position and index tensors on ``device``, copied there once: a
+        copy from host memory in every step would make each step wait for a GPU."""
+        got = self._parts_on.get(device)
+        if got is None:
+            got = [(m, p.to(device), i.to(device)) for m, p, i in self.parts]
+            self._parts_on[device] = got
+        return got
+
     def _vector(self, dtype: torch.dtype, device: torch.device) -> Tensor:
-        """The multiplier of each position of the masked dim, shape (size,)."""
+        """The multiplier of each position of the masked dim, shape (size,); made again only
+        when a mask changed (a step of a pruned model makes no small kernels for it)."""
+        key = (dtype, device, *(id(m.mask) for m in self._masks))
+        key += tuple(m.mask._version for m in self._masks)
+        if self._vector_cache is not None and self._vector_cache[0] == key:
+            return self._vector_cache[1]
         if self._direct:
-            return self.parts[0][0].mask.to(dtype=dtype, device=device)
-        mult = torch.ones(self.size, dtype=dtype, device=device)
-        for m, pos, idx in self.parts:
-            mult[pos.to(device)] = m.mask[idx.to(m.mask.device)].to(dtype=dtype, device=device)
+            mult = self.parts[0][0].mask.to(dtype=dtype, device=device)
+        else:
+            mult = torch.ones(self.size, dtype=dtype, device=device)
+            for m, pos, idx in self.parts_on(device):
+                mult[pos] = m.mask[idx.to(m.mask.device)].to(dtype=dtype, device=device)
+        if not any(m.mask.requires_grad for m in self._masks):
+            self._vector_cache = (key, mult)
         return mult
 
     def multiplier(self, x: Tensor) -> Tensor:
@@ -241,9 +260,9 @@ class MaskPoint:
             if self.parts[0][0].collecting:
                 self.parts[0][0].accumulate(g, None)
             return
-        for m, pos, idx in self.parts:
+        for m, pos, idx in self.parts_on(g.device):
             if m.collecting:
-                m.accumulate(g[:, pos.to(g.device)], idx)
+                m.accumulate(g[:, pos], idx)
 
 
 class MaskHolder(nn.ModuleDict):

@@ -144,21 +144,50 @@ def _all_reduce(
     return out
 
 
+#: per (device, sizes of a group's signals): which signal each element of their concatenation
+#: belongs to, made on the device once (a copy from the host in every step would wait for it)
+_SEGMENTS: dict[tuple[torch.device, tuple[int, ...]], Tensor] = {}
+
+
+def _segments(device: torch.device, sizes: tuple[int, ...]) -> Tensor:
+    key = (device, sizes)
+    seg = _SEGMENTS.get(key)
+    if seg is None:
+        counts = torch.tensor(sizes, device=device)
+        seg = torch.repeat_interleave(torch.arange(len(sizes), device=device), counts)
+        _SEGMENTS[key] = seg
+    return seg
+
+
 def _fold_into_signals(ready: list[Ready], decay: float) -> None:
     """``signal <- decay * signal + (1 - decay) * factor * total`` for each entry whose total
     is finite and that some example contributed to, in place and on the device (no host read);
     the finiteness of each group's totals (one per dtype and device) goes to ``_pending``. The
-    totals are sums of non-negative statistics, so one is finite exactly when its sum is."""
+    totals are sums of non-negative statistics, so one is finite exactly when its sum is.
+
+    Each group is folded as one concatenated vector: about ten kernels for all its masks
+    rather than four per mask (on a GPU a step is often bound by how many kernels it launches).
+    """
     groups: dict[tuple[torch.dtype, torch.device], list[Ready]] = {}
     for name, m, total, factor, present in ready:
         key = (m.signal.dtype, m.signal.device)
         groups.setdefault(key, []).append((name, m, total.to(m.signal), factor, present))
     with torch.no_grad():
-        for entries in groups.values():
-            totals = [e[2] for e in entries]
-            ok = torch.stack(torch._foreach_norm(totals, 1)).isfinite()
-            for (_, m, total, factor, present), fine in zip(entries, ok.unbind(), strict=True):
-                moved = torch.lerp(m.signal, total * factor, 1.0 - decay)
-                keep = fine if present is None else fine & present
-                m.signal.copy_(torch.where(keep, moved, m.signal))
+        for (_, device), entries in groups.items():
+            signals = [e[1].signal for e in entries]
+            factors = [e[3] for e in entries]
+            if all(isinstance(f, float) for f in factors):
+                scaled = torch._foreach_mul([e[2] for e in entries], factors)
+            else:
+                scaled = [e[2] * f for e in entries for f in (e[3],)]
+            ok = torch.stack(torch._foreach_norm(scaled, 1)).isfinite()
+            keep = ok
+            if any(e[4] is not None for e in entries):
+                present = [e[4] if e[4] is not None else ok.new_ones(()) for e in entries]
+                keep = ok & torch.stack(present)
+            sizes = tuple(t.numel() for t in signals)
+            old = torch.cat(signals)
+            moved = torch.lerp(old, torch.cat(scaled), 1.0 - decay)
+            new = torch.where(keep[_segments(device, sizes)], moved, old)
+            torch._foreach_copy_(signals, list(new.split(sizes)))
             _pending.append(PendingFlags([e[0] for e in entries], ok))
