@@ -71,9 +71,14 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 PRECISION_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 STEP_VARIANTS = ("a", "b", "c")  # overhead.py's plain, collecting, pruned-not-collecting
 LATENCY_TARGETS = (0.5, 0.25)
+#: eager slower than the same forward replayed as a CUDA graph by more than this: launch-bound
+LAUNCH_BOUND = 1.3
 ROUND_TO = 8
 PRUNE_EVERY = 10
 SYNC_STEPS = 3
+#: what set_sync_debug_mode("warn") says at a synchronising call (its own notice that the mode
+#: is a prototype also says "Synchronization", and is not one)
+SYNC_WARNING = "called a synchronizing"
 #: the PruningOptimizer of the throughput and sync runs (and overhead.py's SGD settings)
 POPT: dict[str, Any] = {
     "lr": ov.LR,
@@ -298,7 +303,7 @@ def sync_check(spec: ov.ModelSpec, args: argparse.Namespace) -> dict[str, Any]:
             finally:
                 torch.cuda.set_sync_debug_mode("default")
         where = sorted(
-            {f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)}
+            {f"{w.filename}:{w.lineno}" for w in caught if SYNC_WARNING in str(w.message)}
         )
         out[k] = "pass" if not where else f"FAIL: synchronising calls at {', '.join(where)}"
     if args.dtype is torch.float16:
@@ -324,7 +329,7 @@ def trainer_sync_check(args: argparse.Namespace, steps: int = 120) -> dict[str, 
                 original(loop)
             finally:
                 torch.cuda.set_sync_debug_mode("default")
-        syncs = [str(w.message)[:160] for w in caught if "synchroniz" in str(w.message)]
+        syncs = [str(w.message)[:160] for w in caught if SYNC_WARNING in str(w.message)]
         seen.append((loop.guard.unread > 0, syncs))
 
     g = torch.Generator().manual_seed(0)
@@ -406,48 +411,75 @@ def encoder_latency(name: str, args: argparse.Namespace) -> dict[str, Any]:
         label = f"uniform r{ROUND_TO} {target:.0%}"
         nets[label] = fp.shrink(masked, x1).eval()
         flops[label] = counted_flops(nets[label], x1)
-    x = make_input(args.latency_batch).to(args.device)
-    x = x.to(args.dtype) if x.is_floating_point() else x
-    forms: dict[str, Fn] = {}
-    compile_errors: dict[str, str] = {}
-    for label, net in nets.items():
-        net = net.to(args.device, args.dtype)
-        forms[f"eager|{label}"] = lambda net=net: net(x)
-        if args.compile:
-            compiled = torch.compile(net)
-            try:
-                with torch.inference_mode():
-                    compiled(x)
-                forms[f"compiled|{label}"] = lambda net=compiled: net(x)
-            except Exception as exc:  # any compiler failure is recorded
-                compile_errors[label] = f"{type(exc).__name__}: {exc}"[:500]
-    with torch.inference_mode():
-        times = interleaved(forms, args.rounds, args.calls, 1, args.device)
-    rows = []
-    for key, ts in times.items():
-        form, label = key.split("|")
-        dense_ts = times[f"{form}|dense"]
-        speedup = min(dense_ts) / min(ts)
-        reduction = flops["dense"] / flops[label]
-        rows.append(
-            {
-                "form": form,
-                "network": label,
-                "latency_ms": min(ts),
-                "round_ms": ts,
-                "speedup": speedup,
-                "paired_speedups": [d / t for d, t in zip(dense_ts, ts, strict=True)],
-                "flops_reduction": reduction,
-                "efficiency": speedup / reduction,
-            }
-        )
+    rows, compile_errors = [], {}
+    for batch in args.latency_batches:
+        x = make_input(batch).to(args.device)
+        x = x.to(args.dtype) if x.is_floating_point() else x
+        forms: dict[str, Fn] = {}
+        for label, net in nets.items():
+            net = net.to(args.device, args.dtype)
+            forms[f"eager|{label}"] = lambda net=net, x=x: net(x)
+            if args.device.type == "cuda":
+                forms[f"cuda graph|{label}"] = cuda_graph(net, x)
+            if args.compile:
+                compiled = torch.compile(net)
+                try:
+                    with torch.inference_mode():
+                        compiled(x)
+                    forms[f"compiled|{label}"] = lambda net=compiled, x=x: net(x)
+                except Exception as exc:  # any compiler failure is recorded
+                    compile_errors[label] = f"{type(exc).__name__}: {exc}"[:500]
+        with torch.inference_mode():
+            times = interleaved(forms, args.rounds, args.calls, 1, args.device)
+        graph = {k.split("|")[1]: min(ts) for k, ts in times.items() if k.startswith("cuda graph")}
+        for key, ts in times.items():
+            form, label = key.split("|")
+            dense_ts = times[f"{form}|dense"]
+            speedup = min(dense_ts) / min(ts)
+            reduction = flops["dense"] / flops[label]
+            eager = min(times[f"eager|{label}"])
+            rows.append(
+                {
+                    "batch": batch,
+                    "form": form,
+                    "network": label,
+                    "latency_ms": min(ts),
+                    "round_ms": ts,
+                    "speedup": speedup,
+                    "paired_speedups": [d / t for d, t in zip(dense_ts, ts, strict=True)],
+                    "flops_reduction": reduction,
+                    "efficiency": speedup / reduction,
+                    # eager waits on the host when replaying its kernels as one graph is far
+                    # faster: then the forward is bound by launches, not by arithmetic
+                    "bound": "launch"
+                    if label in graph and eager > LAUNCH_BOUND * graph[label]
+                    else "compute",
+                }
+            )
     return {"flops_per_example": flops, "rows": rows, "compile_errors": compile_errors or None}
+
+
+def cuda_graph(net: nn.Module, x: Tensor) -> Fn:
+    """``net(x)`` captured once as a CUDA graph (inference mode, static input): one call
+    replays every kernel with a single launch, as a server that graphs its forward does."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.inference_mode():
+        for _ in range(2):  # warm-up outside the capture (cuBLAS workspaces, autotuning)
+            net(x)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph), torch.inference_mode():
+        net(x)
+    return graph.replay
 
 
 # ------------------------------------------------------------------ report
 SIZES: dict[str, dict[str, int]] = {  # --quick, and the figures to quote
-    "quick": dict(batch=2, rounds=1, steps=1, warmup=0, calls=1, layers=2, latency_batch=2),
-    "full": dict(batch=32, rounds=10, steps=10, warmup=5, calls=5, layers=12, latency_batch=32),
+    "quick": dict(batch=2, rounds=1, steps=1, warmup=0, calls=1, layers=2, latency_batches=(2,)),
+    "full": dict(
+        batch=32, rounds=10, steps=10, warmup=5, calls=5, layers=12, latency_batches=(1, 32, 256)
+    ),
 }
 
 
@@ -465,13 +497,14 @@ def print_tables(results: dict[str, Any]) -> None:
         print(
             f"{name:<10} PruningOptimizer loop: {res['sync_check'].get('pruning_optimizer', '-')}"
         )
-    head = ("model", "form", "network", "ms", "speed-up", "FLOPs /", "eff")
-    print("\n{:<10} {:<9} {:<18} {:>9} {:>9} {:>8} {:>5}".format(*head))
+    head = ("model", "batch", "form", "network", "ms", "speed-up", "FLOPs /", "eff")
+    print("\n{:<10} {:>5} {:<11} {:<18} {:>9} {:>9} {:>8} {:>5}  bound".format(*head))
     for name, res in results["latency"].items():
         for r in res["rows"]:
             print(
-                f"{name:<10} {r['form']:<9} {r['network']:<18} {r['latency_ms']:9.2f} "
-                f"{r['speedup']:9.2f} {r['flops_reduction']:8.2f} {r['efficiency']:5.2f}"
+                f"{name:<10} {r['batch']:>5} {r['form']:<11} {r['network']:<18} "
+                f"{r['latency_ms']:9.2f} {r['speedup']:9.2f} {r['flops_reduction']:8.2f} "
+                f"{r['efficiency']:5.2f}  {r['bound']}"
             )
         if res["compile_errors"]:
             print(f"{name:<10} torch.compile failed: {res['compile_errors']}")

@@ -74,6 +74,14 @@ class SharedProduct:
         return out
 
 
+def _to_device(t: Tensor, device: torch.device) -> Tensor:
+    """``t`` (on the host) copied to ``device``; to a GPU from pinned memory without waiting,
+    so that even the first step after a move makes no synchronising copy."""
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 class MaskPoint:
     """Multiplies positional input ``arg`` of a module, along ``dim``, by one or more masks.
 
@@ -127,7 +135,7 @@ class MaskPoint:
         copy from host memory in every step would make each step wait for a GPU."""
         got = self._parts_on.get(device)
         if got is None:
-            got = [(m, p.to(device), i.to(device)) for m, p, i in self.parts]
+            got = [(m, _to_device(p, device), _to_device(i, device)) for m, p, i in self.parts]
             self._parts_on[device] = got
         return got
 

@@ -152,10 +152,9 @@ _SEGMENTS: dict[tuple[torch.device, tuple[int, ...]], Tensor] = {}
 def _segments(device: torch.device, sizes: tuple[int, ...]) -> Tensor:
     key = (device, sizes)
     seg = _SEGMENTS.get(key)
-    if seg is None:
-        counts = torch.tensor(sizes, device=device)
-        seg = torch.repeat_interleave(torch.arange(len(sizes), device=device), counts)
-        _SEGMENTS[key] = seg
+    if seg is None:  # filled on the device: no copy from the host, no size read back
+        parts = [torch.full((n,), i, dtype=torch.long, device=device) for i, n in enumerate(sizes)]
+        seg = _SEGMENTS[key] = torch.cat(parts)
     return seg
 
 
