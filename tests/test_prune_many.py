@@ -115,6 +115,11 @@ def _select_one_at_a_time(net: torch.nn.Module, example: Tensor, goal: float) ->
         assert prune(masks, scores, cost=report) is not None
 
 
+#: one scoring, no cap (``rounds=1, round_cap=1``): the selection ``_select_one_at_a_time``
+#: stands for
+ONE_SCORING = {"criterion": L1(), "reconstruct": False, "rounds": 1, "round_cap": 1.0}
+
+
 def _bigger_resnet() -> torch.nn.Module:
     widths = {k: 6 * v for k, v in zoo.DEFAULT_WIDTHS["resnet_basic"].items()}
     return zoo.build_resnet_basic(widths, seed=0)
@@ -133,7 +138,7 @@ def test_a_report_per_channel_is_the_one_at_a_time_selection(monkeypatch, target
     net = _bigger_resnet()
     fp.apply_masks(net, x)
     ref = copy.deepcopy(net)
-    result = fp.prune_to_target(net, x, [(x, None)], target, criterion=L1(), reconstruct=False)
+    result = fp.prune_to_target(net, x, [(x, None)], target, **ONE_SCORING)
     _select_one_at_a_time(ref, x, result.target)
     assert len(result.events) > 20
     kept, expected = _kept(net), _kept(ref)
@@ -158,7 +163,7 @@ def test_chunked_selection_is_within_one_chunk_of_one_at_a_time(monkeypatch, tar
         return report(self)
 
     monkeypatch.setattr(CostModel, "report", counting_report)
-    result = fp.prune_to_target(net, x, [(x, None)], target, criterion=L1(), reconstruct=False)
+    result = fp.prune_to_target(net, x, [(x, None)], target, **ONE_SCORING)
     monkeypatch.setattr(CostModel, "report", report)
     _select_one_at_a_time(ref, x, result.target)
     chunks = [b - a for a, b in itertools.pairwise(removed_at_report)]
@@ -172,3 +177,12 @@ def test_chunked_selection_is_within_one_chunk_of_one_at_a_time(monkeypatch, tar
         for n, channels in last.removed.items():
             fp.find_masks(net)[n].mask[list(channels)] = 1.0
     assert fp.computational_cost(net, x).total > result.target
+
+
+def test_keep_is_a_floor_for_this_call_only() -> None:
+    """``keep`` stops the masks it names at that count (``prune_to_target``'s round cap); the
+    others go down to their floor; at a count of ``keep`` or less a mask is left as it is."""
+    masks, scores, report = _masks(0)
+    prune_many(masks, scores, cost=report, until=-1.0, keep={"a": 9, "d": 15, "c": 8})
+    kept = {n: m.kept for n, m in masks.items()}
+    assert kept == {"a": 9, "b": 1, "c": 7, "d": 15, "e": 1}

@@ -61,8 +61,9 @@ def test_without_repair_no_weight_statistic_grad_or_flag_changes() -> None:
 
 
 def test_one_round_signal_is_the_training_time_estimate_over_all_examples() -> None:
-    """With rounds=1 each mask's (float32) signal equals update_pruning_signals(decay=0) after one
-    backward of the mean loss over all calibration examples at once, in eval mode."""
+    """With one scoring (rounds=1, round_cap=1) each mask's (float32) signal equals
+    update_pruning_signals(decay=0) after one backward of the mean loss over all calibration
+    examples at once, in eval mode."""
     torch.manual_seed(0)
     net = _net().double()
     x, y = _data()
@@ -73,20 +74,36 @@ def test_one_round_signal_is_the_training_time_estimate_over_all_examples() -> N
     ref.eval()
     F.cross_entropy(ref(x), y).backward()
     fp.update_pruning_signals(fp.find_masks(ref), decay=0.0)
-    fp.prune_to_target(
-        net, x[:1], _batches(x, y), "70%", loss_fn=F.cross_entropy, reconstruct=False
+    result = fp.prune_to_target(
+        net,
+        x[:1],
+        _batches(x, y),
+        "70%",
+        loss_fn=F.cross_entropy,
+        reconstruct=False,
+        rounds=1,
+        round_cap=1.0,
     )
+    assert result.rounds == 1
     for name, m in fp.find_masks(net).items():
         torch.testing.assert_close(m.signal, fp.find_masks(ref)[name].signal, rtol=1e-6, atol=0)
 
 
 def test_rounds_stop_at_equal_cost_ratios() -> None:
-    """With rounds=3 round r removes channels until start * (target / start) ** (r / 3): the
-    last event of each round is the first at or below it, and every round prunes."""
+    """With rounds=3 and no cap (round_cap=1) round r removes channels until
+    start * (target / start) ** (r / 3): the last event of each round is the first at or
+    below it, and every round prunes."""
     net = _net()
     x, y = _data()
     result = fp.prune_to_target(
-        net, x[:1], _batches(x, y), "40%", loss_fn=F.cross_entropy, rounds=3, reconstruct=False
+        net,
+        x[:1],
+        _batches(x, y),
+        "40%",
+        loss_fn=F.cross_entropy,
+        rounds=3,
+        round_cap=1.0,
+        reconstruct=False,
     )
     assert result.rounds == 3 and {e.step for e in result.events} == {1, 2, 3}
     for r in (1, 2, 3):

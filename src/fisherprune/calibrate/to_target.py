@@ -5,11 +5,18 @@ Per round: the criterion's signals are estimated on the calibration batches (for
 criterion, one forward and backward per batch in eval mode with every parameter frozen: no
 weight, gradient or batch-norm statistic changes), then channels are removed one (or one
 ``round_to`` block) at a time, as ``prune`` chooses them, with ``score_all``'s cost-weighted
-scores until the round's cost target is reached (``prune_many``, in chunks between exact
-cost reports). Round ``r`` of ``R`` stops at
-``start * (target / start) ** (r / R)``: equal cost ratios per round, the signals
-re-estimated on the thinner model between rounds (``rounds=1``: one-shot). Then the
-layers that read removed channels are refitted by least squares (``calibrate.repair``).
+scores until the round's cost goal is reached (``prune_many``, in chunks between exact
+cost reports). Goal ``g`` of ``R`` is ``start * (target / start) ** (g / R)``: equal cost
+ratios per goal, the signals re-estimated on the thinner model between rounds
+(``rounds="auto"``: ``R`` grows with the share of the cost removed, ``ROUND_RATIO``).
+
+No round removes more than ``round_cap`` of the channels a mask keeps when the round starts
+(at least one block): a channel's signal says what removing it alone costs in the network it
+was measured in, and a layer whose channels each matter little beside the others (a wide last
+convolution before a global pool) would otherwise lose nearly all of them to one scoring
+(issue 31: 63 of 64, test accuracy 0.99 -> 0.40). A round stopped by the cap before its goal
+is followed by another at the same goal, the signals re-estimated first. Then the layers that
+read removed channels are refitted by least squares (``calibrate.repair``).
 """
 
 from __future__ import annotations
@@ -34,7 +41,14 @@ from fisherprune.inputs import batch_size, calibration_pairs, call_model
 from fisherprune.masks import MaskLayer, find_masks
 from fisherprune.modes import eval_mode
 from fisherprune.pruner.optimizer import resolve_target
-from fisherprune.pruner.prune import PruneEvent, prune_many
+from fisherprune.pruner.prune import (
+    PruneEvent,
+    block_size,
+    floor_of,
+    lowest_kept,
+    prune_many,
+    rounding,
+)
 from fisherprune.pruner.scoring import FlopsWeight, score_all
 from fisherprune.pruner.uniform import plan_uniform
 from fisherprune.settings import check_flops_weight, check_int, check_min_channels, check_round_to
@@ -53,6 +67,14 @@ LossFn = Callable[[Any, Any], Tensor]
 
 #: the share of the remaining cost gap removed between two exact cost reports (``_Selection``)
 STEP_FRACTION = 0.25
+
+#: ``rounds="auto"``: the cost ratio of one round's goal, so ``ceil(log(target / start) /
+#: log(ROUND_RATIO))`` rounds: 2 to 70% of the cost, 4 to 50%, 6 to 30%
+#: (benchmarks/one_shot_defaults.py)
+ROUND_RATIO = 0.8
+
+#: the default ``round_cap``: the largest share of a mask's channels one round may remove
+ROUND_CAP = 0.5
 
 #: the default ``repair_budget``: the FLOPs the repair's forwards may cost, about 2,450
 #: forwards of a 224x224 image through a ResNet-50 (~4 minutes on 2 CPU cores): 8 passes over
@@ -77,6 +99,46 @@ def _stuck_message(result: PruneResult, goal: float, min_channels: Any, round_to
     )
 
 
+def _floor_message(result: PruneResult, min_channels: Any, round_to: int) -> str:
+    """Which masks the selection pruned down to their floor, with their widths."""
+    left = ", ".join(f"{n} ({result.kept[n][0]} of {result.kept[n][1]})" for n in result.at_floor)
+    return (
+        f"mask(s) left at their floor (min_channels={min_channels}, round_to={round_to}): "
+        f"{left}; the selection would have removed more of them. A layer this thin may hold "
+        "the network's accuracy back: check it, or raise min_channels"
+    )
+
+
+def _check_round_cap(round_cap: Any) -> float:
+    """``round_cap`` as a float in (0, 1]."""
+    if isinstance(round_cap, bool) or not isinstance(round_cap, (int, float)):
+        raise ValueError(f"round_cap must be a number in (0, 1], got {round_cap!r}")
+    if not 0 < round_cap <= 1:
+        raise ValueError(f"round_cap must be in (0, 1], got {round_cap!r}")
+    return float(round_cap)
+
+
+def _auto_rounds(start: float, goal: float) -> int:
+    """``rounds="auto"``: the goals needed to go from ``start`` to ``goal`` at a cost ratio of
+    at most ``ROUND_RATIO`` each (1e-9: a ratio that is a power of it needs no extra goal)."""
+    return max(1, math.ceil(math.log(goal / start) / math.log(ROUND_RATIO) - 1e-9))
+
+
+def _warn_collapse(masks: dict[str, MaskLayer], before: dict[str, int], r: int) -> None:
+    """Warn about every mask that round ``r`` took more than ``ROUND_CAP`` of its ``before``
+    channels from (possible only with a ``round_cap`` above it)."""
+    lost = {n: (before[n] - m.kept, before[n]) for n, m in masks.items()}
+    hit = {n: v for n, v in lost.items() if v[0] > ROUND_CAP * v[1]}
+    if hit:
+        which = ", ".join(f"{n} lost {a} of {b}" for n, (a, b) in hit.items())
+        warnings.warn(
+            f"round {r} removed most of a mask's channels in one scoring: {which}. The signals "
+            "of those kept were measured beside the removed ones, not in the network they are "
+            f"left in: lower round_cap (default {ROUND_CAP}) or raise rounds",
+            stacklevel=3,
+        )
+
+
 @dataclass
 class PruneResult:
     """What ``prune_to_target`` did.
@@ -98,6 +160,9 @@ class PruneResult:
         convention: the cost convention.
         kept_whole: with ``uniform=True``, the masks left whole and why (a Hugging Face
             config has no field for their width).
+        kept: per mask, the channels it keeps and the channels it had.
+        at_floor: the masks pruned down to their floor (``min_channels``, ``round_to``):
+            the selection stopped there, not the scores.
     """
 
     cost_before: float
@@ -112,11 +177,18 @@ class PruneResult:
     repair: RepairReport | None = None
     convention: str = "flops"
     kept_whole: dict[str, str] = field(default_factory=dict)
+    kept: dict[str, tuple[int, int]] = field(default_factory=dict)
+    at_floor: list[str] = field(default_factory=list)
 
     @property
     def ratio(self) -> float:
         """``cost_after / cost_before``."""
         return self.cost_after / self.cost_before if self.cost_before else math.nan
+
+    @property
+    def min_kept_fraction(self) -> float:
+        """The smallest share of its channels any mask keeps (NaN before pruning)."""
+        return min((k / n for k, n in self.kept.values() if n), default=math.nan)
 
 
 @contextmanager
@@ -192,7 +264,8 @@ def prune_to_target(
     *,
     loss_fn: LossFn | None = None,
     criterion: Criterion | str = "fisher",
-    rounds: int = 1,
+    rounds: int | str = "auto",
+    round_cap: float = ROUND_CAP,
     min_channels: int | float = 1,
     round_to: int = 1,
     uniform: bool = False,
@@ -210,10 +283,11 @@ def prune_to_target(
 ) -> PruneResult:
     """Prune a trained ``model`` to ``target`` using calibration ``batches``, without training.
 
-    Applies masks if the model has none (``apply_masks(model, example_inputs)``), then in
-    ``rounds`` rounds estimates the criterion's signals on the batches and removes the
-    lowest-scoring channels until the round's share of the cost reduction is reached (see
-    the module docstring), then refits the layers that read removed channels (``reconstruct``).
+    Applies masks if the model has none (``apply_masks(model, example_inputs)``), then round
+    after round estimates the criterion's signals on the batches and removes the
+    lowest-scoring channels until the round's share of the cost reduction is reached or
+    ``round_cap`` stops it (see the module docstring), then refits the layers that read
+    removed channels (``reconstruct``).
 
     Changes: the masks (removed channels set to 0; ``collecting`` turned off at the end) and
     their ``signal`` buffers; with ``reconstruct``, the weights and biases of the repaired
@@ -234,7 +308,14 @@ def prune_to_target(
             Fisher of the model's own predictive distribution (``calibrate.label_free``).
         criterion: a ``fisherprune.criteria.Criterion`` or a registered name (``"fisher"``,
             ``"taylor"``, ``"l1"``, ``"random"``).
-        rounds: estimation-and-selection rounds (1: one-shot).
+        rounds: the cost goals, equal cost ratios apart, each reached by one or more
+            estimation-and-selection rounds; ``"auto"``: as many as the share of the cost
+            removed needs at ``ROUND_RATIO`` each (4 to 50%); 1: one goal.
+        round_cap: the largest share of the channels a mask keeps when a round starts that
+            the round may remove (at least one channel or ``round_to`` block); a round that
+            reaches it before its goal is followed by another with re-estimated signals.
+            1: no cap (with ``rounds=1``: a single scoring, as before issue 31). A mask that
+            loses more than ``ROUND_CAP`` of them in one round is warned about.
         min_channels, round_to, uniform, flops_weight, convention, score_convention: as in
             ``PruningOptimizer`` (with ``uniform``, the masks a config cannot describe are left
             whole, listed in ``PruneResult.kept_whole``).
@@ -254,7 +335,8 @@ def prune_to_target(
         progress: show a progress bar over the calibration passes and rounds (tqdm).
 
     Returns:
-        A ``PruneResult``.
+        A ``PruneResult``: ``kept`` gives each mask's channels kept, ``at_floor`` the masks
+        left at their floor (warned about: the selection wanted more of them).
 
     Raises:
         ValueError: a bad setting, no batches, a target not below the starting cost, or a
@@ -265,7 +347,9 @@ def prune_to_target(
         >>> small = fisherprune.shrink(net)
     """
     start_time = time.perf_counter()
-    rounds = check_int("rounds", rounds, 1)
+    if rounds != "auto":
+        rounds = check_int('rounds ("auto" or an integer)', rounds, 1)
+    round_cap = _check_round_cap(round_cap)
     names = ("repair_passes", "repair_examples", "repair_budget")
     check_passes(repair_passes, repair_examples, repair_budget, names)
     min_channels = check_min_channels(min_channels)
@@ -296,35 +380,51 @@ def prune_to_target(
             f"target {target!r} ({goal:.6g} per example) must lie between 0 and the starting "
             f"cost {start:.6g}"
         )
+    goals = _auto_rounds(start, goal) if rounds == "auto" else rounds
     dense = {n: m.mask.detach().clone() for n, m in masks.items()}
     dense_flops = start  # a forward of the masked model costs the dense model's FLOPs
     if reconstruct and repair_budget is not None and convention != "flops":
         dense_flops = CostModel(model, example_inputs, "flops").total()
     classes, whole = plan_uniform(model, example_inputs, masks, round_to) if uniform else ([], {})
     selection = _Selection(
-        crit, cost_model, score_model, min_channels, round_to, flops_weight, classes, set(whole)
+        crit,
+        cost_model,
+        score_model,
+        min_channels,
+        round_to,
+        flops_weight,
+        classes,
+        set(whole),
+        round_cap,
     )
     result = PruneResult(start, start, goal, convention=convention, kept_whole=whole)
     clock = _PhaseClock()
-    stuck = False
-    for r in range(1, rounds + 1):
+    g, stuck = 1, False
+    while not stuck and g <= goals:
+        r = result.rounds + 1
         with clock("signals"):
             if crit.uses_gradients:
-                bar = _bar(progress, f"signals, round {r}/{rounds}")
+                bar = _bar(progress, f"signals, round {r} (goal {g}/{goals})")
                 result.examples = estimate_signals(model, masks, data, loss, crit, bar)
         with clock("selection"):
-            round_goal = goal if r == rounds else start * (goal / start) ** (r / rounds)
-            events, stuck = selection.run(model, masks, round_goal, r)
+            round_goal = goal if g == goals else start * (goal / start) ** (g / goals)
+            before = {n: m.kept for n, m in masks.items()}
+            events, reached = selection.run(model, masks, round_goal, r)
+            stuck = not reached and not selection.can_prune(masks)
+        _warn_collapse(masks, before, r)
         result.events.extend(events)
         result.rounds = r
-        if stuck:
-            break
+        g += reached
     for m in masks.values():
         m.collecting = False
         m.reset_statistics()
     result.cost_after = cost_model.total()
+    result.kept = {n: (m.kept, m.num_channels) for n, m in masks.items()}
+    result.at_floor = selection.at_floor(masks)
     if stuck:
         warnings.warn(_stuck_message(result, goal, min_channels, round_to), stacklevel=2)
+    elif result.at_floor:
+        warnings.warn(_floor_message(result, min_channels, round_to), stacklevel=2)
     if reconstruct:
         with clock("repair"):
             result.repair = repair_consumers(
@@ -380,12 +480,14 @@ class _Selection:
     flops_weight: str | float
     classes: list[list[str]]  # uniform=True: masks pruned together ([]: each on its own)
     whole: set[str]  # masks left whole (uniform=True, no config field for them)
+    round_cap: float  # the largest share of a mask's kept channels one round removes
 
     def run(
         self, model: nn.Module, masks: dict[str, MaskLayer], goal: float, step: int
     ) -> tuple[list[PruneEvent], bool]:
-        """Remove channels until the cost is at most ``goal``. Returns the events and whether
-        pruning got stuck at the masks' floors. Changes: the masks.
+        """Remove channels until the cost is at most ``goal``, no mask losing more than
+        ``round_cap`` of the channels it keeps now (at least one block: ``_least``). Returns
+        the events and whether ``goal`` was reached. Changes: the masks.
 
         The importances are read once. The exact cost report (marginal costs) is taken, then
         ``prune_many`` removes what ``prune`` called once per channel would under those scores,
@@ -397,13 +499,14 @@ class _Selection:
         exact cost.
         """
         importances = self.criterion.scores(masks, model)
+        free = {n: m for n, m in masks.items() if n not in self.whole}
+        least = {n: self._least(m) for n, m in free.items()}
         events: list[PruneEvent] = []
         while True:
             report = self.cost_model.report()
             if report.total <= goal:
-                return events, False
+                return events, True
             weigh = report if self.score_model is self.cost_model else self.score_model.report()
-            free = {n: m for n, m in masks.items() if n not in self.whole}
             marginal = {n: weigh.marginal[n] for n in free}
             scores = score_all({n: importances[n] for n in free}, marginal, self.flops_weight)
             until = report.total - STEP_FRACTION * (report.total - goal)
@@ -416,11 +519,37 @@ class _Selection:
                 step=step,
                 round_to=self.round_to,
                 uniform=self.classes if self.classes or self.whole else False,
+                keep=least,
             )
             events.extend(chunk)
             self._exact_last(events)
             if not chunk or chunk[-1].cost_after > until:
-                return events, True
+                return events, self.cost_model.total() <= goal
+
+    def _least(self, m: MaskLayer) -> int:
+        """The fewest channels ``m`` may keep after this round: ``round_cap`` of those it
+        keeps now may go, or its next block if that is more."""
+        kept = m.kept
+        block = block_size(kept, rounding(m, self.round_to))
+        return min(math.ceil(kept * (1 - self.round_cap) - 1e-9), kept - block)
+
+    def _floor(self, m: MaskLayer) -> int:
+        """The fewest channels ``m`` can be pruned to from where it is."""
+        return lowest_kept(
+            m.kept, floor_of(self.min_channels, m.num_channels), rounding(m, self.round_to)
+        )
+
+    def can_prune(self, masks: dict[str, MaskLayer]) -> bool:
+        """Whether any mask this selection prunes is above its floor."""
+        return any(self._floor(m) < m.kept for n, m in masks.items() if n not in self.whole)
+
+    def at_floor(self, masks: dict[str, MaskLayer]) -> list[str]:
+        """The masks that lost channels and can lose no more."""
+        return [
+            n
+            for n, m in masks.items()
+            if n not in self.whole and m.kept < m.num_channels and self._floor(m) == m.kept
+        ]
 
     def _exact_last(self, events: list[PruneEvent]) -> None:
         if events:

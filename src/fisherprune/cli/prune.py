@@ -31,7 +31,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fisherprune._errors import first_line
-from fisherprune.calibrate import output_tensor, prune_to_target
+from fisherprune.calibrate import PruneResult, output_tensor, prune_to_target
+from fisherprune.calibrate.to_target import ROUND_CAP
 from fisherprune.cli.hf_folder import write_hf_folder
 from fisherprune.cost import CONVENTIONS
 from fisherprune.distill import finetune, frozen_teacher
@@ -102,7 +103,19 @@ def prune_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPar
     p.add_argument(
         "--target", default="50%", help="cost per example to reach: 50%%, 0.5 or an absolute number"
     )
-    p.add_argument("--rounds", type=int, default=1, help="estimate-and-prune rounds")
+    p.add_argument(
+        "--rounds",
+        type=_rounds,
+        default="auto",
+        help="cost goals, each reached by estimate-and-prune rounds; auto: more the more "
+        "is removed (4 to 50%%)",
+    )
+    p.add_argument(
+        "--round_cap",
+        type=float,
+        default=ROUND_CAP,
+        help="the largest share of a group's kept channels one round may remove (1: no cap)",
+    )
     p.add_argument("--criterion", default="fisher", choices=sorted(CRITERIA))
     p.add_argument(
         "--label_free",
@@ -147,6 +160,16 @@ def prune_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPar
     p.add_argument("--out", required=True, help="output folder")
     p.set_defaults(func=prune_command)
     return p
+
+
+def _rounds(text: str) -> int | str:
+    """``--rounds``: ``auto`` or a positive integer."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be auto or an integer, got {text!r}") from None
 
 
 @dataclass
@@ -487,6 +510,7 @@ def prune_command(args: argparse.Namespace) -> int:
         loss_fn=job.loss_fn,
         criterion=args.criterion,
         rounds=args.rounds,
+        round_cap=args.round_cap,
         min_channels=min_channels,
         round_to=args.round_to,
         uniform=args.uniform,
@@ -561,6 +585,9 @@ def prune_command(args: argparse.Namespace) -> int:
         "after": after,
         "finetune_steps": args.finetune_steps,
         "channels_removed": sum(len(e.channels) for e in result.events),
+        "channels_kept": {n: {"kept": k, "of": w} for n, (k, w) in result.kept.items()},
+        "min_kept_fraction": result.min_kept_fraction,
+        "groups_at_floor": result.at_floor,
         "calibration_examples": result.examples,
         "seconds": result.seconds,
         "phase_seconds": result.phase_seconds,
@@ -584,7 +611,20 @@ def prune_command(args: argparse.Namespace) -> int:
         f"latency {latency['dense'] * 1e3:.2f} -> {latency['pruned'] * 1e3:.2f} ms; wrote {out}"
         + (f" (from_pretrained: {out / HF_FOLDER})" if hf and hf.written else "")
     )
+    print(_groups_line(result))
     for line in (hf_missing, *(hf.notes if hf else ())):
         if line:
             print(line)
     return 0
+
+
+def _groups_line(result: PruneResult) -> str:
+    """What pruning left of each channel group: kept / width, the narrowest first, and the
+    groups left at their floor."""
+    kept = sorted(result.kept.items(), key=lambda kv: kv[1][0] / max(kv[1][1], 1))
+    groups = ", ".join(f"{n} {k}/{w}" for n, (k, w) in kept)
+    floor = ", ".join(result.at_floor) or "none"
+    return (
+        f"channels kept per group (narrowest first; smallest share "
+        f"{result.min_kept_fraction:.2f}): {groups}; left at their floor: {floor}"
+    )

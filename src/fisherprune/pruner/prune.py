@@ -204,6 +204,7 @@ def prune_many(
     step: int = 0,
     round_to: int = 1,
     uniform: bool | Sequence[Sequence[str]] = False,
+    keep: Mapping[str, int] | None = None,
 ) -> list[PruneEvent]:
     """What calling ``prune`` over and over with the same arguments does while the estimated
     cost is above ``until``, in one pass: the same channels in the same order, the same events.
@@ -226,10 +227,13 @@ def prune_many(
         cost: the ``CostReport`` of the current state (its marginal costs price each channel).
         until: stop once the estimated cost is at or below this (at least one channel is
             removed when the cost is above it and any can be).
+        keep: per mask name, the fewest channels it may keep in this call, on top of its
+            floor (``prune_to_target``'s cap on one round's removals); a class of copies
+            reads its first member's. Absent names: the floor alone.
 
     Returns:
         The events in order (one per ``prune`` call it stands for). The estimated cost after
-        the last is above ``until`` only when every mask reached its floor.
+        the last is above ``until`` only when every mask reached its floor (or ``keep``).
 
     Raises:
         ValueError: as ``prune`` (nothing is changed then).
@@ -244,6 +248,7 @@ def prune_many(
         n_alive = _common_count(md, members)
         sorted_alive = {n: _lowest_alive(md[n], sd[n], n_alive) for n in members}
         floor = floor_of(min_channels, md[members[0]].num_channels)
+        floor = max(floor, (keep or {}).get(members[0], 0))
         queues.append(_Queue(sorted_alive, n_alive, floor, rounding(md[members[0]], round_to)))
     heap = []
     for i, q in enumerate(queues):
