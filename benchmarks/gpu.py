@@ -451,9 +451,9 @@ def encoder_latency(name: str, args: argparse.Namespace) -> dict[str, Any]:
                     "efficiency": speedup / reduction,
                     # eager waits on the host when replaying its kernels as one graph is far
                     # faster: then the forward is bound by launches, not by arithmetic
-                    "bound": "launch"
-                    if label in graph and eager > LAUNCH_BOUND * graph[label]
-                    else "compute",
+                    "bound": None
+                    if form != "eager" or label not in graph
+                    else ("launch" if eager > LAUNCH_BOUND * graph[label] else "compute"),
                 }
             )
     return {"flops_per_example": flops, "rows": rows, "compile_errors": compile_errors or None}
