@@ -30,6 +30,9 @@ from fisherprune.masks import MaskLayer, find_masks
 
 __all__ = ["CostModel", "CostReport", "MarginalCosts", "computational_cost"]
 
+#: term evaluations a ``CostModel`` remembers (shapes per term) before it starts afresh
+EVAL_CACHE_SIZE = 200_000
+
 log = logging.getLogger("fisherprune")
 
 
@@ -133,6 +136,7 @@ class CostModel:
                 stacklevel=2,
             )
         self._terms = self._build_terms(model)
+        self._evals: dict[tuple[int, tuple[tuple[int, ...], ...]], float] = {}
         self._warn_ineffective()
 
     @property
@@ -211,6 +215,17 @@ class CostModel:
             vals[start : start + m.size] = m
         return vals
 
+    def _cached_eval(self, term: _Term, shapes: list[tuple[int, ...]]) -> float:
+        """``_eval``, remembered per term and shapes: a prune changes few terms, so the next
+        report re-evaluates few formulas (each is a pure function of the shapes)."""
+        key = (id(term), tuple(shapes))
+        got = self._evals.get(key)
+        if got is None:
+            if len(self._evals) >= EVAL_CACHE_SIZE:
+                self._evals.clear()
+            got = self._evals[key] = self._eval(term, shapes)
+        return got
+
     def _pruned_shapes(self, term: _Term, removed: np.ndarray) -> list[tuple[int, ...]]:
         shapes = [list(s) for s in term.shapes]
         for s, d, r in term.dims:
@@ -221,7 +236,7 @@ class CostModel:
         """Cost per example for mask entry values ``entries`` (default: the current masks)."""
         e = self.entries() if entries is None else entries
         removed = self.graph.removed(e)
-        tot = sum(self._eval(t, self._pruned_shapes(t, removed)) for t in self._terms)
+        tot = sum(self._cached_eval(t, self._pruned_shapes(t, removed)) for t in self._terms)
         return tot / self._counting.divisor(self.trace.batch_size)
 
     def dense_total(self) -> float:
@@ -238,31 +253,27 @@ class CostModel:
         total = 0.0
         for t in self._terms:
             now_shapes = self._pruned_shapes(t, removed)
-            now = self._eval(t, now_shapes)
+            now = self._cached_eval(t, now_shapes)
             total += now
             by_module[t.module] += now
             if not t.dims:
                 continue
-            # reductions per killing entry: {entry: [count per labelled dim]}
-            n_dims = len(t.dims)
-            red: dict[int, list[int]] = defaultdict(lambda n=n_dims: [0] * n)
-            for j, (_s, _d, r) in enumerate(t.dims):
-                k = killer[r[~removed[r]]]
-                k = k[k >= 0]
-                if k.size == 0:
-                    continue
-                ents, counts = np.unique(k, return_counts=True)
-                for ent, c in zip(ents.tolist(), counts.tolist(), strict=True):
-                    red[ent][j] += c
-            cache: dict[tuple[int, ...], float] = {}
-            for ent, vec in red.items():
-                key = tuple(vec)
-                if key not in cache:
-                    shapes = [list(s) for s in now_shapes]
-                    for (s, d, _r), c in zip(t.dims, vec, strict=True):
-                        shapes[s][d] -= c
-                    cache[key] = now - self._eval(t, [tuple(s) for s in shapes])
-                marginal[ent] += cache[key]
+            # which entry would remove each live channel of each labelled dim: per killing
+            # entry, how many channels of each dim it takes (one row per entry)
+            found = [(j, _live_killers(killer, removed, r)) for j, (_s, _d, r) in enumerate(t.dims)]
+            found = [(j, k) for j, k in found if k.size]
+            if not found:
+                continue
+            ents, counts = _counts_per_entry(found, len(t.dims))
+            # entries that take the same channels save the same cost: evaluate each once
+            rows, row_of = _unique_rows(counts)
+            saved = np.empty(len(rows))
+            for i, vec in enumerate(rows.tolist()):
+                shapes = [list(s) for s in now_shapes]
+                for (s, d, _r), c in zip(t.dims, vec, strict=True):
+                    shapes[s][d] -= c
+                saved[i] = now - self._cached_eval(t, [tuple(s) for s in shapes])
+            marginal[ents] += saved[row_of.reshape(-1)]
         per = self._counting.divisor(self.trace.batch_size)
         values = {
             n: torch.from_numpy(marginal[start : start + self.masks[n].num_channels] / per)
@@ -292,6 +303,38 @@ class CostModel:
                     "activation, or use fisherprune.apply_masks",
                     stacklevel=3,
                 )
+
+
+def _live_killers(killer: np.ndarray, removed: np.ndarray, roots: np.ndarray) -> np.ndarray:
+    """The entry that would remove each channel (root) of ``roots`` still present, for those
+    one entry removes alone."""
+    k = killer[roots[~removed[roots]]]
+    return k[k >= 0]
+
+
+def _counts_per_entry(
+    found: list[tuple[int, np.ndarray]], n_dims: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """From ``(dim j, killing entry of each channel of dim j)``: the entries that kill any
+    channel (ascending) and, per entry, how many channels of each dim it kills."""
+    keys = np.concatenate([k * n_dims + j for j, k in found])
+    uniq, counts = np.unique(keys, return_counts=True)
+    ents, row = np.unique(uniq // n_dims, return_inverse=True)
+    out = np.zeros((ents.size, n_dims), dtype=np.int64)
+    out[row.reshape(-1), uniq % n_dims] = counts
+    return ents, out
+
+
+def _unique_rows(m: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``np.unique(m, axis=0, return_inverse=True)`` for a small non-negative int matrix,
+    through one integer code per row (a 1-d sort; the axis form sorts void records, slowly)."""
+    base = int(m.max()) + 1
+    if base ** m.shape[1] >= 2**62:
+        rows, inv = np.unique(m, axis=0, return_inverse=True)
+        return rows, inv.reshape(-1)
+    codes = m @ (base ** np.arange(m.shape[1], dtype=np.int64))
+    _, first, inv = np.unique(codes, return_index=True, return_inverse=True)
+    return m[first], inv.reshape(-1)
 
 
 def computational_cost(

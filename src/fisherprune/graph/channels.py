@@ -88,7 +88,10 @@ class ChannelGraph:
         lr, lc = c.roots[live], c.cover[live]
         uncovered = np.zeros(len(self.roots), dtype=bool)
         uncovered[lr[lc < 0]] = True
-        pairs = np.unique(np.stack([lr, lc], 1), axis=0)
+        # distinct (root, entry) pairs, through one integer code per pair (a 1-d sort)
+        width = int(lc.max()) + 2  # entries from -1
+        codes = np.unique(lr.astype(np.int64) * width + (lc + 1))
+        pairs = np.stack([codes // width, codes % width - 1], 1)
         pairs = pairs[pairs[:, 1] >= 0]
         n_distinct = np.bincount(pairs[:, 0], minlength=len(self.roots))
         single = pairs[(n_distinct[pairs[:, 0]] == 1) & ~uncovered[pairs[:, 0]]]
