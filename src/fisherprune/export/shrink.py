@@ -11,14 +11,16 @@ from torch import Tensor, nn
 from fisherprune._errors import first_line
 from fisherprune.export.modules import has_shrink_rule
 from fisherprune.export.plan import PruningPlan
-from fisherprune.inputs import eval_outputs
+from fisherprune.inputs import Inputs, eval_outputs
 from fisherprune.masks import MaskLayer
 from fisherprune.masks.points import find_holder, no_fold, remembered_inputs
 
 __all__ = ["ShrinkError", "shrink"]
 
-# the shrunk output must match the masked one to this relative tolerance (float32 reorders sums)
+# the shrunk output must match the masked one to this relative tolerance (float32 reorders sums;
+# a half-precision model is compared through float32 copies, see ``_comparable_outputs``)
 _RTOL = {torch.float64: 1e-9, torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 1e-2}
+_HALF = (torch.float16, torch.bfloat16)
 
 
 class ShrinkError(RuntimeError):
@@ -62,7 +64,7 @@ def shrink(
     example_inputs = remembered_inputs(model, example_inputs)
     plan = PruningPlan.from_model(model, example_inputs)
     with no_fold(model):  # reading the masked model must not zero its weights
-        ref = eval_outputs(model, example_inputs) if check else None
+        ref = _comparable_outputs(model, example_inputs) if check else None
     n_before = sum(p.numel() for p in model.parameters())  # masks hold buffers, not parameters
     target = model if inplace else copy.deepcopy(model)
     plan.apply(target)
@@ -92,6 +94,8 @@ def _check(
         ) from e
     if ref is None:
         return
+    if _half_precision(small):
+        out = _comparable_outputs(small, example_inputs)
     if len(out) != len(ref):
         raise ShrinkError("the shrunk model returns a different number of tensors")
     for a, b in zip(out, ref, strict=True):
@@ -110,6 +114,25 @@ def _check(
                 )
         elif not torch.equal(a, b):
             raise ShrinkError("the shrunk model's output differs from the masked model's")
+
+
+def _half_precision(model: nn.Module) -> bool:
+    return any(t.dtype in _HALF for t in [*model.parameters(), *model.buffers()])
+
+
+def _comparable_outputs(model: nn.Module, example_inputs: Any) -> list[Tensor]:
+    """The outputs the shrunk and the masked model are compared by: their own, or for a model
+    held in fp16 / bf16 those of a float32 copy on float32 inputs. Slicing changes no weight's
+    value, so in float32 the two agree to float32 rounding, whatever the depth; in half
+    precision their different sums round apart by more than any fixed tolerance, and a width
+    would be refused for rounding, not for a wrong plan (issue 36)."""
+    if not _half_precision(model):
+        return eval_outputs(model, example_inputs)
+    wide = copy.deepcopy(model).float()
+    inputs = Inputs.of(example_inputs).map_leaves(
+        lambda x, _b: x.float() if isinstance(x, Tensor) and x.dtype in _HALF else x
+    )
+    return eval_outputs(wide, inputs.value())
 
 
 def _unruled(small: nn.Module, sliced: list[str]) -> str:
