@@ -14,6 +14,9 @@ Reads (each optional; a missing file is said so in the page):
 * ``benchmarks/results/post_training.json`` and ``post_training_<name>.json``
   (``benchmarks/post_training.py``): pruning trained models with no training, criteria with and
   without the least-squares repair, with ``docs/post_training.png``;
+* ``benchmarks/results/one_shot_defaults.json`` (``benchmarks/one_shot_defaults.py``):
+  ``prune_to_target``'s defaults against the one scoring they replaced and other criteria,
+  with ``docs/one_shot_defaults.png``;
 * ``benchmarks/results/quality_<name>.json``: supplementary quality runs (other methods or
   settings, ``--note`` says which), shown after the main run; ``*_quick.json`` files are skipped;
 * ``benchmarks/quality_findings.md``: the hand-written discussion of the quality numbers. Its
@@ -1014,7 +1017,65 @@ def build(out: Path, results: Path = RESULTS) -> str:
     if post:
         lines += post_training_section(post, out)
     lines += post_training_speed_section(_load(results / "post_training_speed.json"))
+    one_shot = _load(results / "one_shot_defaults.json")
+    if one_shot is not None:
+        lines += one_shot_section(one_shot, out)
     return "\n".join(lines).rstrip() + "\n"
+
+
+def one_shot_section(r: dict[str, Any], out: Path) -> list[str]:
+    """``prune_to_target`` at its defaults (issue 31): per network, test accuracy (mean ± sd
+    over seeds, seconds per cell) of every method at every FLOPs target, and the verdicts."""
+    lines = [
+        "## One-shot defaults: no layer collapse (`benchmarks/one_shot_defaults.py`)",
+        "",
+        "`fisherprune.prune_to_target` with every argument at its default (`fisher`: "
+        '`rounds="auto"`, `round_cap=0.25`, repair on) on networks trained here for nothing '
+        "else, one-shot from "
+        f"{r['calibration']} calibration examples, no fine-tuning: test accuracy, mean ± sd over "
+        f"{r['seeds']} seeds (each trains its own network), and in brackets the wall seconds of "
+        "one cell (the whole `prune_to_target` call: signals, selection, repair). "
+        "`fisher_one_scoring` is the default before issue 31 (`rounds=1`, no cap); "
+        "`fisher_cap_only` `rounds=1, round_cap=0.5`; `fisher_cap50` `round_cap=0.5` (the "
+        "first candidate default); `fisher_rounds_only` the automatic rounds without the cap; "
+        "`fisher_rounds8` `rounds=8` without the cap; `l1`, `taylor` and "
+        "`random` run at the defaults. Smallest kept share: the least share of its channels "
+        "any group kept, over the seeds.",
+        "",
+        f"![one-shot defaults]({_rel_any(DOCS / 'one_shot_defaults.png', out)})",
+        "",
+        f"- run: {', '.join(r['run'])}; {r['seconds']:.0f} s of measuring (training included, "
+        f"summed over processes). {_environment(r)}",
+        *(f"- not run: {n}: {why}" for n, why in r["not_run"].items()),
+        *([f"- note: {r['note']}"] if r.get("note") else []),
+        "",
+    ]
+    methods = list(dict.fromkeys(c["method"] for c in r["cells"]))
+    for net in dict.fromkeys(c["net"] for c in r["cells"]):
+        cells = [c for c in r["cells"] if c["net"] == net]
+        dense = statistics.mean(c["dense"] for c in cells)
+        lines += [f"### {net} (dense accuracy {dense:.3f})", ""]
+        rows = []
+        for target in dict.fromkeys(c["target"] for c in cells):
+            by = {c["method"]: c for c in cells if c["target"] == target}
+            rows.append(
+                [f"{target:.0%}"]
+                + [
+                    f"{by[m]['mean']:.3f} ± {by[m]['sd']:.3f} ({by[m]['seconds']:.1f} s)"
+                    if m in by
+                    else "-"
+                    for m in methods
+                ]
+                + [
+                    " / ".join(f"{by[m]['min_kept_fraction']:.2f}" for m in methods if m in by),
+                    f"{by['fisher']['rounds']:.0f}" if "fisher" in by else "-",
+                ]
+            )
+        header = ["FLOPs kept", *methods, "smallest kept share (same order)", "fisher rounds"]
+        lines += [*_table(header, rows), ""]
+    lines += ["### Verdicts (computed from the JSON)", ""]
+    lines += [f"- {v}" for v in r["verdicts"]]
+    return [*lines, ""]
 
 
 def standard_size_sections(results: Path, out: Path) -> list[str]:

@@ -1,0 +1,505 @@
+"""One-shot pruning defaults (issue 31): ``fisherprune.prune_to_target`` with every argument at
+its default, on trained networks that no test or other benchmark uses, against the settings
+it had before (one scoring, no cap) and against other criteria under the same defaults.
+
+Suite (trained here, seeded, a few seconds to a minute each on 2 cores):
+
+* ``resnet18``: torchvision ResNet-18's shape at small widths (a 3x3 stem, four stages of two
+  basic residual blocks with batch norm, widths 8-16-32-64, stride 2 from the second stage,
+  global average pool, a linear head) on scikit-learn's digits upsampled to 16x16;
+* ``mobilenetv3``: MobileNetV3-Small's shape at small widths (a hardswish stem, inverted
+  residual blocks: 1x1 expansion, depthwise 3x3, squeeze-and-excitation with a hardsigmoid
+  gate, 1x1 projection, ReLU then hardswish, a 1x1 head conv and a linear classifier) on the
+  same images;
+* ``mlp_digits`` and ``mlp_cancer``: MLPs (three hidden layers with batch norm, ReLU) on
+  scikit-learn's tables: digits read as 64 pixel columns, and the breast-cancer table
+  (30 columns, standardised).
+
+Not run here (said in the output and in docs/benchmarks.md): MiniLM and a small decoder LM.
+
+Each network is trained once per seed (the seed also picks the 8 calibration batches of 64 and
+the random criterion's stream), then pruned from a copy to 70%, 50% and 30% of its FLOPs with
+no fine-tuning, the least-squares repair on. Methods: ``fisher`` (every argument at its
+default: ``rounds="auto", round_cap=0.25``), ``fisher_one_scoring`` (``rounds=1,
+round_cap=1``: the defaults before issue 31), ``fisher_cap_only`` (``rounds=1,
+round_cap=0.5``), ``fisher_cap50`` (``round_cap=0.5``), ``fisher_rounds_only``
+(``round_cap=1``), ``fisher_rounds8`` (``rounds=8, round_cap=1``), and ``l1``, ``taylor``,
+``random`` at the defaults. Each cell records test accuracy, the channels kept per mask, the
+smallest kept fraction, the rounds run and its wall time.
+
+``python benchmarks/one_shot_defaults.py [--quick] [--seeds 3] [--nets ...]`` writes
+``benchmarks/results/one_shot_defaults.json`` (``_quick`` with ``--quick``: one seed, 50%
+only) and ``docs/one_shot_defaults.png``, and prints the table. On 2 cores, run two
+processes of one thread with ``--nets`` split between them and ``--out`` apart, then
+``--combine`` their files (``benchmarks/run_all`` does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from sklearn.datasets import load_breast_cancer, load_digits
+from torch import Tensor, nn
+
+import fisherprune as fp
+from fisherprune.criteria import Random
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import machine_info, write_json
+
+ROOT = Path(__file__).resolve().parent.parent
+TARGETS = (0.7, 0.5, 0.3)
+CALIBRATION_BATCHES, BATCH = 8, 64
+
+
+# ----------------------------------------------------------------------------- networks
+class BasicBlock(nn.Module):
+    """ResNet's basic block: two 3x3 convs with batch norm, a 1x1 projection when the shape
+    changes."""
+
+    def __init__(self, cin: int, cout: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.down = None
+        if stride != 1 or cin != cout:
+            self.down = nn.Sequential(
+                nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout)
+            )
+
+    def forward(self, x: Tensor) -> Tensor:  # (N, C, H, W)
+        out = self.bn2(self.conv2(F.relu(self.bn1(self.conv1(x)))))
+        return F.relu(out + (x if self.down is None else self.down(x)))
+
+
+class ResNet18(nn.Module):
+    """torchvision ResNet-18's layout (2-2-2-2 basic blocks) for small images."""
+
+    def __init__(self, widths: tuple[int, ...] = (8, 16, 32, 64), classes: int = 10) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(
+            nn.Conv2d(1, widths[0], 3, 1, 1, bias=False), nn.BatchNorm2d(widths[0]), nn.ReLU()
+        )
+        blocks, cin = [], widths[0]
+        for i, w in enumerate(widths):
+            blocks += [BasicBlock(cin, w, 1 if i == 0 else 2), BasicBlock(w, w, 1)]
+            cin = w
+        self.layers = nn.Sequential(*blocks)
+        self.fc = nn.Linear(cin, classes)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc(self.layers(self.stem(x)).mean((2, 3)))
+
+
+class SqueezeExcite(nn.Module):
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.reduce = nn.Conv2d(c, max(8, c // 4), 1)
+        self.expand = nn.Conv2d(max(8, c // 4), c, 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        s = F.hardsigmoid(self.expand(F.relu(self.reduce(x.mean((2, 3), keepdim=True)))))
+        return x * s
+
+
+class InvertedResidual(nn.Module):
+    """MobileNetV3's block: 1x1 expansion, depthwise kxk, optional SE, 1x1 projection."""
+
+    def __init__(self, cin: int, hidden: int, cout: int, se: bool, hs: bool, stride: int) -> None:
+        super().__init__()
+        act = nn.Hardswish if hs else nn.ReLU
+        layers: list[nn.Module] = []
+        if hidden != cin:
+            layers += [nn.Conv2d(cin, hidden, 1, bias=False), nn.BatchNorm2d(hidden), act()]
+        layers += [
+            nn.Conv2d(hidden, hidden, 3, stride, 1, groups=hidden, bias=False),
+            nn.BatchNorm2d(hidden),
+            act(),
+        ]
+        if se:
+            layers.append(SqueezeExcite(hidden))
+        layers += [nn.Conv2d(hidden, cout, 1, bias=False), nn.BatchNorm2d(cout)]
+        self.block = nn.Sequential(*layers)
+        self.residual = stride == 1 and cin == cout
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = self.block(x)
+        return x + out if self.residual else out
+
+
+#: MobileNetV3-Small's blocks at half width: (hidden, out, SE, hardswish, stride)
+MOBILENET_BLOCKS = (
+    (16, 16, True, False, 2),
+    (36, 24, False, False, 2),
+    (44, 24, False, False, 1),
+    (48, 40, True, True, 2),
+    (120, 40, True, True, 1),
+    (60, 48, True, True, 1),
+)
+
+
+class MobileNetV3(nn.Module):
+    def __init__(self, classes: int = 10) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(
+            nn.Conv2d(1, 16, 3, 1, 1, bias=False), nn.BatchNorm2d(16), nn.Hardswish()
+        )
+        blocks, cin = [], 16
+        for hidden, cout, se, hs, stride in MOBILENET_BLOCKS:
+            blocks.append(InvertedResidual(cin, hidden, cout, se, hs, stride))
+            cin = cout
+        self.blocks = nn.Sequential(*blocks)
+        self.head = nn.Sequential(
+            nn.Conv2d(cin, 144, 1, bias=False), nn.BatchNorm2d(144), nn.Hardswish()
+        )
+        self.classifier = nn.Sequential(
+            nn.Linear(144, 256), nn.Hardswish(), nn.Linear(256, classes)
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.classifier(self.head(self.blocks(self.stem(x))).mean((2, 3)))
+
+
+def mlp(features: int, classes: int, width: int = 256) -> nn.Module:
+    layers: list[nn.Module] = []
+    for w in (width, width, width // 2):
+        layers += [nn.Linear(features, w), nn.BatchNorm1d(w), nn.ReLU()]
+        features = w
+    return nn.Sequential(*layers, nn.Linear(features, classes))
+
+
+# --------------------------------------------------------------------------------- data
+@dataclass
+class Split:
+    x_train: Tensor
+    y_train: Tensor
+    x_test: Tensor
+    y_test: Tensor
+
+
+def _split(x: Tensor, y: Tensor, test: float = 0.3) -> Split:
+    """One fixed shuffle (seed 0) for every seed: the networks differ, the test set does not."""
+    order = torch.randperm(len(y), generator=torch.Generator().manual_seed(0))
+    x, y = x[order], y[order]
+    n = round(len(y) * (1 - test))
+    return Split(x[:n], y[:n], x[n:], y[n:])
+
+
+def digits_images() -> Split:
+    d = load_digits()
+    x = torch.tensor(d.images, dtype=torch.float32).unsqueeze(1) / 16.0  # (N, 1, 8, 8)
+    x = F.interpolate(x, size=(16, 16), mode="bilinear", align_corners=False)
+    return _split((x - 0.3) / 0.4, torch.tensor(d.target))
+
+
+def digits_table() -> Split:
+    d = load_digits()
+    x = torch.tensor(d.data, dtype=torch.float32) / 16.0  # (N, 64)
+    return _split((x - x.mean(0)) / (x.std(0) + 1e-3), torch.tensor(d.target))
+
+
+def cancer_table() -> Split:
+    d = load_breast_cancer()
+    x = torch.tensor(d.data, dtype=torch.float32)  # (N, 30)
+    return _split((x - x.mean(0)) / x.std(0), torch.tensor(d.target))
+
+
+@dataclass
+class Net:
+    build: Callable[[], nn.Module]
+    data: Callable[[], Split]
+    steps: int
+    lr: float
+
+
+NETS: dict[str, Net] = {
+    "resnet18": Net(ResNet18, digits_images, 200, 0.05),
+    "mobilenetv3": Net(MobileNetV3, digits_images, 400, 0.05),
+    "mlp_digits": Net(lambda: mlp(64, 10), digits_table, 300, 0.05),
+    "mlp_cancer": Net(lambda: mlp(30, 2, 128), cancer_table, 200, 0.02),
+}
+NOT_RUN = {
+    "minilm": "not run in this version (time: a MiniLM cell is minutes where a CNN's is seconds)",
+    "decoder_lm": "not run in this version (no small decoder LM is trained here yet)",
+}
+
+
+def train(net: Net, split: Split, seed: int) -> nn.Module:
+    """SGD with momentum and a cosine schedule, batch 64, seeded."""
+    torch.manual_seed(seed)
+    model = net.build()
+    opt = torch.optim.SGD(model.parameters(), lr=net.lr, momentum=0.9, weight_decay=5e-4)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, net.steps)
+    g = torch.Generator().manual_seed(seed)
+    model.train()
+    for _ in range(net.steps):
+        i = torch.randint(0, len(split.y_train), (BATCH,), generator=g)
+        loss = F.cross_entropy(model(split.x_train[i]), split.y_train[i])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step()
+    return model.eval()
+
+
+@torch.no_grad()
+def accuracy(model: nn.Module, split: Split) -> float:
+    model.eval()
+    return float((model(split.x_test).argmax(1) == split.y_test).double().mean())
+
+
+# ------------------------------------------------------------------------------ methods
+OLD = {"rounds": 1, "round_cap": 1.0}
+METHODS: dict[str, Callable[[int], dict[str, Any]]] = {
+    "fisher": lambda seed: {},
+    "fisher_one_scoring": lambda seed: dict(OLD),
+    "fisher_cap_only": lambda seed: {"rounds": 1, "round_cap": 0.5},
+    "fisher_cap50": lambda seed: {"round_cap": 0.5},
+    "fisher_rounds_only": lambda seed: {"round_cap": 1.0},
+    "fisher_rounds8": lambda seed: {"rounds": 8, "round_cap": 1.0},
+    "l1": lambda seed: {"criterion": "l1"},
+    "taylor": lambda seed: {"criterion": "taylor"},
+    "random": lambda seed: {"criterion": Random(seed)},
+}
+
+
+def cell(
+    trained: nn.Module, split: Split, batches: list, target: float, settings: dict[str, Any]
+) -> dict[str, Any]:
+    """Prune a copy of ``trained`` to ``target`` with ``settings``; accuracy, widths, time."""
+    model = copy.deepcopy(trained)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = fp.prune_to_target(
+            model, split.x_train[:2], batches, target, loss_fn=F.cross_entropy, **settings
+        )
+    return {
+        "accuracy": accuracy(model, split),
+        "ratio": result.ratio,
+        "rounds": result.rounds,
+        "seconds": result.seconds,
+        "phase_seconds": result.phase_seconds,
+        "kept": {n: list(v) for n, v in result.kept.items()},
+        "min_kept_fraction": result.min_kept_fraction,
+        "at_floor": result.at_floor,
+        "warnings": sorted({str(w.message).split(":")[0] for w in caught}),
+    }
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    rows: list[dict[str, Any]] = []
+    trained_seconds: dict[str, list[float]] = {}
+    for name in args.nets:
+        net = NETS[name]
+        split = net.data()
+        for seed in range(args.seeds):
+            t0 = time.perf_counter()
+            trained = train(net, split, seed)
+            trained_seconds.setdefault(name, []).append(time.perf_counter() - t0)
+            dense = accuracy(trained, split)
+            g = torch.Generator().manual_seed(1000 + seed)
+            pick = torch.randperm(len(split.y_train), generator=g)[: CALIBRATION_BATCHES * BATCH]
+            batches = [
+                (split.x_train[pick[i : i + BATCH]], split.y_train[pick[i : i + BATCH]])
+                for i in range(0, len(pick), BATCH)
+            ]
+            for target in args.targets:
+                for method in args.methods:
+                    r = cell(trained, split, batches, target, METHODS[method](seed))
+                    rows.append(
+                        {"net": name, "seed": seed, "target": target, "method": method,
+                         "dense": dense, "test_examples": len(split.y_test), **r}
+                    )  # fmt: skip
+                    phases = ", ".join(f"{k} {v:.1f}" for k, v in r["phase_seconds"].items())
+                    print(
+                        f"{name} s{seed} {target:.0%} {method:20s} acc {r['accuracy']:.3f} "
+                        f"(dense {dense:.3f}) min kept {r['min_kept_fraction']:.2f} "
+                        f"rounds {r['rounds']} {r['seconds']:.1f} s ({phases})",
+                        flush=True,
+                    )
+    return {"rows": rows, "train_seconds": trained_seconds}
+
+
+# ------------------------------------------------------------------------------- report
+def summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Mean, sd, and mean seconds per (net, target, method), in the order of ``NETS``, of
+    the targets from the largest and of ``METHODS``."""
+    cells: dict[tuple[str, float, str], list[dict[str, Any]]] = {}
+    nets, methods = list(NETS), list(METHODS)
+    order = sorted(
+        rows, key=lambda r: (nets.index(r["net"]), -r["target"], methods.index(r["method"]))
+    )
+    for r in order:
+        cells.setdefault((r["net"], r["target"], r["method"]), []).append(r)
+    out = []
+    for (net, target, method), rs in cells.items():
+        acc = [r["accuracy"] for r in rs]
+        out.append(
+            {
+                "net": net,
+                "target": target,
+                "method": method,
+                "dense": statistics.mean(r["dense"] for r in rs),
+                "test_examples": rs[0]["test_examples"],
+                "mean": statistics.mean(acc),
+                "sd": statistics.stdev(acc) if len(acc) > 1 else 0.0,
+                "min_kept_fraction": min(r["min_kept_fraction"] for r in rs),
+                "rounds": statistics.mean(r["rounds"] for r in rs),
+                "seconds": statistics.mean(r["seconds"] for r in rs),
+                "seeds": len(rs),
+            }
+        )
+    return out
+
+
+def verdicts(cells: list[dict[str, Any]]) -> list[str]:
+    """Per (net, target): is ``fisher`` first or within noise of the first, and ahead of
+    ``random``? Noise: the larger of the two seed sds and the test set's binomial standard
+    error at the best mean (one seed's sd is 0; 171 test rows give 0.013 at 0.97)."""
+    rows: dict[tuple[str, float], dict[str, dict[str, Any]]] = {}
+    for c in cells:
+        rows.setdefault((c["net"], c["target"]), {})[c["method"]] = c
+    lines = []
+    for (net, target), by in rows.items():
+        if "fisher" not in by:
+            continue
+        f = by["fisher"]
+        best = max(by.values(), key=lambda c: c["mean"])
+        p = best["mean"]
+        noise = max(f["sd"], best["sd"], (p * (1 - p) / best["test_examples"]) ** 0.5)
+        near = f["mean"] + noise >= best["mean"]
+        ahead = "random" not in by or f["mean"] > by["random"]["mean"]
+        lines.append(
+            f"{net} at {target:.0%}: fisher {f['mean']:.3f}, best {best['method']} "
+            f"{best['mean']:.3f}: {'first' if best is f else 'within noise' if near else 'BEHIND'}"
+            f"; {'ahead of' if ahead else 'NOT ahead of'} random"
+        )
+    return lines
+
+
+def table(cells: list[dict[str, Any]]) -> str:
+    head = "| net | FLOPs kept | method | accuracy | smallest kept share | rounds | s per cell |"
+    lines = [head, "|---|---|---|---|---|---|---|"]
+    for c in cells:
+        lines.append(
+            f"| {c['net']} | {c['target']:.0%} | {c['method']} | {c['mean']:.3f} ± {c['sd']:.3f}"
+            f" | {c['min_kept_fraction']:.2f} | {c['rounds']:.1f} | {c['seconds']:.1f} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(cells: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    nets = list(dict.fromkeys(c["net"] for c in cells))
+    methods = list(dict.fromkeys(c["method"] for c in cells))
+    fig, axes = plt.subplots(1, len(nets), figsize=(4 * len(nets), 3.6), squeeze=False)
+    for ax, net in zip(axes[0], nets, strict=True):
+        for m in methods:
+            pts = sorted((c["target"], c["mean"], c["sd"]) for c in cells
+                         if c["net"] == net and c["method"] == m)  # fmt: skip
+            if pts:
+                t, mean, sd = zip(*pts, strict=True)
+                style = "-" if m == "fisher" else "--" if m.startswith("fisher") else ":"
+                ax.errorbar(t, mean, yerr=sd, label=m, linestyle=style, marker="o", ms=3)
+        ax.set_title(f"{net} (axis from 0.7)")
+        ax.set_xlabel("FLOPs kept")
+        ax.set_ylabel("test accuracy, no fine-tuning")
+        ax.set_ylim(0.7, 1.0)  # l1 falls below it on the CNNs: the table has it
+    axes[0][-1].legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def report(measured: dict[str, Any], args: argparse.Namespace, out: Path, seconds: float) -> None:
+    """Write the JSON (and, unless quick, the plot) of ``measured`` rows; print the table."""
+    cells = summary(measured["rows"])
+    run_nets = list(dict.fromkeys(r["net"] for r in measured["rows"]))
+    data = {
+        "benchmark": "one_shot_defaults",
+        "timestamp": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "torch_version": torch.__version__,
+        "fisherprune_version": fp.__version__,
+        "machine": machine_info(),
+        "threads": args.threads,
+        "jobs": len(args.combine) if args.combine else 1,
+        "note": args.note,
+        "seeds": args.seeds,
+        "targets": args.targets,
+        "calibration": f"{CALIBRATION_BATCHES} batches of {BATCH}",
+        "run": run_nets,
+        "not_run": {**{n: "not asked for (--nets)" for n in NETS if n not in run_nets}, **NOT_RUN},
+        "seconds": seconds,
+        "train_seconds": measured["train_seconds"],
+        "cells": cells,
+        "verdicts": verdicts(cells),
+        "rows": measured["rows"],
+    }
+    write_json(out, data)
+    if not args.quick:
+        plot(cells, args.plot)
+    print(table(cells))
+    print("\n".join(data["verdicts"]))
+    print("not run: " + "; ".join(f"{n}: {why}" for n, why in data["not_run"].items()))
+    print(f"wrote {out} ({seconds:.0f} s of measuring)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--nets", nargs="+", default=list(NETS), choices=list(NETS))
+    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--targets", nargs="+", type=float, default=list(TARGETS))
+    p.add_argument("--threads", type=int, default=1, help="torch threads (run two at once)")
+    p.add_argument("--quick", action="store_true", help="one seed, 50%% only")
+    p.add_argument(
+        "--combine",
+        nargs="+",
+        type=Path,
+        help="measure nothing: merge the rows of these runs (e.g. two processes, one per "
+        "core, each given some --nets) into --out",
+    )
+    p.add_argument("--note", default="", help="a line for the report (how the run was made)")
+    p.add_argument("--out", type=Path)
+    p.add_argument("--plot", type=Path, default=ROOT / "docs" / "one_shot_defaults.png")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.seeds, args.targets = 1, [0.5]
+    out = args.out or ROOT / "benchmarks" / "results" / (
+        "one_shot_defaults_quick.json" if args.quick else "one_shot_defaults.json"
+    )
+    if args.combine:
+        runs = [json.loads(path.read_text()) for path in args.combine]
+        measured: dict[str, Any] = {"rows": [], "train_seconds": {}}
+        for r in runs:
+            measured["rows"] += r["rows"]
+            measured["train_seconds"].update(r["train_seconds"])
+        report(measured, args, out, sum(r["seconds"] for r in runs))
+        return 0
+    torch.set_num_threads(args.threads)
+    started = time.perf_counter()
+    measured = run(args)
+    report(measured, args, out, time.perf_counter() - started)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
