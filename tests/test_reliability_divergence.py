@@ -91,7 +91,12 @@ def test_cli_stops_a_diverging_run_before_pruning_or_export(
     err = capsys.readouterr().err
     assert code == 1, err
     assert "training loss is" in err and "diverged" in err and "Traceback" not in err
-    assert len(err.strip().splitlines()) == 1
+    # one error line; a batch whose gradients overflowed before the loss did is skipped by the
+    # signal, with its own one-line warning (they depend on the BLAS's rounding)
+    lines = err.strip().splitlines()
+    errors = [ln for ln in lines if not ln.startswith("fisherprune train: warning:")]
+    assert len(errors) == 1, err
+    assert all("pruning-signal estimate is not finite" in ln for ln in lines if ln not in errors)
     assert not (save / "export").exists()
     assert not (save / "result.json").exists()
     entries = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]

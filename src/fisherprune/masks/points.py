@@ -142,17 +142,19 @@ class MaskPoint:
     def _vector(self, dtype: torch.dtype, device: torch.device) -> Tensor:
         """The multiplier of each position of the masked dim, shape (size,); made again only
         when a mask changed (a step of a pruned model makes no small kernels for it)."""
+        differentiated = any(m.mask.requires_grad for m in self._masks)  # (torch.func)
         key = (dtype, device, *(id(m.mask) for m in self._masks))
         key += tuple(m.mask._version for m in self._masks)
-        if self._vector_cache is not None and self._vector_cache[0] == key:
-            return self._vector_cache[1]
+        cached = self._vector_cache
+        if not differentiated and cached is not None and cached[0] == key:
+            return cached[1]
         if self._direct:
             mult = self.parts[0][0].mask.to(dtype=dtype, device=device)
         else:
             mult = torch.ones(self.size, dtype=dtype, device=device)
             for m, pos, idx in self.parts_on(device):
                 mult[pos] = m.mask[idx.to(m.mask.device)].to(dtype=dtype, device=device)
-        if not any(m.mask.requires_grad for m in self._masks):
+        if not differentiated:
             self._vector_cache = (key, mult)
         return mult
 

@@ -174,12 +174,12 @@ def _fold_into_signals(ready: list[Ready], decay: float) -> None:
     with torch.no_grad():
         for (_, device), entries in groups.items():
             signals = [e[1].signal for e in entries]
-            factors = [e[3] for e in entries]
+            totals, factors = [e[2] for e in entries], [e[3] for e in entries]
+            ok = torch.stack(torch._foreach_norm(totals, 1)).isfinite()
             if all(isinstance(f, float) for f in factors):
-                scaled = torch._foreach_mul([e[2] for e in entries], factors)
+                scaled = torch._foreach_mul(totals, factors)
             else:
-                scaled = [e[2] * f for e in entries for f in (e[3],)]
-            ok = torch.stack(torch._foreach_norm(scaled, 1)).isfinite()
+                scaled = [t * f for t, f in zip(totals, factors, strict=True)]
             keep = ok
             if any(e[4] is not None for e in entries):
                 present = [e[4] if e[4] is not None else ok.new_ones(()) for e in entries]
