@@ -55,6 +55,7 @@ from torch import Tensor, nn
 
 import fisherprune as fp
 from fisherprune.criteria import Random
+from fisherprune.train.models import BasicBlock  # the trainer's own block, same layout
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import machine_info, write_json
@@ -65,27 +66,6 @@ CALIBRATION_BATCHES, BATCH = 8, 64
 
 
 # ----------------------------------------------------------------------------- networks
-class BasicBlock(nn.Module):
-    """ResNet's basic block: two 3x3 convs with batch norm, a 1x1 projection when the shape
-    changes."""
-
-    def __init__(self, cin: int, cout: int, stride: int) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
-        self.bn1 = nn.BatchNorm2d(cout)
-        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
-        self.bn2 = nn.BatchNorm2d(cout)
-        self.down = None
-        if stride != 1 or cin != cout:
-            self.down = nn.Sequential(
-                nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout)
-            )
-
-    def forward(self, x: Tensor) -> Tensor:  # (N, C, H, W)
-        out = self.bn2(self.conv2(F.relu(self.bn1(self.conv1(x)))))
-        return F.relu(out + (x if self.down is None else self.down(x)))
-
-
 class ResNet18(nn.Module):
     """torchvision ResNet-18's layout (2-2-2-2 basic blocks) for small images."""
 
