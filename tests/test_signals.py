@@ -474,6 +474,24 @@ def test_per_example_channel_dot_against_loop(
     )
 
 
+def test_out_of_memory_in_the_fused_dot_is_not_taken_for_a_refusal(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A full device raises as it is; the fused path stays in use for later calls."""
+    from fisherprune.masks import layer
+
+    monkeypatch.setattr(layer, "_NO_FUSED", set())
+
+    def full(*_a: object, **_k: object) -> None:
+        raise torch.OutOfMemoryError("out of memory")
+
+    monkeypatch.setattr(torch.ops.aten, "native_batch_norm_backward", full)
+    x = torch.rand(4, 8, 64, 64)
+    with pytest.raises(torch.OutOfMemoryError):
+        layer._per_example_channel_dot(x, x, 1)
+    assert not layer._NO_FUSED
+
+
 def test_refused_fused_dot_is_remembered(monkeypatch: pytest.MonkeyPatch) -> None:
     """A backend that refuses the fused path is asked once: later calls go straight to the
     generic path (no exception raised and caught in every backward)."""

@@ -69,6 +69,8 @@ def _fused_channel_dot(grad: Tensor, x: Tensor) -> Tensor | None:
             grad.view(1, rows, -1), x.view(1, rows, -1), ones, zeros, ones, zeros, ones,
             True, 0.0, [False, True, False],
         )  # fmt: skip
+    except torch.OutOfMemoryError:
+        raise  # the device is full, not the path refused: the generic one would need more
     except (RuntimeError, NotImplementedError) as e:
         _NO_FUSED.add(key)
         log.info("per-example channel dot: the fused path is refused on %s %s (%s)", *key, e)
