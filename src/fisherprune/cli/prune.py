@@ -20,7 +20,7 @@ import argparse
 import copy
 import json
 import math
-import warnings
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,13 +33,12 @@ from torch import Tensor, nn
 from fisherprune._errors import first_line
 from fisherprune.calibrate import PruneResult, output_tensor, prune_to_target
 from fisherprune.calibrate.to_target import ROUND_CAP
-from fisherprune.cli.hf_folder import write_hf_folder
+from fisherprune.cli.prune_outputs import HF_FOLDER, REPORT_FILE, check_out, write_outputs
 from fisherprune.cost import CONVENTIONS
 from fisherprune.distill import finetune, frozen_teacher
-from fisherprune.export import export_model, load_state_dict_export
 from fisherprune.export.latency import measure_latency, retain_freed_memory
 from fisherprune.export.safe_load import load_plain
-from fisherprune.export.storage import atomic_path
+from fisherprune.export.storage import atomic_directory, atomic_path, remove_stale_directories
 from fisherprune.inputs import call_model
 from fisherprune.masks.points import MASKS_ATTR
 from fisherprune.modes import eval_mode
@@ -55,10 +54,6 @@ except ImportError:  # pragma: no cover - optional
     transformers = None
 
 __all__ = ["prune_command", "prune_parser"]
-
-MODEL_FILE = "model.pt"
-REPORT_FILE = "report.json"
-HF_FOLDER = "hf"  # a Hugging Face model's shrunk folder, for from_pretrained
 
 
 def prune_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -466,7 +461,8 @@ def _check_args(args: argparse.Namespace) -> None:
     """Refuse, before any work, what would fail or be ignored later: counts out of range,
     a folder that is not a Hugging Face model folder (no ``config.json``), ``--weights`` with
     a Hugging Face folder (its own weights load), a learning rate or
-    temperature that is not positive, and an ``--out`` that is an existing file."""
+    temperature that is not positive, and an ``--out`` that is a file or a folder holding
+    files of something else (``check_out``)."""
     for name, low in _LEAST.items():
         value = getattr(args, name)
         if value < low:
@@ -485,18 +481,20 @@ def _check_args(args: argparse.Namespace) -> None:
             f"--weights is not read for a Hugging Face folder ({args.model} loads its own "
             "weights): leave it out, or save the trained model into the folder"
         )
-    if Path(args.out).exists() and not Path(args.out).is_dir():
-        raise ValueError(f"--out {args.out} is a file: give a folder (it is created if absent)")
+    check_out(Path(args.out))
 
 
 def prune_command(args: argparse.Namespace) -> int:
     """Run ``fisherprune prune``; writes ``model.pt`` (shrunk weights + plan, as
     ``export_model(format="state_dict")``), ``plan.json`` and ``report.json`` under ``--out``,
     and for a Hugging Face folder whose config can describe the pruned model (``--uniform``),
-    ``hf/``: the shrunk model and its tokenizer, for ``from_pretrained``."""
+    ``hf/``: the shrunk model and its tokenizer, for ``from_pretrained``. They are written into
+    a temporary folder beside ``--out`` that replaces it whole (``atomic_directory``): an
+    interrupted run leaves the earlier run's folder as it was."""
+    out = Path(os.path.abspath(args.out))  # "." has a name and a parent
+    remove_stale_directories(out)  # a killed run's old folder is put back first
     _check_args(args)
     torch.manual_seed(args.seed)
-    out = Path(args.out)
     job = _job(args)
     dense = copy.deepcopy(job.model).eval()
     before = job.evaluate(job.model, dense)
@@ -535,75 +533,58 @@ def prune_command(args: argparse.Namespace) -> int:
             lr=args.lr,
         )
     after = job.evaluate(job.model, dense) if losses else after_prune
-    with eval_mode(job.model), torch.no_grad():
-        masked_out = output_tensor(call_model(job.model, job.batches[0][0]))
-    out.mkdir(parents=True, exist_ok=True)
-    with warnings.catch_warnings():  # the config's verdict is reported below
-        warnings.filterwarnings("ignore", "the model's Hugging Face config still describes")
-        path = export_model(job.model, out / MODEL_FILE, job.example, format="state_dict")
-        small = load_state_dict_export(path, job.rebuild()).eval()
-    with torch.no_grad():
-        diff = float((output_tensor(call_model(small, job.batches[0][0])) - masked_out).abs().max())
-    payload = load_plain(path, "export", "")
-    with atomic_path(out / "plan.json") as tmp:
-        Path(tmp).write_text(json.dumps(payload["plan"], indent=1) + "\n")
-    hf = None
-    if job.extras is not None:
-        hf = write_hf_folder(
-            small, out / HF_FOLDER, job.batches[0][0], Path(args.model), job.extras
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_directory(out) as folder:  # every output of this run, or none of them
+        written = write_outputs(
+            folder, job.model, job.example, job.batches[0][0], job.rebuild, job.extras, args.model
         )
-    hf_missing = None
-    if hf is not None and not hf.written:
-        hf_missing = (
-            f"no {HF_FOLDER}/ folder for from_pretrained: {hf.missing}. {MODEL_FILE} loads with "
-            "fisherprune.load_state_dict_export"
+        # timed as docs/usage.md advises serving on CPU, with freed memory kept in the process:
+        # glibc's defaults page-fault large activations in at every call, a cost that does not
+        # shrink with the FLOPs. The setting is process-wide and lasts: the console script ends
+        # after the report; a caller of main() in its own process keeps it (retain_freed_memory)
+        allocator = "freed memory retained" if retain_freed_memory() else "allocator as it was"
+        latency = measure_latency(
+            {"dense": dense, "pruned": written.small}, job.batches[0][0], repeats=5, rounds=3
         )
-    # timed as docs/usage.md advises serving on CPU, with freed memory kept in the process:
-    # glibc's defaults page-fault large activations in at every call, a cost that does not
-    # shrink with the FLOPs. The setting is process-wide and lasts: the console script ends
-    # after the report; a caller of main() in its own process keeps it (retain_freed_memory)
-    allocator = "freed memory retained" if retain_freed_memory() else "allocator as it was"
-    latency = measure_latency(
-        {"dense": dense, "pruned": small}, job.batches[0][0], repeats=5, rounds=3
-    )
-    report = {
-        "model": args.model,
-        "target": args.target,
-        "criterion": args.criterion,
-        "label_free": job.loss_fn is None,
-        "reconstruct": args.reconstruct,
-        "round_to": args.round_to,
-        "uniform": args.uniform,
-        "score_convention": args.score_convention or result.convention,
-        "rounds": result.rounds,
-        "cost_before": result.cost_before,
-        "cost_after": result.cost_after,
-        "cost_ratio": result.ratio,
-        "metric": job.metric,
-        "before": before,
-        "after_pruning": after_prune,
-        "after": after,
-        "finetune_steps": args.finetune_steps,
-        "channels_removed": sum(len(e.channels) for e in result.events),
-        "channels_kept": {n: {"kept": k, "of": w} for n, (k, w) in result.kept.items()},
-        "min_kept_fraction": result.min_kept_fraction,
-        "groups_at_floor": result.at_floor,
-        "calibration_examples": result.examples,
-        "seconds": result.seconds,
-        "phase_seconds": result.phase_seconds,
-        "repaired_layers": len(result.repair.layers) if result.repair else 0,
-        "repair_held_out_error": result.repair.held_out if result.repair else None,
-        "repair_skipped": result.repair.skipped if result.repair else {},
-        "written_vs_masked_max_abs_diff": diff,
-        **({"hugging_face_folder": HF_FOLDER if hf.written else None} if hf else {}),
-        **({"hugging_face_folder_missing": hf_missing} if hf_missing else {}),
-        **({"hugging_face_folder_notes": list(hf.notes)} if hf and hf.notes else {}),
-        "latency_seconds": latency,
-        "latency_allocator": allocator,
-        "speedup": latency["dense"] / latency["pruned"] if latency["pruned"] > 0 else math.nan,
-    }
-    with atomic_path(out / REPORT_FILE) as tmp:
-        Path(tmp).write_text(json.dumps(report, indent=1) + "\n")
+        hf = written.hf
+        report = {
+            "model": args.model,
+            "target": args.target,
+            "criterion": args.criterion,
+            "label_free": job.loss_fn is None,
+            "reconstruct": args.reconstruct,
+            "round_to": args.round_to,
+            "uniform": args.uniform,
+            "score_convention": args.score_convention or result.convention,
+            "rounds": result.rounds,
+            "cost_before": result.cost_before,
+            "cost_after": result.cost_after,
+            "cost_ratio": result.ratio,
+            "metric": job.metric,
+            "before": before,
+            "after_pruning": after_prune,
+            "after": after,
+            "finetune_steps": args.finetune_steps,
+            "channels_removed": sum(len(e.channels) for e in result.events),
+            "channels_kept": {n: {"kept": k, "of": w} for n, (k, w) in result.kept.items()},
+            "min_kept_fraction": result.min_kept_fraction,
+            "groups_at_floor": result.at_floor,
+            "calibration_examples": result.examples,
+            "seconds": result.seconds,
+            "phase_seconds": result.phase_seconds,
+            "repaired_layers": len(result.repair.layers) if result.repair else 0,
+            "repair_held_out_error": result.repair.held_out if result.repair else None,
+            "repair_skipped": result.repair.skipped if result.repair else {},
+            "written_vs_masked_max_abs_diff": written.diff,
+            **({"hugging_face_folder": HF_FOLDER if hf.written else None} if hf else {}),
+            **({"hugging_face_folder_missing": written.hf_missing} if written.hf_missing else {}),
+            **({"hugging_face_folder_notes": list(hf.notes)} if hf and hf.notes else {}),
+            "latency_seconds": latency,
+            "latency_allocator": allocator,
+            "speedup": latency["dense"] / latency["pruned"] if latency["pruned"] > 0 else math.nan,
+        }
+        with atomic_path(folder / REPORT_FILE) as tmp:
+            Path(tmp).write_text(json.dumps(report, indent=1) + "\n")
     print(
         f"{job.metric}: {before:.4f} -> {after_prune:.4f} after pruning"
         + (f" -> {after:.4f} after {args.finetune_steps} fine-tuning steps" if losses else "")
@@ -612,7 +593,7 @@ def prune_command(args: argparse.Namespace) -> int:
         + (f" (from_pretrained: {out / HF_FOLDER})" if hf and hf.written else "")
     )
     print(_groups_line(result))
-    for line in (hf_missing, *(hf.notes if hf else ())):
+    for line in (written.hf_missing, *(hf.notes if hf else ())):
         if line:
             print(line)
     return 0

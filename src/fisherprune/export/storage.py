@@ -4,6 +4,8 @@ Every write goes to a temporary file beside its target (``.<name>.<random>.tmp``
 synced, given the mode the user's umask allows (as ``open`` would, not ``mkstemp``'s 0600) and
 renamed over the target. An ``OSError`` on the way is raised again naming the target file, and
 the temporary file is removed; one left by a killed process is removed by ``remove_orphans``.
+A folder of several files is written the same way, whole (``atomic_directory``); one left by a
+killed process is removed by ``remove_stale_directories``.
 """
 
 from __future__ import annotations
@@ -18,6 +20,11 @@ import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+try:
+    import fcntl
+except ImportError:  # Windows: no advisory locks
+    fcntl = None  # type: ignore[assignment]
+
 __all__ = [
     "atomic_directory",
     "atomic_path",
@@ -26,6 +33,7 @@ __all__ = [
     "file_sha256",
     "os_error_text",
     "remove_orphans",
+    "remove_stale_directories",
     "write_file",
 ]
 
@@ -61,11 +69,12 @@ def _located(e: OSError, path: Path) -> OSError:
     return type(e)(e.errno, e.strerror or os.strerror(e.errno), str(path))
 
 
-def _file_mode() -> int:
-    """The mode ``open`` gives a new file under the process's umask (0o644 for umask 022)."""
+def _umasked(mode: int) -> int:
+    """``mode`` as the process's umask leaves it: what ``open`` (0o666) or ``mkdir`` (0o777)
+    gives a new file or folder (0o644 / 0o755 for umask 022)."""
     mask = os.umask(0)
     os.umask(mask)
-    return 0o666 & ~mask
+    return mode & ~mask
 
 
 def file_sha256(path: str | os.PathLike) -> str:
@@ -114,7 +123,7 @@ def atomic_path(path: Path, suffix: str = ".tmp") -> Iterator[Path]:
         yield tmp_path
         with open(tmp_path, "rb+") as f:
             os.fsync(f.fileno())
-        os.chmod(tmp_path, _file_mode())
+        os.chmod(tmp_path, _umasked(0o666))
         os.replace(tmp_path, path)
     except BaseException as e:
         with contextlib.suppress(OSError):
@@ -126,9 +135,15 @@ def atomic_path(path: Path, suffix: str = ".tmp") -> Iterator[Path]:
 
 @contextlib.contextmanager
 def atomic_directory(path: Path) -> Iterator[Path]:
-    """Yield an empty temporary folder beside ``path``; on success it takes ``path``'s place
-    (a folder already there is replaced whole, never merged), so that a reader sees the old
-    folder or the complete new one.
+    """Yield an empty temporary folder beside ``path`` (``.<name>.<random>.tmp``); on success
+    it takes ``path``'s place (a folder already there is replaced whole, never merged), so that
+    a reader sees the old folder or the complete new one.
+
+    The temporary folder is locked (``fcntl.flock``) while this runs, so that
+    ``remove_stale_directories``, called here first, removes only what a killed writer left.
+    The old folder is renamed ``.<name>.<random>.old`` for the instant before the new one
+    moves in; a writer killed in that instant leaves no ``path``, and the next call (or
+    ``remove_stale_directories``) puts the old folder back.
 
     On any exception the temporary folder is removed and ``path`` is left as it was.
 
@@ -140,35 +155,97 @@ def atomic_directory(path: Path) -> Iterator[Path]:
     path = Path(path)
     if not path.parent.is_dir():
         raise FileNotFoundError(f"cannot write {path}: directory {path.parent} does not exist")
+    remove_stale_directories(path)
     if path.exists() and not path.is_dir():
         raise FileExistsError(errno.EEXIST, "is a file; give a folder name", str(path))
     try:
         tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
     except OSError as e:
         raise _located(e, path) from e
-    aside = None
+    lock = _lock(tmp)
+    aside = tmp.with_suffix(".old")
     try:
+        os.chmod(tmp, _umasked(0o777))  # as mkdir makes it, not mkdtemp's 0700
         yield tmp
         if path.exists():
-            aside = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".old", dir=path.parent))
-            os.replace(path, aside / path.name)
+            os.replace(path, aside)
         os.replace(tmp, path)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        if aside is not None and not path.exists():  # put the old folder back
+        if aside.exists() and not path.exists():  # put the old folder back
             try:
-                os.replace(aside / path.name, path)
+                os.replace(aside, path)
             except OSError:  # it stays aside, named in the error, rather than deleted
-                kept, aside = aside / path.name, None
                 raise OSError(
-                    errno.EIO, f"the folder it replaced is left at {kept}", str(path)
+                    errno.EIO, f"the folder it replaced is left at {aside}", str(path)
                 ) from e
         if isinstance(e, OSError):
             raise _located(e, path) from e
         raise
+    else:
+        shutil.rmtree(aside, ignore_errors=True)
     finally:
-        if aside is not None:
-            shutil.rmtree(aside, ignore_errors=True)
+        if lock is not None:
+            os.close(lock)
+
+
+#: a folder of ``atomic_directory``: ``.<target name>.<8 random characters>.tmp`` (the new
+#: folder being written) or ``.old`` (the folder it replaces, set aside for an instant)
+_TEMPORARY_DIR = re.compile(r"^\.(?P<name>.+)\.(?P<key>[a-z0-9_]{8})\.(?P<kind>tmp|old)$")
+
+
+def _lock(folder: Path) -> int | None:
+    """An open descriptor of ``folder`` holding its exclusive advisory lock, or None where
+    ``fcntl`` does not exist (Windows) or the folder cannot be opened."""
+    if fcntl is None:
+        return None
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def _in_use(folder: Path) -> bool:
+    """Whether a live ``atomic_directory`` holds ``folder``'s lock."""
+    fd = _lock(folder)
+    if fd is None:
+        return fcntl is not None and folder.exists()
+    os.close(fd)
+    return False
+
+
+def remove_stale_directories(path: Path) -> list[Path]:
+    """Remove the temporary folders beside ``path`` that a killed ``atomic_directory(path)``
+    left (those whose writer is alive stay); where it was killed between setting the old
+    folder aside and moving the new one in (no ``path``), the old folder is put back at
+    ``path``. Returns the folders removed. Where locks do not exist (Windows), every
+    temporary folder counts as left by a killed writer.
+
+    Changes: the parent of ``path`` (nothing when it does not exist).
+    """
+    path = Path(path)
+    if not path.parent.is_dir():
+        return []
+    removed = []
+    for p in sorted(path.parent.iterdir()):
+        found = _TEMPORARY_DIR.match(p.name)
+        if found is None or found["name"] != path.name or not p.is_dir():
+            continue
+        writing = p.with_name(f".{path.name}.{found['key']}.tmp")
+        if writing.exists() and _in_use(writing):
+            continue
+        if found["kind"] == "old" and not path.exists():
+            os.replace(p, path)
+        else:
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p)
+    return removed
 
 
 def atomic_write_bytes(path: Path, data: bytes | memoryview) -> None:
