@@ -57,6 +57,7 @@ held-out batches per group, plus one per stage of a group that raised the error.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from itertools import pairwise
@@ -111,6 +112,9 @@ class RepairReport:
         residual: the fitted modules whose output is added to a residual stream, fitted so
             that the sum matches the dense sum.
         passes: passes run over the fitting batches (one per group of stages).
+        nonfinite: per module, the rows left out of its fit for holding NaN or inf (in its
+            input or the dense output); held-out batches whose dense outputs hold them are
+            not used to check the refits.
     """
 
     layers: dict[str, tuple[int, float, float]] = field(default_factory=dict)
@@ -121,6 +125,7 @@ class RepairReport:
     ridges: dict[str, float] = field(default_factory=dict)
     residual: list[str] = field(default_factory=list)
     passes: int = 0
+    nonfinite: dict[str, int] = field(default_factory=dict)
 
 
 def check_passes(
@@ -330,6 +335,9 @@ def repair_consumers(
         try:
             set_masks(dense_masks)
             references = [_outputs(dense, inputs) for inputs, _ in held]
+            finite = [all(bool(t.isfinite().all()) for t in ref) for ref in references]
+            held = [b for b, ok in zip(held, finite, strict=True) if ok]
+            references = [r for r, ok in zip(references, finite, strict=True) if ok]
             norm = sum(float(t.double().square().sum()) for ref in references for t in ref)
             groups = _groups(order, passes) if sequential else [order]
             best = start = held_error() if held else 0.0
@@ -346,6 +354,14 @@ def repair_consumers(
             set_masks(chosen)
     for name in set(fits) - set(report.layers) - set(report.skipped):
         report.skipped[name] = "the forward does not call it"
+    if report.nonfinite:
+        warnings.warn(
+            "the repair left out rows holding NaN or inf: "
+            + ", ".join(f"{n} ({k} rows)" for n, k in report.nonfinite.items())
+            + "; check the calibration data",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     return report
 
 
@@ -428,8 +444,11 @@ def _solve(
     name: str, fit: LayerFit, ridge: float | None, rows_per_weight: float, report: RepairReport
 ) -> None:
     """Solve one layer's fit (or say why not) and record it in ``report``."""
+    if fit.nonfinite:
+        report.nonfinite[name] = fit.nonfinite
     if fit.invalid is not None or fit.count == 0:
-        report.skipped[name] = fit.invalid or "the forward does not call it"
+        every = "every row of its fit holds NaN or inf" if fit.nonfinite else None
+        report.skipped[name] = fit.invalid or every or "the forward does not call it"
         return
     mode, before, after, report.ridges[name] = fit.solve_and_set(ridge, rows_per_weight)
     report.layers[name] = (fit.features, before, after)

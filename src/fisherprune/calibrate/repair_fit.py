@@ -100,6 +100,8 @@ class LayerFit:
         #: this forward's calls still waiting for their residual: dense outputs (dense pass)
         #: or inputs (pruned pass)
         self.pending: list[Tensor] = []
+        #: rows left out of the sums for holding NaN or inf (input or target)
+        self.nonfinite = 0
 
     def hook(self, mod: nn.Module, args: tuple, out: Tensor) -> None:
         """Forward hook. Dense pass: keep this call's output as a target (with
@@ -142,7 +144,8 @@ class LayerFit:
             self.pending.clear()
 
     def add(self, x: Tensor, y: Tensor) -> None:
-        """Add one call's rows (input ``x``, target output ``y``) to the sums."""
+        """Add one call's rows (input ``x``, target output ``y``) to the sums; rows holding
+        NaN or inf are left out and counted in ``nonfinite``."""
         if self.rows is linear_rows and self.dim != x.dim() - 1:
             self.invalid = "the mask is not on the features (last) dim"
         if self.invalid is not None:
@@ -152,6 +155,10 @@ class LayerFit:
             y = y[:, self.outputs]
         if self.mod.bias is not None:
             x = torch.cat([x, x.new_ones(x.shape[0], 1)], 1)
+        finite = x.isfinite().all(1) & y.isfinite().all(1)
+        if not bool(finite.all()):  # one NaN would make every sum NaN: its rows are left out
+            self.nonfinite += int(finite.logical_not().sum())
+            x, y = x[finite], y[finite]
         (self.held_sums if self.held else self.sums).add(x, y)
 
     @property

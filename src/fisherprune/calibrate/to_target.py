@@ -230,16 +230,18 @@ def estimate_signals(
         The number of calibration examples.
 
     Raises:
-        ValueError: no batches, or a mask the loss does not reach.
+        ValueError: no batches, a mask the loss does not reach, or a signal that is not
+            finite (NaN or inf in a batch: the message names the first such batch).
     """
     for m in masks.values():
         m.collecting = True
         m.reset_statistics()
-    examples = 0
+    examples, losses = 0, []
     with eval_mode(model), _frozen(model), torch.enable_grad():
         for inputs, targets in progress(batches) if progress else batches:
             loss = loss_fn(call_model(model, inputs), targets)
             loss.backward()
+            losses.append(loss.detach())  # read back only if the signal is not finite
             examples += batch_size(inputs)
     if examples == 0:
         raise ValueError("no calibration batches: give prune_to_target at least one batch")
@@ -249,8 +251,31 @@ def estimate_signals(
             f"mask(s) {silent} received no gradient: the loss does not reach them (check that "
             "loss_fn uses the model's outputs, or use a criterion that reads only weights)"
         )
-    criterion.update(masks, 0.0, loss_reduction="mean")
+    with warnings.catch_warnings():  # the error below says it for every mask at once
+        warnings.filterwarnings("ignore", "mask .* pruning-signal estimate is not finite")
+        skipped = criterion.update(masks, 0.0, loss_reduction="mean")
+    if skipped is not None and int(skipped):
+        raise ValueError(_not_finite_message(losses, int(skipped), len(masks)))
     return examples
+
+
+def _not_finite_message(losses: list[Tensor], skipped: int, masks: int) -> str:
+    """Why no channel is pruned: ``skipped`` of ``masks`` signals are not finite, and the
+    first calibration batch whose loss is not (or that the gradients alone are not)."""
+    bad = [i for i, v in enumerate(losses) if not math.isfinite(float(v))]
+    if bad:
+        others = f" (and {len(bad) - 1} other batch(es))" if len(bad) > 1 else ""
+        where = (
+            f"the loss of calibration batch {bad[0] + 1} of {len(losses)} is "
+            f"{float(losses[bad[0]])}{others}"
+        )
+    else:
+        where = "every batch's loss is finite but the gradients are not (an overflow)"
+    return (
+        f"no channel pruned: the pruning signal of {skipped} of {masks} mask(s) is not finite "
+        f"on the calibration data: {where}. Remove the NaN or inf values from the calibration "
+        "inputs and targets (or check the model's weights)"
+    )
 
 
 def _bar(progress: bool, what: str) -> Callable[[Iterable[Any]], Iterable[Any]] | None:
@@ -344,8 +369,9 @@ def prune_to_target(
         left at their floor (warned about: the selection wanted more of them).
 
     Raises:
-        ValueError: a bad setting, no batches, a target not below the starting cost, or a
-            mask the loss does not reach; ``apply_masks``' errors.
+        ValueError: a bad setting, no batches, a target not below the starting cost, a
+            mask the loss does not reach, or a signal (importance) that is not finite: no
+            channel is pruned on it; ``apply_masks``' errors.
 
     Example:
         >>> result = fisherprune.prune_to_target(net, x[:1], loader, "50%", loss_fn=F.cross_entropy)
@@ -502,8 +528,17 @@ class _Selection:
         the marginal costs used are never staler than a quarter of the remaining gap. Events
         carry the costs estimated from the report's marginals; the last of each chunk the
         exact cost.
+
+        Raises:
+            ValueError: an importance is not finite (nothing is pruned in this round).
         """
         importances = self.criterion.scores(masks, model)
+        bad = [n for n, v in importances.items() if not bool(torch.isfinite(v).all())]
+        if bad:
+            raise ValueError(
+                f"no channel pruned in round {step}: the {self.criterion.name} importance of "
+                f"mask {bad[0]!r} is not finite (NaN or inf weights or calibration data)"
+            )
         free = {n: m for n, m in masks.items() if n not in self.whole}
         least = {n: self._least(m) for n, m in free.items()}
         events: list[PruneEvent] = []

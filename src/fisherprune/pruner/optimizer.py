@@ -235,6 +235,10 @@ class PruningOptimizer:
         for m in self.masks.values():  # known from here on: not read back in the first step
             m.is_all_ones()  # (after a .to() or DDP's broadcast, which rewrite the buffers)
         self._warned_silent: set[str] = set()
+        #: masks' batch estimates skipped as not finite since the last prune decision (0-d,
+        #: on the device), and whether a prune skipped for it was warned about
+        self._nonfinite: Tensor | None = None
+        self._warned_nonfinite = False
         if self.target > 0 and self.start_cost <= self.target:
             warnings.warn(
                 f"flops_target {self.target:.6g} is not below the starting cost "
@@ -278,14 +282,20 @@ class PruningOptimizer:
         the last call into the signals, prune when due, count the step.
 
         Changes: the masks' signals (while collecting), possibly one prune (masks zeroed,
-        ``history`` grows), ``counter``.
+        ``history`` grows), ``counter``. A due prune is skipped, with a warning the first
+        time, when a batch since the last prune decision gave a non-finite estimate or a
+        signal is not finite: non-finite input never prunes.
 
         Raises:
             ValueError: on the first step, if a collecting mask received no gradient.
         """
         if not self.finished and self.criterion.uses_gradients:
             self._check_received()
-            self.criterion.update(self.masks, self.decay, loss_reduction=self.loss_reduction)
+            skipped = self.criterion.update(
+                self.masks, self.decay, loss_reduction=self.loss_reduction
+            )
+            if skipped is not None:  # summed on the device: read at the next prune decision
+                self._nonfinite = skipped if self._nonfinite is None else self._nonfinite + skipped
         if self.prune_due:
             self._maybe_prune()
         self.counter += 1
@@ -308,6 +318,10 @@ class PruningOptimizer:
             self._finish(f"cost {report.total:.6g} reached the target {self.target:.6g}")
             return
         signals = self.criterion.scores(self.masks, self.model)
+        why = self._not_finite(signals)
+        if why is not None:
+            self._skip_prune(why)
+            return
         weigh = report if self.score_model is self.cost_model else self.score_model.report()
         scores = score_all(signals, {n: weigh.marginal[n] for n in self.masks}, self.flops_weight)
         event = prune(
@@ -345,6 +359,36 @@ class PruningOptimizer:
         )
         if self.target > 0 and event.cost_after <= self.target:
             self._finish(f"cost {event.cost_after:.6g} reached the target {self.target:.6g}")
+
+    def _not_finite(self, signals: dict[str, Tensor]) -> str | None:
+        """Why ``signals`` are no ground to prune on: a mask's batch estimate was skipped as
+        not finite since the last prune decision (its signal is then the older batches'
+        alone), or a signal is not finite itself (a criterion reading NaN weights); None when
+        neither. Reads the skip count back and starts it afresh."""
+        skipped, self._nonfinite = self._nonfinite, None
+        bad = [n for n, v in signals.items() if not bool(torch.isfinite(v).all())]
+        if bad:
+            return f"the pruning signal of mask {bad[0]!r} is not finite (NaN or inf weights?)"
+        count = 0 if skipped is None else int(skipped)
+        if count:
+            return (
+                f"{count} mask batch estimate(s) since the last prune were not finite (NaN or "
+                "inf loss or gradients), so the signals do not hold those batches"
+            )
+        return None
+
+    def _skip_prune(self, why: str) -> None:
+        """Prune nothing at this due step; warn the first time (later skips are logged)."""
+        log.info("step %d: no channel pruned: %s", self.counter, why)
+        if not self._warned_nonfinite:
+            self._warned_nonfinite = True
+            warnings.warn(
+                f"step {self.counter}: no channel pruned: {why}. A prune is skipped whenever "
+                "the batches since the last one held a non-finite value (told once; check the "
+                "data and the learning rate)",
+                RuntimeWarning,
+                stacklevel=4,
+            )
 
     def _set_collecting(self, on: bool) -> None:
         """Masks gather gradients only while pruning can happen and the criterion reads them."""

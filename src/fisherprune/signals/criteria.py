@@ -112,10 +112,17 @@ class Criterion:
         *,
         loss_reduction: str = "mean",
         process_group: dist.ProcessGroup | None = None,
-    ) -> None:
+    ) -> Tensor | None:
         """Fold what the last backward pass gathered into the masks' signals. Called after
         every training step while pruning can still happen; nothing to do for a criterion
-        that reads only weights (the default)."""
+        that reads only weights (the default: returns None).
+
+        Returns:
+            How many masks' batch estimates were skipped as not finite (NaN or inf), as a 0-d
+            tensor left on the device (reading it waits for the device); None when nothing
+            was folded.
+        """
+        return None
 
     def importance(self, masks: Mapping[str, MaskLayer], model: nn.Module) -> dict[str, Tensor]:
         """Per mask, one importance per channel (higher = kept longer), before normalisation.
@@ -192,10 +199,11 @@ class GradientCriterion(Criterion):
         *,
         loss_reduction: str = "mean",
         process_group: dist.ProcessGroup | None = None,
-    ) -> None:
+    ) -> Tensor | None:
         """``signal <- decay * signal + (1 - decay) * batch estimate`` for every mask that
-        received gradients (see ``update_pruning_signals``), in place."""
-        fold_statistics(
+        received gradients (see ``update_pruning_signals``), in place; returns the count of
+        masks whose estimate was skipped as not finite (``Criterion.update``)."""
+        return fold_statistics(
             masks,
             check_decay(decay),
             loss_reduction=check_loss_reduction(loss_reduction),

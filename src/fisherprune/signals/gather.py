@@ -82,7 +82,7 @@ def fold_statistics(
     degree: int,
     factor: float,
     process_group: dist.ProcessGroup | None = None,
-) -> list[Tensor]:
+) -> Tensor | None:
     """``signal <- decay * signal + (1 - decay) * factor * mean_n statistic(g_n)`` in place for
     every mask that received gradients since the last call; their gathered statistics are
     cleared. A batch whose estimate is not finite is skipped for that mask (decided on the
@@ -99,7 +99,8 @@ def fold_statistics(
         process_group: the group to all-reduce over (default: the world, when initialised).
 
     Returns:
-        The signal tensors, in the order of ``masks``.
+        How many masks' estimates were skipped as not finite, a 0-d tensor on the device (not
+        read back here); None when no mask received gradients.
     """
     md = as_mask_dict(masks)
     taken = {name: m.take_statistics(loss_reduction, statistic, degree) for name, m in md.items()}
@@ -114,9 +115,9 @@ def fold_statistics(
             if stats is not None:
                 total, scale, count = stats
                 ready.append((name, md[name], total, factor * scale / count, None))
-    _fold_into_signals(ready, float(decay))
+    skipped = _fold_into_signals(ready, float(decay))
     _warn_skipped(stacklevel=4)
-    return [m.signal for m in md.values()]
+    return skipped
 
 
 def _all_reduce(
@@ -158,16 +159,19 @@ def _segments(device: torch.device, sizes: tuple[int, ...]) -> Tensor:
     return seg
 
 
-def _fold_into_signals(ready: list[Ready], decay: float) -> None:
+def _fold_into_signals(ready: list[Ready], decay: float) -> Tensor | None:
     """``signal <- decay * signal + (1 - decay) * factor * total`` for each entry whose total
     is finite and that some example contributed to, in place and on the device (no host read);
-    the finiteness of each group's totals (one per dtype and device) goes to ``_pending``. The
-    totals are sums of non-negative statistics, so one is finite exactly when its sum is.
+    the finiteness of each group's totals (one per dtype and device) goes to ``_pending``, and
+    the count of entries that were not finite is returned (0-d, on the first group's device;
+    None for no entries). The totals are sums of non-negative statistics, so one is finite
+    exactly when its sum is.
 
     Each group is folded as one concatenated vector: about ten kernels for all its masks
     rather than four per mask (on a GPU a step is often bound by how many kernels it launches).
     """
     groups: dict[tuple[torch.dtype, torch.device], list[Ready]] = {}
+    skipped: Tensor | None = None
     for name, m, total, factor, present in ready:
         key = (m.signal.dtype, m.signal.device)
         groups.setdefault(key, []).append((name, m, total.to(m.signal), factor, present))
@@ -190,3 +194,6 @@ def _fold_into_signals(ready: list[Ready], decay: float) -> None:
             new = torch.where(keep[_segments(device, sizes)], moved, old)
             torch._foreach_copy_(signals, list(new.split(sizes)))
             _pending.append(PendingFlags([e[0] for e in entries], ok))
+            bad = ok.logical_not().sum()
+            skipped = bad if skipped is None else skipped + bad.to(skipped.device)
+    return skipped
