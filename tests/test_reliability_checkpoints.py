@@ -142,3 +142,31 @@ def test_a_full_disk_leaves_earlier_checkpoints_and_no_partial_file(
     )
     for p in three.paths():
         assert CheckpointManager.load(p)["state"]["step"] == int(p.name[5:13])
+
+
+def test_changed_tensor_bytes_are_refused_without_the_side_file(
+    three: CheckpointManager,
+) -> None:
+    """Issue 35, point 4: the bytes of a weight changed and the ``.sha256`` side file gone: the
+    hash the checkpoint holds refuses it (the old code loaded, exported and resumed from it)."""
+    path = three.paths()[-1]
+    data = path.read_bytes()
+    weights = torch.full((64,), 30.0).numpy().tobytes()
+    at = data.index(weights)
+    path.write_bytes(data[:at] + b"\x00\x00\x80\x7f" + data[at + 4 :])  # 30.0 -> inf
+    path.with_name(path.name + ".sha256").unlink()
+    with pytest.raises(DamagedCheckpointError, match=rf"{path} is damaged.*hash written inside"):
+        CheckpointManager.load(path)
+
+
+def test_a_checkpoint_loads_without_its_hash_and_an_old_one_without_one_loads(
+    tmp_path: Path, three: CheckpointManager
+) -> None:
+    """A whole checkpoint loads to the state saved (its own hash taken out); one written by an
+    older fisherprune (no hash inside, only its side file) still loads, checked by that."""
+    assert CheckpointManager.load(three.paths()[-1]).keys() == _state(30).keys()
+    old = tmp_path / "ckpt-00000001.pt"
+    torch.save(_state(1), old)
+    digest = hashlib.sha256(old.read_bytes()).hexdigest()
+    old.with_name(old.name + ".sha256").write_text(f"{digest}  {old.name}\n")
+    assert CheckpointManager.load(old)["state"] == {"step": 1}

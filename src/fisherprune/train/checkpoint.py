@@ -1,6 +1,11 @@
 """Checkpoints: written atomically with a content hash, the last N kept, the newest whole one
 found for ``--resume``.
 
+Each checkpoint proves its own integrity: besides the file's SHA-256 in a side file (for
+``sha256sum -c``), it holds under ``"integrity"`` the SHA-256 of its content (every tensor's
+dtype, shape and bytes and every plain value, in order: ``payload_sha256``), checked on every
+load, so a file whose bytes changed is refused whether or not its side file survived.
+
 A checkpoint holds tensors and plain data only (dicts, lists, tuples, strings, numbers), so it
 is read back with ``torch.load(..., weights_only=True)``: nothing in it can run code on load.
 """
@@ -23,7 +28,16 @@ from fisherprune._errors import first_line
 from fisherprune.export.safe_load import PickledObjectsError, load_plain
 from fisherprune.export.storage import atomic_write_bytes, file_sha256, remove_orphans
 
-__all__ = ["CheckpointManager", "DamagedCheckpointError", "rng_state", "set_rng_state"]
+__all__ = [
+    "CheckpointManager",
+    "DamagedCheckpointError",
+    "payload_sha256",
+    "rng_state",
+    "set_rng_state",
+]
+
+#: the key of a checkpoint's own content hash (``payload_sha256`` of the rest)
+INTEGRITY = "integrity"
 
 _NAME = re.compile(r"^ckpt-(\d{8})\.pt$")
 
@@ -117,7 +131,7 @@ class CheckpointManager:
         """
         self.directory.mkdir(parents=True, exist_ok=True)
         path = self.directory / f"ckpt-{step:08d}.pt"
-        data = _plain_bytes(state)
+        data = _plain_bytes({**state, INTEGRITY: {"sha256": payload_sha256(state)}})
         digest = hashlib.sha256(data).hexdigest()
         atomic_write_bytes(_hash_path(path), f"{digest}  {path.name}\n".encode())
         try:
@@ -188,13 +202,15 @@ class CheckpointManager:
 
     @staticmethod
     def load(path: Path) -> dict[str, Any]:
-        """Load a checkpoint written by ``save``: check its content hash against its hash file
-        (a checkpoint without one, from an older fisherprune, is read unchecked), then read
-        tensors and plain data only (``torch.load(..., weights_only=True)``). Changes nothing.
+        """Load a checkpoint written by ``save``: check the file's hash against its hash file
+        (when there is one), read tensors and plain data only (``torch.load(...,
+        weights_only=True)``), and check the content hash the file holds (a checkpoint of an
+        older fisherprune has none and is read with the side file's check alone). Returns the
+        state without that hash. Changes nothing.
 
         Raises:
             IsADirectoryError: ``path`` is a directory.
-            DamagedCheckpointError: (a ValueError) the hash differs, or the file cannot be read
+            DamagedCheckpointError: (a ValueError) a hash differs, or the file cannot be read
                 (truncated): the message names the file.
             PickledObjectsError: (a ValueError) the file holds pickled Python objects: it was
                 written by an older fisherprune or by another program. Nothing from it ran;
@@ -223,7 +239,40 @@ class CheckpointManager:
             ) from e
         if not isinstance(state, dict) or "model" not in state or "pruner" not in state:
             raise ValueError(f"{path} is not a fisherprune checkpoint")
+        integrity = state.pop(INTEGRITY, None)
+        if integrity is not None and payload_sha256(state) != integrity.get("sha256"):
+            raise DamagedCheckpointError(
+                f"checkpoint {path} is damaged: its content differs from the hash written "
+                "inside it (changed on disk)"
+            )
         return state
+
+
+def payload_sha256(state: Any) -> str:
+    """The SHA-256 of ``state``'s content, hex: each tensor's dtype, shape and bytes, and each
+    plain value (dict keys, strings, numbers, ``None``) by type and ``repr``, in the order the
+    containers hold them, which ``torch.save`` and ``torch.load`` keep. Reads only."""
+    h = hashlib.sha256()
+    _digest_into(h, state)
+    return h.hexdigest()
+
+
+def _digest_into(h: Any, value: Any) -> None:
+    if isinstance(value, torch.Tensor):
+        t = value.detach().cpu().contiguous()
+        h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().data)
+    elif isinstance(value, dict):
+        h.update(f"D{len(value)}".encode())
+        for k, v in value.items():
+            _digest_into(h, k)
+            _digest_into(h, v)
+    elif isinstance(value, (list, tuple)):
+        h.update(f"{type(value).__name__[0]}{len(value)}".encode())
+        for v in value:
+            _digest_into(h, v)
+    else:
+        h.update(f"{type(value).__name__}:{value!r};".encode())
 
 
 def _hash_path(path: Path) -> Path:
