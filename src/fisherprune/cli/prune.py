@@ -33,6 +33,7 @@ from torch import Tensor, nn
 from fisherprune._errors import first_line
 from fisherprune.calibrate import PruneResult, output_tensor, prune_to_target
 from fisherprune.calibrate.to_target import ROUND_CAP
+from fisherprune.cli.hf_check import check_hf_folder
 from fisherprune.cli.prune_outputs import HF_FOLDER, REPORT_FILE, check_out, write_outputs
 from fisherprune.cost import CONVENTIONS
 from fisherprune.distill import finetune, frozen_teacher
@@ -327,8 +328,11 @@ def _hf_job(args: argparse.Namespace) -> _Job:
     if len(lines) - held < 1:
         raise ValueError(f"--text {args.text} needs at least 2 non-empty lines")
     calib, held_out = lines[: len(lines) - held][: args.calibration], lines[len(lines) - held :]
-    tok = transformers.AutoTokenizer.from_pretrained(args.model)
     model_class = _text_model_class(args.model)
+    check_hf_folder(
+        Path(args.model), transformers.AutoConfig.from_pretrained(args.model), model_class
+    )
+    tok = transformers.AutoTokenizer.from_pretrained(args.model)
 
     def rebuild() -> nn.Module:
         return model_class.from_pretrained(args.model).eval()
