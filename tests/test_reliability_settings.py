@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -70,3 +71,22 @@ def test_target_0_says_it_prunes_to_the_floor(
     assert "3 of 8 channels kept" in out
     final = json.loads((save / "metrics.jsonl").read_text().splitlines()[-1])
     assert list(final["kept"].values()) == [3]
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [("-5", r"pruning.flops_target must be >= 0 \(0: no target\), got -5"),
+     ("lots", r"pruning.flops_target 'lots' is not a number or a percentage")],
+)  # fmt: skip
+def test_a_negative_or_non_numeric_target_is_refused_by_name(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], value: str, message: str
+) -> None:
+    """Issue 35, point 5: ``--pruning.flops_target -5`` was read as "no target" and every group
+    was pruned to its floor (0.9% of the FLOPs); now exit 2, one line naming the setting,
+    before anything is written."""
+    save = tmp_path / "run"
+    code = main([*RUN, "--pruning.flops_target", value, "--save_dir", str(save)])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert re.search(message, err), err
+    assert not save.exists()

@@ -38,22 +38,23 @@ def resolve_target(flops_target: float | int | str, start_cost: float) -> float:
     """Absolute cost target per example from a user's ``flops_target``.
 
     ``"25%"`` and numbers in (0, 1) are fractions of ``start_cost``; numbers
-    >= 1 are absolute; 0 or less means "no target" (prune until nothing can be).
+    >= 1 are absolute; 0 means "no target" (prune until nothing can be).
 
     Raises:
-        ValueError: a string that is not a percentage, or a non-finite number.
+        ValueError: a string that is not a number or a percentage, or a negative or
+            non-finite number.
     """
     if isinstance(flops_target, str):
         text = flops_target.strip()
         try:
-            if text.endswith("%"):
-                frac = float(text[:-1]) / 100.0
-            else:
-                return resolve_target(float(text), start_cost)
+            value = float(text.removesuffix("%"))
         except ValueError:
             raise ValueError(
                 f"flops_target {flops_target!r} is not a number or a percentage such as '25%'"
             ) from None
+        if not text.endswith("%"):
+            return resolve_target(value, start_cost)
+        frac = value / 100.0
         if not frac > 0:
             raise ValueError(f"flops_target {flops_target!r} must be a positive percentage")
         return frac * start_cost
@@ -62,6 +63,8 @@ def resolve_target(flops_target: float | int | str, start_cost: float) -> float:
     t = float(flops_target)
     if not math.isfinite(t):
         raise ValueError(f"flops_target must be finite, got {flops_target!r}")
+    if t < 0:  # once read as "no target": every group pruned to its floor
+        raise ValueError(f"flops_target must be >= 0 (0: no target), got {flops_target!r}")
     if 0 < t < 1:
         return t * start_cost
     return t

@@ -22,6 +22,7 @@ from typing import Any
 
 from fisherprune.cost import CONVENTIONS
 from fisherprune.export.files import FORMATS
+from fisherprune.pruner.optimizer import resolve_target
 from fisherprune.settings import (
     check_decay,
     check_min_channels,
@@ -328,6 +329,10 @@ class TrainConfig:
             )
         if self.resume and self.overwrite:
             raise ValueError("resume and overwrite exclude each other: give one of them")
+        try:  # refused now, not when the pruning phase starts
+            resolve_target(self.pruning_flops_target, 1.0)
+        except ValueError as e:
+            raise ValueError(f"pruning.{e}") from None
         for name in (
             "steps",
             "pruning_burn_in",
