@@ -276,3 +276,20 @@ def test_falcon_shrinks_though_its_head_dim_is_a_read_only_property():
     assert small.config.head_dim == small.config.hidden_size // small.config.num_attention_heads
     with torch.no_grad():
         torch.testing.assert_close(small(**x).logits, model(**x).logits, rtol=1e-4, atol=1e-5)
+
+
+def test_one_callback_refuses_the_model_of_a_second_trainer():
+    """Issue 35, point 5: a callback already pruning one model, started by a second Trainer on
+    another model, raises naming the fix (the second model got no masks, and the first lost
+    channels on the second's steps); started again on its own model, it goes on."""
+    x = torch.randn(4, 8)
+    callback = FisherPruningCallback(x[:1], flops_target="50%", prune_every=1)
+    first, second = (torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(),
+                                         torch.nn.Linear(16, 2)) for _ in range(2))  # fmt: skip
+    for model in (first, first):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        callback.on_train_begin(None, None, None, model=model, optimizer=opt)
+    opt = torch.optim.SGD(second.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="give each Trainer its own callback"):
+        callback.on_train_begin(None, None, None, model=second, optimizer=opt)
+    assert callback.pruner.model is first and not fp.find_masks(second)

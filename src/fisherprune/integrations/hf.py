@@ -72,8 +72,20 @@ class FisherPruningCallback(TrainerCallback):
         optimizer: Any = None,
         **kwargs: Any,
     ) -> None:
-        """Apply masks if the model has none and start the pruner (once per callback)."""
+        """Apply masks if the model has none and start the pruner (once per callback: a later
+        ``train()`` of the same model goes on with it).
+
+        Raises:
+            ValueError: the callback already prunes another model (given to a second
+                ``Trainer``: that model would get no masks, and the first would lose channels
+                on the second's steps).
+        """
         if self.pruner is not None:
+            if model is not None and model is not self.pruner.model:
+                raise ValueError(
+                    "this FisherPruningCallback already prunes the model of another Trainer "
+                    f"({type(self.pruner.model).__name__}); give each Trainer its own callback"
+                )
             return
         if model is None or optimizer is None:
             raise ValueError("the Trainer passed no model or optimizer to the callback")
