@@ -15,7 +15,10 @@ Suite (trained here, seeded, a few seconds to a minute each on 2 cores):
   scikit-learn's tables: digits read as 64 pixel columns, and the breast-cancer table
   (30 columns, standardised).
 
-Not run here (said in the output and in docs/benchmarks.md): MiniLM and a small decoder LM.
+* ``minilm`` and ``decoder_lm`` (``one_shot_text.py``): the pretrained MiniLM sentence encoder
+  (quality: cosine similarity of its embeddings to the dense model's on held-out sentences) and
+  a character-level decoder trained here on Python's documentation (quality: held-out
+  perplexity, lower is better), with ``TEXT_METHODS`` only.
 
 Each network is trained once per seed (the seed also picks the 8 calibration batches of 64 and
 the random criterion's stream), then pruned from a copy to 70%, 50% and 30% of its FLOPs with
@@ -23,7 +26,8 @@ no fine-tuning, the least-squares repair on. Methods: ``fisher`` (every argument
 default: ``rounds="auto", round_cap=0.25``), ``fisher_one_scoring`` (``rounds=1,
 round_cap=1``: the defaults before issue 31), ``fisher_cap_only`` (``rounds=1,
 round_cap=0.5``), ``fisher_cap50`` (``round_cap=0.5``), ``fisher_rounds_only``
-(``round_cap=1``), ``fisher_rounds8`` (``rounds=8, round_cap=1``), and ``l1``, ``taylor``,
+(``round_cap=1``), ``fisher_rounds8`` (``rounds=8, round_cap=1``), ``fisher_root`` (the
+Fisher signal's square root as importance: ``RootFisher``), and ``l1``, ``taylor``,
 ``random`` at the defaults. Each cell records test accuracy, the channels kept per mask, the
 smallest kept fraction, the rounds run and its wall time.
 
@@ -54,11 +58,12 @@ from sklearn.datasets import load_breast_cancer, load_digits
 from torch import Tensor, nn
 
 import fisherprune as fp
-from fisherprune.criteria import Random
+from fisherprune.criteria import Fisher, Random
 from fisherprune.train.models import BasicBlock  # the trainer's own block, same layout
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import machine_info, write_json
+from one_shot_text import TEXT_NETS, cache_dir, text_rows
 
 ROOT = Path(__file__).resolve().parent.parent
 TARGETS = (0.7, 0.5, 0.3)
@@ -212,10 +217,21 @@ NETS: dict[str, Net] = {
     "mlp_digits": Net(lambda: mlp(64, 10), digits_table, 300, 0.05),
     "mlp_cancer": Net(lambda: mlp(30, 2, 128), cancer_table, 200, 0.02),
 }
-NOT_RUN = {
-    "minilm": "not run in this version (time: a MiniLM cell is minutes where a CNN's is seconds)",
-    "decoder_lm": "not run in this version (no small decoder LM is trained here yet)",
-}
+
+
+def cached_train(name: str, split: Split, seed: int) -> nn.Module:
+    """``train(NETS[name], split, seed)``, kept in ``cache_dir()`` (not in the repository)
+    under its name, seed, steps and learning rate (training is deterministic on one thread)."""
+    net = NETS[name]
+    path = cache_dir() / f"{name}_s{seed}_{net.steps}_{net.lr}.pt"
+    if path.exists():
+        model = net.build()
+        model.load_state_dict(torch.load(path))
+        return model.eval()
+    model = train(net, split, seed)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(model.state_dict(), path)
+    return model
 
 
 def train(net: Net, split: Split, seed: int) -> nn.Module:
@@ -243,6 +259,16 @@ def accuracy(model: nn.Module, split: Split) -> float:
 
 
 # ------------------------------------------------------------------------------ methods
+class RootFisher(Fisher):
+    """The Fisher signal's square root (the root-mean-square mask gradient) as importance:
+    under ``flops_weight="auto"`` it is weighed against the cost in a gradient's units, as
+    Taylor's ``mean |g|`` is, where Fisher's ``1/2 mean g^2`` ranks like ``sqrt(s) /
+    sqrt(c)``. A candidate default (issue 31, point c), not a library criterion."""
+
+    def importance(self, masks: Any, model: nn.Module) -> dict[str, Tensor]:
+        return {n: m.signal.clamp_min(0.0).sqrt() for n, m in masks.items()}
+
+
 OLD = {"rounds": 1, "round_cap": 1.0}
 METHODS: dict[str, Callable[[int], dict[str, Any]]] = {
     "fisher": lambda seed: {},
@@ -251,10 +277,19 @@ METHODS: dict[str, Callable[[int], dict[str, Any]]] = {
     "fisher_cap50": lambda seed: {"round_cap": 0.5},
     "fisher_rounds_only": lambda seed: {"round_cap": 1.0},
     "fisher_rounds8": lambda seed: {"rounds": 8, "round_cap": 1.0},
+    "fisher_root": lambda seed: {"criterion": RootFisher()},
     "l1": lambda seed: {"criterion": "l1"},
     "taylor": lambda seed: {"criterion": "taylor"},
     "random": lambda seed: {"criterion": Random(seed)},
 }
+#: the methods of the text rows (a MiniLM cell takes tens of seconds: no ablations there)
+TEXT_METHODS = ("fisher", "l1", "taylor", "random")
+ACCURACY = "test accuracy"
+
+
+def quality(row: dict[str, Any]) -> float:
+    """The number a row is ranked by (rows before the text rows carry ``accuracy`` only)."""
+    return row.get("quality", row.get("accuracy"))
 
 
 def cell(
@@ -267,8 +302,12 @@ def cell(
         result = fp.prune_to_target(
             model, split.x_train[:2], batches, target, loss_fn=F.cross_entropy, **settings
         )
+    acc = accuracy(model, split)
     return {
-        "accuracy": accuracy(model, split),
+        "accuracy": acc,
+        "quality": acc,
+        "metric": ACCURACY,
+        "higher_is_better": True,
         "ratio": result.ratio,
         "rounds": result.rounds,
         "seconds": result.seconds,
@@ -283,12 +322,12 @@ def cell(
 def run(args: argparse.Namespace) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     trained_seconds: dict[str, list[float]] = {}
-    for name in args.nets:
+    for name in (n for n in args.nets if n in NETS):
         net = NETS[name]
         split = net.data()
-        for seed in range(args.seeds):
+        for seed in range(args.first_seed, args.seeds):
             t0 = time.perf_counter()
-            trained = train(net, split, seed)
+            trained = cached_train(name, split, seed)
             trained_seconds.setdefault(name, []).append(time.perf_counter() - t0)
             dense = accuracy(trained, split)
             g = torch.Generator().manual_seed(1000 + seed)
@@ -311,7 +350,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         f"rounds {r['rounds']} {r['seconds']:.1f} s ({phases})",
                         flush=True,
                     )
+    text = [n for n in args.nets if n in TEXT_NETS]
+    if text:
+        methods = {m: METHODS[m] for m in args.methods if m in TEXT_METHODS}
+        seeds = range(args.first_seed, args.seeds)
+        part = text_rows(text, seeds, args.targets, methods, _log_text)
+        rows += part["rows"]
+        trained_seconds.update(part["train_seconds"])
+        return {"rows": rows, "train_seconds": trained_seconds, "details": part["details"]}
     return {"rows": rows, "train_seconds": trained_seconds}
+
+
+def _log_text(name: str, seed: int, target: float, method: str, r: dict[str, Any], dense: float):
+    phases = ", ".join(f"{k} {v:.1f}" for k, v in r["phase_seconds"].items())
+    print(
+        f"{name} s{seed} {target:.0%} {method:20s} quality {r['quality']:.4f} (dense {dense:.4f})"
+        f" min kept {r['min_kept_fraction']:.2f} rounds {r['rounds']} {r['seconds']:.1f} s "
+        f"({phases})",
+        flush=True,
+    )
 
 
 # ------------------------------------------------------------------------------- report
@@ -319,7 +376,7 @@ def summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Mean, sd, and mean seconds per (net, target, method), in the order of ``NETS``, of
     the targets from the largest and of ``METHODS``."""
     cells: dict[tuple[str, float, str], list[dict[str, Any]]] = {}
-    nets, methods = list(NETS), list(METHODS)
+    nets, methods = [*NETS, *TEXT_NETS], list(METHODS)
     order = sorted(
         rows, key=lambda r: (nets.index(r["net"]), -r["target"], methods.index(r["method"]))
     )
@@ -327,14 +384,16 @@ def summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         cells.setdefault((r["net"], r["target"], r["method"]), []).append(r)
     out = []
     for (net, target, method), rs in cells.items():
-        acc = [r["accuracy"] for r in rs]
+        acc = [quality(r) for r in rs]
         out.append(
             {
                 "net": net,
                 "target": target,
                 "method": method,
+                "metric": rs[0].get("metric", ACCURACY),
+                "higher_is_better": rs[0].get("higher_is_better", True),
                 "dense": statistics.mean(r["dense"] for r in rs),
-                "test_examples": rs[0]["test_examples"],
+                "test_examples": rs[0].get("test_examples"),
                 "mean": statistics.mean(acc),
                 "sd": statistics.stdev(acc) if len(acc) > 1 else 0.0,
                 "min_kept_fraction": min(r["min_kept_fraction"] for r in rs),
@@ -348,8 +407,9 @@ def summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def verdicts(cells: list[dict[str, Any]]) -> list[str]:
     """Per (net, target): is ``fisher`` first or within noise of the first, and ahead of
-    ``random``? Noise: the larger of the two seed sds and the test set's binomial standard
-    error at the best mean (one seed's sd is 0; 171 test rows give 0.013 at 0.97)."""
+    ``random``? Noise: the larger of the two seed sds and, for test accuracy, the test set's
+    binomial standard error at the best mean (one seed's sd is 0; 171 test rows give 0.013 at
+    0.97). "First" follows the metric's direction (perplexity: the lowest)."""
     rows: dict[tuple[str, float], dict[str, dict[str, Any]]] = {}
     for c in cells:
         rows.setdefault((c["net"], c["target"]), {})[c["method"]] = c
@@ -358,25 +418,31 @@ def verdicts(cells: list[dict[str, Any]]) -> list[str]:
         if "fisher" not in by:
             continue
         f = by["fisher"]
-        best = max(by.values(), key=lambda c: c["mean"])
+        sign = 1 if f.get("higher_is_better", True) else -1
+        best = max(by.values(), key=lambda c: sign * c["mean"])
         p = best["mean"]
-        noise = max(f["sd"], best["sd"], (p * (1 - p) / best["test_examples"]) ** 0.5)
-        near = f["mean"] + noise >= best["mean"]
-        ahead = "random" not in by or f["mean"] > by["random"]["mean"]
+        binomial = 0.0
+        if f.get("metric", ACCURACY) == ACCURACY:
+            binomial = (p * (1 - p) / best["test_examples"]) ** 0.5
+        noise = max(f["sd"], best["sd"], binomial)
+        near = sign * (f["mean"] - best["mean"]) + noise >= 0
+        ahead = "random" not in by or sign * (f["mean"] - by["random"]["mean"]) > 0
         lines.append(
-            f"{net} at {target:.0%}: fisher {f['mean']:.3f}, best {best['method']} "
-            f"{best['mean']:.3f}: {'first' if best is f else 'within noise' if near else 'BEHIND'}"
+            f"{net} at {target:.0%}: fisher {f['mean']:.4g}, best {best['method']} "
+            f"{best['mean']:.4g}: {'first' if best is f else 'within noise' if near else 'BEHIND'}"
             f"; {'ahead of' if ahead else 'NOT ahead of'} random"
         )
     return lines
 
 
 def table(cells: list[dict[str, Any]]) -> str:
-    head = "| net | FLOPs kept | method | accuracy | smallest kept share | rounds | s per cell |"
+    head = "| net | FLOPs kept | method | quality | smallest kept share | rounds | s per cell |"
     lines = [head, "|---|---|---|---|---|---|---|"]
     for c in cells:
+        metric = c.get("metric", ACCURACY)
         lines.append(
-            f"| {c['net']} | {c['target']:.0%} | {c['method']} | {c['mean']:.3f} ± {c['sd']:.3f}"
+            f"| {c['net']} | {c['target']:.0%} | {c['method']} | {metric} {c['mean']:.4g} ± "
+            f"{c['sd']:.2g}"
             f" | {c['min_kept_fraction']:.2f} | {c['rounds']:.1f} | {c['seconds']:.1f} |"
         )
     return "\n".join(lines)
@@ -390,8 +456,13 @@ def plot(cells: list[dict[str, Any]], path: Path) -> None:
 
     nets = list(dict.fromkeys(c["net"] for c in cells))
     methods = list(dict.fromkeys(c["method"] for c in cells))
-    fig, axes = plt.subplots(1, len(nets), figsize=(4 * len(nets), 3.6), squeeze=False)
-    for ax, net in zip(axes[0], nets, strict=True):
+    cols = min(len(nets), 3)
+    rows = -(-len(nets) // cols)
+    fig, grid = plt.subplots(rows, cols, figsize=(4 * cols, 3.6 * rows), squeeze=False)
+    axes = grid.flatten()
+    for ax in axes[len(nets) :]:
+        ax.set_visible(False)
+    for ax, net in zip(axes, nets, strict=False):
         for m in methods:
             pts = sorted((c["target"], c["mean"], c["sd"]) for c in cells
                          if c["net"] == net and c["method"] == m)  # fmt: skip
@@ -399,11 +470,17 @@ def plot(cells: list[dict[str, Any]], path: Path) -> None:
                 t, mean, sd = zip(*pts, strict=True)
                 style = "-" if m == "fisher" else "--" if m.startswith("fisher") else ":"
                 ax.errorbar(t, mean, yerr=sd, label=m, linestyle=style, marker="o", ms=3)
-        ax.set_title(f"{net} (axis from 0.7)")
+        metric = next(c.get("metric", ACCURACY) for c in cells if c["net"] == net)
         ax.set_xlabel("FLOPs kept")
-        ax.set_ylabel("test accuracy, no fine-tuning")
-        ax.set_ylim(0.7, 1.0)  # l1 falls below it on the CNNs: the table has it
-    axes[0][-1].legend(fontsize=7, loc="lower right")
+        ax.set_ylabel(f"{metric}, no fine-tuning")
+        if metric == ACCURACY:
+            ax.set_title(f"{net} (axis from 0.7)")
+            ax.set_ylim(0.7, 1.0)  # l1 falls below it on the CNNs: the table has it
+        else:
+            ax.set_title(net)
+            if metric == "perplexity":
+                ax.set_yscale("log")
+    axes[0].legend(fontsize=7, loc="lower right")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -426,9 +503,10 @@ def report(measured: dict[str, Any], args: argparse.Namespace, out: Path, second
         "targets": args.targets,
         "calibration": f"{CALIBRATION_BATCHES} batches of {BATCH}",
         "run": run_nets,
-        "not_run": {**{n: "not asked for (--nets)" for n in NETS if n not in run_nets}, **NOT_RUN},
+        "not_run": {n: "not asked for (--nets)" for n in [*NETS, *TEXT_NETS] if n not in run_nets},
         "seconds": seconds,
         "train_seconds": measured["train_seconds"],
+        "text_details": measured.get("details", {}),
         "cells": cells,
         "verdicts": verdicts(cells),
         "rows": measured["rows"],
@@ -444,9 +522,11 @@ def report(measured: dict[str, Any], args: argparse.Namespace, out: Path, second
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--nets", nargs="+", default=list(NETS), choices=list(NETS))
+    nets = [*NETS, *TEXT_NETS]
+    p.add_argument("--nets", nargs="+", default=nets, choices=nets)
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--first-seed", type=int, default=0, help="run seeds first-seed..seeds-1")
     p.add_argument("--targets", nargs="+", type=float, default=list(TARGETS))
     p.add_argument("--threads", type=int, default=1, help="torch threads (run two at once)")
     p.add_argument("--quick", action="store_true", help="one seed, 50%% only")
@@ -455,7 +535,8 @@ def main(argv: list[str] | None = None) -> int:
         nargs="+",
         type=Path,
         help="measure nothing: merge the rows of these runs (e.g. two processes, one per "
-        "core, each given some --nets) into --out",
+        "core, each given some --nets) into --out; a later file's row replaces an earlier "
+        "one's of the same (net, seed, target, method)",
     )
     p.add_argument("--note", default="", help="a line for the report (how the run was made)")
     p.add_argument("--out", type=Path)
@@ -469,9 +550,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.combine:
         runs = [json.loads(path.read_text()) for path in args.combine]
         measured: dict[str, Any] = {"rows": [], "train_seconds": {}}
-        for r in runs:
-            measured["rows"] += r["rows"]
-            measured["train_seconds"].update(r["train_seconds"])
+        cells: dict[tuple[str, int, float, str], dict[str, Any]] = {}
+        for r in runs:  # a later file's row replaces an earlier one's of the same cell
+            cells.update({(x["net"], x["seed"], x["target"], x["method"]): x for x in r["rows"]})
+            for net, secs in r["train_seconds"].items():  # the first file's (a cache hit is ~0)
+                measured["train_seconds"].setdefault(net, secs)
+            measured.setdefault("details", {}).update(r.get("text_details", {}))
+        measured["rows"] = list(cells.values())
         report(measured, args, out, sum(r["seconds"] for r in runs))
         return 0
     torch.set_num_threads(args.threads)
