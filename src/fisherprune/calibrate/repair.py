@@ -68,7 +68,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 from torch.utils._pytree import tree_flatten
 
-from fisherprune.calibrate.repair_fit import LayerFit
+from fisherprune.calibrate.repair_fit import LayerFit, widened
 from fisherprune.calibrate.repair_plan import (
     Stop,
     forward_until,
@@ -325,7 +325,7 @@ def repair_consumers(
     def held_error() -> float:
         set_masks(chosen)
         sq = sum(
-            float((o - r).double().square().sum())
+            float((widened(o) - widened(r)).double().square().sum())
             for (inputs, _), ref in zip(held, references, strict=True)
             for o, r in zip(_outputs(model, inputs), ref, strict=True)
         )

@@ -2,7 +2,9 @@
 
 With ``k`` kept input features (kept channels x kernel size for a conv, +1 for the bias), a
 pass streams ``X^T X`` (k x k) and ``X^T Y`` (k x kept outputs) over the batches, each batch's
-products in the layer's dtype and their sum in float64 (memory ``8 k^2`` bytes), separately
+products in float32 (or float64 for a float64 layer; a bf16 / fp16 layer's rows are widened
+first, one batch at a time: half-precision sums of thousands of rows lose the fit or overflow)
+and their sum in float64 (memory ``8 k^2`` bytes), separately
 for the fitting rows and the held-out rows (``Sums``). Then, from those sums alone, by
 ``torch.linalg.solve`` in float64 with ``lambda = ridge * mean diagonal`` pulling towards the
 unrepaired layer rather than towards 0:
@@ -29,7 +31,7 @@ from torch import Tensor, nn
 from fisherprune.calibrate.repair_residual import ResidualWatch
 from fisherprune.calibrate.repair_rows import linear_rows, out_in_weight, rows_reader
 
-__all__ = ["RIDGES", "LayerFit", "Sums"]
+__all__ = ["RIDGES", "LayerFit", "Sums", "widened"]
 
 #: the ridge values ``ridge=None`` chooses from, by the held-out rows' error
 RIDGES = (1e-4, 1e-3, 1e-2, 0.1, 1.0, 10.0)
@@ -39,7 +41,8 @@ GAIN_SLACK = 0.1
 
 class Sums:
     """``X^T X``, ``X^T Y``, ``Y^T Y`` and the row count of a least-squares problem, streamed:
-    each batch's products in the rows' dtype, their sum in float64."""
+    each batch's products in float32 at least (half-precision rows widened), their sum in
+    float64."""
 
     def __init__(self) -> None:
         self.xtx = self.xty = torch.empty(0, dtype=torch.float64)
@@ -51,7 +54,8 @@ class Sums:
         if self.count == 0:
             self.xtx = x.new_zeros(x.shape[1], x.shape[1], dtype=torch.float64)
             self.xty = x.new_zeros(x.shape[1], y.shape[1], dtype=torch.float64)
-        # float64 matmuls are several times slower on CPU: one batch's in the rows' dtype
+        # float64 matmuls are several times slower on CPU: one batch's in float32 (or float64)
+        x, y = widened(x), widened(y)
         self.xtx += (x.T @ x).double()
         self.xty += (x.T @ y).double()
         self.yty += float(y.double().square().sum())
@@ -61,6 +65,11 @@ class Sums:
         """``||Y - X coef||^2 / ||Y||^2``."""
         sq = self.yty - 2 * float((coef * self.xty).sum()) + float((coef * (self.xtx @ coef)).sum())
         return max(sq, 0.0) / max(self.yty, 1e-300)
+
+
+def widened(t: Tensor) -> Tensor:
+    """``t`` in float32 unless it is float32 or float64 already."""
+    return t if t.dtype in (torch.float32, torch.float64) else t.float()
 
 
 class LayerFit:
@@ -126,11 +135,11 @@ class LayerFit:
         target becomes the dense sum ``o_d + r_d``; pruned pass: that sum less ``r`` (the
         pruned residual) is fitted on the waiting input, so that ``o + r`` matches the dense
         sum."""
-        r = r.detach()
+        r = widened(r.detach())  # in half precision the difference would cancel to rounding
         if not self.pending:
             return
         if not self.pruned:
-            self.targets.append(self.pending.pop(0) + r)
+            self.targets.append(widened(self.pending.pop(0)) + r)
         elif self.targets:
             self.add(self.pending.pop(0), self.targets.pop(0) - r)
         else:

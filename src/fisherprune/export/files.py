@@ -115,7 +115,25 @@ def _write(
     freeze: bool = False,
 ) -> None:
     inputs = Inputs.of(example_inputs if example_inputs is not None else ())
-    _FORMATS[format].write(small, path, inputs, plan, freeze)
+    with _without_cache(small):
+        _FORMATS[format].write(small, path, inputs, plan, freeze)
+
+
+@contextlib.contextmanager
+def _without_cache(model: nn.Module) -> Iterator[None]:
+    """A Hugging Face model's ``config.use_cache`` off while it is written, and given back: a
+    decoder's key/value cache is state that a traced graph cannot carry (``torch.export``
+    refuses its class, TorchScript and ONNX its outputs), so the file serves whole sequences
+    and returns the logits."""
+    config = getattr(model, "config", None)
+    if getattr(config, "use_cache", None) is not True:
+        yield
+        return
+    config.use_cache = False
+    try:
+        yield
+    finally:
+        config.use_cache = True
 
 
 def _state_dict(
@@ -184,11 +202,14 @@ def traced(model: nn.Module, example_inputs: Any, freeze: bool) -> torch.jit.Scr
     ``torch.jit.trace`` raises for an untraceable model (``RuntimeError``,
     ``torch.jit.TracingCheckError``, ...)."""
     inputs = Inputs.of(example_inputs)
+    # strict=False: a dict of outputs (a Hugging Face ModelOutput) is traced as a dict
     with torch.no_grad():
         if inputs.keyword:
-            scripted = torch.jit.trace(model, example_kwarg_inputs=dict(inputs.kwargs))
+            scripted = torch.jit.trace(
+                model, example_kwarg_inputs=dict(inputs.kwargs), strict=False
+            )
         else:
-            scripted = torch.jit.trace(model, inputs.args)
+            scripted = torch.jit.trace(model, inputs.args, strict=False)
         return torch.jit.freeze(scripted) if freeze else scripted
 
 
