@@ -273,3 +273,34 @@ def test_repair_of_a_half_precision_model_comes_as_close_as_in_float32(
     assert not skipped, skipped
     assert dtypes == {dtype}
     assert after <= 1.05 * after32 + 1e-3
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_prune_command_on_a_bf16_folder_writes_a_bf16_folder(tmp_path: Path) -> None:
+    """``fisherprune prune --uniform`` on a BERT folder saved in bf16: the written ``hf/``
+    folder (checked by reloading it, whose tolerance follows the dtype) holds bf16 weights,
+    and ``from_pretrained`` of it in bf16 gives ``model.pt``'s outputs exactly."""
+    from fisherprune.export import load_state_dict_export
+    from tests.test_cli import run_cli
+    from tests.test_cli_prune import _bert_folder
+
+    torch.manual_seed(0)
+    dense = T.BertModel(
+        T.BertConfig(vocab_size=45, hidden_size=32, max_position_embeddings=64, **_SMALL)
+    ).to(torch.bfloat16)
+    folder, text = _bert_folder(tmp_path, dense)
+    out = tmp_path / "out"
+    cli = run_cli("prune", folder, "--text", text, "--target", "70%", "--uniform", "--out", out)
+    assert cli.code == 0, cli.err
+    back = T.AutoModel.from_pretrained(out / "hf", dtype=torch.bfloat16).eval()
+    assert {p.dtype for p in back.parameters()} == {torch.bfloat16}
+    assert back.config.intermediate_size < 64
+    small = load_state_dict_export(
+        out / "model.pt", T.AutoModel.from_pretrained(folder, dtype=torch.bfloat16)
+    ).eval()
+    assert {p.dtype for p in small.parameters()} == {torch.bfloat16}
+    enc = T.AutoTokenizer.from_pretrained(out / "hf")(
+        text.read_text().splitlines()[:4], padding=True, return_tensors="pt"
+    )
+    with torch.no_grad():
+        assert torch.equal(back(**enc).last_hidden_state, small(**enc).last_hidden_state)

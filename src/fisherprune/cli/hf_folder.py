@@ -27,6 +27,7 @@ from fisherprune.export.output_fill import output_fill
 from fisherprune.export.storage import atomic_directory
 from fisherprune.inputs import call_model
 from fisherprune.modes import eval_mode
+from fisherprune.tolerance import output_rtol
 
 __all__ = ["HFFolder", "write_hf_folder"]
 
@@ -76,7 +77,7 @@ def write_hf_folder(
             with atomic_directory(folder) as tmp:
                 small.save_pretrained(tmp)
                 save_tokenizer(tmp)
-                why, width = _reload(type(small).from_pretrained(tmp), small, batch)
+                why, width = _reload(_from_pretrained(small, tmp), small, batch)
                 if why is not None:
                     raise _NotWritten
                 st_note = _copy_sentence_transformers(source, tmp, width)
@@ -97,6 +98,18 @@ def write_hf_folder(
     return HFFolder(True, notes=tuple(notes))
 
 
+def _from_pretrained(small: nn.Module, folder: Path) -> nn.Module:
+    """``folder`` loaded by ``type(small).from_pretrained`` in ``small``'s floating dtype, as
+    a user loads a bf16 / fp16 checkpoint (transformers before 4.56 names it ``torch_dtype``)."""
+    import transformers
+
+    dtype = next((p.dtype for p in small.parameters() if p.is_floating_point()), None)
+    if dtype is None:
+        return type(small).from_pretrained(folder)
+    new = tuple(int(v) for v in transformers.__version__.split(".")[:2]) >= (4, 56)
+    return type(small).from_pretrained(folder, **{"dtype" if new else "torch_dtype": dtype})
+
+
 def _reload(back: nn.Module, small: nn.Module, batch: Any) -> tuple[str | None, int]:
     """Why ``back`` (reloaded by ``from_pretrained``) does not give ``small``'s outputs on
     ``batch`` (its kept units, where ``small`` zero-fills a returned width), or None; and the
@@ -112,8 +125,8 @@ def _reload(back: nn.Module, small: nn.Module, batch: Any) -> tuple[str | None, 
             f"from_pretrained gives outputs of shape {tuple(got.shape)}, not {tuple(want.shape)}",
             width,
         )
-    err = float((got - want).abs().max())
-    if err > 1e-4 * max(1.0, float(want.abs().max())):
+    err = float((got.double() - want.double()).abs().max())
+    if err > output_rtol(want.dtype) * max(1.0, float(want.abs().max())):
         return f"from_pretrained gives outputs {err:.3g} away from the pruned model's", width
     return None, width
 

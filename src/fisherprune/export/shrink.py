@@ -14,12 +14,10 @@ from fisherprune.export.plan import PruningPlan
 from fisherprune.inputs import Inputs, eval_outputs
 from fisherprune.masks import MaskLayer
 from fisherprune.masks.points import find_holder, no_fold, remembered_inputs
+from fisherprune.tolerance import output_rtol
 
 __all__ = ["ShrinkError", "shrink"]
 
-# the shrunk output must match the masked one to this relative tolerance (float32 reorders sums;
-# a half-precision model is compared through float32 copies, see ``_comparable_outputs``)
-_RTOL = {torch.float64: 1e-9, torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 1e-2}
 _HALF = (torch.float16, torch.bfloat16)
 
 
@@ -104,7 +102,7 @@ def _check(
         if a.numel() == 0:
             continue  # nothing to compare (a detector that finds no box): the shapes agree
         if a.is_floating_point():
-            rtol = _RTOL.get(a.dtype, 1e-4)
+            rtol = output_rtol(a.dtype)  # float32 reorders sums; half: see _comparable_outputs
             scale = b.abs().max().clamp_min(1.0)
             err = (a - b).abs().max()
             if err > rtol * scale:
