@@ -3,10 +3,15 @@ command instead of a traceback, a wrong message or a silently dropped setting.""
 
 from __future__ import annotations
 
+import gzip
+import io
 import json
 import os
+import random
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 from torch import nn
@@ -48,6 +53,43 @@ def test_a_garbage_npz_is_not_given_numpys_allow_pickle_advice(
     code, err = _err(["train", "--data", str(bad), "--save_dir", str(tmp_path / "r")], capsys)
     assert code == 2 and str(bad) in err and "allow_pickle" not in err
     assert len(err.strip().splitlines()) == 1
+
+
+def _bad_tables() -> dict[str, bytes]:
+    """File name -> content of table files that cannot be used (tiny, deterministic)."""
+    table = io.BytesIO()
+    pq.write_table(pa.table({"x": [1.0, 2.0], "raw": [b"a", b"b"], "label": [0, 1]}), table)
+    gz = gzip.compress(b"x,label\n" + b"".join(b"%d,%d\n" % (i, i % 2) for i in range(99)))
+    return {
+        "random.csv": random.Random(0).randbytes(300),
+        "binary_row.csv": b"x,label\n1,0\n" + bytes(range(128, 200)) + b"\n2,1\n",
+        "truncated.csv.gz": gz[: len(gz) // 2],
+        "binary_column.parquet": table.getvalue(),
+    }
+
+
+@pytest.mark.parametrize(
+    ("name", "words"),
+    [
+        ("random.csv", "not a CSV text file: byte 0x"),
+        ("binary_row.csv", "not a CSV text file: byte 0x80 at offset 12"),
+        ("truncated.csv.gz", "cannot decompress: Truncated compressed stream"),
+        ("binary_column.parquet", "feature column 'raw' holds binary values"),
+    ],
+)
+def test_an_unusable_table_file_is_one_line_naming_it_and_no_raw_bytes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str, words: str
+) -> None:
+    """Random bytes named .csv, a CSV row of binary bytes, a cut .csv.gz and a Parquet column
+    of bytes: exit 2, one line of printable ASCII that names the file and the problem (the
+    CSVs gave pyarrow's parse error with the raw bytes, the .csv.gz no file name, the
+    Parquet column was one-hot encoded)."""
+    bad = tmp_path / name
+    bad.write_bytes(_bad_tables()[name])
+    code, err = _err(["train", "--data", str(bad), "--save_dir", str(tmp_path / "r")], capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert f"{bad}: {words}" in err
+    assert err.isascii() and err.strip().isprintable(), err
 
 
 def test_a_negative_list_value_reaches_its_check(capsys: pytest.CaptureFixture[str]) -> None:

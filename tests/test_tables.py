@@ -117,6 +117,17 @@ def test_text_column_refused_says_which_and_how(tmp_path: Path) -> None:
         load_data(DataSpec(path, categorical="refuse"))
 
 
+@pytest.mark.parametrize("stream", ["never", "always"])
+def test_binary_column_is_refused_naming_it_and_what_to_do(tmp_path: Path, stream: str) -> None:
+    """A Parquet column of bytes is refused, read whole or streamed, naming the file and the
+    column and saying to decode or drop it (it was one-hot encoded as text categories)."""
+    path = _table(tmp_path, "t.parquet", {"x": [1.0, 2, 3, 4, 5], "raw": [b"a", b"b"] * 2 + [b"a"],
+                                          "label": [0, 1, 0, 1, 0]})  # fmt: skip
+    with pytest.raises(ValueError, match=r"t\.parquet: feature column 'raw' holds binary") as info:
+        load_data(DataSpec(path, stream=stream))
+    assert "decode it to text or numbers" in str(info.value) and "--features" in str(info.value)
+
+
 def test_label_far_above_the_class_count_is_named(tmp_path: Path) -> None:
     """A label of 1,000,000 among 2 classes is an error naming it and --remap_labels."""
     cols = {"x": np.arange(10.0), "label": [0, 1_000_000] * 5}

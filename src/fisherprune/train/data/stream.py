@@ -27,8 +27,11 @@ from fisherprune.train.data.parts import Part
 from fisherprune.train.data.tables import (
     TableColumn,
     TablePlan,
+    binary_column_error,
     check_names,
     column_values,
+    csv_error,
+    is_binary,
     need_pyarrow,
     table_columns,
 )
@@ -106,8 +109,8 @@ def _chunks(
                 if i % world == rank:
                     yield b, np.arange(lo, lo + b.num_rows)
                 lo += b.num_rows
-    except pa.ArrowInvalid as e:
-        raise ValueError(f"{path}: cannot read as CSV after row {lo}: {e}") from None
+    except (pa.ArrowInvalid, OSError) as e:
+        raise csv_error(path, e, f" after row {lo}") from None
 
 
 class StreamingDataset(DataBase):
@@ -135,11 +138,16 @@ class StreamingDataset(DataBase):
     def _plan(self, spec: Any) -> None:
         """The columns and the kind of each feature, from the data file's schema."""
         path = spec.source
-        schema = pq.read_schema(path) if path.lower().endswith((".parquet", ".pq")) else None
-        if schema is None:
-            with pa_csv.open_csv(path) as r:
-                schema = r.schema
-        names = [str(n) for n in schema.names]
+        if path.lower().endswith((".parquet", ".pq")):
+            schema = pq.read_schema(path)
+            names = [str(n) for n in schema.names]
+        else:
+            try:
+                with pa_csv.open_csv(path) as r:
+                    schema = r.schema
+                names = [str(n) for n in schema.names]  # a binary file can fail to decode
+            except (pa.ArrowInvalid, UnicodeDecodeError, OSError) as e:
+                raise csv_error(path, e) from None
         check_names(path, names)
         self.label, features = table_columns(path, names, spec, "data file")
         cols: list[TableColumn] = []
@@ -147,6 +155,8 @@ class StreamingDataset(DataBase):
             t = schema.field(f).type
             if f == spec.image_column:
                 cols.append(TableColumn(f, "image"))
+            elif is_binary(t):
+                raise binary_column_error(path, f)
             elif pa.types.is_string(t) or pa.types.is_large_string(t):
                 if spec.categorical == "refuse":
                     raise ValueError(

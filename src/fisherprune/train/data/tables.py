@@ -11,6 +11,7 @@ file paths. The same plan encodes in-memory tables and the batches a stream read
 
 from __future__ import annotations
 
+import codecs
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -29,9 +30,19 @@ try:
 except ImportError:  # optional: the 'data' extra
     pa = pa_csv = pq = None
 
-__all__ = ["DEFAULT_TABLE_LABEL", "TableColumn", "TablePlan", "column_values", "need_pyarrow"]
+__all__ = [
+    "DEFAULT_TABLE_LABEL",
+    "TableColumn",
+    "TablePlan",
+    "binary_column_error",
+    "column_values",
+    "csv_error",
+    "is_binary",
+    "need_pyarrow",
+]
 
 DEFAULT_TABLE_LABEL = "label"
+_SNIFF_BYTES = 1 << 16  # how much of a CSV file that failed to parse is checked for text
 
 
 def need_pyarrow(path: str) -> None:
@@ -79,19 +90,67 @@ def read_csv(path: str, spec: Any, role: str) -> Part:
 
     Raises:
         ImportError: pyarrow is missing.
-        ValueError: An empty file, a bad header, a row with the wrong number of fields.
+        OSError: The file cannot be opened (missing, no permission).
+        ValueError: An empty file, a bad header, a row with the wrong number of fields, a
+            file that is not UTF-8 text, compressed data that is corrupt (see ``csv_error``).
     """
     need_pyarrow(path)
     try:
         table = pa_csv.read_csv(path)
-    except pa.ArrowInvalid as e:
-        msg = str(e)
-        if "Empty CSV file" in msg:
-            raise ValueError(
-                f"{path}: the file is empty (a header row of column names is required)"
-            ) from None
-        raise ValueError(f"{path}: cannot read as CSV: {msg}") from None
-    return _table_part(path, table, spec, role)
+        names = table.column_names  # decodes the header: a binary file can fail here
+    except (pa.ArrowInvalid, UnicodeDecodeError, OSError) as e:
+        raise csv_error(path, e) from None
+    return _table_part(path, table, names, spec, role)
+
+
+def csv_error(path: str, e: Exception, where: str = "") -> Exception:
+    """The one-line error to raise for pyarrow's failure ``e`` to read the CSV file ``path``
+    (``where``: e.g. ``" after row 8192"``): the OS's own error (a missing file, no
+    permission) as it is; else a ValueError naming the file and the problem (compressed data
+    that is corrupt or cut short, a file that is not UTF-8 text, an empty file, pyarrow's
+    parse error), with no raw bytes of the file in it."""
+    if isinstance(e, OSError) and e.errno is not None:
+        return e
+    if isinstance(e, OSError):  # pyarrow's decompression failed
+        return ValueError(
+            f"{path}: cannot decompress{where}: {_printable(str(e))} (the compressed data is "
+            "corrupt or cut short; download or write the file again)"
+        )
+    not_text = _not_text(path)
+    if not_text is not None:
+        return ValueError(
+            f"{path}: not a CSV text file: {not_text} (a binary file, or text in another "
+            "encoding: convert it to UTF-8)"
+        )
+    msg = _printable(str(e))
+    if "Empty CSV file" in msg:
+        return ValueError(f"{path}: the file is empty (a header row of column names is required)")
+    return ValueError(f"{path}: cannot read as CSV{where}: {msg}")
+
+
+def _not_text(path: str) -> str | None:
+    """Where the start of ``path`` (decompressed as its name says) stops being UTF-8 text, e.g.
+    ``"byte 0x9f at offset 3 is not UTF-8 text"``; None when it is text (or unreadable)."""
+    try:
+        with pa.input_stream(path, compression="detect") as f:
+            head = f.read(_SNIFF_BYTES)
+    except OSError:
+        return None
+    nul = head.find(b"\0")
+    try:  # final=False: a character cut by the end of the sample is not an error
+        codecs.getincrementaldecoder("utf-8")().decode(head[: nul if nul >= 0 else None])
+    except UnicodeDecodeError as bad:
+        return f"byte 0x{head[bad.start]:02x} at offset {bad.start} is not UTF-8 text"
+    return None if nul < 0 else f"it holds a NUL byte at offset {nul}"
+
+
+def _printable(text: str) -> str:
+    """``text`` with every character that is not printable, and the replacement character
+    pyarrow puts for bytes that are not UTF-8, written as an escape (``\\x8f``, ``\\ufffd``)."""
+    return "".join(
+        c if c.isprintable() and c != "\ufffd" else c.encode("unicode_escape").decode()
+        for c in text
+    )
 
 
 @register_reader("parquet", (".parquet", ".pq"), "table")
@@ -109,12 +168,13 @@ def read_parquet(path: str, spec: Any, role: str) -> Part:
         if isinstance(e, FileNotFoundError):
             raise
         raise ValueError(f"{path}: cannot read as Parquet: {e}") from e
-    return _table_part(path, table, spec, role)
+    return _table_part(path, table, table.column_names, spec, role)
 
 
-def _table_part(path: str, table: Any, spec: Any, role: str) -> Part:
-    """Check a read table's columns against the spec and wrap it as a Part."""
-    names = [str(n) for n in table.column_names]
+def _table_part(path: str, table: Any, column_names: list[str], spec: Any, role: str) -> Part:
+    """Check a read table's columns (named ``column_names``) against the spec and wrap it as
+    a Part."""
+    names = [str(n) for n in column_names]
     check_names(path, names)
     if table.num_rows == 0:
         raise ValueError(f"{path}: no data rows (only a header)")
@@ -176,9 +236,24 @@ def column_values(table: Any, name: str, path: str, at: At) -> np.ndarray:
         return np.asarray(col.cast(pa.float64()).to_numpy(zero_copy_only=False))
     if pa.types.is_string(t) or pa.types.is_large_string(t):
         return np.asarray(col.to_numpy(zero_copy_only=False), dtype=str)
-    if pa.types.is_binary(t) or pa.types.is_large_binary(t):
+    if is_binary(t):
         return np.asarray(col.to_numpy(zero_copy_only=False), dtype=object)
     raise ValueError(f"{path}: column {name!r} has type {t}, which is neither numeric nor text")
+
+
+def is_binary(t: Any) -> bool:
+    """Whether the pyarrow type ``t`` is binary (bytes): an image column's encoded images."""
+    return pa.types.is_binary(t) or pa.types.is_large_binary(t)
+
+
+def binary_column_error(path: str, name: str) -> ValueError:
+    """The refusal of a binary (bytes) feature column that is not the image column: its bytes
+    are neither numbers nor text categories."""
+    return ValueError(
+        f"{path}: feature column {name!r} holds binary values (bytes), which are neither "
+        "numbers nor text; decode it to text or numbers, leave it out with --features, or name "
+        "it with --image_column if it holds encoded images"
+    )
 
 
 def _numbers(raw: np.ndarray) -> np.ndarray | None:
@@ -227,7 +302,8 @@ class TablePlan:
 
         Raises:
             ValueError: A text column that mixes numbers and words (the first word is named),
-                or a categorical column with ``categorical="refuse"`` (says how to proceed).
+                a categorical column with ``categorical="refuse"`` (says how to proceed), or a
+                binary (bytes) column that is not the image column.
         """
         out: list[TableColumn] = []
         errors: list[tuple[int, int, str]] = []  # (row, column position, message)
@@ -239,6 +315,8 @@ class TablePlan:
                 first = f"{part.file}, column {name!r}, {row_at()(int(rows[0]))}"
                 base = os.path.dirname(part.file)
                 image = image_format(raw[rows[0]], base, spec.image_size, spec.image_mode, first)
+            elif raw.dtype == object:  # bytes (column_values)
+                raise binary_column_error(part.file, name)
             elif raw.dtype.kind in "biuf" or _numbers(raw) is not None:
                 out.append(TableColumn(name, "number"))
             else:
