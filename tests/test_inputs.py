@@ -130,6 +130,31 @@ def test_a_dict_with_a_key_that_is_not_a_string_raises_type_error() -> None:
         Inputs.of({0: torch.zeros(2, 3)})
 
 
+def test_a_dict_for_a_positional_forward_says_what_to_pass_instead() -> None:
+    """A dict of example inputs given to a model whose forward takes one positional input:
+    a TypeError naming the forward's input and the dict's keys and saying to pass the tensor
+    itself or a tuple (it was Python's 'got an unexpected keyword argument')."""
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+    with pytest.raises(TypeError) as info:
+        fp.apply_masks(model, {"pixel_values": _X})
+    text = str(info.value)
+    assert text.startswith("Sequential.forward takes input, not the keys ['pixel_values']")
+    assert "pass the tensor itself" in text and "a tuple" in text
+
+
+def test_a_type_error_inside_a_forward_that_takes_the_dict_is_raised_as_it_is() -> None:
+    """When the forward's signature takes the dict's keys, a TypeError raised inside it is
+    the one the caller gets, not a message blaming the dict."""
+    raised = TypeError("inside the forward")
+
+    def forward(x: Tensor) -> Tensor:
+        raise raised
+
+    with pytest.raises(TypeError) as info:
+        call_model(forward, {"x": _X})
+    assert info.value is raised
+
+
 @pytest.mark.parametrize(
     ("args", "kwargs", "form"),
     [((_X,), {}, "dict"), ((), {"x": _X}, "tuple"), ((_X, _Y), {}, "one"), ((), {}, "set")],

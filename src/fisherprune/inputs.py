@@ -34,6 +34,7 @@ when an export makes its batch dimension dynamic.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -126,8 +127,20 @@ class Inputs:
         return dict(self.kwargs) if self.keyword else self.args
 
     def call(self, model: Callable[..., Any]) -> Any:
-        """``model(*args, **kwargs)``: what ``model`` returns for these inputs."""
-        return model(*self.args, **self.kwargs)
+        """``model(*args, **kwargs)``: what ``model`` returns for these inputs.
+
+        Raises:
+            TypeError: keyword inputs (a dict) that ``model``'s forward does not take: it names
+                the forward's inputs and the dict's keys and says what to pass instead. Any
+                other error of the call is raised as it is.
+        """
+        try:
+            return model(*self.args, **self.kwargs)
+        except TypeError as e:
+            refused = _refused_keywords(model, self.kwargs) if self.keyword else None
+            if refused is None:
+                raise
+            raise TypeError(refused) from e
 
     def arguments(self) -> list[tuple[str, Any]]:
         """``(name, value)`` of every argument in order: positional ones named by their index
@@ -241,6 +254,29 @@ def _argument_batch(a: Any) -> int | None:
     for t in tree_flatten(a)[0]:
         if isinstance(t, Tensor) and t.dim() > 0:
             return int(t.shape[0])
+    return None
+
+
+def _refused_keywords(model: Callable[..., Any], kwargs: dict[str, Any]) -> str | None:
+    """Why ``model``'s forward cannot take ``kwargs`` as keyword arguments; None when its
+    signature takes them (an error of the call came from inside it) or cannot be read. Read
+    only once a call has failed, so that calls that work pay nothing for it."""
+    forward = model.forward if isinstance(model, nn.Module) else model
+    try:
+        sig = inspect.signature(forward)
+        sig.bind(**kwargs)
+    except ValueError:  # no signature (a builtin)
+        return None
+    except TypeError as e:
+        params = sig.parameters.values()
+        names = [p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        return (
+            f"{getattr(forward, '__qualname__', 'the model')} takes "
+            f"{', '.join(names) or 'no named inputs'}, not the keys {list(kwargs)} of the dict "
+            f"of example inputs ({e}): a dict is passed as keyword arguments, model(**inputs); "
+            "pass the tensor itself for one positional input, a tuple of the positional inputs "
+            "in order, or a dict keyed by the forward's argument names"
+        )
     return None
 
 
