@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import errno
 import os
+import shlex
 from pathlib import Path
 
 import pytest
 import torch
+from cli_run import run_cli
 from torch import nn
 
 import fisherprune as fp
@@ -99,3 +101,33 @@ def test_cli_export_with_a_directory_says_it_is_a_directory(
     code = main(["export", "--checkpoint", args["--checkpoint"], "--out", args["--out"]])
     err = capsys.readouterr().err
     assert code == 2 and "is a directory" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_failed_export_after_a_run_names_the_command_that_exports_from_the_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--export_dir on a disk that fills at the end of a run: exit 1, one line that says so and
+    names `fisherprune export --checkpoint <the run's last checkpoint> ...`; that command, run
+    once the disk has room, writes the model (the export was lost with no way named)."""
+    export = tmp_path / "export"
+    write = storage.write_file
+
+    def full_under_export(path: Path, data: bytes) -> None:
+        if export in path.parents:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        write(path, data)
+
+    monkeypatch.setattr(storage, "write_file", full_under_export)
+    code, _, err = run_cli(
+        "train", "--model", "mlp", "--width", "4", "--depth", "1", "--steps", "3",
+        "--progress", "none", "--export_formats", "state_dict",
+        "--save_dir", tmp_path / "run", "--export_dir", export,
+    )  # fmt: skip
+    assert code == 1 and len(err.strip().splitlines()) == 1, err
+    assert "disk full" in err and "export with: fisherprune export --checkpoint" in err
+    command = shlex.split(err.split("export with: ")[1])
+    (ckpt,) = (tmp_path / "run" / "checkpoints").glob("ckpt-*.pt")
+    assert command[:4] == ["fisherprune", "export", "--checkpoint", str(ckpt)]
+    monkeypatch.undo()
+    assert run_cli(*command[1:])[0] == 0
+    assert (export / "model.pt").is_file() and not (tmp_path / "run" / "result.json").exists()

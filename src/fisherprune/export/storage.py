@@ -56,9 +56,11 @@ _CAUSES: dict[int, str] = {
 
 def os_error_text(e: OSError) -> str:
     """One line for ``e``: ``"<path>: disk full (no space left on device)"``; the path is left
-    out when ``e`` names none, the cause is the OS's text for an errno not in the table."""
+    out when ``e`` names none, the cause is the OS's text for an errno not in the table; the
+    notes added to ``e`` (``__notes__``: what to do next) follow, each after ``"; "``."""
     cause = _CAUSES.get(e.errno or -1) or e.strerror or str(e) or type(e).__name__
-    return f"{e.filename}: {cause}" if e.filename else cause
+    text = f"{e.filename}: {cause}" if e.filename else cause
+    return "; ".join([text, *getattr(e, "__notes__", ())])
 
 
 def _located(e: OSError, path: Path) -> OSError:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import json
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from fisherprune.export.files import default_file_name
 from fisherprune.export.latency import frozen_for_serving, measure_latency
 from fisherprune.graph import remove_masks
 from fisherprune.pruner import PruningOptimizer
+from fisherprune.train.checkpoint import CheckpointManager
 from fisherprune.train.config import TrainConfig
 from fisherprune.train.progress import Progress
 from fisherprune.train.report import write_report
@@ -78,7 +80,9 @@ def finish_run(config: TrainConfig, run: FinishedRun, out: RunOutput) -> TrainRe
         The result; ``files`` names every file written (empty when not ``out.write``).
 
     Raises:
-        OSError: a file could not be written (the run must not look complete).
+        OSError: a file could not be written (the run must not look complete); when it is an
+            export's, a note on it names the commands that export from the run's last
+            checkpoint.
         Exception: the ``state_dict`` export failed.
     """
     dense_model = copy.deepcopy(run.model)
@@ -100,7 +104,11 @@ def finish_run(config: TrainConfig, run: FinishedRun, out: RunOutput) -> TrainRe
     )
     if not out.write:
         return result
-    result.files.update(_export(config, run, out))
+    try:
+        result.files.update(_export(config, run, out))
+    except OSError as e:
+        _note_export_commands(e, config, out)
+        raise
     result.files.update(write_report(out.save_dir, config, run.metrics, run.popt, result))
     result_path = out.save_dir / "result.json"
     result.files["result"] = str(result_path)
@@ -162,6 +170,22 @@ def _export(config: TrainConfig, run: FinishedRun, out: RunOutput) -> dict[str, 
             # the model cannot be traced: the state_dict export and the report still stand
             out.progress.line(f"skipped {fmt} export: {first_line(e)}")
     return files
+
+
+def _note_export_commands(e: OSError, config: TrainConfig, out: RunOutput) -> None:
+    """Add to ``e``, the failure of the run's export, a note naming the ``fisherprune export``
+    commands that write each of ``config.export_formats`` from the run's last checkpoint
+    (saved before the export, so kept); nothing when there is no checkpoint."""
+    checkpoint = CheckpointManager(out.save_dir / "checkpoints", config.keep_checkpoints).latest()
+    if checkpoint is None:
+        return
+    ckpt = ["fisherprune", "export", "--checkpoint", str(checkpoint)]
+    commands = "; ".join(
+        shlex.join([*ckpt, "--format", fmt, "--out", str(out.export_dir / default_file_name(fmt))])
+        for fmt in config.export_formats
+    )
+    note = f"the run's export is lost, but its last checkpoint is kept; export with: {commands}"
+    e.__notes__ = [*getattr(e, "__notes__", ()), note]  # BaseException.add_note from 3.11
 
 
 def _summary(config: TrainConfig, r: TrainResult, save_dir: Path) -> list[str]:
