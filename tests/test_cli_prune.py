@@ -602,3 +602,134 @@ def test_weights_with_a_hugging_face_folder_exit_2(tmp_path: Path) -> None:
     cli = run_cli("prune", folder, "--text", text, "--weights", weights, "--out", tmp_path / "o")
     assert cli.code == 2 and "--weights is not read for a Hugging Face folder" in cli.err
     assert not (tmp_path / "o").exists()
+
+
+def test_the_target_is_met_at_seq_len_tokens_and_reported_at_the_calibration_length(
+    tmp_path: Path,
+) -> None:
+    """The cost ratio of the report is FlopCounterMode's, shrunk over dense, on inputs of
+    --seq_len tokens, and its calibration_cost_ratio the same on the calibration batch's
+    length; the two differ (attention's share grows with length), so neither stands in for
+    the other. (Eager attention: FlopCounterMode has no formula for the fused CPU
+    attention kernel SDPA dispatches to and would count no attention at all.)"""
+    transformers = pytest.importorskip("transformers")
+    folder, text = _bert_folder(tmp_path)
+    out = tmp_path / "out"
+    cli = run_cli("prune", folder, "--text", text, "--target", "50%", "--seq_len", "60",
+                  "--out", out)  # fmt: skip
+    assert cli.code == 0, cli.err
+    report = json.loads((out / "report.json").read_text())
+    eager = {"attn_implementation": "eager"}
+    small = load_state_dict_export(
+        out / "model.pt", transformers.AutoModel.from_pretrained(folder, **eager)
+    ).eval()
+    dense = transformers.AutoModel.from_pretrained(folder, **eager).eval()
+
+    def flops(model: torch.nn.Module, tokens: int) -> int:
+        ids = torch.full((1, tokens), 5)
+        with FlopCounterMode(display=False) as counter, torch.no_grad():
+            model(input_ids=ids, attention_mask=torch.ones_like(ids))
+        return counter.get_total_flops()
+
+    assert report["seq_len"] == 60 and report["calibration_length"] < 60
+    calibration = report["calibration_length"]
+    for key, tokens in (("cost_ratio", 60), ("calibration_cost_ratio", calibration)):
+        assert report[key] == pytest.approx(flops(small, tokens) / flops(dense, tokens), rel=1e-6)
+    assert report["cost_ratio"] <= 0.5
+    assert abs(report["cost_ratio"] - report["calibration_cost_ratio"]) > 1e-3
+    assert "at 60 tokens" in cli.out and "Loading weights" not in cli.err
+
+
+def test_seq_len_with_a_model_that_reads_no_text_exits_2(tmp_path: Path) -> None:
+    """--seq_len with a built-in model (inputs of the data's one shape) is refused before any
+    work, not ignored."""
+    data, weights, _, _ = _data_and_weights(tmp_path)
+    cli = run_cli("prune", "mlp", "--width", "32", "--depth", "2", "--weights", weights,
+                  "--data", data, "--seq_len", "64", "--out", tmp_path / "o")  # fmt: skip
+    assert cli.code == 2 and "--seq_len is for a Hugging Face model folder" in cli.err
+    assert not (tmp_path / "o").exists()
+
+
+def test_the_dense_model_train_writes_by_default_prunes_from_the_dense_accuracy(
+    tmp_path: Path,
+) -> None:
+    """fisherprune train writes export/dense.pt when its dense phase ends (on by default),
+    though the run goes on to prune: given to prune --weights, it has the dense accuracy the
+    run measured, not the pruned model's."""
+    data, _, _, _ = _data_and_weights(tmp_path)
+    run = tmp_path / "run"
+    trained = run_cli(
+        "train", "--data", data, "--label", "label", "--model", "mlp", "--width", "32",
+        "--depth", "2", "--pruning.burn_in", "100", "--fine_tune_steps", "0", "--save_dir", run,
+        "--progress", "none", "--export_formats", "state_dict",
+    )  # fmt: skip
+    assert trained.code == 0, trained.err
+    result = json.loads((run / "result.json").read_text())
+
+    def size(name: str) -> int:
+        state = torch.load(run / "export" / name, weights_only=True)["state_dict"]
+        return sum(v.numel() for v in state.values())
+
+    assert result["prunes"] > 0 and size("dense.pt") > size("model.pt")  # pruned after it
+    cli = run_cli("prune", "mlp", "--width", "32", "--depth", "2", "--weights",
+                  run / "export" / "dense.pt", "--data", data,
+                  "--out", tmp_path / "out")  # fmt: skip
+    assert cli.code == 0, cli.err
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["before"] == pytest.approx(result["dense_metric"])
+
+
+def test_no_export_dense_writes_no_dense_file(tmp_path: Path) -> None:
+    """--no-export_dense turns the dense file off."""
+    data, _, _, _ = _data_and_weights(tmp_path)
+    run = tmp_path / "run"
+    trained = run_cli(
+        "train", "--data", data, "--label", "label", "--model", "mlp", "--width", "8",
+        "--depth", "1", "--steps", "20", "--pruning.burn_in", "10", "--dense_check", "off",
+        "--save_dir", run,
+        "--progress", "none", "--export_formats", "state_dict", "--no-export_dense",
+    )  # fmt: skip
+    assert trained.code == 0, trained.err
+    assert (run / "export" / "model.pt").is_file() and not (run / "export" / "dense.pt").exists()
+
+
+def test_seconds_count_every_phase_of_the_run_fine_tune_included(tmp_path: Path) -> None:
+    """report.json's seconds is the sum of its phase_seconds, which hold the fine-tune; each
+    phase ends with a line on stderr, and the fine-tune says its progress every tenth of its
+    steps."""
+    data, weights, _, _ = _data_and_weights(tmp_path)
+    out = tmp_path / "out"
+    cli = run_cli("prune", "mlp", "--width", "32", "--depth", "2", "--weights", weights,
+                  "--data", data, "--finetune_steps", "20", "--out", out)  # fmt: skip
+    assert cli.code == 0, cli.err
+    report = json.loads((out / "report.json").read_text())
+    phases = report["phase_seconds"]
+    assert {"load", "evaluate", "signals", "selection", "repair", "finetune", "export",
+            "latency"} <= set(phases)  # fmt: skip
+    assert report["seconds"] == pytest.approx(sum(phases.values()), rel=1e-9)
+    assert phases["finetune"] > 0
+    assert cli.err.count("fisherprune prune: fine-tuning step") == 10
+    for phase in ("load", "prune", "finetune", "export", "latency"):
+        assert f"fisherprune prune: {phase} " in cli.err
+
+
+def test_no_progress_bar_when_stderr_is_not_a_terminal(tmp_path: Path) -> None:
+    """With stderr redirected (a log file, a pipe) no progress bar is drawn: stderr holds
+    the phase lines and no carriage return."""
+    data, weights, _, _ = _data_and_weights(tmp_path)
+    cli = run_cli("prune", "mlp", "--width", "32", "--depth", "2", "--weights", weights,
+                  "--data", data, "--out", tmp_path / "out")  # fmt: skip
+    assert cli.code == 0, cli.err
+    assert "fisherprune prune: prune " in cli.err
+    assert "\r" not in cli.err and "signals, round" not in cli.err
+
+
+def test_prune_help_shows_the_defaults() -> None:
+    """prune --help gives each option's default where it has one (not for flags)."""
+    cli = run_cli("prune", "--help")
+    assert cli.code == 0
+    text = " ".join(cli.out.split())  # argparse wraps lines
+    for default in ("(default: 128)", "(default: 1000)", "(default: 0.2)", "(default: 32)",
+                    "(default: 50%)"):  # fmt: skip
+        assert default in text
+    assert "(default: None)" not in text and "(default: False)" not in text

@@ -100,6 +100,7 @@ def finetune(
     task: str = "auto",
     lr: float = 1e-3,
     optimizer: torch.optim.Optimizer | None = None,
+    on_step: Callable[[int, Tensor], None] | None = None,
 ) -> list[float]:
     """Train a pruned (masked) ``model`` for ``steps`` steps on ``batches`` (cycled), learning
     from ``teacher``'s outputs and/or the labels (``distill_loss``).
@@ -119,6 +120,8 @@ def finetune(
         loss_fn, alpha, temperature, task: as in ``distill_loss``.
         lr: the learning rate of the default Adam.
         optimizer: any optimizer over ``model``'s parameters instead.
+        on_step: called after every step with its number (1-based) and its loss (a detached
+            tensor, on the device: reading it waits for the step), e.g. to show progress.
 
     Returns:
         The loss of each step.
@@ -162,4 +165,6 @@ def finetune(
             loss.backward()
             opt.step()
             losses.append(loss.detach().float().reshape(()))
+            if on_step is not None:
+                on_step(step + 1, losses[-1])
     return torch.stack(losses).tolist()

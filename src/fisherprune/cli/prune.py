@@ -33,8 +33,16 @@ from torch import Tensor, nn
 from fisherprune._errors import first_line
 from fisherprune.calibrate import PruneResult, output_tensor, prune_to_target
 from fisherprune.calibrate.to_target import ROUND_CAP
+from fisherprune.cli.help import DefaultsFormatter
 from fisherprune.cli.hf_check import check_hf_folder
+from fisherprune.cli.prune_length import (
+    LengthCost,
+    cost_at_length,
+    example_at_length,
+    resolve_seq_len,
+)
 from fisherprune.cli.prune_outputs import HF_FOLDER, REPORT_FILE, check_out, write_outputs
+from fisherprune.cli.prune_phases import FinetuneProgress, PhaseClock, bars_on_terminal_only
 from fisherprune.cost import CONVENTIONS
 from fisherprune.distill import finetune, frozen_teacher
 from fisherprune.export.latency import measure_latency, retain_freed_memory
@@ -64,6 +72,7 @@ def prune_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPar
         description="Estimate Fisher (or another criterion's) signals on calibration data with "
         "the weights frozen, remove the cheapest channels until the target, repair the layers "
         "that read them by least squares, and write the shrunk model, its plan and a report.",
+        formatter_class=DefaultsFormatter,
     )
     p.add_argument(
         "model",
@@ -93,6 +102,13 @@ def prune_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPar
     p.add_argument("--depth", type=int, help="depth of a built-in model")
     p.add_argument("--text", help="Hugging Face model: a text file, one sentence per line")
     p.add_argument("--max_length", type=int, default=128, help="tokens per sentence (text)")
+    p.add_argument(
+        "--seq_len",
+        type=int,
+        help="text: the input length, in tokens, the cost target is defined at (attention's "
+        "share of the cost grows with it; default: --max_length, capped at the model's "
+        "max_position_embeddings); the report gives the cost at the calibration length too",
+    )
     p.add_argument("--eval_fraction", type=float, default=0.2, help="share held out to evaluate")
     p.add_argument("--calibration", type=int, default=1000, help="calibration examples (most)")
     p.add_argument("--batch_size", type=int, default=32, help="calibration batch size")
@@ -182,6 +198,9 @@ class _Job:
     rebuild: Callable[[], nn.Module]  # a fresh, unmasked instance of the architecture
     #: writes what belongs beside a Hugging Face model's weights (its tokenizer) into a folder
     extras: Callable[[Path], None] | None = None
+    #: a text model's first calibration sentence at the calibration batch's padded length
+    #: (``example`` has ``--seq_len`` tokens); None for other models
+    calibration_example: dict[str, Tensor] | None = None
 
 
 def _weights_file(path: str | None) -> dict[str, Any]:
@@ -329,9 +348,9 @@ def _hf_job(args: argparse.Namespace) -> _Job:
         raise ValueError(f"--text {args.text} needs at least 2 non-empty lines")
     calib, held_out = lines[: len(lines) - held][: args.calibration], lines[len(lines) - held :]
     model_class = _text_model_class(args.model)
-    check_hf_folder(
-        Path(args.model), transformers.AutoConfig.from_pretrained(args.model), model_class
-    )
+    config = transformers.AutoConfig.from_pretrained(args.model)
+    check_hf_folder(Path(args.model), config, model_class)
+    seq_len = resolve_seq_len(args.seq_len, args.max_length, config)
     tok = transformers.AutoTokenizer.from_pretrained(args.model)
 
     def rebuild() -> nn.Module:
@@ -368,9 +387,17 @@ def _hf_job(args: argparse.Namespace) -> _Job:
                 scores.append(compare(call_model(model, e), call_model(dense, e), e))
         return float(torch.cat(scores).mean())
 
-    example = {k: v[:1] for k, v in batches[0][0].items()}
     return _Job(
-        model, example, batches, fidelity, metric, None, task, rebuild, extras=tok.save_pretrained
+        model,
+        example_at_length(batches[0][0], seq_len),
+        batches,
+        fidelity,
+        metric,
+        None,
+        task,
+        rebuild,
+        extras=tok.save_pretrained,
+        calibration_example={k: v[:1] for k, v in batches[0][0].items()},
     )
 
 
@@ -480,6 +507,11 @@ def _check_args(args: argparse.Namespace) -> None:
             f"(one written by save_pretrained); for a built-in model give its name "
             f"({', '.join(sorted(MODELS))}) or package.module:function, with --weights and --data"
         )
+    if args.seq_len is not None and not Path(args.model).is_dir():
+        raise ValueError(
+            f"--seq_len is for a Hugging Face model folder read with --text; {args.model} "
+            "takes inputs of one shape, the data's"
+        )
     if Path(args.model).is_dir() and args.weights is not None:
         raise ValueError(
             f"--weights is not read for a Hugging Face folder ({args.model} loads its own "
@@ -494,14 +526,24 @@ def prune_command(args: argparse.Namespace) -> int:
     and for a Hugging Face folder whose config can describe the pruned model (``--uniform``),
     ``hf/``: the shrunk model and its tokenizer, for ``from_pretrained``. They are written into
     a temporary folder beside ``--out`` that replaces it whole (``atomic_directory``): an
-    interrupted run leaves the earlier run's folder as it was."""
+    interrupted run leaves the earlier run's folder as it was. Each phase ends with a line on
+    stderr (``PhaseClock``); progress bars are drawn only when stderr is a terminal."""
+    with bars_on_terminal_only() as terminal:
+        return _prune(args, terminal)
+
+
+def _prune(args: argparse.Namespace, bars: bool) -> int:
+    """``prune_command``'s work; ``bars``: draw progress bars."""
+    clock = PhaseClock()
     out = Path(os.path.abspath(args.out))  # "." has a name and a parent
     remove_stale_directories(out)  # a killed run's old folder is put back first
     _check_args(args)
     torch.manual_seed(args.seed)
     job = _job(args)
     dense = copy.deepcopy(job.model).eval()
+    clock.lap("load", f"{args.model}: {len(job.batches)} calibration batches")
     before = job.evaluate(job.model, dense)
+    clock.lap("evaluate", f"dense {job.metric} {before:.4f}")
     teacher = frozen_teacher(job.model) if args.finetune_steps > 0 else None
     min_channels = int(args.min_channels) if args.min_channels >= 1 else args.min_channels
     result = prune_to_target(
@@ -520,9 +562,20 @@ def prune_command(args: argparse.Namespace) -> int:
         reconstruct=args.reconstruct,
         task=job.task,
         seed=args.seed,
-        progress=True,
+        progress=bars,
+    )
+    at_calibration = (
+        cost_at_length(job.model, dense, job.calibration_example)
+        if job.calibration_example is not None
+        else None
+    )
+    clock.lap(
+        "prune",
+        f"to {result.ratio:.1%} of the cost in {result.rounds} rounds",
+        parts=result.phase_seconds,
     )
     after_prune = job.evaluate(job.model, dense)
+    clock.lap("evaluate", f"pruned {job.metric} {after_prune:.4f}")
     losses: list[float] = []
     if args.finetune_steps > 0:  # an unlabelled job has only the teacher made for it above
         losses = finetune(
@@ -535,13 +588,19 @@ def prune_command(args: argparse.Namespace) -> int:
             temperature=args.temperature,
             task=job.task,
             lr=args.lr,
+            on_step=FinetuneProgress(args.finetune_steps, clock),
         )
-    after = job.evaluate(job.model, dense) if losses else after_prune
+        clock.lap("finetune", f"{args.finetune_steps} steps")
+        after = job.evaluate(job.model, dense)
+        clock.lap("evaluate", f"fine-tuned {job.metric} {after:.4f}")
+    else:
+        after = after_prune
     out.parent.mkdir(parents=True, exist_ok=True)
     with atomic_directory(out) as folder:  # every output of this run, or none of them
         written = write_outputs(
             folder, job.model, job.example, job.batches[0][0], job.rebuild, job.extras, args.model
         )
+        clock.lap("export", f"{out.name}/")
         # timed as docs/usage.md advises serving on CPU, with freed memory kept in the process:
         # glibc's defaults page-fault large activations in at every call, a cost that does not
         # shrink with the FLOPs. The setting is process-wide and lasts: the console script ends
@@ -550,6 +609,7 @@ def prune_command(args: argparse.Namespace) -> int:
         latency = measure_latency(
             {"dense": dense, "pruned": written.small}, job.batches[0][0], repeats=5, rounds=3
         )
+        clock.lap("latency")
         hf = written.hf
         report = {
             "model": args.model,
@@ -564,6 +624,7 @@ def prune_command(args: argparse.Namespace) -> int:
             "cost_before": result.cost_before,
             "cost_after": result.cost_after,
             "cost_ratio": result.ratio,
+            **_length_fields(job.example, at_calibration),
             "metric": job.metric,
             "before": before,
             "after_pruning": after_prune,
@@ -574,8 +635,8 @@ def prune_command(args: argparse.Namespace) -> int:
             "min_kept_fraction": result.min_kept_fraction,
             "groups_at_floor": result.at_floor,
             "calibration_examples": result.examples,
-            "seconds": result.seconds,
-            "phase_seconds": result.phase_seconds,
+            "seconds": clock.total,
+            "phase_seconds": clock.seconds,
             "repaired_layers": len(result.repair.layers) if result.repair else 0,
             "repair_held_out_error": result.repair.held_out if result.repair else None,
             "repair_skipped": result.repair.skipped if result.repair else {},
@@ -592,8 +653,10 @@ def prune_command(args: argparse.Namespace) -> int:
     print(
         f"{job.metric}: {before:.4f} -> {after_prune:.4f} after pruning"
         + (f" -> {after:.4f} after {args.finetune_steps} fine-tuning steps" if losses else "")
-        + f"; cost {result.cost_before:,.0f} -> {result.cost_after:,.0f} ({result.ratio:.1%}); "
-        f"latency {latency['dense'] * 1e3:.2f} -> {latency['pruned'] * 1e3:.2f} ms; wrote {out}"
+        + f"; cost {result.cost_before:,.0f} -> {result.cost_after:,.0f} ({result.ratio:.1%}"
+        + _length_text(job.example, at_calibration)
+        + f"); latency {latency['dense'] * 1e3:.2f} -> {latency['pruned'] * 1e3:.2f} ms; "
+        f"{clock.total:.1f} s; wrote {out}"
         + (f" (from_pretrained: {out / HF_FOLDER})" if hf and hf.written else "")
     )
     print(_groups_line(result))
@@ -601,6 +664,30 @@ def prune_command(args: argparse.Namespace) -> int:
         if line:
             print(line)
     return 0
+
+
+def _length_fields(example: Any, at_calibration: LengthCost | None) -> dict[str, Any]:
+    """The report's entries on input length (a text model only): the length the target is
+    defined at (``cost_*`` are at it) and the cost at the calibration batch's length."""
+    if at_calibration is None:
+        return {}
+    return {
+        "seq_len": int(example["input_ids"].shape[1]),
+        "calibration_length": at_calibration.tokens,
+        "calibration_cost_before": at_calibration.before,
+        "calibration_cost_after": at_calibration.after,
+        "calibration_cost_ratio": at_calibration.ratio,
+    }
+
+
+def _length_text(example: Any, at_calibration: LengthCost | None) -> str:
+    """`` at 128 tokens; 52.3% at the calibration length, 16`` for a text model, else ``""``."""
+    if at_calibration is None:
+        return ""
+    return (
+        f" at {int(example['input_ids'].shape[1])} tokens; {at_calibration.ratio:.1%} at the "
+        f"calibration length, {at_calibration.tokens}"
+    )
 
 
 def _groups_line(result: PruneResult) -> str:

@@ -61,11 +61,11 @@ def train_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPar
         if f.name.startswith("pruning_"):
             flags.append(f"--pruning.{f.name[len('pruning_') :]}")
         flags = list(dict.fromkeys(flags))
-        if hints[f.name] is bool:
+        if hints[f.name] is bool:  # on by default: --no-NAME turns it off
             p.add_argument(
                 *flags,
                 dest=f.name,
-                action="store_true",
+                action=argparse.BooleanOptionalAction if f.default else "store_true",
                 default=argparse.SUPPRESS,
                 help=HELP.get(f.name),
             )

@@ -162,6 +162,10 @@ HELP: dict[str, str] = {
     "resume": "continue from the newest checkpoint in SAVE_DIR",
     "overwrite": "start afresh in a SAVE_DIR holding another run's checkpoints (deletes them)",
     "dist_timeout": "under torchrun: seconds to wait for another rank before ending the job",
+    "export_dense": "write the dense model, as trained when the dense phase ends, to "
+    "EXPORT_DIR/dense.pt, the file fisherprune prune --weights reads (on by default: no later "
+    "file holds it, every checkpoint after that step is pruned, and it costs one file the "
+    "size of the model; --no-export_dense leaves it out)",
     "export_formats": "comma-separated: state_dict, torchscript, onnx, aoti (a .pt2 "
     "AOTInductor package: needs a C++ compiler, adds 15-60 s)",
     "seed": "random seed (data order, initialisation)",
@@ -232,6 +236,9 @@ class TrainConfig:
         (default ``save_dir/export``); checkpoint_every, keep_checkpoints; resume (a resumed
         run may change only ``resume_check.ALLOWED_CHANGES``); overwrite (start afresh in a
         save_dir holding another run's checkpoints, deleting them);
+        export_dense: write the dense model at the end of the dense phase to
+            ``export_dir/dense.pt`` (``DENSE_FILE``; the format ``fisherprune prune
+            --weights`` reads);
         export_formats: any of ``fisherprune.export.FORMATS`` (state_dict, torchscript, onnx,
             aoti).
     Run:
@@ -297,6 +304,7 @@ class TrainConfig:
     keep_checkpoints: int = 3
     resume: bool = False
     overwrite: bool = False
+    export_dense: bool = True
     export_formats: list[str] = field(default_factory=lambda: ["state_dict", "torchscript", "onnx"])
     seed: int = 0
     threads: int | None = None

@@ -72,6 +72,8 @@ class Loop:
     guard: StopGuard  # entered while the phases run: signals, a diverging loss
     model: nn.Module | None = None  # the trainer's model itself (``net`` may wrap it)
     teacher: nn.Module | None = None  # the dense model, frozen, with ``distill_alpha`` > 0
+    #: writes the dense model's file (``export_dense``), called once when the dense phase ends
+    save_dense: Callable[[], None] | None = None
 
     def snapshot(self) -> dict[str, Any]:
         """What a checkpoint holds now: ``checkpoint()`` and, once it is kept, the teacher's
@@ -255,7 +257,8 @@ def _train_loss(loop: Loop, out: Tensor, x: Tensor, y: Tensor) -> Tensor:
 def _dense_point(loop: Loop) -> dict[str, Any]:
     """Evaluate the model before pruning, check that it learned, record it and print it;
     return its entry (``learned`` and, when it did not, ``check``: the warning). With
-    ``distill_alpha`` > 0, keep a frozen copy of it as the fine-tuning teacher."""
+    ``distill_alpha`` > 0, keep a frozen copy of it as the fine-tuning teacher; on rank 0,
+    write it with ``loop.save_dense`` when given."""
     loop.read_losses()
     if loop.config.distill_alpha > 0 and loop.model is not None:
         loop.teacher = frozen_teacher(loop.model)
@@ -273,6 +276,8 @@ def _dense_point(loop: Loop) -> dict[str, Any]:
         if not check.learned:
             entry["check"] = check.message
     loop.metrics.record(entry)
+    if loop.write and loop.save_dense is not None:
+        loop.save_dense()
     loop.progress.line(
         f"dense model (step {step}): eval {metric} {value:.4f}, cost "
         f"{entry['cost']:,.0f} {loop.config.pruning_convention}/example"

@@ -37,6 +37,7 @@ ALLOWED_CHANGES: tuple[str, ...] = (
     "save_dir",
     "export_dir",
     "export_formats",
+    "export_dense",
     "dist_timeout",
 )
 

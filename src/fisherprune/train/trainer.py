@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from fisherprune.export import export_model
 from fisherprune.export.storage import atomic_write_bytes
 from fisherprune.graph import apply_masks
 from fisherprune.masks import find_masks
@@ -55,7 +56,10 @@ from fisherprune.train.schedule import (
 )
 from fisherprune.train.state import MetricsLog, RunState, resume_state
 
-__all__ = ["PruningTrainer", "TrainResult"]
+__all__ = ["DENSE_FILE", "PruningTrainer", "TrainResult"]
+
+#: the dense model's file in the export directory (``export_dense``)
+DENSE_FILE = "dense.pt"
 
 log = logging.getLogger("fisherprune")
 
@@ -293,9 +297,20 @@ class PruningTrainer:
             write=write,
             guard=StopGuard(cfg.dist_timeout, loss_read_every(self.device)),
             model=self.model,
+            save_dense=self._export_dense if cfg.export_dense else None,
         )
         restore_teacher(loop, self._teacher_weights)
         return loop
+
+    def _export_dense(self) -> None:
+        """Write the model as it stands, unpruned, to ``export_dir/DENSE_FILE`` in
+        ``export_model``'s ``state_dict`` format (weights on the CPU, no masks), the file
+        ``fisherprune prune --weights`` reads; say where. Creates ``export_dir``."""
+        self.export_dir.mkdir(parents=True, exist_ok=True)
+        path = export_model(
+            self.model, self.export_dir / DENSE_FILE, self.example, format="state_dict"
+        )
+        self.progress.line(f"dense model written to {path} (for fisherprune prune --weights)")
 
     def _claim(self, ckpts: CheckpointManager, popt: PruningOptimizer) -> RunLock | None:
         """Rank 0 takes the save directory (``claim_save_dir``); every rank fingerprints the
