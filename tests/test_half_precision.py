@@ -20,6 +20,7 @@ from fisherprune.calibrate.repair import repair_consumers
 from fisherprune.calibrate.to_target import estimate_signals
 from fisherprune.masks import find_masks
 from fisherprune.signals import resolve_criterion
+from tests.test_hf_integration import _models
 
 transformers = pytest.importorskip("transformers")
 T = transformers
@@ -27,46 +28,8 @@ T = transformers
 HALF = [torch.bfloat16, torch.float16]
 IDS = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(0))
 _SMALL = dict(num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
-_HF = {
-    "bert": (
-        lambda: T.BertForSequenceClassification(
-            T.BertConfig(
-                vocab_size=100, hidden_size=32, max_position_embeddings=64, num_labels=3, **_SMALL
-            )
-        ),
-        {"input_ids": IDS, "attention_mask": torch.ones_like(IDS)},
-    ),
-    "gpt2": (
-        lambda: T.GPT2LMHeadModel(
-            T.GPT2Config(vocab_size=100, n_embd=32, n_layer=2, n_head=4, n_positions=64)
-        ),
-        {"input_ids": IDS},
-    ),
-    "llama": (
-        lambda: T.LlamaForCausalLM(
-            T.LlamaConfig(
-                vocab_size=100,
-                hidden_size=32,
-                num_key_value_heads=2,
-                max_position_embeddings=64,
-                **_SMALL,
-            )
-        ),
-        {"input_ids": IDS},
-    ),
-    "qwen2": (
-        lambda: T.Qwen2ForCausalLM(
-            T.Qwen2Config(
-                vocab_size=100,
-                hidden_size=32,
-                num_key_value_heads=2,
-                max_position_embeddings=64,
-                **_SMALL,
-            )
-        ),
-        {"input_ids": IDS},
-    ),
-}
+#: an encoder and three decoders, as test_hf_integration builds them from their configs
+_HF = {n: case for n, case in _models().items() if n in ("bert", "gpt2", "llama", "qwen2")}
 
 
 def _layout(masks: fp.AppliedMasks) -> tuple[list[tuple[str, int]], list[str]]:
