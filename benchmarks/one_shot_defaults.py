@@ -470,7 +470,9 @@ def plot(cells: list[dict[str, Any]], path: Path) -> None:
             if pts:
                 t, mean, sd = zip(*pts, strict=True)
                 style = "-" if m == "fisher" else "--" if m.startswith("fisher") else ":"
-                ax.errorbar(t, mean, yerr=sd, label=m, linestyle=style, marker="o", ms=3)
+                color = f"C{methods.index(m) % 10}"  # one colour per method on every panel
+                ax.errorbar(t, mean, yerr=sd, label=m, linestyle=style, marker="o", ms=3,
+                            color=color)  # fmt: skip
         metric = next(c.get("metric", ACCURACY) for c in cells if c["net"] == net)
         ax.set_xlabel("FLOPs kept")
         ax.set_ylabel(f"{metric}, no fine-tuning")
