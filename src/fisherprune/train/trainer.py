@@ -305,7 +305,11 @@ class PruningTrainer:
     def _export_dense(self) -> None:
         """Write the model as it stands, unpruned, to ``export_dir/DENSE_FILE`` in
         ``export_model``'s ``state_dict`` format (weights on the CPU, no masks), the file
-        ``fisherprune prune --weights`` reads; say where. Creates ``export_dir``."""
+        ``fisherprune prune --weights`` reads; say where. Creates ``export_dir``. Weights that
+        are not finite (a run diverging in its dense phase) are not written: it says so."""
+        if not all(bool(torch.isfinite(p).all()) for p in self.model.parameters()):
+            self.progress.line("dense model not written: its weights are not finite")
+            return
         self.export_dir.mkdir(parents=True, exist_ok=True)
         path = export_model(
             self.model, self.export_dir / DENSE_FILE, self.example, format="state_dict"
