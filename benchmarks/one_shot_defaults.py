@@ -63,7 +63,7 @@ from fisherprune.train.models import BasicBlock  # the trainer's own block, same
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import machine_info, write_json
-from one_shot_text import TEXT_NETS, cache_dir, text_rows
+from one_shot_text import TEXT_NETS, cache_dir, log_cell, result_fields, text_rows
 
 ROOT = Path(__file__).resolve().parent.parent
 TARGETS = (0.7, 0.5, 0.3)
@@ -309,14 +309,7 @@ def cell(
         "quality": acc,
         "metric": ACCURACY,
         "higher_is_better": True,
-        "ratio": result.ratio,
-        "rounds": result.rounds,
-        "seconds": result.seconds,
-        "phase_seconds": result.phase_seconds,
-        "kept": {n: list(v) for n, v in result.kept.items()},
-        "min_kept_fraction": result.min_kept_fraction,
-        "at_floor": result.at_floor,
-        "warnings": sorted({str(w.message).split(":")[0] for w in caught}),
+        **result_fields(result, caught),
     }
 
 
@@ -344,13 +337,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         {"net": name, "seed": seed, "target": target, "method": method,
                          "dense": dense, "test_examples": len(split.y_test), **r}
                     )  # fmt: skip
-                    phases = ", ".join(f"{k} {v:.1f}" for k, v in r["phase_seconds"].items())
-                    print(
-                        f"{name} s{seed} {target:.0%} {method:20s} acc {r['accuracy']:.3f} "
-                        f"(dense {dense:.3f}) min kept {r['min_kept_fraction']:.2f} "
-                        f"rounds {r['rounds']} {r['seconds']:.1f} s ({phases})",
-                        flush=True,
-                    )
+                    log_cell(name, seed, target, method, "acc", r["accuracy"], dense, r)
     text = [n for n in args.nets if n in TEXT_NETS]
     if text:
         methods = {m: METHODS[m] for m in args.methods if m in TEXT_METHODS}
@@ -363,13 +350,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _log_text(name: str, seed: int, target: float, method: str, r: dict[str, Any], dense: float):
-    phases = ", ".join(f"{k} {v:.1f}" for k, v in r["phase_seconds"].items())
-    print(
-        f"{name} s{seed} {target:.0%} {method:20s} quality {r['quality']:.4f} (dense {dense:.4f})"
-        f" min kept {r['min_kept_fraction']:.2f} rounds {r['rounds']} {r['seconds']:.1f} s "
-        f"({phases})",
-        flush=True,
-    )
+    log_cell(name, seed, target, method, "quality", r["quality"], dense, r)
 
 
 # ------------------------------------------------------------------------------- report

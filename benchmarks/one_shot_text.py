@@ -286,9 +286,13 @@ def text_cell(t: TextTask, target: float, settings: dict[str, Any], seed: int) -
             **t.settings, **settings,
         )  # fmt: skip
     measured = t.measure(model)
+    return {"quality": measured[t.metric], "measured": measured, **result_fields(result, caught)}
+
+
+def result_fields(result: Any, caught: list[warnings.WarningMessage]) -> dict[str, Any]:
+    """What a cell records of a ``PruneResult`` and the warnings its call gave (their first
+    clause: the masks they name vary)."""
     return {
-        "quality": measured[t.metric],
-        "measured": measured,
         "ratio": result.ratio,
         "rounds": result.rounds,
         "seconds": result.seconds,
@@ -298,6 +302,18 @@ def text_cell(t: TextTask, target: float, settings: dict[str, Any], seed: int) -
         "at_floor": result.at_floor,
         "warnings": sorted({str(w.message).split(":")[0] for w in caught}),
     }
+
+
+def log_cell(name: str, seed: int, target: float, method: str, what: str, value: float,
+             dense: float, r: dict[str, Any]) -> None:  # fmt: skip
+    """One printed line per cell: its quality against the dense model's, rounds and time."""
+    phases = ", ".join(f"{k} {v:.1f}" for k, v in r["phase_seconds"].items())
+    print(
+        f"{name} s{seed} {target:.0%} {method:20s} {what} {value:.4g} (dense {dense:.4g}) "
+        f"min kept {r['min_kept_fraction']:.2f} rounds {r['rounds']} {r['seconds']:.1f} s "
+        f"({phases})",
+        flush=True,
+    )
 
 
 def text_rows(
