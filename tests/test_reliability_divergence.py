@@ -15,6 +15,7 @@ import torch
 
 import fisherprune.train.trainer as trainer_module
 from fisherprune.cli.main import main
+from fisherprune.export.manifest import MANIFEST_FILE, ExportMismatchError, verify_export
 from fisherprune.train.checkpoint import CheckpointManager
 from fisherprune.train.interrupts import DivergedError, StopGuard
 
@@ -98,10 +99,13 @@ def test_cli_stops_a_diverging_run_before_pruning_or_export(
     assert len(errors) == 1, err
     assert all("pruning-signal estimate is not finite" in ln for ln in lines if ln not in errors)
     exported = sorted(p.name for p in (save / "export").glob("*"))
-    assert exported in ([], ["dense.pt"])  # the model as it was when its dense phase ended
+    # the model as it was when its dense phase ended, in an export set marked incomplete
+    assert exported in ([], ["dense.pt", MANIFEST_FILE])
     if exported:
         state = torch.load(save / "export" / "dense.pt", weights_only=True)["state_dict"]
         assert all(bool(torch.isfinite(t).all()) for t in state.values())
+        with pytest.raises(ExportMismatchError, match="incomplete export"):
+            verify_export(save / "export")
     assert not (save / "result.json").exists()
     entries = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
     assert all(e["kind"] != "final" for e in entries)

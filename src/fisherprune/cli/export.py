@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +11,7 @@ import torch
 from torch import nn
 
 from fisherprune.export import FORMATS, export_model
+from fisherprune.export.manifest import MANIFEST_FILE, ExportSet, Manifest
 from fisherprune.graph import apply_masks
 from fisherprune.train.checkpoint import CheckpointManager
 from fisherprune.train.scaling import model_from_meta
@@ -55,11 +57,42 @@ def model_from_checkpoint(path: str) -> tuple[nn.Module, Any]:
     return model, example
 
 
-def export_command(args: argparse.Namespace) -> int:
+def _run_set(out: Path, checkpoint: str) -> ExportSet | None:
+    """The export set that ``out`` is a file of (its folder's manifest names it), when it is
+    the set of the checkpoint's own run: writing ``out`` then goes through it, so that the
+    manifest records the new bytes. None when no manifest names ``out`` (a plain write).
 
+    Raises:
+        ValueError: the manifest names ``out`` as a file of another run's set (a write would
+            leave that set naming bytes it no longer holds).
+    """
+    manifest = Manifest.read(out.parent)
+    if manifest is None or out.name not in manifest.files:
+        return None
+    owner = str(Path(checkpoint).resolve().parent.parent)  # SAVE_DIR/checkpoints/ckpt-*.pt
+    if manifest.owner != owner:
+        raise ValueError(
+            f"--out {out} is a file of the export of {manifest.describe()} (its "
+            f"{MANIFEST_FILE} names it), not of {checkpoint}'s run: give another --out"
+        )
+    return ExportSet(out.parent, manifest, written=True)
+
+
+def export_command(args: argparse.Namespace) -> int:
+    """Write the shrunk model of ``--checkpoint`` to ``--out``; when ``--out`` is a file of
+    that run's export set (named in the folder's manifest), record its new bytes there."""
     if args.freeze and args.format != "torchscript":
         raise ValueError(f"--freeze applies to --format torchscript only, not {args.format}")
+    out = Path(args.out)
+    exports = _run_set(out, args.checkpoint)
     model, example = model_from_checkpoint(args.checkpoint)
-    path = export_model(model, args.out, example, format=args.format, freeze=args.freeze)
+    write = partial(
+        export_model, model, example_inputs=example, format=args.format, freeze=args.freeze
+    )
+    if exports is None:
+        path = write(out)
+    else:
+        what = f"the pruned model, {args.format} export of {args.checkpoint}"
+        path = exports.write(out.name, what, write)
     print(f"wrote {path}")
     return 0

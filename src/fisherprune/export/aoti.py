@@ -20,6 +20,7 @@ from torch.utils import _pytree as pytree
 
 from fisherprune._errors import first_line
 from fisherprune.export.layout import ServedInputs, serving_copy
+from fisherprune.export.manifest import check_exported_file
 from fisherprune.export.plan import PruningPlan
 from fisherprune.inputs import Inputs
 
@@ -231,10 +232,13 @@ def load_aoti_export(path: str | os.PathLike) -> AOTIModule:
     Raises:
         FileNotFoundError: no file at ``path``.
         ValueError: the file is an AOTInductor package this library did not write.
+        ExportMismatchError: (a ValueError) the manifest of its folder (a ``fisherprune
+            train`` export) records other bytes for it: nothing of it ran.
     """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no AOTInductor package at {path}")
+    check_exported_file(path)
     compiled = torch._inductor.aoti_load_package(str(path))
     raw = compiled.get_metadata().get(METADATA_KEY)
     if raw is None:

@@ -24,6 +24,7 @@ from torch import nn
 from fisherprune._version import __version__
 from fisherprune.cost import CostModel
 from fisherprune.export.hf_config import update_config
+from fisherprune.export.manifest import check_exported_file
 from fisherprune.export.modules import replacement, update_metadata
 from fisherprune.export.output_fill import FilledOutput, install_output_fill
 from fisherprune.export.safe_load import PickledObjectsError, looks_pickled
@@ -327,8 +328,11 @@ class PruningPlan:
             PickledObjectsError: (a ValueError) the file is a pickle naming Python objects, not
                 a JSON plan; it was only parsed, nothing from it ran.
             ValueError: the file is not JSON or not a well-formed fisherprune plan.
+            ExportMismatchError: (a ValueError) the manifest of its folder (a ``fisherprune
+                train`` export) records other bytes for it (``check_exported_file``).
         """
         path = Path(path)
+        check_exported_file(path)
         try:
             data = json.loads(path.read_bytes())
         except ValueError as e:  # also UnicodeDecodeError

@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from fisherprune.export.manifest import check_exported_file
+
 __all__ = ["PickledObjectsError", "load_plain", "looks_pickled"]
 
 # opcodes that name an importable object: what an unpickler imports and may call
@@ -69,7 +71,10 @@ def load_plain(path: str | os.PathLike, what: str, remedy: str) -> Any:
             line, without torch's advice to retry with ``weights_only=False``).
         FileNotFoundError, RuntimeError, EOFError: as ``torch.load``, for a missing, empty or
             truncated file.
+        ExportMismatchError: (a ValueError) the manifest of the file's folder (a
+            ``fisherprune train`` export) records other bytes for it (``check_exported_file``).
     """
+    check_exported_file(path)
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:

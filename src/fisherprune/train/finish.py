@@ -11,6 +11,7 @@ import copy
 import json
 import shlex
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,8 @@ from fisherprune._errors import first_line
 from fisherprune.export import PruningPlan, export_model, shrink
 from fisherprune.export.files import default_file_name
 from fisherprune.export.latency import frozen_for_serving, measure_latency
+from fisherprune.export.manifest import ExportSet
+from fisherprune.export.storage import atomic_write_bytes
 from fisherprune.graph import remove_masks
 from fisherprune.pruner import PruningOptimizer
 from fisherprune.train.checkpoint import CheckpointManager
@@ -62,9 +65,14 @@ class RunOutput:
     """Where a run's output goes."""
 
     save_dir: Path  # report.md, plots, result.json; checkpoints/ and metrics.jsonl are here
-    export_dir: Path  # plan.json and the exported model files
+    export_dir: Path  # plan.json, the exported model files, data.json and their manifest
     progress: Progress  # the lines the user reads
     write: bool = True  # False on ranks other than 0 under torchrun: measure, write nothing
+    #: the run's export set in ``export_dir``, begun when the run started (``dense.pt`` may be
+    #: in it); None: begin one at the export
+    exports: ExportSet | None = None
+    #: written to ``export_dir/data.json``: what the exported model takes and returns
+    data_card: dict[str, Any] | None = None
 
 
 def finish_run(config: TrainConfig, run: FinishedRun, out: RunOutput) -> TrainResult:
@@ -72,8 +80,8 @@ def finish_run(config: TrainConfig, run: FinishedRun, out: RunOutput) -> TrainRe
     and write the report and ``result.json``, then print the summary.
 
     Changes nothing in ``run``: the shrunk and the dense model are copies. Writes into
-    ``out.export_dir`` (``plan.json`` and one file per format of ``config.export_formats`` that
-    could be exported) and ``out.save_dir`` (``report.md``, plots when matplotlib is installed,
+    ``out.export_dir`` (``plan.json``, one file per format of ``config.export_formats`` that
+    could be exported and ``data.json``, then the manifest marking the run's set complete) and ``out.save_dir`` (``report.md``, plots when matplotlib is installed,
     ``result.json``); a format that cannot be exported is skipped with a line saying why.
 
     Returns:
@@ -146,18 +154,22 @@ def _latency(
 
 
 def _export(config: TrainConfig, run: FinishedRun, out: RunOutput) -> dict[str, str]:
-    """Write ``plan.json`` and the model in each of ``config.export_formats`` into
-    ``out.export_dir`` (created if missing); return the files written, kind -> path."""
+    """Write ``plan.json``, the model in each of ``config.export_formats`` and ``data.json``
+    (given ``out.data_card``) into ``out.export_dir`` (created if missing) as files of the
+    run's export set, then mark the set complete (``ExportSet``: its manifest, written last,
+    names each file with its SHA-256). Returns the files written, kind -> path, the manifest
+    included. A failure leaves the set marked incomplete."""
+    exports = out.exports or ExportSet.begin(out.export_dir, str(out.save_dir.resolve()))
     files: dict[str, str] = {}
-    out.export_dir.mkdir(parents=True, exist_ok=True)
     plan = PruningPlan.from_model(run.model, run.example, run.popt.cost_model.convention)
-    plan_path = out.export_dir / "plan.json"
-    plan.save(plan_path)
+    plan_path = exports.write("plan.json", "the kept channels of each module", plan.save)
     files["plan"] = str(plan_path)
     for fmt in config.export_formats:
         try:
-            path = export_model(
-                run.model, out.export_dir / default_file_name(fmt), run.example, format=fmt
+            path = exports.write(
+                default_file_name(fmt),
+                f"the pruned model, {fmt} export",
+                partial(export_model, run.model, example_inputs=run.example, format=fmt),
             )
             files[fmt] = str(path)
         except ImportError as e:
@@ -169,6 +181,16 @@ def _export(config: TrainConfig, run: FinishedRun, out: RunOutput) -> dict[str, 
                 raise
             # the model cannot be traced: the state_dict export and the report still stand
             out.progress.line(f"skipped {fmt} export: {first_line(e)}")
+    if out.data_card is not None:
+        card = json.dumps(out.data_card, indent=2).encode()
+        path = exports.write(
+            "data.json",
+            "what the exported model takes and returns (inputs, outputs, labels, scaling)",
+            partial(atomic_write_bytes, data=card),
+        )
+        files["data"] = str(path)
+    exports.complete()
+    files["manifest"] = str(exports.path)
     return files
 
 

@@ -3,10 +3,10 @@ PruningDataRecordTrainer, with the export it left as a TODO)."""
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import random
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fisherprune.export import export_model
-from fisherprune.export.storage import atomic_write_bytes
+from fisherprune.export.manifest import ExportSet
 from fisherprune.graph import apply_masks
 from fisherprune.masks import find_masks
 from fisherprune.modes import eval_mode
@@ -267,7 +267,7 @@ class PruningTrainer:
             ids = [self.device.index] if self.device.type == "cuda" else None
             net = nn.parallel.DistributedDataParallel(self.model, device_ids=ids)
         ckpts = CheckpointManager(self.save_dir / "checkpoints", cfg.keep_checkpoints)
-        self.lock = self._claim(ckpts, popt)
+        self._claim(ckpts, popt)
         self._teacher_weights: dict[str, Tensor] | None = None  # set by _resume
         state = self._resume(ckpts, popt) if cfg.resume else RunState()
         cap = step_cap(cfg, self.burn_in, _prunable_channels(popt))
@@ -305,28 +305,43 @@ class PruningTrainer:
     def _export_dense(self) -> None:
         """Write the model as it stands, unpruned, to ``export_dir/DENSE_FILE`` in
         ``export_model``'s ``state_dict`` format (weights on the CPU, no masks), the file
-        ``fisherprune prune --weights`` reads; say where. Creates ``export_dir``. Weights that
-        are not finite (a run diverging in its dense phase) are not written: it says so."""
+        ``fisherprune prune --weights`` reads, as the first file of the run's export set
+        (``self.exports``); say where. Creates ``export_dir``. Weights that are not finite (a
+        run diverging in its dense phase) are not written: it says so."""
         if not all(bool(torch.isfinite(p).all()) for p in self.model.parameters()):
             self.progress.line("dense model not written: its weights are not finite")
             return
-        self.export_dir.mkdir(parents=True, exist_ok=True)
-        path = export_model(
-            self.model, self.export_dir / DENSE_FILE, self.example, format="state_dict"
+        assert self.exports is not None, "rank 0 only"
+        path = self.exports.write(
+            DENSE_FILE,
+            "the dense model when the dense phase ended (state_dict export, for fisherprune "
+            "prune --weights)",
+            partial(export_model, self.model, example_inputs=self.example, format="state_dict"),
         )
         self.progress.line(f"dense model written to {path} (for fisherprune prune --weights)")
 
-    def _claim(self, ckpts: CheckpointManager, popt: PruningOptimizer) -> RunLock | None:
-        """Rank 0 takes the save directory (``claim_save_dir``); every rank fingerprints the
-        data files (saved in checkpoints, compared on resume) and checks the settings."""
+    def _claim(self, ckpts: CheckpointManager, popt: PruningOptimizer) -> None:
+        """Every rank fingerprints the data files (saved in checkpoints, compared on resume)
+        and checks the settings; rank 0 takes the save directory (``claim_save_dir``: sets
+        ``self.lock``, released by ``run``) and starts the run's export set in ``export_dir``
+        (``ExportSet.begin``: an earlier run's set there is retired; a resumed run keeps its
+        own ``dense.pt``, which it does not write again). Other ranks get None for both."""
         cfg = self.config
         self.data_files = data_fingerprint(cfg.to_dict())
         for line in preflight_lines(cfg, popt):
             self.progress.line(line)
+        self.exports: ExportSet | None = None
         if self.rank != 0:
-            return None
-        return claim_save_dir(
+            return
+        self.lock = claim_save_dir(
             self.save_dir, self.export_dir, ckpts, cfg.resume, cfg.overwrite, self.progress.line
+        )
+        resumed = cfg.resume and bool(ckpts.paths())
+        self.exports = ExportSet.begin(
+            self.export_dir,
+            owner=str(self.save_dir.resolve()),
+            carry=(DENSE_FILE,) if resumed else (),
+            say=self.progress.line,
         )
 
     def _check_dense(self, value: float) -> DenseCheck:
@@ -393,12 +408,15 @@ class PruningTrainer:
     # ----------------------------------------------------------------- end
     def _finish(self, loop: Loop) -> TrainResult:
         """The finish phase (``finish_phase``), on the CPU."""
-        out = RunOutput(self.save_dir, self.export_dir, self.progress, write=self.rank == 0)
-        result = finish_phase(loop, self.model, self.example, self.data.samples(64), out)
-        if self.rank == 0:  # what the exported model takes and returns
-            card = json.dumps(data_card(self.data), indent=2).encode()
-            atomic_write_bytes(self.export_dir / "data.json", card)
-        return result
+        out = RunOutput(
+            self.save_dir,
+            self.export_dir,
+            self.progress,
+            write=self.rank == 0,
+            exports=self.exports,
+            data_card=data_card(self.data) if self.rank == 0 else None,
+        )
+        return finish_phase(loop, self.model, self.example, self.data.samples(64), out)
 
 
 def _prunable_channels(popt: PruningOptimizer) -> int:
