@@ -7,6 +7,7 @@ Public API (see README.md and docs/usage.md):
     update_pruning_signals            fold a batch's Fisher estimate into the signal EMA
     criteria                          Fisher, Taylor, L1, Random and the Criterion base
     computational_cost, CostReport    cost per example and marginal cost per channel
+    LatencySpec                       where the "latency" cost convention times operators
     prune, PruneEvent                 zero the channel (or block) with the lowest score
     PruningOptimizer                  SGD (or any optimizer) + signals + pruning schedule
     prune_to_target, PruneResult      prune a trained model from calibration data, no training
@@ -19,6 +20,7 @@ from fisherprune.calibrate import PruneResult, prune_to_target
 from fisherprune.cost import (
     CostModel,
     CostReport,
+    LatencySpec,
     computational_cost,
     register_cost_formula,
     unregister_cost_formula,
@@ -52,6 +54,7 @@ __all__ = [
     "AppliedMasks",
     "CostModel",
     "CostReport",
+    "LatencySpec",
     "MaskLayer",
     "PickledObjectsError",
     "PlanMismatchError",

@@ -6,12 +6,14 @@ from fisherprune.cost.conventions import (
     register_cost_formula,
     unregister_cost_formula,
 )
+from fisherprune.cost.latency import LatencySpec
 from fisherprune.cost.model import CostModel, CostReport, MarginalCosts, computational_cost
 
 __all__ = [
     "CONVENTIONS",
     "CostModel",
     "CostReport",
+    "LatencySpec",
     "MarginalCosts",
     "computational_cost",
     "formula_for",

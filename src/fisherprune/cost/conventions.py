@@ -24,6 +24,9 @@ The conventions, and what a formula registered for an operator changes:
             formula replaces that count for its op, views included.
     params  parameter elements, with pruned shapes, per network (not divided by the
             batch). Not counted per operator: registering a formula for it is refused.
+    latency microseconds per forward pass of a batch, every operator that is not a view timed
+            on the device a ``LatencySpec`` names (``fisherprune.cost.latency``). Measured,
+            not computed: registering a formula for it is refused.
 
 Registering a second formula for the same convention and operator is refused;
 ``unregister_cost_formula`` is the exact inverse of ``register_cost_formula`` (the
@@ -74,6 +77,8 @@ class Convention:
         parameter_formula: cost of one parameter tensor from its (pruned) ``torch.Size``,
             or None when parameters cost nothing.
         per_example: divide the traced cost by the batch size (False: per network).
+        measured: the operators' costs are timed (``fisherprune.cost.latency``), not
+            computed by formulas (which are then refused).
     """
 
     name: str
@@ -81,6 +86,7 @@ class Convention:
     default: Default | None
     parameter_formula: Callable[[torch.Size], float] | None = None
     per_example: bool = True
+    measured: bool = False
     _formulas: dict[OpKey, Formula] = field(default_factory=dict, init=False, repr=False)
 
     @property
@@ -93,6 +99,8 @@ class Convention:
         key = _packet(op)
         if key is None or self.default is None:
             return None
+        if self.measured:  # every non-view op is timed; the default only says which
+            return self.default(key)
         return self._formulas.get(key) or self.default(key)
 
     def divisor(self, batch_size: int) -> int:
@@ -138,6 +146,13 @@ _CONVENTIONS: dict[str, Convention] = {
             None,
             parameter_formula=parameter_elements,
             per_example=False,
+        ),
+        Convention(
+            "latency",
+            "microseconds per forward pass, timed per operator (a LatencySpec)",
+            _written_unless_view,
+            per_example=False,
+            measured=True,
         ),
     )
 }
@@ -236,6 +251,11 @@ def unregister_cost_formula(convention: str, *ops: Any) -> None:
 
 def _per_op_convention(name: str, caller: str) -> Convention:
     conv = get_convention(name)
+    if conv.measured:
+        raise ValueError(
+            f"{caller}: {name!r} is timed on the device, not computed by formulas; an "
+            "operator that cannot be timed alone is priced by the elements it moves"
+        )
     if not conv.per_op:
         per_op = "; ".join(f"{c.name} ({c.summary})" for c in _CONVENTIONS.values() if c.per_op)
         raise ValueError(

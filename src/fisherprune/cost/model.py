@@ -22,10 +22,20 @@ from torch import Tensor, nn
 
 from fisherprune.cost.conventions import get_convention
 from fisherprune.cost.formulas import Formula
+from fisherprune.cost.latency import (
+    UNIT,
+    LatencySpec,
+    LatencyTable,
+    OpTimer,
+    op_axes,
+    time_op,
+    timing_threads,
+    whole_model_seconds,
+)
 from fisherprune.graph.channels import ChannelGraph
 from fisherprune.graph.trace import trace_model
 from fisherprune.graph.types import OpRecord, Slot
-from fisherprune.inputs import batch_size
+from fisherprune.inputs import Inputs, batch_size
 from fisherprune.masks import MaskLayer, find_masks
 
 __all__ = ["CostModel", "CostReport", "MarginalCosts", "computational_cost"]
@@ -75,7 +85,8 @@ class CostReport:
         total: cost per example (in ``convention`` units).
         marginal: per mask, a float64 tensor of the cost per example saved by
             zeroing each channel alone (0 for channels already pruned).
-        convention: ``flops``, ``macs``, ``twml``, ``memory`` or ``params``.
+        convention: ``flops``, ``macs``, ``twml``, ``memory``, ``params`` or ``latency``
+            (microseconds per forward pass of the ``LatencySpec``'s batch, not per example).
         by_module: cost per example of each module (innermost module that ran the op).
     """
 
@@ -87,11 +98,16 @@ class CostReport:
 
 @dataclass
 class _Term:
+    """One priced part of the model: an operator's formula on its slots' shapes (``op``), or
+    a function of one shape (``op`` None): a parameter's, or a timed operator's kept widths
+    per axis (``dims`` then index that one shape: (0, axis, its roots))."""
+
     formula: Formula
-    op: OpRecord | None  # None for a parameter term
+    op: OpRecord | None  # None for a parameter term or a timed operator
     dims: list[tuple[int, int, np.ndarray]]  # (slot, dim, roots of its indices)
     shapes: list[tuple[int, ...]]
     module: str
+    signed: bool = False  # may be negative (the latency's whole-model offset)
 
 
 class CostModel:
@@ -104,9 +120,15 @@ class CostModel:
         convention: a name in ``CONVENTIONS``; see ``fisherprune.cost.conventions``.
         loss_fn: optional callable on the model output, traced and costed too
             (the seed counted its loss's own ops).
+        latency: where and how ``convention="latency"`` times the model (default
+            ``LatencySpec()``: the CPU as it is set now, the model's dtype, the example
+            inputs' batch). Building the model then times every operator not yet in the
+            spec's table (``fisherprune.cost.latency``) and the dense model once, with the
+            masks as they are (all ones for a dense model); the table is saved.
 
     Raises:
-        ValueError: unknown convention.
+        ValueError: unknown convention; ``latency`` given with another convention; a table
+            file measured under another device, dtype, torch version or thread count.
     """
 
     def __init__(
@@ -115,14 +137,24 @@ class CostModel:
         example_inputs: Any,
         convention: str = "flops",
         loss_fn: Callable[[Any], Tensor] | None = None,
+        latency: LatencySpec | None = None,
     ) -> None:
         self._counting = get_convention(convention)  # its formulas, parameter terms, divisor
         self.convention = convention
+        if latency is not None and not self._counting.measured:
+            raise ValueError(
+                f"latency= describes how convention='latency' times the model; the "
+                f"{convention!r} convention is computed, so drop latency= or choose 'latency'"
+            )
         if batch_size(example_inputs) == 0:
             raise ValueError(
                 "example_inputs hold a batch of 0 examples; costs are per example, so give at "
                 "least one (e.g. x[:1])"
             )
+        #: how ``latency`` is timed (None for computed conventions)
+        self.latency = (latency or LatencySpec()) if self._counting.measured else None
+        if self.latency is not None and self.latency.batch is not None:
+            example_inputs = _with_batch(example_inputs, self.latency.batch)
         self.masks = find_masks(model)
         self.trace = trace_model(model, example_inputs, loss_fn)
         self.graph = ChannelGraph(self.trace)
@@ -135,7 +167,7 @@ class CostModel:
                 "it removes nothing and is never pruned",
                 stacklevel=2,
             )
-        self._terms = self._build_terms(model)
+        self._terms = self._build_terms(model, example_inputs)
         self._evals: dict[tuple[int, tuple[tuple[int, ...], ...]], float] = {}
         self._warn_ineffective()
 
@@ -146,8 +178,36 @@ class CostModel:
         return self._entry_start
 
     # ----------------------------------------------------------------- terms
-    def _build_terms(self, model: nn.Module) -> list[_Term]:
+    def _build_terms(self, model: nn.Module, example_inputs: Any) -> list[_Term]:
+        if self.latency is not None:
+            return self._timed_terms(model, example_inputs, self.latency)
         return self._parameter_terms(model) + self._op_terms()
+
+    def _timed_terms(self, model: nn.Module, example_inputs: Any, spec: LatencySpec) -> list[_Term]:
+        """One term per traced operator the convention prices, timed per axis; and the
+        whole-model offset: the dense model timed whole, less the sum of its operators."""
+        table = LatencyTable.open(spec)
+        timer = OpTimer(spec, table)
+        terms: list[_Term] = []
+        prunable = self._prunable_roots()
+        with timing_threads(spec):
+            for t in self._op_terms():
+                assert t.op is not None
+                axes = op_axes(t.dims, prunable)
+                timed = time_op(timer, t.op, t.dims, t.shapes, axes)
+                dims = [(0, j, a.roots) for j, a in enumerate(axes)]
+                terms.append(_Term(timed, None, dims, [tuple(a.n for a in axes)], t.module))
+            whole = whole_model_seconds(model, example_inputs, spec) / UNIT
+        table.save()
+        summed = sum(self._eval(t, t.shapes) for t in terms)
+        offset = whole - summed
+        log.info(
+            "latency: %d operators timed (%d new), sum %.6g us; the model whole %.6g us",
+            len(terms), table.measured, summed, whole,
+        )  # fmt: skip
+        terms.append(_Term(lambda _s: offset, None, [], [()], "<between operators>", signed=True))
+        self.table_path = table.path
+        return terms
 
     def _parameter_terms(self, model: nn.Module) -> list[_Term]:
         """One term per parameter when the convention prices parameters (shapes pruned)."""
@@ -187,8 +247,9 @@ class CostModel:
         return terms
 
     def _eval(self, term: _Term, shapes: list[tuple[int, ...]]) -> float:
-        if term.op is None:  # a parameter term
-            return max(0.0, float(term.formula(torch.Size(shapes[0]))))
+        if term.op is None:  # a parameter term, or a timed operator's widths
+            value = float(term.formula(torch.Size(shapes[0])))
+            return value if term.signed else max(0.0, value)
         rec = term.op
 
         def sub(a: Any) -> Any:
@@ -205,6 +266,16 @@ class CostModel:
         if any(0 in s for s in shapes[: rec.n_inputs]):
             return 0.0  # an input with no channels left: the op is gone
         return max(0.0, float(term.formula(*args, out_shape=out_shape, **kwargs)))
+
+    def _prunable_roots(self) -> np.ndarray:
+        """Per root: whether zeroing mask entries can remove it (every place that reads it
+        is covered by a mask entry)."""
+        c = self.graph.consumers
+        n = len(self.graph.roots)
+        covered, uncovered = np.zeros(n, dtype=bool), np.zeros(n, dtype=bool)
+        covered[c.roots[c.cover >= 0]] = True
+        uncovered[c.roots[c.cover < 0]] = True
+        return covered & ~uncovered
 
     # ------------------------------------------------------------ evaluation
     def entries(self) -> np.ndarray:
@@ -337,12 +408,21 @@ def _unique_rows(m: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return m[first], inv.reshape(-1)
 
 
+def _with_batch(example_inputs: Any, batch: int) -> Any:
+    """``example_inputs`` with ``batch`` examples: batch tensors repeated (and cut) along
+    dim 0; other arguments as they are."""
+    inputs = Inputs.of(example_inputs)
+    times = -(-batch // inputs.batch_size)
+    return inputs.repeated(times).map_leaves(lambda x, b: x[:batch] if b else x).packed()
+
+
 def computational_cost(
     model: nn.Module,
     example_inputs: Any,
     convention: str = "flops",
     *,
     loss_fn: Callable[[Any], Tensor] | None = None,
+    latency: LatencySpec | None = None,
 ) -> CostReport:
     """Cost per example of ``model`` as masked now, and the marginal cost of every channel.
 
@@ -355,8 +435,10 @@ def computational_cost(
             read as ``fisherprune.inputs`` says (a list of images is a batch of its length).
         convention: ``"flops"`` (default; equals ``FlopCounterMode`` on the shrunk
             network, per example), ``"macs"``, ``"twml"`` (the seed's formula),
-            ``"memory"`` or ``"params"``.
+            ``"memory"``, ``"params"`` or ``"latency"`` (microseconds per forward pass,
+            timed on the device ``latency`` names).
         loss_fn: optional callable applied to the model output and costed too.
+        latency: with ``convention="latency"``, where and how to time (``LatencySpec``).
 
     Returns:
         A ``CostReport``; ``report.marginal[mask]`` is a tensor over the mask's channels.
@@ -368,4 +450,4 @@ def computational_cost(
         >>> cost = computational_cost(net, torch.randn(1, 20))
         >>> cost.total, cost.marginal["2"]
     """
-    return CostModel(model, example_inputs, convention, loss_fn).report()
+    return CostModel(model, example_inputs, convention, loss_fn, latency).report()

@@ -174,10 +174,12 @@ class _Tracer(TorchDispatchMode):
         out_tensors = [o for o in flat_out if isinstance(o, Tensor)]
         slot_of: dict[int, int] = {}
         slots: list[TensorInfo] = []
+        dtypes: list[torch.dtype] = []
         for t in in_tensors:
             if id(t) not in slot_of:
                 slot_of[id(t)] = len(slots)
                 slots.append(self.info(t))
+                dtypes.append(t.dtype)
         in_infos = list(slots)
         n_in = len(slots)
         ctx = RuleContext(
@@ -213,6 +215,7 @@ class _Tracer(TorchDispatchMode):
             slots,
             n_in,
             module=self.module_stack[-1] if self.module_stack else "",
+            dtypes=(*dtypes, *(o.dtype for o in out_tensors)),
         )
         del in_infos
         self.trace.ops.append(rec)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import torch
 from torch import Tensor
 
 from fisherprune.graph.atoms import Atoms
@@ -82,6 +83,8 @@ class OpRecord:
     n_inputs: int
     is_mask: bool = False
     module: str = ""
+    #: the dtype of each slot's tensor, in slot order (what a measured cost times the op in)
+    dtypes: tuple[torch.dtype, ...] = ()
 
 
 @dataclass

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from fisherprune.cost import CONVENTIONS, CostModel, CostReport
+from fisherprune.cost import CONVENTIONS, CostModel, CostReport, LatencySpec
 from fisherprune.masks import MaskLayer, find_masks
 from fisherprune.pruner.prune import PruneEvent, floor_of, lowest_kept, prune, rounding
 from fisherprune.pruner.scoring import FlopsWeight, score_all
@@ -34,26 +34,50 @@ __all__ = ["PruningOptimizer", "resolve_target"]
 log = logging.getLogger("fisherprune")
 
 
-def resolve_target(flops_target: float | int | str, start_cost: float) -> float:
-    """Absolute cost target per example from a user's ``flops_target``.
+#: microseconds (the ``latency`` convention's unit) per unit of a time target (``"12ms"``)
+_TIME_UNITS = (("ms", 1e3), ("us", 1.0), ("s", 1e6))
+
+
+def resolve_target(
+    flops_target: float | int | str, start_cost: float, convention: str = "flops"
+) -> float:
+    """Absolute cost target from a user's ``flops_target``, in ``convention`` units.
 
     ``"25%"`` and numbers in (0, 1) are fractions of ``start_cost``; numbers
-    >= 1 are absolute; 0 means "no target" (prune until nothing can be).
+    >= 1 are absolute; 0 means "no target" (prune until nothing can be). With
+    ``convention="latency"`` a time such as ``"12ms"``, ``"800us"`` or ``"0.5s"`` is
+    absolute too, in that convention's microseconds per forward pass (a bare number keeps
+    the rules above).
 
     Raises:
-        ValueError: a string that is not a number or a percentage, or a negative or
-            non-finite number.
+        ValueError: a string that is not a number, a percentage or (for latency) a time; a
+            time with another convention; a negative or non-finite number.
     """
     if isinstance(flops_target, str):
         text = flops_target.strip()
+        unit = next(((u, f) for u, f in _TIME_UNITS if text.endswith(u)), None)
+        if unit is not None and not text.endswith("%"):
+            if convention != "latency":
+                raise ValueError(
+                    f"target {flops_target!r} is a time; a time target needs "
+                    f"convention='latency' (the cost is {convention!r}), or give a percentage"
+                )
+            try:
+                micro = float(text.removesuffix(unit[0])) * unit[1]
+            except ValueError:
+                raise ValueError(f"target {flops_target!r} is not a time such as '12ms'") from None
+            if not (micro > 0 and math.isfinite(micro)):
+                raise ValueError(f"target {flops_target!r} must be a positive time")
+            return micro
         try:
             value = float(text.removesuffix("%"))
         except ValueError:
             raise ValueError(
                 f"flops_target {flops_target!r} is not a number or a percentage such as '25%'"
+                + (" or a time such as '12ms'" if convention == "latency" else "")
             ) from None
         if not text.endswith("%"):
-            return resolve_target(value, start_cost)
+            return resolve_target(value, start_cost, convention)
         frac = value / 100.0
         if not frac > 0:
             raise ValueError(f"flops_target {flops_target!r} must be a positive percentage")
@@ -115,7 +139,8 @@ class PruningOptimizer:
             config has no field for (BERT's hidden width, whose head size is derived from it;
             a pooler) are left whole, listed in ``kept_whole`` and logged.
         convention: cost convention of ``flops_target`` and of the pruning events (see
-            ``computational_cost``).
+            ``computational_cost``); ``"latency"`` times the model on the device ``latency``
+            names, and ``flops_target`` may then be a time (``"12ms"``).
         score_convention: cost convention that the signal is weighed against when
             choosing a channel (default: ``convention``). ``"memory"`` with a FLOPs target is
             Group Fisher Pruning's memory-normalised selection (Liu et al. 2021, which
@@ -128,6 +153,8 @@ class PruningOptimizer:
         masks: the masks to prune (default: every MaskLayer in ``model``).
         method: pruning signal, ``"fisher"`` (the seed's only one) or ``"taylor"``: a shorthand
             for ``criterion``.
+        latency: with ``convention`` or ``score_convention`` ``"latency"``: where and how
+            it is timed (``fisherprune.LatencySpec``; default: this CPU as set now).
         criterion: how channels are ranked: a ``fisherprune.criteria.Criterion`` (``Fisher()``,
             ``Taylor()``, ``L1()``, ``Random(seed)`` or your own subclass) or the name of a
             registered one (``"l1"``). Default: ``method``. Criteria that read only weights
@@ -166,6 +193,7 @@ class PruningOptimizer:
         masks: dict[str, MaskLayer] | None = None,
         method: str = "fisher",
         criterion: Criterion | str | None = None,
+        latency: LatencySpec | None = None,
     ) -> None:
         self.prune_every = check_int("prune_every", prune_every, 1)
         self.burn_in = check_int("burn_in", burn_in, 0)
@@ -221,15 +249,18 @@ class PruningOptimizer:
             )
         self.convention = convention
         self.score_convention = score_convention or convention
-        self.cost_model = CostModel(model, example_inputs, convention)
+        timed = {c: latency if c == "latency" else None for c in (convention, score_convention)}
+        self.cost_model = CostModel(model, example_inputs, convention, latency=timed[convention])
         #: the cost that scores are normalised by (the same object when the conventions agree)
         self.score_model = self.cost_model
         if score_convention not in (None, convention):
             with warnings.catch_warnings():  # the trace's warnings were given just above
                 warnings.simplefilter("ignore")
-                self.score_model = CostModel(model, example_inputs, score_convention)
+                self.score_model = CostModel(
+                    model, example_inputs, score_convention, latency=timed[score_convention]
+                )
         self.start_cost = self.cost_model.total()
-        self.target = resolve_target(flops_target, self.start_cost)
+        self.target = resolve_target(flops_target, self.start_cost, convention)
         self.counter = 1
         self.history: list[PruneEvent] = []
         self.finished = False

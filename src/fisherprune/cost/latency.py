@@ -1,0 +1,566 @@
+"""Measured latency as a cost: per-operator timing tables on the device that serves.
+
+The ``latency`` convention prices every traced operator by timing it, alone, on the device,
+dtype and batch a ``LatencySpec`` names, at the widths a prune can reach. An operator's
+labelled dimensions are grouped into axes (the channels that move together: a hidden width,
+a layer's output channels, a count of heads); each axis is timed in a sweep with the others
+dense, at every width when it has at most ``points`` of them, else at ``points`` widths in
+steps of ``step`` channels (the pruner's ``round_to``), with linear interpolation between.
+The time at several narrower axes is the dense time scaled by each axis' own ratio,
+``T(k_1, k_2) = T(n_1, k_2) * T(k_1, n_2) / T(n_1, n_2)``: exact for a product of widths (a
+convolution's ``C_in * C_out``) and keeping the staircases each axis shows on its own. The
+marginal cost of a channel is then the table's step, so a selection sees that 130 channels
+may cost what 136 do.
+
+What the operators' times do not include (the Python between them, the allocator, caches a
+lone operator keeps warm) is measured once: the dense model is timed whole, and the
+difference to the sum of its operators is a constant term of the cost (``offset``). Widths do
+not change it, so it moves no channel's marginal cost; it makes totals and targets (``"12ms"``,
+``"50%"`` of the measured latency) those of the whole forward.
+
+Every timing is kept on disk (``cache``), keyed by the operator, its argument shapes and
+dtypes; the file's header names the device, torch version, threads, dtype and form it was
+measured under, and a second run on the same model reads every time from it. A file whose
+header differs is refused, naming the field; a file that does not match its own checksum is
+measured afresh, never trusted. Only the ``eager`` form is timed per operator; a compiled
+form fuses operators, which a per-operator table cannot see.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import math
+import os
+import platform
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils._pytree import tree_flatten, tree_map
+
+from fisherprune.graph.types import OpRecord, Slot
+from fisherprune.inputs import Inputs
+from fisherprune.modes import eval_mode
+
+__all__ = ["LatencySpec", "LatencyTable", "default_cache_dir"]
+
+log = logging.getLogger("fisherprune")
+
+#: serving forms a per-operator table can time
+FORMS = ("eager",)
+#: one timed block of an operator lasts at least this long (seconds)
+BLOCK_SECONDS = 2e-3
+#: table file format
+FORMAT = 1
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class LatencySpec:
+    """Where, and in what form, the ``latency`` cost convention times a model.
+
+    Attributes:
+        device: ``"cpu"`` or ``"cuda"`` / ``"cuda:N"``: where the operators are timed (the
+            model may live elsewhere; its structure is traced on the CPU either way).
+        threads: CPU threads while timing (``torch.set_num_threads``); None: as set now.
+        dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"``: the floating dtype the
+            operators are timed in; None: each operator's own (the model's).
+        batch: examples per forward pass timed; None: the example inputs' batch. The cost is
+            seconds per forward pass of this batch, not per example.
+        form: how the model is served: ``"eager"`` (the only form timed per operator).
+        step: widths are timed in steps of this many channels (use the pruner's
+            ``round_to``); an axis of at most ``points`` widths is timed at every width.
+        points: at most this many widths timed per axis of an operator.
+        blocks: timed blocks per width (the fastest is kept: load from other processes only
+            adds time); each lasts at least ``BLOCK_SECONDS``.
+        cache: a folder for the table files, or one ``.json`` file; None: the folder
+            ``$FISHERPRUNE_CACHE/latency`` (default ``~/.cache/fisherprune/latency``).
+    """
+
+    device: str = "cpu"
+    threads: int | None = None
+    dtype: str | None = None
+    batch: int | None = None
+    form: str = "eager"
+    step: int = 8
+    points: int = 16
+    blocks: int = 5
+    cache: str | os.PathLike[str] | None = None
+
+    def __post_init__(self) -> None:
+        try:
+            dev = torch.device(self.device)
+        except (RuntimeError, TypeError, ValueError):
+            dev = None
+        if dev is None or dev.type not in ("cpu", "cuda"):
+            raise ValueError(f"LatencySpec.device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(
+                f"LatencySpec.device {self.device!r}: CUDA is not available here; time on "
+                "'cpu', or build the table on the machine that serves"
+            )
+        for name, low in (("threads", 1), ("batch", 1)):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < low):
+                raise ValueError(f"LatencySpec.{name} must be an int >= {low} or None, got {v!r}")
+        for name, low in (("step", 1), ("points", 2), ("blocks", 1)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                raise ValueError(f"LatencySpec.{name} must be an int >= {low}, got {v!r}")
+        if self.dtype is not None and self.dtype not in _DTYPES:
+            raise ValueError(
+                f"LatencySpec.dtype must be one of {', '.join(_DTYPES)} or None, got {self.dtype!r}"
+            )
+        if self.form not in FORMS:
+            raise ValueError(
+                f"LatencySpec.form {self.form!r} is not timed per operator (forms: "
+                f"{', '.join(FORMS)}); a compiled form fuses operators, so time the eager "
+                "model and measure the compiled one on the result"
+            )
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.device)
+
+
+def default_cache_dir() -> Path:
+    """``$FISHERPRUNE_CACHE/latency``, else ``$XDG_CACHE_HOME/fisherprune/latency``, else
+    ``~/.cache/fisherprune/latency``."""
+    root = os.environ.get("FISHERPRUNE_CACHE")
+    if root:
+        return Path(root) / "latency"
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return Path(xdg or Path.home() / ".cache") / "fisherprune" / "latency"
+
+
+def _device_name(device: torch.device) -> str:
+    """The processor or GPU the times belong to."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def _digest(header: dict[str, Any], entries: dict[str, float]) -> str:
+    text = json.dumps({"header": header, "entries": entries}, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+@dataclass
+class LatencyTable:
+    """Measured seconds per operator call, by a key naming the operator, its arguments, shapes
+    and dtypes, measured under ``header`` (device, its name, torch version, threads, dtype,
+    form); kept in the file ``path``.
+
+    Use ``LatencyTable.open(spec)``; ``save()`` writes the file (atomically, with a checksum).
+    """
+
+    header: dict[str, Any]
+    path: Path
+    entries: dict[str, float] = field(default_factory=dict)
+    measured: int = 0  # entries added since it was opened
+
+    @classmethod
+    def open(cls, spec: LatencySpec) -> LatencyTable:
+        """The table ``spec`` times into: read from its file when there is one.
+
+        Raises:
+            ValueError: the file was measured under another header (the message names the
+                first field that differs and both values).
+        """
+        dev = spec.torch_device
+        header = {
+            "device": dev.type,
+            "device_name": _device_name(dev),
+            "torch": torch.__version__,
+            "threads": (spec.threads or torch.get_num_threads()) if dev.type == "cpu" else None,
+            "dtype": spec.dtype,
+            "form": spec.form,
+        }
+        given = Path(spec.cache) if spec.cache is not None else default_cache_dir()
+        if given.suffix == ".json":
+            path = given
+        else:
+            key = hashlib.sha256(json.dumps(header, sort_keys=True).encode()).hexdigest()[:16]
+            path = given / f"{dev.type}-{key}.json"
+        table = cls(header, path)
+        table._load()
+        return table
+
+    def _load(self) -> None:
+        if not self.path.is_file():
+            return
+        try:
+            data = json.loads(self.path.read_text())
+            header, entries = data["header"], data["entries"]
+            ok = data.get("format") == FORMAT and data.get("sha256") == _digest(header, entries)
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            ok, header, entries = False, None, None
+            log.debug("latency table %s unreadable: %s", self.path, e)
+        if not ok:
+            log.warning(
+                "latency table %s is damaged (it does not match its checksum): ignoring it "
+                "and timing afresh; it is rewritten when the table is saved",
+                self.path,
+            )
+            return
+        for k, v in self.header.items():
+            if header.get(k) != v:
+                raise ValueError(
+                    f"latency table {self.path} was measured with {k}={header.get(k)!r}, not "
+                    f"{v!r} as now: times from another device, dtype, torch version or thread "
+                    "count do not hold here. Give another cache path, or delete the file to "
+                    "time afresh"
+                )
+        self.entries = {str(k): float(v) for k, v in entries.items()}
+
+    def save(self) -> None:
+        """Write the table to its file (a temporary file renamed over it). A table that
+        cannot be written is kept in memory only, with a warning."""
+        if not self.measured and self.path.is_file():
+            return
+        data = {
+            "format": FORMAT,
+            "header": self.header,
+            "entries": self.entries,
+            "sha256": _digest(self.header, self.entries),
+        }
+        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(json.dumps(data, sort_keys=True))
+            os.replace(tmp, self.path)
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            log.warning("latency table not saved to %s (%s): it will be timed again", self.path, e)
+
+    def time(
+        self, key: str, run: Callable[[], Any], sync: Callable[[], None], blocks: int
+    ) -> float:
+        """Seconds per call of ``run``: from the table, else measured (one warm-up call, then
+        ``blocks`` blocks of at least ``BLOCK_SECONDS``; the fastest) and added."""
+        got = self.entries.get(key)
+        if got is None:
+            got = self.entries[key] = _measure(run, sync, blocks)
+            self.measured += 1
+        return got
+
+
+def _measure(run: Callable[[], Any], sync: Callable[[], None], blocks: int) -> float:
+    run()
+    sync()
+    t0 = time.perf_counter()
+    run()
+    sync()
+    first = time.perf_counter() - t0
+    calls = max(1, min(10_000, math.ceil(BLOCK_SECONDS / max(first, 1e-7))))
+    if first > 20 * BLOCK_SECONDS:  # a slow call: fewer blocks, each of one call
+        blocks = max(3, blocks // 2)
+    times = []
+    for _ in range(blocks):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            run()
+        sync()
+        times.append((time.perf_counter() - t0) / calls)
+    return min(times)  # other load on a shared machine only ever adds time
+
+
+@contextlib.contextmanager
+def timing_threads(spec: LatencySpec) -> Iterator[None]:
+    """Inside the block, torch uses ``spec.threads`` CPU threads (when it names them)."""
+    before = torch.get_num_threads()
+    if spec.threads is not None:
+        torch.set_num_threads(spec.threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _sync(device: torch.device) -> Callable[[], None]:
+    if device.type == "cuda":
+        return lambda: torch.cuda.synchronize(device)
+    return lambda: None
+
+
+# ------------------------------------------------------------------------ axes and sweeps
+@dataclass
+class Axis:
+    """Channels of one operator that move together: the roots (``roots``, sorted) that the
+    same labelled dimensions hold, and for each labelled dimension ``j`` of the operator, how
+    many of its indices go when the last ``n - k`` roots go (``removed[j][k]``)."""
+
+    roots: np.ndarray
+    removed: dict[int, np.ndarray]
+
+    @property
+    def n(self) -> int:
+        return int(self.roots.size)
+
+
+def op_axes(dims: list[tuple[int, int, np.ndarray]], prunable: np.ndarray) -> list[Axis]:
+    """The axes of an operator whose labelled dimensions are ``dims`` ((slot, dim, root of
+    each index)): the roots a prune can remove (``prunable[root]``), grouped by the set of
+    dimensions that hold them. A batch, spatial or input dimension has none."""
+    if not dims:
+        return []
+    uniq = [(u := np.unique(r))[prunable[u]] for _s, _d, r in dims]
+    if not any(u.size for u in uniq):
+        return []
+    allr = np.concatenate(uniq)
+    which = np.concatenate([np.full(u.size, j, dtype=np.int64) for j, u in enumerate(uniq)])
+    roots, inv = np.unique(allr, return_inverse=True)
+    inv = inv.reshape(-1)
+    if len(dims) <= 62:
+        sig = np.zeros(roots.size, dtype=np.int64)
+        np.bitwise_or.at(sig, inv, np.left_shift(np.int64(1), which))
+    else:  # too many dimensions for a bit set: one axis of every root
+        sig = np.zeros(roots.size, dtype=np.int64)
+    axes = []
+    for s in np.unique(sig):
+        members = roots[sig == s]
+        removed = {}
+        for j, (_s, _d, r) in enumerate(dims):
+            pos = np.searchsorted(members, r)
+            hit = (pos < members.size) & (members[np.minimum(pos, members.size - 1)] == r)
+            if not hit.any():
+                continue
+            # indices of dim j whose root is the i-th member; going from the end
+            counts = np.bincount(pos[hit], minlength=members.size)
+            removed[j] = np.concatenate([np.cumsum(counts[::-1])[::-1], [0]])  # by kept k
+        axes.append(Axis(members, removed))
+    return axes
+
+
+def sweep_widths(n: int, step: int, points: int) -> list[int]:
+    """The widths an axis of ``n`` channels is timed at: every width when there are at most
+    ``points``, else ``points`` widths in steps of ``step`` (the dense width always)."""
+    if n <= points:
+        return list(range(1, n + 1))
+    grid = list(range(step, n, step)) or [1]
+    if len(grid) >= points:
+        idx = np.linspace(0, len(grid) - 1, points - 1).round().astype(int)
+        grid = [grid[i] for i in sorted(set(idx.tolist()))]
+    return [*grid, n]
+
+
+def _shapes_at(
+    dense: list[tuple[int, ...]], dims: list[tuple[int, int, np.ndarray]], axis: Axis, k: int
+) -> list[tuple[int, ...]]:
+    """The operator's slot shapes with ``axis`` at ``k`` of its channels, others dense."""
+    shapes = [list(s) for s in dense]
+    for j, removed in axis.removed.items():
+        s, d, _r = dims[j]
+        shapes[s][d] -= int(removed[k])
+    return [tuple(s) for s in shapes]
+
+
+class OpTimer:
+    """Times traced operators at given slot shapes on ``spec``'s device, through ``table``."""
+
+    def __init__(self, spec: LatencySpec, table: LatencyTable) -> None:
+        self.spec, self.table = spec, table
+        self.device = spec.torch_device
+        self.sync = _sync(self.device)
+        self.dtype = _DTYPES.get(spec.dtype) if spec.dtype else None
+
+    def _dtype(self, dtype: torch.dtype) -> torch.dtype:
+        return self.dtype if self.dtype is not None and dtype.is_floating_point else dtype
+
+    def _tensor(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        if dtype.is_floating_point or dtype.is_complex:
+            return torch.randn(shape, dtype=dtype, device=self.device)
+        if dtype == torch.bool:
+            return torch.ones(shape, dtype=dtype, device=self.device)
+        return torch.zeros(shape, dtype=dtype, device=self.device)  # indices: 0 is valid
+
+    def seconds(
+        self, rec: OpRecord, dense: list[tuple[int, ...]], shapes: list[tuple[int, ...]]
+    ) -> float | None:
+        """Seconds per call of ``rec``'s operator with its slots at ``shapes`` (``dense``:
+        as traced); None when it cannot be run alone at them (it raised, or gave outputs of
+        other shapes than ``shapes`` says)."""
+        n_in = rec.n_inputs
+        dtypes = [self._dtype(t) for t in rec.dtypes] or [torch.float32] * len(shapes)
+        sizes = _size_map(dense[:n_in], shapes[:n_in])
+        key = json.dumps([str(rec.op), _arg_text(rec.args, rec.kwargs, sizes), shapes,
+                          [str(t) for t in dtypes]])  # fmt: skip
+        if key in self.table.entries:
+            return self.table.entries[key] if self.table.entries[key] >= 0 else None
+        try:
+            ins = [self._tensor(s, t) for s, t in zip(shapes[:n_in], dtypes[:n_in], strict=True)]
+            args, kwargs = _arguments(rec, ins, sizes)
+            with torch.inference_mode():
+                out = rec.op(*args, **kwargs)
+                got = [tuple(o.shape) for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
+                if got != [tuple(s) for s in shapes[n_in:]]:
+                    raise ValueError(f"outputs {got}, expected {shapes[n_in:]}")
+                return self.table.time(
+                    key, lambda: rec.op(*args, **kwargs), self.sync, self.spec.blocks
+                )
+        except Exception as e:  # any operator that cannot run alone at these shapes
+            log.debug("latency: %s not timed at %s: %s", rec.op, shapes, e)
+            self.table.entries[key] = -1.0  # remembered: not timed again
+            self.table.measured += 1
+            return None
+
+
+def _size_map(dense: list[tuple[int, ...]], now: list[tuple[int, ...]]) -> dict[int, int]:
+    """Dense size -> new size of the input dimensions that changed, where a dense size
+    changed to one new size only (integer arguments equal to it are sizes to follow)."""
+    seen: dict[int, set[int]] = {}
+    for a, b in zip(dense, now, strict=True):
+        for x, y in zip(a, b, strict=True):
+            if x != y:
+                seen.setdefault(x, set()).add(y)
+    return {x: next(iter(ys)) for x, ys in seen.items() if len(ys) == 1 and x > 1}
+
+
+def _follow(sizes: dict[int, int]) -> Callable[[Any], Any]:
+    def sub(a: Any) -> Any:
+        if isinstance(a, int) and not isinstance(a, bool):
+            return sizes.get(a, a)
+        return a
+
+    return sub
+
+
+def _arguments(
+    rec: OpRecord, ins: list[torch.Tensor], sizes: dict[int, int]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``rec``'s arguments with slots replaced by ``ins`` and sizes followed."""
+    follow = _follow(sizes)
+
+    def sub(a: Any) -> Any:
+        return ins[a.i] if isinstance(a, Slot) else follow(a)
+
+    return tree_map(sub, rec.args), tree_map(sub, rec.kwargs)
+
+
+def _arg_text(args: Any, kwargs: Any, sizes: dict[int, int]) -> str:
+    follow = _follow(sizes)
+
+    def sub(a: Any) -> Any:
+        return "<t>" if isinstance(a, Slot) else follow(a)
+
+    return repr((tree_map(sub, args), tree_map(sub, kwargs)))
+
+
+# ------------------------------------------------------------------------------ lookups
+#: the unit of the ``latency`` convention, in seconds: costs are microseconds, so that a
+#: channel's marginal cost stays far above the scores' 1e-6 guard against a cost of 0
+UNIT = 1e-6
+
+
+@dataclass
+class OpLatency:
+    """The timed cost of one operator: ``dense`` microseconds, and per axis the widths timed
+    and the microseconds at each (others dense), never rising as the width falls.
+    ``__call__`` takes the kept count of each axis."""
+
+    dense: float
+    widths: list[np.ndarray]
+    seconds: list[np.ndarray]
+
+    def __call__(self, kept: torch.Size | tuple[int, ...]) -> float:
+        if self.dense <= 0:
+            return 0.0
+        if any(k <= 0 for k in kept):
+            return 0.0  # a width with nothing left: the operator is gone
+        t = self.dense
+        for k, w, s in zip(kept, self.widths, self.seconds, strict=True):
+            t *= float(np.interp(k, w, s)) / self.dense
+        return t
+
+
+def time_op(
+    timer: OpTimer,
+    rec: OpRecord,
+    dims: list[tuple[int, int, np.ndarray]],
+    dense: list[tuple[int, ...]],
+    axes: list[Axis],
+) -> OpLatency:
+    """``rec`` timed dense and along each of its ``axes``. An operator that cannot be run
+    alone at a width is priced by the elements it reads and writes there, relative to its
+    dense time (0 when it cannot be run at all)."""
+    spec = timer.spec
+    t0 = timer.seconds(rec, dense, dense)
+    widths, seconds = [], []
+    for axis in axes:
+        ks = sweep_widths(axis.n, spec.step, spec.points)
+        ts = []
+        for k in ks:
+            shapes = _shapes_at(dense, dims, axis, k)
+            t = timer.seconds(rec, dense, shapes) if t0 is not None else None
+            if t is None:  # priced by the elements it moves
+                t = (t0 or 0.0) * _elements(shapes) / max(1, _elements(dense))
+            ts.append(t / UNIT)
+        widths.append(np.asarray(ks, dtype=np.float64))
+        # a narrower operator never costs more: the noise that says otherwise is averaged out
+        seconds.append(rising(np.asarray(ts, dtype=np.float64)))
+    return OpLatency((t0 or 0.0) / UNIT, widths, seconds)
+
+
+def rising(values: np.ndarray) -> np.ndarray:
+    """The non-decreasing sequence nearest ``values`` in squared error (isotonic regression
+    by pooling adjacent violators): a run of widths whose times fall as the width grows is
+    replaced by its mean."""
+    blocks: list[list[float]] = []  # [mean, count]
+    for v in values.tolist():
+        blocks.append([v, 1.0])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (m2, c2), (m1, c1) = blocks.pop(), blocks.pop()
+            blocks.append([(m1 * c1 + m2 * c2) / (c1 + c2), c1 + c2])
+    return np.concatenate([np.full(int(c), m) for m, c in blocks]) if blocks else values
+
+
+def _elements(shapes: list[tuple[int, ...]]) -> int:
+    return sum(math.prod(s) for s in shapes)
+
+
+def whole_model_seconds(model: torch.nn.Module, example_inputs: Any, spec: LatencySpec) -> float:
+    """Seconds per forward pass of ``model`` on ``example_inputs`` in eval mode, on
+    ``spec``'s device and dtype (a copy where the model lives elsewhere or in another dtype;
+    the model itself is left as it was): the fastest of ``2 * spec.blocks`` blocks, never
+    cached (it is what the operators' table is checked against)."""
+    device, dtype = spec.torch_device, _DTYPES.get(spec.dtype) if spec.dtype else None
+    params = list(model.parameters())
+    here = not params or all(
+        p.device == device and (dtype is None or not p.is_floating_point() or p.dtype == dtype)
+        for p in params
+    )
+    if not here:
+        import copy
+
+        model = copy.deepcopy(model).to(device=device, dtype=dtype)
+
+    def move(x: Any, _batched: bool) -> Any:
+        if not isinstance(x, torch.Tensor):
+            return x
+        if dtype is not None and x.is_floating_point():
+            return x.to(device=device, dtype=dtype)
+        return x.to(device)
+
+    inputs = Inputs.of(example_inputs).map_leaves(move)
+    with eval_mode(model), torch.inference_mode():
+        return _measure(lambda: inputs.call(model), _sync(device), 2 * spec.blocks)
+
+
+def spec_fields(spec: LatencySpec) -> dict[str, Any]:
+    """``spec`` as plain JSON-able fields (for reports and saved state)."""
+    out = asdict(spec)
+    out["cache"] = None if spec.cache is None else str(spec.cache)
+    return out

@@ -1,0 +1,342 @@
+"""The ``latency`` cost convention (issue 32): per-operator timing tables, their cache, and
+predictions checked against the physically shrunk model.
+
+Timing is noisy, so the invariants about predictions replace the clock by a deterministic
+one (``_fake_seconds``: an operator's FLOPs plus the elements it writes, in nanoseconds;
+the whole model "takes" 1 ms):
+what is tested is the table's bookkeeping (axes, sweeps, interpolation, the separable
+product, the cache), with the shrunk model re-traced and re-timed as the reference. A few
+tests time real operators, on tiny shapes, for what needs no exact value.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fisherprune as fp
+from fisherprune.cost import CostModel, LatencySpec, computational_cost, formula_for
+from fisherprune.cost import latency as lat
+from fisherprune.graph.types import Slot
+from fisherprune.pruner import resolve_target
+
+OFFSET = "<between operators>"
+
+
+def _fake_seconds(self, rec, dense, shapes):
+    """An operator's "time": its FLOPs plus the elements it writes, 1 ns each."""
+    n_in = rec.n_inputs
+
+    def sub(a):
+        if isinstance(a, Slot):
+            return torch.Size(shapes[a.i])
+        if isinstance(a, (list, tuple)):
+            return type(a)(sub(x) for x in a)
+        return a
+
+    outs = [torch.Size(s) for s in shapes[n_in:]]
+    f = formula_for("flops", rec.op)
+    flops = 0.0
+    if f is not None:
+        out_shape = outs[0] if len(outs) == 1 else tuple(outs)
+        kwargs = {k: sub(v) for k, v in rec.kwargs.items()}
+        flops = float(f(*sub(rec.args), out_shape=out_shape, **kwargs))
+    return (flops + sum(math.prod(s) for s in outs)) * 1e-9
+
+
+@pytest.fixture
+def fake_clock(monkeypatch):
+    monkeypatch.setattr(lat.OpTimer, "seconds", _fake_seconds)
+    monkeypatch.setattr(lat, "whole_model_seconds", lambda *a, **k: 1e-3)
+    import fisherprune.cost.model as model_module
+
+    monkeypatch.setattr(model_module, "whole_model_seconds", lambda *a, **k: 1e-3)
+
+
+def _spec(tmp_path, **kw) -> LatencySpec:
+    return LatencySpec(cache=tmp_path / "latency", threads=1, **kw)
+
+
+def _operators(report) -> float:
+    """The operators' part of a latency total (without the whole-model offset)."""
+    return report.total - report.by_module[OFFSET]
+
+
+def _cnn() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 12, 3, padding=1), nn.BatchNorm2d(12), nn.ReLU(),
+        nn.Conv2d(12, 16, 3, padding=1), nn.ReLU(),
+        nn.Conv2d(16, 16, 1), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 5),
+    )  # fmt: skip
+
+
+def test_axes_are_the_prunable_widths_only(tmp_path, fake_clock):
+    """Each timed operator's axes are the prunable channel groups it touches: a convolution
+    between two masked widths has two (its input's and its output's), never the batch,
+    spatial or image-channel dimensions."""
+    net, x = _cnn(), torch.randn(2, 3, 8, 8)
+    fp.apply_masks(net, x)
+    cm = CostModel(net, x, "latency", latency=_spec(tmp_path))
+    axes = {t.module: t.shapes[0] for t in cm._terms if t.dims}
+    assert axes["0"] == (12,)  # the first conv: its output channels only
+    assert axes["3"] == (12, 16)
+    assert axes["5"] == (16, 16)
+
+
+def test_prediction_equals_the_shrunk_models_own_table(tmp_path, fake_clock):
+    """With every width timed, the cost predicted for a masked model equals the cost of
+    the physically shrunk model timed afresh (separable product and interpolation are exact
+    for a clock that is a sum of per-axis products)."""
+    net, x = _cnn(), torch.randn(2, 3, 8, 8)
+    fp.apply_masks(net, x)
+    masks = fp.find_masks(net)
+    gen = torch.Generator().manual_seed(1)
+    for m in masks.values():
+        keep = torch.randperm(m.num_channels, generator=gen)[: max(1, m.num_channels // 2 - 1)]
+        m.mask.zero_()
+        m.mask[keep] = 1.0
+    spec = _spec(tmp_path)
+    predicted = _operators(computational_cost(net, x, "latency", latency=spec))
+    small = fp.shrink(net)
+    measured = _operators(computational_cost(small, x, "latency", latency=spec))
+    dense = _operators(computational_cost(_cnn(), x, "latency", latency=spec))
+    assert predicted < 0.6 * dense  # not vacuous: the prune saved time
+    assert predicted == pytest.approx(measured, rel=1e-9)
+
+
+def test_prediction_on_a_hugging_face_bert(tmp_path, fake_clock):
+    """The same on a BERT built from its config (heads, MLP units and the hidden width
+    pruned unevenly): the prediction equals the shrunk model's own table."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.BertConfig(
+        vocab_size=50, hidden_size=16, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=12, max_position_embeddings=16,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.BertModel(cfg).eval()
+    ids = torch.randint(0, 50, (2, 6))
+    fp.apply_masks(model, (ids,))
+    gen = torch.Generator().manual_seed(2)
+    for m in fp.find_masks(model).values():
+        drop = torch.randperm(m.num_channels, generator=gen)[: m.num_channels // 3]
+        m.mask[drop] = 0.0
+    spec = _spec(tmp_path, points=16)
+    predicted = _operators(computational_cost(model, (ids,), "latency", latency=spec))
+    small = fp.shrink(model)
+    shrunk = computational_cost(small, (ids,), "latency", latency=spec)
+    # the shrunk model also writes the pruned hidden units back as zeros into the output it
+    # returns (``output_fill``, at the model's top level): a copy the masked model never makes
+    fill = shrunk.by_module.get("<model>", 0.0)
+    assert 0 < fill < 0.02 * shrunk.total
+    assert predicted == pytest.approx(_operators(shrunk) - fill, rel=1e-9)
+
+
+def test_marginal_cost_is_the_tables_step(tmp_path, fake_clock):
+    """A channel's marginal latency is the total now less the total with that channel's
+    mask entry zeroed, recomputed by brute force for every entry."""
+    net, x = _cnn(), torch.randn(2, 3, 8, 8)
+    fp.apply_masks(net, x)
+    cm = CostModel(net, x, "latency", latency=_spec(tmp_path))
+    report = cm.report()
+    e = cm.entries()
+    for name, start in cm.entry_start.items():
+        for k in range(cm.masks[name].num_channels):
+            off = e.copy()
+            off[start + k] = 0.0
+            want = cm.total(e) - cm.total(off)
+            assert float(report.marginal[name][k]) == pytest.approx(want, rel=1e-9, abs=1e-12)
+    assert all(float(v.min()) > 0 for v in report.marginal.values())
+
+
+def test_interpolation_is_separable_and_rising():
+    """``OpLatency`` multiplies each axis' ratio to the dense time, interpolates linearly
+    between timed widths, and a width of 0 costs nothing."""
+    op = lat.OpLatency(
+        100.0,
+        [np.array([2.0, 4.0]), np.array([1.0, 2.0, 3.0])],
+        [np.array([50.0, 100.0]), np.array([40.0, 70.0, 100.0])],
+    )
+    assert op((4, 3)) == pytest.approx(100.0)
+    assert op((2, 3)) == pytest.approx(50.0)
+    assert op((3, 2)) == pytest.approx(100.0 * 0.75 * 0.70)
+    assert op((0, 3)) == 0.0
+
+
+def test_rising_is_the_nearest_non_decreasing_sequence():
+    """``rising`` pools adjacent violators: [1, 3, 2, 4] -> [1, 2.5, 2.5, 4]; the mean is
+    kept and the result never falls."""
+    got = lat.rising(np.array([1.0, 3.0, 2.0, 4.0]))
+    assert got.tolist() == [1.0, 2.5, 2.5, 4.0]
+    noisy = np.array([5.0, 3.0, 4.0, 9.0, 8.0, 8.5, 12.0])
+    out = lat.rising(noisy)
+    assert np.all(np.diff(out) >= 0) and out.mean() == pytest.approx(noisy.mean())
+
+
+def test_sweep_widths():
+    """Every width of a small axis; else ``points`` widths in steps of ``step`` with the
+    dense width last."""
+    assert lat.sweep_widths(5, 8, 16) == [1, 2, 3, 4, 5]
+    got = lat.sweep_widths(300, 8, 10)
+    assert len(got) == 10 and got[-1] == 300 and all(w % 8 == 0 for w in got[:-1])
+
+
+def _count_measures(monkeypatch) -> list[int]:
+    calls = [0]
+    real = lat._measure
+
+    def counting(*a, **k):
+        calls[0] += 1
+        return real(*a, **k)
+
+    monkeypatch.setattr(lat, "_measure", counting)
+    return calls
+
+
+def _tiny() -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+    x = torch.randn(4, 6)
+    fp.apply_masks(net, x)
+    return net, x
+
+
+def test_second_run_reads_every_operator_from_the_cache(tmp_path, monkeypatch):
+    """A table is saved; building the same model's cost again times only the whole model
+    (the check of the table), no operator."""
+    calls = _count_measures(monkeypatch)
+    net, x = _tiny()
+    spec = _spec(tmp_path, blocks=1)
+    CostModel(net, x, "latency", latency=spec)
+    first = calls[0]
+    assert first > 2
+    files = list((tmp_path / "latency").glob("*.json"))
+    assert len(files) == 1
+    CostModel(net, x, "latency", latency=spec)
+    assert calls[0] - first == 1  # the whole model, timed afresh every time
+
+
+def test_damaged_cache_is_timed_afresh(tmp_path, monkeypatch, caplog):
+    """A table file that no longer matches its checksum is not trusted: a warning, every
+    operator timed again, the file rewritten whole."""
+    net, x = _tiny()
+    spec = _spec(tmp_path, blocks=1)
+    CostModel(net, x, "latency", latency=spec)
+    (path,) = (tmp_path / "latency").glob("*.json")
+    data = json.loads(path.read_text())
+    key = next(iter(data["entries"]))
+    data["entries"][key] = 1e-9  # a forged time
+    path.write_text(json.dumps(data))
+    calls = _count_measures(monkeypatch)
+    with caplog.at_level("WARNING", logger="fisherprune"):
+        CostModel(net, x, "latency", latency=spec)
+    assert "damaged" in caplog.text
+    assert calls[0] > 2
+    fresh = json.loads(path.read_text())
+    assert fresh["sha256"] == lat._digest(fresh["header"], fresh["entries"])
+
+
+def test_table_from_another_torch_version_is_refused(tmp_path):
+    """A table file measured under another header (here a torch version) is refused with a
+    message naming the field and both values."""
+    net, x = _tiny()
+    file = tmp_path / "table.json"
+    spec = LatencySpec(cache=file, threads=1, blocks=1)
+    CostModel(net, x, "latency", latency=spec)
+    data = json.loads(file.read_text())
+    data["header"]["torch"] = "1.0.0"
+    data["sha256"] = lat._digest(data["header"], data["entries"])
+    file.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=r"torch='1\.0\.0'"):
+        CostModel(net, x, "latency", latency=spec)
+
+
+def test_latency_is_measured_in_the_specs_batch(tmp_path, fake_clock):
+    """``LatencySpec(batch=8)`` times a forward pass of 8 examples whatever batch the
+    example inputs hold: the operators' cost is that of the example repeated to 8."""
+    net, x = _tiny()
+    one = _operators(computational_cost(net, x[:1], "latency", latency=_spec(tmp_path, batch=8)))
+    eight = _operators(computational_cost(net, x.repeat(2, 1), "latency", latency=_spec(tmp_path)))
+    assert one == pytest.approx(eight)
+
+
+@pytest.mark.parametrize(
+    ("target", "want"), [("12ms", 12_000.0), ("800us", 800.0), ("0.5s", 500_000.0), ("50%", 50.0)]
+)
+def test_time_targets(target, want):
+    """Latency targets may be times (in the convention's microseconds) or shares."""
+    assert resolve_target(target, 100.0, "latency") == pytest.approx(want)
+
+
+def test_time_target_needs_the_latency_convention():
+    """A time given as a FLOPs target is refused, naming the convention to use."""
+    with pytest.raises(ValueError, match="convention='latency'"):
+        resolve_target("12ms", 1e9, "flops")
+    with pytest.raises(ValueError, match="positive time"):
+        resolve_target("-3ms", 1e9, "latency")
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        ({"device": "tpu"}, "'cpu' or 'cuda"),
+        ({"form": "torchscript"}, "not timed per operator"),
+        ({"dtype": "int8"}, "dtype must be one of"),
+        ({"threads": 0}, "threads must be an int >= 1"),
+        ({"points": 1}, "points must be an int >= 2"),
+    ],
+)
+def test_bad_spec_is_refused(kw, match):
+    """A LatencySpec with a bad field is refused at once, naming the field."""
+    with pytest.raises(ValueError, match=match):
+        LatencySpec(**kw)
+
+
+def test_spec_with_a_computed_convention_is_refused(tmp_path):
+    """``latency=`` with a computed convention is a mistake, not silently ignored."""
+    net, x = _tiny()
+    with pytest.raises(ValueError, match="drop latency="):
+        CostModel(net, x, "flops", latency=_spec(tmp_path))
+
+
+def test_no_formula_registration_for_latency():
+    """The measured convention takes no formula (it would never be read)."""
+    with pytest.raises(ValueError, match="timed on the device"):
+        fp.register_cost_formula("latency", torch.ops.aten.mm)
+
+
+def test_prune_to_target_meets_a_latency_target(tmp_path, fake_clock):
+    """``prune_to_target(convention="latency")`` stops at or below a "60%" latency target,
+    and the shrunk model's own table agrees with the reported cost (the whole-model offset
+    measured on the dense model added)."""
+    net = _cnn()
+    x, y = torch.randn(16, 3, 8, 8), torch.randint(0, 5, (16,))
+    spec = _spec(tmp_path)
+    result = fp.prune_to_target(
+        net, x[:2], [(x, y)], "60%", loss_fn=F.cross_entropy, convention="latency",
+        latency=spec, reconstruct=False,
+    )  # fmt: skip
+    assert result.cost_after <= 0.6 * result.cost_before + 1e-6
+    dense = computational_cost(_cnn(), x[:2], "latency", latency=spec)
+    offset = result.cost_before - _operators(dense)
+    small = fp.shrink(net)
+    shrunk = _operators(computational_cost(small, x[:2], "latency", latency=spec))
+    assert shrunk + offset == pytest.approx(result.cost_after, rel=1e-9)
+
+
+def test_pruning_optimizer_takes_a_time_target(tmp_path, fake_clock):
+    """``PruningOptimizer(convention="latency", flops_target="...us")`` resolves the time
+    to the convention's microseconds."""
+    net, x = _tiny()
+    opt = fp.PruningOptimizer(
+        net, x, lr=0.1, flops_target="900us", convention="latency", latency=_spec(tmp_path)
+    )
+    assert opt.target == pytest.approx(900.0)
+    assert opt.start_cost == pytest.approx(1000.0)  # the whole model's (patched) 1 ms
