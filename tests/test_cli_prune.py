@@ -514,8 +514,8 @@ def test_the_reported_latency_is_timed_with_freed_memory_retained_on_glibc(
     assert done.returncode == 0, done.stderr
     report = json.loads((tmp_path / "o" / "report.json").read_text())
     glibc = sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc"
-    expected = "freed memory retained" if glibc else "allocator as it was"
-    assert report["latency_allocator"] == expected
+    expected = "freed memory retained" if glibc else "the platform's malloc (not glibc)"
+    assert report["latency_allocator"].startswith(expected)
 
 
 def test_a_folder_that_is_no_hugging_face_model_exits_2_before_any_work(tmp_path: Path) -> None:

@@ -340,3 +340,42 @@ def test_pruning_optimizer_takes_a_time_target(tmp_path, fake_clock):
     )
     assert opt.target == pytest.approx(900.0)
     assert opt.start_cost == pytest.approx(1000.0)  # the whole model's (patched) 1 ms
+
+
+def test_train_cli_prunes_to_a_latency_target(tmp_path, fake_clock, monkeypatch):
+    """``fisherprune train --pruning.convention latency`` prunes to a share of the timed
+    latency, writes its table where ``--pruning.latency_cache`` says, and its plan records
+    the latency convention."""
+    import fisherprune.cost.model as model_module
+    from fisherprune.cli.main import main
+    from fisherprune.inputs import batch_size
+
+    def whole(model, example, spec):  # twice the FLOPs at 1 ns each: operators dominate
+        flops = computational_cost(model, example, "flops").total * batch_size(example)
+        return 2e-9 * flops
+
+    monkeypatch.setattr(model_module, "whole_model_seconds", whole)
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(120, 4))
+    y = (x[:, 0] + x[:, 1] > 0).astype(int)
+    csv = tmp_path / "t.csv"
+    rows = [
+        "a,b,c,d,label",
+        *(",".join(f"{v:.4f}" for v in r) + f",{c}" for r, c in zip(x, y, strict=True)),
+    ]
+    csv.write_text("\n".join(rows) + "\n")
+    cache = tmp_path / "tables"
+    code = main([
+        "train", "--data", str(csv), "--model", "mlp", "--width", "16", "--depth", "1",
+        "--train.steps", "40", "--pruning.burn_in", "5", "--pruning_iter", "2",
+        "--eval_every", "10", "--fine_tune_steps", "5", "--export_formats", "state_dict",
+        "--threads", "1", "--progress", "none", "--dense_check", "warn",
+        "--pruning.convention", "latency", "--pruning.flops_target", "70%",
+        "--pruning.latency_cache", str(cache), "--save_dir", str(tmp_path / "run"),
+    ])  # fmt: skip
+    assert code == 0
+    assert list(cache.glob("*.json"))
+    plan = json.loads((tmp_path / "run" / "export" / "plan.json").read_text())
+    assert plan["convention"] == "latency"
+    assert plan["cost"]["pruned"] <= 0.7 * plan["cost"]["dense"] + 1e-6

@@ -120,7 +120,7 @@ def test_ctrl_c_while_writing_leaves_the_previous_run_whole(
     def interrupted(*args: object, **kwargs: object) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(prune_cli, "measure_latency", interrupted)
+    monkeypatch.setattr(prune_cli, "compare_latency", interrupted)
     cli = run_cli(*_prune_args(tmp_path, out, "50%"))
     assert cli.code == 130 and "stopped by Ctrl-C" in cli.err
     assert _contents(out) == old

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -45,7 +44,7 @@ from fisherprune.cli.prune_outputs import HF_FOLDER, REPORT_FILE, check_out, wri
 from fisherprune.cli.prune_phases import FinetuneProgress, PhaseClock, bars_on_terminal_only
 from fisherprune.cost import CONVENTIONS
 from fisherprune.distill import finetune, frozen_teacher
-from fisherprune.export.latency import measure_latency, retain_freed_memory
+from fisherprune.export.latency import compare_latency, retain_freed_memory
 from fisherprune.export.safe_load import load_plain
 from fisherprune.export.storage import atomic_directory, atomic_path, remove_stale_directories
 from fisherprune.inputs import call_model
@@ -604,12 +603,13 @@ def _prune(args: argparse.Namespace, bars: bool) -> int:
         # timed as docs/usage.md advises serving on CPU, with freed memory kept in the process:
         # glibc's defaults page-fault large activations in at every call, a cost that does not
         # shrink with the FLOPs. The setting is process-wide and lasts: the console script ends
-        # after the report; a caller of main() in its own process keeps it (retain_freed_memory)
-        allocator = "freed memory retained" if retain_freed_memory() else "allocator as it was"
-        latency = measure_latency(
-            {"dense": dense, "pruned": written.small}, job.batches[0][0], repeats=5, rounds=3
-        )
-        clock.lap("latency")
+        # after the report; a caller of main() in its own process keeps it (retain_freed_memory).
+        # Dense and pruned are timed side by side in rounds; the report and the line give the
+        # speed-up as a ratio only where the rounds agree on the faster model (SpeedUp)
+        retain_freed_memory()
+        timed = compare_latency({"dense": dense, "pruned": written.small}, job.batches[0][0])
+        speedup = timed.speedup("dense", "pruned")
+        clock.lap("latency", f"{timed.rounds} rounds")
         hf = written.hf
         report = {
             "model": args.model,
@@ -644,9 +644,12 @@ def _prune(args: argparse.Namespace, bars: bool) -> int:
             **({"hugging_face_folder": HF_FOLDER if hf.written else None} if hf else {}),
             **({"hugging_face_folder_missing": written.hf_missing} if written.hf_missing else {}),
             **({"hugging_face_folder_notes": list(hf.notes)} if hf and hf.notes else {}),
-            "latency_seconds": latency,
-            "latency_allocator": allocator,
-            "speedup": latency["dense"] / latency["pruned"] if latency["pruned"] > 0 else math.nan,
+            "latency_seconds": {name: d.median for name, d in timed.models.items()},
+            "latency_allocator": timed.allocator,
+            "latency_threads": timed.threads,
+            "speedup": speedup.median,
+            "speedup_resolved": speedup.resolved,
+            "latency": {**timed.to_json(), "speedup": speedup.to_json()},
         }
         with atomic_path(folder / REPORT_FILE) as tmp:
             Path(tmp).write_text(json.dumps(report, indent=1) + "\n")
@@ -655,8 +658,8 @@ def _prune(args: argparse.Namespace, bars: bool) -> int:
         + (f" -> {after:.4f} after {args.finetune_steps} fine-tuning steps" if losses else "")
         + f"; cost {result.cost_before:,.0f} -> {result.cost_after:,.0f} ({result.ratio:.1%}"
         + _length_text(job.example, at_calibration)
-        + f"); latency {latency['dense'] * 1e3:.2f} -> {latency['pruned'] * 1e3:.2f} ms; "
-        f"{clock.total:.1f} s; wrote {out}"
+        + f"); latency {timed.models['dense'].text()} -> {timed.models['pruned'].text()}, "
+        f"{speedup.text()} [{timed.context()}]; {clock.total:.1f} s; wrote {out}"
         + (f" (from_pretrained: {out / HF_FOLDER})" if hf and hf.written else "")
     )
     print(_groups_line(result))

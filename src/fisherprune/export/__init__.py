@@ -3,7 +3,14 @@
 from fisherprune.export.aoti import AOTIModule, load_aoti_export
 from fisherprune.export.files import FORMATS, export_model, load_state_dict_export
 from fisherprune.export.hf_uniform import refine_for_config  # noqa: F401 (registers it)
-from fisherprune.export.latency import frozen_for_serving, measure_latency, retain_freed_memory
+from fisherprune.export.latency import (
+    allocator_state,
+    compare_latency,
+    frozen_for_serving,
+    measure_latency,
+    retain_freed_memory,
+)
+from fisherprune.export.latency_stats import LatencyComparison, LatencyDistribution, SpeedUp
 from fisherprune.export.mha import PrunedMultiheadAttention
 from fisherprune.export.modules import register_shrink_rule, unregister_shrink_rule
 from fisherprune.export.plan import PlanMismatchError, PruningPlan
@@ -14,11 +21,16 @@ from fisherprune.export.width_probe import width_problem as _width_problem  # no
 __all__ = [
     "FORMATS",
     "AOTIModule",
+    "LatencyComparison",
+    "LatencyDistribution",
     "PickledObjectsError",
     "PlanMismatchError",
     "PrunedMultiheadAttention",
     "PruningPlan",
     "ShrinkError",
+    "SpeedUp",
+    "allocator_state",
+    "compare_latency",
     "export_model",
     "frozen_for_serving",
     "load_aoti_export",

@@ -74,23 +74,32 @@ class PruningPlan:
     # ------------------------------------------------------------ building
     @classmethod
     def from_model(
-        cls, model: nn.Module, example_inputs: Any = None, convention: str = "flops"
+        cls,
+        model: nn.Module,
+        example_inputs: Any = None,
+        convention: str = "flops",
+        *,
+        cost_model: CostModel | None = None,
     ) -> PruningPlan:
-        """Read the plan off a masked model (traces it once).
+        """Read the plan off a masked model (traces it once, unless ``cost_model`` is given).
 
         Args:
             model: a model with masks (from ``apply_masks`` or placed by hand).
             example_inputs: inputs to trace with (a tensor, a tuple of positional inputs or a
                 dict of keyword inputs); defaults to those ``apply_masks`` kept.
             convention: cost convention recorded in the plan.
+            cost_model: a ``CostModel`` of ``model`` already built (a ``PruningOptimizer``'s):
+                its trace and convention are used, and nothing is traced or timed again (a
+                ``latency`` cost model would time the model once more).
 
         Raises:
             ValueError: no example inputs, no masks, a zeroed mask entry whose
                 channel cannot be removed physically (the message says why), or a layer
                 that would keep no channels.
         """
-        example_inputs = remembered_inputs(model, example_inputs)
-        cm = CostModel(model, example_inputs, convention)
+        if cost_model is None:
+            cost_model = CostModel(model, remembered_inputs(model, example_inputs), convention)
+        cm, convention = cost_model, cost_model.convention
         if not cm.masks:
             raise ValueError("the model has no masks: nothing to shrink (apply_masks first)")
         graph, trace = cm.graph, cm.trace

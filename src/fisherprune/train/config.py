@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fisherprune.cost import CONVENTIONS
+from fisherprune.cost import CONVENTIONS, LatencySpec
 from fisherprune.export.files import FORMATS
 from fisherprune.pruner.optimizer import resolve_target
 from fisherprune.settings import (
@@ -75,6 +75,10 @@ ALIASES: dict[str, str] = {
     "pruning.min_channels": "pruning_min_channels",
     "pruning.convention": "pruning_convention",
     "pruning.score_convention": "pruning_score_convention",
+    "pruning.latency_device": "pruning_latency_device",
+    "pruning.latency_batch": "pruning_latency_batch",
+    "pruning.latency_threads": "pruning_latency_threads",
+    "pruning.latency_cache": "pruning_latency_cache",
     "pruning.round_to": "pruning_round_to",
     "pruning.uniform": "pruning_uniform",
     "pruning.criterion": "pruning_criterion",
@@ -152,9 +156,15 @@ HELP: dict[str, str] = {
     "head_dim; 8: CPU-friendly)",
     "pruning_uniform": "repeated blocks keep the same widths (a Hugging Face config stays valid)",
     "pruning_criterion": "how channels are ranked: fisher (the seed's), taylor, l1 or random",
-    "pruning_convention": "cost of the target: flops, macs, twml, memory or params",
+    "pruning_convention": "cost of the target: flops, macs, twml, memory, params or latency "
+    "(timed on --pruning.latency_device; the target may then be a time such as 12ms)",
     "pruning_score_convention": "cost the signal is weighed against (default: the target's); "
     "memory = Group Fisher Pruning's memory-normalised selection",
+    "pruning_latency_device": "where the latency convention times the model: cpu or cuda[:N]",
+    "pruning_latency_batch": "examples per forward pass the latency convention times",
+    "pruning_latency_threads": "CPU threads while timing (default: as set)",
+    "pruning_latency_cache": "folder or .json file of latency tables (default "
+    "~/.cache/fisherprune/latency)",
     "save_dir": "directory for checkpoints, metrics, report",
     "export_dir": "directory for exported models (default SAVE_DIR/export)",
     "checkpoint_every": "steps between checkpoints",
@@ -228,9 +238,13 @@ class TrainConfig:
             ``PruningOptimizer``'s ``uniform``); a resumed run must keep it.
         pruning_criterion: how channels are ranked, a name in ``fisherprune.criteria.CRITERIA``
             (fisher, taylor, l1, random); a resumed run must keep it.
-        pruning_convention: cost convention (flops, macs, twml, memory, params) of the target.
+        pruning_convention: cost convention (flops, macs, twml, memory, params, latency) of the
+            target.
         pruning_score_convention: cost convention the signal is weighed against when choosing
             a channel (None: ``pruning_convention``); see ``PruningOptimizer``.
+        pruning_latency_device, pruning_latency_batch, pruning_latency_threads,
+            pruning_latency_cache: the ``LatencySpec`` of the ``latency`` convention (device,
+            batch, CPU threads, table cache), read only when a convention is ``latency``.
     Files:
         save_dir: where checkpoints, metrics, report go; export_dir: exported models
         (default ``save_dir/export``); checkpoint_every, keep_checkpoints; resume (a resumed
@@ -297,6 +311,10 @@ class TrainConfig:
     pruning_criterion: str = "fisher"
     pruning_convention: str = "flops"
     pruning_score_convention: str | None = None
+    pruning_latency_device: str = "cpu"
+    pruning_latency_batch: int = 1
+    pruning_latency_threads: int | None = None
+    pruning_latency_cache: str | None = None
 
     save_dir: str = "runs/fisherprune"
     export_dir: str | None = None
@@ -338,7 +356,7 @@ class TrainConfig:
         if self.resume and self.overwrite:
             raise ValueError("resume and overwrite exclude each other: give one of them")
         try:  # refused now, not when the pruning phase starts
-            resolve_target(self.pruning_flops_target, 1.0)
+            resolve_target(self.pruning_flops_target, 1.0, self.pruning_convention)
         except ValueError as e:
             raise ValueError(f"pruning.{e}") from None
         for name in (
@@ -393,6 +411,27 @@ class TrainConfig:
             v = getattr(self, name)
             if v is not None and v not in CONVENTIONS:
                 raise ValueError(f"{name} must be one of {', '.join(CONVENTIONS)}, got {v!r}")
+        self.latency_spec()  # a bad device, batch or thread count is refused now
+
+    def latency_spec(self) -> LatencySpec | None:
+        """The ``LatencySpec`` of the run's ``latency`` convention, or None when neither
+        convention is ``latency``.
+
+        Raises:
+            ValueError: a bad latency field (named ``pruning_latency_...``).
+        """
+        if "latency" not in (self.pruning_convention, self.pruning_score_convention):
+            return None
+        try:
+            return LatencySpec(
+                device=self.pruning_latency_device,
+                batch=self.pruning_latency_batch,
+                threads=self.pruning_latency_threads,
+                cache=self.pruning_latency_cache,
+                step=self.pruning_round_to,
+            )
+        except ValueError as e:
+            raise ValueError(f"pruning_latency: {e}") from None
 
     def _check_types(self) -> None:
         hints = typing.get_type_hints(type(self))

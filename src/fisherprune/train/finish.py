@@ -15,13 +15,12 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import Tensor, nn
 
 from fisherprune._errors import first_line
 from fisherprune.export import PruningPlan, export_model, shrink
 from fisherprune.export.files import default_file_name
-from fisherprune.export.latency import frozen_for_serving, measure_latency
+from fisherprune.export.latency import compare_latency, frozen_for_serving
 from fisherprune.export.manifest import ExportSet
 from fisherprune.export.storage import atomic_write_bytes
 from fisherprune.graph import remove_masks
@@ -30,7 +29,7 @@ from fisherprune.train.checkpoint import CheckpointManager
 from fisherprune.train.config import TrainConfig
 from fisherprune.train.progress import Progress
 from fisherprune.train.report import write_report
-from fisherprune.train.result import TrainResult
+from fisherprune.train.result import TrainResult, latency_fields
 
 __all__ = ["FinishedRun", "RunOutput", "finish_run"]
 
@@ -128,12 +127,13 @@ def finish_run(config: TrainConfig, run: FinishedRun, out: RunOutput) -> TrainRe
 
 def _latency(
     dense: nn.Module, small: nn.Module, samples: Tensor, progress: Progress
-) -> dict[str, float]:
-    """CPU latency of the dense and the pruned model at batch 1 and 64, side by side: as
-    eager modules (``dense_b1_ms``, ...) and as served, frozen TorchScript in channels-last
-    layout for images (``served_dense_b1_ms``, ...; left out, with a line saying why, when
-    the model cannot be traced)."""
-    latency: dict[str, float] = {}
+) -> dict[str, Any]:
+    """CPU latency of the dense and the pruned model at batch 1 and 64, timed side by side in
+    rounds (``compare_latency``): as eager modules (``dense_b1_ms``, ...) and as served, frozen
+    TorchScript in channels-last layout for images (``served_dense_b1_ms``, ...; left out,
+    with a line saying why, when the model cannot be traced); ``latency_fields`` lists the
+    keys. ``threads``, ``allocator`` and ``device`` come first."""
+    latency: dict[str, Any] = {}
     serve = True
     for bs in _BATCH_SIZES:
         x = samples[:bs]
@@ -146,10 +146,11 @@ def _latency(
                 progress.line(f"skipped the latency as served: {first_line(e)}")
                 serve = False
         for prefix, (models, inputs) in forms.items():
-            t = measure_latency(models, inputs, repeats=10, rounds=3)
-            latency[f"{prefix}dense_b{bs}_ms"] = t["dense"] * 1e3
-            latency[f"{prefix}pruned_b{bs}_ms"] = t["pruned"] * 1e3
-            latency[f"{prefix}speedup_b{bs}"] = t["dense"] / t["pruned"]
+            timed = compare_latency(models, inputs)
+            latency.setdefault("threads", timed.threads)
+            latency.setdefault("allocator", timed.allocator)
+            latency.setdefault("device", timed.device)
+            latency.update(latency_fields(timed, prefix, bs))
     return latency
 
 
@@ -213,6 +214,7 @@ def _note_export_commands(e: OSError, config: TrainConfig, out: RunOutput) -> No
 def _summary(config: TrainConfig, r: TrainResult, save_dir: Path) -> list[str]:
     """The lines that end a run: dense against pruned, the latency, and the files written."""
     conv = config.pruning_convention
+    lat = r.latency
     lines = [
         "",
         f"dense:  {r.metric_name} {r.dense_metric:.4f}, {r.dense_cost:,.0f} {conv}/example, "
@@ -221,12 +223,13 @@ def _summary(config: TrainConfig, r: TrainResult, save_dir: Path) -> list[str]:
         f"({r.final_cost / r.dense_cost:.1%}), {r.final_params:,} parameters "
         f"({r.final_params / r.dense_params:.1%}); {r.prunes} channels removed in "
         f"{r.steps} steps",
-        f"latency (CPU, {torch.get_num_threads()} threads): {_latency_text(r.latency, '')}",
+        f"latency ({lat['device'].upper()}, {lat['threads']} threads, {lat['allocator']}; "
+        f"median ±half IQR of {_rounds_text(lat)} side-by-side rounds): {_latency_text(r, '')}",
     ]
-    if "served_speedup_b64" in r.latency:
+    if "served_speedup_b64" in lat:
         lines.append(
             "latency as served (frozen TorchScript, channels-last for images): "
-            + _latency_text(r.latency, "served_")
+            + _latency_text(r, "served_")
         )
     lines += [f"WARNING: {w}" for w in r.warnings]
     lines.append("files:")
@@ -236,10 +239,21 @@ def _summary(config: TrainConfig, r: TrainResult, save_dir: Path) -> list[str]:
     return lines
 
 
-def _latency_text(latency: dict[str, float], prefix: str) -> str:
-    """``batch 1 a -> b ms (s x); batch 64 ...`` from the run's latency figures."""
-    return "; ".join(
-        f"batch {bs} {latency[f'{prefix}dense_b{bs}_ms']:.3f} -> "
-        f"{latency[f'{prefix}pruned_b{bs}_ms']:.3f} ms ({latency[f'{prefix}speedup_b{bs}']:.2f}x)"
-        for bs in _BATCH_SIZES
-    )
+def _rounds_text(latency: dict[str, Any]) -> str:
+    """``9``, or ``5-9`` when the time budget cut some timings short."""
+    counts = [
+        len(v["dense"]) for k, v in latency.items() if k.startswith(("blocks_", "served_blocks_"))
+    ]
+    low, high = min(counts), max(counts)
+    return f"{low}" if low == high else f"{low}-{high}"
+
+
+def _latency_text(r: TrainResult, prefix: str) -> str:
+    """``batch 1 a ms ±x% -> b ms ±y%, s x (IQR ...); batch 64 ...``, or ``..., no
+    resolvable speed-up: ...`` for a batch size whose rounds disagree on the faster model."""
+    parts = []
+    for bs in _BATCH_SIZES:
+        cells = r.latency_cells(prefix, bs)
+        if cells is not None:
+            parts.append(f"batch {bs} {cells[0]} -> {cells[1]}, {cells[2]}")
+    return "; ".join(parts)

@@ -88,12 +88,11 @@ def write_report(
     ]
     for label, prefix in (("eager", ""), ("as served", "served_")):
         for bs in (1, 64):
-            if f"{prefix}speedup_b{bs}" in latency:
+            cells = result.latency_cells(prefix, bs)
+            if cells is not None:
+                dense_ms, pruned_ms, speedup = cells
                 lines.append(
-                    f"| CPU latency {label}, batch {bs} (ms) | "
-                    f"{latency[f'{prefix}dense_b{bs}_ms']:.3f} | "
-                    f"{latency[f'{prefix}pruned_b{bs}_ms']:.3f} | "
-                    f"{latency[f'{prefix}speedup_b{bs}']:.2f}x faster |"
+                    f"| CPU latency {label}, batch {bs} | {dense_ms} | {pruned_ms} | {speedup} |"
                 )
     served = (
         "As served: frozen TorchScript (`fisherprune export --format torchscript --freeze`), "
@@ -104,7 +103,13 @@ def write_report(
     )
     lines += [
         "",
-        f"Eager: the modules as trained, in the input's layout. {served}",
+        f"Latency: {latency['threads']} threads, {latency['allocator']}, on "
+        f"{latency['device']}; the median of the blocks timed in rounds, dense and pruned side "
+        "by side (alternating which goes first), ± half their interquartile range. The ratio is "
+        "the median of the rounds' paired ratios with its interquartile range; where that range "
+        "includes 1.0 the rounds disagree on which model is faster, and no ratio is given. "
+        "Every block is in result.json. Eager: the modules as trained, in the input's layout. "
+        f"{served}",
         "",
         "## Channels kept per group",
         "",

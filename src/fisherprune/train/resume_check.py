@@ -39,6 +39,7 @@ ALLOWED_CHANGES: tuple[str, ...] = (
     "export_formats",
     "export_dense",
     "dist_timeout",
+    "pruning_latency_cache",
 )
 
 #: settings that name data files, whose content is fingerprinted

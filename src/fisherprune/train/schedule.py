@@ -88,6 +88,7 @@ def build_optimizer(
         convention=config.pruning_convention,
         score_convention=config.pruning_score_convention,
         criterion=config.pruning_criterion,
+        latency=config.latency_spec(),
     )
 
 

@@ -1,0 +1,165 @@
+"""Does the ``latency`` cost convention predict the measured latency of a shrunk network?
+
+What is measured (issue 32, points 3 and 5)
+-------------------------------------------
+For each network (ResNet-50 and ViT-B/16 at 224x224 from ``standard_nets``, the MobileNetV3
+layout of ``one_shot_defaults`` at 112x112, and Hugging Face's BERT-base built from its
+config at 128 tokens; random weights: latency does not depend on them):
+
+1. ``fisherprune.apply_masks``, then a ``CostModel(convention="latency")`` built with a fresh
+   table: the seconds that takes (every operator timed along its axes), then built again from
+   the saved table (the "second run" of the issue).
+2. ``prune_to_target`` to 50% and to 25% of the predicted dense latency, by the weights' L1
+   norm (no calibration gradients needed: the selection does not matter here, the prediction
+   does), no repair; the predicted latency is the ``PruneResult``'s ``cost_after``.
+3. ``fisherprune.shrink`` on a copy, and the dense and shrunk networks timed whole, in eval
+   and inference mode, interleaved over ``--rounds`` rounds, the fastest block of each kept
+   (other load only adds time); the error is predicted / measured - 1.
+
+Everything runs in one process with ``--threads`` threads and glibc's freed memory retained
+(``retain_freed_memory``), as docs/usage.md advises for serving on CPU.
+
+Run: ``python benchmarks/latency_prediction.py [--models resnet50 bert] [--batch 1]``; writes
+``benchmarks/results/latency_prediction.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import machine_info, write_json  # noqa: E402
+from one_shot_defaults import MobileNetV3  # noqa: E402
+from standard_nets import build_resnet50, build_vit_b16  # noqa: E402
+
+import fisherprune as fp  # noqa: E402
+from fisherprune.cost import CostModel, LatencySpec  # noqa: E402
+from fisherprune.cost.latency import whole_model_seconds  # noqa: E402
+from fisherprune.export.latency import retain_freed_memory  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results" / "latency_prediction.json"
+
+
+def _resnet50(batch: int) -> tuple[nn.Module, Any]:
+    return build_resnet50().eval(), torch.randn(batch, 3, 224, 224)
+
+
+def _mobilenet(batch: int) -> tuple[nn.Module, Any]:
+    torch.manual_seed(0)
+    return MobileNetV3().eval(), torch.randn(batch, 1, 112, 112)
+
+
+def _vit(batch: int) -> tuple[nn.Module, Any]:
+    return build_vit_b16().eval(), torch.randn(batch, 3, 224, 224)
+
+
+def _bert(batch: int, length: int = 128) -> tuple[nn.Module, Any]:
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.BertModel(transformers.BertConfig()).eval()
+    ids = torch.randint(0, 30000, (batch, length))
+    return model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+
+MODELS = {"resnet50": _resnet50, "mobilenet_v3": _mobilenet, "vit_b16": _vit, "bert_base": _bert}
+
+
+def _batches(example: Any) -> list[tuple[Any, Any]]:
+    """One calibration batch (L1 reads no data; prune_to_target still wants one)."""
+    return [(example, None)]
+
+
+def run_model(name: str, args: argparse.Namespace, cache: Path) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model, example = MODELS[name](args.batch)
+    fp.apply_masks(model, example)
+    spec = LatencySpec(threads=args.threads, cache=cache, step=args.round_to, points=args.points)
+    t0 = time.perf_counter()
+    CostModel(model, example, "latency", latency=spec)
+    build = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    CostModel(model, example, "latency", latency=spec)
+    rebuild = time.perf_counter() - t0
+    row: dict[str, Any] = {"model": name, "table_seconds": build, "cached_seconds": rebuild}
+    print(f"{name}: table built in {build:.1f} s, again from the file in {rebuild:.1f} s")
+    for target in args.targets:
+        pruned = copy.deepcopy(model)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            result = fp.prune_to_target(
+                pruned, example, _batches(example), target, criterion="l1",
+                convention="latency", latency=spec, reconstruct=False, round_to=args.round_to,
+            )  # fmt: skip
+            small = fp.shrink(pruned)
+        dense_s, small_s = [], []
+        for _ in range(args.rounds):  # interleaved: both see the same load
+            dense_s.append(whole_model_seconds(model, example, spec))
+            small_s.append(whole_model_seconds(small, example, spec))
+        measured = min(small_s) * 1e6
+        dense = min(dense_s) * 1e6
+        cell = {
+            "target": target,
+            "predicted_dense_us": result.cost_before,
+            "measured_dense_us": dense,
+            "predicted_us": result.cost_after,
+            "measured_us": measured,
+            "error": result.cost_after / measured - 1,
+            "measured_share": measured / dense,
+        }
+        row[target] = cell
+        print(
+            f"  {target}: predicted {result.cost_after / 1e3:.2f} ms, measured "
+            f"{measured / 1e3:.2f} ms ({cell['error']:+.1%}); dense predicted "
+            f"{result.cost_before / 1e3:.2f}, measured {dense / 1e3:.2f} ms"
+        )
+        del pruned, small
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--round_to", type=int, default=8)
+    parser.add_argument("--points", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--targets", nargs="+", default=["50%", "25%"])
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    retain_freed_memory()
+    rows = []
+    with tempfile.TemporaryDirectory() as cache:
+        for name in args.models:
+            rows.append(run_model(name, args, Path(cache)))
+    print("\n| model | table build (s) | from file (s) | target | predicted (ms) | measured (ms) "
+          "| error |\n|---|---|---|---|---|---|---|")  # fmt: skip
+    for r in rows:
+        for t in args.targets:
+            c = r[t]
+            print(
+                f"| {r['model']} | {r['table_seconds']:.0f} | {r['cached_seconds']:.1f} | {t} | "
+                f"{c['predicted_us'] / 1e3:.2f} | {c['measured_us'] / 1e3:.2f} | "
+                f"{c['error']:+.1%} |"
+            )
+    write_json(
+        args.out,
+        {"settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+         "machine": machine_info(), "rows": rows},
+    )  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
