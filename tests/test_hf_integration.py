@@ -223,20 +223,17 @@ def test_prune_to_target_uniform_gives_a_model_from_pretrained_loads(tmp_path):
         torch.testing.assert_close(back(**x).logits, small(**x).logits, rtol=1e-5, atol=1e-5)
 
 
-def test_uniform_target_out_of_reach_says_which_masks_it_keeps_whole():
+def test_uniform_target_out_of_reach_is_refused_and_uniform_false_reaches_it():
     """On BERT, uniform=True can prune only the MLP (no config holds fewer heads or a narrower
-    hidden width with BERT's head size), so 20% of the FLOPs is out of its reach: the warning
-    names a mask it kept whole and the way out, and uniform=False reaches the same target."""
+    hidden width with BERT's head size), so 20% of the FLOPs is out of its reach: refused up
+    front, naming a mask it keeps whole and the way out; uniform=False reaches the target."""
     build, x = _models()["bert"]
     g = torch.Generator().manual_seed(3)
     batches = [({"input_ids": torch.randint(0, 100, (4, 8), generator=g)}, None) for _ in range(2)]
     torch.manual_seed(0)
     model = build().eval()
-    with pytest.warns(UserWarning, match=r"keeps \d+ mask\(s\) whole.*uniform=False") as rec:
-        result = fp.prune_to_target(model, x, batches, "20%", uniform=True, reconstruct=False)
-    message = str(next(w.message for w in rec if "whole" in str(w.message)))
-    assert any(name in message for name in result.kept_whole)
-    assert result.cost_after > result.target
+    with pytest.raises(ValueError, match=r"keeps \d+ mask\(s\) whole, e\.g\. .*uniform"):
+        fp.prune_to_target(model, x, batches, "20%", uniform=True, reconstruct=False)
     other = build().eval()
     free = fp.prune_to_target(other, x, batches, "20%", uniform=False, reconstruct=False)
     assert free.cost_after <= free.target

@@ -104,6 +104,57 @@ def _stuck_message(result: PruneResult, goal: float, min_channels: Any, round_to
     )
 
 
+def _check_uniform_reach(
+    cost_model: CostModel,
+    masks: dict[str, MaskLayer],
+    whole: dict[str, str],
+    goal: float,
+    target: Any,
+    floors: tuple[int | float, int],
+) -> None:
+    """Refuse, before any signal is estimated, a ``uniform=True`` target below the cost of the
+    model with every mask it may prune (all but ``whole``) at its floor (``floors``:
+    ``min_channels``, ``round_to``); which channels go does not change the cost. The masks are
+    put back as they were.
+
+    Raises:
+        ValueError: naming the reachable floor (a share and a cost), the masks kept whole with
+            the first reason, and what to do instead.
+    """
+    min_channels, round_to = floors
+    start = cost_model.total()
+    saved = {n: (m.mask.detach().clone(), m.is_all_ones()) for n, m in masks.items()}
+    try:
+        with torch.no_grad():
+            for n, m in masks.items():
+                alive = torch.nonzero(saved[n][0] > 0.5).flatten()
+                keep = lowest_kept(
+                    alive.numel(), floor_of(min_channels, m.num_channels), rounding(m, round_to)
+                )
+                if n not in whole and keep < alive.numel():
+                    m.mask[alive[: alive.numel() - keep]] = 0.0
+        floor = cost_model.total()
+    finally:
+        with torch.no_grad():
+            for n, (mask, ones) in saved.items():
+                masks[n].mask.copy_(mask)
+                masks[n].record_values(ones)
+    if goal >= floor:
+        return
+    kept = ""
+    if whole:
+        name, reason = next(iter(whole.items()))
+        kept = f" It keeps {len(whole)} mask(s) whole, e.g. {name}: {reason}."
+    raise ValueError(
+        f"target {target!r} ({goal / start:.1%} of the cost, {goal:.6g} per example) is out of "
+        f"reach with uniform=True: its floor is {floor / start:.1%} ({floor:.6g}), every mask "
+        f"it may prune at its floor (min_channels={min_channels}, round_to={round_to}).{kept} "
+        "Prune without uniform (--uniform) for an uneven prune, whose Hugging Face folder "
+        "loads with trust_remote_code=True, or choose a target of at least "
+        f"{math.ceil(floor / start * 1000) / 10:g}%"
+    )
+
+
 def _floor_message(result: PruneResult, min_channels: Any, round_to: int) -> str:
     """Which masks the selection pruned down to their floor, with their widths."""
     left = ", ".join(f"{n} ({result.kept[n][0]} of {result.kept[n][1]})" for n in result.at_floor)
@@ -348,7 +399,10 @@ def prune_to_target(
             loses more than ``COLLAPSE_SHARE`` (half) of them in one round is warned about.
         min_channels, round_to, uniform, flops_weight, convention, score_convention: as in
             ``PruningOptimizer`` (with ``uniform``, the masks a config cannot describe are left
-            whole, listed in ``PruneResult.kept_whole``).
+            whole, listed in ``PruneResult.kept_whole``, and a target below the cost with
+            every other mask at its floor is refused up front; a target met only with a mask
+            at its floor, such as an MLP of one unit, is met and warned about (``at_floor``):
+            raise ``min_channels`` to keep layers wider).
         reconstruct: refit the layers that read removed channels by least squares, in forward
             order on the pruned, already repaired model's inputs (``calibrate.repair``).
         task: with ``loss_fn=None``: ``"auto"``, ``"classification"`` or ``"regression"``.
@@ -370,8 +424,9 @@ def prune_to_target(
 
     Raises:
         ValueError: a bad setting, no batches, a target not below the starting cost, a
-            mask the loss does not reach, or a signal (importance) that is not finite: no
-            channel is pruned on it; ``apply_masks``' errors.
+            ``uniform=True`` target below its reachable floor (named, before any signal is
+            estimated), a mask the loss does not reach, or a signal (importance) that is not
+            finite: no channel is pruned on it; ``apply_masks``' errors.
 
     Example:
         >>> result = fisherprune.prune_to_target(net, x[:1], loader, "50%", loss_fn=F.cross_entropy)
@@ -417,6 +472,8 @@ def prune_to_target(
     if reconstruct and repair_budget is not None and convention != "flops":
         dense_flops = CostModel(model, example_inputs, "flops").total()
     classes, whole = plan_uniform(model, example_inputs, masks, round_to) if uniform else ([], {})
+    if uniform:
+        _check_uniform_reach(cost_model, masks, whole, goal, target, (min_channels, round_to))
     selection = _Selection(
         crit,
         cost_model,
