@@ -293,22 +293,26 @@ def test_uniform_pruned_hugging_face_folder_is_written_for_from_pretrained(
         )
 
 
-def test_uneven_pruning_writes_no_hugging_face_folder_and_says_why(tmp_path: Path) -> None:
-    """Without --uniform the blocks keep different head counts, which no config holds: no
-    out/hf (the one of an earlier --uniform run there is removed, not left stale), and the
-    report and the output say why and how model.pt loads."""
+def test_uneven_pruning_writes_a_remote_code_folder_in_place_of_a_uniform_one(
+    tmp_path: Path,
+) -> None:
+    """Without --uniform the blocks keep different head counts, which no standard config
+    holds: out/hf (replacing the one of an earlier --uniform run) records them with modelling
+    code of its own, the report and the output say so, and the config's verdict is not said
+    again as a Python warning (loading it: tests/test_hf_remote_code.py)."""
     folder, text = _bert_folder(tmp_path)
     out = tmp_path / "out"
-    args = ("prune", folder, "--text", text, "--target", "60%", "--out", out)
-    assert run_cli(*args, "--uniform").code == 0 and (out / "hf").is_dir()
+    args = ("prune", folder, "--text", text, "--out", out)
+    assert run_cli(*args, "--target", "70%", "--uniform").code == 0
+    assert not (out / "hf" / "modeling_fisherprune.py").exists()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        cli = run_cli(*args)
+        cli = run_cli(*args, "--target", "60%")
     assert cli.code == 0, cli.err
     report = json.loads((out / "report.json").read_text())
-    assert report["hugging_face_folder"] is None and not (out / "hf").exists()
-    why = report["hugging_face_folder_missing"]
-    assert "different widths" in why and "load_state_dict_export" in why and why in cli.out
+    assert report["hugging_face_folder"] == "hf"
+    assert report["hugging_face_folder_kind"] == "remote code"
+    assert (out / "hf" / "modeling_fisherprune.py").is_file() and "trust_remote_code" in cli.out
     said = [w for w in caught if "still describes the dense model" in str(w.message)]
     assert not said, said  # said once, in the output, not again as a Python warning
 
@@ -431,7 +435,7 @@ def test_a_head_that_needs_more_than_text_is_pruned_as_its_base_model(tmp_path: 
     torch.manual_seed(0)
     folder, text = _bert_folder(tmp_path, transformers.BertForQuestionAnswering(_bert_config()))
     out = tmp_path / "out"
-    cli = run_cli("prune", folder, "--text", text, "--target", "60%", "--uniform", "--out", out)
+    cli = run_cli("prune", folder, "--text", text, "--target", "70%", "--uniform", "--out", out)
     assert cli.code == 0, cli.err
     assert json.loads((out / "report.json").read_text())["metric"] == "cosine_to_dense"
     assert transformers.AutoConfig.from_pretrained(out / "hf").architectures == ["BertModel"]
@@ -482,18 +486,18 @@ def test_sentences_longer_than_the_model_reads_exit_2_naming_the_length(tmp_path
 
 
 def test_the_command_shows_fisherprune_warnings_as_one_line(tmp_path: Path) -> None:
-    """A target --uniform cannot reach on BERT (only its MLP may go): the warning is one line,
+    """A group pruned to its floor on BERT at 60%: the warning is one line,
     ``fisherprune prune: warning: ...``, not Python's file, line and source line (run as the
     console script runs, since pytest records warnings in-process)."""
     folder, text = _bert_folder(tmp_path)
     done = subprocess.run(
         [sys.executable, "-m", "fisherprune", "prune", str(folder), "--text", str(text),
-         "--target", "40%", "--uniform", "--out", str(tmp_path / "o")],
+         "--target", "60%", "--out", str(tmp_path / "o")],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
-    said = [line for line in done.stderr.splitlines() if "uniform=True may prune" in line]
-    assert len(said) == 1 and said[0].startswith("fisherprune prune: warning: every mask")
+    said = [line for line in done.stderr.splitlines() if "left at their floor" in line]
+    assert len(said) == 1 and said[0].startswith("fisherprune prune: warning: mask(s) left")
     assert "UserWarning" not in done.stderr and "prune_to_target(" not in done.stderr
 
 

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
 
 import fisherprune as fp
 from fisherprune.cli.hf_folder import write_hf_folder
@@ -20,15 +19,20 @@ transformers = pytest.importorskip("transformers")
 X = {"input_ids": torch.randint(0, 45, (2, 8), generator=torch.Generator().manual_seed(0))}
 
 
-def _llama_without_hidden_units(every: int) -> tuple[nn.Module, nn.Module]:
-    """A LLaMA base model (hidden 32) with every ``every``-th hidden unit removed: the masked
-    model and its shrunk copy (which zero-fills the returned hidden state)."""
+class _OwnLlama(transformers.LlamaModel):
+    """A user's own subclass: no class of transformers that remote code could extend."""
+
+
+def _llama_without_hidden_units(every: int, cls: type = transformers.LlamaModel):
+    """A LLaMA base model (hidden 32) of class ``cls`` with every ``every``-th hidden unit
+    removed: the masked model and its shrunk copy (which zero-fills the returned hidden
+    state)."""
     config = transformers.LlamaConfig(
         vocab_size=45, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, intermediate_size=64, head_dim=8,
     )  # fmt: skip
     torch.manual_seed(0)
-    model = transformers.LlamaModel(config).eval()
+    model = cls(config).eval()
     masks = fp.apply_masks(model, X)
     with torch.no_grad():
         masks["fisherprune_masks.embed_tokens:dim1"].mask[::every] = 0.0
@@ -98,11 +102,12 @@ def test_a_dense_module_after_the_pooling_is_not_copied_when_the_width_changed(
 
 
 def test_a_folder_that_no_longer_fits_is_removed_not_left_stale(tmp_path: Path) -> None:
-    """When the config cannot describe the model (blocks of different widths), an hf/ of an
-    earlier run is removed and the reason returned."""
+    """When neither a config nor modelling code can describe the model (blocks of different
+    widths, a class that is not transformers' own), an hf/ of an earlier run is removed and
+    the reason returned."""
     (tmp_path / "hf").mkdir()
     (tmp_path / "hf" / "config.json").write_text("{}")
-    model, _ = _llama_without_hidden_units(every=4)
+    model, _ = _llama_without_hidden_units(every=4, cls=_OwnLlama)
     masks = fp.find_masks(model)
     with torch.no_grad():
         masks["fisherprune_masks.layers_0_mlp_gate_proj:out"].mask[:5] = 0.0
@@ -110,6 +115,7 @@ def test_a_folder_that_no_longer_fits_is_removed_not_left_stale(tmp_path: Path) 
         small = fp.shrink(model, X)
     done = write_hf_folder(small, tmp_path / "hf", X, tmp_path, lambda path: None)
     assert not done.written and "different widths" in done.missing
+    assert "not a class of transformers itself" in done.missing
     assert not (tmp_path / "hf").exists()
 
 

@@ -2,10 +2,16 @@
 ``save_pretrained``, its tokenizer, and a sentence-transformers model's own files, loadable with
 no fisherprune code (``from_pretrained``, ``SentenceTransformer``).
 
-It is written only when the model's config describes the shrunk model and a reload gives its
-outputs back (those of the kept units, where a width the model returns lost some), into a
-temporary folder swapped in whole; otherwise a folder of an earlier run is removed, so that it
-is never stale, and the reason is returned.
+Two kinds: when the model's config can describe the shrunk model (every block the same
+widths: ``uniform=True``), a standard folder with the new widths in its config; otherwise
+(blocks of different widths) a remote-code folder (``fisherprune.export.hf_remote``): the
+config records each module's new shapes, and a modelling file of its own, needing only torch
+and transformers, rebuilds them when loaded with ``trust_remote_code=True``.
+
+It is written only when a reload, as a user loads it (the Auto class of the model's task for
+remote code), gives the shrunk model's outputs back (those of the kept units, where a width
+the model returns lost some), into a temporary folder swapped in whole; otherwise a folder of
+an earlier run is removed, so that it is never stale, and the reason is returned.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from torch import nn
 from fisherprune._errors import first_line
 from fisherprune.calibrate import output_tensor
 from fisherprune.export.hf_config import update_config
+from fisherprune.export.hf_remote import RemoteCode, remote_code, write_remote_code
 from fisherprune.export.output_fill import output_fill
 from fisherprune.export.storage import atomic_directory
 from fisherprune.inputs import call_model
@@ -42,11 +49,18 @@ _ST_FILES = ("modules.json", "sentence_bert_config.json", "config_sentence_trans
 @dataclass(frozen=True)
 class HFFolder:
     """What ``write_hf_folder`` did: ``written``, else ``missing`` (why not); ``notes``: what
-    the folder returns or lacks, one line each."""
+    the folder returns or lacks, one line each; ``remote_code``: the folder loads only with
+    ``trust_remote_code=True`` (blocks of different widths), else with a standard config."""
 
     written: bool
     missing: str | None = None
     notes: tuple[str, ...] = ()
+    remote_code: bool = False
+
+    @property
+    def kind(self) -> str:
+        """The kind of folder, as the report names it."""
+        return "remote code" if self.remote_code else "standard config"
 
 
 class _NotWritten(Exception):
@@ -62,22 +76,32 @@ def write_hf_folder(
 ) -> HFFolder:
     """Write ``small`` (shrunk, with a Hugging Face config) to ``folder`` with
     ``save_pretrained``, ``save_tokenizer(folder)`` and the sentence-transformers files of the
-    ``source`` folder, when its config describes it and ``type(small).from_pretrained`` gives
-    its outputs on ``batch`` back.
+    ``source`` folder: a standard folder when its config can describe it, else a remote-code
+    folder (``export.hf_remote``); written when the reload gives ``small``'s outputs on
+    ``batch`` back (``type(small).from_pretrained``, or the Auto class of its task with
+    ``trust_remote_code=True``).
 
     Changes: ``folder`` (replaced whole, or removed when nothing fits or the write fails);
-    ``small.config``'s widths (``update_config``).
+    ``small.config``'s widths (``update_config``; a remote-code folder leaves them).
 
     Raises:
         OSError: the folder could not be written (it names it; no folder is left).
     """
-    why, st_note = update_config(small), None
+    why, st_note, code = update_config(small), None, None
+    if why is not None:  # blocks of different widths: the config records them instead
+        found = remote_code(small)
+        if isinstance(found, str):
+            why = f"{why}; nor can a folder with modelling code of its own: {found}"
+        else:
+            why, code = None, found
     if why is None:
         try:
             with atomic_directory(folder) as tmp:
                 small.save_pretrained(tmp)
+                if code is not None:
+                    write_remote_code(tmp, code)
                 save_tokenizer(tmp)
-                why, width = _reload(_from_pretrained(small, tmp), small, batch)
+                why, width = _reload(_from_pretrained(small, tmp, code), small, batch)
                 if why is not None:
                     raise _NotWritten
                 st_note = _copy_sentence_transformers(source, tmp, width)
@@ -94,20 +118,36 @@ def write_hf_folder(
     if why is not None:
         shutil.rmtree(folder, ignore_errors=True)
         return HFFolder(False, missing=why)
-    notes = [n for n in (_filled_note(small, folder.name), st_note) if n]
-    return HFFolder(True, notes=tuple(notes))
+    notes = [n for n in (_remote_note(code, folder.name), _filled_note(small, folder.name), st_note)
+             if n]  # fmt: skip
+    return HFFolder(True, notes=tuple(notes), remote_code=code is not None)
 
 
-def _from_pretrained(small: nn.Module, folder: Path) -> nn.Module:
-    """``folder`` loaded by ``type(small).from_pretrained`` in ``small``'s floating dtype, as
-    a user loads a bf16 / fp16 checkpoint (transformers before 4.56 names it ``torch_dtype``)."""
+def _from_pretrained(small: nn.Module, folder: Path, code: RemoteCode | None) -> nn.Module:
+    """``folder`` loaded as a user loads it: by ``type(small).from_pretrained``, or for remote
+    code by the Auto class of the model's task with ``trust_remote_code=True``; in ``small``'s
+    floating dtype, as a user loads a bf16 / fp16 checkpoint (transformers before 4.56 names
+    it ``torch_dtype``)."""
     import transformers
 
+    cls = type(small) if code is None else getattr(transformers, code.auto_class)
+    kwargs: dict[str, Any] = {} if code is None else {"trust_remote_code": True}
     dtype = next((p.dtype for p in small.parameters() if p.is_floating_point()), None)
-    if dtype is None:
-        return type(small).from_pretrained(folder)
-    new = tuple(int(v) for v in transformers.__version__.split(".")[:2]) >= (4, 56)
-    return type(small).from_pretrained(folder, **{"dtype" if new else "torch_dtype": dtype})
+    if dtype is not None:
+        new = tuple(int(v) for v in transformers.__version__.split(".")[:2]) >= (4, 56)
+        kwargs["dtype" if new else "torch_dtype"] = dtype
+    return cls.from_pretrained(folder, **kwargs)
+
+
+def _remote_note(code: RemoteCode | None, name: str) -> str | None:
+    """How a remote-code folder loads, or None for a standard one."""
+    if code is None:
+        return None
+    return (
+        f"{name}/ keeps the widths of each block in its config with modelling code of its own "
+        f"(torch and transformers only): load it with {code.auto_class}.from_pretrained(path, "
+        "trust_remote_code=True), or SentenceTransformer(path, trust_remote_code=True)"
+    )
 
 
 def _reload(back: nn.Module, small: nn.Module, batch: Any) -> tuple[str | None, int]:

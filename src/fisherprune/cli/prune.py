@@ -34,6 +34,7 @@ from fisherprune.calibrate import PruneResult, output_tensor, prune_to_target
 from fisherprune.calibrate.to_target import ROUND_CAP
 from fisherprune.cli.help import DefaultsFormatter
 from fisherprune.cli.hf_check import check_hf_folder
+from fisherprune.cli.hf_folder import HFFolder
 from fisherprune.cli.prune_length import (
     LengthCost,
     cost_at_length,
@@ -149,7 +150,10 @@ def prune_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPar
     p.add_argument(
         "--uniform",
         action="store_true",
-        help="prune every copy of a repeated block alike (same head count and widths)",
+        help="prune every copy of a repeated block alike (same head count and widths), so "
+        "that a Hugging Face model's hf/ folder has a standard config (no remote code); a "
+        "target it cannot reach is refused up front, naming the reachable floor. Without it, "
+        "hf/ records each block's widths and loads with trust_remote_code=True",
     )
     p.add_argument(
         "--score_convention",
@@ -522,8 +526,9 @@ def _check_args(args: argparse.Namespace) -> None:
 def prune_command(args: argparse.Namespace) -> int:
     """Run ``fisherprune prune``; writes ``model.pt`` (shrunk weights + plan, as
     ``export_model(format="state_dict")``), ``plan.json`` and ``report.json`` under ``--out``,
-    and for a Hugging Face folder whose config can describe the pruned model (``--uniform``),
-    ``hf/``: the shrunk model and its tokenizer, for ``from_pretrained``. They are written into
+    and for a Hugging Face folder ``hf/``: the shrunk model and its tokenizer, for
+    ``from_pretrained`` (a standard config with ``--uniform``; else the widths of each block
+    with modelling code of its own, for ``trust_remote_code=True``). They are written into
     a temporary folder beside ``--out`` that replaces it whole (``atomic_directory``): an
     interrupted run leaves the earlier run's folder as it was. Each phase ends with a line on
     stderr (``PhaseClock``); progress bars are drawn only when stderr is a terminal."""
@@ -642,6 +647,7 @@ def _prune(args: argparse.Namespace, bars: bool) -> int:
             "repair_skipped": result.repair.skipped if result.repair else {},
             "written_vs_masked_max_abs_diff": written.diff,
             **({"hugging_face_folder": HF_FOLDER if hf.written else None} if hf else {}),
+            **({"hugging_face_folder_kind": hf.kind} if hf and hf.written else {}),
             **({"hugging_face_folder_missing": written.hf_missing} if written.hf_missing else {}),
             **({"hugging_face_folder_notes": list(hf.notes)} if hf and hf.notes else {}),
             "latency_seconds": {name: d.median for name, d in timed.models.items()},
@@ -660,13 +666,18 @@ def _prune(args: argparse.Namespace, bars: bool) -> int:
         + _length_text(job.example, at_calibration)
         + f"); latency {timed.models['dense'].text()} -> {timed.models['pruned'].text()}, "
         f"{speedup.text()} [{timed.context()}]; {clock.total:.1f} s; wrote {out}"
-        + (f" (from_pretrained: {out / HF_FOLDER})" if hf and hf.written else "")
+        + (f" ({_loaded_by(hf)}: {out / HF_FOLDER})" if hf and hf.written else "")
     )
     print(_groups_line(result))
     for line in (written.hf_missing, *(hf.notes if hf else ())):
         if line:
             print(line)
     return 0
+
+
+def _loaded_by(hf: HFFolder) -> str:
+    """How the written ``hf/`` folder loads, for the printed line."""
+    return "from_pretrained, trust_remote_code=True" if hf.remote_code else "from_pretrained"
 
 
 def _length_fields(example: Any, at_calibration: LengthCost | None) -> dict[str, Any]:
