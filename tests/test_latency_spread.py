@@ -291,6 +291,7 @@ def test_prune_report_carries_the_distribution_threads_and_allocator(tmp_path: P
     assert report["latency_allocator"] == lat["allocator"] != ""
     line = next(x for x in cli.out.splitlines() if "; latency " in x)
     assert f"{lat['threads']} threads, {lat['allocator']}" in line, line
+    assert lat["cpus"] >= 1 and f"load {lat['load']:.1f} on {lat['cpus']} CPUs" in line, line
     assert f"{lat['rounds']} rounds" in line
     assert bool(RATIO.search(line)) == sp["resolved"], line
     assert ("no resolvable speed-up" in line) != sp["resolved"], line
@@ -303,7 +304,8 @@ def test_train_result_carries_every_block_and_the_paired_speed_up(tmp_path: Path
     out = RunOutput(tmp_path / "run", tmp_path / "run" / "export", Progress(None, "none"), False)
     lat = finish_run(TrainConfig(), _trained_run(), out).latency
     assert lat["threads"] == torch.get_num_threads() and lat["device"] == "cpu"
-    assert lat["allocator"]
+    assert lat["allocator"] and lat["allocator"] in lat["conditions"]
+    assert f"load {lat['load']:.1f} on {lat['cpus']} CPUs" in lat["conditions"]
     for prefix in ("", "served_"):
         for bs in (1, 64):
             blocks = lat[f"{prefix}blocks_b{bs}_ms"]
@@ -338,16 +340,16 @@ def _latency_entry(prefix: str, bs: int, resolved: bool) -> dict[str, Any]:
 def test_train_summary_names_threads_and_allocator_and_drops_an_unresolved_ratio(
     tmp_path: Path,
 ) -> None:
-    """The run's last lines: the latency line names the device, threads, allocator and the
-    7 rounds; batch 1 (resolved) gives its ratio, batch 64 (unresolved) says so, with no ratio."""
-    latency = {"threads": 2, "allocator": "glibc malloc defaults", "device": "cpu"}
+    """The run's last lines: the latency line names the device, the conditions (threads,
+    allocator, load) and the 7 rounds; batch 1 (resolved) gives its ratio, batch 64
+    (unresolved) says so, with no ratio."""
+    conditions = "2 threads, glibc malloc defaults, load 1.5 on 2 CPUs"
+    latency = {"threads": 2, "device": "cpu", "conditions": conditions}
     latency |= _latency_entry("", 1, True) | _latency_entry("", 64, False)
     result = TrainResult(0.9, 0.8, "accuracy", 100.0, 50.0, 10, 5, latency, 30, 4)
     line = next(x for x in _summary(TrainConfig(), result, tmp_path) if x.startswith("latency"))
     head, batch1, batch64 = re.split(r": batch 1 |; batch 64 ", line)
-    assert head == (
-        "latency (CPU, 2 threads, glibc malloc defaults; median ±half IQR of 7 side-by-side rounds)"
-    )
+    assert head == f"latency (CPU, {conditions}; median ±half IQR of 7 side-by-side rounds)"
     assert batch1 == "2.000 ms ±3% -> 1.100 ms ±20%, 1.80x (IQR 1.70-1.90x)"
     assert batch64.startswith("2.000 ms ±3% -> 1.100 ms ±20%, no resolvable speed-up: spread")
     assert not RATIO.search(batch64)

@@ -232,7 +232,8 @@ def compare_latency(
 
     Returns:
         The distribution of every model (seconds per call in each round's block), the threads
-        (``torch.get_num_threads()``), the allocator (``allocator_state()``) and the device.
+        (``torch.get_num_threads()``), the allocator (``allocator_state()``), the device, and
+        the load average and CPUs of the machine.
 
     Changes: nothing lasting. Every module is put in eval mode while timing and given back its
     own train/eval flag afterwards.
@@ -261,6 +262,7 @@ def compare_latency(
             f"{block_seconds}"
         )
     given = Inputs.of(inputs)
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     with eval_mode(*models.values()), torch.inference_mode():
         clock = _Clock(given)
         fastest = min(clock.warm_up(models, warmup).values())
@@ -273,6 +275,10 @@ def compare_latency(
         threads=torch.get_num_threads(),
         allocator=allocator_state(),
         device=str(clock.device),
+        load=load,
+        cpus=len(os.sched_getaffinity(0))
+        if hasattr(os, "sched_getaffinity")
+        else os.cpu_count() or 1,
     )
 
 

@@ -163,6 +163,10 @@ class LatencyComparison:
         threads: ``torch.get_num_threads()`` while timing.
         allocator: the memory allocator's state (``allocator_state()``).
         device: where the inputs were (``"cpu"``, ``"cuda:0"``).
+        load: the system's load average over the minute before timing (this process
+            included), None where the platform has none; cpus: the CPUs this process may use.
+            Two threads on a 2-CPU machine with other work running wait for each other: the
+            figures then depend on that load.
 
     Raises:
         ValueError: no model, or models with different numbers of blocks.
@@ -173,6 +177,8 @@ class LatencyComparison:
     threads: int
     allocator: str
     device: str
+    load: float | None
+    cpus: int
 
     def __post_init__(self) -> None:
         if len({len(d.blocks) for d in self.models.values()}) != 1:
@@ -192,10 +198,15 @@ class LatencyComparison:
         pairs = zip(self.models[baseline].blocks, self.models[other].blocks, strict=True)
         return SpeedUp(tuple(b / o for b, o in pairs))
 
-    def context(self) -> str:
-        """``9 rounds, 2 threads, freed memory retained``: how the figures were timed."""
+    def conditions(self) -> str:
+        """``2 threads, freed memory retained, load 1.3 on 2 CPUs``: what the timing ran under."""
         threads = f"{self.threads} thread{'s' * (self.threads != 1)}"
-        return f"{self.rounds} rounds, {threads}, {self.allocator}"
+        load = "" if self.load is None else f", load {self.load:.1f} on {self.cpus} CPUs"
+        return f"{threads}, {self.allocator}{load}"
+
+    def context(self) -> str:
+        """``9 rounds, 2 threads, ...``: the rounds and ``conditions``."""
+        return f"{self.rounds} rounds, {self.conditions()}"
 
     def to_json(self) -> dict[str, Any]:
         """Every model's distribution and the conditions, as JSON-ready values."""
@@ -206,4 +217,6 @@ class LatencyComparison:
             "threads": self.threads,
             "allocator": self.allocator,
             "device": self.device,
+            "load": self.load,
+            "cpus": self.cpus,
         }

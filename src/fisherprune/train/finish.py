@@ -132,7 +132,8 @@ def _latency(
     rounds (``compare_latency``): as eager modules (``dense_b1_ms``, ...) and as served, frozen
     TorchScript in channels-last layout for images (``served_dense_b1_ms``, ...; left out,
     with a line saying why, when the model cannot be traced); ``latency_fields`` lists the
-    keys. ``threads``, ``allocator`` and ``device`` come first."""
+    keys. ``threads``, ``allocator``, ``device``, ``load``, ``cpus`` and ``conditions`` (their
+    words) of the first timing come first."""
     latency: dict[str, Any] = {}
     serve = True
     for bs in _BATCH_SIZES:
@@ -147,9 +148,9 @@ def _latency(
                 serve = False
         for prefix, (models, inputs) in forms.items():
             timed = compare_latency(models, inputs)
-            latency.setdefault("threads", timed.threads)
-            latency.setdefault("allocator", timed.allocator)
-            latency.setdefault("device", timed.device)
+            for key in ("threads", "allocator", "device", "load", "cpus"):
+                latency.setdefault(key, getattr(timed, key))
+            latency.setdefault("conditions", timed.conditions())
             latency.update(latency_fields(timed, prefix, bs))
     return latency
 
@@ -223,8 +224,8 @@ def _summary(config: TrainConfig, r: TrainResult, save_dir: Path) -> list[str]:
         f"({r.final_cost / r.dense_cost:.1%}), {r.final_params:,} parameters "
         f"({r.final_params / r.dense_params:.1%}); {r.prunes} channels removed in "
         f"{r.steps} steps",
-        f"latency ({lat['device'].upper()}, {lat['threads']} threads, {lat['allocator']}; "
-        f"median ±half IQR of {_rounds_text(lat)} side-by-side rounds): {_latency_text(r, '')}",
+        f"latency ({lat['device'].upper()}, {lat['conditions']}; median ±half IQR of "
+        f"{_rounds_text(lat)} side-by-side rounds): {_latency_text(r, '')}",
     ]
     if "served_speedup_b64" in lat:
         lines.append(

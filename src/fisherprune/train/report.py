@@ -103,12 +103,12 @@ def write_report(
     )
     lines += [
         "",
-        f"Latency: {latency['threads']} threads, {latency['allocator']}, on "
-        f"{latency['device']}; the median of the blocks timed in rounds, dense and pruned side "
-        "by side (alternating which goes first), ± half their interquartile range. The ratio is "
-        "the median of the rounds' paired ratios with its interquartile range; where that range "
-        "includes 1.0 the rounds disagree on which model is faster, and no ratio is given. "
-        "Every block is in result.json. Eager: the modules as trained, in the input's layout. "
+        f"Latency: {latency['conditions']}, on {latency['device']}; the median of the blocks "
+        "timed in rounds, dense and pruned side by side (alternating which goes first), ± half "
+        "their interquartile range. The ratio is the median of the rounds' paired ratios with "
+        "its interquartile range; where that range includes 1.0 the rounds disagree on which "
+        "model is faster, and no ratio is given. Every block is in result.json. Eager: the "
+        "modules as trained, in the input's layout. "
         f"{served}",
         "",
         "## Channels kept per group",

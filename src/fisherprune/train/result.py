@@ -21,8 +21,9 @@ class TrainResult:
     ``latency`` holds CPU times of the dense and the pruned model at batch 1 and 64, timed
     side by side in rounds (``compare_latency``): for the eager modules, ``latency_fields``'
     keys with ``b1`` (and ``b64``), and the same keys prefixed ``served_`` for frozen
-    TorchScript when the model could be traced; ``threads``, ``allocator`` and ``device`` say
-    how they were timed. The field order is the key order of ``result.json``.
+    TorchScript when the model could be traced; ``threads``, ``allocator``, ``device``,
+    ``load``, ``cpus`` and ``conditions`` (all of them in words) say how they were timed. The
+    field order is the key order of ``result.json``.
     """
 
     dense_metric: float
