@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 from torch import nn
 
+import fisherprune.train.trainer as trainer_module
 from fisherprune.export import PruningPlan, load_state_dict_export
 from fisherprune.export.manifest import (
     MANIFEST_FILE,
@@ -88,8 +89,8 @@ def test_a_kill_at_any_write_of_a_run_never_leaves_a_manifest_naming_other_bytes
     (temporary files removed, as the next run does), and as the run left it, has a manifest
     whose every named file has the recorded SHA-256; a manifest marked complete names
     exactly the old run's files or the new run's; an incomplete one is refused by
-    ``verify_export``. Both complete sets and the incomplete state in between are seen (the
-    watch is not vacuous). The old trainer
+    ``verify_export`` and names each file as soon as it is written (every stage from none to
+    all four is seen). Both complete sets are seen too (the watch is not vacuous). The old trainer
     wrote the new dense.pt beside the old plan.json and model.pt, with nothing to tell them
     apart."""
     save, export = tmp_path / "run", tmp_path / "w" / "export"
@@ -106,7 +107,7 @@ def test_a_kill_at_any_write_of_a_run_never_leaves_a_manifest_naming_other_bytes
     assert done.returncode == 0, done.stderr[-3000:]
     new = {n: e["sha256"] for n, e in _manifest(export)["files"].items()}
     assert new != old and set(new) == set(old)
-    seen = set()
+    seen, partial = set(), set()
     for folder in [*(state / "export" for state in sorted(snaps.iterdir())), export]:
         remove_orphans(folder)
         manifest = _manifest(folder)
@@ -120,7 +121,10 @@ def test_a_kill_at_any_write_of_a_run_never_leaves_a_manifest_naming_other_bytes
             with pytest.raises(ExportMismatchError, match="incomplete export"):
                 verify_export(folder)
             seen.add("incomplete")
+            partial.add(tuple(named))
     assert seen == {"old", "incomplete", "new"}
+    order = ("dense.pt", "plan.json", "model.pt", "data.json")  # as the run writes them
+    assert {order[:k] for k in range(len(order) + 1)} <= partial, partial
 
 
 def _copy(export: Path, to: Path) -> Path:
@@ -239,8 +243,9 @@ def test_a_resumed_run_keeps_its_own_carried_file_and_run_id(tmp_path: Path) -> 
 
 
 def test_a_manifest_naming_a_path_outside_its_folder_deletes_nothing(tmp_path: Path) -> None:
-    """A manifest naming ``../victim.txt`` (with that file's true hash) is unreadable to
-    ``begin``: it is deleted, said so, and the file outside the folder stays."""
+    """A manifest naming ``../victim.txt`` (with that file's true hash) is not read: readers
+    and ``begin`` refuse it, naming it and what to do, and nothing is deleted, inside the
+    folder or out."""
     folder = tmp_path / "export"
     _set(folder, "/runs/a", {"model.pt": b"m"})
     victim = tmp_path / "victim.txt"
@@ -251,10 +256,26 @@ def test_a_manifest_naming_a_path_outside_its_folder_deletes_nothing(tmp_path: P
     (folder / MANIFEST_FILE).write_text(json.dumps(manifest))
     with pytest.raises(ExportMismatchError, match="not a fisherprune export manifest"):
         verify_export(folder)
-    lines: list[str] = []
-    ExportSet.begin(folder, "/runs/b", say=lines.append)
-    assert victim.read_bytes() == b"v" and (folder / "model.pt").exists()
-    assert len(lines) == 1 and "unreadable" in lines[0]
+    with pytest.raises(ExportMismatchError, match="delete it, or give another --export_dir"):
+        ExportSet.begin(folder, "/runs/b")
+    assert victim.read_bytes() == b"v" and (folder / "model.pt").read_bytes() == b"m"
+    assert _manifest(folder)["files"] == {"../victim.txt": entry}
+
+
+def test_train_refuses_an_unreadable_manifest_before_deleting_checkpoints(
+    tmp_path: Path,
+) -> None:
+    """An --overwrite run over an export folder whose manifest is not JSON: exit 2, one line
+    naming the manifest, and the earlier run's checkpoints and files are all kept."""
+    save, export = tmp_path / "run", tmp_path / "run" / "export"
+    _train(tmp_path, save, export)
+    (export / MANIFEST_FILE).write_text("not json")
+    before = sorted(p.relative_to(save) for p in save.rglob("*") if p.is_file())
+    cli = run_cli(*_train_args(tmp_path, save, export, 0, "--overwrite"))
+    assert cli.code == 2 and str(export / MANIFEST_FILE) in cli.err, cli.err
+    assert len(cli.err.strip().splitlines()) == 1, cli.err
+    after = sorted(p.relative_to(save) for p in save.rglob("*") if p.is_file())
+    assert after == before
 
 
 def test_fisherprune_export_into_its_runs_set_records_the_new_bytes(tmp_path: Path) -> None:
@@ -275,3 +296,30 @@ def test_fisherprune_export_into_its_runs_set_records_the_new_bytes(tmp_path: Pa
     cli = run_cli("export", "--checkpoint", ckpt, "--out", other / "export" / "model.pt")
     assert cli.code == 2 and str(other / "export" / "model.pt") in cli.err, cli.err
     assert (other / "export" / "model.pt").read_bytes() == before
+
+
+def test_a_resumed_run_publishes_the_dense_pt_its_first_session_wrote(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run that fails during fine-tuning leaves an incomplete set naming dense.pt only;
+    ``--resume`` (past the dense point, so it does not write dense.pt again) ends with a
+    complete set naming that same dense.pt, by its hash, beside the files it wrote."""
+    save, export = tmp_path / "run", tmp_path / "run" / "export"
+
+    def failed(loop: object) -> None:
+        raise RuntimeError("stopped here")
+
+    monkeypatch.setattr(trainer_module, "fine_tune_phase", failed)
+    every = ("--checkpoint_every", "2")
+    assert run_cli(*_train_args(tmp_path, save, export, 0, *every)).code == 1
+    monkeypatch.undo()
+    dense = _sha256(export / "dense.pt")
+    first = _manifest(export)
+    assert first["complete"] is False and set(first["files"]) == {"dense.pt"}
+    cli = run_cli(*_train_args(tmp_path, save, export, 0, *every, "--resume"))
+    assert cli.code == 0, cli.err
+    assert "dense model written" not in cli.out + cli.err
+    manifest = _manifest(export)
+    assert manifest["complete"] is True and manifest["run"] == first["run"]
+    assert set(manifest["files"]) == {"dense.pt", "plan.json", "model.pt", "data.json"}
+    assert manifest["files"]["dense.pt"]["sha256"] == dense == _sha256(export / "dense.pt")

@@ -52,6 +52,10 @@ MANIFEST_FILE = "fisherprune-export.json"
 _FORMAT = "fisherprune-export"
 _VERSION = 1
 _UNCHECKED = f"or delete {MANIFEST_FILE} to read the folder's files unchecked"
+#: what to do when a run finds a manifest it cannot read where it would write its set
+_NOT_REPLACED = (
+    "a run replaces only a manifest it can read: delete it, or give another --export_dir"
+)
 
 
 class ExportMismatchError(ValueError):
@@ -94,20 +98,22 @@ class Manifest:
     files: dict[str, ExportedFile] = field(default_factory=dict)
 
     @classmethod
-    def read(cls, folder: Path) -> Manifest | None:
+    def read(cls, folder: Path, remedy: str = _UNCHECKED) -> Manifest | None:
         """The manifest in ``folder``, or None when it has none. Changes nothing.
 
         Raises:
             ExportMismatchError: the manifest is not one this module wrote (not JSON, another
-                format, a file name that is not a plain name in the folder).
+                format, a file name that is not a plain name in the folder); the message
+                ends with ``remedy``.
+            OSError: it cannot be read (permission denied, a disk error).
         """
         path = Path(folder) / MANIFEST_FILE
         try:
             data = json.loads(path.read_bytes())
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):  # no folder there: no manifest
             return None
-        except (OSError, ValueError) as e:
-            raise ExportMismatchError(f"{path} cannot be read ({e}); {_UNCHECKED}") from None
+        except ValueError as e:  # also UnicodeDecodeError
+            raise ExportMismatchError(f"{path} is not JSON ({e}); {remedy}") from None
         try:
             if data["format"] != _FORMAT or data["version"] != _VERSION:
                 raise ValueError(f"format {data['format']!r} version {data['version']!r}")
@@ -124,7 +130,7 @@ class Manifest:
             )
         except (KeyError, TypeError, AttributeError, ValueError) as e:
             raise ExportMismatchError(
-                f"{path} is not a fisherprune export manifest ({e}); {_UNCHECKED}"
+                f"{path} is not a fisherprune export manifest ({e}); {remedy}"
             ) from None
 
     def write(self, folder: Path) -> None:
@@ -153,6 +159,17 @@ class ExportSet:
         """The manifest's path."""
         return self.folder / MANIFEST_FILE
 
+    @staticmethod
+    def previous(folder: Path) -> Manifest | None:
+        """The manifest that ``begin`` in ``folder`` would replace, or None. Changes nothing:
+        call it to refuse a folder before other work (``begin`` reads it again).
+
+        Raises:
+            ExportMismatchError: the folder's manifest cannot be read (a run will not replace
+                it: the message says to delete it or give another folder).
+        """
+        return Manifest.read(folder, _NOT_REPLACED)
+
     @classmethod
     def begin(
         cls,
@@ -168,22 +185,19 @@ class ExportSet:
         deleted, except a file whose bytes changed since that run wrote it (it is left, and
         ``say`` gets a line naming it), and except the files of ``carry`` when the earlier
         manifest is ``owner``'s own and they are still whole: a resumed run keeps what its
-        earlier session wrote and will not write again (``dense.pt``), and its run id. A
-        manifest that cannot be read is deleted. With no earlier manifest, nothing is written
-        until the first ``write`` (a run that never exports leaves no folder).
+        earlier session wrote and will not write again (``dense.pt``), and its run id. With
+        no earlier manifest, nothing is written until the first ``write`` (a run that never
+        exports leaves no folder).
 
         ``say`` gets one line for each thing removed.
 
         Raises:
+            ExportMismatchError: ``folder`` holds a manifest that cannot be read (nothing is
+                changed: what it names is unknown, so nothing is deleted or replaced).
             OSError: the manifest or a file could not be written or deleted (it names it).
         """
         folder, tell = Path(folder), say or (lambda _: None)
-        try:
-            old = Manifest.read(folder)
-        except ExportMismatchError as e:
-            (folder / MANIFEST_FILE).unlink()
-            tell(f"deleted an unreadable {MANIFEST_FILE}: {e}")
-            old = None
+        old = cls.previous(folder)
         fresh = Manifest(run=uuid.uuid4().hex, owner=owner, started=_now())
         if old is None:
             return cls(folder, fresh, written=False)
@@ -220,13 +234,12 @@ class ExportSet:
         """
         _check_name(name)
         before = self.manifest
-        files = dict(before.files)
-        files.pop(name, None)
-        self._save(replace(before, complete=False, finished=None, files=files))
+        others = {n: e for n, e in before.files.items() if n != name}
+        self._save(replace(before, complete=False, finished=None, files=others))
         path = self.folder / name
         writer(path)
-        files[name] = ExportedFile(file_sha256(path), path.stat().st_size, what)
-        self._save(replace(before, files=files))
+        written = ExportedFile(file_sha256(path), path.stat().st_size, what)
+        self._save(replace(before, files={**others, name: written}))
         return path
 
     def complete(self) -> None:

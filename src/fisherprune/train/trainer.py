@@ -333,6 +333,7 @@ class PruningTrainer:
         self.exports: ExportSet | None = None
         if self.rank != 0:
             return
+        ExportSet.previous(self.export_dir)  # refused before --overwrite deletes anything
         self.lock = claim_save_dir(
             self.save_dir, self.export_dir, ckpts, cfg.resume, cfg.overwrite, self.progress.line
         )
