@@ -146,7 +146,7 @@ def _remote_note(code: RemoteCode | None, name: str) -> str | None:
     return (
         f"{name}/ keeps the widths of each block in its config with modelling code of its own "
         f"(torch and transformers only): load it with {code.auto_class}.from_pretrained(path, "
-        "trust_remote_code=True), or SentenceTransformer(path, trust_remote_code=True)"
+        "trust_remote_code=True)"
     )
 
 
