@@ -151,18 +151,19 @@ def test_a_slow_pair_stops_at_the_budget_but_never_below_min_rounds(clock: _Fake
     assert slow.rounds == 5 and fast.rounds == 9
 
 
-def test_repeats_make_a_block_last_block_seconds_of_the_fastest_warm_up_call(
+def test_repeats_make_a_block_last_block_seconds_by_the_median_warm_up_call(
     clock: _FakeClock,
 ) -> None:
-    """Fastest warm-up call 1.2 ms (of 3 and 1.2 ms): ceil(5 / 1.2) = 5 calls per block."""
+    """Warm-up calls of 3, 4, 5 ms (dense) and 0.2, 1.2, 9 ms (pruned): the faster median is
+    1.2 ms, so ceil(5 / 1.2) = 5 calls per block (the fastest call, 0.2 ms, would give 25)."""
     log: list[str] = []
     models = {
-        "dense": _Scripted("dense", clock, [3 * MS] + [MS] * 100, log),
-        "pruned": _Scripted("pruned", clock, [1.2 * MS] + [MS] * 100, log),
+        "dense": _Scripted("dense", clock, [3 * MS, 4 * MS, 5 * MS] + [MS] * 100, log),
+        "pruned": _Scripted("pruned", clock, [0.2 * MS, 1.2 * MS, 9 * MS] + [MS] * 100, log),
     }
-    timed = compare_latency(models, torch.zeros(1), warmup=1, rounds=3, min_rounds=3)
+    timed = compare_latency(models, torch.zeros(1), warmup=3, rounds=3, min_rounds=3)
     assert timed.models["dense"].repeats == 5
-    assert log.count("dense") == 1 + 3 * 5
+    assert log.count("dense") == 3 + 3 * 5
 
 
 @pytest.mark.parametrize(

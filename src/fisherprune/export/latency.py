@@ -224,7 +224,8 @@ def compare_latency(
             dict of their keyword arguments (``model(**inputs)``). On an accelerator, the
             device is synchronised before every reading of the clock.
         repeats: calls per block; None: as many as make a block of the fastest model last
-            ``block_seconds`` by its fastest warm-up call (1 to 1000).
+            ``block_seconds`` by the median of its warm-up calls (1 to 1000; the median, not
+            the fastest call, so that a machine slowed by other work gets fewer calls).
         warmup: untimed calls per model first, at least 1.
         rounds: the most rounds; min_rounds: the fewest (at least 3, at most ``rounds``).
         budget_seconds: time after which no more rounds start (see above).
@@ -265,9 +266,10 @@ def compare_latency(
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     with eval_mode(*models.values()), torch.inference_mode():
         clock = _Clock(given)
-        fastest = min(clock.warm_up(models, warmup).values())
+        warm = clock.warm_up(models, warmup)
         if repeats is None:
-            repeats = math.ceil(block_seconds / max(fastest, block_seconds / _MAX_REPEATS))
+            typical = min(statistics.median(times) for times in warm.values())
+            repeats = math.ceil(block_seconds / max(typical, block_seconds / _MAX_REPEATS))
         times = clock.rounds(models, repeats, rounds, min_rounds, budget_seconds)
     return LatencyComparison(
         models={n: LatencyDistribution(tuple(ts), repeats) for n, ts in times.items()},
@@ -304,13 +306,13 @@ class _Clock:
             self.given.call(model)
         return (self.now() - t0) / calls
 
-    def warm_up(self, models: dict[str, Callable[..., Any]], calls: int) -> dict[str, float]:
-        """``calls`` calls of each model in turn; the fastest call of each (inf if none)."""
-        fastest = dict.fromkeys(models, math.inf)
+    def warm_up(self, models: dict[str, Callable[..., Any]], calls: int) -> dict[str, list[float]]:
+        """``calls`` calls of each model in turn; the seconds each call took, by model."""
+        times: dict[str, list[float]] = {name: [] for name in models}
         for _ in range(calls):
             for name, model in models.items():
-                fastest[name] = min(fastest[name], self.block(model, 1))
-        return fastest
+                times[name].append(self.block(model, 1))
+        return times
 
     def rounds(
         self,
