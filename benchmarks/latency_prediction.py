@@ -38,14 +38,14 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import machine_info, write_json  # noqa: E402
-from one_shot_defaults import MobileNetV3  # noqa: E402
-from standard_nets import build_resnet50, build_vit_b16  # noqa: E402
+from _common import machine_info, write_json
+from one_shot_defaults import MobileNetV3
+from standard_nets import build_resnet50, build_vit_b16
 
-import fisherprune as fp  # noqa: E402
-from fisherprune.cost import CostModel, LatencySpec  # noqa: E402
-from fisherprune.cost.latency import whole_model_seconds  # noqa: E402
-from fisherprune.export.latency import retain_freed_memory  # noqa: E402
+import fisherprune as fp
+from fisherprune.cost import CostModel, LatencySpec
+from fisherprune.cost.latency import whole_model_seconds
+from fisherprune.export.latency import retain_freed_memory
 
 RESULTS = Path(__file__).resolve().parent / "results" / "latency_prediction.json"
 

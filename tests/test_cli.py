@@ -317,8 +317,8 @@ BAD = [
     _case("flops of a non-checkpoint", "flops --checkpoint {notckpt}", ["notckpt.pt"]),
     _case(
         "unknown score convention",
-        "train --data {good} --pruning.score_convention latency",
-        ["pruning_score_convention", "'latency'"],
+        "train --data {good} --pruning.score_convention seconds",
+        ["pruning_score_convention", "'seconds'"],
     ),
     _case(
         "freeze with a format other than torchscript",

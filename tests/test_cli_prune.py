@@ -208,7 +208,7 @@ def test_score_convention_and_uniform_choose_what_prune_to_target_chooses(
 def test_unknown_score_convention_exits_2(tmp_path: Path) -> None:
     data, weights, _, _ = _data_and_weights(tmp_path)
     cli = run_cli("prune", "mlp", "--weights", weights, "--data", data,
-                  "--score_convention", "latency", "--out", tmp_path / "o")  # fmt: skip
+                  "--score_convention", "seconds", "--out", tmp_path / "o")  # fmt: skip
     assert cli.code == 2 and "--score_convention" in cli.err and "memory" in cli.err
     assert not (tmp_path / "o").exists()
 

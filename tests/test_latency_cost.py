@@ -346,15 +346,9 @@ def test_train_cli_prunes_to_a_latency_target(tmp_path, fake_clock, monkeypatch)
     """``fisherprune train --pruning.convention latency`` prunes to a share of the timed
     latency, writes its table where ``--pruning.latency_cache`` says, and its plan records
     the latency convention."""
-    import fisherprune.cost.model as model_module
     from fisherprune.cli.main import main
-    from fisherprune.inputs import batch_size
 
-    def whole(model, example, spec):  # twice the FLOPs at 1 ns each: operators dominate
-        flops = computational_cost(model, example, "flops").total * batch_size(example)
-        return 2e-9 * flops
-
-    monkeypatch.setattr(model_module, "whole_model_seconds", whole)
+    _flops_whole(monkeypatch)
 
     rng = np.random.default_rng(0)
     x = rng.normal(size=(120, 4))
@@ -379,3 +373,55 @@ def test_train_cli_prunes_to_a_latency_target(tmp_path, fake_clock, monkeypatch)
     plan = json.loads((tmp_path / "run" / "export" / "plan.json").read_text())
     assert plan["convention"] == "latency"
     assert plan["cost"]["pruned"] <= 0.7 * plan["cost"]["dense"] + 1e-6
+
+
+def _flops_whole(monkeypatch) -> None:
+    """The fake clock's whole model: twice its FLOPs at 1 ns each (operators dominate)."""
+    import fisherprune.cost.model as model_module
+    from fisherprune.inputs import batch_size
+
+    def whole(model, example, spec):
+        return 2e-9 * computational_cost(model, example, "flops").total * batch_size(example)
+
+    monkeypatch.setattr(model_module, "whole_model_seconds", whole)
+
+
+def test_prune_cli_reports_predicted_and_measured_latency(tmp_path, fake_clock, monkeypatch):
+    """``fisherprune prune --convention latency`` meets a share of the timed latency and its
+    report gives the table's prediction beside the written model timed whole, in ms."""
+    from tests.test_cli import run_cli
+    from tests.test_cli_prune import _data_and_weights
+
+    _flops_whole(monkeypatch)
+    data, weights, _, _ = _data_and_weights(tmp_path)
+    out = tmp_path / "out"
+    cli = run_cli(
+        "prune", "mlp", "--width", "32", "--depth", "2", "--weights", weights, "--data", data,
+        "--target", "60%", "--convention", "latency", "--latency_batch", "4",
+        "--latency_threads", "1", "--latency_cache", tmp_path / "tables", "--out", out,
+    )  # fmt: skip
+    assert cli.code == 0, cli.err
+    report = json.loads((out / "report.json").read_text())
+    assert report["convention"] == "latency" and report["cost_ratio"] <= 0.6
+    check = report["latency_prediction"]
+    assert check["spec"]["batch"] == 4 and check["spec"]["threads"] == 1
+    assert check["pruned_predicted_ms"] == pytest.approx(report["cost_after"] / 1e3)
+    assert check["pruned_measured_ms"] > 0 and check["dense_measured_ms"] > 0
+    assert "predicted" in cli.out and "measured" in cli.out
+    assert list((tmp_path / "tables").glob("*.json"))
+
+
+def test_prune_cli_refuses_a_bad_latency_flag(tmp_path):
+    """A bad ``--latency_device`` exits 2 with one line naming the flag; nothing written."""
+    from tests.test_cli import run_cli
+    from tests.test_cli_prune import _data_and_weights
+
+    data, weights, _, _ = _data_and_weights(tmp_path)
+    out = tmp_path / "out"
+    cli = run_cli(
+        "prune", "mlp", "--width", "32", "--depth", "2", "--weights", weights, "--data", data,
+        "--convention", "latency", "--latency_device", "tpu", "--out", out,
+    )  # fmt: skip
+    assert cli.code == 2
+    assert "--latency_*" in cli.err and "'cpu' or 'cuda" in cli.err
+    assert not out.exists()

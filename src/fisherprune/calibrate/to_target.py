@@ -35,7 +35,7 @@ from torch import Tensor, nn
 
 from fisherprune.calibrate.label_free import LabelFreeLoss
 from fisherprune.calibrate.repair import RepairReport, check_passes, repair_consumers
-from fisherprune.cost import CONVENTIONS, CostModel
+from fisherprune.cost import CONVENTIONS, CostModel, LatencySpec
 from fisherprune.graph import apply_masks
 from fisherprune.inputs import batch_size, calibration_pairs, call_model
 from fisherprune.masks import MaskLayer, find_masks
@@ -353,6 +353,7 @@ def prune_to_target(
     flops_weight: FlopsWeight = "auto",
     convention: str = "flops",
     score_convention: str | None = None,
+    latency: LatencySpec | None = None,
     reconstruct: bool = True,
     task: str = "auto",
     seed: int = 0,
@@ -397,12 +398,14 @@ def prune_to_target(
             reaches it before its goal is followed by another with re-estimated signals.
             1: no cap (with ``rounds=1``: a single scoring, as before issue 31). A mask that
             loses more than ``COLLAPSE_SHARE`` (half) of them in one round is warned about.
-        min_channels, round_to, uniform, flops_weight, convention, score_convention: as in
-            ``PruningOptimizer`` (with ``uniform``, the masks a config cannot describe are left
-            whole, listed in ``PruneResult.kept_whole``, and a target below the cost with
-            every other mask at its floor is refused up front; a target met only with a mask
-            at its floor, such as an MLP of one unit, is met and warned about (``at_floor``):
-            raise ``min_channels`` to keep layers wider).
+        min_channels, round_to, uniform, flops_weight, convention, score_convention, latency:
+            as in ``PruningOptimizer`` (with ``uniform``, the masks a config cannot describe
+            are left whole, listed in ``PruneResult.kept_whole``, and a target below the cost
+            with every other mask at its floor is refused up front; a target met only with a
+            mask at its floor, such as an MLP of one unit, is met and warned about
+            (``at_floor``): raise ``min_channels`` to keep layers wider; with
+            ``convention="latency"`` ``target`` may be a time, ``"12ms"``, or a share of the
+            measured latency).
         reconstruct: refit the layers that read removed channels by least squares, in forward
             order on the pruned, already repaired model's inputs (``calibrate.repair``).
         task: with ``loss_fn=None``: ``"auto"``, ``"classification"`` or ``"regression"``.
@@ -453,17 +456,21 @@ def prune_to_target(
     if not masks:
         apply_masks(model, example_inputs)
         masks = find_masks(model)
-    cost_model = CostModel(model, example_inputs, convention)
+    timed = {c: latency if c == "latency" else None for c in (convention, score_convention)}
+    cost_model = CostModel(model, example_inputs, convention, latency=timed[convention])
     score_model = cost_model
     if score_convention not in (None, convention):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            score_model = CostModel(model, example_inputs, score_convention)
+            score_model = CostModel(
+                model, example_inputs, score_convention, latency=timed[score_convention]
+            )
     start = cost_model.total()
-    goal = resolve_target(target, start)
+    goal = resolve_target(target, start, convention)
     if not 0 < goal < start:
+        unit = "per forward pass" if convention == "latency" else "per example"
         raise ValueError(
-            f"target {target!r} ({goal:.6g} per example) must lie between 0 and the starting "
+            f"target {target!r} ({goal:.6g} {unit}) must lie between 0 and the starting "
             f"cost {start:.6g}"
         )
     goals = _auto_rounds(start, goal) if rounds == "auto" else rounds

@@ -35,6 +35,12 @@ from fisherprune.calibrate.to_target import ROUND_CAP
 from fisherprune.cli.help import DefaultsFormatter
 from fisherprune.cli.hf_check import check_hf_folder
 from fisherprune.cli.hf_folder import HFFolder
+from fisherprune.cli.prune_latency import (
+    add_latency_arguments,
+    latency_check,
+    latency_check_text,
+    latency_spec,
+)
 from fisherprune.cli.prune_length import (
     LengthCost,
     cost_at_length,
@@ -113,7 +119,17 @@ def prune_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPar
     p.add_argument("--calibration", type=int, default=1000, help="calibration examples (most)")
     p.add_argument("--batch_size", type=int, default=32, help="calibration batch size")
     p.add_argument(
-        "--target", default="50%", help="cost per example to reach: 50%%, 0.5 or an absolute number"
+        "--target",
+        default="50%",
+        help="cost to reach: 50%%, 0.5 or an absolute number (per example); with --convention "
+        "latency also a time per forward pass, such as 12ms",
+    )
+    p.add_argument(
+        "--convention",
+        default="flops",
+        choices=CONVENTIONS,
+        help="cost of the target; latency: each operator timed on --latency_device at "
+        "--latency_batch (docs/usage.md, 'Pruning to a measured latency')",
     )
     p.add_argument(
         "--rounds",
@@ -161,6 +177,7 @@ def prune_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPar
         help="cost the signal is weighed against (default: FLOPs, the target's); memory "
         "(activation elements) spreads the cut and often runs faster, see docs/usage.md",
     )
+    add_latency_arguments(p)
     p.add_argument("--finetune_steps", type=int, default=0, help="distilled fine-tuning steps")
     p.add_argument(
         "--distill.alpha",
@@ -520,6 +537,7 @@ def _check_args(args: argparse.Namespace) -> None:
             f"--weights is not read for a Hugging Face folder ({args.model} loads its own "
             "weights): leave it out, or save the trained model into the folder"
         )
+    latency_spec(args)  # a bad --latency_* flag is refused now
     check_out(Path(args.out))
 
 
@@ -550,6 +568,7 @@ def _prune(args: argparse.Namespace, bars: bool) -> int:
     clock.lap("evaluate", f"dense {job.metric} {before:.4f}")
     teacher = frozen_teacher(job.model) if args.finetune_steps > 0 else None
     min_channels = int(args.min_channels) if args.min_channels >= 1 else args.min_channels
+    latency = latency_spec(args)
     result = prune_to_target(
         job.model,
         job.example,
@@ -562,7 +581,9 @@ def _prune(args: argparse.Namespace, bars: bool) -> int:
         min_channels=min_channels,
         round_to=args.round_to,
         uniform=args.uniform,
+        convention=args.convention,
         score_convention=args.score_convention,
+        latency=latency,
         reconstruct=args.reconstruct,
         task=job.task,
         seed=args.seed,
@@ -614,6 +635,9 @@ def _prune(args: argparse.Namespace, bars: bool) -> int:
         retain_freed_memory()
         timed = compare_latency({"dense": dense, "pruned": written.small}, job.batches[0][0])
         speedup = timed.speedup("dense", "pruned")
+        predicted = (
+            latency_check(result, dense, written.small, job.example, latency) if latency else None
+        )
         clock.lap("latency", f"{timed.rounds} rounds")
         hf = written.hf
         report = {
@@ -624,6 +648,7 @@ def _prune(args: argparse.Namespace, bars: bool) -> int:
             "reconstruct": args.reconstruct,
             "round_to": args.round_to,
             "uniform": args.uniform,
+            "convention": result.convention,
             "score_convention": args.score_convention or result.convention,
             "rounds": result.rounds,
             "cost_before": result.cost_before,
@@ -656,6 +681,7 @@ def _prune(args: argparse.Namespace, bars: bool) -> int:
             "speedup": speedup.median,
             "speedup_resolved": speedup.resolved,
             "latency": {**timed.to_json(), "speedup": speedup.to_json()},
+            **({"latency_prediction": predicted} if predicted else {}),
         }
         with atomic_path(folder / REPORT_FILE) as tmp:
             Path(tmp).write_text(json.dumps(report, indent=1) + "\n")
@@ -669,6 +695,8 @@ def _prune(args: argparse.Namespace, bars: bool) -> int:
         + (f" ({_loaded_by(hf)}: {out / HF_FOLDER})" if hf and hf.written else "")
     )
     print(_groups_line(result))
+    if predicted:
+        print(latency_check_text(predicted))
     for line in (written.hf_missing, *(hf.notes if hf else ())):
         if line:
             print(line)

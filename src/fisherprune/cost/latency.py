@@ -49,7 +49,13 @@ from fisherprune.graph.types import OpRecord, Slot
 from fisherprune.inputs import Inputs
 from fisherprune.modes import eval_mode
 
-__all__ = ["LatencySpec", "LatencyTable", "default_cache_dir"]
+__all__ = [
+    "LatencySpec",
+    "LatencyTable",
+    "default_cache_dir",
+    "whole_model_seconds",
+    "with_batch",
+]
 
 log = logging.getLogger("fisherprune")
 
@@ -529,6 +535,14 @@ def rising(values: np.ndarray) -> np.ndarray:
 
 def _elements(shapes: list[tuple[int, ...]]) -> int:
     return sum(math.prod(s) for s in shapes)
+
+
+def with_batch(example_inputs: Any, batch: int) -> Any:
+    """``example_inputs`` with ``batch`` examples: batch tensors repeated (and cut) along
+    dim 0; other arguments as they are."""
+    inputs = Inputs.of(example_inputs)
+    times = -(-batch // inputs.batch_size)
+    return inputs.repeated(times).map_leaves(lambda x, b: x[:batch] if b else x).packed()
 
 
 def whole_model_seconds(model: torch.nn.Module, example_inputs: Any, spec: LatencySpec) -> float:

@@ -31,11 +31,12 @@ from fisherprune.cost.latency import (
     time_op,
     timing_threads,
     whole_model_seconds,
+    with_batch,
 )
 from fisherprune.graph.channels import ChannelGraph
 from fisherprune.graph.trace import trace_model
 from fisherprune.graph.types import OpRecord, Slot
-from fisherprune.inputs import Inputs, batch_size
+from fisherprune.inputs import batch_size
 from fisherprune.masks import MaskLayer, find_masks
 
 __all__ = ["CostModel", "CostReport", "MarginalCosts", "computational_cost"]
@@ -154,7 +155,7 @@ class CostModel:
         #: how ``latency`` is timed (None for computed conventions)
         self.latency = (latency or LatencySpec()) if self._counting.measured else None
         if self.latency is not None and self.latency.batch is not None:
-            example_inputs = _with_batch(example_inputs, self.latency.batch)
+            example_inputs = with_batch(example_inputs, self.latency.batch)
         self.masks = find_masks(model)
         self.trace = trace_model(model, example_inputs, loss_fn)
         self.graph = ChannelGraph(self.trace)
@@ -406,14 +407,6 @@ def _unique_rows(m: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     codes = m @ (base ** np.arange(m.shape[1], dtype=np.int64))
     _, first, inv = np.unique(codes, return_index=True, return_inverse=True)
     return m[first], inv.reshape(-1)
-
-
-def _with_batch(example_inputs: Any, batch: int) -> Any:
-    """``example_inputs`` with ``batch`` examples: batch tensors repeated (and cut) along
-    dim 0; other arguments as they are."""
-    inputs = Inputs.of(example_inputs)
-    times = -(-batch // inputs.batch_size)
-    return inputs.repeated(times).map_leaves(lambda x, b: x[:batch] if b else x).packed()
 
 
 def computational_cost(

@@ -80,8 +80,9 @@ def finish_run(config: TrainConfig, run: FinishedRun, out: RunOutput) -> TrainRe
 
     Changes nothing in ``run``: the shrunk and the dense model are copies. Writes into
     ``out.export_dir`` (``plan.json``, one file per format of ``config.export_formats`` that
-    could be exported and ``data.json``, then the manifest marking the run's set complete) and ``out.save_dir`` (``report.md``, plots when matplotlib is installed,
-    ``result.json``); a format that cannot be exported is skipped with a line saying why.
+    could be exported and ``data.json``, then the manifest marking the run's set complete)
+    and ``out.save_dir`` (``report.md``, plots when matplotlib is installed, ``result.json``);
+    a format that cannot be exported is skipped with a line saying why.
 
     Returns:
         The result; ``files`` names every file written (empty when not ``out.write``).
@@ -163,7 +164,10 @@ def _export(config: TrainConfig, run: FinishedRun, out: RunOutput) -> dict[str, 
     included. A failure leaves the set marked incomplete."""
     exports = out.exports or ExportSet.begin(out.export_dir, str(out.save_dir.resolve()))
     files: dict[str, str] = {}
-    plan = PruningPlan.from_model(run.model, run.example, run.popt.cost_model.convention)
+    timed = run.popt.cost_model if run.popt.cost_model.latency is not None else None
+    plan = PruningPlan.from_model(  # a latency cost model is reused: no second timing
+        run.model, run.example, run.popt.cost_model.convention, cost_model=timed
+    )
     plan_path = exports.write("plan.json", "the kept channels of each module", plan.save)
     files["plan"] = str(plan_path)
     for fmt in config.export_formats:
