@@ -55,6 +55,7 @@ from fisherprune.cost.formulas import (
 __all__ = [
     "CONVENTIONS",
     "Convention",
+    "cost_unit",
     "formula_for",
     "get_convention",
     "register_cost_formula",
@@ -171,6 +172,15 @@ def get_convention(name: str) -> Convention:
         raise ValueError(
             f"unknown cost convention {name!r}; choose one of {', '.join(CONVENTIONS)}"
         ) from None
+
+
+def cost_unit(convention: str) -> str:
+    """How a cost in ``convention`` reads after its number: ``flops/example``,
+    ``us/forward pass`` (``latency``), ``params`` (per network)."""
+    conv = get_convention(convention)
+    if conv.measured:
+        return "us/forward pass"
+    return f"{conv.name}/example" if conv.per_example else conv.name
 
 
 def formula_for(convention: str, op: Any) -> Formula | None:

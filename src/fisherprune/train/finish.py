@@ -18,6 +18,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from fisherprune._errors import first_line
+from fisherprune.cost.conventions import cost_unit
 from fisherprune.export import PruningPlan, export_model, shrink
 from fisherprune.export.files import default_file_name
 from fisherprune.export.latency import compare_latency, frozen_for_serving
@@ -222,9 +223,9 @@ def _summary(config: TrainConfig, r: TrainResult, save_dir: Path) -> list[str]:
     lat = r.latency
     lines = [
         "",
-        f"dense:  {r.metric_name} {r.dense_metric:.4f}, {r.dense_cost:,.0f} {conv}/example, "
+        f"dense:  {r.metric_name} {r.dense_metric:.4f}, {r.dense_cost:,.0f} {cost_unit(conv)}, "
         f"{r.dense_params:,} parameters",
-        f"pruned: {r.metric_name} {r.final_metric:.4f}, {r.final_cost:,.0f} {conv}/example "
+        f"pruned: {r.metric_name} {r.final_metric:.4f}, {r.final_cost:,.0f} {cost_unit(conv)} "
         f"({r.final_cost / r.dense_cost:.1%}), {r.final_params:,} parameters "
         f"({r.final_params / r.dense_params:.1%}); {r.prunes} channels removed in "
         f"{r.steps} steps",

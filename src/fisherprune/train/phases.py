@@ -21,6 +21,7 @@ from typing import Any, NoReturn
 import torch
 from torch import Tensor, nn
 
+from fisherprune.cost.conventions import cost_unit
 from fisherprune.distill import distill_loss, frozen_teacher
 from fisherprune.pruner import PruningOptimizer
 from fisherprune.train.checkpoint import CheckpointManager
@@ -280,7 +281,7 @@ def _dense_point(loop: Loop) -> dict[str, Any]:
         loop.save_dense()
     loop.progress.line(
         f"dense model (step {step}): eval {metric} {value:.4f}, cost "
-        f"{entry['cost']:,.0f} {loop.config.pruning_convention}/example"
+        f"{entry['cost']:,.0f} {cost_unit(loop.config.pruning_convention)}"
     )
     if check is not None and not check.learned:
         log.warning("%s", check.message)

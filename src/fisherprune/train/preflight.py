@@ -3,6 +3,7 @@ what the target means is said (a target at the dense cost, or no target at all).
 
 from __future__ import annotations
 
+from fisherprune.cost.conventions import cost_unit
 from fisherprune.pruner import PruningOptimizer
 from fisherprune.pruner.prune import floor_of, lowest_kept, rounding
 from fisherprune.train.config import TrainConfig
@@ -41,7 +42,7 @@ def preflight_lines(config: TrainConfig, popt: PruningOptimizer) -> list[str]:
     if popt.target >= popt.start_cost:
         return [
             f"target {popt.target:,.0f} is at or above the dense cost {popt.start_cost:,.0f} "
-            f"{config.pruning_convention}/example: nothing will be pruned; the dense model is "
+            f"{cost_unit(config.pruning_convention)}: nothing will be pruned; the dense model is "
             "trained, fine-tuned and reported"
         ]
     return []

@@ -6,6 +6,7 @@ import importlib.util
 from pathlib import Path
 from typing import Any
 
+from fisherprune.cost.conventions import cost_unit
 from fisherprune.pruner import PruningOptimizer
 from fisherprune.train.config import TrainConfig
 from fisherprune.train.result import TrainResult
@@ -83,7 +84,7 @@ def write_report(
         "| | dense | pruned | ratio |",
         "|---|---:|---:|---:|",
         f"| eval {metric_name} | {dense[metric_name]:.4f} | {final:.4f} | |",
-        f"| {conv} per example | {dense['cost']:,.0f} | {cost:,.0f} | {cost / dense['cost']:.3f} |",
+        f"| {cost_unit(conv)} | {dense['cost']:,.0f} | {cost:,.0f} | {cost / dense['cost']:.3f} |",
         f"| parameters | {dense_params:,} | {small_params:,} | {small_params / dense_params:.3f} |",
     ]
     for label, prefix in (("eager", ""), ("as served", "served_")):

@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from fisherprune.cost.conventions import cost_unit
 from fisherprune.export import export_model
 from fisherprune.export.manifest import ExportSet
 from fisherprune.graph import apply_masks
@@ -358,7 +359,7 @@ class PruningTrainer:
             f"fisherprune train: {self.data.source}: {self.data.num_train} train / "
             f"{self.data.num_eval} eval examples; model {cfg.model}; "
             f"{len(popt.masks)} channel groups, {_prunable_channels(popt)} prunable channels; "
-            f"cost {popt.start_cost:,.0f} {cfg.pruning_convention}/example; target "
+            f"cost {popt.start_cost:,.0f} {cost_unit(cfg.pruning_convention)}; target "
             f"{popt.target:,.0f}; dense phase {self.burn_in} steps ({dense}), a prune every "
             f"{cfg.pruning_iter} steps, fine-tuning {cfg.fine_tune_steps} steps; device "
             f"{self.device}, {cfg.precision}; world size {self.world}; "
