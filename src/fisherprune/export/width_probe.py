@@ -1,11 +1,12 @@
-"""A dry run for a width normalised by registered norms: shrink the model with one of its
-channels removed and check the result.
+"""A dry run of ``shrink`` on a masked model, which ``apply_masks`` runs with one channel of
+each group removed, to keep whole any group the shrunk model could not follow.
 
-A width a norm normalises is the model's hidden width, and code often reads it back from a
-tensor's shape (``b, t, c = x.shape`` then ``reshape(b, t, 3, heads, c // heads)``): a number
-the trace cannot follow, which would make the shrunk model fail or differ. Such a group is not
-offered: importing this module registers ``width_problem`` with
-``fisherprune.graph.placement.register_width_check`` (``graph`` cannot import ``export``).
+A width is sometimes held in code the trace cannot follow: the hidden width read back from a
+tensor's shape (``b, t, c = x.shape`` then ``reshape(b, t, 3, heads, c // heads)``), a per-head
+bias table viewed to a shape tuple the module keeps (a MaxViT-style relative-position bias). Such
+a group would make ``shrink`` (or the cost of the pruned model, which ``shrink`` computes for
+its plan) fail or differ. Importing this module registers ``shrink_problem`` with
+``fisherprune.graph.placement.register_group_trial`` (``graph`` cannot import ``export``).
 """
 
 from __future__ import annotations
@@ -13,46 +14,31 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-import torch
 from torch import nn
 
 from fisherprune._errors import first_line
 from fisherprune.export.shrink import shrink
-from fisherprune.graph.groups import ChannelGroup
-from fisherprune.graph.placement import register_width_check
-from fisherprune.masks.layer import MaskLayer
+from fisherprune.graph.placement import register_group_trial
 
-__all__ = ["width_problem"]
+__all__ = ["shrink_problem"]
 
 
-def width_problem(
-    model: nn.Module, example_inputs: Any, group: ChannelGroup, mask: MaskLayer
-) -> str | None:
-    """Why ``shrink`` fails on the model with the group's first channel removed (``mask``'s
-    entry 0 zeroed): the shrunk copy does not run, or does not give the masked model's
-    outputs, or the model cannot be copied; None if it works.
-
-    The model is left as it was: the mask is restored and ``shrink`` works on a copy.
-    """
-    del group  # the mask's entries are the group's channels
-    saved, all_ones = mask.mask.detach().clone(), mask.is_all_ones()
+def shrink_problem(model: nn.Module, example_inputs: Any) -> str | None:
+    """Why ``shrink`` fails on the model as its masks now stand: the plan (with its cost)
+    cannot be made, the shrunk copy does not run, or it does not give the masked model's
+    outputs, or the model cannot be copied; None if it works. The model is left as it was
+    (``shrink`` works on a copy)."""
     try:
-        with torch.no_grad():
-            mask.mask.fill_(1.0)
-            mask.mask[0] = 0.0
         with warnings.catch_warnings():  # a config that cannot follow one channel is no problem
             warnings.simplefilter("ignore")
             shrink(model, example_inputs)
-    except Exception as e:  # any failure is the reason this width is not offered
+    except Exception as e:  # any failure is the reason these channels are not offered
         return (
             f"shrinking the model with one of these channels removed fails ({first_line(e)}): "
-            "its code probably reads this width from a tensor's shape"
+            "its code probably reads this width from a tensor's shape, or holds it as a size "
+            "written into the code; the group is kept whole"
         )
-    finally:
-        with torch.no_grad():
-            mask.mask.copy_(saved)
-        mask.record_values(all_ones)
     return None
 
 
-register_width_check(width_problem)
+register_group_trial(shrink_problem)

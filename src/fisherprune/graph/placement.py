@@ -26,23 +26,26 @@ from fisherprune.masks.points import (
     remove_mask_points,
 )
 
-__all__ = ["AppliedMasks", "apply_masks", "register_width_check", "remove_masks"]
+__all__ = ["AppliedMasks", "apply_masks", "register_group_trial", "remove_masks"]
 
 log = logging.getLogger("fisherprune")
 
-WidthCheck = Callable[[nn.Module, Any, ChannelGroup, MaskLayer], "str | None"]
-#: checks of a group whose width registered norms normalise (the hidden width), each returning
-#: why the group cannot be pruned or None; ``fisherprune.export.width_probe`` adds its dry run
-#: (given the model, its example inputs, the group and the group's installed mask)
-_WIDTH_CHECKS: list[WidthCheck] = []
+#: a trial of the masked model as its masks now stand (some entries zeroed): why shrinking or
+#: costing it fails, or None; ``fisherprune.export.width_probe`` registers its dry run (given
+#: the model and its example inputs) since ``graph`` cannot import ``export``
+GroupTrial = Callable[[nn.Module, Any], "str | None"]
+_TRIALS: list[GroupTrial] = []
 
 
-def register_width_check(check: WidthCheck) -> WidthCheck:
-    """Run ``check`` on every group whose width registered norms normalise, when masks are
-    applied; a check registered twice (a module reloaded) runs once."""
-    if check.__qualname__ not in {c.__qualname__ for c in _WIDTH_CHECKS}:
-        _WIDTH_CHECKS.append(check)
-    return check
+def register_group_trial(trial: GroupTrial) -> GroupTrial:
+    """Run ``trial`` when masks are applied, on the model with one channel of each group
+    removed: a group some trial fails on is left unmasked, with the trial's reason. A trial
+    registered twice (a module reloaded) runs once.
+
+    Changes: adds ``trial`` to the registry, for every later ``apply_masks``."""
+    if trial.__qualname__ not in {t.__qualname__ for t in _TRIALS}:
+        _TRIALS.append(trial)
+    return trial
 
 
 class AppliedMasks(dict[str, MaskLayer]):
@@ -137,13 +140,16 @@ def apply_masks(model: nn.Module, example_inputs: Any, *, strict: bool = False) 
         gi: _UNSAFE.format(", ".join(groups[gi].consumers))
         for gi in sorted(_ineffective(model, example_inputs, keys))
     }
-    # a width that norms normalise is the hidden width, which code may read off a shape
-    for gi, g in enumerate(groups):
-        for check in _WIDTH_CHECKS if g.norms and gi not in unsafe else ():
-            problem = check(model, example_inputs, g, find_holder(model)[1][keys[gi]])  # type: ignore[index]
-            if problem is not None:
-                unsafe[gi] = problem
-                break
+    # never leave a model whose cost or shrink then raises: a width the trace cannot follow
+    # (code that reads it off a shape, a per-head table viewed to a shape held in the code)
+    # keeps its group whole
+    holder = find_holder(model)[1] if keys else None
+    tried = [
+        gi for gi, g in enumerate(groups) if gi not in unsafe and (g.num_channels > 1 or g.norms)
+    ]
+    hidden = {gi for gi in tried if groups[gi].norms}
+    masks = [holder[keys[gi]] for gi in tried]  # type: ignore[index]
+    unsafe.update(_failing_groups(model, example_inputs, masks, tried, hidden))
     if unsafe:
         remove_mask_points(model)
         for gi, why in sorted(unsafe.items()):
@@ -187,6 +193,58 @@ _UNSAFE = (
     "masking the input of {} would not remove these channels (a BatchNorm, a gate or an "
     "add inside the module, before the layer that reads them, keeps them alive)"
 )
+
+
+def _failing_groups(
+    model: nn.Module,
+    example_inputs: Any,
+    masks: list[MaskLayer],
+    groups: list[int],
+    must_clear: set[int],
+) -> dict[int, str]:
+    """The groups (of ``groups``, whose masks are ``masks``) that some registered trial fails
+    on, each with the trial's reason. The trials run once with the first channel of every
+    group removed; only when that fails are the groups halved and tried apart, so a model
+    whose groups all work costs one trial, not one per group. Where a trial fails with no
+    channel removed as well, only the groups of ``must_clear`` (a hidden width, which code
+    often reads off a shape) are reported. Every mask is left as it was."""
+    if not _TRIALS or not masks:
+        return {}
+    saved = [(m.mask.detach().clone(), m.is_all_ones()) for m in masks]
+
+    def trial(picked: list[int]) -> str | None:
+        with torch.no_grad():
+            for i, m in enumerate(masks):
+                m.mask.fill_(1.0)
+                if i in picked:
+                    m.mask[0] = 0.0
+        return next((p for t in _TRIALS if (p := t(model, example_inputs)) is not None), None)
+
+    def bisect(picked: list[int]) -> dict[int, str]:
+        problem = trial(picked)
+        if problem is None:
+            return {}
+        if len(picked) == 1:
+            return {groups[picked[0]]: problem}
+        half = len(picked) // 2
+        found = bisect(picked[:half]) | bisect(picked[half:])
+        # each half works alone and not together: keep them all whole, to be safe
+        return found or {
+            groups[i]: f"{problem} (with other groups removed at once)" for i in picked
+        }
+
+    try:
+        found = bisect(list(range(len(masks))))
+        if not found or trial([]) is None:
+            return found
+        # failing with no channel removed (a model deepcopy cannot copy), the trial tells
+        # nothing of the groups: only those it had to clear are kept whole
+        return {g: why for g, why in found.items() if g in must_clear}
+    finally:
+        with torch.no_grad():
+            for m, (values, ones) in zip(masks, saved, strict=True):
+                m.mask.copy_(values)
+                m.record_values(ones)
 
 
 def _install(model: nn.Module, groups: list[ChannelGroup], specs: list[MaskPointSpec]) -> list[str]:
