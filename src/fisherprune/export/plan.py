@@ -131,7 +131,7 @@ class PruningPlan:
                 module = "" if split.module == "<model>" else split.module
                 for attr in split.attributes:
                     width = attr in HEADS_WIDTH_ATTRIBUTES
-                    value = kept * split.blocks.shape[1] if width else kept
+                    value = kept * split.head_size if width else kept
                     plan.attributes.setdefault(module, {})[attr] = value
         for cp in trace.consumers:
             gone = removed[graph.roots[cp.labels]] if cp.output is not None else None

@@ -762,6 +762,8 @@ def _reshape_labels(ctx: RuleContext, x: TensorInfo, shape: tuple[int, ...]) -> 
         for j in range(lo, hi)
     }
     src = _split_into_factors(ctx, x, factors, inferred)
+    whole_src = {lo for lo, hi in _factor_spans(x.shape, factors) if hi - lo == 1}
+    whole: set[int] = set()  # target dims that are a whole dim of x (nothing split there)
     lab: list[Labels] = [None] * len(shape)
     cov: list[Labels] = [None] * len(shape)
     for d, (lo, hi) in enumerate(_factor_spans(shape, factors)):
@@ -780,6 +782,8 @@ def _reshape_labels(ctx: RuleContext, x: TensorInfo, shape: tuple[int, ...]) -> 
         if not parts:
             continue
         j = parts[0]
+        if hi - lo == 1 and j in whole_src:
+            whole.add(d)
         if (
             hi - lo == 1
             and d < len(asked)
@@ -793,7 +797,7 @@ def _reshape_labels(ctx: RuleContext, x: TensorInfo, shape: tuple[int, ...]) -> 
         if src[j][1] is not None:
             cov[d] = np.tile(np.repeat(src[j][1], inner), outer)
     _carry_unit_dims(ctx, x, shape, lab, cov)
-    _split_single_head(ctx, shape, asked, lab, cov)
+    _split_single_head(ctx, shape, asked, lab, cov, whole)
     return TensorInfo(shape, lab, cov)
 
 
@@ -840,17 +844,25 @@ def _copies(src: Any, src_shape: tuple[int, ...], shape: tuple[int, ...], e: int
 
 
 def _split_single_head(
-    ctx: RuleContext, shape: tuple[int, ...], asked: Any, lab: list[Labels], cov: list[Labels]
+    ctx: RuleContext,
+    shape: tuple[int, ...],
+    asked: Any,
+    lab: list[Labels],
+    cov: list[Labels],
+    whole: set[int],
 ) -> None:
     """A width viewed as (1, head_dim) by a module that already split another width into
     several heads of that size (multi-query attention's one key/value head, after its query
     heads) is one head: its channels are one channel, labelled on the head dim of size 1, as
     the split of a width into several heads makes them (rotary embeddings then see no channel
-    inside it)."""
+    inside it). The head_dim must be a whole dim of the input (``whole``): a dim this very call
+    split off a width holds heads, and a size-1 dim before it is a token dim (a LeViT-style
+    attention downsampling's single query, ``view(b, -1, heads, key_dim)``), not a head."""
     for e in range(len(shape) - 1):
         head = lab[e + 1]
         if (
-            shape[e] != 1
+            e + 1 not in whole
+            or shape[e] != 1
             or lab[e] is not None
             or head is None
             or e >= len(asked)
@@ -909,12 +921,13 @@ def _split_into_factors(
         along = [k for k in range(len(sizes)) if _varies_along(roots, k)]
         keep = along[0] if len(along) == 1 else 0
         if len(along) > 1:  # blocks (heads): each one channel, if the module can lose heads
-            refused = ctx.record_heads(lab.reshape(sizes[0], -1).copy(), lo in inferred)
-            if refused is not None:
-                reason = f"{ctx.where()} {refused}"
+            found = _record_head_split(ctx, lab, sizes, lo, inferred)
+            if isinstance(found, str):
+                reason = f"{ctx.where()} {found}"
                 ctx.block(lab, reason)
                 ctx.consume(lab, x.cover[d], reason)
                 continue
+            keep = found
         index = [0] * len(sizes)
         index[keep] = slice(None)
         picked = lab.reshape(sizes)[tuple(index)]
@@ -925,6 +938,29 @@ def _split_into_factors(
                 cover = cv[tuple(index)]
         out[lo + keep] = (np.ascontiguousarray(picked), cover)
     return out
+
+
+def _record_head_split(
+    ctx: RuleContext, lab: np.ndarray, sizes: list[int], lo: int, inferred: set[int]
+) -> int | str:
+    """A width split into the factors ``sizes`` (outermost first) whose channels vary along
+    several of them: heads, on one factor ``h``, each head one channel. The factors outside
+    ``h`` are parts of a fused projection (``Wqkv(x).view(b, t, 3, -1, head_dim)``, the 3
+    written into the code): head i of every part is one channel, which attention ties together
+    anyway. Tried on the factor the code asked -1 for first, then from the innermost factor
+    out; returns the factor the first split the module can make is recorded on, or why none
+    can be (the outermost factor's reason)."""
+    order = [h for h in range(len(sizes) - 1) if lo + h in inferred]
+    order += [h for h in reversed(range(len(sizes) - 1)) if h not in order]
+    refused = {}
+    for h in order:
+        parts = math.prod(sizes[:h])
+        blocks = lab.reshape(parts, sizes[h], -1).transpose(1, 0, 2).reshape(sizes[h], -1)
+        why = ctx.record_heads(blocks.copy(), lo + h in inferred, parts=parts)
+        if why is None:
+            return h
+        refused[h] = why
+    return refused[0]
 
 
 def _varies_along(a: np.ndarray, axis: int) -> bool:

@@ -1,5 +1,6 @@
 """Channel rules of operators that move or pick positions along dimensions: ``roll``,
-padding, ``index_select``, ``gather`` and advanced indexing (``x[:, idx]``, ``x[mask]``).
+padding, ``repeat``, ``index_select``, ``gather`` and advanced indexing (``x[:, idx]``,
+``x[mask]``).
 
 They share one principle. Along a dimension the operator does not touch, every index keeps
 its label and its cover, wherever that dimension sits: padding the tokens of an (N, L, C)
@@ -117,6 +118,25 @@ def _pad(ctx: RuleContext) -> list[TensorInfo]:
 
 
 # ----------------------------------------------------------------------- indexing
+@register_channel_rule(aten.repeat)
+def _repeat(ctx: RuleContext) -> list[TensorInfo]:
+    """``x.repeat(*sizes)``: whole copies of ``x`` side by side along each dim (new leading dims
+    carry none). A dim copied r times holds each of its channels r times, in the same order in
+    every copy (DeBERTa's relative-position keys, one copy per example, beside queries whose
+    heads are merged with the batch): it carries ``x``'s labels and covers tiled r times, so
+    removing a channel removes it from every copy, as the shrunk model's smaller ``x`` does."""
+    x = ctx.info(ctx.args[0])
+    shape = tuple(ctx.out_tensors[0].shape)
+    off = len(shape) - len(x.shape)
+    lab: list[Labels] = [None] * len(shape)
+    cov: list[Labels] = [None] * len(shape)
+    for d, (a, c) in enumerate(zip(x.labels, x.cover, strict=True)):
+        times = shape[d + off] // max(x.shape[d], 1)
+        lab[d + off] = None if a is None else np.tile(a, times)
+        cov[d + off] = None if c is None else np.tile(c, times)
+    return [TensorInfo(shape, lab, cov, param=x.param)]
+
+
 @register_channel_rule(aten.index_select)
 def _index_select(ctx: RuleContext) -> list[TensorInfo]:
     """``x.index_select(dim, index)``: the other dims keep labels and covers (values are

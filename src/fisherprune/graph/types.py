@@ -128,6 +128,13 @@ class HeadSplit:
     inferred: bool = False
     where: str = ""  # the call, for messages
     attributes: tuple[str, ...] = ()
+    #: parts of a fused projection each row holds the head in (q, k and v: 3)
+    parts: int = 1
+
+    @property
+    def head_size(self) -> int:
+        """Channels of one head in one part (what a heads' total width counts per head)."""
+        return int(self.blocks.shape[1]) // self.parts
 
     @property
     def count(self) -> int:
@@ -255,12 +262,14 @@ class RuleContext:
         cv = cover if cover is not None else np.full(labels.size, -1, dtype=np.int64)
         self._consumers.append(ConsumerPoint(labels, cv, what, self.op_index, self.calls))
 
-    def record_heads(self, blocks: np.ndarray, inferred: bool) -> str | None:
+    def record_heads(self, blocks: np.ndarray, inferred: bool, parts: int = 1) -> str | None:
         """This call splits a width into heads, ``blocks`` holding each head's atoms in a row
-        (``inferred``: the call asked for -1 heads). If the module can lose heads, tie each
+        (``inferred``: the call asked for -1 heads; ``parts``: the row holds the head in each
+        of that many parts of a fused projection). If the module can lose heads, tie each
         head's atoms into one channel, record the split and return None; else return why."""
+        head_size = blocks.shape[1] // parts
         verdict = (
-            self._head_attributes(blocks.shape[0], blocks.shape[1], inferred)
+            self._head_attributes(blocks.shape[0], head_size, inferred)
             if self._head_attributes
             else ()
         )
@@ -268,7 +277,8 @@ class RuleContext:
             return verdict
         for row in blocks:
             self.atoms.union_all(row)
-        self._heads.append(HeadSplit(self.module, blocks, inferred, self.where(), verdict))
+        split = HeadSplit(self.module, blocks, inferred, self.where(), verdict, parts)
+        self._heads.append(split)
         return None
 
     def record_query_slots(self, slots: np.ndarray) -> None:
@@ -285,7 +295,7 @@ class RuleContext:
         """Whether the innermost module already split a width into several heads of
         ``head_dim`` channels (the query heads, before a single key/value head is split)."""
         return any(
-            h.module == self.module and h.count > 1 and h.blocks.shape[1] == head_dim
+            h.module == self.module and h.count > 1 and h.head_size == head_dim
             for h in self._heads
         )
 
