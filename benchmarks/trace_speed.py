@@ -1,11 +1,13 @@
-"""How long ``apply_masks`` and ``computational_cost`` take on a ResNet-50-sized network.
+"""How long ``apply_masks`` and ``computational_cost`` take on a ResNet-50-sized network (or,
+with ``--model``, BERT-base, ViT-B/16 or a hierarchical transformer).
 
 What is measured
 ----------------
-A bottleneck ResNet-50 written here by hand (torchvision layout: 7x7 stem, max-pool, stages of
-[3, 4, 6, 3] bottleneck blocks with widths 64..512 and expansion 4, so 256..2048 output
-channels, projection shortcuts, in-place ReLU and ``out += identity``; 25.6 M parameters) on one
-224x224 image (batch 1), CPU, ``torch.set_num_threads`` pinned:
+``--model resnet50`` (the default): a bottleneck ResNet-50 written here by hand (torchvision
+layout: 7x7 stem, max-pool, stages of [3, 4, 6, 3] bottleneck blocks with widths 64..512 and
+expansion 4, so 256..2048 output channels, projection shortcuts, in-place ReLU and
+``out += identity``; 25.6 M parameters) on one 224x224 image (batch 1), CPU,
+``torch.set_num_threads`` pinned:
 
 * ``forward``: one plain ``torch.no_grad`` forward pass (the unit everything else is compared to);
 * ``apply_masks``: tracing + grouping + installing the masks (``remove_masks`` between repeats,
@@ -13,6 +15,12 @@ channels, projection shortcuts, in-place ReLU and ``out += identity``; 25.6 M pa
   ``find_groups``);
 * ``computational_cost``: trace + cost report (total and marginal cost of every channel) on the
   masked model.
+
+``--model bert`` / ``vit``: ``standard_nets``' BERT-base (128 tokens) and ViT-B/16 (224x224),
+one hidden width each. ``--model hierarchical``: four stages of pre-norm blocks of widths
+128-1024 (depths 2, 2, 6, 2, as Swin-B and MViT change width from stage to stage) on 3136 ->
+49 tokens, each stage's width its own hidden-width group: ``apply_masks`` tries every group
+with one shrink, so four hidden widths must not cost four.
 
 Each figure is the median of ``--repeats`` runs (default 3) after one warm-up run. The target is
 ``apply_masks`` under 10 s. ``--profile`` also runs ``apply_masks`` and ``computational_cost``
@@ -28,6 +36,7 @@ import argparse
 import cProfile
 import gc
 import io
+import itertools
 import os
 import platform
 import pstats
@@ -38,7 +47,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+import standard_nets
 import torch
+import torch.nn.functional as F
 from _common import write_json
 from torch import Tensor, nn
 
@@ -105,6 +116,39 @@ class ResNet50(nn.Module):
         return self.fc(torch.flatten(self.avgpool(x), 1))
 
 
+class Hierarchical(nn.Module):
+    """Stages of pre-norm blocks whose width doubles as the tokens quarter (pooled in fours,
+    then a Linear to the next width): each stage's residual width is its own group."""
+
+    def __init__(self, widths: tuple[int, ...] = (128, 256, 512, 1024)) -> None:
+        super().__init__()
+        depths = (2, 2, 6, 2)
+        self.patch = nn.Conv2d(3, widths[0], 4, 4)
+        self.stages = nn.ModuleList(
+            nn.Sequential(*(standard_nets.Block(w, w // 32, 4 * w, True) for _ in range(n)))
+            for w, n in zip(widths, depths, strict=True)
+        )
+        self.merge = nn.ModuleList(nn.Linear(a, b) for a, b in itertools.pairwise(widths))
+        self.norm = nn.LayerNorm(widths[-1])
+        self.head = nn.Linear(widths[-1], 1000)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.patch(x).flatten(2).transpose(1, 2)
+        for i, stage in enumerate(self.stages):
+            if i:
+                h = self.merge[i - 1](F.avg_pool1d(h.transpose(1, 2), 4).transpose(1, 2))
+            h = stage(h)
+        return self.head(self.norm(h).mean(1))
+
+
+def _model(name: str, size: int) -> tuple[nn.Module, Tensor]:
+    """The network ``--model`` names and its example input (batch 1)."""
+    if name == "bert":
+        return standard_nets.build_bert_base(), torch.randint(0, 30522, (1, 128))
+    net = {"resnet50": ResNet50, "vit": standard_nets.build_vit_b16, "hierarchical": Hierarchical}
+    return net[name]().eval(), torch.randn(1, 3, size, size)
+
+
 # -------------------------------------------------------------------- timing
 def _time(fn: Callable[[], Any], repeats: int, between: Callable[[], Any] | None = None) -> dict:
     fn()  # warm-up
@@ -135,18 +179,28 @@ def _profile(fn: Callable[[], Any], top: int) -> str:
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument(
+        "--model", choices=("resnet50", "bert", "vit", "hierarchical"), default="resnet50"
+    )
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--size", type=int, default=224, help="input height and width")
     ap.add_argument("--profile", action="store_true", help="cProfile apply_masks and cost once")
     ap.add_argument("--top", type=int, default=25, help="rows of the profile to print")
-    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results/trace_speed.json")
+    ap.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="JSON path (default results/trace_speed[_<model>].json)",
+    )
     args = ap.parse_args(argv)
+    suffix = "" if args.model == "resnet50" else f"_{args.model}"
+    args.out = args.out or Path(__file__).parent / f"results/trace_speed{suffix}.json"
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    model = ResNet50().eval()
-    x = torch.randn(1, 3, args.size, args.size)
+    model, x = _model(args.model, args.size)
+    model.eval()
     n_params = sum(p.numel() for p in model.parameters())
     with torch.no_grad():
         plain = model(x)
@@ -193,7 +247,7 @@ def main(argv: list[str] | None = None) -> dict:
     fwd = results["forward"]["median_s"]
     load = ", ".join(f"{v:.1f}" for v in os.getloadavg())
     print(
-        f"ResNet-50 ({n_params / 1e6:.1f} M params), input 1x3x{args.size}x{args.size}, "
+        f"{args.model} ({n_params / 1e6:.1f} M params), input {list(x.shape)}, "
         f"{args.threads} threads, median of {args.repeats}; load average {load}"
     )
     print(f"{'step':<22}{'median s':>10}{'x forward':>11}   runs (s)")
@@ -229,7 +283,7 @@ def main(argv: list[str] | None = None) -> dict:
             "cpus": os.cpu_count(),
             "load_average_1_5_15": list(os.getloadavg()),  # other processes share the machine
         },
-        "model": {"name": "resnet50", "params": n_params, "input": [1, 3, args.size, args.size]},
+        "model": {"name": args.model, "params": n_params, "input": list(x.shape)},
         "repeats": args.repeats,
         "results": results,
         "ratios_to_forward": {k: v["median_s"] / fwd for k, v in results.items()},
