@@ -115,22 +115,27 @@ def affine_rule() -> Iterator[None]:
         fp.unregister_shrink_rule(ChannelAffine)
 
 
+@pytest.mark.usefixtures("affine_rule")  # without it the group is kept whole (next test)
 def test_the_custom_layout_is_traced_without_any_rule() -> None:
-    """The tracer follows the module's ops, not its type: dim 1 of the (2, C) weight is in
-    the group conv1 produces."""
+    """The tracer follows the module's ops, not its type (no channel rule): dim 1 of the
+    (2, C) weight is in the group conv1 produces."""
     model, x = _affine_net()
     masks = fp.apply_masks(model, x, strict=True)
     assert ("affine.weight", 1) in _group_params(masks, "conv1")
 
 
-def test_without_shrink_rule_shrink_raises_and_leaves_the_model() -> None:
-    """Without the rule the stale ``channels`` breaks the shrunk forward: ShrinkError, and the
-    masked model still gives its outputs."""
+def test_without_shrink_rule_apply_masks_keeps_the_group_whole_and_says_why() -> None:
+    """Without the rule the stale ``channels`` would break the shrunk forward: apply_masks
+    keeps conv1's group whole (its trial shrink fails), in one line naming the module with no
+    shrink rule, and leaves the model as it was. (A hand-placed mask's ShrinkError is
+    test_rules_transformers'.)"""
     model, x = _affine_net()
-    _masked(model, x)
     before = _out(model, x)
-    with pytest.raises(fp.ShrinkError, match=r"fails on the example inputs \(RuntimeError"):
-        fp.shrink(model, x)
+    masks = fp.apply_masks(model, x)
+    assert not _group_params(masks, "conv1")
+    [skip] = [s for s in masks.skipped if ("affine.weight", 1) in s.params]
+    assert "\n" not in skip.reason and "affine (ChannelAffine)" in skip.reason
+    assert "register_shrink_rule" in skip.reason
     _assert_close(_out(model, x), before)
     assert model.affine.channels == 6
 
