@@ -545,7 +545,7 @@ def test_resume_from_checkpoint_matches_an_uninterrupted_run(split, extra, tmp_p
         ({"flops_weight": "fisher"}, "flops_weight"),
         ({"flops_weight": -1.0}, "flops_weight"),
         ({"convention": "gflops"}, "convention"),
-        ({"score_convention": "latency"}, "score_convention"),
+        ({"score_convention": "seconds"}, "score_convention"),
         ({"min_channels": -1}, "min_channels"),
         ({"round_to": 0}, "round_to"),
         ({"round_to": 1.5}, "round_to"),
