@@ -38,6 +38,18 @@ log = logging.getLogger("fisherprune")
 _TIME_UNITS = (("ms", 1e3), ("us", 1.0), ("s", 1e6))
 
 
+def _time_target(text: str) -> float | None:
+    """Microseconds of a time such as ``"12ms"``, ``"800us"`` or ``"0.5s"``; None if ``text``
+    is not a number followed by one of those units."""
+    for unit, micro in _TIME_UNITS:
+        if text.endswith(unit):
+            try:
+                return float(text.removesuffix(unit).strip()) * micro
+            except ValueError:
+                return None
+    return None
+
+
 def resolve_target(
     flops_target: float | int | str, start_cost: float, convention: str = "flops"
 ) -> float:
@@ -55,19 +67,15 @@ def resolve_target(
     """
     if isinstance(flops_target, str):
         text = flops_target.strip()
-        unit = next(((u, f) for u, f in _TIME_UNITS if text.endswith(u)), None)
-        if unit is not None and not text.endswith("%"):
+        micro = _time_target(text)
+        if micro is not None:
             if convention != "latency":
                 raise ValueError(
-                    f"target {flops_target!r} is a time; a time target needs "
+                    f"flops_target {flops_target!r} is a time; a time target needs "
                     f"convention='latency' (the cost is {convention!r}), or give a percentage"
                 )
-            try:
-                micro = float(text.removesuffix(unit[0])) * unit[1]
-            except ValueError:
-                raise ValueError(f"target {flops_target!r} is not a time such as '12ms'") from None
             if not (micro > 0 and math.isfinite(micro)):
-                raise ValueError(f"target {flops_target!r} must be a positive time")
+                raise ValueError(f"flops_target {flops_target!r} must be a positive time")
             return micro
         try:
             value = float(text.removesuffix("%"))
