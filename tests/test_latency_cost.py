@@ -425,3 +425,33 @@ def test_prune_cli_refuses_a_bad_latency_flag(tmp_path):
     assert cli.code == 2
     assert "--latency_*" in cli.err and "'cpu' or 'cuda" in cli.err
     assert not out.exists()
+
+
+def _fake_seconds_joint(self, rec, dense, shapes):
+    """The fake clock, slower the narrower an operator's narrowest input dimension: a small
+    matrix product's lost efficiency, which no product of one-axis sweeps can express."""
+    n_in = rec.n_inputs
+    narrowest = min((d for s in shapes[:n_in] for d in s[-1:] if d > 0), default=1)
+    return _fake_seconds(self, rec, dense, shapes) * (1 + 4 / narrowest)
+
+
+def test_joint_grid_captures_what_is_not_separable(tmp_path, fake_clock, monkeypatch):
+    """With a clock that is not a product of per-axis factors, the prediction for a layer
+    whose two axes are both narrowed equals the shrunk model's own table when every width
+    is on the joint grid, and the one-axis product alone would be off."""
+    monkeypatch.setattr(lat.OpTimer, "seconds", _fake_seconds_joint)
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 5), nn.ReLU(), nn.Linear(5, 2))
+    x = torch.randn(8, 3)
+    fp.apply_masks(net, x)
+    masks = fp.find_masks(net)
+    for m, keep in zip(masks.values(), (2, 3), strict=True):
+        m.mask[keep:] = 0.0
+    spec = _spec(tmp_path)
+    cm = CostModel(net, x, "latency", latency=spec)
+    middle = next(t.formula for t in cm._terms if t.module == "2" and t.dims)
+    assert middle.joint is not None and np.abs(middle.joint - 1).max() > 0.05  # not vacuous
+    predicted = _operators(cm.report())
+    small = fp.shrink(net)
+    measured = _operators(computational_cost(small, x, "latency", latency=spec))
+    assert predicted == pytest.approx(measured, rel=1e-9)

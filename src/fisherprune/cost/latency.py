@@ -65,6 +65,8 @@ FORMS = ("eager",)
 BLOCK_SECONDS = 2e-3
 #: table file format
 FORMAT = 1
+#: widths per axis of the grid an operator's two widest axes are timed on together
+GRID = 5
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -364,13 +366,17 @@ def sweep_widths(n: int, step: int, points: int) -> list[int]:
 
 
 def _shapes_at(
-    dense: list[tuple[int, ...]], dims: list[tuple[int, int, np.ndarray]], axis: Axis, k: int
+    dense: list[tuple[int, ...]],
+    dims: list[tuple[int, int, np.ndarray]],
+    *kept: tuple[Axis, int],
 ) -> list[tuple[int, ...]]:
-    """The operator's slot shapes with ``axis`` at ``k`` of its channels, others dense."""
+    """The operator's slot shapes with each ``(axis, k)`` of ``kept`` at ``k`` of its
+    channels, other axes dense."""
     shapes = [list(s) for s in dense]
-    for j, removed in axis.removed.items():
-        s, d, _r = dims[j]
-        shapes[s][d] -= int(removed[k])
+    for axis, k in kept:
+        for j, removed in axis.removed.items():
+            s, d, _r = dims[j]
+            shapes[s][d] -= int(removed[k])
     return [tuple(s) for s in shapes]
 
 
@@ -480,6 +486,13 @@ class OpLatency:
     dense: float
     widths: list[np.ndarray]
     seconds: list[np.ndarray]
+    #: for an operator of two or more axes: the two widest (``pair``), a coarse grid of
+    #: their widths (``grid``) and, on it, how far the time departs from the separable
+    #: product (``joint``: 1 where it holds; above 1 where narrow kernels lose efficiency
+    #: together, as a small matrix product does)
+    pair: tuple[int, int] | None = None
+    grid: tuple[np.ndarray, np.ndarray] | None = None
+    joint: np.ndarray | None = None
 
     def __call__(self, kept: torch.Size | tuple[int, ...]) -> float:
         if self.dense <= 0:
@@ -489,7 +502,16 @@ class OpLatency:
         t = self.dense
         for k, w, s in zip(kept, self.widths, self.seconds, strict=True):
             t *= float(np.interp(k, w, s)) / self.dense
+        if self.pair is not None and self.grid is not None and self.joint is not None:
+            t *= _bilinear(self.grid, self.joint, kept[self.pair[0]], kept[self.pair[1]])
         return t
+
+
+def _bilinear(grid: tuple[np.ndarray, np.ndarray], values: np.ndarray, a: float, b: float) -> float:
+    """``values`` (over ``grid[0] x grid[1]``) interpolated bilinearly at ``(a, b)``, held
+    at the edges."""
+    rows = np.array([np.interp(b, grid[1], row) for row in values])
+    return float(np.interp(a, grid[0], rows))
 
 
 def time_op(
@@ -509,7 +531,7 @@ def time_op(
         ks = sweep_widths(axis.n, spec.step, spec.points)
         ts = []
         for k in ks:
-            shapes = _shapes_at(dense, dims, axis, k)
+            shapes = _shapes_at(dense, dims, (axis, k))
             t = timer.seconds(rec, dense, shapes) if t0 is not None else None
             if t is None:  # priced by the elements it moves
                 t = (t0 or 0.0) * _elements(shapes) / max(1, _elements(dense))
@@ -517,7 +539,39 @@ def time_op(
         widths.append(np.asarray(ks, dtype=np.float64))
         # a narrower operator never costs more: the noise that says otherwise is averaged out
         seconds.append(rising(np.asarray(ts, dtype=np.float64)))
-    return OpLatency((t0 or 0.0) / UNIT, widths, seconds)
+    timed = OpLatency((t0 or 0.0) / UNIT, widths, seconds)
+    if len(axes) >= 2 and t0:
+        _time_jointly(timer, rec, dims, dense, axes, timed)
+    return timed
+
+
+def _time_jointly(
+    timer: OpTimer,
+    rec: OpRecord,
+    dims: list[tuple[int, int, np.ndarray]],
+    dense: list[tuple[int, ...]],
+    axes: list[Axis],
+    timed: OpLatency,
+) -> None:
+    """Time ``rec`` with its two widest axes narrowed together, on a grid of ``GRID``
+    widths each, and keep on ``timed`` the ratio of each time to the separable product of
+    the two sweeps (1 on the dense row and column). Where the operator cannot be run at a
+    grid point the ratio is 1."""
+    a, b = sorted(range(len(axes)), key=lambda j: -axes[j].n)[:2]
+    ga = sweep_widths(axes[a].n, timer.spec.step, GRID)
+    gb = sweep_widths(axes[b].n, timer.spec.step, GRID)
+    joint = np.ones((len(ga), len(gb)))
+    for i, ka in enumerate(ga[:-1]):
+        for j, kb in enumerate(gb[:-1]):
+            t = timer.seconds(rec, dense, _shapes_at(dense, dims, (axes[a], ka), (axes[b], kb)))
+            kept = [axis.n for axis in axes]
+            kept[a], kept[b] = ka, kb
+            apart = OpLatency(timed.dense, timed.widths, timed.seconds)(tuple(kept))
+            if t is not None and apart > 0:
+                joint[i, j] = t / UNIT / apart
+    timed.pair = (a, b)
+    timed.grid = (np.asarray(ga, dtype=np.float64), np.asarray(gb, dtype=np.float64))
+    timed.joint = joint
 
 
 def rising(values: np.ndarray) -> np.ndarray:
