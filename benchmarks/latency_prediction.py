@@ -14,7 +14,10 @@ config at 128 tokens; random weights: latency does not depend on them):
    does), no repair; the predicted latency is the ``PruneResult``'s ``cost_after``.
 3. ``fisherprune.shrink`` on a copy, and the dense and shrunk networks timed whole, in eval
    and inference mode, interleaved over ``--rounds`` rounds, the fastest block of each kept
-   (other load only adds time); the error is predicted / measured - 1.
+   (other load only adds time); the error is predicted / measured - 1. On a shared VM the
+   same dense network timed whole a minute apart differs by up to 15-20%; the share (shrunk
+   over dense, both predicted by the table, both measured side by side) cancels that drift,
+   and its error is the check of the table's shape.
 
 Everything runs in one process with ``--threads`` threads and glibc's freed memory retained
 (``retain_freed_memory``), as docs/usage.md advises for serving on CPU.
@@ -115,13 +118,18 @@ def run_model(name: str, args: argparse.Namespace, cache: Path) -> dict[str, Any
             "predicted_us": result.cost_after,
             "measured_us": measured,
             "error": result.cost_after / measured - 1,
+            "predicted_share": result.cost_after / result.cost_before,
             "measured_share": measured / dense,
+            # the share is measured side by side (dense and shrunk alternately): the
+            # machine's drift between the table's timing and now cancels out of it
+            "share_error": (result.cost_after / result.cost_before) / (measured / dense) - 1,
         }
         row[target] = cell
         print(
             f"  {target}: predicted {result.cost_after / 1e3:.2f} ms, measured "
             f"{measured / 1e3:.2f} ms ({cell['error']:+.1%}); dense predicted "
-            f"{result.cost_before / 1e3:.2f}, measured {dense / 1e3:.2f} ms"
+            f"{result.cost_before / 1e3:.2f}, measured {dense / 1e3:.2f} ms; share of the "
+            f"dense predicted {cell['predicted_share']:.1%}, measured {cell['measured_share']:.1%}"
         )
         del pruned, small
     return row
@@ -145,14 +153,16 @@ def main() -> None:
         for name in args.models:
             rows.append(run_model(name, args, Path(cache)))
     print("\n| model | table build (s) | from file (s) | target | predicted (ms) | measured (ms) "
-          "| error |\n|---|---|---|---|---|---|---|")  # fmt: skip
+          "| error | predicted share | measured share | share error |\n"
+          "|---|---|---|---|---|---|---|---|---|---|")  # fmt: skip
     for r in rows:
         for t in args.targets:
             c = r[t]
             print(
                 f"| {r['model']} | {r['table_seconds']:.0f} | {r['cached_seconds']:.1f} | {t} | "
                 f"{c['predicted_us'] / 1e3:.2f} | {c['measured_us'] / 1e3:.2f} | "
-                f"{c['error']:+.1%} |"
+                f"{c['error']:+.1%} | {c['predicted_share']:.1%} | {c['measured_share']:.1%} | "
+                f"{c['share_error']:+.1%} |"
             )
     write_json(
         args.out,

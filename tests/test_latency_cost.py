@@ -3,7 +3,7 @@ predictions checked against the physically shrunk model.
 
 Timing is noisy, so the invariants about predictions replace the clock by a deterministic
 one (``_fake_seconds``: an operator's FLOPs plus the elements it writes, in nanoseconds;
-the whole model "takes" 1 ms):
+the whole model "takes" the sum of its operators, so the scale to the whole is 1):
 what is tested is the table's bookkeeping (axes, sweeps, interpolation, the separable
 product, the cache), with the shrunk model re-traced and re-timed as the reference. A few
 tests time real operators, on tiny shapes, for what needs no exact value.
@@ -11,6 +11,7 @@ tests time real operators, on tiny shapes, for what needs no exact value.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 
@@ -25,8 +26,6 @@ from fisherprune.cost import CostModel, LatencySpec, computational_cost, formula
 from fisherprune.cost import latency as lat
 from fisherprune.graph.types import Slot
 from fisherprune.pruner import resolve_target
-
-OFFSET = "<between operators>"
 
 
 def _fake_seconds(self, rec, dense, shapes):
@@ -50,13 +49,27 @@ def _fake_seconds(self, rec, dense, shapes):
     return (flops + sum(math.prod(s) for s in outs)) * 1e-9
 
 
+def _fake_whole(model, example_inputs, spec, clock=None):
+    """The fake clock's whole model: the sum of its operators' fake times at the traced
+    shapes (so ``latency_scale`` is 1 and a total is the operators' sum)."""
+    from fisherprune.cost.formulas import VIEWS
+    from fisherprune.graph.trace import trace_model
+
+    trace = trace_model(model, example_inputs)
+    clock = clock or _fake_seconds
+    return sum(
+        clock(None, rec, [i.shape for i in rec.slots], [i.shape for i in rec.slots])
+        for rec in trace.ops
+        if not rec.is_mask and getattr(rec.op, "overloadpacket", None) not in VIEWS
+    )
+
+
 @pytest.fixture
 def fake_clock(monkeypatch):
-    monkeypatch.setattr(lat.OpTimer, "seconds", _fake_seconds)
-    monkeypatch.setattr(lat, "whole_model_seconds", lambda *a, **k: 1e-3)
     import fisherprune.cost.model as model_module
 
-    monkeypatch.setattr(model_module, "whole_model_seconds", lambda *a, **k: 1e-3)
+    monkeypatch.setattr(lat.OpTimer, "seconds", _fake_seconds)
+    monkeypatch.setattr(model_module, "whole_model_seconds", _fake_whole)
 
 
 def _spec(tmp_path, **kw) -> LatencySpec:
@@ -64,8 +77,8 @@ def _spec(tmp_path, **kw) -> LatencySpec:
 
 
 def _operators(report) -> float:
-    """The operators' part of a latency total (without the whole-model offset)."""
-    return report.total - report.by_module[OFFSET]
+    """The total of a latency report under the fake clock: the operators' sum (scale 1)."""
+    return report.total
 
 
 def _cnn() -> nn.Module:
@@ -314,8 +327,7 @@ def test_no_formula_registration_for_latency():
 
 def test_prune_to_target_meets_a_latency_target(tmp_path, fake_clock):
     """``prune_to_target(convention="latency")`` stops at or below a "60%" latency target,
-    and the shrunk model's own table agrees with the reported cost (the whole-model offset
-    measured on the dense model added)."""
+    and the shrunk model's own table agrees with the reported cost."""
     net = _cnn()
     x, y = torch.randn(16, 3, 8, 8), torch.randint(0, 5, (16,))
     spec = _spec(tmp_path)
@@ -324,16 +336,17 @@ def test_prune_to_target_meets_a_latency_target(tmp_path, fake_clock):
         latency=spec, reconstruct=False,
     )  # fmt: skip
     assert result.cost_after <= 0.6 * result.cost_before + 1e-6
-    dense = computational_cost(_cnn(), x[:2], "latency", latency=spec)
-    offset = result.cost_before - _operators(dense)
     small = fp.shrink(net)
-    shrunk = _operators(computational_cost(small, x[:2], "latency", latency=spec))
-    assert shrunk + offset == pytest.approx(result.cost_after, rel=1e-9)
+    shrunk = computational_cost(small, x[:2], "latency", latency=spec).total
+    assert shrunk == pytest.approx(result.cost_after, rel=1e-9)
 
 
-def test_pruning_optimizer_takes_a_time_target(tmp_path, fake_clock):
+def test_pruning_optimizer_takes_a_time_target(tmp_path, fake_clock, monkeypatch):
     """``PruningOptimizer(convention="latency", flops_target="...us")`` resolves the time
-    to the convention's microseconds."""
+    to the convention's microseconds, and the start cost is the model timed whole."""
+    import fisherprune.cost.model as model_module
+
+    monkeypatch.setattr(model_module, "whole_model_seconds", lambda *a, **k: 1e-3)
     net, x = _tiny()
     opt = fp.PruningOptimizer(
         net, x, lr=0.1, flops_target="900us", convention="latency", latency=_spec(tmp_path)
@@ -342,13 +355,11 @@ def test_pruning_optimizer_takes_a_time_target(tmp_path, fake_clock):
     assert opt.start_cost == pytest.approx(1000.0)  # the whole model's (patched) 1 ms
 
 
-def test_train_cli_prunes_to_a_latency_target(tmp_path, fake_clock, monkeypatch):
+def test_train_cli_prunes_to_a_latency_target(tmp_path, fake_clock):
     """``fisherprune train --pruning.convention latency`` prunes to a share of the timed
     latency, writes its table where ``--pruning.latency_cache`` says, and its plan records
     the latency convention."""
     from fisherprune.cli.main import main
-
-    _flops_whole(monkeypatch)
 
     rng = np.random.default_rng(0)
     x = rng.normal(size=(120, 4))
@@ -375,24 +386,12 @@ def test_train_cli_prunes_to_a_latency_target(tmp_path, fake_clock, monkeypatch)
     assert plan["cost"]["pruned"] <= 0.7 * plan["cost"]["dense"] + 1e-6
 
 
-def _flops_whole(monkeypatch) -> None:
-    """The fake clock's whole model: twice its FLOPs at 1 ns each (operators dominate)."""
-    import fisherprune.cost.model as model_module
-    from fisherprune.inputs import batch_size
-
-    def whole(model, example, spec):
-        return 2e-9 * computational_cost(model, example, "flops").total * batch_size(example)
-
-    monkeypatch.setattr(model_module, "whole_model_seconds", whole)
-
-
-def test_prune_cli_reports_predicted_and_measured_latency(tmp_path, fake_clock, monkeypatch):
+def test_prune_cli_reports_predicted_and_measured_latency(tmp_path, fake_clock):
     """``fisherprune prune --convention latency`` meets a share of the timed latency and its
     report gives the table's prediction beside the written model timed whole, in ms."""
     from tests.test_cli import run_cli
     from tests.test_cli_prune import _data_and_weights
 
-    _flops_whole(monkeypatch)
     data, weights, _, _ = _data_and_weights(tmp_path)
     out = tmp_path / "out"
     cli = run_cli(
@@ -439,7 +438,14 @@ def test_joint_grid_captures_what_is_not_separable(tmp_path, fake_clock, monkeyp
     """With a clock that is not a product of per-axis factors, the prediction for a layer
     whose two axes are both narrowed equals the shrunk model's own table when every width
     is on the joint grid, and the one-axis product alone would be off."""
+    import fisherprune.cost.model as model_module
+
     monkeypatch.setattr(lat.OpTimer, "seconds", _fake_seconds_joint)
+    monkeypatch.setattr(
+        model_module,
+        "whole_model_seconds",
+        functools.partial(_fake_whole, clock=_fake_seconds_joint),
+    )
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 5), nn.ReLU(), nn.Linear(5, 2))
     x = torch.randn(8, 3)

@@ -12,11 +12,14 @@ convolution's ``C_in * C_out``) and keeping the staircases each axis shows on it
 marginal cost of a channel is then the table's step, so a selection sees that 130 channels
 may cost what 136 do.
 
-What the operators' times do not include (the Python between them, the allocator, caches a
-lone operator keeps warm) is measured once: the dense model is timed whole, and the
-difference to the sum of its operators is a constant term of the cost (``offset``). Widths do
-not change it, so it moves no channel's marginal cost; it makes totals and targets (``"12ms"``,
-``"50%"`` of the measured latency) those of the whole forward.
+What the operators' times alone do not include (the Python between them, caches a lone
+operator keeps warm and a forward pass does not) is measured once: the dense model is timed
+whole, and every operator's time is scaled by the whole over the sum of the operators
+(``CostModel.latency_scale``), so that totals and targets (``"12ms"``, ``"50%"`` of the
+measured latency) are those of the whole forward pass. A constant offset instead would
+have been as large as the sum itself on a small network at batch 1, where a forward pass
+costs several times its operators timed alone and shrinks with them (measured on the
+MobileNetV3 of ``benchmarks/latency_prediction.py``).
 
 Every timing is kept on disk (``cache``), keyed by the operator, its argument shapes and
 dtypes; the file's header names the device, torch version, threads, dtype and form it was
@@ -493,6 +496,8 @@ class OpLatency:
     pair: tuple[int, int] | None = None
     grid: tuple[np.ndarray, np.ndarray] | None = None
     joint: np.ndarray | None = None
+    #: what every time is multiplied by (the model timed whole over its operators alone)
+    scale: float = 1.0
 
     def __call__(self, kept: torch.Size | tuple[int, ...]) -> float:
         if self.dense <= 0:
@@ -504,14 +509,29 @@ class OpLatency:
             t *= float(np.interp(k, w, s)) / self.dense
         if self.pair is not None and self.grid is not None and self.joint is not None:
             t *= _bilinear(self.grid, self.joint, kept[self.pair[0]], kept[self.pair[1]])
-        return t
+        return t * self.scale
 
 
 def _bilinear(grid: tuple[np.ndarray, np.ndarray], values: np.ndarray, a: float, b: float) -> float:
-    """``values`` (over ``grid[0] x grid[1]``) interpolated bilinearly at ``(a, b)``, held
-    at the edges."""
-    rows = np.array([np.interp(b, grid[1], row) for row in values])
-    return float(np.interp(a, grid[0], rows))
+    """``values`` (over ``grid[0] x grid[1]``) interpolated bilinearly in the logarithm of
+    the widths at ``(a, b)``, held at the edges."""
+    la, lb = np.log(grid[0]), np.log(grid[1])
+    rows = np.array([np.interp(math.log(b), lb, row) for row in values])
+    return float(np.interp(math.log(a), la, rows))
+
+
+def joint_widths(n: int, step: int, count: int) -> list[int]:
+    """The widths of an axis of ``n`` channels on the joint grid: every width when there
+    are at most ``count``, else halvings of ``n`` (``n / 2**i``, in steps of ``step``):
+    the efficiency a narrow kernel loses grows as the width falls, so the grid is dense
+    where it is narrow."""
+    if n <= count:
+        return list(range(1, n + 1))
+    widths = {n}
+    for i in range(1, count):
+        w = n / 2**i
+        widths.add(max(step, round(w / step) * step) if w >= step else max(1, int(w)))
+    return sorted(widths)
 
 
 def time_op(
@@ -554,12 +574,12 @@ def _time_jointly(
     timed: OpLatency,
 ) -> None:
     """Time ``rec`` with its two widest axes narrowed together, on a grid of ``GRID``
-    widths each, and keep on ``timed`` the ratio of each time to the separable product of
-    the two sweeps (1 on the dense row and column). Where the operator cannot be run at a
-    grid point the ratio is 1."""
+    widths each (``joint_widths``), and keep on ``timed`` the ratio of each time to the
+    separable product of the two sweeps (1 on the dense row and column). Where the operator
+    cannot be run at a grid point the ratio is 1."""
     a, b = sorted(range(len(axes)), key=lambda j: -axes[j].n)[:2]
-    ga = sweep_widths(axes[a].n, timer.spec.step, GRID)
-    gb = sweep_widths(axes[b].n, timer.spec.step, GRID)
+    ga = joint_widths(axes[a].n, timer.spec.step, GRID)
+    gb = joint_widths(axes[b].n, timer.spec.step, GRID)
     joint = np.ones((len(ga), len(gb)))
     for i, ka in enumerate(ga[:-1]):
         for j, kb in enumerate(gb[:-1]):

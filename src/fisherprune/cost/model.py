@@ -108,7 +108,6 @@ class _Term:
     dims: list[tuple[int, int, np.ndarray]]  # (slot, dim, roots of its indices)
     shapes: list[tuple[int, ...]]
     module: str
-    signed: bool = False  # may be negative (the latency's whole-model offset)
 
 
 class CostModel:
@@ -185,8 +184,9 @@ class CostModel:
         return self._parameter_terms(model) + self._op_terms()
 
     def _timed_terms(self, model: nn.Module, example_inputs: Any, spec: LatencySpec) -> list[_Term]:
-        """One term per traced operator the convention prices, timed per axis; and the
-        whole-model offset: the dense model timed whole, less the sum of its operators."""
+        """One term per traced operator the convention prices, timed per axis, every time
+        scaled by ``latency_scale``: the dense model timed whole over the sum of its
+        operators timed alone."""
         table = LatencyTable.open(spec)
         timer = OpTimer(spec, table)
         terms: list[_Term] = []
@@ -201,12 +201,15 @@ class CostModel:
             whole = whole_model_seconds(model, example_inputs, spec) / UNIT
         table.save()
         summed = sum(self._eval(t, t.shapes) for t in terms)
-        offset = whole - summed
+        #: the model timed whole over its operators timed alone (the Python between them,
+        #: caches a lone operator keeps warm), spread over the operators in proportion
+        self.latency_scale = whole / summed if summed > 0 else 1.0
+        for t in terms:
+            t.formula.scale = self.latency_scale
         log.info(
             "latency: %d operators timed (%d new), sum %.6g us; the model whole %.6g us",
             len(terms), table.measured, summed, whole,
         )  # fmt: skip
-        terms.append(_Term(lambda _s: offset, None, [], [()], "<between operators>", signed=True))
         self.table_path = table.path
         return terms
 
@@ -249,8 +252,7 @@ class CostModel:
 
     def _eval(self, term: _Term, shapes: list[tuple[int, ...]]) -> float:
         if term.op is None:  # a parameter term, or a timed operator's widths
-            value = float(term.formula(torch.Size(shapes[0])))
-            return value if term.signed else max(0.0, value)
+            return max(0.0, float(term.formula(torch.Size(shapes[0]))))
         rec = term.op
 
         def sub(a: Any) -> Any:
