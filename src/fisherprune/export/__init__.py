@@ -11,6 +11,7 @@ from fisherprune.export.latency import (
     retain_freed_memory,
 )
 from fisherprune.export.latency_stats import LatencyComparison, LatencyDistribution, SpeedUp
+from fisherprune.export.manifest import ExportMismatchError, verify_export
 from fisherprune.export.mha import PrunedMultiheadAttention
 from fisherprune.export.modules import register_shrink_rule, unregister_shrink_rule
 from fisherprune.export.plan import PlanMismatchError, PruningPlan
@@ -21,6 +22,7 @@ from fisherprune.export.width_probe import shrink_problem as _shrink_problem  # 
 __all__ = [
     "FORMATS",
     "AOTIModule",
+    "ExportMismatchError",
     "LatencyComparison",
     "LatencyDistribution",
     "PickledObjectsError",
@@ -40,4 +42,5 @@ __all__ = [
     "retain_freed_memory",
     "shrink",
     "unregister_shrink_rule",
+    "verify_export",
 ]
