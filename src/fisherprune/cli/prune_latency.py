@@ -16,7 +16,13 @@ from torch import nn
 
 from fisherprune.calibrate import PruneResult
 from fisherprune.cost import LatencySpec
-from fisherprune.cost.latency import UNIT, spec_fields, whole_model_seconds, with_batch
+from fisherprune.cost.latency import (
+    UNIT,
+    spec_fields,
+    spec_for,
+    whole_model_seconds,
+    with_batch,
+)
 
 __all__ = ["add_latency_arguments", "latency_check", "latency_check_text", "latency_spec"]
 
@@ -53,18 +59,15 @@ def latency_spec(args: argparse.Namespace) -> LatencySpec | None:
     Raises:
         ValueError: a bad latency flag (the message names it).
     """
-    if "latency" not in (args.convention, args.score_convention):
-        return None
-    try:
-        return LatencySpec(
-            device=args.latency_device,
-            batch=args.latency_batch,
-            threads=args.latency_threads,
-            cache=args.latency_cache,
-            step=args.round_to,
-        )
-    except ValueError as e:
-        raise ValueError(f"--latency_*: {e}") from None
+    return spec_for(
+        (args.convention, args.score_convention),
+        "--latency_*",
+        device=args.latency_device,
+        batch=args.latency_batch,
+        threads=args.latency_threads,
+        cache=args.latency_cache,
+        step=args.round_to,
+    )
 
 
 def latency_check(

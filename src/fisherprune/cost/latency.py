@@ -56,6 +56,7 @@ __all__ = [
     "LatencySpec",
     "LatencyTable",
     "default_cache_dir",
+    "spec_for",
     "whole_model_seconds",
     "with_batch",
 ]
@@ -140,6 +141,22 @@ class LatencySpec:
     @property
     def torch_device(self) -> torch.device:
         return torch.device(self.device)
+
+
+def spec_for(conventions: tuple[str | None, ...], what: str, **fields: Any) -> LatencySpec | None:
+    """The ``LatencySpec`` of ``fields`` when one of ``conventions`` is ``latency``, else
+    None (a command's flags or a run's config build it this way).
+
+    Raises:
+        ValueError: a bad field, the message starting with ``what`` (the flags' or fields'
+            name as the user wrote them).
+    """
+    if "latency" not in conventions:
+        return None
+    try:
+        return LatencySpec(**fields)
+    except ValueError as e:
+        raise ValueError(f"{what}: {e}") from None
 
 
 def default_cache_dir() -> Path:

@@ -295,8 +295,7 @@ class RuleContext:
         """Whether the innermost module already split a width into several heads of
         ``head_dim`` channels (the query heads, before a single key/value head is split)."""
         return any(
-            h.module == self.module and h.count > 1 and h.head_size == head_dim
-            for h in self._heads
+            h.module == self.module and h.count > 1 and h.head_size == head_dim for h in self._heads
         )
 
     def record_width(self, labels: np.ndarray) -> None:

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from fisherprune.cost import CONVENTIONS, LatencySpec
+from fisherprune.cost.latency import spec_for
 from fisherprune.export.files import FORMATS
 from fisherprune.pruner.optimizer import resolve_target
 from fisherprune.settings import (
@@ -420,18 +421,15 @@ class TrainConfig:
         Raises:
             ValueError: a bad latency field (named ``pruning_latency_...``).
         """
-        if "latency" not in (self.pruning_convention, self.pruning_score_convention):
-            return None
-        try:
-            return LatencySpec(
-                device=self.pruning_latency_device,
-                batch=self.pruning_latency_batch,
-                threads=self.pruning_latency_threads,
-                cache=self.pruning_latency_cache,
-                step=self.pruning_round_to,
-            )
-        except ValueError as e:
-            raise ValueError(f"pruning_latency: {e}") from None
+        return spec_for(
+            (self.pruning_convention, self.pruning_score_convention),
+            "pruning_latency",
+            device=self.pruning_latency_device,
+            batch=self.pruning_latency_batch,
+            threads=self.pruning_latency_threads,
+            cache=self.pruning_latency_cache,
+            step=self.pruning_round_to,
+        )
 
     def _check_types(self) -> None:
         hints = typing.get_type_hints(type(self))
