@@ -193,10 +193,13 @@ def test_uniform_pruned_model_reloads_from_its_config_to_the_masked_logits(
     and Falcon has one key/value head for four query heads in one fused projection;
     DistilBERT calls its MLP width ``hidden_dim``: they reached 60% (uniform=True pruned
     nothing there when their widths were misread)."""
-    with warnings.catch_warnings():  # T5 stops above 60%: only its MLP and heads may go
+    # T5's floor with uniform=True is 66.9% (only its MLP and heads may go): a lower target
+    # is refused up front, so it is asked for 70%, the others for 60%
+    target = 0.7 if name == "t5" else 0.6
+    with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model, result, x = _pruned(name, 0.6, uniform=True)
-    assert result.cost_after < 0.7 * result.cost_before  # T5 stops at 67%, the others at 60%
+        model, result, x = _pruned(name, target, uniform=True)
+    assert result.cost_after <= target * result.cost_before
     fp.shrink(model, x).save_pretrained(tmp_path)
     back = type(model).from_pretrained(tmp_path).eval()
     with torch.no_grad():

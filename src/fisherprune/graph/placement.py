@@ -207,8 +207,10 @@ def _failing_groups(
     group removed; only when that fails are the groups halved and tried apart, so a model
     whose groups all work costs one trial, not one per group. Where a trial fails with no
     channel removed as well, only the groups of ``must_clear`` (a hidden width, which code
-    often reads off a shape) are reported. Every mask is left as it was."""
-    if not _TRIALS or not masks:
+    often reads off a shape) are reported. Every mask is left as it was. A model on the
+    ``meta`` device has no values to run a trial on: nothing is tried (its masks land where
+    the CPU's do unless a trial would keep a group whole)."""
+    if not _TRIALS or not masks or any(m.mask.device.type == "meta" for m in masks):
         return {}
     saved = [(m.mask.detach().clone(), m.is_all_ones()) for m in masks]
 
