@@ -357,8 +357,8 @@ def test_pruning_optimizer_takes_a_time_target(tmp_path, fake_clock, monkeypatch
 
 def test_train_cli_prunes_to_a_latency_target(tmp_path, fake_clock):
     """``fisherprune train --pruning.convention latency`` prunes to a share of the timed
-    latency, writes its table where ``--pruning.latency_cache`` says, and its plan records
-    the latency convention."""
+    latency, writes its table where ``--pruning.latency_cache`` says, its plan records the
+    latency convention, and result.json gives the prediction beside the model timed whole."""
     from fisherprune.cli.main import main
 
     rng = np.random.default_rng(0)
@@ -384,6 +384,9 @@ def test_train_cli_prunes_to_a_latency_target(tmp_path, fake_clock):
     plan = json.loads((tmp_path / "run" / "export" / "plan.json").read_text())
     assert plan["convention"] == "latency"
     assert plan["cost"]["pruned"] <= 0.7 * plan["cost"]["dense"] + 1e-6
+    check = json.loads((tmp_path / "run" / "result.json").read_text())["latency"]["prediction"]
+    assert check["pruned_predicted_ms"] == pytest.approx(plan["cost"]["pruned"] / 1e3)
+    assert check["pruned_measured_ms"] > 0 and check["spec"]["batch"] == 1
 
 
 def test_prune_cli_reports_predicted_and_measured_latency(tmp_path, fake_clock):

@@ -35,12 +35,7 @@ from fisherprune.calibrate.to_target import ROUND_CAP
 from fisherprune.cli.help import DefaultsFormatter
 from fisherprune.cli.hf_check import check_hf_folder
 from fisherprune.cli.hf_folder import HFFolder
-from fisherprune.cli.prune_latency import (
-    add_latency_arguments,
-    latency_check,
-    latency_check_text,
-    latency_spec,
-)
+from fisherprune.cli.prune_latency import add_latency_arguments, latency_spec
 from fisherprune.cli.prune_length import (
     LengthCost,
     cost_at_length,
@@ -50,6 +45,7 @@ from fisherprune.cli.prune_length import (
 from fisherprune.cli.prune_outputs import HF_FOLDER, REPORT_FILE, check_out, write_outputs
 from fisherprune.cli.prune_phases import FinetuneProgress, PhaseClock, bars_on_terminal_only
 from fisherprune.cost import CONVENTIONS
+from fisherprune.cost.latency import prediction_check, prediction_text
 from fisherprune.distill import finetune, frozen_teacher
 from fisherprune.export.latency import compare_latency, retain_freed_memory
 from fisherprune.export.safe_load import load_plain
@@ -636,7 +632,11 @@ def _prune(args: argparse.Namespace, bars: bool) -> int:
         timed = compare_latency({"dense": dense, "pruned": written.small}, job.batches[0][0])
         speedup = timed.speedup("dense", "pruned")
         predicted = (
-            latency_check(result, dense, written.small, job.example, latency) if latency else None
+            prediction_check(
+                result.cost_before, result.cost_after, dense, written.small, job.example, latency
+            )
+            if latency and result.convention == "latency"
+            else None
         )
         clock.lap("latency", f"{timed.rounds} rounds")
         hf = written.hf
@@ -696,7 +696,7 @@ def _prune(args: argparse.Namespace, bars: bool) -> int:
     )
     print(_groups_line(result))
     if predicted:
-        print(latency_check_text(predicted))
+        print(prediction_text(predicted))
     for line in (written.hf_missing, *(hf.notes if hf else ())):
         if line:
             print(line)

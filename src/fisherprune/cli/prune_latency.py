@@ -10,21 +10,11 @@ the device that serves; the target is then a share of the measured dense latency
 from __future__ import annotations
 
 import argparse
-from typing import Any
 
-from torch import nn
-
-from fisherprune.calibrate import PruneResult
 from fisherprune.cost import LatencySpec
-from fisherprune.cost.latency import (
-    UNIT,
-    spec_fields,
-    spec_for,
-    whole_model_seconds,
-    with_batch,
-)
+from fisherprune.cost.latency import spec_for
 
-__all__ = ["add_latency_arguments", "latency_check", "latency_check_text", "latency_spec"]
+__all__ = ["add_latency_arguments", "latency_spec"]
 
 
 def add_latency_arguments(p: argparse.ArgumentParser) -> None:
@@ -67,40 +57,4 @@ def latency_spec(args: argparse.Namespace) -> LatencySpec | None:
         threads=args.latency_threads,
         cache=args.latency_cache,
         step=args.round_to,
-    )
-
-
-def latency_check(
-    result: PruneResult, dense: nn.Module, small: nn.Module, example: Any, spec: LatencySpec
-) -> dict[str, Any]:
-    """Predicted (the prune's cost, from the table) and measured latency of the written model
-    and of the dense one, in milliseconds, each model timed whole in ``spec`` (dense and
-    shrunk alternately, three times, the fastest kept), and the prediction's error."""
-    inputs = with_batch(example, spec.batch or 1)
-    dense_s, small_s = [], []
-    for _ in range(3):
-        dense_s.append(whole_model_seconds(dense, inputs, spec))
-        small_s.append(whole_model_seconds(small, inputs, spec))
-    ms = UNIT * 1e3  # the convention's unit, in milliseconds
-    measured = min(small_s) * 1e3
-    return {
-        "spec": spec_fields(spec),
-        "dense_predicted_ms": result.cost_before * ms,
-        "dense_measured_ms": min(dense_s) * 1e3,
-        "pruned_predicted_ms": result.cost_after * ms,
-        "pruned_measured_ms": measured,
-        "prediction_error": result.cost_after * ms / measured - 1 if measured > 0 else None,
-    }
-
-
-def latency_check_text(check: dict[str, Any]) -> str:
-    """One line: predicted and measured latency of the written model, at its spec."""
-    spec = check["spec"]
-    err = check["prediction_error"]
-    return (
-        f"latency on {spec['device']} at batch {spec['batch']}: predicted "
-        f"{check['pruned_predicted_ms']:.3f} ms, measured {check['pruned_measured_ms']:.3f} ms"
-        + (f" ({err:+.1%})" if err is not None else "")
-        + f"; dense predicted {check['dense_predicted_ms']:.3f} ms, measured "
-        f"{check['dense_measured_ms']:.3f} ms"
     )

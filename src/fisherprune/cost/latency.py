@@ -56,6 +56,8 @@ __all__ = [
     "LatencySpec",
     "LatencyTable",
     "default_cache_dir",
+    "prediction_check",
+    "prediction_text",
     "spec_for",
     "whole_model_seconds",
     "with_batch",
@@ -662,6 +664,58 @@ def whole_model_seconds(model: torch.nn.Module, example_inputs: Any, spec: Laten
     inputs = Inputs.of(example_inputs).map_leaves(move)
     with eval_mode(model), torch.inference_mode():
         return _measure(lambda: inputs.call(model), _sync(device), 2 * spec.blocks)
+
+
+def prediction_check(
+    predicted_dense: float,
+    predicted: float,
+    dense: torch.nn.Module,
+    small: torch.nn.Module,
+    example_inputs: Any,
+    spec: LatencySpec,
+) -> dict[str, Any]:
+    """The table's prediction (``predicted_dense`` and ``predicted``, in the convention's
+    microseconds) beside the dense and the shrunk model timed whole in ``spec`` (at its
+    batch, the example repeated to it; dense and shrunk alternately, three times each, the
+    fastest kept), in milliseconds, with the prediction's error (predicted over measured,
+    less 1) and both shares of the dense (the share cancels a drift of the machine's speed
+    between the table's timing and now)."""
+    inputs = with_batch(example_inputs, spec.batch or Inputs.of(example_inputs).batch_size)
+    dense_s, small_s = [], []
+    with timing_threads(spec):
+        for _ in range(3):
+            dense_s.append(whole_model_seconds(dense, inputs, spec))
+            small_s.append(whole_model_seconds(small, inputs, spec))
+    ms = UNIT * 1e3
+    measured, measured_dense = min(small_s) * 1e3, min(dense_s) * 1e3
+    return {
+        "spec": spec_fields(spec),
+        "dense_predicted_ms": predicted_dense * ms,
+        "dense_measured_ms": measured_dense,
+        "pruned_predicted_ms": predicted * ms,
+        "pruned_measured_ms": measured,
+        "prediction_error": predicted * ms / measured - 1 if measured > 0 else None,
+        "predicted_share": predicted / predicted_dense if predicted_dense > 0 else None,
+        "measured_share": measured / measured_dense if measured_dense > 0 else None,
+    }
+
+
+def prediction_text(check: dict[str, Any]) -> str:
+    """One line: predicted and measured latency of the shrunk model, at its spec."""
+    spec, err = check["spec"], check["prediction_error"]
+    share = ""
+    if check["predicted_share"] is not None and check["measured_share"] is not None:
+        share = (
+            f"; of the dense: predicted {check['predicted_share']:.1%}, measured "
+            f"{check['measured_share']:.1%}"
+        )
+    return (
+        f"latency on {spec['device']} at batch {spec['batch']}: predicted "
+        f"{check['pruned_predicted_ms']:.3f} ms, measured {check['pruned_measured_ms']:.3f} ms"
+        + (f" ({err:+.1%})" if err is not None else "")
+        + f"; dense predicted {check['dense_predicted_ms']:.3f} ms, measured "
+        f"{check['dense_measured_ms']:.3f} ms{share}"
+    )
 
 
 def spec_fields(spec: LatencySpec) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from fisherprune._errors import first_line
 from fisherprune.cost.conventions import cost_unit
+from fisherprune.cost.latency import prediction_check, prediction_text
 from fisherprune.export import PruningPlan, export_model, shrink
 from fisherprune.export.files import default_file_name
 from fisherprune.export.latency import compare_latency, frozen_for_serving
@@ -105,7 +106,8 @@ def finish_run(config: TrainConfig, run: FinishedRun, out: RunOutput) -> TrainRe
         final_cost=run.final_cost,
         dense_params=sum(p.numel() for p in dense_model.parameters()),
         final_params=sum(p.numel() for p in small.parameters()),
-        latency=_latency(dense_model, small, run.samples, out.progress),
+        latency=_latency(dense_model, small, run.samples, out.progress)
+        | _predicted_latency(run, dense_model, small),
         steps=run.steps,
         prunes=run.prunes,
         dense_learned=run.dense_learned,
@@ -217,6 +219,17 @@ def _note_export_commands(e: OSError, config: TrainConfig, out: RunOutput) -> No
     e.__notes__ = [*getattr(e, "__notes__", ()), note]  # BaseException.add_note from 3.11
 
 
+def _predicted_latency(run: FinishedRun, dense: nn.Module, small: nn.Module) -> dict[str, Any]:
+    """With the ``latency`` convention: ``{"prediction": ...}``, the table's latency of the
+    dense and the pruned model beside both timed whole in the run's ``LatencySpec``
+    (``prediction_check``); else nothing."""
+    cm = run.popt.cost_model
+    if cm.latency is None:
+        return {}
+    check = prediction_check(run.popt.start_cost, cm.total(), dense, small, run.example, cm.latency)
+    return {"prediction": check}
+
+
 def _summary(config: TrainConfig, r: TrainResult, save_dir: Path) -> list[str]:
     """The lines that end a run: dense against pruned, the latency, and the files written."""
     conv = config.pruning_convention
@@ -237,6 +250,8 @@ def _summary(config: TrainConfig, r: TrainResult, save_dir: Path) -> list[str]:
             "latency as served (frozen TorchScript, channels-last for images): "
             + _latency_text(r, "served_")
         )
+    if "prediction" in lat:
+        lines.append(prediction_text(lat["prediction"]))
     lines += [f"WARNING: {w}" for w in r.warnings]
     lines.append("files:")
     lines += [f"  {k}: {v}" for k, v in r.files.items()]
