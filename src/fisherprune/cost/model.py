@@ -153,6 +153,8 @@ class CostModel:
             )
         #: how ``latency`` is timed (None for computed conventions)
         self.latency = (latency or LatencySpec()) if self._counting.measured else None
+        #: ``latency``: the dense model timed whole over its operators timed alone (1 else)
+        self.latency_scale = 1.0
         if self.latency is not None and self.latency.batch is not None:
             example_inputs = with_batch(example_inputs, self.latency.batch)
         self.masks = find_masks(model)
@@ -201,8 +203,8 @@ class CostModel:
             whole = whole_model_seconds(model, example_inputs, spec) / UNIT
         table.save()
         summed = sum(self._eval(t, t.shapes) for t in terms)
-        #: the model timed whole over its operators timed alone (the Python between them,
-        #: caches a lone operator keeps warm), spread over the operators in proportion
+        # what the operators alone miss (the Python between them, caches a lone operator
+        # keeps warm) is spread over them in proportion
         self.latency_scale = whole / summed if summed > 0 else 1.0
         for t in terms:
             t.formula.scale = self.latency_scale
@@ -210,7 +212,6 @@ class CostModel:
             "latency: %d operators timed (%d new), sum %.6g us; the model whole %.6g us",
             len(terms), table.measured, summed, whole,
         )  # fmt: skip
-        self.table_path = table.path
         return terms
 
     def _parameter_terms(self, model: nn.Module) -> list[_Term]:
