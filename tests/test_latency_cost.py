@@ -466,3 +466,15 @@ def test_joint_grid_captures_what_is_not_separable(tmp_path, fake_clock, monkeyp
     small = fp.shrink(net)
     measured = _operators(computational_cost(small, x, "latency", latency=spec))
     assert predicted == pytest.approx(measured, rel=1e-9)
+
+
+def test_timing_on_a_loaded_machine_is_warned_once(tmp_path, monkeypatch, caplog):
+    """Operators timed while the load exceeds the CPU count (their times are cached for
+    later runs) give one warning naming the load and the table file."""
+    monkeypatch.setattr(lat.os, "getloadavg", lambda: (99.0, 99.0, 99.0))
+    net, x = _tiny()
+    with caplog.at_level("WARNING", logger="fisherprune"):
+        CostModel(net, x, "latency", latency=_spec(tmp_path, blocks=1))
+    warned = [r for r in caplog.records if "machine loaded" in r.getMessage()]
+    assert len(warned) == 1 and "load 99.0" in warned[0].getMessage()
+    assert str(tmp_path / "latency") in warned[0].getMessage()

@@ -200,6 +200,7 @@ class LatencyTable:
     path: Path
     entries: dict[str, float] = field(default_factory=dict)
     measured: int = 0  # entries added since it was opened
+    warned: bool = False  # the machine was found loaded while timing (said once)
 
     @classmethod
     def open(cls, spec: LatencySpec) -> LatencyTable:
@@ -276,6 +277,23 @@ class LatencyTable:
                 tmp.unlink()
             log.warning("latency table not saved to %s (%s): it will be timed again", self.path, e)
 
+    def warn_if_loaded(self) -> None:
+        """Once per table: warn when the CPU is busier than its cores while timing, since
+        what is timed now is kept in the table file and read by every later run."""
+        if self.warned or not hasattr(os, "getloadavg"):
+            return
+        load, cpus = os.getloadavg()[0], os.cpu_count() or 1
+        if load > cpus:
+            self.warned = True
+            log.warning(
+                "latency: timing operators with the machine loaded (load %.1f on %d CPUs): "
+                "the times are kept in %s and read by later runs; time on a quiet machine, "
+                "or delete the file to time afresh",
+                load,
+                cpus,
+                self.path,
+            )
+
     def time(
         self, key: str, run: Callable[[], Any], sync: Callable[[], None], blocks: int
     ) -> float:
@@ -283,6 +301,7 @@ class LatencyTable:
         ``blocks`` blocks of at least ``BLOCK_SECONDS``; the fastest) and added."""
         got = self.entries.get(key)
         if got is None:
+            self.warn_if_loaded()
             got = self.entries[key] = _measure(run, sync, blocks)
             self.measured += 1
         return got
@@ -291,10 +310,14 @@ class LatencyTable:
 def _measure(run: Callable[[], Any], sync: Callable[[], None], blocks: int) -> float:
     run()
     sync()
-    t0 = time.perf_counter()
-    run()
-    sync()
-    first = time.perf_counter() - t0
+    # blocks are sized by the fastest of three single calls: one call that waited for a
+    # descheduled thread (milliseconds on a loaded VM) made blocks of one call each
+    first = math.inf
+    for _ in range(3):
+        t0 = time.perf_counter()
+        run()
+        sync()
+        first = min(first, time.perf_counter() - t0)
     calls = max(1, min(10_000, math.ceil(BLOCK_SECONDS / max(first, 1e-7))))
     if first > 20 * BLOCK_SECONDS:  # a slow call: fewer blocks, each of one call
         blocks = max(3, blocks // 2)
