@@ -89,7 +89,8 @@ def test_prune_writes_a_model_that_reloads_to_the_reported_accuracy(tmp_path: Pa
 
 
 def test_label_free_and_finetune_and_no_repair(tmp_path: Path) -> None:
-    """--label_free --no-reconstruct --finetune_steps 20 runs; the report records them."""
+    """--label_free --no-reconstruct --no-recalibrate_norms --finetune_steps 20 runs; the
+    report records them."""
     data, weights, _, _ = _data_and_weights(tmp_path)
     out = tmp_path / "out"
     cli = run_cli(
@@ -107,6 +108,7 @@ def test_label_free_and_finetune_and_no_repair(tmp_path: Path) -> None:
         "0.6",
         "--label_free",
         "--no-reconstruct",
+        "--no-recalibrate_norms",
         "--finetune_steps",
         "20",
         "--out",
@@ -115,6 +117,7 @@ def test_label_free_and_finetune_and_no_repair(tmp_path: Path) -> None:
     assert cli.code == 0, cli.err
     report = json.loads((out / "report.json").read_text())
     assert report["label_free"] and not report["reconstruct"] and report["repaired_layers"] == 0
+    assert report["recalibrate_norms"] is False
     assert report["finetune_steps"] == 20 and report["cost_ratio"] <= 0.6
 
 

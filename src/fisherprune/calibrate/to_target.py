@@ -34,6 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from fisherprune.calibrate.label_free import LabelFreeLoss
+from fisherprune.calibrate.norm_stats import NormStats
 from fisherprune.calibrate.repair import RepairReport, check_passes, repair_consumers
 from fisherprune.cost import CONVENTIONS, CostModel, LatencySpec
 from fisherprune.graph import apply_masks
@@ -355,6 +356,7 @@ def prune_to_target(
     score_convention: str | None = None,
     latency: LatencySpec | None = None,
     reconstruct: bool = True,
+    recalibrate_norms: bool = True,
     task: str = "auto",
     seed: int = 0,
     ridge: float | None = None,
@@ -374,7 +376,9 @@ def prune_to_target(
     Changes: the masks (removed channels set to 0; ``collecting`` turned off at the end) and
     their ``signal`` buffers; with ``reconstruct``, the weights and biases of the repaired
     layers (``RepairReport``). The model comes back masked: ``fisherprune.shrink`` gives
-    the small one. Batch-norm statistics, ``.grad`` and train/eval flags are untouched.
+    the small one. Batch-norm statistics (re-estimated between rounds with
+    ``recalibrate_norms``, then put back, also when the call raises), ``.grad`` and
+    train/eval flags come back as they were.
 
     Args:
         model: a trained network.
@@ -408,6 +412,11 @@ def prune_to_target(
             measured latency).
         reconstruct: refit the layers that read removed channels by least squares, in forward
             order on the pruned, already repaired model's inputs (``calibrate.repair``).
+        recalibrate_norms: before each round after the first, re-estimate the batch norms'
+            running statistics on the calibration inputs through the model as pruned so far,
+            so that the round's signals are measured on a network whose activations have not
+            drifted (``calibrate.norm_stats``; one forward per batch); the dense statistics
+            are put back before the repair. No effect on a model without batch norms.
         task: with ``loss_fn=None``: ``"auto"``, ``"classification"`` or ``"regression"``.
         seed: seed of the label-free sampling.
         ridge: the repair's ridge strength (relative to the mean diagonal of ``X^T X``);
@@ -494,22 +503,29 @@ def prune_to_target(
     )
     result = PruneResult(start, start, goal, convention=convention, kept_whole=whole)
     clock = _PhaseClock()
+    norms = NormStats(model) if recalibrate_norms else None
     g, stuck = 1, False
-    while not stuck and g <= goals:
-        r = result.rounds + 1
-        with clock("signals"):
-            if crit.uses_gradients:
-                bar = _bar(progress, f"signals, round {r} (goal {g}/{goals})")
-                result.examples = estimate_signals(model, masks, data, loss, crit, bar)
-        with clock("selection"):
-            round_goal = goal if g == goals else start * (goal / start) ** (g / goals)
-            before = {n: m.kept for n, m in masks.items()}
-            events, reached = selection.run(model, masks, round_goal, r)
-            stuck = not reached and not selection.can_prune(masks)
-        _warn_collapse(masks, before, r)
-        result.events.extend(events)
-        result.rounds = r
-        g += reached
+    try:
+        while not stuck and g <= goals:
+            r = result.rounds + 1
+            with clock("signals"):
+                if norms is not None and r > 1:
+                    norms.reestimate(data)
+                if crit.uses_gradients:
+                    bar = _bar(progress, f"signals, round {r} (goal {g}/{goals})")
+                    result.examples = estimate_signals(model, masks, data, loss, crit, bar)
+            with clock("selection"):
+                round_goal = goal if g == goals else start * (goal / start) ** (g / goals)
+                before = {n: m.kept for n, m in masks.items()}
+                events, reached = selection.run(model, masks, round_goal, r)
+                stuck = not reached and not selection.can_prune(masks)
+            _warn_collapse(masks, before, r)
+            result.events.extend(events)
+            result.rounds = r
+            g += reached
+    finally:
+        if norms is not None:
+            norms.restore()
     for m in masks.values():
         m.collecting = False
         m.reset_statistics()

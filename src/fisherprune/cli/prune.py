@@ -152,6 +152,13 @@ def prune_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPar
         action="store_false",
         help="skip the least-squares repair",
     )
+    p.add_argument(
+        "--no-recalibrate_norms",
+        dest="recalibrate_norms",
+        action="store_false",
+        help="measure every round's signals with the dense batch-norm statistics (default: "
+        "re-estimated on the calibration data between rounds, then put back)",
+    )
     p.add_argument("--min_channels", type=float, default=1, help="fewest channels a group keeps")
     p.add_argument(
         "--round_to",
@@ -581,6 +588,7 @@ def _prune(args: argparse.Namespace, bars: bool) -> int:
         score_convention=args.score_convention,
         latency=latency,
         reconstruct=args.reconstruct,
+        recalibrate_norms=args.recalibrate_norms,
         task=job.task,
         seed=args.seed,
         progress=bars,
@@ -646,6 +654,7 @@ def _prune(args: argparse.Namespace, bars: bool) -> int:
             "criterion": args.criterion,
             "label_free": job.loss_fn is None,
             "reconstruct": args.reconstruct,
+            "recalibrate_norms": args.recalibrate_norms,
             "round_to": args.round_to,
             "uniform": args.uniform,
             "convention": result.convention,
