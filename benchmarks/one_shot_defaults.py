@@ -27,7 +27,9 @@ default: ``rounds="auto", round_cap=0.25``), ``fisher_one_scoring`` (``rounds=1,
 round_cap=1``: the defaults before issue 31), ``fisher_cap_only`` (``rounds=1,
 round_cap=0.5``), ``fisher_cap50`` (``round_cap=0.5``), ``fisher_rounds_only``
 (``round_cap=1``), ``fisher_rounds8`` (``rounds=8, round_cap=1``), ``fisher_root`` (the
-defaults with the Fisher signal's square root as importance: ``RootFisher``), and ``l1``,
+defaults with the Fisher signal's square root as importance: ``RootFisher``),
+``fisher_no_norms`` (``recalibrate_norms=False``: every round's signals measured with the dense
+batch-norm statistics, the default before), and ``l1``,
 ``taylor``, ``random`` at the defaults. Each cell records test accuracy, the channels kept per
 mask, the smallest kept fraction, the rounds run and its wall time.
 
@@ -252,6 +254,17 @@ def train(net: Net, split: Split, seed: int) -> nn.Module:
     return model.eval()
 
 
+def calibration_batches(split: Split, seed: int) -> list[tuple[Tensor, Tensor]]:
+    """The calibration data of ``seed``: ``CALIBRATION_BATCHES`` batches of ``BATCH`` training
+    examples with their labels, drawn without replacement by a generator seeded ``1000 + seed``."""
+    g = torch.Generator().manual_seed(1000 + seed)
+    pick = torch.randperm(len(split.y_train), generator=g)[: CALIBRATION_BATCHES * BATCH]
+    return [
+        (split.x_train[pick[i : i + BATCH]], split.y_train[pick[i : i + BATCH]])
+        for i in range(0, len(pick), BATCH)
+    ]
+
+
 @torch.no_grad()
 def accuracy(model: nn.Module, split: Split) -> float:
     model.eval()
@@ -279,6 +292,7 @@ METHODS: dict[str, Callable[[int], dict[str, Any]]] = {
     "fisher_rounds_only": lambda seed: {"round_cap": 1.0},
     "fisher_rounds8": lambda seed: {"rounds": 8, "round_cap": 1.0},
     "fisher_root": lambda seed: {"criterion": RootFisher()},
+    "fisher_no_norms": lambda seed: {"recalibrate_norms": False},
     "l1": lambda seed: {"criterion": "l1"},
     "taylor": lambda seed: {"criterion": "taylor"},
     "random": lambda seed: {"criterion": Random(seed)},
@@ -324,12 +338,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             trained = cached_train(name, split, seed)
             trained_seconds.setdefault(name, []).append(time.perf_counter() - t0)
             dense = accuracy(trained, split)
-            g = torch.Generator().manual_seed(1000 + seed)
-            pick = torch.randperm(len(split.y_train), generator=g)[: CALIBRATION_BATCHES * BATCH]
-            batches = [
-                (split.x_train[pick[i : i + BATCH]], split.y_train[pick[i : i + BATCH]])
-                for i in range(0, len(pick), BATCH)
-            ]
+            batches = calibration_batches(split, seed)
             for target in args.targets:
                 for method in args.methods:
                     r = cell(trained, split, batches, target, METHODS[method](seed))
