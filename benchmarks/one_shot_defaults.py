@@ -29,7 +29,9 @@ round_cap=0.5``), ``fisher_cap50`` (``round_cap=0.5``), ``fisher_rounds_only``
 (``round_cap=1``), ``fisher_rounds8`` (``rounds=8, round_cap=1``), ``fisher_root`` (the
 defaults with the Fisher signal's square root as importance: ``RootFisher``),
 ``fisher_no_norms`` (``recalibrate_norms=False``: every round's signals measured with the dense
-batch-norm statistics, the default before), and ``l1``,
+batch-norm statistics, the default before), ``optimizer_one_shot`` (``PruningOptimizer`` with
+``lr=0``, one prune per calibration batch, then the same repair: ``optimizer_cell``), and
+``l1``,
 ``taylor``, ``random`` at the defaults. Each cell records test accuracy, the channels kept per
 mask, the smallest kept fraction, the rounds run and its wall time.
 
@@ -60,7 +62,10 @@ from sklearn.datasets import load_breast_cancer, load_digits
 from torch import Tensor, nn
 
 import fisherprune as fp
+from fisherprune.calibrate import repair_consumers
+from fisherprune.calibrate.to_target import REPAIR_FLOPS
 from fisherprune.criteria import Fisher, Random
+from fisherprune.modes import eval_mode
 from fisherprune.train.models import BasicBlock  # the trainer's own block, same layout
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -293,6 +298,7 @@ METHODS: dict[str, Callable[[int], dict[str, Any]]] = {
     "fisher_rounds8": lambda seed: {"rounds": 8, "round_cap": 1.0},
     "fisher_root": lambda seed: {"criterion": RootFisher()},
     "fisher_no_norms": lambda seed: {"recalibrate_norms": False},
+    "optimizer_one_shot": lambda seed: {"optimizer": True},
     "l1": lambda seed: {"criterion": "l1"},
     "taylor": lambda seed: {"criterion": "taylor"},
     "random": lambda seed: {"criterion": Random(seed)},
@@ -307,6 +313,45 @@ def quality(row: dict[str, Any]) -> float:
     return row.get("quality", row.get("accuracy"))
 
 
+#: the most calibration batches ``optimizer_cell`` feeds (one prune each) before giving up
+OPTIMIZER_STEPS = 3000
+
+
+def optimizer_cell(model: nn.Module, split: Split, batches: list, target: float) -> Any:
+    """``PruningOptimizer`` used one-shot (issue 31, point 3): ``lr=0``, one prune per
+    calibration batch (the batches cycled), each batch's Fisher signal folded into the running
+    estimate before the next removal, in eval mode; then the repair ``prune_to_target`` runs
+    at its defaults, against the dense masks. Changes ``model``; returns a record with the
+    ``PruneResult`` fields ``result_fields`` reads (``rounds``: the prunes made)."""
+    started = time.perf_counter()
+    fp.apply_masks(model, split.x_train[:2])
+    masks = fp.find_masks(model)
+    dense = {n: m.mask.detach().clone() for n, m in masks.items()}
+    opt = fp.PruningOptimizer(model, split.x_train[:2], lr=0.0, momentum=0.0, prune_every=1,
+                              flops_target=target)  # fmt: skip
+    start, steps = opt.cost().total, 0
+    with eval_mode(model):
+        while not opt.finished and steps < OPTIMIZER_STEPS:
+            xb, yb = batches[steps % len(batches)]
+            opt.minimize(F.cross_entropy(model(xb), yb))
+            steps += 1
+    after = opt.cost().total
+    selected = time.perf_counter()
+    if not opt.finished:
+        warnings.warn(f"optimizer_one_shot stopped after {steps} prunes, unfinished", stacklevel=2)
+    repair_consumers(model, batches, dense, budget=REPAIR_FLOPS / start)
+    kept = {n: (m.kept, m.num_channels) for n, m in masks.items()}
+    return argparse.Namespace(
+        ratio=after / start,
+        rounds=steps,
+        seconds=time.perf_counter() - started,
+        phase_seconds={"optimizer": selected - started, "repair": time.perf_counter() - selected},
+        kept=kept,
+        min_kept_fraction=min(k / n for k, n in kept.values()),
+        at_floor=[n for n, (k, _) in kept.items() if k == 1],
+    )
+
+
 def cell(
     trained: nn.Module, split: Split, batches: list, target: float, settings: dict[str, Any]
 ) -> dict[str, Any]:
@@ -314,9 +359,12 @@ def cell(
     model = copy.deepcopy(trained)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        result = fp.prune_to_target(
-            model, split.x_train[:2], batches, target, loss_fn=F.cross_entropy, **settings
-        )
+        if settings.get("optimizer"):
+            result = optimizer_cell(model, split, batches, target)
+        else:
+            result = fp.prune_to_target(
+                model, split.x_train[:2], batches, target, loss_fn=F.cross_entropy, **settings
+            )
     acc = accuracy(model, split)
     return {
         "accuracy": acc,
