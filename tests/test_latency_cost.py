@@ -30,6 +30,12 @@ from fisherprune.pruner import resolve_target
 
 def _fake_seconds(self, rec, dense, shapes):
     """An operator's "time": its FLOPs plus the elements it writes, 1 ns each."""
+    outs = shapes[rec.n_inputs :]
+    return (flops_at(rec, shapes) + sum(math.prod(s) for s in outs)) * 1e-9
+
+
+def flops_at(rec, shapes):
+    """The FLOPs of the traced operator ``rec`` with its slots at ``shapes``."""
     n_in = rec.n_inputs
 
     def sub(a):
@@ -46,7 +52,7 @@ def _fake_seconds(self, rec, dense, shapes):
         out_shape = outs[0] if len(outs) == 1 else tuple(outs)
         kwargs = {k: sub(v) for k, v in rec.kwargs.items()}
         flops = float(f(*sub(rec.args), out_shape=out_shape, **kwargs))
-    return (flops + sum(math.prod(s) for s in outs)) * 1e-9
+    return flops
 
 
 def _fake_whole(model, example_inputs, spec, clock=None):
@@ -66,10 +72,12 @@ def _fake_whole(model, example_inputs, spec, clock=None):
 
 @pytest.fixture
 def fake_clock(monkeypatch):
+    import fisherprune.calibrate.latency_line as line_module
     import fisherprune.cost.model as model_module
 
     monkeypatch.setattr(lat.OpTimer, "seconds", _fake_seconds)
     monkeypatch.setattr(model_module, "whole_model_seconds", _fake_whole)
+    monkeypatch.setattr(line_module, "whole_model_seconds", _fake_whole)
 
 
 def _spec(tmp_path, **kw) -> LatencySpec:
@@ -413,6 +421,7 @@ def test_prune_cli_reports_predicted_and_measured_latency(tmp_path, fake_clock):
     assert check["pruned_measured_ms"] > 0 and check["dense_measured_ms"] > 0
     assert "predicted" in cli.out and "measured" in cli.out
     assert list((tmp_path / "tables").glob("*.json"))
+    assert report["latency_line"]["kept_share"] == 0.5  # the line was tried (fit_latency_line)
 
 
 def test_prune_cli_refuses_a_bad_latency_flag(tmp_path):

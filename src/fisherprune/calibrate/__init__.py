@@ -2,6 +2,7 @@
 loss and the least-squares repair."""
 
 from fisherprune.calibrate.label_free import TASKS, LabelFreeLoss, output_tensor, resolve_task
+from fisherprune.calibrate.latency_line import LatencyLine, fit_latency_line
 from fisherprune.calibrate.repair import REPAIRABLE, RepairReport, repair_consumers
 from fisherprune.calibrate.to_target import PruneResult, estimate_signals, prune_to_target
 
@@ -9,9 +10,11 @@ __all__ = [
     "REPAIRABLE",
     "TASKS",
     "LabelFreeLoss",
+    "LatencyLine",
     "PruneResult",
     "RepairReport",
     "estimate_signals",
+    "fit_latency_line",
     "output_tensor",
     "prune_to_target",
     "repair_consumers",

@@ -34,6 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from fisherprune.calibrate.label_free import LabelFreeLoss
+from fisherprune.calibrate.latency_line import LatencyLine, fit_latency_line
 from fisherprune.calibrate.norm_stats import NormStats
 from fisherprune.calibrate.repair import RepairReport, check_passes, repair_consumers
 from fisherprune.cost import CONVENTIONS, CostModel, LatencySpec
@@ -220,6 +221,8 @@ class PruneResult:
         kept: per mask, the channels it keeps and the channels it had.
         at_floor: the masks pruned down to their floor (``min_channels``, ``round_to``):
             the selection stopped there, not the scores.
+        latency_line: with ``convention="latency"``, the line the cost was fitted to
+            (``fit_latency_line``: the dense model and a shrunk copy timed whole), else None.
     """
 
     cost_before: float
@@ -236,6 +239,7 @@ class PruneResult:
     kept_whole: dict[str, str] = field(default_factory=dict)
     kept: dict[str, tuple[int, int]] = field(default_factory=dict)
     at_floor: list[str] = field(default_factory=list)
+    latency_line: LatencyLine | None = None
 
     @property
     def ratio(self) -> float:
@@ -474,6 +478,7 @@ def prune_to_target(
             score_model = CostModel(
                 model, example_inputs, score_convention, latency=timed[score_convention]
             )
+    line = fit_latency_line(cost_model, model, example_inputs) if convention == "latency" else None
     start = cost_model.total()
     goal = resolve_target(target, start, convention)
     if not 0 < goal < start:
@@ -501,7 +506,8 @@ def prune_to_target(
         set(whole),
         round_cap,
     )
-    result = PruneResult(start, start, goal, convention=convention, kept_whole=whole)
+    result = PruneResult(start, start, goal, convention=convention, kept_whole=whole,
+                         latency_line=line)  # fmt: skip
     clock = _PhaseClock()
     norms = NormStats(model) if recalibrate_norms else None
     g, stuck = 1, False

@@ -16,10 +16,15 @@ What the operators' times alone do not include (the Python between them, caches 
 operator keeps warm and a forward pass does not) is measured once: the dense model is timed
 whole, and every operator's time is scaled by the whole over the sum of the operators
 (``CostModel.latency_scale``), so that totals and targets (``"12ms"``, ``"50%"`` of the
-measured latency) are those of the whole forward pass. A constant offset instead would
-have been as large as the sum itself on a small network at batch 1, where a forward pass
-costs several times its operators timed alone and shrinks with them (measured on the
-MobileNetV3 of ``benchmarks/latency_prediction.py``).
+measured latency) are those of the whole forward pass. That part does not shrink in
+proportion with the operators everywhere: ``fisherprune.calibrate.fit_latency_line`` (run by
+``prune_to_target`` and both commands unless ``LatencySpec.line_at`` is None) times a shrunk
+copy whole too and fits ``slope x operators + offset`` through both sizes, keeping the dense
+total. Neither a scale alone nor an offset alone fits every network: an offset would have
+been as large as the sum itself on a small network at batch 1, where a forward pass costs
+several times its operators timed alone and shrinks with them (the MobileNetV3 of
+``benchmarks/latency_prediction.py``), while BERT-base pruned to a quarter of its operators'
+time ran at a third of the dense model.
 
 Every timing is kept on disk (``cache``), keyed by the operator, its argument shapes and
 dtypes; the file's header names the device, torch version, threads, dtype and form it was
@@ -59,6 +64,7 @@ __all__ = [
     "prediction_check",
     "prediction_text",
     "spec_for",
+    "timing_threads",
     "whole_model_seconds",
     "with_batch",
 ]
@@ -97,6 +103,10 @@ class LatencySpec:
             adds time); each lasts at least ``BLOCK_SECONDS``.
         cache: a folder for the table files, or one ``.json`` file; None: the folder
             ``$FISHERPRUNE_CACHE/latency`` (default ``~/.cache/fisherprune/latency``).
+        line_at: the share of every prunable width kept in a copy of the model that
+            ``fisherprune.calibrate.fit_latency_line`` shrinks and times whole beside the dense
+            model, to fit latency = slope x operators + offset through both (``prune_to_target``
+            and the commands do it); None: the operators scaled in proportion only.
     """
 
     device: str = "cpu"
@@ -108,6 +118,7 @@ class LatencySpec:
     points: int = 16
     blocks: int = 5
     cache: str | os.PathLike[str] | None = None
+    line_at: float | None = 0.5
 
     def __post_init__(self) -> None:
         try:
@@ -129,6 +140,14 @@ class LatencySpec:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
                 raise ValueError(f"LatencySpec.{name} must be an int >= {low}, got {v!r}")
+        if self.line_at is not None and (
+            isinstance(self.line_at, bool)
+            or not isinstance(self.line_at, (int, float))
+            or not 0 < self.line_at < 1
+        ):
+            raise ValueError(
+                f"LatencySpec.line_at must be a share in (0, 1) or None, got {self.line_at!r}"
+            )
         if self.dtype is not None and self.dtype not in _DTYPES:
             raise ValueError(
                 f"LatencySpec.dtype must be one of {', '.join(_DTYPES)} or None, got {self.dtype!r}"
@@ -620,8 +639,10 @@ def _time_jointly(
     separable product of the two sweeps (1 on the dense row and column). Where the operator
     cannot be run at a grid point the ratio is 1."""
     a, b = sorted(range(len(axes)), key=lambda j: -axes[j].n)[:2]
-    ga = joint_widths(axes[a].n, timer.spec.step, GRID)
-    gb = joint_widths(axes[b].n, timer.spec.step, GRID)
+    # only widths the sweeps reach: below an axis' narrowest timed width its sweep is held
+    # flat, and a ratio taken there would be spread by the interpolation to widths above it
+    ga = [w for w in joint_widths(axes[a].n, timer.spec.step, GRID) if w >= timed.widths[a][0]]
+    gb = [w for w in joint_widths(axes[b].n, timer.spec.step, GRID) if w >= timed.widths[b][0]]
     joint = np.ones((len(ga), len(gb)))
     for i, ka in enumerate(ga[:-1]):
         for j, kb in enumerate(gb[:-1]):

@@ -10,6 +10,7 @@ evaluating each operator's formula once per distinct shape change.
 from __future__ import annotations
 
 import logging
+import math
 import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping
@@ -153,8 +154,12 @@ class CostModel:
             )
         #: how ``latency`` is timed (None for computed conventions)
         self.latency = (latency or LatencySpec()) if self._counting.measured else None
-        #: ``latency``: the dense model timed whole over its operators timed alone (1 else)
+        #: ``latency``: what every operator's time is multiplied by: the dense model timed
+        #: whole over its operators timed alone, or the slope of ``set_latency_line`` (1 else)
         self.latency_scale = 1.0
+        #: ``latency``: microseconds per forward pass added to the operators' scaled sum (the
+        #: offset of ``set_latency_line``; 0 else)
+        self.latency_offset = 0.0
         if self.latency is not None and self.latency.batch is not None:
             example_inputs = with_batch(example_inputs, self.latency.batch)
         self.masks = find_masks(model)
@@ -312,7 +317,32 @@ class CostModel:
         e = self.entries() if entries is None else entries
         removed = self.graph.removed(e)
         tot = sum(self._cached_eval(t, self._pruned_shapes(t, removed)) for t in self._terms)
-        return tot / self._counting.divisor(self.trace.batch_size)
+        return tot / self._counting.divisor(self.trace.batch_size) + self.latency_offset
+
+    def set_latency_line(self, slope: float, offset: float) -> None:
+        """``latency`` only: price a mask state at ``slope`` times its operators' summed
+        times alone plus ``offset`` microseconds (``fisherprune.calibrate.fit_latency_line``
+        fits both to the model timed whole at two sizes). Changes: ``latency_scale``,
+        ``latency_offset`` and every timed operator's scale; marginal costs scale with
+        ``slope``.
+
+        Raises:
+            ValueError: another convention, a slope that is not positive or a negative or
+                non-finite offset.
+        """
+        if self.latency is None:
+            raise ValueError(
+                f"set_latency_line needs the latency convention, not {self.convention!r}"
+            )
+        if not (math.isfinite(slope) and slope > 0 and math.isfinite(offset) and offset >= 0):
+            raise ValueError(
+                f"a latency line needs a positive slope and an offset >= 0, got {slope!r} "
+                f"and {offset!r}"
+            )
+        for t in self._terms:
+            t.formula.scale = slope
+        self.latency_scale, self.latency_offset = float(slope), float(offset)
+        self._evals.clear()
 
     def dense_total(self) -> float:
         """Cost per example with every mask entry set to 1."""
@@ -357,7 +387,7 @@ class CostModel:
         for n, m in self.masks.items():
             values.setdefault(n, torch.zeros(m.num_channels, dtype=torch.float64))
         return CostReport(
-            total / per,
+            total / per + self.latency_offset,
             MarginalCosts(values, self._names),
             self.convention,
             {k: v / per for k, v in by_module.items()},

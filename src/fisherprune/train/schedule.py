@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from fisherprune.calibrate.latency_line import fit_latency_line
 from fisherprune.pruner import PruningOptimizer
 from fisherprune.settings import OPTIMIZERS, parse_flops_weight
 from fisherprune.train.config import TrainConfig
@@ -71,9 +72,10 @@ def build_optimizer(
 ) -> PruningOptimizer:
     """The run's ``PruningOptimizer`` over ``model``'s trainable parameters: the inner
     optimizer of ``config.optimizer`` with ``weight_decay``, a prune every ``pruning_iter``
-    steps after ``burn_in``."""
+    steps after ``burn_in``. With the ``latency`` convention its cost is fitted to the model
+    timed whole at two sizes (``fit_latency_line``)."""
     params = [p for p in model.parameters() if p.requires_grad]
-    return PruningOptimizer(
+    opt = PruningOptimizer(
         model,
         example,
         optimizer=inner_optimizer(config.optimizer, params, config, weight_decay),
@@ -90,6 +92,9 @@ def build_optimizer(
         criterion=config.pruning_criterion,
         latency=config.latency_spec(),
     )
+    if config.pruning_convention == "latency":
+        fit_latency_line(opt.cost_model, model, example)
+    return opt
 
 
 def statistics_steps(decay: float) -> int:

@@ -1,0 +1,182 @@
+"""The latency line (issue 32, point 3): ``fit_latency_line`` times the dense model and a
+shrunk copy whole and prices a state at ``slope x operators + offset``.
+
+The clock is a fake (an operator's FLOPs in nanoseconds: bilinear in its widths, which the
+table's sweeps and separable product represent exactly), and a forward pass whole "takes" its
+operators plus a constant ``OVERHEAD``: the line must find that constant, and then predict a
+shrunk model's whole time exactly, where a proportional scale would not."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fisherprune as fp
+import fisherprune.calibrate.latency_line as line_module
+import fisherprune.cost.model as model_module
+from fisherprune.calibrate import fit_latency_line
+from fisherprune.cost import CostModel, LatencySpec
+from fisherprune.cost import latency as lat
+from tests.test_latency_cost import _fake_whole, flops_at
+
+OVERHEAD = 40e-6  # seconds per forward pass between the operators
+
+
+def _flops_seconds(self, rec, dense, shapes):
+    return flops_at(rec, shapes) * 1e-9
+
+
+def _with_overhead(model, example_inputs, spec, clock=None):
+    return _fake_whole(model, example_inputs, spec, _flops_seconds) + OVERHEAD
+
+
+@pytest.fixture
+def overhead_clock(monkeypatch):
+    monkeypatch.setattr(lat.OpTimer, "seconds", _flops_seconds)
+    monkeypatch.setattr(model_module, "whole_model_seconds", _with_overhead)
+    monkeypatch.setattr(line_module, "whole_model_seconds", _with_overhead)
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 24, 3, padding=1), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(24, 5),
+    ).eval()  # fmt: skip
+
+
+def _spec(tmp_path, **kw) -> LatencySpec:
+    return LatencySpec(cache=tmp_path / "latency", threads=1, **kw)
+
+
+def test_the_line_finds_the_overhead_and_keeps_the_dense_total(tmp_path, overhead_clock):
+    net, x = _net(), torch.randn(2, 3, 8, 8)
+    fp.apply_masks(net, x)
+    cm = CostModel(net, x, "latency", latency=_spec(tmp_path))
+    dense = cm.total()
+    line = fit_latency_line(cm, net, x)
+    assert line.fitted and line.reason == ""
+    assert line.slope == pytest.approx(1.0, rel=1e-9)
+    assert line.offset == pytest.approx(OVERHEAD / lat.UNIT, rel=1e-9)
+    assert cm.total() == pytest.approx(dense, rel=1e-12)  # shares of the dense stay put
+    assert line.measured_share > line.operators_share  # the copy shrank less than its ops
+
+
+def test_after_the_line_a_pruned_model_is_predicted_as_timed_whole(tmp_path, overhead_clock):
+    net, x = _net(), torch.randn(2, 3, 8, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = fp.prune_to_target(
+            net, x, [(x, torch.tensor([0, 1]))], "60%", loss_fn=F.cross_entropy,
+            convention="latency", latency=_spec(tmp_path), reconstruct=False,
+        )  # fmt: skip
+    assert result.latency_line is not None and result.latency_line.fitted
+    small = fp.shrink(net)
+    measured = _with_overhead(small, x, None) / lat.UNIT
+    assert result.cost_after == pytest.approx(measured, rel=1e-9)
+    assert result.cost_after <= 0.6 * result.cost_before + 1e-6
+
+
+def test_without_the_line_the_prediction_misses_the_overhead(tmp_path, overhead_clock):
+    """The reference for the test above: ``line_at=None`` keeps the proportional scale,
+    which under-predicts the pruned model by the overhead it scaled down."""
+    net, x = _net(), torch.randn(2, 3, 8, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = fp.prune_to_target(
+            net, x, [(x, torch.tensor([0, 1]))], "60%", loss_fn=F.cross_entropy,
+            convention="latency", latency=_spec(tmp_path, line_at=None), reconstruct=False,
+        )  # fmt: skip
+    assert result.latency_line is not None and not result.latency_line.fitted
+    measured = _with_overhead(fp.shrink(net), x, None) / lat.UNIT
+    assert result.cost_after < measured * (1 - 1e-3)
+
+
+def test_a_copy_faster_than_its_operators_keeps_the_proportion(tmp_path, monkeypatch):
+    """A whole time that falls faster than the operators (here: their square, scaled to the
+    dense) would need a negative offset: the proportional scale is kept, and said why."""
+    net, x = _net(), torch.randn(2, 3, 8, 8)
+    fp.apply_masks(net, x)
+    dense_ops = _fake_whole(net, x, None, _flops_seconds)
+
+    def superlinear(model, example_inputs, spec, clock=None):
+        return _fake_whole(model, example_inputs, spec, _flops_seconds) ** 2 / dense_ops
+
+    monkeypatch.setattr(lat.OpTimer, "seconds", _flops_seconds)
+    monkeypatch.setattr(model_module, "whole_model_seconds", superlinear)
+    monkeypatch.setattr(line_module, "whole_model_seconds", superlinear)
+    cm = CostModel(net, x, "latency", latency=_spec(tmp_path))
+    scale = cm.latency_scale
+    line = fit_latency_line(cm, net, x)
+    assert not line.fitted and "no line" in line.reason
+    assert (cm.latency_scale, cm.latency_offset) == (scale, 0.0)
+
+
+def test_a_copy_that_cannot_be_shrunk_keeps_the_proportion_with_a_warning(
+    tmp_path, overhead_clock, monkeypatch
+):
+    net, x = _net(), torch.randn(2, 3, 8, 8)
+    fp.apply_masks(net, x)
+    cm = CostModel(net, x, "latency", latency=_spec(tmp_path))
+
+    def refuse(*args, **kwargs):
+        raise ValueError("no shrink rule for this module")
+
+    monkeypatch.setattr(line_module, "shrink", refuse)
+    with pytest.warns(UserWarning, match="latency line not fitted.*no shrink rule"):
+        line = fit_latency_line(cm, net, x)
+    assert not line.fitted and cm.latency_offset == 0.0
+
+
+def test_fitting_gives_the_masks_back_as_they_were(tmp_path, overhead_clock):
+    net, x = _net(), torch.randn(2, 3, 8, 8)
+    fp.apply_masks(net, x)
+    masks = fp.find_masks(net)
+    first = next(iter(masks.values()))
+    first.mask[3:7] = 0.0  # a model already part pruned
+    before = {n: m.mask.clone() for n, m in masks.items()}
+    weights = {k: v.clone() for k, v in net.state_dict().items()}
+    cm = CostModel(net, x, "latency", latency=_spec(tmp_path))
+    fit_latency_line(cm, net, x)
+    assert all(torch.equal(masks[n].mask, v) for n, v in before.items())
+    assert all(torch.equal(net.state_dict()[k], v) for k, v in weights.items())
+
+
+def test_set_latency_line_refuses_what_is_not_a_line(tmp_path, overhead_clock):
+    net, x = _net(), torch.randn(2, 3, 8, 8)
+    fp.apply_masks(net, x)
+    cm = CostModel(net, x, "latency", latency=_spec(tmp_path))
+    for slope, offset in ((0.0, 1.0), (1.0, -1.0), (float("nan"), 0.0)):
+        with pytest.raises(ValueError, match="positive slope"):
+            cm.set_latency_line(slope, offset)
+    with pytest.raises(ValueError, match="latency convention"):
+        CostModel(net, x).set_latency_line(1.0, 0.0)
+
+
+@pytest.mark.parametrize("bad", [0.0, 1.0, 1.5, True, "half"])
+def test_bad_line_at_is_refused(bad):
+    with pytest.raises(ValueError, match="line_at"):
+        LatencySpec(line_at=bad)
+
+
+def test_a_bilinear_clock_is_predicted_exactly_at_every_width(tmp_path, overhead_clock):
+    """Operators whose time is bilinear in their widths are predicted exactly at widths the
+    sweeps interpolate, also below the joint grid's narrowest rows (the grid once took
+    ratios where a sweep was held flat, and spread them to widths above)."""
+    net, x = _net(), torch.randn(2, 3, 8, 8)
+    fp.apply_masks(net, x)
+    cm = CostModel(net, x, "latency", latency=_spec(tmp_path, step=8))
+    cm.set_latency_line(1.0, 0.0)
+    first, second = fp.find_masks(net).values()
+    for k1, k2 in ((16, 12), (9, 20), (4, 12), (12, 9)):
+        first.mask.fill_(1.0)
+        second.mask.fill_(1.0)
+        first.mask[k1:] = 0.0
+        second.mask[k2:] = 0.0
+        small = fp.shrink(net)
+        want = _fake_whole(small, x, None, _flops_seconds) / lat.UNIT
+        assert cm.total() == pytest.approx(want, rel=1e-9), (k1, k2)
