@@ -11,12 +11,16 @@ config at 128 tokens; random weights: latency does not depend on them):
    the saved table (the "second run" of the issue).
 2. ``prune_to_target`` to 50% and to 25% of the predicted dense latency, by the weights' L1
    norm (no calibration gradients needed: the selection does not matter here, the prediction
-   does), no repair; the predicted latency is the ``PruneResult``'s ``cost_after``.
+   does), no repair; the predicted latency is the ``PruneResult``'s ``cost_after``, priced on
+   the line ``fit_latency_line`` fits through the dense model and a copy with half of every
+   width, both timed whole (recorded per cell: ``line``; ``--no-line`` for the operators
+   scaled in proportion only, as before).
 3. ``fisherprune.shrink`` on a copy, and the dense and shrunk networks timed whole, in eval
    and inference mode, interleaved over ``--rounds`` rounds, the fastest block of each kept
    (other load only adds time); the error is predicted / measured - 1. On a shared VM the
    same dense network timed whole a minute apart differs by up to 15-20%; the share (shrunk
-   over dense, both predicted by the table, both measured side by side) cancels that drift,
+   over dense, both predicted by the table; measured as the median of the rounds' shrunk
+   over dense, each pair timed one after the other, with its quartiles) cancels that drift,
    and its error is the check of the table's shape.
 
 Everything runs in one process with ``--threads`` threads and glibc's freed memory retained
@@ -37,6 +41,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -87,7 +92,8 @@ def run_model(name: str, args: argparse.Namespace, cache: Path) -> dict[str, Any
     torch.manual_seed(0)
     model, example = MODELS[name](args.batch)
     fp.apply_masks(model, example)
-    spec = LatencySpec(threads=args.threads, cache=cache, step=args.round_to, points=args.points)
+    spec = LatencySpec(threads=args.threads, cache=cache, step=args.round_to, points=args.points,
+                       line_at=None if args.no_line else 0.5)  # fmt: skip
     t0 = time.perf_counter()
     CostModel(model, example, "latency", latency=spec)
     build = time.perf_counter() - t0
@@ -111,6 +117,9 @@ def run_model(name: str, args: argparse.Namespace, cache: Path) -> dict[str, Any
             small_s.append(whole_model_seconds(small, example, spec))
         measured = min(small_s) * 1e6
         dense = min(dense_s) * 1e6
+        # the share by round (each round's pair saw the same load): its median and quartiles
+        shares = [b / a for a, b in zip(dense_s, small_s, strict=True)]
+        q1, share, q3 = (float(q) for q in np.quantile(shares, [0.25, 0.5, 0.75]))
         cell = {
             "target": target,
             "predicted_dense_us": result.cost_before,
@@ -119,10 +128,12 @@ def run_model(name: str, args: argparse.Namespace, cache: Path) -> dict[str, Any
             "measured_us": measured,
             "error": result.cost_after / measured - 1,
             "predicted_share": result.cost_after / result.cost_before,
-            "measured_share": measured / dense,
+            "measured_share": share,
+            "measured_share_iqr": [q1, q3],
             # the share is measured side by side (dense and shrunk alternately): the
             # machine's drift between the table's timing and now cancels out of it
-            "share_error": (result.cost_after / result.cost_before) / (measured / dense) - 1,
+            "share_error": (result.cost_after / result.cost_before) / share - 1,
+            "line": result.latency_line.as_dict() if result.latency_line else None,
         }
         row[target] = cell
         print(
@@ -142,8 +153,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--round_to", type=int, default=8)
     parser.add_argument("--points", type=int, default=16)
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--targets", nargs="+", default=["50%", "25%"])
+    parser.add_argument("--no-line", action="store_true", help="operators in proportion only")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -153,7 +165,7 @@ def main() -> None:
         for name in args.models:
             rows.append(run_model(name, args, Path(cache)))
     print("\n| model | table build (s) | from file (s) | target | predicted (ms) | measured (ms) "
-          "| error | predicted share | measured share | share error |\n"
+          "| error | predicted share | measured share (IQR) | share error |\n"
           "|---|---|---|---|---|---|---|---|---|---|")  # fmt: skip
     for r in rows:
         for t in args.targets:
@@ -161,7 +173,8 @@ def main() -> None:
             print(
                 f"| {r['model']} | {r['table_seconds']:.0f} | {r['cached_seconds']:.1f} | {t} | "
                 f"{c['predicted_us'] / 1e3:.2f} | {c['measured_us'] / 1e3:.2f} | "
-                f"{c['error']:+.1%} | {c['predicted_share']:.1%} | {c['measured_share']:.1%} | "
+                f"{c['error']:+.1%} | {c['predicted_share']:.1%} | {c['measured_share']:.1%} "
+                f"({c['measured_share_iqr'][0]:.1%}-{c['measured_share_iqr'][1]:.1%}) | "
                 f"{c['share_error']:+.1%} |"
             )
     write_json(

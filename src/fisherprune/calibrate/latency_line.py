@@ -8,13 +8,15 @@ ViT-B/16 at 29.4% for 24.4% (``benchmarks/latency_prediction.py``, before this m
 
 ``fit_latency_line`` therefore times a second size: a copy of the model with ``line_at`` (a
 share, ``LatencySpec.line_at``) of every mask's channels kept, shrunk, timed whole beside the
-dense model (alternately, the fastest of each kept, so that a drift of the machine's speed
-cancels out of their ratio ``mu``). With ``S`` the operators' summed times alone and ``W`` the
-dense total the table already predicts, the cost becomes ``slope * S + offset``, the line
-through ``(S_dense, W)`` and ``(S_copy, mu * W)``. The dense total, and with it every target
-given as a share, is unchanged; narrower states cost more than in proportion when the offset
-is positive. A copy that is relatively faster than its operators (offset below 0) keeps the
-proportional scale, as does a model whose copy cannot be shrunk (a warning says why).
+dense model (one after the other, ``ROUNDS`` times; ``mu`` is the median of the rounds'
+ratios, so that a drift of the machine's speed cancels out of it). With ``S`` the operators'
+summed times alone and ``W`` the dense total the table already predicts, the cost becomes
+``slope * S + offset``, the line through ``(S_dense, W)`` and ``(S_copy, mu * W)``. The dense
+total, and with it every target given as a share, is unchanged, and a state's share of it,
+``1 - (1 - mu) (S_dense - S) / (S_dense - S_copy)``, depends on ``mu`` and the operators
+only; narrower states cost more than in proportion when the offset is positive. A copy that
+is relatively faster than its operators (offset below 0) keeps the proportional scale, as
+does a model whose copy cannot be shrunk (a warning says why).
 """
 
 from __future__ import annotations
@@ -36,8 +38,9 @@ from fisherprune.masks import find_masks
 
 __all__ = ["LatencyLine", "fit_latency_line"]
 
-#: dense and shrunk copy timed alternately this many times each (the fastest of each kept)
-ROUNDS = 3
+#: rounds of the dense model and the shrunk copy timed one after the other; their ratio is the
+#: median of the rounds' ratios (a round that a burst of other load slowed stays an outlier)
+ROUNDS = 5
 
 
 @dataclass
@@ -151,12 +154,12 @@ def fit_latency_line(cost_model: CostModel, model: nn.Module, example_inputs: An
         warnings.warn(f"latency line not fitted: {line.reason}; operators in proportion",
                       stacklevel=2)  # fmt: skip
         return line
-    dense_s, small_s = [], []
+    ratios = []
     with timing_threads(spec):
         for _ in range(ROUNDS):
-            dense_s.append(_dense_timed(model, inputs, spec))
-            small_s.append(whole_model_seconds(small, inputs, spec))
-    mu = min(small_s) / min(dense_s)
+            dense = _dense_timed(model, inputs, spec)
+            ratios.append(whole_model_seconds(small, inputs, spec) / dense)
+    mu = float(np.median(ratios))
     line.measured_share = mu
     slope = whole * (1 - mu) / (s_dense - s_copy)
     fitted_offset = whole - slope * s_dense
