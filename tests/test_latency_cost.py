@@ -394,7 +394,9 @@ def test_train_cli_prunes_to_a_latency_target(tmp_path, fake_clock):
     plan = json.loads((tmp_path / "run" / "export" / "plan.json").read_text())
     assert plan["convention"] == "latency"
     assert plan["cost"]["pruned"] <= 0.7 * plan["cost"]["dense"] + 1e-6
-    check = json.loads((tmp_path / "run" / "result.json").read_text())["latency"]["prediction"]
+    latency = json.loads((tmp_path / "run" / "result.json").read_text())["latency"]
+    assert latency["line"]["slope"] > 0 and latency["line"]["offset_us"] >= 0
+    check = latency["prediction"]
     assert check["pruned_predicted_ms"] == pytest.approx(plan["cost"]["pruned"] / 1e3)
     assert check["pruned_measured_ms"] > 0 and check["spec"]["batch"] == 1
 

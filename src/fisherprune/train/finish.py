@@ -220,14 +220,18 @@ def _note_export_commands(e: OSError, config: TrainConfig, out: RunOutput) -> No
 
 
 def _predicted_latency(run: FinishedRun, dense: nn.Module, small: nn.Module) -> dict[str, Any]:
-    """With the ``latency`` convention: ``{"prediction": ...}``, the table's latency of the
-    dense and the pruned model beside both timed whole in the run's ``LatencySpec``
-    (``prediction_check``); else nothing."""
+    """With the ``latency`` convention: ``{"prediction": ..., "line": ...}``, the table's
+    latency of the dense and the pruned model beside both timed whole in the run's
+    ``LatencySpec`` (``prediction_check``), and the slope and offset (microseconds) that priced
+    the operators (``fit_latency_line``; offset 0: in proportion); else nothing."""
     cm = run.popt.cost_model
     if cm.latency is None:
         return {}
     check = prediction_check(run.popt.start_cost, cm.total(), dense, small, run.example, cm.latency)
-    return {"prediction": check}
+    return {
+        "prediction": check,
+        "line": {"slope": cm.latency_scale, "offset_us": cm.latency_offset},
+    }
 
 
 def _summary(config: TrainConfig, r: TrainResult, save_dir: Path) -> list[str]:
