@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -82,35 +84,23 @@ def _cut_entries(cost_model: CostModel, share: float) -> tuple[np.ndarray, dict[
     return entries, kept
 
 
-@torch.no_grad()
-def _shrunk_copy(model: nn.Module, kept: dict[str, int], example_inputs: Any) -> nn.Module:
-    """A shrunk copy of ``model`` with each mask of ``kept`` keeping its first channels; the
-    model's masks are given back as they were."""
+@contextmanager
+def _masks_kept(model: nn.Module, kept: dict[str, int]) -> Iterator[None]:
+    """For the block, every mask of ``model`` at one except those named in ``kept``, which keep
+    their first ``kept[name]`` channels; the masks are given back after, also on an error."""
     masks = find_masks(model)
     saved = {n: m.mask.detach().clone() for n, m in masks.items()}
     try:
-        for name, m in masks.items():
-            m.mask.fill_(1.0)
-            if name in kept:
-                m.mask[kept[name] :] = 0.0
-        return shrink(model, example_inputs, check=False)
+        with torch.no_grad():
+            for name, m in masks.items():
+                m.mask.fill_(1.0)
+                if name in kept:
+                    m.mask[kept[name] :] = 0.0
+        yield
     finally:
-        for name, m in masks.items():
-            m.mask.copy_(saved[name])
-
-
-@torch.no_grad()
-def _dense_timed(model: nn.Module, inputs: Any, spec: Any) -> float:
-    """``model`` timed whole with every mask at one (the masks are given back)."""
-    masks = find_masks(model)
-    saved = {n: m.mask.detach().clone() for n, m in masks.items()}
-    try:
-        for m in masks.values():
-            m.mask.fill_(1.0)
-        return whole_model_seconds(model, inputs, spec)
-    finally:
-        for name, m in masks.items():
-            m.mask.copy_(saved[name])
+        with torch.no_grad():
+            for name, m in masks.items():
+                m.mask.copy_(saved[name])
 
 
 def fit_latency_line(cost_model: CostModel, model: nn.Module, example_inputs: Any) -> LatencyLine:
@@ -148,16 +138,17 @@ def fit_latency_line(cost_model: CostModel, model: nn.Module, example_inputs: An
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            small = _shrunk_copy(model, kept, inputs)
+            with _masks_kept(model, kept):
+                small = shrink(model, inputs, check=False)
     except Exception as e:  # any model shrink refuses at these widths keeps the proportion
         line.reason = f"the copy with {spec.line_at:g} of every width was not shrunk ({e})"
         warnings.warn(f"latency line not fitted: {line.reason}; operators in proportion",
                       stacklevel=2)  # fmt: skip
         return line
     ratios = []
-    with timing_threads(spec):
+    with timing_threads(spec), _masks_kept(model, {}):  # the model itself, dense
         for _ in range(ROUNDS):
-            dense = _dense_timed(model, inputs, spec)
+            dense = whole_model_seconds(model, inputs, spec)
             ratios.append(whole_model_seconds(small, inputs, spec) / dense)
     mu = float(np.median(ratios))
     line.measured_share = mu
