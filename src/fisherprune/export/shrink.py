@@ -9,6 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from fisherprune._errors import first_line
+from fisherprune.export.carry import OptimizerCarry, inner_optimizer
 from fisherprune.export.modules import has_shrink_rule
 from fisherprune.export.plan import PruningPlan
 from fisherprune.inputs import Inputs, eval_outputs
@@ -31,6 +32,7 @@ def shrink(
     *,
     inplace: bool = False,
     check: bool = True,
+    optimizer: Any = None,
 ) -> nn.Module:
     """Return the physically smaller network: pruned channels removed, no masks left.
 
@@ -39,6 +41,12 @@ def shrink(
     from its producers and consumers (conv in/out, depthwise and grouped conv with
     ``groups`` updated, BatchNorm, GroupNorm, Linear, flatten into Linear, biases);
     module metadata follows; the model's class and forward code are kept.
+
+    With ``optimizer`` (a ``torch.optim.Optimizer`` over the model's parameters, or the
+    ``PruningOptimizer`` that pruned it, once it has finished) training goes on on the smaller
+    model: the optimizer's parameter groups get the shrunk parameters and their state (momentum
+    buffers, Adam's moments) sliced as the weights were, so its next steps move the kept
+    weights as they would have moved in the masked model, at the cost of the smaller one.
 
     Postconditions, checked when ``check`` (default): in eval mode the shrunk model
     gives the masked model's output on ``example_inputs``; it has no more
@@ -50,25 +58,50 @@ def shrink(
             inputs or a dict of keyword inputs); defaults to those kept by ``apply_masks``.
         inplace: shrink ``model`` itself instead of a copy.
         check: verify the postconditions.
+        optimizer: an optimizer to carry over to the shrunk parameters (needs ``inplace``).
 
     Returns:
         The shrunk model (``model`` itself when ``inplace``).
 
     Raises:
-        ValueError: no masks, no example inputs, or a zeroed channel that cannot be
-            removed exactly (the message says which and why).
+        ValueError: no masks, no example inputs, a zeroed channel that cannot be removed
+            exactly (the message says which and why), ``optimizer`` without ``inplace``, a
+            ``PruningOptimizer`` that has not finished, or an optimizer state that cannot be
+            sliced (nothing changed then).
         ShrinkError: a postcondition failed; with ``inplace=False`` nothing changed.
     """
+    if optimizer is not None:
+        _check_carry(optimizer, inplace)
     example_inputs = remembered_inputs(model, example_inputs)
     plan = PruningPlan.from_model(model, example_inputs)
+    carry = OptimizerCarry.prepare(model, plan, optimizer) if optimizer is not None else None
     with no_fold(model):  # reading the masked model must not zero its weights
         ref = _comparable_outputs(model, example_inputs) if check else None
     n_before = sum(p.numel() for p in model.parameters())  # masks hold buffers, not parameters
     target = model if inplace else copy.deepcopy(model)
     plan.apply(target)
+    if carry is not None:  # before the check: a failed check leaves the two consistent
+        carry.apply(target)
+        mark = getattr(optimizer, "mark_shrunk", None)
+        if mark is not None:
+            mark()
     if check:
         _check(target, example_inputs, ref, n_before, list(plan.modules))
     return target
+
+
+def _check_carry(optimizer: Any, inplace: bool) -> None:
+    if not inplace:
+        raise ValueError(
+            "shrink(optimizer=...) hands the optimizer the shrunk parameters, which exist only "
+            "when the model itself is shrunk: pass inplace=True"
+        )
+    inner_optimizer(optimizer)  # a TypeError naming what was given
+    if getattr(optimizer, "finished", True) is False:
+        raise ValueError(
+            "the PruningOptimizer has not finished pruning: shrinking now would take its masks "
+            "away mid-schedule; shrink once popt.finished is True"
+        )
 
 
 def _check(

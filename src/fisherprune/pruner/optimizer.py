@@ -273,6 +273,13 @@ class PruningOptimizer:
         self.history: list[PruneEvent] = []
         self.finished = False
         self._finish_logged = False  # the reason pruning finished was logged (once per run)
+        #: the model was shrunk in place after pruning finished (``shrink(..., optimizer=)``):
+        #: its masks are gone from it, and ``masks`` keep what was pruned (for ``cost``,
+        #: ``state_dict``)
+        self.shrunk = False
+        #: the wrapped optimizer's state of a shrunk run loaded before the model was shrunk
+        #: again (``load_state_dict``): loaded by ``mark_shrunk``
+        self._pending_optimizer_state: dict[str, Any] | None = None
         self._set_collecting(True)
         for m in self.masks.values():  # known from here on: not read back in the first step
             m.is_all_ones()  # (after a .to() or DDP's broadcast, which rewrite the buffers)
@@ -491,10 +498,24 @@ class PruningOptimizer:
             warnings.warn(msg, RuntimeWarning, stacklevel=3)
 
     # ----------------------------------------------------------------- state
+    def mark_shrunk(self) -> None:
+        """Record that the model was shrunk in place with this optimizer's state carried over
+        (``fisherprune.shrink(model, inplace=True, optimizer=self)`` calls it): pruning is over
+        for good. A wrapped-optimizer state that ``load_state_dict`` held back (a resumed run
+        saved after its shrink) is loaded now, into the shrunk parameters. Changes:
+        ``shrunk``, and the wrapped optimizer's state when one was held back."""
+        self.shrunk = True
+        self.finished = True
+        self._set_collecting(False)
+        pending, self._pending_optimizer_state = self._pending_optimizer_state, None
+        if pending is not None:
+            self.optimizer.load_state_dict(pending)
+
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume: counter, masks, signals, history, inner optimizer."""
         return {
             "counter": self.counter,
+            "shrunk": self.shrunk,
             "finished": self.finished,
             "finish_logged": self._finish_logged,
             "target": self.target,
@@ -522,6 +543,12 @@ class PruningOptimizer:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a ``state_dict()``: masks and signals are copied into the buffers in place.
 
+        A state saved after the model was shrunk in place (``shrink(..., optimizer=self)``)
+        restores the masks of the pruned model; its wrapped-optimizer state fits the shrunk
+        parameters only, so it is held back until the model is shrunk again, with
+        ``fisherprune.shrink(model, inplace=True, optimizer=self)`` (then
+        ``model.load_state_dict`` of the saved shrunk weights).
+
         Raises:
             ValueError: the saved masks do not match this model's masks, or the state was
                 saved with other cost conventions, ``round_to`` or criterion (a resumed run
@@ -540,6 +567,11 @@ class PruningOptimizer:
                 + ", ".join(differ)
                 + ": construct the optimizer with the saved settings to resume"
             )
+        if self.shrunk and not state.get("shrunk", False):
+            raise ValueError(
+                "this PruningOptimizer's model was shrunk; a state saved before the shrink "
+                "needs the masked model: build it and the optimizer afresh to load it"
+            )
         saved = state["masks"]
         if set(saved) != set(self.masks):
             raise ValueError(
@@ -556,7 +588,10 @@ class PruningOptimizer:
                 m.mask.copy_(saved[n]["mask"])
                 m.signal.copy_(saved[n]["signal"])
                 m.reset_statistics()
-        self.optimizer.load_state_dict(state["optimizer"])
+        if state.get("shrunk", False) and not self.shrunk:
+            self._pending_optimizer_state = state["optimizer"]
+        else:
+            self.optimizer.load_state_dict(state["optimizer"])
         self.counter = int(state["counter"])
         self.target = float(state["target"])
         self.start_cost = float(state["start_cost"])
