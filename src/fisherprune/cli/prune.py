@@ -533,8 +533,9 @@ def _check_args(args: argparse.Namespace) -> None:
     """Refuse, before any work, what would fail or be ignored later: counts out of range,
     a folder that is not a Hugging Face model folder (no ``config.json``), ``--weights`` with
     a Hugging Face folder (its own weights load), a learning rate or
-    temperature that is not positive, and an ``--out`` that is a file or a folder holding
-    files of something else (``check_out``)."""
+    temperature that is not positive, an ``--eval_text`` that is no file, holds no text or
+    comes with a built-in model (``check_eval_text``), and an ``--out`` that is a file or a
+    folder holding files of something else (``check_out``)."""
     for name, low in _LEAST.items():
         value = getattr(args, name)
         if value < low:
