@@ -251,6 +251,7 @@ def test_prune_a_hugging_face_folder_without_fine_tuning(tmp_path: Path) -> None
     report = json.loads((out / "report.json").read_text())
     assert report["metric"] == "cosine_to_dense" and report["cost_ratio"] <= 0.5
     assert report["label_free"] and report["finetune_steps"] == 0
+    assert "perplexity" not in report and "perplexity" not in cli.out  # no --eval_text
     small = load_state_dict_export(
         out / "model.pt", transformers.AutoModel.from_pretrained(folder)
     ).eval()

@@ -11,7 +11,8 @@ model folder (``transformers`` installed; read as the class it was saved as) wit
 ``--text``, one sentence per line (calibration from the first lines, fidelity on the last
 ``--eval_fraction`` of them: the share of predictions that stay the dense model's for a model
 with a head, the cosine similarity of mean-pooled embeddings to the dense model's for one
-without).
+without). With ``--eval_text`` a causal language model's perplexity on held-out text, dense
+and pruned, is reported too (``cli.prune_perplexity``).
 """
 
 from __future__ import annotations
@@ -43,6 +44,15 @@ from fisherprune.cli.prune_length import (
     resolve_seq_len,
 )
 from fisherprune.cli.prune_outputs import HF_FOLDER, REPORT_FILE, check_out, write_outputs
+from fisherprune.cli.prune_perplexity import (
+    CAUSAL_HEADS,
+    HeldOutText,
+    add_perplexity_argument,
+    check_eval_text,
+    held_out_text,
+    perplexity_fields,
+    perplexity_text,
+)
 from fisherprune.cli.prune_phases import FinetuneProgress, PhaseClock, bars_on_terminal_only
 from fisherprune.cost import CONVENTIONS
 from fisherprune.cost.latency import prediction_check, prediction_text
@@ -104,6 +114,7 @@ def prune_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPar
     p.add_argument("--depth", type=int, help="depth of a built-in model")
     p.add_argument("--text", help="Hugging Face model: a text file, one sentence per line")
     p.add_argument("--max_length", type=int, default=128, help="tokens per sentence (text)")
+    add_perplexity_argument(p)
     p.add_argument(
         "--seq_len",
         type=int,
@@ -224,6 +235,8 @@ class _Job:
     #: a text model's first calibration sentence at the calibration batch's padded length
     #: (``example`` has ``--seq_len`` tokens); None for other models
     calibration_example: dict[str, Tensor] | None = None
+    #: ``--eval_text`` cut into model inputs (a causal language model given one); else None
+    held_out: HeldOutText | None = None
 
 
 def _weights_file(path: str | None) -> dict[str, Any]:
@@ -375,6 +388,11 @@ def _hf_job(args: argparse.Namespace) -> _Job:
     check_hf_folder(Path(args.model), config, model_class)
     seq_len = resolve_seq_len(args.seq_len, args.max_length, config)
     tok = transformers.AutoTokenizer.from_pretrained(args.model)
+    held = (
+        held_out_text(args.eval_text, tok, model_class, seq_len, args.batch_size * args.max_length)
+        if args.eval_text is not None
+        else None
+    )
 
     def rebuild() -> nn.Module:
         return model_class.from_pretrained(args.model).eval()
@@ -421,6 +439,7 @@ def _hf_job(args: argparse.Namespace) -> _Job:
         rebuild,
         extras=tok.save_pretrained,
         calibration_example={k: v[:1] for k, v in batches[0][0].items()},
+        held_out=held,
     )
 
 
@@ -474,8 +493,7 @@ def _same_prediction(out: Any, dense_out: Any, enc: dict[str, Tensor]) -> Tensor
 _TEXT_HEADS = (
     "ForSequenceClassification",
     "ForTokenClassification",
-    "ForCausalLM",
-    "LMHeadModel",  # GPT-2's causal LM
+    *CAUSAL_HEADS,
     "EncoderModel",
 )
 
@@ -515,8 +533,9 @@ def _check_args(args: argparse.Namespace) -> None:
     """Refuse, before any work, what would fail or be ignored later: counts out of range,
     a folder that is not a Hugging Face model folder (no ``config.json``), ``--weights`` with
     a Hugging Face folder (its own weights load), a learning rate or
-    temperature that is not positive, and an ``--out`` that is a file or a folder holding
-    files of something else (``check_out``)."""
+    temperature that is not positive, an ``--eval_text`` that is no file, holds no text or
+    comes with a built-in model (``check_eval_text``), and an ``--out`` that is a file or a
+    folder holding files of something else (``check_out``)."""
     for name, low in _LEAST.items():
         value = getattr(args, name)
         if value < low:
@@ -541,6 +560,7 @@ def _check_args(args: argparse.Namespace) -> None:
             "weights): leave it out, or save the trained model into the folder"
         )
     latency_spec(args)  # a bad --latency_* flag is refused now
+    check_eval_text(args.eval_text, Path(args.model).is_dir())
     check_out(Path(args.out))
 
 
@@ -569,6 +589,9 @@ def _prune(args: argparse.Namespace, bars: bool) -> int:
     clock.lap("load", f"{args.model}: {len(job.batches)} calibration batches")
     before = job.evaluate(job.model, dense)
     clock.lap("evaluate", f"dense {job.metric} {before:.4f}")
+    dense_ppl = job.held_out.measure(dense) if job.held_out else None
+    if dense_ppl:
+        clock.lap("perplexity", f"dense {dense_ppl.value:.4g} on {dense_ppl.tokens:,} tokens")
     teacher = frozen_teacher(job.model) if args.finetune_steps > 0 else None
     min_channels = int(args.min_channels) if args.min_channels >= 1 else args.min_channels
     latency = latency_spec(args)
@@ -630,6 +653,13 @@ def _prune(args: argparse.Namespace, bars: bool) -> int:
             folder, job.model, job.example, job.batches[0][0], job.rebuild, job.extras, args.model
         )
         clock.lap("export", f"{out.name}/")
+        ppl: dict[str, Any] = {}
+        ppl_line = ""
+        if job.held_out is not None and dense_ppl is not None:  # of the model as written
+            pruned_ppl = job.held_out.measure(written.small)
+            clock.lap("perplexity", f"pruned {pruned_ppl.value:.4g}")
+            ppl = perplexity_fields(job.held_out, dense_ppl, pruned_ppl)
+            ppl_line = perplexity_text(dense_ppl, pruned_ppl)
         # timed as docs/usage.md advises serving on CPU, with freed memory kept in the process:
         # glibc's defaults page-fault large activations in at every call, a cost that does not
         # shrink with the FLOPs. The setting is process-wide and lasts: the console script ends
@@ -668,6 +698,7 @@ def _prune(args: argparse.Namespace, bars: bool) -> int:
             "before": before,
             "after_pruning": after_prune,
             "after": after,
+            **ppl,
             "finetune_steps": args.finetune_steps,
             "channels_removed": sum(len(e.channels) for e in result.events),
             "channels_kept": {n: {"kept": k, "of": w} for n, (k, w) in result.kept.items()},
@@ -698,6 +729,7 @@ def _prune(args: argparse.Namespace, bars: bool) -> int:
     print(
         f"{job.metric}: {before:.4f} -> {after_prune:.4f} after pruning"
         + (f" -> {after:.4f} after {args.finetune_steps} fine-tuning steps" if losses else "")
+        + ppl_line
         + f"; cost {result.cost_before:,.0f} -> {result.cost_after:,.0f} ({result.ratio:.1%}"
         + _length_text(job.example, at_calibration)
         + f"); latency {timed.models['dense'].text()} -> {timed.models['pruned'].text()}, "
