@@ -69,7 +69,9 @@ from fisherprune.train.devices import Precision
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "gpu.json"
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 PRECISION_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
-STEP_VARIANTS = ("a", "b", "c")  # overhead.py's plain, collecting, pruned-not-collecting
+#: overhead.py's plain, collecting, pruned-not-collecting, and pruned then shrunk in place
+#: (``shrink(inplace=True, optimizer=)``: what fine-tuning runs once pruning is over)
+STEP_VARIANTS = ("a", "b", "c", "f")
 LATENCY_TARGETS = (0.5, 0.25)
 #: eager slower than the same forward replayed as a CUDA graph by more than this: launch-bound
 LAUNCH_BOUND = 1.3

@@ -206,6 +206,47 @@ def test_trainer_callback_prunes_to_the_target_inside_trainer_train(tmp_path):
     assert fp.computational_cost(small, x).total == pytest.approx(pruner.cost().total)
 
 
+def _train_with_callback(tmp_path, shrink_when_finished: bool):
+    t = transformers
+    torch.manual_seed(0)
+    model = t.BertForSequenceClassification(
+        t.BertConfig(
+            vocab_size=100, hidden_size=32, max_position_embeddings=64, num_labels=3,
+            num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        )
+    )  # fmt: skip
+    g = torch.Generator().manual_seed(2)
+    data = [
+        {"input_ids": torch.randint(0, 100, (8,), generator=g), "labels": int(i % 3)}
+        for i in range(64)
+    ]
+    x = {"input_ids": IDS, "attention_mask": torch.ones_like(IDS)}
+    callback = FisherPruningCallback(
+        x, flops_target="97%", prune_every=1, burn_in=2, shrink_when_finished=shrink_when_finished
+    )
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), max_steps=24, per_device_train_batch_size=8,
+        learning_rate=1e-3, report_to=[], use_cpu=True, save_strategy="no",
+        logging_strategy="no", disable_tqdm=True,
+    )  # fmt: skip
+    transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=[callback]).train()
+    return model, callback.pruner, x
+
+
+def test_callback_shrink_when_finished_fine_tunes_the_small_model_as_the_masked_one(tmp_path):
+    """The steps after pruning train the shrunk model (its optimizer state carried over) and
+    end with the weights the masked model reaches and is then shrunk to."""
+    small, pruner, x = _train_with_callback(tmp_path / "a", shrink_when_finished=True)
+    masked, reference, _ = _train_with_callback(tmp_path / "b", shrink_when_finished=False)
+    assert pruner.shrunk and not fp.find_masks(small)
+    assert [e.step for e in pruner.history] == [e.step for e in reference.history]
+    assert pruner.history[-1].step < 24 - 4  # several steps trained the shrunk model
+    late = fp.shrink(masked, x).state_dict()
+    for k, v in small.state_dict().items():
+        torch.testing.assert_close(v, late[k], rtol=1e-4, atol=1e-6, msg=k)
+
+
 def test_prune_to_target_uniform_gives_a_model_from_pretrained_loads(tmp_path):
     """The post-training workflow with uniform=True on LLaMA (label-free, no labels): the
     shrunk model saves and loads back as a standard config with the same outputs."""

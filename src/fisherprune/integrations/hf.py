@@ -9,6 +9,10 @@
     trainer.train()                      # signals every step, a prune every 20 steps
     small = fisherprune.shrink(model, example_inputs)
 
+With ``shrink_when_finished=True`` the model is shrunk in place as soon as pruning ends, with
+the Trainer's optimizer carried over (``fisherprune.shrink(..., optimizer=)``), so the rest of
+``train()`` fine-tunes the smaller model at its own cost instead of the masked one's.
+
 Needs ``transformers`` (the ``hf`` extra); nothing in fisherprune imports this module.
 """
 
@@ -20,6 +24,7 @@ from typing import Any
 from torch import Tensor, nn
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
+from fisherprune.export import shrink
 from fisherprune.graph import apply_masks
 from fisherprune.inputs import Inputs
 from fisherprune.masks import find_masks
@@ -46,13 +51,20 @@ class FisherPruningCallback(TrainerCallback):
             ``burn_in``, ``decay``, ``flops_weight``, ``min_channels``, ``round_to``,
             ``uniform``, ``convention``, ``score_convention``, ``criterion``). The loss is
             taken to be a mean over the batch, as a Trainer's is.
+        shrink_when_finished: once pruning has finished, shrink the Trainer's model in place
+            at the end of that step and hand its optimizer the shrunk parameters with their
+            state sliced (``fisherprune.shrink(model, inplace=True, optimizer=...)``): the
+            remaining steps train the physically smaller model. Off by default: the model then
+            keeps its masks to the end (``fisherprune.shrink`` afterwards).
 
     Attributes:
         pruner: the ``PruningOptimizer`` (its ``history``, ``cost()``, ``finished``), set
             when training starts.
     """
 
-    def __init__(self, example_inputs: Any, **settings: Any) -> None:
+    def __init__(
+        self, example_inputs: Any, *, shrink_when_finished: bool = False, **settings: Any
+    ) -> None:
         for bad in ("optimizer", "lr", "momentum", "nesterov", "weight_decay", "model"):
             if bad in settings:
                 raise TypeError(
@@ -60,7 +72,9 @@ class FisherPruningCallback(TrainerCallback):
                     "and its optimizer"
                 )
         self.example_inputs = example_inputs
+        self.shrink_when_finished = bool(shrink_when_finished)
         self.settings = settings
+        self._inputs: Any = None  # example_inputs on the model's device (set at train begin)
         self.pruner: PruningOptimizer | None = None
 
     def on_train_begin(
@@ -97,6 +111,7 @@ class FisherPruningCallback(TrainerCallback):
         )
         if not find_masks(model):
             apply_masks(model, inputs)
+        self._inputs = inputs
         self.pruner = PruningOptimizer(model, inputs, optimizer=optimizer, **self.settings)
         log.info("Fisher pruning in the Trainer: target %.6g per example", self.pruner.target)
 
@@ -107,6 +122,12 @@ class FisherPruningCallback(TrainerCallback):
         control: TrainerControl,
         **kwargs: Any,
     ) -> None:
-        """Fold this step's gradients into the signals; prune when due."""
-        if self.pruner is not None:
-            self.pruner.after_update()
+        """Fold this step's gradients into the signals; prune when due; with
+        ``shrink_when_finished``, shrink the model in place once pruning has finished."""
+        pruner = self.pruner
+        if pruner is None:
+            return
+        pruner.after_update()
+        if self.shrink_when_finished and pruner.finished and not pruner.shrunk:
+            shrink(pruner.model, self._inputs, inplace=True, optimizer=pruner)
+            log.info("pruning finished: the model is shrunk in place for the remaining steps")
