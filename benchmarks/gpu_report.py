@@ -87,6 +87,34 @@ def profile_table(prof: dict[str, Any]) -> list[str]:
     return lines
 
 
+def host_section(path: Path) -> list[str]:
+    """The CPU stand-in for the host-bound step (``benchmarks/host_overhead.py``), if run."""
+    if not path.exists():
+        return []
+    data = json.loads(path.read_text())
+    lines = [
+        "## The host's share, measured without a GPU (`benchmarks/host_overhead.py`)",
+        "",
+        "The BERT-shaped encoder with all its blocks, heads and masks but tiny widths (d "
+        f"{data['shape']['d']}, {data['shape']['length']} tokens, batch {data['batch']}), one "
+        "CPU thread: every operator is cheap, so a step's time is the host's, as on the GPU "
+        "above. ATen operators per step (the launches a GPU pays) and process CPU time per "
+        f"step as ratios to (a), measured {data['date'][:10]} on the CPU (torch "
+        f"{data['torch']}). (f) is (c) shrunk in place, as `fisherprune.shrink(model, "
+        "inplace=True, optimizer=...)` leaves a run once pruning is over.",
+        "",
+        "| variant | ops/step | ops ratio | CPU ms | CPU ratio | H200 BERT-base ratio |",
+        "|---|---|---|---|---|---|",
+    ]
+    gpu = data.get("gpu_h200_bert_base", {})
+    for v, r in data["variants"].items():
+        lines.append(
+            f"| ({v}) {r['label']} | {r['ops_per_step']} | {r['ops_ratio']:.3f} | "
+            f"{r['cpu_ms_per_step']:.2f} | {r['cpu_ratio']:.3f} | {gpu.get(v, '')} |"
+        )
+    return [*lines, ""]
+
+
 def plot(runs: list[dict[str, Any]], out: Path) -> None:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     labels, b, c = [], [], []
@@ -176,6 +204,7 @@ def main(argv: list[str]) -> int:
             *profile_table(prof),
             "",
         ]
+    body += host_section(ROOT / "benchmarks" / "results" / "host_overhead.json")
     out = ROOT / "docs"
     plot(runs, out / "gpu.png")
     (out / "gpu.md").write_text("\n".join(body) + "\n")

@@ -156,11 +156,13 @@ class _MaskMultiply(torch.autograd.Function):
 
 
 def gather_through(
-    x: Tensor, mult: Tensor, owner: Any, index: Tensor | None, dim: int, identity: bool
+    x: Tensor, mult: Tensor | None, owner: Any, index: Tensor | None, dim: int, identity: bool
 ) -> Tensor:
     """``x * mult`` (or ``x`` itself when ``identity``), handing ``owner.accumulate`` the
-    per-example mask gradient during backward (see ``_MaskMultiply``)."""
+    per-example mask gradient during backward (see ``_MaskMultiply``). ``mult`` may be None
+    only with ``identity`` and an ``x`` that requires grad."""
     if not x.requires_grad:
+        assert mult is not None, "a multiplier is needed to carry the gradient"
         # then the multiplier requires grad, so that backward still reaches the mask
         # (a mask on the model input, or after frozen layers)
         mult = mult.detach().requires_grad_()

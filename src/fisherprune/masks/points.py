@@ -254,7 +254,9 @@ class MaskPoint:
         for m in self._masks:
             m.start_pass()
         ident = self._alias_ok and self._nothing_pruned()
-        out = gather_through(x, self.multiplier(x), self, None, self.dim, ident)
+        # an aliasing product needs no multiplier (unless it must carry the gradient)
+        mult = None if ident and x.requires_grad else self.multiplier(x)
+        out = gather_through(x, mult, self, None, self.dim, ident)
         return self.shared.put(x, key, out)
 
     def input_changed_in_place(self) -> None:

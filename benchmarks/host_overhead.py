@@ -1,0 +1,185 @@
+"""The host's share of a training step with masks, measured on a CPU: a stand-in for a GPU.
+
+On a GPU a BERT-base step at batch 32 is bound by the host (11 ms of kernels in 34 ms of wall
+time on an H200, ``docs/gpu.md``): what masks cost there is the Python they run and the
+operators they launch, not arithmetic. The same holds on a CPU for a network whose every
+operator is tiny, so this script times one: the BERT-shaped encoder of ``standard_nets`` with
+all 12 blocks, 12 heads and every mask ``apply_masks`` finds, but d 96, MLP 192, 16 tokens,
+batch 2, one thread. Its variants are ``overhead.py``'s:
+
+* ``a`` plain, ``b`` collecting the Fisher signal (``update_pruning_signals`` every step),
+  ``c`` half of every mask pruned and not collecting (weights folded, norms over the kept
+  channels), ``e`` all-ones masks not collecting, ``f`` ``c`` shrunk in place
+  (``fisherprune.shrink(model, inplace=True, optimizer=...)``, what fine-tuning runs once
+  pruning is over).
+
+For each: the ATen operators one step dispatches (forward, backward and SGD step; counted by a
+``TorchDispatchMode``: deterministic, the launches a GPU would pay, the extra ones listed), and
+the process CPU time of a step (median of ``--rounds`` interleaved rounds of 5 steps, as a
+ratio to ``a``'s from the same rounds: the host time, less sensitive than wall time to other
+processes on this shared machine). For comparison, the H200 measured ``b`` 1.44x and ``c``
+1.43x ``a`` on BERT-base (``docs/gpu.md``).
+
+Run ``python benchmarks/host_overhead.py`` (about a minute); the table is printed and the JSON
+written to ``--out`` (default ``benchmarks/results/host_overhead.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import standard_nets as sn
+import torch
+import torch.nn.functional as F
+from _common import machine_info, write_json
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import fisherprune as fp
+
+DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "host_overhead.json"
+VARIANTS = {
+    "a": "plain (no masks)",
+    "b": "masks, collecting",
+    "c": "masks, pruned 50%, not collecting",
+    "e": "masks all ones, not collecting",
+    "f": "pruned 50%, shrunk in place",
+}
+SHAPE = {"vocab": 1000, "length": 16, "d": 96, "heads": 12, "hidden": 192, "layers": 12}
+BATCH = 2
+GPU_H200 = {"b": 1.444, "c": 1.431}  # docs/gpu.md, BERT-base, bf16, batch 32
+
+
+class OpCount(TorchDispatchMode):
+    """Counts the ATen operators dispatched while active, by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.ops[str(func.overloadpacket)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def make_step(variant: str) -> Callable[[], None]:
+    """One training step of ``variant`` on fixed data (the same weights for every variant)."""
+    torch.manual_seed(0)
+    model = sn.Encoder(**SHAPE)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randint(0, SHAPE["vocab"], (BATCH, SHAPE["length"]), generator=gen)
+    y = torch.randint(0, sn.NUM_CLASSES, (BATCH,), generator=gen)
+    if variant != "a":
+        fp.apply_masks(model, x[:1])
+        with torch.no_grad():
+            for m in fp.find_masks(model).values():
+                m.collecting = variant == "b"
+                if variant in "cf":
+                    m.mask[: m.num_channels // 2] = 0.0
+    if variant == "f":
+        fp.shrink(model, x[:1], inplace=True)
+    masks = fp.find_masks(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    model.train()
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        if variant == "b":
+            fp.update_pruning_signals(masks, 0.96)
+
+    return step
+
+
+def measure(rounds: int) -> dict[str, Any]:
+    steps = {v: make_step(v) for v in VARIANTS}
+    ops: dict[str, collections.Counter[str]] = {}
+    for v, step in steps.items():
+        for _ in range(3):  # warm-up: caches made, the folded weights zeroed
+            step()
+        with OpCount() as count:
+            step()
+        ops[v] = count.ops
+    times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    order = list(VARIANTS)
+    for r in range(rounds):
+        for v in order[r % len(order) :] + order[: r % len(order)]:
+            t = time.process_time()
+            for _ in range(5):
+                steps[v]()
+            times[v].append((time.process_time() - t) / 5 * 1e3)
+    plain = statistics.median(times["a"])
+    out: dict[str, Any] = {}
+    for v, label in VARIANTS.items():
+        extra = ops[v] - ops["a"]
+        paired = [t / p for t, p in zip(times[v], times["a"], strict=True)]
+        out[v] = {
+            "label": label,
+            "ops_per_step": sum(ops[v].values()),
+            "ops_ratio": sum(ops[v].values()) / sum(ops["a"].values()),
+            "extra_ops": dict(extra.most_common(12)),
+            "cpu_ms_per_step": statistics.median(times[v]),
+            "cpu_ratio": statistics.median(times[v]) / plain,
+            "paired_ratio": statistics.median(paired),
+        }
+    return out
+
+
+def print_table(res: dict[str, Any]) -> None:
+    print(f"{'variant':44} {'ops/step':>9} {'ops x':>6} {'cpu ms':>8} {'cpu x':>6} {'H200 x':>7}")
+    for v, r in res.items():
+        gpu = f"{GPU_H200[v]:.3f}" if v in GPU_H200 else ""
+        print(
+            f"({v}) {r['label']:40} {r['ops_per_step']:>9} {r['ops_ratio']:>6.3f} "
+            f"{r['cpu_ms_per_step']:>8.2f} {r['cpu_ratio']:>6.3f} {gpu:>7}"
+        )
+    for v in ("b", "c"):
+        print(f"({v}) extra operators: {res[v]['extra_ops']}")
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=21, help="interleaved rounds (default 21)")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON output path")
+    args = p.parse_args(argv)
+    if args.rounds < 1:
+        p.error("--rounds must be >= 1")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(1)
+    res = measure(args.rounds)
+    print(
+        f"fisherprune {fp.__version__}, torch {torch.__version__}, 1 thread; encoder {SHAPE}, "
+        f"batch {BATCH}; cpu = process CPU time per step, median of {args.rounds} rounds"
+    )
+    print_table(res)
+    write_json(
+        args.out,
+        {
+            "benchmark": "host_overhead",
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "torch": torch.__version__,
+            "shape": SHAPE,
+            "batch": BATCH,
+            "rounds": args.rounds,
+            "machine": machine_info(),
+            "gpu_h200_bert_base": GPU_H200,
+            "variants": res,
+        },
+    )
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
