@@ -42,6 +42,20 @@ def _hf_bert() -> tuple[nn.Module, Any]:
     return model, {"input_ids": ids}
 
 
+def _hf_gpt2() -> tuple[nn.Module, Any]:
+    """GPT-2 from a tiny config: its output layer is tied to the token embedding."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(
+        vocab_size=50, n_embd=32, n_layer=2, n_head=4, n_positions=16,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )  # fmt: skip
+    torch.manual_seed(5)
+    model = transformers.GPT2LMHeadModel(cfg).double()
+    assert model.lm_head.weight is model.transformer.wte.weight
+    ids = torch.randint(1, 50, (8, 12), generator=torch.Generator().manual_seed(6))
+    return model, {"input_ids": ids}
+
+
 OPTIMIZERS: dict[str, Callable[[nn.Module], torch.optim.Optimizer]] = {
     "sgd": lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-3),
     "adamw": lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=1e-2),
@@ -49,7 +63,9 @@ OPTIMIZERS: dict[str, Callable[[nn.Module], torch.optim.Optimizer]] = {
 
 
 def _logits(out: Any) -> Tensor:
-    return out if isinstance(out, Tensor) else out.logits
+    """A classifier's logits, or a language model's at the last position."""
+    logits = out if isinstance(out, Tensor) else out.logits
+    return logits[:, -1] if logits.dim() == 3 else logits
 
 
 def _batch(x: Any, step: int) -> tuple[Any, Tensor]:
@@ -99,7 +115,9 @@ def _assert_same_weights(a: nn.Module, b: nn.Module) -> None:
 
 
 @pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
-@pytest.mark.parametrize("build", [_cnn, _encoder, _hf_bert], ids=["resnet", "encoder", "hf_bert"])
+@pytest.mark.parametrize(
+    "build", [_cnn, _encoder, _hf_bert, _hf_gpt2], ids=["resnet", "encoder", "hf_bert", "hf_gpt2"]
+)
 def test_training_the_shrunk_model_moves_the_kept_weights_as_the_masked_model(
     build: Build, optimizer: str
 ) -> None:
