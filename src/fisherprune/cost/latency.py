@@ -296,6 +296,36 @@ class LatencyTable:
                 tmp.unlink()
             log.warning("latency table not saved to %s (%s): it will be timed again", self.path, e)
 
+    def save_if_plausible(self, operators: float, whole: float) -> bool:
+        """``save`` the table, unless its operators timed alone sum to more than
+        ``MAX_OPERATOR_EXCESS`` times the model timed whole (``operators`` and ``whole`` in one
+        unit): alone, an operator runs without the Python and the cache misses between them,
+        so the sum stays below or near the whole; far above it, the operators were timed while
+        something else held the CPU (seen: 2-3x on a loaded VM, whose table then mispredicted
+        every later run). Such new times are used by this run only (scaled to the whole
+        model), never written, and a warning names the ratio and the file; a saved table
+        showing it is named too. Returns whether the table file holds this run's times."""
+        if whole <= 0 or operators <= MAX_OPERATOR_EXCESS * whole:
+            self.save()
+            return True
+        fresh = (
+            f"the {self.measured} times measured now are not saved to"
+            if self.measured
+            else ("the times come from")
+        )
+        log.warning(
+            "latency: the operators timed alone sum to %.1fx the model timed whole, which "
+            "they cannot on a quiet machine: they were timed while something else ran; %s %s "
+            "(%s)",
+            operators / whole,
+            fresh,
+            self.path,
+            "this run uses them scaled to the whole model; time on a quiet machine"
+            if self.measured
+            else "delete it to time afresh on a quiet machine",
+        )
+        return False
+
     def warn_if_loaded(self) -> None:
         """Once per table: warn when the CPU is busier than its cores while timing, since
         what is timed now is kept in the table file and read by every later run."""
@@ -324,6 +354,11 @@ class LatencyTable:
             got = self.entries[key] = _measure(run, sync, blocks)
             self.measured += 1
         return got
+
+
+#: the most that operators timed alone may sum to, as a multiple of the model timed whole,
+#: before their times are taken for ones measured under contention and not saved
+MAX_OPERATOR_EXCESS = 1.5
 
 
 def _measure(run: Callable[[], Any], sync: Callable[[], None], blocks: int) -> float:

@@ -206,8 +206,8 @@ class CostModel:
                 dims = [(0, j, a.roots) for j, a in enumerate(axes)]
                 terms.append(_Term(timed, None, dims, [tuple(a.n for a in axes)], t.module))
             whole = whole_model_seconds(model, example_inputs, spec) / UNIT
-        table.save()
         summed = sum(self._eval(t, t.shapes) for t in terms)
+        table.save_if_plausible(summed, whole)
         # what the operators alone miss (the Python between them, caches a lone operator
         # keeps warm) is spread over them in proportion
         self.latency_scale = whole / summed if summed > 0 else 1.0
