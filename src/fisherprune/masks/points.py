@@ -119,6 +119,10 @@ class MaskPoint:
             and bool((p0 == torch.arange(size)).all())
             and bool((i0 == torch.arange(m0.num_channels)).all())
         )
+        #: channels per mask entry when one mask covers the dim in order, each entry a run of
+        #: as many consecutive channels (an attention head's): its gradient is then a view
+        #: summed, not a gather and a scatter; else None
+        self._block = _block_width(self.parts, size)
         self._masks = list(dict.fromkeys(m for m, _, _ in self.parts))
         self._ones_cache: dict[str, Any] = {}
         #: whether the channels may be removed in the layer's weight once pruning is over
@@ -272,9 +276,28 @@ class MaskPoint:
             if self.parts[0][0].collecting:
                 self.parts[0][0].accumulate(g, None)
             return
+        if self._block is not None:  # one mask, each entry a run of channels (heads)
+            m = self.parts[0][0]
+            if m.collecting:
+                m.accumulate(g.view(g.shape[0], m.num_channels, self._block).sum(-1), None)
+            return
         for m, pos, idx in self.parts_on(g.device):
             if m.collecting:
                 m.accumulate(g[:, pos], idx)
+
+
+def _block_width(parts: Sequence[tuple[MaskLayer, Tensor, Tensor]], size: int) -> int | None:
+    """Channels per entry when ``parts`` is one mask whose entry ``k`` covers positions
+    ``k * w .. (k + 1) * w - 1`` of a dim of ``size`` in order (``w`` > 1), else None."""
+    if len(parts) != 1:
+        return None
+    m, pos, idx = parts[0]
+    width = size // m.num_channels
+    if width < 2 or width * m.num_channels != size or pos.numel() != size:
+        return None
+    in_order = torch.equal(pos, torch.arange(size))
+    blocked = torch.equal(idx, torch.arange(m.num_channels).repeat_interleave(width))
+    return width if in_order and blocked else None
 
 
 class MaskHolder(nn.ModuleDict):
