@@ -135,6 +135,38 @@ def test_removed_block_masked_equals_shrunk_and_cost_equals_flop_counter() -> No
     assert cost.marginal[gate][1].item() == 0.0
 
 
+def test_pruning_optimizer_removes_near_identity_blocks() -> None:
+    """PruningOptimizer on a gated model whose blocks 1 and 2 are near-identities (their output
+    layer scaled to almost 0), with a target of two whole blocks fewer, gates those two off;
+    the shrunk model has two blocks and FlopCounterMode on it equals the cost it reached."""
+    model, x, y = _stack()
+    with torch.no_grad():
+        for block in model.layers[1:3]:
+            block.down.weight.mul_(1e-4)
+            block.down.bias.zero_()
+    masks = fp.apply_masks(model, x[:1], blocks=True)
+    gate = _gate(masks)
+    cost = fp.computational_cost(model, x)
+    target = cost.total - 2 * cost.marginal[gate][0].item()
+    opt = fp.PruningOptimizer(
+        model, x, lr=0.0, prune_every=1, burn_in=0, decay=0.0, flops_target=target
+    )
+    model.train()
+    for _ in range(60):
+        if opt.finished:
+            break
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    assert opt.finished
+    assert gate.mask.tolist() == [1.0, 0.0, 0.0, 1.0]
+    reached = fp.computational_cost(model, x).total
+    assert reached <= target
+    small = fp.shrink(model, x)
+    assert len(small.layers) == 2
+    assert abs(_flops(small, x) - reached) <= FLOP_REL * reached
+
+
 def _llama(**extra: object) -> nn.Module:
     t = transformers
     config = t.LlamaConfig(
