@@ -7,6 +7,8 @@ model for the cost, plain ``from_pretrained`` for the saved model.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -165,6 +167,38 @@ def test_pruning_optimizer_removes_near_identity_blocks() -> None:
     small = fp.shrink(model, x)
     assert len(small.layers) == 2
     assert abs(_flops(small, x) - reached) <= FLOP_REL * reached
+
+
+def test_plan_json_rebuilds_the_shrunk_model_from_a_dense_copy() -> None:
+    """A PruningPlan read off a gated model, through JSON, applied to a dense copy of the
+    model, gives the shrunk model's blocks and outputs."""
+    model, x, _ = _stack()
+    dense = copy.deepcopy(model)
+    masks = fp.apply_masks(model, x[:1], blocks=True)
+    with torch.no_grad():
+        _gate(masks).mask[[0, 3]] = 0
+    plan = fp.PruningPlan.from_json(fp.PruningPlan.from_model(model, x).to_json())
+    assert plan.blocks == {"layers": {"count": 4, "removed": [0, 3]}}
+    small = fp.shrink(model, x)
+    rebuilt = plan.apply(dense)
+    assert len(rebuilt.layers) == 2
+    with torch.no_grad():
+        torch.testing.assert_close(rebuilt(x), small(x), rtol=0, atol=ATOL)
+
+
+def test_remove_masks_takes_the_block_hooks_away() -> None:
+    """remove_masks after gating a block off leaves the model's dense outputs (no hook left)."""
+    model, x, _ = _stack()
+    with torch.no_grad():
+        before = model(x)
+    masks = fp.apply_masks(model, x[:1], blocks=True)
+    with torch.no_grad():
+        _gate(masks).mask[1] = 0
+        assert not torch.equal(model(x), before)
+    fp.remove_masks(model)
+    assert not any(b._forward_hooks for b in model.layers)
+    with torch.no_grad():
+        assert torch.equal(model(x), before)
 
 
 def _llama(**extra: object) -> nn.Module:
