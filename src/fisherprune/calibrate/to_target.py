@@ -41,6 +41,7 @@ from fisherprune.cost import CONVENTIONS, CostModel, LatencySpec
 from fisherprune.graph import apply_masks
 from fisherprune.inputs import batch_size, calibration_pairs, call_model
 from fisherprune.masks import MaskLayer, find_masks
+from fisherprune.masks.blocks import BlockGate
 from fisherprune.modes import eval_mode
 from fisherprune.pruner.optimizer import resolve_target
 from fisherprune.pruner.prune import (
@@ -355,6 +356,7 @@ def prune_to_target(
     min_channels: int | float = 1,
     round_to: int = 1,
     uniform: bool = False,
+    blocks: bool = False,
     flops_weight: FlopsWeight = "auto",
     convention: str = "flops",
     score_convention: str | None = None,
@@ -414,6 +416,10 @@ def prune_to_target(
             (``at_floor``): raise ``min_channels`` to keep layers wider; with
             ``convention="latency"`` ``target`` may be a time, ``"12ms"``, or a share of the
             measured latency).
+        blocks: with a model that has no masks yet, ``apply_masks(..., blocks=True)``: whole
+            repeated blocks (decoder layers) are ranked with the channels in the one budget
+            and ``shrink`` drops those removed (``fisherprune.masks.blocks``). A model already
+            masked without a ``BlockGate`` is refused.
         reconstruct: refit the layers that read removed channels by least squares, in forward
             order on the pruned, already repaired model's inputs (``calibrate.repair``).
         recalibrate_norms: before each round after the first, re-estimate the batch norms'
@@ -467,8 +473,13 @@ def prune_to_target(
     data = calibration_pairs(batches)
     masks = find_masks(model)
     if not masks:
-        apply_masks(model, example_inputs)
+        apply_masks(model, example_inputs, blocks=blocks)
         masks = find_masks(model)
+    elif blocks and not any(isinstance(m, BlockGate) for m in masks.values()):
+        raise ValueError(
+            "blocks=True gates whole blocks, but the model already has masks without a "
+            "BlockGate: remove_masks(model) first, or apply_masks(model, x, blocks=True)"
+        )
     timed = {c: latency if c == "latency" else None for c in (convention, score_convention)}
     cost_model = CostModel(model, example_inputs, convention, latency=timed[convention])
     score_model = cost_model

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from fisherprune.cost.blocks import GateEntries
 from fisherprune.cost.conventions import get_convention
 from fisherprune.cost.formulas import Formula
 from fisherprune.cost.latency import (
@@ -166,7 +167,11 @@ class CostModel:
         self.trace = trace_model(model, example_inputs, loss_fn)
         self.graph = ChannelGraph(self.trace)
         self._names = {id(m): n for n, m in self.masks.items()}
-        self._entry_start = self.trace.entry_starts()
+        #: block gates: entries after the traced masks' (``fisherprune.cost.blocks``)
+        self._gates = GateEntries.of(self.masks, self.graph.n_entries)
+        #: traced mask entries and block gate entries together
+        self.n_entries = self.graph.n_entries + self._gates.count
+        self._entry_start = {**self.trace.entry_starts(), **self._gates.starts}
         unused = [n for n in self.masks if n not in self._entry_start]
         for n in unused:
             warnings.warn(
@@ -175,13 +180,14 @@ class CostModel:
                 stacklevel=2,
             )
         self._terms = self._build_terms(model, example_inputs)
+        self._gates.assign([t.module for t in self._terms])
         self._evals: dict[tuple[int, tuple[tuple[int, ...], ...]], float] = {}
         self._warn_ineffective()
 
     @property
     def entry_start(self) -> dict[str, int]:
         """Where each traced mask's entries start in ``entries()``, by mask name (a mask the
-        forward pass never applies has none)."""
+        forward pass never applies has none), then each block gate's."""
         return self._entry_start
 
     # ----------------------------------------------------------------- terms
@@ -288,8 +294,9 @@ class CostModel:
 
     # ------------------------------------------------------------ evaluation
     def entries(self) -> np.ndarray:
-        """Current value (0/1) of every traced mask entry, in trace order."""
-        vals = np.ones(self.graph.n_entries)
+        """Current value (0/1) of every traced mask entry, in trace order, then of every block
+        gate entry."""
+        vals = np.ones(self.n_entries)
         for n, start in self._entry_start.items():
             m = self.masks[n].mask.detach().cpu().double().numpy()
             vals[start : start + m.size] = m
@@ -312,11 +319,24 @@ class CostModel:
             shapes[s][d] -= int(removed[r].sum())
         return [tuple(s) for s in shapes]
 
+    def _full(self, entries: np.ndarray) -> np.ndarray:
+        """``entries`` with the block gate entries appended as kept when it stops at the
+        traced ones (callers that know no block gates)."""
+        if entries.size == self.graph.n_entries and self._gates.count:
+            return np.concatenate([entries, np.ones(self._gates.count)])
+        return entries
+
     def total(self, entries: np.ndarray | None = None) -> float:
-        """Cost per example for mask entry values ``entries`` (default: the current masks)."""
-        e = self.entries() if entries is None else entries
+        """Cost per example for mask entry values ``entries`` (default: the current masks;
+        block gate entries missing from ``entries`` count as kept)."""
+        e = self.entries() if entries is None else self._full(entries)
         removed = self.graph.removed(e)
-        tot = sum(self._cached_eval(t, self._pruned_shapes(t, removed)) for t in self._terms)
+        live = self._gates.live_terms(e)
+        tot = sum(
+            self._cached_eval(t, self._pruned_shapes(t, removed))
+            for t, on in zip(self._terms, live, strict=True)
+            if on
+        )
         return tot / self._counting.divisor(self.trace.batch_size) + self.latency_offset
 
     def set_latency_line(self, slope: float, offset: float) -> None:
@@ -346,21 +366,26 @@ class CostModel:
 
     def dense_total(self) -> float:
         """Cost per example with every mask entry set to 1."""
-        return self.total(np.ones(self.graph.n_entries))
+        return self.total(np.ones(self.n_entries))
 
     def report(self) -> CostReport:
         """Total and marginal costs for the current mask values."""
         e = self.entries()
         removed = self.graph.removed(e)
         killer = self.graph.killers(e, removed)
-        marginal = np.zeros(self.graph.n_entries)
+        marginal = np.zeros(self.n_entries)
         by_module: dict[str, float] = defaultdict(float)
         total = 0.0
-        for t in self._terms:
+        owner = self._gates.term_entry
+        for t, on, gate in zip(self._terms, self._gates.live_terms(e), owner, strict=True):
+            if not on:
+                continue  # its block is gated off: gone with it
             now_shapes = self._pruned_shapes(t, removed)
             now = self._cached_eval(t, now_shapes)
             total += now
             by_module[t.module] += now
+            if gate >= 0:
+                marginal[gate] += now  # removing the block removes this term as it is now
             if not t.dims:
                 continue
             # which entry would remove each live channel of each labelled dim: per killing
@@ -397,7 +422,7 @@ class CostModel:
         e = np.ones(self.graph.n_entries)
         killer = self.graph.killers(e, np.zeros(len(self.graph.roots), dtype=bool))
         effective = set(np.unique(killer[killer >= 0]).tolist())
-        for n, start in self._entry_start.items():
+        for n, start in self.trace.entry_starts().items():
             size = self.masks[n].num_channels
             if not any(start + k in effective for k in range(size)):
                 warnings.warn(

@@ -26,6 +26,7 @@ from fisherprune._errors import first_line
 from fisherprune.export.hf_config import is_hf_model, read_widths, update_config
 from fisherprune.export.plan import PruningPlan
 from fisherprune.masks import MaskLayer
+from fisherprune.masks.blocks import BlockGate
 from fisherprune.pruner.prune import block_size, rounding
 from fisherprune.pruner.uniform import register_uniform_refiner
 
@@ -42,9 +43,13 @@ def refine_for_config(
     """``classes`` merged where they move the same config field, and the masks to leave
     whole (their result would not be describable by the config after a prune of one block of
     ``round_to`` channels from each), for a Hugging Face ``model``; other models get
-    ``classes`` back unchanged. The model is left as it was."""
+    ``classes`` back unchanged. A ``BlockGate`` stays a class of its own, never left whole:
+    removing blocks leaves the kept ones as they are, and ``shrink`` rewrites
+    ``num_hidden_layers`` (``fisherprune.export.blocks``). The model is left as it was."""
     if not is_hf_model(model):
         return classes, {}
+    gates = [c for c in classes if any(isinstance(masks[n], BlockGate) for n in c)]
+    classes = [c for c in classes if c not in gates]
     dense = read_widths(model)
     whole: dict[str, str] = {}
     moved: list[set[str]] = []
@@ -62,7 +67,7 @@ def refine_for_config(
         reason = small if isinstance(small, str) else update_config(small)
         if reason:
             whole.update(dict.fromkeys(members, reason))
-    return [c for c in merged if c[0] not in whole], whole
+    return [c for c in merged if c[0] not in whole] + gates, whole
 
 
 def _merge(

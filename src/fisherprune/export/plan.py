@@ -23,6 +23,7 @@ from torch import nn
 
 from fisherprune._version import __version__
 from fisherprune.cost import CostModel
+from fisherprune.export.blocks import check_blocks, remove_blocks, removed_blocks
 from fisherprune.export.hf_config import update_config
 from fisherprune.export.manifest import check_exported_file
 from fisherprune.export.modules import replacement, update_metadata
@@ -57,6 +58,8 @@ class PruningPlan:
         outputs: ``[{"path", "dim", "size", "kept"}]``: the model's output tensors (by pytree
             key path) whose width lost channels; the shrunk model zero-fills them back to
             ``size`` (``fisherprune.export.output_fill``).
+        blocks: ``{ModuleList name: {"count", "removed"}}``: repeated blocks whose
+            ``BlockGate`` entry is 0, dropped after slicing (``fisherprune.export.blocks``).
         convention: cost convention of the recorded costs.
         cost: ``{"dense": ..., "pruned": ...}`` per example, when known.
         version: fisherprune version that made the plan.
@@ -67,6 +70,7 @@ class PruningPlan:
     mask_modules: list[str] = field(default_factory=list)
     attributes: dict[str, dict[str, int]] = field(default_factory=dict)
     outputs: list[dict[str, Any]] = field(default_factory=list)
+    blocks: dict[str, dict[str, Any]] = field(default_factory=dict)
     convention: str = "flops"
     cost: dict[str, float] = field(default_factory=dict)
     version: str = __version__
@@ -108,6 +112,7 @@ class PruningPlan:
         _check_removable(cm, entries, removed)
         plan = cls(convention=convention)
         plan.cost = {"dense": cm.dense_total(), "pruned": cm.total(entries)}
+        plan.blocks = removed_blocks(cm.masks)
         for b in trace.atoms.blocks:
             if b.kind != "param":
                 continue
@@ -257,6 +262,8 @@ class PruningPlan:
             new = replacement(mod)
             if new is not None:
                 _replace_module(model, mod, new)
+        for path, spec in self.blocks.items():
+            remove_blocks(model, path, spec["count"], spec["removed"])
         problem = update_config(model)
         if problem:
             warnings.warn(
@@ -275,6 +282,7 @@ class PruningPlan:
             "mask_modules": self.mask_modules,
             "attributes": self.attributes,
             "outputs": self.outputs,
+            "blocks": self.blocks,
             "modules": self.modules,
             "shapes": self.shapes,
         }
@@ -309,6 +317,7 @@ class PruningPlan:
         return cls(
             modules=data["modules"],
             outputs=[dict(o) for o in outputs],
+            blocks={k: dict(v) for k, v in check_blocks(data.get("blocks", {})).items()},
             shapes=dict(shapes),
             mask_modules=list(masks),
             attributes={m: dict(v) for m, v in attributes.items()},
@@ -371,7 +380,8 @@ def _check_removable(cm: CostModel, entries: np.ndarray, removed: np.ndarray) ->
     # channel (or whose zeros never reach a consumer, e.g. lost at a BatchNorm) changes the
     # output in a way the shrunk model cannot reproduce
     c = graph.consumers
-    zero_entries = set(np.flatnonzero(entries < 0.5).tolist())
+    traced = entries[: graph.n_entries]  # block gates (after them) remove whole blocks
+    zero_entries = set(np.flatnonzero(traced < 0.5).tolist())
     if not zero_entries:
         return
     covered = (c.cover >= 0) & ~c.derived  # a follower's derived uses zero nothing

@@ -19,6 +19,7 @@ from fisherprune.graph.module_forwards import ModuleForward, module_forward, sha
 from fisherprune.graph.trace import trace_model
 from fisherprune.inputs import Inputs
 from fisherprune.masks import MaskLayer, find_masks
+from fisherprune.masks.blocks import GATE_KEY, find_block_list, install_block_gate
 from fisherprune.masks.points import (
     MaskPoint,
     find_holder,
@@ -88,7 +89,9 @@ def _key(name: str, taken: set[str]) -> str:
     return key
 
 
-def apply_masks(model: nn.Module, example_inputs: Any, *, strict: bool = False) -> AppliedMasks:
+def apply_masks(
+    model: nn.Module, example_inputs: Any, *, strict: bool = False, blocks: bool = False
+) -> AppliedMasks:
     """Find every set of coupled prunable channels in ``model`` and give each one mask.
 
     Traces one forward pass with ``example_inputs`` (eval mode; the model's
@@ -105,7 +108,9 @@ def apply_masks(model: nn.Module, example_inputs: Any, *, strict: bool = False) 
     Changes: adds the submodule ``model.fisherprune_masks`` (MaskLayers, in
     ``state_dict``), forward pre-hooks on the consuming modules and, when a returned
     width is prunable, a forward hook on the model that masks that output. The model's
-    class, ``forward`` and parameters are untouched; ``remove_masks`` undoes it.
+    class, ``forward`` and parameters are untouched; ``remove_masks`` undoes it. With
+    ``blocks``, also a ``BlockGate`` (key ``blocks`` of the holder) and one forward hook per
+    repeated block (``fisherprune.masks.blocks``).
 
     Args:
         model: any ``nn.Module``.
@@ -113,13 +118,18 @@ def apply_masks(model: nn.Module, example_inputs: Any, *, strict: bool = False) 
             (``model(**example_inputs)``); the batch is read as ``fisherprune.inputs`` says.
         strict: raise instead of skipping channels for a reason other than
             reaching the model's input or output.
+        blocks: also make the repeated blocks (decoder layers) prunable units: one
+            ``BlockGate`` whose entry ``i`` gates block ``i``'s residual branches, ranked with
+            the channels by its own Fisher signal and the block's cost; ``shrink`` removes the
+            blocks whose entry is 0.
 
     Returns:
         ``AppliedMasks``: ``{name: MaskLayer}`` with ``.groups`` and ``.skipped``.
 
     Raises:
         ValueError: the model already has masks; or, with ``strict``, some
-            channels cannot be pruned safely (the message lists them).
+            channels cannot be pruned safely (the message lists them); or, with ``blocks``,
+            the model has no chain of repeated blocks (nothing is added then).
 
     Example:
         >>> masks = fisherprune.apply_masks(resnet, torch.randn(1, 3, 32, 32))
@@ -130,6 +140,8 @@ def apply_masks(model: nn.Module, example_inputs: Any, *, strict: bool = False) 
             "the model already has MaskLayers (placed by hand or by an earlier apply_masks); "
             "call fisherprune.remove_masks(model) or use them as they are"
         )
+    if blocks:
+        find_block_list(model, example_inputs)  # refused before anything is added
     trace = trace_model(model, example_inputs)
     graph = ChannelGraph(trace)
     groups, specs, skipped = find_groups(trace, graph)
@@ -186,6 +198,11 @@ def apply_masks(model: nn.Module, example_inputs: Any, *, strict: bool = False) 
     holder.example_inputs = Inputs.of(example_inputs).batch_of_one().value()
     prefix = holder_name + "."
     holder.groups = {prefix + k: g for k, g in zip(keys, groups, strict=True)}
+    if blocks:
+        gate, handles = install_block_gate(model, example_inputs)
+        keys.append(_key(GATE_KEY, set(holder.keys())))
+        holder[keys[-1]] = gate
+        holder.handles.extend(handles)
     return AppliedMasks({prefix + k: holder[k] for k in keys}, dict(holder.groups), skipped)
 
 
