@@ -23,17 +23,17 @@ Suite (trained here, seeded, a few seconds to a minute each on 2 cores):
 Each network is trained once per seed (the seed also picks the 8 calibration batches of 64 and
 the random criterion's stream), then pruned from a copy to 70%, 50% and 30% of its FLOPs with
 no fine-tuning, the least-squares repair on. Methods: ``fisher`` (every argument at its
-default: ``rounds="auto", round_cap=ROUND_CAP``, 1 - sqrt(0.8) = 0.106), ``fisher_cap25``
-(``round_cap=0.25``: the default before), ``fisher_one_scoring`` (``rounds=1,
+default: ``rounds="auto", round_cap=0.25``), ``fisher_one_scoring`` (``rounds=1,
 round_cap=1``: the defaults before issue 31), ``fisher_cap_only`` (``rounds=1,
 round_cap=0.5``), ``fisher_cap50`` (``round_cap=0.5``), ``fisher_cap10`` (``round_cap=0.1``),
-``fisher_rounds_only`` (``round_cap=1``), ``fisher_rounds8`` (``rounds=8, round_cap=1``),
-``fisher_root`` (the Fisher signal's square root as importance: ``RootFisher``),
-``fisher_no_norms`` (``recalibrate_norms=False``: every round's signals measured with the dense
-batch-norm statistics, the default before), ``fisher_label_free`` (``loss_fn=None``: the
-Fisher of labels sampled from the model, not the data's); these three with ``round_cap=0.25``,
-as they were measured; ``optimizer_one_shot`` (``PruningOptimizer`` with
-``lr=0``, one prune per calibration batch, then the same repair: ``optimizer_cell``), and
+``fisher_cap_pace`` and ``taylor_cap_pace`` (``round_cap=1 - sqrt(ROUND_RATIO)``, 0.106: the
+pace of thinning every mask alike to one goal), ``fisher_rounds_only`` (``round_cap=1``),
+``fisher_rounds8`` (``rounds=8, round_cap=1``), ``fisher_root`` (the defaults with the Fisher
+signal's square root as importance: ``RootFisher``), ``fisher_no_norms``
+(``recalibrate_norms=False``: every round's signals measured with the dense batch-norm
+statistics, the default before), ``fisher_label_free`` (``loss_fn=None``: the Fisher of
+labels sampled from the model, not the data's), ``optimizer_one_shot`` (``PruningOptimizer``
+with ``lr=0``, one prune per calibration batch, then the same repair: ``optimizer_cell``), and
 ``l1``,
 ``taylor``, ``random`` at the defaults. Each cell records test accuracy, the channels kept per
 mask, the smallest kept fraction, the rounds run and its wall time.
@@ -50,6 +50,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import statistics
 import sys
 import time
@@ -66,7 +67,7 @@ from torch import Tensor, nn
 
 import fisherprune as fp
 from fisherprune.calibrate import repair_consumers
-from fisherprune.calibrate.to_target import REPAIR_FLOPS
+from fisherprune.calibrate.to_target import REPAIR_FLOPS, ROUND_RATIO
 from fisherprune.criteria import Fisher, Random
 from fisherprune.modes import eval_mode
 from fisherprune.train.models import BasicBlock  # the trainer's own block, same layout
@@ -292,30 +293,40 @@ class RootFisher(Fisher):
 
 
 OLD = {"rounds": 1, "round_cap": 1.0}
-#: the default round_cap before it became the uniform pace (1 - sqrt(ROUND_RATIO), 0.106)
-CAP25 = {"round_cap": 0.25}
+#: the uniform pace of one goal: every mask thinned alike to ``ROUND_RATIO`` of the cost of a
+#: layer between two of them (a candidate default, not adopted: it costs the MiniLM)
+PACE = {"round_cap": 1 - math.sqrt(ROUND_RATIO)}
 METHODS: dict[str, Callable[[int], dict[str, Any]]] = {
     "fisher": lambda seed: {},
-    "fisher_cap25": lambda seed: dict(CAP25),
     "fisher_one_scoring": lambda seed: dict(OLD),
     "fisher_cap_only": lambda seed: {"rounds": 1, "round_cap": 0.5},
     "fisher_cap50": lambda seed: {"round_cap": 0.5},
     "fisher_cap10": lambda seed: {"round_cap": 0.1},
+    "fisher_cap_pace": lambda seed: dict(PACE),
     "fisher_rounds_only": lambda seed: {"round_cap": 1.0},
     "fisher_rounds8": lambda seed: {"rounds": 8, "round_cap": 1.0},
-    "fisher_root": lambda seed: {"criterion": RootFisher(), **CAP25},
-    "fisher_no_norms": lambda seed: {"recalibrate_norms": False, **CAP25},
-    "fisher_label_free": lambda seed: {"loss_fn": None, "seed": seed, **CAP25},
+    "fisher_root": lambda seed: {"criterion": RootFisher()},
+    "fisher_no_norms": lambda seed: {"recalibrate_norms": False},
+    "fisher_label_free": lambda seed: {"loss_fn": None, "seed": seed},
     "optimizer_one_shot": lambda seed: {"optimizer": True},
     "l1": lambda seed: {"criterion": "l1"},
     "taylor": lambda seed: {"criterion": "taylor"},
+    "taylor_cap_pace": lambda seed: {"criterion": "taylor", **PACE},
     "random": lambda seed: {"criterion": Random(seed)},
 }
 #: the methods a verdict ranks Fisher among (issue 31: Fisher with repair against L1, Taylor
 #: and random, each with repair, all at the defaults); the other rows are Fisher's ablations
 RIVALS = ("fisher", "l1", "taylor", "random")
 #: the methods of the text rows (a MiniLM cell takes tens of seconds: no ablations there)
-TEXT_METHODS = ("fisher", "fisher_root", "l1", "taylor", "random")
+TEXT_METHODS = (
+    "fisher",
+    "fisher_cap_pace",
+    "fisher_root",
+    "l1",
+    "taylor",
+    "taylor_cap_pace",
+    "random",
+)
 ACCURACY = "test accuracy"
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import copy
 import inspect
 import json
-import math
 import warnings
 from pathlib import Path
 
@@ -19,10 +18,9 @@ import torch
 import torch.nn.functional as F
 from sklearn.datasets import load_digits
 from torch import Tensor, nn
-from torch.utils.flop_counter import FlopCounterMode
 
 import fisherprune as fp
-from fisherprune.calibrate.to_target import ROUND_CAP, ROUND_RATIO
+from fisherprune.calibrate.to_target import ROUND_CAP
 from fisherprune.cli.main import build_parser
 from fisherprune.modes import eval_mode
 from tests.test_cli import run_cli
@@ -166,34 +164,6 @@ def test_pruning_optimizer_one_shot_does_not_collapse_a_layer(trained: nn.Module
             opt.minimize(F.cross_entropy(net(xb), yb))
     assert opt.finished and opt.cost().total <= opt.target
     assert min(m.kept / m.num_channels for m in fp.find_masks(net).values()) >= 1 / 8
-
-
-@pytest.mark.parametrize("width", [50, 200])
-def test_the_default_cap_is_the_pace_of_thinning_every_mask_alike(width: int) -> None:
-    """``ROUND_CAP`` is the share of its channels every mask would lose if one round's cost
-    goal (``ROUND_RATIO`` of the cost) were met by thinning all masks alike: a linear layer
-    between two masks each thinned by it keeps ``ROUND_RATIO`` of its FLOPs, counted by
-    ``FlopCounterMode`` on the physically shrunk model (to the rounding of one channel)."""
-    torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(8, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(),
-                        nn.Linear(width, 2))  # fmt: skip
-    x = torch.randn(1, 8)
-    fp.apply_masks(net, x)
-    keep = round(width * (1 - ROUND_CAP))
-    with torch.no_grad():
-        for m in fp.find_masks(net).values():
-            m.mask[keep:] = 0.0
-    small = fp.shrink(net, x)
-
-    def middle_flops(model: nn.Module) -> int:
-        with FlopCounterMode(display=False) as counter:
-            model[2](torch.zeros(1, model[2].in_features))
-        return counter.get_total_flops()
-
-    share = middle_flops(small) / middle_flops(net)
-    assert small[2].weight.shape == (keep, keep)
-    assert share == pytest.approx(ROUND_RATIO, abs=2 / width)
-    assert math.isclose((1 - ROUND_CAP) ** 2, ROUND_RATIO)
 
 
 def test_cli_shares_the_library_defaults() -> None:
