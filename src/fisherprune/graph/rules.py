@@ -410,6 +410,8 @@ def matmul_core(
     n_lab, m_lab = a.labels[-2], b.labels[-1]
     if m_lab is not None:
         ctx.atoms.mark_producer(m_lab)
+    if a.param and n_lab is not None:  # W @ x: the weight's rows make the output's rows
+        ctx.atoms.mark_producer(n_lab)
     labels: list[Labels] = [None] * len(shape)
     labels[-2], labels[-1] = n_lab, m_lab
     if batch:
@@ -1018,7 +1020,7 @@ def _select(ctx: RuleContext) -> list[TensorInfo]:
     keep = [e for e in range(len(x.shape)) if e != d]
     shape = tuple(ctx.out_tensors[0].shape)
     labels, cover = [x.labels[e] for e in keep], [x.cover[e] for e in keep]
-    return [TensorInfo(shape, labels, cover, on_use=on_use)]
+    return [TensorInfo(shape, labels, cover, param=x.param, on_use=on_use)]
 
 
 @register_channel_rule(aten.split, aten.split_with_sizes, aten.chunk, aten.unbind)
