@@ -34,6 +34,7 @@ __all__ = [
     "VIEWS",
     "Formula",
     "elements_written",
+    "grouped_mm_flops",
     "parameter_elements",
     "torch_flops",
 ]
@@ -42,15 +43,30 @@ aten = torch.ops.aten
 Formula = Callable[..., float]
 
 
+def grouped_mm_flops(a: Any, b: Any, *_: Any, out_shape: Any = None, **__: Any) -> int:
+    """FLOPs of ``torch._grouped_mm(a, b, offs)``, 2 per multiply-accumulate as ``mm`` and
+    ``bmm`` count theirs (shapes only): each row of ``a`` meets one group's matrix.
+
+    (S, K) by (E, K, N): ``2*S*K*N``; (G, S, K) by (G, K, N): ``2*G*S*K*N``; (S, K) by
+    (K, N), the contracted dim split into groups: ``2*S*K*N``; (G, S, K) by (K, N), the
+    output width split into groups: ``2*S*K*N``.
+    """
+    rows_and_k = math.prod(a[1:]) if len(a) == 3 and len(b) == 2 else math.prod(a)
+    return 2 * rows_and_k * b[-1]
+
+
 #: ops with no formula in PyTorch's FLOP counter that compute what one with a formula does:
 #: CPU's fused attention kernel is counted as the GPU flash kernel is (its two products,
-#: ``q k^T`` and the weighted sum of ``v``); ``FlopCounterMode`` counts 0 for it on CPU, with or
-#: without autograd, so compare with ``FlopCounterMode(custom_mapping=SAME_AS_TORCH)``
+#: ``q k^T`` and the weighted sum of ``v``); the grouped matrix product of mixture-of-experts
+#: layers as ``mm`` per group (``grouped_mm_flops``). ``FlopCounterMode`` counts 0 for them on
+#: CPU, with or without autograd, so compare with
+#: ``FlopCounterMode(custom_mapping=SAME_AS_TORCH)``
 SAME_AS_TORCH: Mapping[Any, Any] = MappingProxyType(
     {
         aten._scaled_dot_product_flash_attention_for_cpu: flop_registry[
             aten._scaled_dot_product_flash_attention
         ].__wrapped__,  # the shape formula itself, as custom_mapping takes it
+        **({aten._grouped_mm: grouped_mm_flops} if hasattr(aten, "_grouped_mm") else {}),
     }
 )
 

@@ -2,9 +2,10 @@
 
 ``save_pretrained`` writes ``model.config`` and ``from_pretrained`` builds the model from it
 before loading the weights, so after ``shrink`` the config must describe the smaller model:
-its hidden width, head counts and MLP width. This module reads those widths off the shrunk
-modules (the first norm's width; each attention module's query and key widths over its head
-size; each MLP's first projection), writes them into the config when every block agrees, and
+its hidden width, head counts, MLP and experts' width. This module reads those widths off the
+shrunk modules (the first norm's width; each attention module's query and key widths over its
+head size; each MLP's first projection; each mixture-of-experts layer's stacked ``down_proj``),
+writes them into the config when every block agrees, and
 proves the result by building the model class from the new config on the meta device and
 comparing every parameter's shape. When the blocks differ (pruned without ``uniform=True``)
 or the config has no field for a width, the config is left as it was and the reason returned:
@@ -85,18 +86,42 @@ def _mlp(model: nn.Module) -> list[int]:
     return widths
 
 
+def _experts(model: nn.Module) -> list[int]:
+    """Width of every mixture-of-experts layer's experts: the contracted dim of the 3-D
+    ``down_proj`` (E, hidden, width), or (E, width, hidden) when the module says its weights
+    are stored transposed (Hugging Face's ``is_transposed``, as gpt-oss stores them)."""
+    widths = []
+    for mod in model.modules():
+        w = getattr(mod, "down_proj", None)
+        if isinstance(w, nn.Parameter) and w.dim() == 3:
+            widths.append(int(w.shape[1] if getattr(mod, "is_transposed", False) else w.shape[2]))
+    return widths
+
+
+def _mlp_or_experts(model: nn.Module) -> list[int]:
+    """The MLP width, which a config with no field of its own for the experts' width
+    (Mixtral's ``intermediate_size``) also gives its experts."""
+    config = getattr(model, "config", None)
+    own = hasattr(config, "moe_intermediate_size")
+    return _mlp(model) + ([] if own else _experts(model))
+
+
 def _hidden(model: nn.Module) -> list[int]:
     """The residual stream's width: the output width of the projection that lifts narrower
     embeddings to it (ELECTRA's ``embeddings_project``, ALBERT's
     ``embedding_hidden_mapping_in``; their embedding norm is ``embedding_size`` wide), else
-    the width the first normalisation layer normalises."""
+    the width the first normalisation layer normalises, leaving out those of an attention
+    module (Qwen3's per-head ``q_norm`` and ``k_norm``, one head wide)."""
     for name, mod in model.named_modules():
         if name.rsplit(".", 1)[-1] in _EMBEDDING_PROJECTIONS and (width := _out_width(mod)):
             return [width]
     for mod in model.modules():
-        w = getattr(mod, "weight", None)
-        if "Norm" in type(mod).__name__ and isinstance(w, torch.Tensor) and w.dim() == 1:
-            return [w.numel()]
+        if _head_size(mod):
+            continue
+        for child in mod.children():
+            w = getattr(child, "weight", None)
+            if "Norm" in type(child).__name__ and isinstance(w, torch.Tensor) and w.dim() == 1:
+                return [w.numel()]
     return []
 
 
@@ -131,7 +156,8 @@ CONFIG_FIELDS: dict[tuple[str, ...], Callable[[nn.Module], list[int]]] = {
         "decoder_ffn_dim",
         "ffn_hidden_size",
         "hidden_dim",  # DistilBERT's MLP width (its hidden width is ``dim``)
-    ): _mlp,
+    ): _mlp_or_experts,
+    ("moe_intermediate_size",): _experts,
     ("head_dim",): lambda m: [s for s in (_head_size(x) for x in m.modules()) if s],
     ("embedding_size",): _embedding,
 }

@@ -9,6 +9,7 @@ unit that can only be kept or removed as a whole: one prunable channel.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -42,6 +43,7 @@ class Atoms:
         self._inputs: list[tuple[int, int]] = []  # atom ranges of model input dimensions
         self._batch: list[tuple[int, int]] = []  # those of the inputs' batch dimensions
         self._follows: list[tuple[np.ndarray, np.ndarray]] = []
+        self._multiples: list[tuple[np.ndarray, int]] = []
 
     def __len__(self) -> int:
         return int(self._parent.size)
@@ -104,6 +106,21 @@ class Atoms:
         a = a[~self._from_input(a)] if a.size else a
         if a.size:
             self._producer.append(a.copy())
+
+    def require_multiple(self, a: np.ndarray, k: int) -> None:
+        """Declare that the count of atoms ``a`` a pruned model keeps must stay a multiple of
+        ``k`` (a kernel's alignment: a grouped matrix product needs 16-byte rows)."""
+        if a.size and k > 1:
+            self._multiples.append((a.copy(), int(k)))
+
+    def multiples(self, roots: np.ndarray) -> dict[int, int]:
+        """For each component (by root) that some ``require_multiple`` touched, the least
+        common multiple of what was required of it."""
+        out: dict[int, int] = {}
+        for a, k in self._multiples:
+            for r in np.unique(roots[a]).tolist():
+                out[r] = math.lcm(out.get(r, 1), k)
+        return out
 
     def follow(self, a: np.ndarray, b: np.ndarray) -> None:
         """Declare that atom ``a[i]`` is read only through atom ``b[i]`` (a key/value head

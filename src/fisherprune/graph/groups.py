@@ -22,6 +22,7 @@ import numpy as np
 
 from fisherprune.graph.channels import ChannelGraph
 from fisherprune.graph.trace import Trace
+from fisherprune.graph.types import ModuleCall
 
 __all__ = ["ChannelGroup", "MaskPointSpec", "Skipped", "find_groups"]
 
@@ -52,6 +53,9 @@ class ChannelGroup:
     consumers: list[str] = field(default_factory=list)
     norms: list[str] = field(default_factory=list)
     members: dict[tuple[str, int], np.ndarray] = field(default_factory=dict)
+    #: the channels kept must stay a multiple of this (a grouped matrix product's 16-byte
+    #: alignment: 4 channels in float32, 8 in bfloat16); 1: any count
+    multiple: int = 1
 
     @property
     def num_channels(self) -> int:
@@ -117,6 +121,7 @@ def find_groups(
     roots = graph.roots
     atoms = trace.atoms
     blocked = atoms.blocked_reasons(roots)
+    multiples = atoms.multiples(roots)
     producers = set(atoms.producer_roots(roots).tolist())
 
     # parameter dims each component touches (its signature) and its first atom there
@@ -188,6 +193,7 @@ def find_groups(
         rs = sorted(rs, key=lambda rr, lead=lead: first.get((rr, lead), 0))
         g = ChannelGroup(_group_name(params), np.asarray(rs, dtype=np.int64), params)
         g.producers = _producer_modules(trace, graph, np.asarray(rs))
+        g.multiple = math.lcm(1, *(multiples.get(rr, 1) for rr in rs))
         for k, rr in enumerate(rs):
             group_of[rr] = (len(groups), k)
         channel_of = np.full(len(roots), -1, dtype=np.int64)
@@ -254,19 +260,37 @@ def _norm_spots(
 
 
 def _hook_spot(trace: Trace, cp) -> tuple[str, int, int] | None:
-    """The innermost module call whose positional input holds exactly the consumed labels."""
+    """The innermost module call whose positional input holds exactly the consumed labels;
+    failing that, the last submodule call the innermost one made before the consuming op
+    whose input does (an expert's activation, read by the grouped product after it: the
+    second trace of ``apply_masks`` checks that a mask there removes the channels)."""
     for ci in reversed(cp.calls):
-        call = trace.calls[ci]
-        if call.name == "<model>":
+        spot = _spot_in(trace.calls[ci], cp.labels)
+        if spot is not None:
+            return spot
+    if not cp.calls or trace.calls[cp.calls[-1]].name == "<model>":
+        return None
+    inner = trace.calls[cp.calls[-1]]
+    for call in reversed(trace.calls[cp.calls[-1] + 1 :]):
+        if call.op_index <= cp.op_index and call.name.startswith(inner.name + "."):
+            spot = _spot_in(call, cp.labels)
+            if spot is not None:
+                return spot
+    return None
+
+
+def _spot_in(call: ModuleCall, labels: np.ndarray) -> tuple[str, int, int] | None:
+    """``(module, positional input, dim)`` of ``call`` holding exactly ``labels``, or None."""
+    if call.name == "<model>":
+        return None
+    for ai, info in enumerate(call.args):
+        if info is None:
             continue
-        for ai, info in enumerate(call.args):
-            if info is None:
+        for d, lab in enumerate(info.labels):
+            if d == 0 or lab is None or lab.shape != labels.shape:
                 continue
-            for d, lab in enumerate(info.labels):
-                if d == 0 or lab is None or lab.shape != cp.labels.shape:
-                    continue
-                if lab is cp.labels or np.array_equal(lab, cp.labels):
-                    return (call.name, ai, d)
+            if lab is labels or np.array_equal(lab, labels):
+                return (call.name, ai, d)
     return None
 
 

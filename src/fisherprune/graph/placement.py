@@ -235,8 +235,8 @@ def _failing_groups(
         with torch.no_grad():
             for i, m in enumerate(masks):
                 m.mask.fill_(1.0)
-                if i in picked:
-                    m.mask[0] = 0.0
+                if i in picked:  # the fewest channels prune may remove at once
+                    m.mask[: m.num_channels % m.keep_multiple or m.keep_multiple] = 0.0
         return next((p for t in _TRIALS if (p := t(model, example_inputs)) is not None), None)
 
     def bisect(picked: list[int]) -> dict[int, str]:
@@ -273,6 +273,7 @@ def _install(model: nn.Module, groups: list[ChannelGroup], specs: list[MaskPoint
     masks = {k: MaskLayer(g.num_channels).to(device) for k, g in zip(keys, groups, strict=True)}
     for k, g in zip(keys, groups, strict=True):
         masks[k].channel_width = g.channel_width
+        masks[k].keep_multiple = g.multiple
     points = [
         (sp.module, sp.arg, sp.dim, sp.size, [(keys[gi], pos, ch) for gi, pos, ch in sp.parts])
         for sp in specs

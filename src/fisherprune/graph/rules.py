@@ -33,6 +33,8 @@ from fisherprune.graph.types import Labels, RuleContext, TensorInfo
 __all__ = [
     "ChannelRule",
     "apply_rule",
+    "matmul_core",
+    "opaque",
     "register_channel_rule",
     "registered_ops",
     "unregister_channel_rule",
@@ -106,7 +108,7 @@ def apply_rule(ctx: RuleContext) -> list[TensorInfo]:
     key = getattr(ctx.func, "overloadpacket", None)
     rule = _RULES.get(key)
     if rule is None:
-        return _opaque(ctx, f"{ctx.where()} has no channel rule", report_params=True)
+        return opaque(ctx, f"{ctx.where()} has no channel rule", report_params=True)
     try:
         outs = rule(ctx)
         problem = _misfit(outs, ctx.out_tensors)
@@ -115,7 +117,7 @@ def apply_rule(ctx: RuleContext) -> list[TensorInfo]:
         problem = f"raised {first_line(e)}"
     if problem is None:
         return outs
-    return _opaque(ctx, f"{ctx.where()}: its channel rule failed ({problem})")
+    return opaque(ctx, f"{ctx.where()}: its channel rule failed ({problem})")
 
 
 def _misfit(outs: Any, tensors: Sequence[Tensor]) -> str | None:
@@ -141,7 +143,7 @@ def _out_blank(ctx: RuleContext) -> list[TensorInfo]:
     return [TensorInfo.blank(tuple(t.shape)) for t in ctx.out_tensors]
 
 
-def _opaque(ctx: RuleContext, reason: str, report_params: bool = False) -> list[TensorInfo]:
+def opaque(ctx: RuleContext, reason: str, report_params: bool = False) -> list[TensorInfo]:
     """Block every labelled dim of every input; outputs carry no channels. With
     ``report_params``, the first dim of each parameter the op reads counts as channels it
     produces, so that they are reported as not masked, for ``reason`` (an LSTM's or GRU's
@@ -368,7 +370,7 @@ def _conv(ctx: RuleContext) -> list[TensorInfo]:
     for d in range(2, len(wi.shape)):
         ctx.block(wi.labels[d], "kernel dimension")
     if w_out is None:
-        return _opaque(ctx, f"{ctx.where()}: weight is computed inside forward")
+        return opaque(ctx, f"{ctx.where()}: weight is computed inside forward")
     if groups == 1:
         if in_ch is not None and wi.labels[in_dim] is not None:
             ctx.atoms.union(in_ch, wi.labels[in_dim])
@@ -377,7 +379,7 @@ def _conv(ctx: RuleContext) -> list[TensorInfo]:
         # output channel o of group g is tied to input channels of group g
         if transposed:  # weight (Cin, Cout/g, ...): output labels are per group slices of dim 1
             ctx.atoms.union_all(w_out)
-            return _opaque(ctx, f"{ctx.where()}: grouped transposed convolution is not supported")
+            return opaque(ctx, f"{ctx.where()}: grouped transposed convolution is not supported")
         _grouped_conv_ties(ctx, in_ch, w_out, groups)
         ctx.block(wi.labels[in_dim], "per-group kernel dimension")
         if in_ch is None:  # removing a group's outputs needs its inputs gone too
@@ -394,7 +396,7 @@ def _conv(ctx: RuleContext) -> list[TensorInfo]:
     return [TensorInfo(shape, labels, [None] * len(shape))]
 
 
-def _matmul_core(
+def matmul_core(
     ctx: RuleContext, a: TensorInfo, b: TensorInfo, shape: tuple[int, ...], batch: bool
 ) -> TensorInfo:
     """(..., n, k) @ (..., k, m): ties the k dims, output (..., n, m)."""
@@ -408,6 +410,8 @@ def _matmul_core(
     n_lab, m_lab = a.labels[-2], b.labels[-1]
     if m_lab is not None:
         ctx.atoms.mark_producer(m_lab)
+    if a.param and n_lab is not None:  # W @ x: the weight's rows make the output's rows
+        ctx.atoms.mark_producer(n_lab)
     labels: list[Labels] = [None] * len(shape)
     labels[-2], labels[-1] = n_lab, m_lab
     if batch:
@@ -421,20 +425,20 @@ def _matmul_core(
 def _mm(ctx: RuleContext) -> list[TensorInfo]:
     a, b = ctx.info(ctx.args[0]), ctx.info(ctx.args[1])
     shape = tuple(ctx.out_tensors[0].shape)
-    return [_matmul_core(ctx, a, b, shape, ctx.func.overloadpacket is aten.bmm)]
+    return [matmul_core(ctx, a, b, shape, ctx.func.overloadpacket is aten.bmm)]
 
 
 @register_channel_rule(aten.addmm, aten.baddbmm)
 def _addmm(ctx: RuleContext) -> list[TensorInfo]:
     bias, a, b = (ctx.info(t) if isinstance(t, Tensor) else None for t in ctx.args[:3])
     shape = tuple(ctx.out_tensors[0].shape)
-    out = _matmul_core(ctx, a, b, shape, ctx.func.overloadpacket is aten.baddbmm)
+    out = matmul_core(ctx, a, b, shape, ctx.func.overloadpacket is aten.baddbmm)
     if bias is not None:
         for d in range(1, len(bias.shape) + 1):
             bl = bias.labels[-d]
             if bl is not None and bias.shape[-d] == shape[-d] and shape[-d] > 1:
                 if out.labels[-d] is None:
-                    return _opaque(ctx, f"{ctx.where()}: bias on an untracked dimension")
+                    return opaque(ctx, f"{ctx.where()}: bias on an untracked dimension")
                 ctx.atoms.union(bl, out.labels[-d])
     return [out]
 
@@ -1016,7 +1020,7 @@ def _select(ctx: RuleContext) -> list[TensorInfo]:
     keep = [e for e in range(len(x.shape)) if e != d]
     shape = tuple(ctx.out_tensors[0].shape)
     labels, cover = [x.labels[e] for e in keep], [x.cover[e] for e in keep]
-    return [TensorInfo(shape, labels, cover, on_use=on_use)]
+    return [TensorInfo(shape, labels, cover, param=x.param, on_use=on_use)]
 
 
 @register_channel_rule(aten.split, aten.split_with_sizes, aten.chunk, aten.unbind)

@@ -148,7 +148,7 @@ def _index_select(ctx: RuleContext) -> list[TensorInfo]:
     if lab:
         ctx.stop(lab[d], cov[d], f"{ctx.where()} picks channels by index")
         lab[d], cov[d] = None, None
-    return [TensorInfo(tuple(ctx.out_tensors[0].shape), lab, cov)]
+    return [TensorInfo(tuple(ctx.out_tensors[0].shape), lab, cov, param=x.param)]
 
 
 @register_channel_rule(aten.gather)
@@ -219,6 +219,39 @@ def _index(ctx: RuleContext) -> list[TensorInfo]:
         return _blank_outputs(ctx)
     lab = [None if d is None else x.labels[d] for d in order]
     cov = [None if d is None else x.cover[d] for d in order]
+    # rows gathered from a parameter (the experts' weights, by expert id) are parameter values
+    return [TensorInfo(shape, lab, cov, param=x.param)]
+
+
+@register_channel_rule(aten.index_add, aten.index_add_)
+def _index_add(ctx: RuleContext) -> list[TensorInfo]:
+    """``x.index_add_(dim, index, source)``: rows of ``source`` added into ``x`` at ``index``
+    along ``dim`` (an expert's outputs summed into the tokens it was given). Along every other
+    dim, source index k is added to x index k: their channels are tied, as an add ties them,
+    and a channel index stays zero only where both were zeroed by the same mask entry. Along
+    ``dim`` a channel of ``source`` is stopped; ``x`` keeps its own labels there."""
+    x, src = ctx.info(ctx.args[0]), ctx.info(ctx.arg("source"))
+    shape = tuple(ctx.out_tensors[0].shape)
+    nd = len(x.shape)
+    if len(src.shape) != nd or shape != x.shape:
+        _stop_all(ctx, [x, src], f"{ctx.where()}: source of another rank")
+        return _blank_outputs(ctx)
+    d = int(ctx.arg("dim")) % max(nd, 1)
+    _stop_all(ctx, [ctx.info(ctx.arg("index"))], f"{ctx.where()} indexes by these channels")
+    ctx.stop(src.labels[d], src.cover[d], f"{ctx.where()} adds channels by index")
+    lab, cov = list(x.labels), [None] * nd
+    for e in range(nd):
+        if e == d or src.shape[e] != x.shape[e]:
+            continue
+        a, b = x.labels[e], src.labels[e]
+        if a is not None and b is not None:
+            ctx.atoms.union(a, b)
+            same = x.cover[e] is not None and src.cover[e] is not None
+            cov[e] = np.where(x.cover[e] == src.cover[e], x.cover[e], -1) if same else None
+        elif b is not None:  # added into an untracked tensor: the channel cannot be followed
+            ctx.stop(b, src.cover[e], f"{ctx.where()} adds channels into an untracked tensor")
+        elif a is not None:
+            ctx.stop(a, x.cover[e], f"{ctx.where()} adds an untracked tensor to channels")
     return [TensorInfo(shape, lab, cov)]
 
 

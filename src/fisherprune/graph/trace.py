@@ -417,7 +417,7 @@ def _module_stack_hooks(model: nn.Module, tracer: _Tracer) -> list:
             tracer.module_stack.append(label)
             infos = [tracer.info(a) if isinstance(a, Tensor) else None for a in args]
             tracer.call_stack.append(len(tracer.trace.calls))
-            tracer.trace.calls.append(ModuleCall(label, infos))
+            tracer.trace.calls.append(ModuleCall(label, infos, len(tracer.trace.ops)))
 
         def post(_m, _a, _o, label=label):
             if tracer.module_stack and tracer.module_stack[-1] == label:

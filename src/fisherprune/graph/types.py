@@ -93,6 +93,7 @@ class ModuleCall:
 
     name: str
     args: list[TensorInfo | None]
+    op_index: int = -1  # the index the first operator it runs gets in the trace
 
 
 @dataclass

@@ -273,6 +273,9 @@ class MaskLayer(nn.Module):
         #: weight rows (or columns) one channel spans: ``apply_masks`` sets ``head_dim`` for an
         #: attention head; ``round_to`` counts these (``fisherprune.pruner.prune.rounding``)
         self.channel_width = 1
+        #: the channels kept must stay a multiple of this (``apply_masks`` sets it for a width
+        #: a grouped matrix product reads, whose kernel needs 16-byte rows); ``prune`` keeps it
+        self.keep_multiple = 1
         self.register_buffer("mask", torch.ones(num_channels))
         self.register_buffer("signal", torch.zeros(num_channels))
         #: whether backward passes gather Fisher statistics (off once pruning is over)

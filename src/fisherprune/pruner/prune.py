@@ -82,8 +82,11 @@ def rounding(mask: MaskLayer, round_to: int) -> int:
     """The multiple of channels ``mask`` keeps under ``round_to``: ``round_to`` counts weight
     rows, so a channel spanning several (``MaskLayer.channel_width``: an attention head spans
     ``head_dim``) needs fewer of them. Heads of 64 with ``round_to=8`` go one at a time (any
-    count of them is 8-aligned); heads of 12 go two at a time (24 rows)."""
-    return round_to // math.gcd(round_to, mask.channel_width)
+    count of them is 8-aligned); heads of 12 go two at a time (24 rows). A mask whose kept
+    count a kernel needs to be a multiple of something (``MaskLayer.keep_multiple``) keeps
+    the least common multiple of both."""
+    rows = round_to // math.gcd(round_to, mask.channel_width)
+    return math.lcm(rows, mask.keep_multiple)
 
 
 def block_size(alive: int, round_to: int) -> int:
