@@ -96,7 +96,7 @@ def _pruned(build: Build, optimizer: str) -> tuple[nn.Module, fp.PruningOptimize
     model.train()
     popt = fp.PruningOptimizer(
         model, example, optimizer=OPTIMIZERS[optimizer](model), prune_every=1,
-        flops_target="60%",
+        flops_target="60%", round_to=4,
     )  # fmt: skip
     step = 0
     while not popt.finished:
@@ -168,7 +168,7 @@ def test_resume_after_the_shrink_gives_the_weights_of_an_uninterrupted_run() -> 
     fresh.train()
     resumed = fp.PruningOptimizer(
         fresh, zoo.image_input(1).double(), optimizer=OPTIMIZERS["adamw"](fresh),
-        prune_every=1, flops_target="60%",
+        prune_every=1, flops_target="60%", round_to=4,
     )  # fmt: skip
     resumed.load_state_dict(saved_popt)
     fp.shrink(fresh, inplace=True, optimizer=resumed)
