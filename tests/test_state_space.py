@@ -209,6 +209,34 @@ def test_a_width_copied_into_a_fresh_buffer_is_followed_through_it() -> None:
     _assert_shrinks_exactly(model, masks, torch.randn(3, 8, 4, dtype=torch.float64))
 
 
+class FunctionalDepthwise(nn.Module):
+    """A depthwise convolution run as ``F.conv1d`` on one half of a projection's output, a
+    tensor that no module receives as its input (as Hugging Face's Mamba runs its conv1d)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 12)
+        self.dw = nn.Conv1d(6, 6, 3, groups=6, padding=1)
+        self.out = nn.Linear(6, 3)
+
+    def forward(self, x: Tensor) -> Tensor:  # (B, L, 4)
+        u, gate = self.fc(x).chunk(2, dim=-1)  # (B, L, 6) each
+        u = u.transpose(1, 2)  # (B, 6, L)
+        u = F.conv1d(u, self.dw.weight, self.dw.bias, padding=1, groups=u.shape[1])
+        return self.out(u.transpose(1, 2) * torch.sigmoid(gate))
+
+
+def test_a_depthwise_conv_no_module_input_holds_passes_its_channels_on() -> None:
+    """The depthwise conv's channels are one group with fc's rows, masked at out's input only
+    (the conv reads each channel for that channel alone), and they shrink exactly."""
+    torch.manual_seed(0)
+    model = FunctionalDepthwise().double().eval()
+    masks = fp.apply_masks(model, torch.randn(2, 5, 4, dtype=torch.float64))
+    g = _group_with(masks, ("dw.weight", 0))
+    assert g is not None and g.num_channels == 6 and g.consumers == ["out"]
+    _assert_shrinks_exactly(model, masks, torch.randn(3, 7, 4, dtype=torch.float64))
+
+
 # ============================================================ Hugging Face Mamba
 def _hf_mamba() -> tuple[nn.Module, dict[str, Tensor], dict[str, Tensor]]:
     """A 2-layer MambaForCausalLM (hidden 32, inner 64, state 8, dt rank 4), float64, eval."""
