@@ -1,6 +1,7 @@
 """Trace a model once and find which tensor indices share a channel."""
 
 from fisherprune.graph import rules as _rules  # noqa: F401  (registers the channel rules)
+from fisherprune.graph import rules_buffers as _rules_buffers  # noqa: F401  (zeros, empty)
 from fisherprune.graph import rules_experts as _rules_experts  # noqa: F401  (grouped matmul)
 from fisherprune.graph import rules_layout as _rules_layout  # noqa: F401  (roll, pad, index)
 from fisherprune.graph import rules_sdpa as _rules_sdpa  # noqa: F401  (fused attention)

@@ -31,9 +31,11 @@ class ChannelGraph:
     def __init__(self, trace: Trace) -> None:
         self.trace = trace
         self.roots = trace.atoms.roots()
-        if trace.consumers:
-            r = np.concatenate([self.roots[c.labels] for c in trace.consumers])
-            cv = np.concatenate([c.cover for c in trace.consumers]).astype(np.int64)
+        # a use that passes channels on is removed with them: their own uses decide
+        uses = [c for c in trace.consumers if not c.passed_on]
+        if uses:
+            r = np.concatenate([self.roots[c.labels] for c in uses])
+            cv = np.concatenate([c.cover for c in uses]).astype(np.int64)
         else:
             r = np.zeros(0, np.int64)
             cv = np.zeros(0, np.int64)

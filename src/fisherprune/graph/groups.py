@@ -145,6 +145,8 @@ def find_groups(
             outputs.setdefault(cp.output, r)
             continue
         spot = _hook_spot(trace, cp)
+        if spot is None and cp.passed_on:
+            continue  # its channels' own uses are masked: removing them there removes them
         if spot is None:
             for rr in np.unique(r).tolist():
                 unhookable.setdefault(

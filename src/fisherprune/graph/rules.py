@@ -385,7 +385,8 @@ def _conv(ctx: RuleContext) -> list[TensorInfo]:
         if in_ch is None:  # removing a group's outputs needs its inputs gone too
             ctx.block(w_out, f"{ctx.where()}: grouped convolution of an untracked input")
         out_ch = w_out
-    ctx.consume(in_ch, in_cov, ctx.where())
+    # a grouped conv's group reads only its own inputs, tied to it: a use that passes them on
+    ctx.consume(in_ch, in_cov, ctx.where(), passed_on=groups > 1)
     ctx.atoms.mark_producer(out_ch)
     if isinstance(b, Tensor):
         bi = ctx.info(b)
@@ -1111,21 +1112,11 @@ def _cat(ctx: RuleContext) -> list[TensorInfo]:
 
 
 # ------------------------------------------------- ops that carry no channels
-@register_channel_rule(
-    aten.empty,
-    aten.zeros,
-    aten.ones,
-    aten.full,
+@register_channel_rule(  # fresh buffers of one value: rules_buffers
     aten.arange,
     aten.randn,
     aten.rand,
     aten.scalar_tensor,
-    aten.empty_strided,
-    aten.new_empty,
-    aten.new_empty_strided,
-    aten.new_zeros,
-    aten.new_ones,
-    aten.new_full,
     aten.randint,
     aten.eye,
     aten.linspace,

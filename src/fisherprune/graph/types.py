@@ -112,6 +112,10 @@ class ConsumerPoint:
     #: for the model's output: the output tensor's pytree key path (``keystr``: "" for a lone
     #: tensor, "[0]", "['last_hidden_state']") and the dim of it these labels index
     output: tuple[str, int] | None = None
+    #: a use that only passes each channel on to uses of its own that are recorded too (a
+    #: grouped convolution's input, each group read by that group's outputs alone): masked
+    #: where a module's input holds it, and needing no mask where none does
+    passed_on: bool = False
 
 
 @dataclass
@@ -256,12 +260,15 @@ class RuleContext:
             return name in self.kwargs
         return any(a.name == name for a in schema.arguments)
 
-    def consume(self, labels: Labels, cover: Labels, what: str) -> None:
-        """Record a place where a channel dimension is used up."""
+    def consume(self, labels: Labels, cover: Labels, what: str, passed_on: bool = False) -> None:
+        """Record a place where a channel dimension is used up (``passed_on``: used only to
+        make channels tied to it, whose uses are recorded too; see ``ConsumerPoint``)."""
         if labels is None:
             return
         cv = cover if cover is not None else np.full(labels.size, -1, dtype=np.int64)
-        self._consumers.append(ConsumerPoint(labels, cv, what, self.op_index, self.calls))
+        self._consumers.append(
+            ConsumerPoint(labels, cv, what, self.op_index, self.calls, passed_on=passed_on)
+        )
 
     def record_heads(self, blocks: np.ndarray, inferred: bool, parts: int = 1) -> str | None:
         """This call splits a width into heads, ``blocks`` holding each head's atoms in a row
