@@ -21,30 +21,14 @@ import torch.nn.functional as F
 import zoo
 import zoo_foreign
 from torch import Tensor, nn
-from torch.utils.flop_counter import FlopCounterMode
 
 import fisherprune as fp
-from fisherprune.cost.formulas import SAME_AS_TORCH
+from tests.counted import call, flops_per_example
 
 ATOL = 1e-9  # float64 output difference, relative to max(1, max |expected|)
 
 
 # ================================================================ helpers
-def _flops_per_example(model: nn.Module, inputs: object) -> float:
-    """FlopCounterMode's count on ``model`` (autograd on), per example."""
-    with FlopCounterMode(display=False, custom_mapping=dict(SAME_AS_TORCH)) as counter:
-        _call(model, inputs)
-    return counter.get_total_flops() / _batch(inputs)
-
-
-def _call(model: nn.Module, inputs: object) -> Tensor:
-    out = model(**inputs) if isinstance(inputs, dict) else model(inputs)
-    return out if isinstance(out, Tensor) else out[0]
-
-
-def _batch(inputs: object) -> int:
-    t = next(iter(inputs.values())) if isinstance(inputs, dict) else inputs
-    return int(t.shape[0])
 
 
 def prune_at_random(masks: fp.AppliedMasks, seed: int) -> None:
@@ -62,13 +46,13 @@ def assert_exact(model: nn.Module, masks: fp.AppliedMasks, check: object) -> nn.
     masked model. Returns the shrunk model."""
     prune_at_random(masks, 0)
     with torch.no_grad():
-        expected = _call(model, check)
+        expected = call(model, check)
         small = fp.shrink(model)
-        actual = _call(small, check)
+        actual = call(small, check)
     assert actual.shape == expected.shape
     scale = max(1.0, float(expected.abs().max()))
     assert float((actual - expected).abs().max()) <= ATOL * scale
-    assert _flops_per_example(small, check) == fp.computational_cost(model, check).total
+    assert flops_per_example(small, check) == fp.computational_cost(model, check).total
     return small
 
 
@@ -366,4 +350,4 @@ def test_hf_fused_and_repeated_attention_heads_are_pruned_exactly(kind: str) -> 
     with torch.no_grad():
         got, want = small(**inputs).last_hidden_state, model(**inputs).last_hidden_state
     torch.testing.assert_close(got, want, atol=1e-9, rtol=0)
-    assert cost == _flops_per_example(small, inputs)
+    assert cost == flops_per_example(small, inputs)

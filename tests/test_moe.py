@@ -22,7 +22,8 @@ from torch import Tensor, nn
 from torch.utils.flop_counter import FlopCounterMode
 
 import fisherprune as fp
-from fisherprune.cost.formulas import SAME_AS_TORCH, grouped_mm_flops
+from fisherprune.cost.formulas import grouped_mm_flops
+from tests.counted import call, flops_per_example
 
 pytestmark = pytest.mark.skipif(
     not hasattr(torch, "_grouped_mm"), reason="this torch has no grouped matrix product"
@@ -33,21 +34,6 @@ ATOL32 = 1e-5  # float32 (CPU's grouped kernel)
 
 
 # ================================================================ helpers
-def _call(model: nn.Module, inputs: object) -> Tensor:
-    out = model(**inputs) if isinstance(inputs, dict) else model(inputs)
-    return out if isinstance(out, Tensor) else out.logits
-
-
-def _batch(inputs: object) -> int:
-    t = next(iter(inputs.values())) if isinstance(inputs, dict) else inputs
-    return int(t.shape[0])
-
-
-def _counted(model: nn.Module, inputs: object) -> float:
-    """FlopCounterMode's count on ``model`` (autograd on), per example."""
-    with FlopCounterMode(display=False, custom_mapping=dict(SAME_AS_TORCH)) as counter:
-        _call(model, inputs)
-    return counter.get_total_flops() / _batch(inputs)
 
 
 def _prune_at_random(masks: fp.AppliedMasks, seed: int) -> None:
@@ -69,14 +55,14 @@ def _assert_exact(
     on it equals computational_cost of the masked model. Returns the shrunk model."""
     _prune_at_random(masks, 0)
     with torch.no_grad():
-        expected = _call(model, inputs)
+        expected = call(model, inputs)
         cost = fp.computational_cost(model, inputs).total
         small = fp.shrink(model)
-        actual = _call(small, inputs)
+        actual = call(small, inputs)
     assert actual.shape == expected.shape
     scale = max(1.0, float(expected.abs().max()))
     assert float((actual - expected).abs().max()) <= atol * scale
-    assert _counted(small, inputs) == cost
+    assert flops_per_example(small, inputs) == cost
     return small
 
 
@@ -285,7 +271,7 @@ def test_hf_moe_flops_are_prunable(kind: str) -> None:
     model, inputs = _hf_moe(kind, "grouped_mm")
     fp.apply_masks(model, inputs)
     cm = fp.CostModel(model, inputs)
-    assert cm.dense_total() == _counted(model, inputs)
+    assert cm.dense_total() == flops_per_example(model, inputs)
     assert cm.total(np.zeros(cm.graph.n_entries)) <= 0.15 * cm.dense_total()
 
 
@@ -298,7 +284,7 @@ def test_hf_moe_config_follows_and_reloads(kind: str, tmp_path) -> None:
     with torch.no_grad():
         for m in masks.values():
             m.mask[: m.num_channels // 4] = 0.0
-        expected = _call(model, inputs)
+        expected = call(model, inputs)
     small = fp.shrink(model)
     field = "moe_intermediate_size" if kind == "qwen3_moe" else "intermediate_size"
     assert small.config.hidden_size == 24
@@ -308,4 +294,4 @@ def test_hf_moe_config_follows_and_reloads(kind: str, tmp_path) -> None:
     again.config._attn_implementation = "eager"
     again.config._experts_implementation = "batched_mm"
     with torch.no_grad():
-        torch.testing.assert_close(_call(again, inputs), expected, atol=ATOL64, rtol=0)
+        torch.testing.assert_close(call(again, inputs), expected, atol=ATOL64, rtol=0)

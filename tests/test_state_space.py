@@ -17,32 +17,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.utils.flop_counter import FlopCounterMode
 
 import fisherprune as fp
-from fisherprune.cost.formulas import SAME_AS_TORCH
 from fisherprune.graph import ChannelGroup
+from tests.counted import call, flops_per_example
 
 ATOL = 1e-9  # float64 output difference, relative to max(1, max |expected|)
 
 
 # ================================================================ helpers
-def _call(model: nn.Module, inputs: object) -> Tensor:
-    out = model(**inputs) if isinstance(inputs, dict) else model(inputs)
-    return out if isinstance(out, Tensor) else out.logits
-
-
-def _batch(inputs: object) -> int:
-    t = next(iter(inputs.values())) if isinstance(inputs, dict) else inputs
-    return int(t.shape[0])
-
-
-def _flops(model: nn.Module, inputs: object) -> float:
-    """FlopCounterMode's count on ``model``, per example."""
-    counter = FlopCounterMode(display=False, custom_mapping=dict(SAME_AS_TORCH))
-    with counter, torch.no_grad():
-        _call(model, inputs)
-    return counter.get_total_flops() / _batch(inputs)
 
 
 def _prune(masks: fp.AppliedMasks, share: float, seed: int) -> None:
@@ -59,13 +42,13 @@ def _assert_shrinks_exactly(model: nn.Module, masks: fp.AppliedMasks, check: obj
     (other inputs than the traced ones) and FlopCounterMode on it equals computational_cost."""
     _prune(masks, 0.4, 0)
     with torch.no_grad():
-        expected = _call(model, check)
+        expected = call(model, check)
         small = fp.shrink(model)
-        actual = _call(small, check)
+        actual = call(small, check)
     assert actual.shape == expected.shape
     scale = max(1.0, float(expected.abs().max()))
     assert float((actual - expected).abs().max()) <= ATOL * scale
-    assert _flops(small, check) == fp.computational_cost(model, check).total
+    assert flops_per_example(small, check) == fp.computational_cost(model, check).total
 
 
 def _group_with(masks: fp.AppliedMasks, param: tuple[str, int]) -> ChannelGroup | None:
@@ -283,12 +266,12 @@ def test_hf_mamba_most_flops_are_prunable_and_30_percent_saves_over_a_third() ->
     """The bar of issue 34: >= 85% of the FLOPs in prunable groups, >= 35% of them saved
     (FlopCounterMode, dense vs shrunk) by removing 30% of every group."""
     model, x, _ = _hf_mamba()
-    dense = _flops(model, x)
+    dense = flops_per_example(model, x)
     masks = fp.apply_masks(model, x)
     cm = fp.CostModel(model, x)
     assert 1 - cm.total(np.zeros(cm.graph.n_entries)) / cm.dense_total() >= 0.85
     _prune(masks, 0.3, 2)
-    assert 1 - _flops(fp.shrink(model, x), x) / dense >= 0.35
+    assert 1 - flops_per_example(fp.shrink(model, x), x) / dense >= 0.35
 
 
 @pytest.mark.filterwarnings("ignore:the model's Hugging Face config still describes")
