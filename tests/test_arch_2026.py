@@ -23,37 +23,12 @@ import zoo_foreign
 from torch import Tensor, nn
 
 import fisherprune as fp
-from tests.counted import call, flops_per_example
+from tests.counted import assert_exact, flops_per_example, prune_at_random
 
 ATOL = 1e-9  # float64 output difference, relative to max(1, max |expected|)
 
 
 # ================================================================ helpers
-
-
-def prune_at_random(masks: fp.AppliedMasks, seed: int) -> None:
-    """Zero 30-50% (at least one, at most all but one) of every mask's entries."""
-    gen = torch.Generator().manual_seed(seed)
-    for m in masks.values():
-        n = m.num_channels
-        k = min(n - 1, max(1, round((0.3 + 0.2 * float(torch.rand(1, generator=gen))) * n)))
-        m.mask[torch.randperm(n, generator=gen)[:k]] = 0.0
-
-
-def assert_exact(model: nn.Module, masks: fp.AppliedMasks, check: object) -> nn.Module:
-    """Prune at random; the shrunk model gives the masked model's output on ``check`` (another
-    batch than the traced one) and FlopCounterMode on it equals computational_cost of the
-    masked model. Returns the shrunk model."""
-    prune_at_random(masks, 0)
-    with torch.no_grad():
-        expected = call(model, check)
-        small = fp.shrink(model)
-        actual = call(small, check)
-    assert actual.shape == expected.shape
-    scale = max(1.0, float(expected.abs().max()))
-    assert float((actual - expected).abs().max()) <= ATOL * scale
-    assert flops_per_example(small, check) == fp.computational_cost(model, check).total
-    return small
 
 
 def producers(masks: fp.AppliedMasks) -> list[list[str]]:

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 import fisherprune as fp
 from fisherprune.graph import ChannelGroup
-from tests.counted import call, flops_per_example
+from tests.counted import assert_exact, flops_per_example
 
 ATOL = 1e-9  # float64 output difference, relative to max(1, max |expected|)
 
@@ -35,20 +35,6 @@ def _prune(masks: fp.AppliedMasks, share: float, seed: int) -> None:
         n = m.num_channels
         k = min(n - 1, max(1, round(share * n)))
         m.mask[torch.randperm(n, generator=gen)[:k]] = 0.0
-
-
-def _assert_shrinks_exactly(model: nn.Module, masks: fp.AppliedMasks, check: object) -> None:
-    """After a random prune, the shrunk model gives the masked model's output on ``check``
-    (other inputs than the traced ones) and FlopCounterMode on it equals computational_cost."""
-    _prune(masks, 0.4, 0)
-    with torch.no_grad():
-        expected = call(model, check)
-        small = fp.shrink(model)
-        actual = call(small, check)
-    assert actual.shape == expected.shape
-    scale = max(1.0, float(expected.abs().max()))
-    assert float((actual - expected).abs().max()) <= ATOL * scale
-    assert flops_per_example(small, check) == fp.computational_cost(model, check).total
 
 
 def _group_with(masks: fp.AppliedMasks, param: tuple[str, int]) -> ChannelGroup | None:
@@ -148,7 +134,7 @@ def test_hand_written_ssm_shrinks_exactly() -> None:
     sequence length), FlopCounterMode on the shrunk model == computational_cost."""
     model, x, check = _ssm_net()
     masks = fp.apply_masks(model, x)
-    _assert_shrinks_exactly(model, masks, check)
+    assert_exact(model, masks, check)
 
 
 def test_inner_width_written_as_a_number_is_kept_whole_and_the_rest_works() -> None:
@@ -160,7 +146,7 @@ def test_inner_width_written_as_a_number_is_kept_whole_and_the_rest_works() -> N
     [why] = [s.reason for s in masks.skipped if ("blocks.0.A_log", 0) in s.params]
     assert "\n" not in why and "shrink" in why
     assert _group_with(masks, ("embed.weight", 0)) is not None
-    _assert_shrinks_exactly(model, masks, check)
+    assert_exact(model, masks, check)
 
 
 class CachedConv(nn.Module):
@@ -189,7 +175,7 @@ def test_a_width_copied_into_a_fresh_buffer_is_followed_through_it() -> None:
     masks = fp.apply_masks(model, x)
     g = _group_with(masks, ("fc.weight", 0))
     assert g is not None and g.num_channels == 10 and ("conv.weight", 1) in g.params
-    _assert_shrinks_exactly(model, masks, torch.randn(3, 8, 4, dtype=torch.float64))
+    assert_exact(model, masks, torch.randn(3, 8, 4, dtype=torch.float64))
 
 
 class FunctionalDepthwise(nn.Module):
@@ -217,7 +203,7 @@ def test_a_depthwise_conv_no_module_input_holds_passes_its_channels_on() -> None
     masks = fp.apply_masks(model, torch.randn(2, 5, 4, dtype=torch.float64))
     g = _group_with(masks, ("dw.weight", 0))
     assert g is not None and g.num_channels == 6 and g.consumers == ["out"]
-    _assert_shrinks_exactly(model, masks, torch.randn(3, 7, 4, dtype=torch.float64))
+    assert_exact(model, masks, torch.randn(3, 7, 4, dtype=torch.float64))
 
 
 # ============================================================ Hugging Face Mamba
@@ -258,7 +244,7 @@ def test_hf_mamba_shrinks_exactly() -> None:
     shrunk model == computational_cost of the masked one."""
     model, x, check = _hf_mamba()
     masks = fp.apply_masks(model, x)
-    _assert_shrinks_exactly(model, masks, check)
+    assert_exact(model, masks, check)
 
 
 @pytest.mark.filterwarnings("ignore:the model's Hugging Face config still describes")
