@@ -8,6 +8,7 @@ model for the cost, plain ``from_pretrained`` for the saved model.
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -77,6 +78,23 @@ def _flops(model: nn.Module, inputs: Tensor | dict) -> float:
             model(inputs)
             n = inputs.shape[0]
     return counter.get_total_flops() / n
+
+
+def _assert_round_trip(
+    model: nn.Module, inputs: dict[str, Tensor], folder: Path, layers: int
+) -> None:
+    """The masked model shrunk, saved and loaded back by plain transformers has ``layers``
+    blocks in its config and gives the masked model's logits."""
+    with torch.no_grad():
+        masked = model(**inputs).logits
+    small = fp.shrink(model, inputs)
+    assert small.config.num_hidden_layers == layers
+    small.save_pretrained(folder)
+    back = type(model).from_pretrained(folder, attn_implementation="eager").double().eval()
+    assert back.config.num_hidden_layers == layers
+    with torch.no_grad():
+        logits = back(**inputs).logits
+    assert (logits - masked).abs().max() <= ATOL * max(1.0, masked.abs().max().item())
 
 
 def test_gate_signal_equals_a_per_example_autograd_loop() -> None:
@@ -241,16 +259,7 @@ def test_hf_block_removal_round_trips_through_save_pretrained(build, tmp_path) -
     gate = _gate(fp.find_masks(model))
     with torch.no_grad():
         gate.mask[[0, 2]] = 0
-    with torch.no_grad():
-        masked = model(**inputs).logits
-    small = fp.shrink(model, inputs)
-    assert small.config.num_hidden_layers == 2
-    small.save_pretrained(tmp_path)
-    back = type(model).from_pretrained(tmp_path, attn_implementation="eager").double().eval()
-    assert back.config.num_hidden_layers == 2
-    with torch.no_grad():
-        logits = back(**inputs).logits
-    assert (logits - masked).abs().max() <= ATOL * max(1.0, masked.abs().max().item())
+    _assert_round_trip(model, inputs, tmp_path, layers=2)
 
 
 def test_prune_to_target_meets_a_target_by_removing_blocks(tmp_path) -> None:
@@ -275,15 +284,7 @@ def test_prune_to_target_meets_a_target_by_removing_blocks(tmp_path) -> None:
     gate = _gate(fp.find_masks(model))
     assert result.cost_after <= result.target
     assert gate.mask.tolist() == [1.0, 0.0, 0.0, 1.0]
-    with torch.no_grad():
-        masked = model(**inputs).logits
-    small = fp.shrink(model, inputs)
-    small.save_pretrained(tmp_path)
-    back = type(model).from_pretrained(tmp_path, attn_implementation="eager").double().eval()
-    assert back.config.num_hidden_layers == 2
-    with torch.no_grad():
-        logits = back(**inputs).logits
-    assert (logits - masked).abs().max() <= ATOL * max(1.0, masked.abs().max().item())
+    _assert_round_trip(model, inputs, tmp_path, layers=2)
 
 
 def test_qwen2_layer_types_follow_the_kept_blocks() -> None:
