@@ -187,6 +187,48 @@ def test_pruning_optimizer_removes_near_identity_blocks() -> None:
     assert abs(_flops(small, x) - reached) <= FLOP_REL * reached
 
 
+def _gated_off_block_1() -> tuple[Stack, Tensor, Tensor, dict]:
+    """The stack with block gates, block 1 gated off by hand."""
+    model, x, y = _stack()
+    masks = fp.apply_masks(model, x[:1], blocks=True)
+    with torch.no_grad():
+        _gate(masks).mask[1] = 0
+    return model, x, y, masks
+
+
+INSIDE_1 = "fisherprune_masks.layers_1_up:out"
+
+
+@pytest.mark.parametrize("uniform", [False, True], ids=["free", "uniform"])
+def test_prune_to_target_leaves_the_channels_of_a_removed_block(uniform: bool) -> None:
+    """Channels inside a gated-off block save nothing and carry no signal: prune_to_target
+    never selects them (so ``uniform=True`` does not narrow the kept copies for them), and the
+    shrunk model's FLOPs equal the cost it reached."""
+    model, x, y, masks = _gated_off_block_1()
+    result = fp.prune_to_target(
+        model, x[:1], [(x, y)] * 2, "40%", loss_fn=F.cross_entropy, reconstruct=False,
+        uniform=uniform,
+    )  # fmt: skip
+    assert masks[INSIDE_1].kept == masks[INSIDE_1].num_channels
+    assert INSIDE_1 not in result.at_floor
+    small = fp.shrink(model, x)
+    assert abs(_flops(small, x) - result.cost_after) <= FLOP_REL * result.cost_after
+
+
+def test_pruning_optimizer_leaves_the_channels_of_a_removed_block() -> None:
+    """PruningOptimizer's one-channel steps never take a channel inside a gated-off block
+    (its signal is 0 there, so it would otherwise go first, for nothing)."""
+    model, x, y, masks = _gated_off_block_1()
+    opt = fp.PruningOptimizer(model, x, lr=0.0, prune_every=1, burn_in=0, decay=0.0)
+    model.train()
+    for _ in range(8):
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    assert len(opt.history) == 8
+    assert masks[INSIDE_1].kept == masks[INSIDE_1].num_channels
+
+
 def test_plan_json_rebuilds_the_shrunk_model_from_a_dense_copy() -> None:
     """A PruningPlan read off a gated model, through JSON, applied to a dense copy of the
     model, gives the shrunk model's blocks and outputs."""

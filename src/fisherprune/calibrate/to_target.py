@@ -639,13 +639,13 @@ class _Selection:
                 f"no channel pruned in round {step}: the {self.criterion.name} importance of "
                 f"mask {bad[0]!r} is not finite (NaN or inf weights or calibration data)"
             )
-        free = {n: m for n, m in masks.items() if n not in self.whole}
-        least = {n: self._least(m) for n, m in free.items()}
+        least = {n: self._least(m) for n, m in masks.items() if n not in self.whole}
         events: list[PruneEvent] = []
         while True:
             report = self.cost_model.report()
             if report.total <= goal:
                 return events, True
+            free = self._selectable(masks)
             weigh = report if self.score_model is self.cost_model else self.score_model.report()
             marginal = {n: weigh.marginal[n] for n in free}
             scores = score_all({n: importances[n] for n in free}, marginal, self.flops_weight)
@@ -679,16 +679,22 @@ class _Selection:
             m.kept, floor_of(self.min_channels, m.num_channels), rounding(m, self.round_to)
         )
 
+    def _selectable(self, masks: dict[str, MaskLayer]) -> dict[str, MaskLayer]:
+        """The masks this selection may prune now: not left whole, not inside a block gated
+        off (``CostModel.inert_masks``)."""
+        inert = self.cost_model.inert_masks()
+        return {n: m for n, m in masks.items() if n not in self.whole and n not in inert}
+
     def can_prune(self, masks: dict[str, MaskLayer]) -> bool:
         """Whether any mask this selection prunes is above its floor."""
-        return any(self._floor(m) < m.kept for n, m in masks.items() if n not in self.whole)
+        return any(self._floor(m) < m.kept for m in self._selectable(masks).values())
 
     def at_floor(self, masks: dict[str, MaskLayer]) -> list[str]:
         """The masks that lost channels and can lose no more."""
         return [
             n
-            for n, m in masks.items()
-            if n not in self.whole and m.kept < m.num_channels and self._floor(m) == m.kept
+            for n, m in self._selectable(masks).items()
+            if m.kept < m.num_channels and self._floor(m) == m.kept
         ]
 
     def _exact_last(self, events: list[PruneEvent]) -> None:

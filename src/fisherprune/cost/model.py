@@ -302,6 +302,39 @@ class CostModel:
             vals[start : start + m.size] = m
         return vals
 
+    def inert_masks(self) -> set[str]:
+        """Traced masks whose channels are read only inside blocks gated off now.
+
+        Removing such a channel saves nothing and changes no output: it goes with its block
+        (``fisherprune.masks.blocks``). Its signal is 0 once the block is off, so a selection
+        would take it first for nothing and, with ``uniform=True``, narrow the kept copies of
+        the block with it; selections leave these masks out. Empty without a gated-off block.
+        """
+        e = self.entries()
+        live = self._gates.live_terms(e)
+        if live.all():
+            return set()
+        entries = {on: self._entries_reading(live == on) for on in (True, False)}
+        starts = self.trace.entry_starts()
+        out = set()
+        for name, start in starts.items():
+            own = np.arange(start, start + self.masks[name].num_channels)
+            if np.isin(own, entries[False]).any() and not np.isin(own, entries[True]).any():
+                out.add(name)
+        return out
+
+    def _entries_reading(self, terms: np.ndarray) -> np.ndarray:
+        """The mask entries that remove some channel a selected term (``terms``: per term)
+        prices."""
+        parts = [
+            r for t, on in zip(self._terms, terms, strict=True) if on for _s, _d, r in t.dims
+        ]
+        if not parts:
+            return np.zeros(0, dtype=np.int64)
+        c = self.graph.consumers
+        read = np.isin(c.roots, np.concatenate(parts)) & (c.cover >= 0)
+        return np.unique(c.cover[read])
+
     def _cached_eval(self, term: _Term, shapes: list[tuple[int, ...]]) -> float:
         """``_eval``, remembered per term and shapes: a prune changes few terms, so the next
         report re-evaluates few formulas (each is a pure function of the shapes)."""

@@ -372,9 +372,13 @@ class PruningOptimizer:
             self._skip_prune(why)
             return
         weigh = report if self.score_model is self.cost_model else self.score_model.report()
-        scores = score_all(signals, {n: weigh.marginal[n] for n in self.masks}, self.flops_weight)
+        inert = self.cost_model.inert_masks()  # inside blocks gated off: gone with them
+        live = {n: m for n, m in self.masks.items() if n not in inert}
+        scores = score_all(
+            {n: signals[n] for n in live}, {n: weigh.marginal[n] for n in live}, self.flops_weight
+        )
         event = prune(
-            self.masks,
+            live,
             scores,
             self.min_channels,
             cost=report,
