@@ -16,7 +16,8 @@ from torch import nn
 from fisherprune.graph.channels import ChannelGraph
 from fisherprune.graph.groups import ChannelGroup, MaskPointSpec, Skipped, find_groups
 from fisherprune.graph.module_forwards import ModuleForward, module_forward, share_inputs_hooks
-from fisherprune.graph.trace import trace_model
+from fisherprune.graph.row_layouts import output_layouts, point_layouts
+from fisherprune.graph.trace import Trace, trace_model
 from fisherprune.inputs import Inputs
 from fisherprune.masks import MaskLayer, find_masks
 from fisherprune.masks.blocks import GATE_KEY, find_block_list, install_block_gate
@@ -26,6 +27,7 @@ from fisherprune.masks.points import (
     install_mask_points,
     remove_mask_points,
 )
+from fisherprune.masks.rows import UNKNOWN
 
 __all__ = ["AppliedMasks", "apply_masks", "register_group_trial", "remove_masks"]
 
@@ -145,7 +147,7 @@ def apply_masks(
     trace = trace_model(model, example_inputs)
     graph = ChannelGraph(trace)
     groups, specs, skipped = find_groups(trace, graph)
-    keys = _install(model, groups, specs)
+    keys = _install(model, groups, specs, trace)
     # check by a second trace that each mask really removes its channels: a module may
     # read its input through a BatchNorm or a gate before the layer that contracts it
     unsafe = {
@@ -183,7 +185,7 @@ def apply_masks(
         ]
         specs = [sp for sp in specs if sp.parts]
         groups = [groups[gi] for gi in keep]
-        keys = _install(model, groups, specs)
+        keys = _install(model, groups, specs, trace)
     problems = [s for s in skipped if not s.expected]
     if strict and problems:
         remove_mask_points(model)
@@ -193,6 +195,7 @@ def apply_masks(
         )
     for s in problems:
         log.warning("apply_masks: not masked: %s", s)
+    _warn_unknown_rows(model)
     holder_name, holder = find_holder(model)  # type: ignore[misc]
     # a detached batch-of-one copy, in the form given, kept for shrink and export
     holder.example_inputs = Inputs.of(example_inputs).batch_of_one().value()
@@ -266,7 +269,25 @@ def _failing_groups(
                 m.record_values(ones)
 
 
-def _install(model: nn.Module, groups: list[ChannelGroup], specs: list[MaskPointSpec]) -> list[str]:
+def _warn_unknown_rows(model: nn.Module) -> None:
+    """One warning naming the points whose input rows the trace could not tie to examples."""
+    found = find_holder(model)
+    holder = found[1] if found else None
+    points = [*holder.points, *(p for ps in holder.outputs.values() for p in ps)] if holder else []
+    unknown = sorted({mp.module_name for mp in points if mp.rows.kind == UNKNOWN})
+    if unknown:
+        log.warning(
+            "apply_masks: the Fisher signal of the masks at %s is approximate: which example "
+            "each row of their input belongs to could not be followed through the model's "
+            "operators, so each row counts as one example (rows of one example are squared "
+            "apart, not summed first)",
+            ", ".join(unknown),
+        )
+
+
+def _install(
+    model: nn.Module, groups: list[ChannelGroup], specs: list[MaskPointSpec], trace: Trace
+) -> list[str]:
     taken: set[str] = set()
     keys = [_key(g.name, taken) for g in groups]
     device = _model_device(model)
@@ -289,7 +310,8 @@ def _install(model: nn.Module, groups: list[ChannelGroup], specs: list[MaskPoint
         for sp in specs
         if sp.output is not None
     ]
-    install_mask_points(model, masks, points, norms, outputs)
+    rows, output_rows = point_layouts(trace, specs), output_layouts(trace, specs)
+    install_mask_points(model, masks, points, norms, outputs, rows, output_rows)
     _hook_module_forwards(model)
     return keys
 

@@ -49,6 +49,7 @@ from fisherprune.graph.types import (
 from fisherprune.inputs import Inputs
 from fisherprune.masks import tracing
 from fisherprune.masks.layer import MaskLayer
+from fisherprune.masks.rows import Rows, classify_rows, rows_after
 from fisherprune.modes import eval_mode
 from fisherprune.norms import detect_norms, norm_spec
 
@@ -70,6 +71,8 @@ class Trace:
     batch_size: int = 1  # examples traced (fisherprune.inputs.Inputs.batch_size): the divisor
     head_splits: list[HeadSplit] = field(default_factory=list)
     norm_uses: list[NormUse] = field(default_factory=list)
+    #: the row layout kind of each output tensor, by its pytree key path (``keystr``)
+    output_rows: dict[str, str] = field(default_factory=dict)
 
     def entry_count(self) -> int:
         return self.mask_ends[-1] if self.mask_ends else 0
@@ -103,6 +106,7 @@ class _Tracer(TorchDispatchMode):
         self.module_stack: list[str] = []
         self.call_stack: list[int] = []
         self._norm_cache: dict[str, tuple[str, int]] = {}
+        self.rows: dict[int, Rows] = {}  # the row map of traced tensors (kept alive), by id
 
     # ------------------------------------------------------------ bookkeeping
     def _head_attributes(self, count: int, head_dim: int, inferred: bool) -> tuple[str, ...] | str:
@@ -162,6 +166,19 @@ class _Tracer(TorchDispatchMode):
         self.infos[id(t)] = info
         self.keep.append(t)
 
+    def rows_of(self, t: Any) -> Rows | None:
+        """The row map of a traced tensor (which example each index of its dim 0 is of)."""
+        return self.rows.get(id(t)) if isinstance(t, Tensor) and id(t) in self.infos else None
+
+    def _follow_rows(self, func: Any, args: tuple, kwargs: dict, outs: list[Tensor]) -> None:
+        try:
+            found = rows_after(func, args, kwargs, outs, self.rows_of)
+        except Exception:  # a rule that does not fit this call: its rows are not followed
+            return
+        for t, rows in zip(outs, found, strict=True):
+            if rows is not None:
+                self.rows[id(t)] = rows
+
     # --------------------------------------------------------------- dispatch
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -207,6 +224,7 @@ class _Tracer(TorchDispatchMode):
         for t, oi in zip(out_tensors, out_infos, strict=True):
             self.set_info(t, oi)
             slots.append(oi)
+        self._follow_rows(func, args, kwargs, out_tensors)
         placeholder = _slot_replacer(slot_of)
         rec = OpRecord(
             func,
@@ -258,6 +276,9 @@ class _Tracer(TorchDispatchMode):
         cover[dim] = cov
         oi = TensorInfo(tuple(out.shape), list(src.labels), cover)
         self.set_info(out, oi)
+        rows = self.rows_of(x)
+        if rows is not None:
+            self.rows[id(out)] = rows
         name = self.module_stack[-1] if self.module_stack else ""
         self.trace.ops.append(OpRecord("mask", (0,), {}, [src, oi], 1, is_mask=True, module=name))
 
@@ -316,6 +337,8 @@ def _trace(model: nn.Module, inputs: Inputs, loss_fn: Callable[[Any], Tensor] | 
     tracer = _Tracer(trace, _param_names(model), masks, modules)
     for i, (t, batched) in enumerate(inputs.tensors()):
         info = tracer.leaf(t, "input", str(i))
+        if batched and t.dim() > 0:
+            tracer.rows[id(t)] = Rows(torch.arange(t.shape[0]))
         for d, lab in enumerate(info.labels):
             batch = d == 0 and batched
             if batch:
@@ -359,6 +382,7 @@ def _record_outputs(trace: Trace, tracer: _Tracer, out: Any) -> None:
             continue
         info = tracer.info(t)
         trace.output_infos.append(info)
+        trace.output_rows[keystr(path)] = classify_rows(tracer.rows_of(t), trace.batch_size)
         for lab, _cov, reason in info.on_use:
             trace.atoms.block(lab, reason)
         for d, (lab, cov) in enumerate(zip(info.labels, info.cover, strict=True)):
@@ -416,8 +440,10 @@ def _module_stack_hooks(model: nn.Module, tracer: _Tracer) -> list:
         def pre(_m, args, label=label):
             tracer.module_stack.append(label)
             infos = [tracer.info(a) if isinstance(a, Tensor) else None for a in args]
+            rows = [tracer.rows_of(a) for a in args]
+            parent = tracer.call_stack[-1] if tracer.call_stack else -1
             tracer.call_stack.append(len(tracer.trace.calls))
-            tracer.trace.calls.append(ModuleCall(label, infos, len(tracer.trace.ops)))
+            tracer.trace.calls.append(ModuleCall(label, infos, len(tracer.trace.ops), rows, parent))
 
         def post(_m, _a, _o, label=label):
             if tracer.module_stack and tracer.module_stack[-1] == label:

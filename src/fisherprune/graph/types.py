@@ -8,7 +8,7 @@ how channels flow through each operator) so that imports flow one way: both of t
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from fisherprune.graph.atoms import Atoms
+from fisherprune.masks.rows import Rows
 
 __all__ = [
     "ConsumerPoint",
@@ -94,6 +95,10 @@ class ModuleCall:
     name: str
     args: list[TensorInfo | None]
     op_index: int = -1  # the index the first operator it runs gets in the trace
+    #: the row map of each positional input (``fisherprune.masks.rows``; None: not a tensor,
+    #: or its rows were not followed)
+    rows: list[Rows | None] = field(default_factory=list)
+    parent: int = -1  # the call it ran inside (an index into ``Trace.calls``), or -1
 
 
 @dataclass

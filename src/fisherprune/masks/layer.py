@@ -121,12 +121,15 @@ class _MaskMultiply(torch.autograd.Function):
     (``input_changed_in_place``), so that later passes multiply into a new tensor. ``x`` is
     released once its backward ran (so that activations are freed as the backward goes, as
     without the mask); a second backward through the same graph (``retain_graph=True``)
-    finds it gone and is handled the same way.
+    finds it gone and is handled the same way. ``to_examples`` (or None where dim 0 of ``x``
+    is the batch) maps the per-row gradients to per-example ones before they are handed over
+    (rows that are tokens, or rows selected by data: ``fisherprune.masks.row_tracker``).
     """
 
     @staticmethod
-    def forward(ctx, x, mult, owner, index, dim, identity):  # type: ignore[override]
+    def forward(ctx, x, mult, owner, index, dim, identity, to_examples):  # type: ignore[override]
         ctx.owner, ctx.index, ctx.dim, ctx.identity = owner, index, dim, identity
+        ctx.to_examples = to_examples
         if identity:
             # kept off save_for_backward: its version check would turn a legal in-place
             # op downstream into an error; the version is compared in backward instead
@@ -148,25 +151,35 @@ class _MaskMultiply(torch.autograd.Function):
             ctx.owner.input_changed_in_place()
         else:
             g = grad.detach() if grad.requires_grad else grad  # create_graph: keep no graph
-            ctx.owner.accumulate(_per_example_channel_dot(g, x, ctx.dim), ctx.index)
+            dot = _per_example_channel_dot(g, x, ctx.dim)  # (rows, C)
+            if ctx.to_examples is not None:
+                dot = ctx.to_examples(dot)  # (N, C), before anything is squared
+            ctx.owner.accumulate(dot, ctx.index)
         grad_x = None
         if ctx.needs_input_grad[0]:
             grad_x = grad if mult is None else grad * mult
-        return grad_x, None, None, None, None, None
+        return grad_x, None, None, None, None, None, None
 
 
 def gather_through(
-    x: Tensor, mult: Tensor | None, owner: Any, index: Tensor | None, dim: int, identity: bool
+    x: Tensor,
+    mult: Tensor | None,
+    owner: Any,
+    index: Tensor | None,
+    dim: int,
+    identity: bool,
+    to_examples: Callable[[Tensor], Tensor] | None = None,
 ) -> Tensor:
     """``x * mult`` (or ``x`` itself when ``identity``), handing ``owner.accumulate`` the
     per-example mask gradient during backward (see ``_MaskMultiply``). ``mult`` may be None
-    only with ``identity`` and an ``x`` that requires grad."""
+    only with ``identity`` and an ``x`` that requires grad; ``to_examples`` maps per-row
+    gradients (rows, C) to per-example ones (N, C) where dim 0 of ``x`` is not the batch."""
     if not x.requires_grad:
         assert mult is not None, "a multiplier is needed to carry the gradient"
         # then the multiplier requires grad, so that backward still reaches the mask
         # (a mask on the model input, or after frozen layers)
         mult = mult.detach().requires_grad_()
-    return _MaskMultiply.apply(x, mult, owner, index, dim, identity)
+    return _MaskMultiply.apply(x, mult, owner, index, dim, identity, to_examples)
 
 
 def all_ones(masks: list[MaskLayer], cache: dict[str, Any]) -> bool:

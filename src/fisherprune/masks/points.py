@@ -11,6 +11,7 @@ removes exactly those, restoring the original model.
 from __future__ import annotations
 
 import contextlib
+import logging
 import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -23,6 +24,8 @@ from fisherprune.masks import tracing
 from fisherprune.masks.layer import MaskLayer, all_ones, gather_through, log_input_changed
 from fisherprune.masks.norm_points import NormPoint
 from fisherprune.masks.output_points import OutputMasks
+from fisherprune.masks.row_tracker import BatchProbe, RowScope, to_examples
+from fisherprune.masks.rows import BATCH, UNKNOWN, RowLayout
 
 __all__ = [
     "MASKS_ATTR",
@@ -37,6 +40,8 @@ __all__ = [
 ]
 
 MASKS_ATTR = "fisherprune_masks"
+
+log = logging.getLogger("fisherprune")
 
 
 class SharedProduct:
@@ -89,6 +94,9 @@ class MaskPoint:
     its channels each position uses; positions no mask covers are left as they are.
     ``shared``: the ``SharedProduct`` of the points with the same masks, positions and dim
     (default: one of its own).
+    ``rows``: how the rows (dim 0) of the input relate to examples (default: row n is example
+    n); ``probe`` and ``scope`` give, at run time, the batch size and the rows a module
+    selected by data, for the layouts that need them (``fisherprune.masks.row_tracker``).
     """
 
     def __init__(
@@ -100,8 +108,14 @@ class MaskPoint:
         parts: Sequence[tuple[MaskLayer, np.ndarray, np.ndarray]],
         foldable: bool = False,
         shared: SharedProduct | None = None,
+        rows: RowLayout | None = None,
+        probe: BatchProbe | None = None,
+        scope: RowScope | None = None,
     ) -> None:
         self.module_name = module_name
+        self.rows = RowLayout() if rows is None else rows
+        self.probe, self.scope = probe, scope
+        self._rows_warned = False
         self.shared = SharedProduct() if shared is None else shared
         self.arg, self.dim, self.size = arg, dim, size
         self.parts = [
@@ -260,8 +274,27 @@ class MaskPoint:
         ident = self._alias_ok and self._nothing_pruned()
         # an aliasing product needs no multiplier (unless it must carry the gradient)
         mult = None if ident and x.requires_grad else self.multiplier(x)
-        out = gather_through(x, mult, self, None, self.dim, ident)
+        out = gather_through(x, mult, self, None, self.dim, ident, self._to_examples(x))
         return self.shared.put(x, key, out)
+
+    def _to_examples(self, x: Tensor) -> Any:
+        """The reduction of this call's per-row gradients to per-example ones (None: rows are
+        examples, or taken for them); says once when the layout cannot be honoured."""
+        reduce = to_examples(self.rows.kind, x, self.probe, self.scope)
+        if reduce is not False:
+            return reduce
+        if not self._rows_warned and self.rows.kind != UNKNOWN:
+            self._rows_warned = True
+            log.warning(
+                "mask on %r: its input rows are %s, but this call gives no way to tell which "
+                "example each of its %d rows belongs to (the model called other than as a "
+                "whole, or a batch that does not divide the rows): each row counts as one "
+                "example, so its Fisher signal is approximate",
+                self.module_name,
+                "tokens of the batch" if self.rows.kind == "tokens" else "selected by data",
+                x.shape[0],
+            )
+        return None
 
     def input_changed_in_place(self) -> None:
         """Backward found the aliased input changed in place: drop the pass, stop aliasing."""
@@ -415,6 +448,8 @@ def install_mask_points(
     points: Sequence[tuple[str, int, int, int, list[tuple[str, np.ndarray, np.ndarray]]]],
     norms: Sequence[tuple[str, int, int, list[tuple[str, np.ndarray, np.ndarray]]]] = (),
     outputs: Sequence[tuple[str, int, int, list[tuple[str, np.ndarray, np.ndarray]]]] = (),
+    rows: Sequence[RowLayout] = (),
+    output_rows: Sequence[RowLayout] = (),
 ) -> str:
     """Add ``masks`` as a ``fisherprune_masks`` ModuleDict and hook each point's module.
 
@@ -424,6 +459,10 @@ def install_mask_points(
     ``NormPoint`` as the norm's instance ``forward`` and, when ``outputs`` (``(key path, dim,
     size, parts)`` of model output tensors) is not empty, one forward hook on the model that
     multiplies those outputs (``OutputMasks``); on failure everything added is removed.
+    ``rows`` / ``output_rows`` (aligned with ``points`` / ``outputs``; default: dim 0 is the
+    batch) say how each point's input rows relate to examples: where some are tokens or rows
+    selected by data, also a ``BatchProbe`` (two hooks on the model) and, per module that
+    selects rows, a ``RowScope`` (two hooks on it; ``fisherprune.masks.row_tracker``).
 
     Returns:
         The qualified name of the ModuleDict (``"fisherprune_masks"`` usually).
@@ -441,7 +480,13 @@ def install_mask_points(
     try:
         shared = _shared_weights(model)
         products: dict[tuple[Any, ...], SharedProduct] = {}
-        for name, arg, dim, size, parts in points:
+        layouts = list(rows) or [RowLayout()] * len(points)
+        out_layouts = list(output_rows) or [RowLayout()] * len(outputs)
+        probe = BatchProbe()
+        if any(r.kind != BATCH for r in (*layouts, *out_layouts)):
+            holder.handles.extend(probe.install(model))
+        scopes = _row_scopes(holder, modules, layouts, probe)
+        for (name, arg, dim, size, parts), layout in zip(points, layouts, strict=True):
             mod = modules[name]
             fold = _foldable(mod, arg, dim, size) and id(mod.weight) not in shared
             same = (
@@ -451,15 +496,18 @@ def install_mask_points(
             )
             product = products.setdefault(same, SharedProduct())
             masked = [(holder[k], p, i) for k, p, i in parts]
-            mp = MaskPoint(name, arg, dim, size, masked, fold, product)
+            scope = scopes.get(layout.scope) if layout.scope is not None else None
+            mp = MaskPoint(name, arg, dim, size, masked, fold, product, layout, probe, scope)
             holder.points.append(mp)
             holder.handles.append(mod.register_forward_pre_hook(mp))
+        for name, scope in scopes.items():  # after the points: they see the masked inputs
+            holder.handles.extend(scope.install(modules[name]))
         for name, dim, size, parts in norms:
             masked = [(holder[k], p, i) for k, p, i in parts]
             holder.handles.append(NormPoint(name, modules[name], dim, size, masked))
-        for path, dim, size, parts in outputs:
+        for (path, dim, size, parts), layout in zip(outputs, out_layouts, strict=True):
             masked = [(holder[k], p, i) for k, p, i in parts]
-            mp = MaskPoint(f"<output>{path}", -1, dim, size, masked)
+            mp = MaskPoint(f"<output>{path}", -1, dim, size, masked, rows=layout, probe=probe)
             holder.outputs.setdefault(path, []).append(mp)
         if outputs:
             hook = OutputMasks(
@@ -472,6 +520,21 @@ def install_mask_points(
     found = find_holder(model)
     assert found is not None
     return found[0]
+
+
+def _row_scopes(
+    holder: MaskHolder, modules: dict[str, nn.Module], layouts: list[RowLayout], probe: BatchProbe
+) -> dict[str, RowScope]:
+    """One ``RowScope`` per module that the layouts name as selecting rows by data."""
+
+    def collecting() -> bool:
+        return any(m.collecting for m in holder.values() if isinstance(m, MaskLayer))
+
+    scopes: dict[str, RowScope] = {}
+    for r in layouts:
+        if r.scope is not None and r.scope in modules and r.scope not in scopes:
+            scopes[r.scope] = RowScope(r.scope, r.scope_args, probe, collecting)
+    return scopes
 
 
 def remove_mask_points(model: nn.Module) -> bool:

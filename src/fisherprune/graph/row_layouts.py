@@ -1,0 +1,66 @@
+"""How the rows of each mask point's input relate to examples, read off the trace.
+
+The tracer follows which example each row of every tensor belongs to (``fisherprune.masks.rows``)
+and keeps, for each module call, the row map of each positional input. A point masks the input
+of a module: its layout is that of the input in every call of the module (a module called with
+inputs of different layouts gets ``"unknown"``). Rows selected by data are followed again at run
+time inside the innermost enclosing module whose own inputs are batch or token rows: its scope.
+"""
+
+from __future__ import annotations
+
+from fisherprune.graph.groups import MaskPointSpec
+from fisherprune.graph.trace import Trace
+from fisherprune.masks.rows import BATCH, SELECTED, TOKENS, UNKNOWN, RowLayout, classify_rows
+
+__all__ = ["output_layouts", "point_layouts"]
+
+
+def point_layouts(trace: Trace, specs: list[MaskPointSpec]) -> list[RowLayout]:
+    """The ``RowLayout`` of each module-input spec of ``specs`` (norms and outputs excluded),
+    in order. A module the trace never saw called (one run through a registered forward) is
+    taken to read batch rows, as every point was before rows were followed."""
+    calls_of: dict[str, list[int]] = {}
+    for i, c in enumerate(trace.calls):
+        calls_of.setdefault(c.name, []).append(i)
+    return [
+        _layout(trace, calls_of.get(sp.module, []), sp.arg)
+        for sp in specs
+        if not sp.norm and sp.output is None
+    ]
+
+
+def output_layouts(trace: Trace, specs: list[MaskPointSpec]) -> list[RowLayout]:
+    """The ``RowLayout`` of each output spec of ``specs``, in order."""
+    return [
+        RowLayout(trace.output_rows.get(sp.output, BATCH))
+        for sp in specs
+        if sp.output is not None and not sp.norm
+    ]
+
+
+def _layout(trace: Trace, calls: list[int], arg: int) -> RowLayout:
+    if not calls:
+        return RowLayout(BATCH)
+    found = {_call_layout(trace, i, arg) for i in calls}
+    return found.pop() if len(found) == 1 else RowLayout(UNKNOWN)
+
+
+def _call_layout(trace: Trace, call: int, arg: int) -> RowLayout:
+    c = trace.calls[call]
+    rows = c.rows[arg] if arg < len(c.rows) else None
+    kind = classify_rows(rows, trace.batch_size)
+    if kind != SELECTED:
+        return RowLayout(kind)
+    parent = c.parent
+    while parent >= 0:
+        p = trace.calls[parent]
+        seeds = tuple(
+            (pos, k)
+            for pos, r in enumerate(p.rows)
+            if (k := classify_rows(r, trace.batch_size)) in (BATCH, TOKENS)
+        )
+        if seeds:
+            return RowLayout(SELECTED, "" if p.name == "<model>" else p.name, seeds)
+        parent = p.parent
+    return RowLayout(UNKNOWN)
