@@ -1,5 +1,6 @@
 """Recovery past one device: a Llama shrunk by fisherprune distilled from its dense self
-under torchrun with FSDP2 (two gloo ranks on 127.0.0.1, ``tests/fsdp_recover_driver.py``).
+under torchrun with FSDP2 (two gloo ranks on 127.0.0.1, ``tests/fsdp_recover_driver.py``),
+and ``fisherprune distill`` run in this process (a process group of one).
 
 Two launches serve every test: one run killed with SIGKILL after step 5 (checkpoints at
 steps 2 and 4), then one launch running in turn the same run uninterrupted, the killed run
@@ -16,6 +17,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -24,9 +26,8 @@ from torch import Tensor, nn
 import fisherprune as fp
 from fisherprune.distill import distill_loss
 from tests import fsdp_recover_driver as driver
+from tests.cli_run import run_cli
 from tests.launch import ROOT, free_port, subprocess_env
-
-pytestmark = pytest.mark.torchrun
 
 TIMEOUT = 120  # seconds per launch
 KILL_AT = 5
@@ -72,14 +73,17 @@ def _torchrun(root: Path, kill_at: int, *runs: Path) -> subprocess.Popen:
     )  # fmt: skip
 
 
-def _reference(root: Path) -> tuple[nn.Module, list[float]]:
+def _reference(
+    root: Path, data: list[dict[str, Tensor]] | None = None, steps: int = driver.STEPS
+) -> tuple[nn.Module, list[float]]:
     """The student trained in this process alone: AdamW (as ``distill_sharded`` makes it) on
-    ``distill_loss`` over each whole batch, step ``i`` on ``batches[i % 3]``."""
+    ``distill_loss`` over each whole batch, step ``i`` on ``data[i % len(data)]`` (default:
+    the driver's batches)."""
     student, teacher = driver.load(root / "student"), driver.load(root / "teacher").eval()
     opt = torch.optim.AdamW(student.parameters(), lr=driver.LR, weight_decay=0.0)
-    data, losses = driver.batches(), []
+    data, losses = data or driver.batches(), []
     student.train()
-    for step in range(driver.STEPS):
+    for step in range(steps):
         batch = data[step % len(data)]
         with torch.no_grad():
             t_out = teacher(**batch)
@@ -155,6 +159,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
     return Runs(root, killed.returncode, left, output, reference, losses, initial)
 
 
+@pytest.mark.torchrun
 def test_sharded_training_equals_one_process_on_whole_batches(runs: Runs) -> None:
     """Two ranks, each on half of every batch with FSDP2-sharded student and teacher, end
     with the weights (and losses) of one process training on the whole batches."""
@@ -168,6 +173,7 @@ def test_sharded_training_equals_one_process_on_whole_batches(runs: Runs) -> Non
     torch.testing.assert_close(got["losses"], runs.reference_losses, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.torchrun
 def test_kill_9_then_resume_gives_the_uninterrupted_weights(runs: Runs) -> None:
     """A run SIGKILLed after step 5 (checkpoints at 2 and 4) resumes from step 4 and ends with
     exactly the weights of the uninterrupted run: optimizer state and data position resume."""
@@ -181,6 +187,7 @@ def test_kill_9_then_resume_gives_the_uninterrupted_weights(runs: Runs) -> None:
     assert different == []
 
 
+@pytest.mark.torchrun
 def test_damaged_and_half_written_checkpoints_are_passed_over(runs: Runs) -> None:
     """A checkpoint folder without its manifest (half-written) and one whose file differs from
     its hash are each reported and set aside; the run resumes from the whole one before them
@@ -198,6 +205,7 @@ def test_damaged_and_half_written_checkpoints_are_passed_over(runs: Runs) -> Non
     assert all(torch.equal(resumed["state"][k], v) for k, v in straight.items())
 
 
+@pytest.mark.torchrun
 def test_gathered_folder_loads_with_from_pretrained_as_the_student(runs: Runs) -> None:
     """The folder ``save_pretrained_gathered`` wrote loads with plain ``from_pretrained`` (a
     LlamaForCausalLM of the shrunk width) and gives the trained student's logits."""
@@ -212,3 +220,40 @@ def test_gathered_folder_loads_with_from_pretrained_as_the_student(runs: Runs) -
         before = untrained(**batch).logits
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
     assert not torch.allclose(expected, before, rtol=1e-4, atol=1e-4)
+
+
+# ------------------------------------------------------------- fisherprune distill, one process
+def test_cli_distill_resumes_when_run_again_and_matches_one_process(tmp_path: Path) -> None:
+    """``fisherprune distill`` without torchrun (a group of one process), run for 3 steps and
+    then again with --steps 4, resumes from its step-3 checkpoint and writes a folder that
+    from_pretrained loads with the logits of a plain loop of 4 steps on the text cut into
+    windows of --seq_len tokens, --batch_size windows a step."""
+    words = [f"w{i}" for i in range(40)]
+    vocab = tmp_path / "vocab.txt"
+    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *words]) + "\n")
+    tokenizer = transformers.BertTokenizerFast(vocab_file=str(vocab))
+    dense = _dense()
+    dense.save_pretrained(tmp_path / "teacher")
+    _shrunk(dense).save_pretrained(tmp_path / "student")
+    tokenizer.save_pretrained(tmp_path / "student")
+    text = tmp_path / "text.txt"
+    text.write_text(" ".join(np.random.default_rng(0).choice(words, size=60)))
+    out = tmp_path / "out"
+    args = ["distill", "--student", tmp_path / "student", "--teacher", tmp_path / "teacher",
+            "--text", text, "--out", out, "--seq_len", 8, "--batch_size", 2,
+            "--lr", driver.LR, "--every", 2]  # fmt: skip
+    code, stdout, err = run_cli(*args, "--steps", 3)
+    assert code == 0, err
+    code, stdout, err = run_cli(*args, "--steps", 4)
+    assert code == 0, err
+    assert f"resumed from {tmp_path / 'out.ckpt' / 'step-00000003'} at step 3" in stdout
+    ids = torch.tensor(tokenizer(text.read_text())["input_ids"])
+    batches = [{"input_ids": w} for w in ids[: len(ids) // 16 * 16].reshape(-1, 2, 8)]
+    assert len(batches) == 3  # 62 tokens: the 4th step goes round to the first batch
+    expected, _ = _reference(tmp_path, batches, steps=4)
+    back = transformers.LlamaForCausalLM.from_pretrained(out, attn_implementation="eager")
+    with torch.no_grad():
+        torch.testing.assert_close(
+            back.eval()(**batches[1]).logits, expected(**batches[1]).logits, rtol=1e-4, atol=1e-4
+        )
+    assert transformers.AutoTokenizer.from_pretrained(out).vocab == tokenizer.vocab
