@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 import fisherprune as fp
 from fisherprune.distill import distill_loss
+from fisherprune.recover import distill_sharded, find_blocks
 from tests import fsdp_recover_driver as driver
 from tests.cli_run import run_cli
 from tests.launch import ROOT, free_port, subprocess_env
@@ -257,3 +258,27 @@ def test_cli_distill_resumes_when_run_again_and_matches_one_process(tmp_path: Pa
             back.eval()(**batches[1]).logits, expected(**batches[1]).logits, rtol=1e-4, atol=1e-4
         )
     assert transformers.AutoTokenizer.from_pretrained(out).vocab == tokenizer.vocab
+
+
+# ------------------------------------------------------------------------ without processes
+def test_blocks_found_by_chain_are_the_decoder_layers_found_by_class() -> None:
+    """The blocks sharded one by one are the decoder layers, whether found as the chain of
+    repeated blocks or named by class; a class the model lacks is refused by name."""
+    model = _dense()
+    inputs = driver.batches()[0]
+    layers = list(model.model.layers)
+    assert find_blocks(model, inputs) == layers
+    decoder = transformers.models.llama.modeling_llama.LlamaDecoderLayer
+    assert find_blocks(model, inputs, (decoder,)) == layers
+    with pytest.raises(ValueError, match="no module of LlamaForCausalLM is a Conv2d"):
+        find_blocks(model, inputs, (nn.Conv2d,))
+
+
+def test_distill_sharded_outside_torchrun_says_how_to_start() -> None:
+    """Without a process group, distill_sharded stops before changing the model and says to
+    start it under torchrun with a process group."""
+    model = _dense()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(RuntimeError, match="start it with torchrun"):
+        distill_sharded(model, None, driver.batches(), steps=1, loss_fn=lambda out, _: out.loss)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())

@@ -3,14 +3,15 @@ whole or not at all, verified before they are loaded, the newest whole one resum
 
 A checkpoint is a folder ``step-<8 digits>`` holding DCP's files (the sharded model and
 optimizer state from ``get_state_dict``; every rank writes its own shards), one
-``rng-<rank>.pt`` per rank (its random state), and last ``manifest.json``: the step, the
-data position, the world size and the SHA-256 of every other file. The folder is written
-under a temporary name beside it (``export.storage.atomic_directory`` on rank 0, which every
-rank writes into) and renamed only once every rank's files and the manifest are on disk, so
-a run killed while saving leaves no ``step-*`` folder, and ``load_newest`` never reads one
-whose files differ from their hashes: it sets it aside (``.damaged``) and tries the one
-before. The files are hashed, on saving and on loading, by every rank in turn (rank ``r``
-hashes every ``world``-th file from the ``r``-th), so the work is shared out.
+``rng-<rank>.pt`` per rank (its random state), and last ``manifest.json``: the step (the
+data position), the number of batches, the world size and the SHA-256 of every other file.
+The folder is written under a temporary name beside it (``export.storage.atomic_directory``
+on rank 0, which every rank writes into) and renamed only once every rank's files and the
+manifest are on disk, so a run killed while saving leaves no ``step-*`` folder, and
+``load_newest`` never reads one whose files differ from their hashes: it sets it aside
+(``.damaged``) and tries the one before. The files are hashed, on saving and on loading, by
+every rank in turn (rank ``r`` hashes every ``world``-th file from the ``r``-th), so the
+work is shared out.
 
 The folder must be on a file system every rank sees (as DCP's own file writer needs).
 """
@@ -46,11 +47,11 @@ _FORMAT = 1
 
 @dataclass(frozen=True)
 class Position:
-    """Where a run stands: ``step`` optimizer steps done, the next batch being
-    ``batches[next_batch]`` of a sequence of ``num_batches``."""
+    """Where a run stands: ``step`` optimizer steps done, on a sequence of ``num_batches``
+    batches read in step order (step ``i`` reads batch ``i % num_batches``, so the step is
+    the data position too, and a resume on other data is refused by its count)."""
 
     step: int
-    next_batch: int
     num_batches: int
 
 
@@ -185,7 +186,7 @@ def _verify(path: Path) -> str | None:
     try:
         manifest = json.loads((path / MANIFEST).read_text())
         files = manifest["files"]
-        Position(manifest["step"], manifest["next_batch"], manifest["num_batches"])
+        Position(manifest["step"], manifest["num_batches"])
     except (OSError, ValueError, KeyError, TypeError) as e:
         return f"its {MANIFEST} cannot be read: {first_line(e)}"
     found = _hashes(path, sorted(files))
@@ -211,7 +212,7 @@ def _load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> tup
         set_rng_state(saved["host"])
         if "cuda" in saved:
             torch.cuda.set_rng_state(saved["cuda"])
-    position = Position(manifest["step"], manifest["next_batch"], manifest["num_batches"])
+    position = Position(manifest["step"], manifest["num_batches"])
     return position, manifest["world_size"]
 
 

@@ -155,7 +155,7 @@ def distill_sharded(
     def save(done: int) -> Path | None:
         if store is None:
             return None
-        return store.save(Position(done, done % len(data), len(data)), student, opt)
+        return store.save(Position(done, len(data)), student, opt)
 
     losses: list[Tensor] = []
     written = None
@@ -166,7 +166,7 @@ def distill_sharded(
             loss = objective(
                 student, _share(inputs, rank, world, device), _share(targets, rank, world, device)
             )
-            signum = guard.poll(loss, step)  # before the update: a NaN never reaches it
+            signum = guard.poll(loss, step)  # on the CPU read now: a NaN stops the update
             if signum:
                 raise Interrupted(signum, step, save(step))
             opt.zero_grad(set_to_none=True)
