@@ -10,8 +10,6 @@ Both runs are subprocesses with bounded waits: ``torchrun`` of the real ``fisher
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -22,8 +20,9 @@ from typing import Any
 import numpy as np
 import pytest
 
+from tests.launch import free_port, subprocess_env
+
 TIMEOUT = 120  # seconds
-ROOT = Path(__file__).resolve().parent.parent
 
 # Run by torchrun on every rank: chdir into rank<r>/ so that a relative --save_dir gives each
 # rank its own directory (anything rank 1 writes shows up there), record the masks and signals
@@ -137,19 +136,6 @@ if __name__ == "__main__":
 """
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["OMP_NUM_THREADS"] = "1"
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
-    return env
-
-
 def _write_table(path: Path, n: int = 200) -> Path:
     rng = np.random.default_rng(1)
     x = rng.normal(size=(n, 4))
@@ -183,7 +169,7 @@ def torchrun(tmp_path_factory: pytest.TempPathFactory) -> TorchrunRun:
     driver.write_text(textwrap.dedent(TORCHRUN_DRIVER))
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
-        "--master_addr=127.0.0.1", f"--master_port={_free_port()}", str(driver), str(root),
+        "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(driver), str(root),
         "train", "--data", str(data), "--model", "mlp", "--width", "8", "--depth", "1",
         "--train.steps", "30", "--pruning.burn_in", "5", "--pruning_iter", "2",
         "--eval_every", "10", "--fine_tune_steps", "5", "--checkpoint_every", "10",
@@ -191,7 +177,7 @@ def torchrun(tmp_path_factory: pytest.TempPathFactory) -> TorchrunRun:
         "--save_dir", "out",
     ]  # fmt: skip
     done = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=TIMEOUT, env=_env(), cwd=root
+        cmd, capture_output=True, text=True, timeout=TIMEOUT, env=subprocess_env(), cwd=root
     )
     records = []
     for r in (0, 1):
@@ -241,11 +227,11 @@ def test_spawned_ddp_ranks_prune_identically_on_different_shards(tmp_path: Path)
     driver = tmp_path / "spawn_driver.py"
     driver.write_text(textwrap.dedent(SPAWN_DRIVER))
     done = subprocess.run(
-        [sys.executable, str(driver), str(_free_port()), str(tmp_path)],
+        [sys.executable, str(driver), str(free_port()), str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=TIMEOUT,
-        env=_env(),
+        env=subprocess_env(),
     )
     assert done.returncode == 0, done.stderr[-3000:]
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))

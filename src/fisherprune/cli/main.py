@@ -17,6 +17,7 @@ from pathlib import Path
 from types import FrameType
 
 from fisherprune._version import __version__
+from fisherprune.cli.distill import distill_parser
 from fisherprune.cli.env import env_parser
 from fisherprune.cli.export import export_parser
 from fisherprune.cli.flops import flops_parser
@@ -40,7 +41,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"fisherprune {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log every prune")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for register in (train_parser, prune_parser, flops_parser, export_parser, env_parser):
+    for register in (
+        train_parser,
+        prune_parser,
+        distill_parser,
+        flops_parser,
+        export_parser,
+        env_parser,
+    ):
         # -v also after the subcommand (fisherprune train -v)
         register(sub).add_argument(
             "-v",

@@ -1,0 +1,145 @@
+"""``fisherprune distill``: recover a shrunk causal language model by distillation from the
+dense one on a text file, sharded with FSDP2 over the processes torchrun starts
+(``fisherprune.recover.distill_sharded``); run again after a crash, it resumes."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from fisherprune.cli.help import DefaultsFormatter
+from fisherprune.recover import distill_sharded, save_pretrained_gathered
+from fisherprune.train.devices import process_group_backend, resolve_device
+from fisherprune.train.interrupts import init_distributed
+
+try:
+    import transformers
+except ImportError:  # pragma: no cover - optional
+    transformers = None
+
+__all__ = ["distill_command", "distill_parser", "text_batches"]
+
+
+def distill_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "distill",
+        help="recover a shrunk language model from the dense one, sharded over processes",
+        description="Distil the dense --teacher into the shrunk --student (Hugging Face causal "
+        "LM folders) on --text with AdamW, both sharded with FSDP2 over the processes of "
+        "torchrun (one process without it), checkpointing as it goes; the same command run "
+        "again resumes from the newest whole checkpoint. Writes --out with save_pretrained.",
+        formatter_class=DefaultsFormatter,
+    )
+    p.add_argument("--student", required=True, help="the shrunk model's folder")
+    p.add_argument("--teacher", required=True, help="the dense model's folder")
+    p.add_argument("--text", required=True, help="training text, read whole as one stream")
+    p.add_argument("--out", required=True, help="folder to write the trained student to")
+    p.add_argument("--steps", type=int, default=200, help="optimizer steps")
+    p.add_argument("--lr", type=float, default=1e-4, help="AdamW's learning rate")
+    p.add_argument("--weight_decay", type=float, default=0.0, help="AdamW's weight decay")
+    p.add_argument("--seq_len", type=int, default=128, help="tokens per training window")
+    p.add_argument("--batch_size", type=int, default=8, help="windows per step, over all processes")
+    p.add_argument("--temperature", type=float, default=2.0, help="of the softened softmax")
+    p.add_argument(
+        "--checkpoint_dir", help="where checkpoints go and are resumed from (default: OUT.ckpt)"
+    )
+    p.add_argument("--every", type=int, default=50, help="steps between checkpoints")
+    p.add_argument("--keep", type=int, default=2, help="checkpoints kept")
+    p.add_argument(
+        "--replicate_teacher",
+        action="store_true",
+        help="a whole teacher on every process instead of a sharded one (when it fits)",
+    )
+    p.add_argument(
+        "--dist_timeout", type=float, default=1800.0, help="seconds to wait for another process"
+    )
+    p.set_defaults(func=distill_command)
+    return p
+
+
+def text_batches(
+    path: Path, tokenizer: Any, seq_len: int, batch_size: int
+) -> list[dict[str, Tensor]]:
+    """``path`` tokenized whole and cut into windows of ``seq_len`` tokens one after another
+    (the tail shorter than a window left out), ``batch_size`` windows a batch (the windows
+    that do not fill a last batch left out): ``{"input_ids": (batch_size, seq_len)}``.
+
+    Raises:
+        ValueError: ``seq_len`` or ``batch_size`` below 1, or text too short for one batch.
+    """
+    if seq_len < 1 or batch_size < 1:
+        raise ValueError(f"--seq_len and --batch_size must be >= 1, got {seq_len}, {batch_size}")
+    ids = torch.as_tensor(tokenizer(Path(path).read_text(), verbose=False)["input_ids"])
+    per_batch = seq_len * batch_size
+    count = ids.numel() // per_batch
+    if count == 0:
+        raise ValueError(
+            f"--text {path} gives {ids.numel()} tokens, fewer than one batch of --batch_size "
+            f"{batch_size} windows of --seq_len {seq_len} ({per_batch}): give more text or "
+            "smaller windows"
+        )
+    windows = ids[: count * per_batch].reshape(count, batch_size, seq_len)
+    return [{"input_ids": w} for w in windows]
+
+
+def _join(timeout_s: float) -> bool:
+    """Join torchrun's process group (collectives fail after ``timeout_s`` seconds), or make
+    a group of this one process without torchrun. Returns whether this call made the group
+    (and must end it). Changes: this process's CUDA device under NCCL (its LOCAL_RANK's GPU)."""
+    if dist.is_initialized():
+        return False
+    device = resolve_device(
+        "cuda" if torch.cuda.is_available() else "cpu", int(os.environ.get("LOCAL_RANK", "0"))
+    )
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    backend = process_group_backend(device)
+    if "WORLD_SIZE" in os.environ:
+        init_distributed(timeout_s, backend)
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    return True
+
+
+def distill_command(args: argparse.Namespace) -> int:
+    if transformers is None:
+        raise ImportError("fisherprune distill reads model folders with transformers: "
+                          "pip install transformers")  # fmt: skip
+    for flag in ("student", "teacher", "text"):
+        if not Path(getattr(args, flag)).exists():
+            raise FileNotFoundError(f"--{flag} {getattr(args, flag)}: no such file or folder")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(args.student)
+    made = _join(args.dist_timeout)
+    try:
+        world = dist.get_world_size()
+        if args.batch_size % world:
+            raise ValueError(
+                f"--batch_size {args.batch_size} does not split over {world} processes: give "
+                f"a multiple of {world}"
+            )
+        batches = text_batches(Path(args.text), tokenizer, args.seq_len, args.batch_size)
+        student = transformers.AutoModelForCausalLM.from_pretrained(args.student)
+        teacher = transformers.AutoModelForCausalLM.from_pretrained(args.teacher)
+        out = Path(args.out)
+        done = distill_sharded(
+            student, teacher, batches, steps=args.steps, lr=args.lr,
+            weight_decay=args.weight_decay, temperature=args.temperature,
+            checkpoint_dir=args.checkpoint_dir or out.with_name(out.name + ".ckpt"),
+            every=args.every, keep=args.keep, shard_teacher=not args.replicate_teacher,
+            dist_timeout_s=args.dist_timeout,
+        )  # fmt: skip
+        if save_pretrained_gathered(student, out) is not None:
+            tokenizer.save_pretrained(out)
+            last = f"{done.losses[-1]:.4g}" if done.losses else "none (no step left to run)"
+            print(f"distilled steps {done.start_step}..{args.steps}: last loss {last}; "
+                  f"wrote {out}")  # fmt: skip
+    finally:
+        if made:
+            dist.destroy_process_group()
+    return 0
