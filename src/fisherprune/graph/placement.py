@@ -20,6 +20,7 @@ from fisherprune.graph.trace import trace_model
 from fisherprune.inputs import Inputs
 from fisherprune.masks import MaskLayer, find_masks
 from fisherprune.masks.blocks import GATE_KEY, find_block_list, install_block_gate
+from fisherprune.masks.experts import GATE_SUFFIX, find_moe_layers, install_expert_gates
 from fisherprune.masks.points import (
     MaskPoint,
     find_holder,
@@ -90,7 +91,12 @@ def _key(name: str, taken: set[str]) -> str:
 
 
 def apply_masks(
-    model: nn.Module, example_inputs: Any, *, strict: bool = False, blocks: bool = False
+    model: nn.Module,
+    example_inputs: Any,
+    *,
+    strict: bool = False,
+    blocks: bool = False,
+    experts: bool = False,
 ) -> AppliedMasks:
     """Find every set of coupled prunable channels in ``model`` and give each one mask.
 
@@ -110,7 +116,9 @@ def apply_masks(
     width is prunable, a forward hook on the model that masks that output. The model's
     class, ``forward`` and parameters are untouched; ``remove_masks`` undoes it. With
     ``blocks``, also a ``BlockGate`` (key ``blocks`` of the holder) and one forward hook per
-    repeated block (``fisherprune.masks.blocks``).
+    repeated block (``fisherprune.masks.blocks``). With ``experts``, also an ``ExpertGate``
+    per mixture-of-experts layer (key ``<layer>:experts``) and hooks on the layer and its
+    router (``fisherprune.masks.experts``).
 
     Args:
         model: any ``nn.Module``.
@@ -122,6 +130,10 @@ def apply_masks(
             ``BlockGate`` whose entry ``i`` gates block ``i``'s residual branches, ranked with
             the channels by its own Fisher signal and the block's cost; ``shrink`` removes the
             blocks whose entry is 0.
+        experts: also make the experts of every mixture-of-experts layer prunable units: one
+            ``ExpertGate`` per layer whose entry ``e`` removes expert ``e`` (its router row and
+            its weights; routing then picks among the others), ranked with the channels by
+            its own Fisher signal and its cost; never below ``top_k`` experts a layer.
 
     Returns:
         ``AppliedMasks``: ``{name: MaskLayer}`` with ``.groups`` and ``.skipped``.
@@ -129,7 +141,8 @@ def apply_masks(
     Raises:
         ValueError: the model already has masks; or, with ``strict``, some
             channels cannot be pruned safely (the message lists them); or, with ``blocks``,
-            the model has no chain of repeated blocks (nothing is added then).
+            the model has no chain of repeated blocks, or, with ``experts``, no
+            mixture-of-experts layer or one that cannot be gated (nothing is added then).
 
     Example:
         >>> masks = fisherprune.apply_masks(resnet, torch.randn(1, 3, 32, 32))
@@ -142,6 +155,8 @@ def apply_masks(
         )
     if blocks:
         find_block_list(model, example_inputs)  # refused before anything is added
+    if experts:
+        find_moe_layers(model, example_inputs)
     trace = trace_model(model, example_inputs)
     graph = ChannelGraph(trace)
     groups, specs, skipped = find_groups(trace, graph)
@@ -202,6 +217,12 @@ def apply_masks(
         gate, handles = install_block_gate(model, example_inputs)
         keys.append(_key(GATE_KEY, set(holder.keys())))
         holder[keys[-1]] = gate
+        holder.handles.extend(handles)
+    if experts:
+        gates, handles = install_expert_gates(model, example_inputs)
+        for g in gates:
+            keys.append(_key(g.layer_path + GATE_SUFFIX, set(holder.keys())))
+            holder[keys[-1]] = g
         holder.handles.extend(handles)
     return AppliedMasks({prefix + k: holder[k] for k in keys}, dict(holder.groups), skipped)
 

@@ -1,0 +1,39 @@
+"""Removing gated-off experts: the expert half of a ``PruningPlan``.
+
+The tensors of an expert gate (the router's weight, the experts' stacked parameters) lose the
+removed experts' slices along dim 0 through the plan's slicing, as every channel does
+(``CostModel.removed`` counts an expert's components as removed). What slicing does not
+change are the integer counts the modules keep and their forward reads (the router's and the
+experts' ``num_experts``, Mixtral's ``num_local_experts``): this module gives the plan those.
+A Hugging Face ``config`` follows through ``fisherprune.export.hf_config`` when every layer
+keeps the same number of experts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from torch import nn
+
+from fisherprune.masks import MaskLayer
+from fisherprune.masks.experts import COUNT_ATTRIBUTES, ExpertGate
+
+__all__ = ["expert_count_attributes"]
+
+
+def expert_count_attributes(
+    model: nn.Module, masks: Mapping[str, MaskLayer]
+) -> dict[str, dict[str, int]]:
+    """``{module name: {attribute: kept experts}}`` for the router, the experts module and
+    the layer of each expert gate among ``masks`` that removed any: every attribute of
+    ``COUNT_ATTRIBUTES`` they hold as an int equal to the layer's expert count."""
+    out: dict[str, dict[str, int]] = {}
+    for m in masks.values():
+        if not isinstance(m, ExpertGate) or m.kept == m.num_channels:
+            continue
+        for path in (m.router_path, m.experts_path, m.layer_path):
+            mod = model.get_submodule(path)
+            for attr in COUNT_ATTRIBUTES:
+                if type(getattr(mod, attr, None)) is int and getattr(mod, attr) == m.num_channels:
+                    out.setdefault(path, {})[attr] = m.kept
+    return out
