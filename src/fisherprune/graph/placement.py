@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import logging
@@ -155,8 +156,7 @@ def apply_masks(
         )
     if blocks:
         find_block_list(model, example_inputs)  # refused before anything is added
-    if experts:
-        find_moe_layers(model, example_inputs)
+    moe = find_moe_layers(model, example_inputs) if experts else []  # refused up front too
     trace = trace_model(model, example_inputs)
     graph = ChannelGraph(trace)
     groups, specs, skipped = find_groups(trace, graph)
@@ -199,6 +199,7 @@ def apply_masks(
         specs = [sp for sp in specs if sp.parts]
         groups = [groups[gi] for gi in keep]
         keys = _install(model, groups, specs)
+    skipped = _gated_rows(skipped, {f"{m.router}.weight" for m in moe})
     problems = [s for s in skipped if not s.expected]
     if strict and problems:
         remove_mask_points(model)
@@ -218,13 +219,24 @@ def apply_masks(
         keys.append(_key(GATE_KEY, set(holder.keys())))
         holder[keys[-1]] = gate
         holder.handles.extend(handles)
-    if experts:
-        gates, handles = install_expert_gates(model, example_inputs)
+    if moe:
+        gates, handles = install_expert_gates(model, moe)
         for g in gates:
             keys.append(_key(g.layer_path + GATE_SUFFIX, set(holder.keys())))
             holder[keys[-1]] = g
         holder.handles.extend(handles)
     return AppliedMasks({prefix + k: holder[k] for k in keys}, dict(holder.groups), skipped)
+
+
+def _gated_rows(skipped: list[Skipped], routers: set[str]) -> list[Skipped]:
+    """``skipped`` with the rows of gated routers (one per expert) marked expected: each
+    layer's ``ExpertGate`` removes them, with the expert."""
+    return [
+        dataclasses.replace(s, expected=True, reason=f"{s.reason} (removed by the ExpertGate)")
+        if s.params and all(p in routers and d == 0 for p, d in s.params)
+        else s
+        for s in skipped
+    ]
 
 
 _UNSAFE = (

@@ -318,18 +318,14 @@ def _checked(layer: str, router: str, experts: str, e: int, rec: list[Any]) -> M
 
 
 def install_expert_gates(
-    model: nn.Module, example_inputs: Any
+    model: nn.Module, layers: list[MoELayer]
 ) -> tuple[list[ExpertGate], list[RemovableHandle]]:
-    """Find the MoE layers and hook a new ``ExpertGate`` on each.
+    """Hook a new ``ExpertGate`` on each MoE layer of ``layers`` (``find_moe_layers``).
 
     Changes: a forward pre-hook on each MoE layer and a forward pre-hook and hook on its
     router (the returned handles remove them). The gates are returned, not attached: the
     caller holds them (``apply_masks`` puts them in its ``fisherprune_masks`` holder).
-
-    Raises:
-        ValueError: as ``find_moe_layers`` (nothing is added then).
     """
-    layers = find_moe_layers(model, example_inputs)
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     gates, handles = [], []
     for moe in layers:
