@@ -179,6 +179,7 @@ def test_uniform_expert_prune_round_trips_through_from_pretrained(kind: str, tmp
     small = fp.shrink(model, inputs)
     field = "num_experts" if kind == "qwen3_moe" else "num_local_experts"
     assert getattr(small.config, field) == 2
+    assert small.num_experts == 2  # the causal LM's count, read by its load-balancing loss
     small.save_pretrained(tmp_path)
     back = type(small).from_pretrained(tmp_path, dtype=torch.float64).eval()
     back.config._attn_implementation = "eager"
@@ -200,6 +201,7 @@ def test_plan_json_rebuilds_the_shrunk_model_from_a_dense_copy() -> None:
     small = fp.shrink(model, inputs)
     rebuilt = plan.apply(dense)
     assert [layer.mlp.experts.num_experts for layer in rebuilt.model.layers] == [4, 2]
+    assert rebuilt.num_experts == 4  # layers of different counts: the model's own is left
     with torch.no_grad():
         torch.testing.assert_close(call(rebuilt, inputs), call(small, inputs), rtol=0, atol=0)
 

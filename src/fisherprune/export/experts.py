@@ -26,14 +26,24 @@ def expert_count_attributes(
 ) -> dict[str, dict[str, int]]:
     """``{module name: {attribute: kept experts}}`` for the router, the experts module and
     the layer of each expert gate among ``masks`` that removed any: every attribute of
-    ``COUNT_ATTRIBUTES`` they hold as an int equal to the layer's expert count."""
+    ``COUNT_ATTRIBUTES`` they hold as an int equal to the layer's expert count. When every
+    layer had and keeps the same count, the model's own such attributes too (a Hugging Face
+    causal LM's ``num_experts``, read by its load-balancing loss)."""
+    gates = [m for m in masks.values() if isinstance(m, ExpertGate)]
     out: dict[str, dict[str, int]] = {}
-    for m in masks.values():
-        if not isinstance(m, ExpertGate) or m.kept == m.num_channels:
-            continue
-        for path in (m.router_path, m.experts_path, m.layer_path):
-            mod = model.get_submodule(path)
-            for attr in COUNT_ATTRIBUTES:
-                if type(getattr(mod, attr, None)) is int and getattr(mod, attr) == m.num_channels:
-                    out.setdefault(path, {})[attr] = m.kept
+    for m in gates:
+        if m.kept < m.num_channels:
+            for path in (m.router_path, m.experts_path, m.layer_path):
+                _set_counts(out, path, model.get_submodule(path), m.num_channels, m.kept)
+    if out and len({(m.num_channels, m.kept) for m in gates}) == 1:
+        _set_counts(out, "", model, gates[0].num_channels, gates[0].kept)
     return out
+
+
+def _set_counts(
+    out: dict[str, dict[str, int]], path: str, mod: nn.Module, count: int, kept: int
+) -> None:
+    """Set ``out[path][attr] = kept`` for each count attribute of ``mod`` that is ``count``."""
+    for attr in COUNT_ATTRIBUTES:
+        if type(getattr(mod, attr, None)) is int and getattr(mod, attr) == count:
+            out.setdefault(path, {})[attr] = kept
