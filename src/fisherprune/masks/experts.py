@@ -49,8 +49,6 @@ GATE_SUFFIX = ":experts"
 #: the module attributes that count a layer's experts (set on the router, the experts module
 #: and the layer when experts are removed)
 COUNT_ATTRIBUTES = ("num_experts", "num_local_experts")
-#: the functions that compute router logits from the router's weight
-_LINEAR = (F.linear, torch._C._nn.linear)
 
 
 @dataclass(frozen=True)
@@ -74,9 +72,8 @@ class MoELayer:
     def tensor_names(self, model: nn.Module) -> list[str]:
         """Qualified names of the tensors with one entry per expert along dim 0: the router's
         weight and every parameter of the experts module."""
-        experts = model.get_submodule(self.experts)
-        return [f"{self.router}.weight"] + [f"{self.experts}.{n}" for n, _ in
-                                            experts.named_parameters()]  # fmt: skip
+        params = model.get_submodule(self.experts).named_parameters()
+        return [f"{self.router}.weight", *(f"{self.experts}.{n}" for n, _ in params)]
 
 
 class ExpertGate(MaskLayer):
@@ -116,7 +113,7 @@ class _LogitMask(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         out = func(*args, **(kwargs or {}))
-        if func in _LINEAR and len(args) > 1 and args[1] is self.weight:
+        if func is F.linear and len(args) > 1 and args[1] is self.weight:
             self.hits += 1
             if self.bias is not None:
                 out = out + self.bias.to(out.dtype)
@@ -146,16 +143,22 @@ class _RoutingGate(torch.autograd.Function):
         return grad, None, None, None
 
 
+def _first_tensor(args: tuple, kwargs: dict[str, Any]) -> Tensor | None:
+    """A module's first tensor argument (positional, then keyword): a layer's hidden state."""
+    return next((a for a in (*args, *kwargs.values()) if isinstance(a, Tensor)), None)
+
+
 def _routing(out: Any) -> tuple[int, int] | None:
     """Positions of the top-k weights (float) and ids (integer, same 2-D shape) in a router's
     output tuple (the last such pair), or None."""
     if not isinstance(out, (tuple, list)):
         return None
-    ids = [i for i, t in enumerate(out) if isinstance(t, Tensor) and t.dim() == 2
-           and not t.is_floating_point()]  # fmt: skip
-    for i in reversed(ids):
-        for j, t in enumerate(out):
-            if isinstance(t, Tensor) and t.is_floating_point() and t.shape == out[i].shape:
+    tensors = [(i, t) for i, t in enumerate(out) if isinstance(t, Tensor) and t.dim() == 2]
+    for i, ids in reversed(tensors):
+        if ids.is_floating_point():
+            continue
+        for j, t in tensors:
+            if t.is_floating_point() and t.shape == ids.shape:
                 return j, i
     return None
 
@@ -176,7 +179,7 @@ class ExpertGatePoint:
         self._mode: _LogitMask | None = None
 
     def layer_pre(self, _m: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
-        x = next((a for a in (*args, *kwargs.values()) if isinstance(a, Tensor)), None)
+        x = _first_tensor(args, kwargs)
         self.batch = int(x.shape[0]) if x is not None and x.dim() >= 3 else 0
 
     def router_pre(self, _m: nn.Module, _args: tuple) -> None:
@@ -186,7 +189,7 @@ class ExpertGatePoint:
         self._mode = _LogitMask(self.weight, bias)
         self._mode.__enter__()
 
-    def router_post(self, module: nn.Module, _args: tuple, out: Any) -> Any:
+    def router_post(self, _m: nn.Module, _args: tuple, out: Any) -> Any:
         mode, self._mode = self._mode, None
         if mode is not None:
             mode.__exit__(None, None, None)
@@ -260,29 +263,14 @@ def find_moe_layers(model: nn.Module, example_inputs: Any) -> list[MoELayer]:
         why = _refusal(model, router)
         if why:
             raise ValueError(f"experts=True: {why}")
-    seen: dict[str, list[Any]] = {r: [] for _l, r, _x, _e in found}
+    probes = {router: _Probe(model.get_submodule(router).weight) for _l, router, _x, _e in found}
     handles: list[RemovableHandle] = []
     for layer, router, _x, _e in found:
-        r = model.get_submodule(router)
-        mode = _LogitMask(r.weight, None)
-        rec = seen[router]
-
-        def lpre(_m, args, kwargs, rec=rec):
-            x = next((a for a in (*args, *kwargs.values()) if isinstance(a, Tensor)), None)
-            rec.append(x.shape if isinstance(x, Tensor) else None)
-
-        def rpre(_m, _a, mode=mode):
-            mode.hits = 0
-            mode.__enter__()
-
-        def rpost(_m, _a, out, mode=mode, rec=rec):
-            mode.__exit__(None, None, None)
-            rec.append((mode.hits, out))
-
+        probe, r = probes[router], model.get_submodule(router)
         handles += [
-            model.get_submodule(layer).register_forward_pre_hook(lpre, with_kwargs=True),
-            r.register_forward_pre_hook(rpre),
-            r.register_forward_hook(rpost, always_call=True),
+            model.get_submodule(layer).register_forward_pre_hook(probe.layer_pre, with_kwargs=True),
+            r.register_forward_pre_hook(probe.router_pre),
+            r.register_forward_hook(probe.router_post, always_call=True),
         ]
     try:
         with eval_mode(model), torch.no_grad():
@@ -290,31 +278,51 @@ def find_moe_layers(model: nn.Module, example_inputs: Any) -> list[MoELayer]:
     finally:
         for h in handles:
             h.remove()
-    return [_checked(layer, router, x, e, seen[router]) for layer, router, x, e in found]
+    return [probes[router].checked(layer, router, x, e) for layer, router, x, e in found]
 
 
-def _checked(layer: str, router: str, experts: str, e: int, rec: list[Any]) -> MoELayer:
-    """The ``MoELayer`` whose (layer input shape, (F.linear hits, router output)) one forward
-    recorded, or ValueError saying what is off."""
-    if len(rec) != 2 or not isinstance(rec[0], torch.Size) or len(rec[0]) < 3:
-        raise ValueError(
-            f"experts=True: the MoE layer {layer} did not run once on an (N, positions, "
-            "hidden) input in the example forward pass"
-        )
-    hits, out = rec[1]
-    if hits != 1:
-        raise ValueError(
-            f"experts=True: the router {router} computed its logits as F.linear of its weight "
-            f"{hits} times (1 expected): its removed experts' logits cannot be masked"
-        )
-    at = _routing(out)
-    tokens = rec[0][:-1].numel()
-    if at is None or out[at[1]].shape[0] != tokens or not 1 <= out[at[1]].shape[1] < e:
-        raise ValueError(
-            f"experts=True: the router {router} does not return top-k weights and expert ids "
-            "with one row per token of its layer's input"
-        )
-    return MoELayer(layer, router, experts, e, int(out[at[1]].shape[1]))
+class _Probe:
+    """What one example forward pass shows of a candidate layer: the shapes of its inputs and,
+    per router call, how often ``F.linear`` read the router's weight and what it returned."""
+
+    def __init__(self, weight: Tensor) -> None:
+        self.mode = _LogitMask(weight, None)
+        self.shapes: list[torch.Size | None] = []
+        self.calls: list[tuple[int, Any]] = []
+
+    def layer_pre(self, _m: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+        x = _first_tensor(args, kwargs)
+        self.shapes.append(None if x is None else x.shape)
+
+    def router_pre(self, _m: nn.Module, _args: tuple) -> None:
+        self.mode.hits = 0
+        self.mode.__enter__()
+
+    def router_post(self, _m: nn.Module, _args: tuple, out: Any) -> None:
+        self.mode.__exit__(None, None, None)
+        self.calls.append((self.mode.hits, out))
+
+    def checked(self, layer: str, router: str, experts: str, e: int) -> MoELayer:
+        """The ``MoELayer`` seen, or ValueError saying what is off."""
+        shape = self.shapes[0] if len(self.shapes) == 1 else None
+        if shape is None or len(shape) < 3 or len(self.calls) != 1:
+            raise ValueError(
+                f"experts=True: the MoE layer {layer} did not run once, with its router once, "
+                "on an (N, positions, hidden) input in the example forward pass"
+            )
+        hits, out = self.calls[0]
+        if hits != 1:
+            raise ValueError(
+                f"experts=True: the router {router} computed its logits as F.linear of its "
+                f"weight {hits} times (1 expected): its removed experts' logits cannot be masked"
+            )
+        at = _routing(out)
+        if at is None or out[at[1]].shape[0] != shape[:-1].numel() or out[at[1]].shape[1] >= e:
+            raise ValueError(
+                f"experts=True: the router {router} does not return top-k weights and expert "
+                "ids with one row per token of its layer's input"
+            )
+        return MoELayer(layer, router, experts, e, int(out[at[1]].shape[1]))
 
 
 def install_expert_gates(
