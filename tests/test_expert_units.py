@@ -141,10 +141,11 @@ def test_expert_signal_equals_a_per_example_autograd_loop() -> None:
 
 def test_prune_never_leaves_fewer_experts_than_top_k() -> None:
     """prune with min_channels=0 stops at top_k (2) experts per layer, then reports nothing
-    left to prune; the shrunk model still gives the masked model's logits."""
+    left to prune; the shrunk model still gives the masked model's logits, and a layer set
+    below top_k by hand is refused by shrink."""
     model, inputs = hf_moe("qwen3_moe", "batched_mm")
-    gates = {n: m for n, m in fp.apply_masks(model, inputs, experts=True).items()
-             if isinstance(m, ExpertGate)}  # fmt: skip
+    masks = fp.apply_masks(model, inputs, experts=True)
+    gates = {n: m for n, m in masks.items() if isinstance(m, ExpertGate)}
     gen = torch.Generator().manual_seed(0)
     events = []
     while (ev := fp.prune(gates, {n: torch.rand(4, generator=gen) for n in gates}, 0)) is not None:
@@ -153,6 +154,9 @@ def test_prune_never_leaves_fewer_experts_than_top_k() -> None:
     with torch.no_grad():
         masked = call(model, inputs)
         assert _close(call(fp.shrink(model, inputs), inputs), masked, ATOL64)
+        next(iter(gates.values())).mask.zero_()[0] = 1
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp keeps 1 experts, fewer than"):
+        fp.shrink(model, inputs)
 
 
 @pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral"])

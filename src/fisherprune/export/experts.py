@@ -28,10 +28,20 @@ def expert_count_attributes(
     the layer of each expert gate among ``masks`` that removed any: every attribute of
     ``COUNT_ATTRIBUTES`` they hold as an int equal to the layer's expert count. When every
     layer had and keeps the same count, the model's own such attributes too (a Hugging Face
-    causal LM's ``num_experts``, read by its load-balancing loss)."""
+    causal LM's ``num_experts``, read by its load-balancing loss).
+
+    Raises:
+        ValueError: a layer keeps fewer experts than the ``top_k`` each token is routed to.
+    """
     gates = [m for m in masks.values() if isinstance(m, ExpertGate)]
     out: dict[str, dict[str, int]] = {}
     for m in gates:
+        if m.kept < m.min_kept:
+            raise ValueError(
+                f"the MoE layer {m.layer_path} keeps {m.kept} experts, fewer than the "
+                f"{m.min_kept} each token is routed to: set gate entries back to 1 (prune "
+                "never goes below that floor)"
+            )
         if m.kept < m.num_channels:
             for path in (m.router_path, m.experts_path, m.layer_path):
                 _set_counts(out, path, model.get_submodule(path), m.num_channels, m.kept)
