@@ -177,6 +177,8 @@ class ExpertGatePoint:
         self.weight = router.weight
         self.batch = 0
         self._mode: _LogitMask | None = None
+        #: (the mask, its version, 0 or -inf per expert)
+        self._bias: tuple[Tensor, int, Tensor] | None = None
 
     def layer_pre(self, _m: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
         x = _first_tensor(args, kwargs)
@@ -185,9 +187,17 @@ class ExpertGatePoint:
     def router_pre(self, _m: nn.Module, _args: tuple) -> None:
         if tracing.active() is not None or self.gate.is_all_ones():
             return
-        bias = torch.zeros_like(self.gate.mask).masked_fill_(self.gate.mask < 0.5, -torch.inf)
-        self._mode = _LogitMask(self.weight, bias)
+        self._mode = _LogitMask(self.weight, self._logit_bias())
         self._mode.__enter__()
+
+    def _logit_bias(self) -> Tensor:
+        """0 at each kept expert's logit, ``-inf`` at each removed one's (made again only when
+        the mask changed)."""
+        mask, cached = self.gate.mask, self._bias
+        if cached is None or cached[0] is not mask or cached[1] != mask._version:
+            bias = torch.zeros_like(mask).masked_fill_(mask < 0.5, -torch.inf)
+            cached = self._bias = (mask, mask._version, bias)
+        return cached[2]
 
     def router_post(self, _m: nn.Module, _args: tuple, out: Any) -> Any:
         mode, self._mode = self._mode, None
