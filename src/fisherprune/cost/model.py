@@ -342,7 +342,7 @@ class CostModel:
 
     def total(self, entries: np.ndarray | None = None) -> float:
         """Cost per example for mask entry values ``entries`` (default: the current masks;
-        block gate entries missing from ``entries`` count as kept)."""
+        block and expert gate entries missing from ``entries`` count as kept)."""
         e = self.entries() if entries is None else self._full(entries)
         removed = self.removed(e)
         live = self._gates.live_terms(e)
