@@ -1,9 +1,11 @@
 """What the architecture tests compare against: a model's first output, FlopCounterMode's count
 per example (with the grouped matrix product counted as torch's own formula does), and the
-shrunk model against the masked one after a random prune."""
+shrunk model against the masked one after a random prune; and the tiny Hugging Face
+mixture-of-experts decoders the MoE tests share."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import Tensor, nn
 from torch.utils.flop_counter import FlopCounterMode
@@ -56,3 +58,36 @@ def assert_exact(model: nn.Module, masks: fp.AppliedMasks, check: object) -> nn.
     assert float((actual - expected).abs().max()) <= ATOL * scale
     assert flops_per_example(small, check) == fp.computational_cost(model, check).total
     return small
+
+
+#: tiny MoE decoder configs by model type: 2 layers, 4 experts, top 2
+_MOE_COMMON = dict(
+    hidden_size=32, vocab_size=99, max_position_embeddings=64, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, intermediate_size=24, num_experts_per_tok=2,
+)  # fmt: skip
+_MOE_EXTRA = {
+    "qwen3_moe": dict(num_experts=4, moe_intermediate_size=16, head_dim=8),
+    "mixtral": dict(num_local_experts=4, head_dim=8),
+    "qwen2_moe": dict(num_experts=4, moe_intermediate_size=16, shared_expert_intermediate_size=20),
+    "olmoe": dict(num_experts=4, eos_token_id=2),
+    "deepseek_v3": dict(
+        n_routed_experts=4, moe_intermediate_size=16, n_group=1, topk_group=1,
+        first_k_dense_replace=0, q_lora_rank=None, kv_lora_rank=8, qk_rope_head_dim=4,
+        qk_nope_head_dim=4, v_head_dim=8,
+    ),
+}  # fmt: skip
+
+
+def hf_moe(kind: str, experts: str = "batched_mm") -> tuple[nn.Module, dict[str, Tensor]]:
+    """A 2-layer Hugging Face MoE causal LM of model type ``kind`` (4 experts, top 2) built
+    from a tiny config, eager attention, running its experts with ``experts`` (``grouped_mm``
+    in float32, ``batched_mm`` or ``eager`` in float64), and its inputs: 2 sequences of 8."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.AutoConfig.for_model(kind, **_MOE_COMMON, **_MOE_EXTRA[kind])
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    model.config._attn_implementation = "eager"
+    model.config._experts_implementation = experts
+    dtype = torch.float32 if experts == "grouped_mm" else torch.float64
+    ids = torch.randint(3, 99, (2, 8), generator=torch.Generator().manual_seed(0))
+    return model.to(dtype).eval(), {"input_ids": ids}

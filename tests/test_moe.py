@@ -23,7 +23,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import fisherprune as fp
 from fisherprune.cost.formulas import grouped_mm_flops
-from tests.counted import call, flops_per_example
+from tests.counted import call, flops_per_example, hf_moe
 
 pytestmark = pytest.mark.skipif(
     not hasattr(torch, "_grouped_mm"), reason="this torch has no grouped matrix product"
@@ -217,31 +217,6 @@ def test_prune_keeps_multiples_a_grouped_product_needs() -> None:
 
 
 # ============================================= Hugging Face MoE decoders, tiny configs
-def _hf_moe(kind: str, experts: str) -> tuple[nn.Module, dict[str, Tensor]]:
-    """A 2-layer Qwen3-MoE or Mixtral causal LM (4 experts, top 2) built from a tiny config,
-    eager attention, running its experts with ``experts`` (``grouped_mm`` in float32,
-    ``batched_mm`` or ``eager`` in float64)."""
-    transformers = pytest.importorskip("transformers")
-    common = dict(
-        hidden_size=32, vocab_size=99, max_position_embeddings=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=24,
-        num_experts_per_tok=2,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    if kind == "qwen3_moe":
-        cfg = transformers.Qwen3MoeConfig(num_experts=4, moe_intermediate_size=16, **common)
-        model = transformers.Qwen3MoeForCausalLM(cfg)
-    else:
-        model = transformers.MixtralForCausalLM(
-            transformers.MixtralConfig(num_local_experts=4, **common)
-        )
-    model.config._attn_implementation = "eager"
-    model.config._experts_implementation = experts
-    dtype = torch.float32 if experts == "grouped_mm" else torch.float64
-    ids = torch.randint(3, 99, (2, 8), generator=torch.Generator().manual_seed(0))
-    return model.to(dtype).eval(), {"input_ids": ids}
-
-
 HF_CASES = [
     (kind, experts)
     for kind in ("qwen3_moe", "mixtral")
@@ -255,7 +230,7 @@ def test_hf_moe_decoders_shrink_exactly(kind: str, experts: str) -> None:
     """Qwen3-MoE and Mixtral: the hidden width and every layer's experts' width are masked
     (only the router's experts and the vocabulary are not); after a random prune the shrunk
     model's logits equal the masked one's and FlopCounterMode equals computational_cost."""
-    model, inputs = _hf_moe(kind, experts)
+    model, inputs = hf_moe(kind, experts)
     masks = fp.apply_masks(model, inputs)
     widths = sorted(m.num_channels for m in masks.values())
     assert widths == [2, 2, 16, 16, 32] if kind == "qwen3_moe" else [2, 2, 24, 24, 32]
@@ -268,7 +243,7 @@ def test_hf_moe_decoders_shrink_exactly(kind: str, experts: str) -> None:
 def test_hf_moe_flops_are_prunable(kind: str) -> None:
     """At least 85% of a MoE decoder's FLOPs depend on a masked group (the issue's floor):
     the cost model with every mask entry 0 keeps under 15% of the dense cost."""
-    model, inputs = _hf_moe(kind, "grouped_mm")
+    model, inputs = hf_moe(kind, "grouped_mm")
     fp.apply_masks(model, inputs)
     cm = fp.CostModel(model, inputs)
     assert cm.dense_total() == flops_per_example(model, inputs)
@@ -279,7 +254,7 @@ def test_hf_moe_flops_are_prunable(kind: str) -> None:
 def test_hf_moe_config_follows_and_reloads(kind: str, tmp_path) -> None:
     """Pruned alike in every layer, the shrunk model's config holds its hidden and experts'
     widths, and save_pretrained / from_pretrained gives back the masked model's logits."""
-    model, inputs = _hf_moe(kind, "batched_mm")
+    model, inputs = hf_moe(kind, "batched_mm")
     masks = fp.apply_masks(model, inputs)
     with torch.no_grad():
         for m in masks.values():

@@ -42,13 +42,14 @@ from fisherprune.graph import apply_masks
 from fisherprune.inputs import batch_size, calibration_pairs, call_model
 from fisherprune.masks import MaskLayer, find_masks
 from fisherprune.masks.blocks import BlockGate
+from fisherprune.masks.experts import ExpertGate
 from fisherprune.modes import eval_mode
 from fisherprune.pruner.optimizer import resolve_target
 from fisherprune.pruner.prune import (
     PruneEvent,
     block_size,
-    floor_of,
     lowest_kept,
+    mask_floor,
     prune_many,
     rounding,
 )
@@ -135,7 +136,7 @@ def _check_uniform_reach(
             for n, m in masks.items():
                 alive = torch.nonzero(saved[n][0] > 0.5).flatten()
                 keep = lowest_kept(
-                    alive.numel(), floor_of(min_channels, m.num_channels), rounding(m, round_to)
+                    alive.numel(), mask_floor(min_channels, m), rounding(m, round_to)
                 )
                 if n not in whole and keep < alive.numel():
                     m.mask[alive[: alive.numel() - keep]] = 0.0
@@ -360,6 +361,7 @@ def prune_to_target(
     round_to: int = 1,
     uniform: bool = False,
     blocks: bool = False,
+    experts: bool = False,
     flops_weight: FlopsWeight = "auto",
     convention: str = "flops",
     score_convention: str | None = None,
@@ -423,6 +425,10 @@ def prune_to_target(
             repeated blocks (decoder layers) are ranked with the channels in the one budget
             and ``shrink`` drops those removed (``fisherprune.masks.blocks``). A model already
             masked without a ``BlockGate`` is refused.
+        experts: likewise ``apply_masks(..., experts=True)``: the experts of every
+            mixture-of-experts layer are ranked with the channels, never below ``top_k`` a
+            layer (``fisherprune.masks.experts``); a model already masked without an
+            ``ExpertGate`` is refused.
         reconstruct: refit the layers that read removed channels by least squares, in forward
             order on the pruned, already repaired model's inputs (``calibrate.repair``).
         recalibrate_norms: before each round after the first, re-estimate the batch norms'
@@ -476,13 +482,15 @@ def prune_to_target(
     data = calibration_pairs(batches)
     masks = find_masks(model)
     if not masks:
-        apply_masks(model, example_inputs, blocks=blocks)
+        apply_masks(model, example_inputs, blocks=blocks, experts=experts)
         masks = find_masks(model)
-    elif blocks and not any(isinstance(m, BlockGate) for m in masks.values()):
-        raise ValueError(
-            "blocks=True gates whole blocks, but the model already has masks without a "
-            "BlockGate: remove_masks(model) first, or apply_masks(model, x, blocks=True)"
-        )
+    for wanted, kind, what in ((blocks, BlockGate, "blocks"), (experts, ExpertGate, "experts")):
+        if wanted and not any(isinstance(m, kind) for m in masks.values()):
+            raise ValueError(
+                f"{what}=True gates whole {what}, but the model already has masks without a "
+                f"{kind.__name__}: remove_masks(model) first, or "
+                f"apply_masks(model, x, {what}=True)"
+            )
     timed = {c: latency if c == "latency" else None for c in (convention, score_convention)}
     cost_model = CostModel(model, example_inputs, convention, latency=timed[convention])
     score_model = cost_model
@@ -675,9 +683,7 @@ class _Selection:
 
     def _floor(self, m: MaskLayer) -> int:
         """The fewest channels ``m`` can be pruned to from where it is."""
-        return lowest_kept(
-            m.kept, floor_of(self.min_channels, m.num_channels), rounding(m, self.round_to)
-        )
+        return lowest_kept(m.kept, mask_floor(self.min_channels, m), rounding(m, self.round_to))
 
     def _selectable(self, masks: dict[str, MaskLayer]) -> dict[str, MaskLayer]:
         """The masks this selection may prune now: not left whole, not inside a block gated

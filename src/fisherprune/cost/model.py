@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from fisherprune.cost.blocks import GateEntries
 from fisherprune.cost.conventions import get_convention
+from fisherprune.cost.experts import ExpertEntries
 from fisherprune.cost.formulas import Formula
 from fisherprune.cost.latency import (
     UNIT,
@@ -169,9 +170,16 @@ class CostModel:
         self._names = {id(m): n for n, m in self.masks.items()}
         #: block gates: entries after the traced masks' (``fisherprune.cost.blocks``)
         self._gates = GateEntries.of(self.masks, self.graph.n_entries)
-        #: traced mask entries and block gate entries together
-        self.n_entries = self.graph.n_entries + self._gates.count
-        self._entry_start = {**self.trace.entry_starts(), **self._gates.starts}
+        #: expert gates: entries after the block gates' (``fisherprune.cost.experts``)
+        first = self.graph.n_entries + self._gates.count
+        self._experts = ExpertEntries.of(self.masks, first, self.trace, self.graph.roots)
+        #: traced mask entries, block gate entries and expert gate entries together
+        self.n_entries = first + self._experts.count
+        self._entry_start = {
+            **self.trace.entry_starts(),
+            **self._gates.starts,
+            **self._experts.starts,
+        }
         unused = [n for n in self.masks if n not in self._entry_start]
         for n in unused:
             warnings.warn(
@@ -187,7 +195,7 @@ class CostModel:
     @property
     def entry_start(self) -> dict[str, int]:
         """Where each traced mask's entries start in ``entries()``, by mask name (a mask the
-        forward pass never applies has none), then each block gate's."""
+        forward pass never applies has none), then each block gate's and expert gate's."""
         return self._entry_start
 
     # ----------------------------------------------------------------- terms
@@ -295,7 +303,7 @@ class CostModel:
     # ------------------------------------------------------------ evaluation
     def entries(self) -> np.ndarray:
         """Current value (0/1) of every traced mask entry, in trace order, then of every block
-        gate entry."""
+        gate entry and every expert gate entry."""
         vals = np.ones(self.n_entries)
         for n, start in self._entry_start.items():
             m = self.masks[n].mask.detach().cpu().double().numpy()
@@ -353,17 +361,23 @@ class CostModel:
         return [tuple(s) for s in shapes]
 
     def _full(self, entries: np.ndarray) -> np.ndarray:
-        """``entries`` with the block gate entries appended as kept when it stops at the
-        traced ones (callers that know no block gates)."""
-        if entries.size == self.graph.n_entries and self._gates.count:
-            return np.concatenate([entries, np.ones(self._gates.count)])
+        """``entries`` with the gate entries (block, then expert) appended as kept when it
+        stops at the traced ones or at the block gates' (callers that know no such gates)."""
+        short = (self.graph.n_entries, self.graph.n_entries + self._gates.count)
+        if entries.size in short and entries.size < self.n_entries:
+            return np.concatenate([entries, np.ones(self.n_entries - entries.size)])
         return entries
+
+    def removed(self, entries: np.ndarray) -> np.ndarray:
+        """Per channel component (root): removed under mask entry values ``entries``, by a
+        traced mask or by an expert gate (``fisherprune.cost.experts``)."""
+        return self._experts.removed(entries, self.graph.removed(entries))
 
     def total(self, entries: np.ndarray | None = None) -> float:
         """Cost per example for mask entry values ``entries`` (default: the current masks;
-        block gate entries missing from ``entries`` count as kept)."""
+        block and expert gate entries missing from ``entries`` count as kept)."""
         e = self.entries() if entries is None else self._full(entries)
-        removed = self.graph.removed(e)
+        removed = self.removed(e)
         live = self._gates.live_terms(e)
         tot = sum(
             self._cached_eval(t, self._pruned_shapes(t, removed))
@@ -404,8 +418,8 @@ class CostModel:
     def report(self) -> CostReport:
         """Total and marginal costs for the current mask values."""
         e = self.entries()
-        removed = self.graph.removed(e)
-        killer = self.graph.killers(e, removed)
+        removed = self.removed(e)
+        killer = self._experts.killers(e, self.graph.killers(e, removed))
         marginal = np.zeros(self.n_entries)
         by_module: dict[str, float] = defaultdict(float)
         total = 0.0

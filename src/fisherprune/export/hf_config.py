@@ -2,9 +2,10 @@
 
 ``save_pretrained`` writes ``model.config`` and ``from_pretrained`` builds the model from it
 before loading the weights, so after ``shrink`` the config must describe the smaller model:
-its hidden width, head counts, MLP and experts' width. This module reads those widths off the
-shrunk modules (the first norm's width; each attention module's query and key widths over its
-head size; each MLP's first projection; each mixture-of-experts layer's stacked ``down_proj``),
+its hidden width, head counts, MLP and experts' width, expert count. This module reads those
+widths off the shrunk modules (the first norm's width; each attention module's query and key
+widths over its head size; each MLP's first projection; each mixture-of-experts layer's
+stacked ``down_proj``, its width and its count of experts),
 writes them into the config when every block agrees, and
 proves the result by building the model class from the new config on the meta device and
 comparing every parameter's shape. When the blocks differ (pruned without ``uniform=True``)
@@ -98,6 +99,15 @@ def _experts(model: nn.Module) -> list[int]:
     return widths
 
 
+def _expert_counts(model: nn.Module) -> list[int]:
+    """Experts of every mixture-of-experts layer: the leading dim of its 3-D ``down_proj``."""
+    return [
+        int(w.shape[0])
+        for mod in model.modules()
+        if isinstance(w := getattr(mod, "down_proj", None), nn.Parameter) and w.dim() == 3
+    ]
+
+
 def _mlp_or_experts(model: nn.Module) -> list[int]:
     """The MLP width, which a config with no field of its own for the experts' width
     (Mixtral's ``intermediate_size``) also gives its experts."""
@@ -158,6 +168,7 @@ CONFIG_FIELDS: dict[tuple[str, ...], Callable[[nn.Module], list[int]]] = {
         "hidden_dim",  # DistilBERT's MLP width (its hidden width is ``dim``)
     ): _mlp_or_experts,
     ("moe_intermediate_size",): _experts,
+    ("num_experts", "num_local_experts", "n_routed_experts"): _expert_counts,
     ("head_dim",): lambda m: [s for s in (_head_size(x) for x in m.modules()) if s],
     ("embedding_size",): _embedding,
 }

@@ -27,6 +27,7 @@ from fisherprune.export.hf_config import is_hf_model, read_widths, update_config
 from fisherprune.export.plan import PruningPlan
 from fisherprune.masks import MaskLayer
 from fisherprune.masks.blocks import BlockGate
+from fisherprune.masks.experts import ExpertGate
 from fisherprune.pruner.prune import block_size, rounding
 from fisherprune.pruner.uniform import register_uniform_refiner
 
@@ -45,10 +46,12 @@ def refine_for_config(
     ``round_to`` channels from each), for a Hugging Face ``model``; other models get
     ``classes`` back unchanged. A ``BlockGate`` stays a class of its own, never left whole:
     removing blocks leaves the kept ones as they are, and ``shrink`` rewrites
-    ``num_hidden_layers`` (``fisherprune.export.blocks``). The model is left as it was."""
+    ``num_hidden_layers`` (``fisherprune.export.blocks``); so do the ``ExpertGate`` copies of
+    the MoE layers (one class: each layer loses as many experts, and ``shrink`` rewrites
+    ``num_experts``). The model is left as it was."""
     if not is_hf_model(model):
         return classes, {}
-    gates = [c for c in classes if any(isinstance(masks[n], BlockGate) for n in c)]
+    gates = [c for c in classes if any(isinstance(masks[n], (BlockGate, ExpertGate)) for n in c)]
     classes = [c for c in classes if c not in gates]
     dense = read_widths(model)
     whole: dict[str, str] = {}

@@ -24,6 +24,7 @@ from torch import nn
 from fisherprune._version import __version__
 from fisherprune.cost import CostModel
 from fisherprune.export.blocks import check_blocks, remove_blocks, removed_blocks
+from fisherprune.export.experts import expert_count_attributes
 from fisherprune.export.hf_config import update_config
 from fisherprune.export.manifest import check_exported_file
 from fisherprune.export.modules import replacement, update_metadata
@@ -54,7 +55,8 @@ class PruningPlan:
             to recognise the architecture it was made for.
         mask_modules: hand-placed MaskLayer modules, replaced by ``nn.Identity``.
         attributes: ``{module name: {attribute: value}}``: integer attributes set after
-            slicing, such as the head count of an attention module that lost heads.
+            slicing, such as the head count of an attention module that lost heads, or the
+            expert count of a router that lost experts (``fisherprune.export.experts``).
         outputs: ``[{"path", "dim", "size", "kept"}]``: the model's output tensors (by pytree
             key path) whose width lost channels; the shrunk model zero-fills them back to
             ``size`` (``fisherprune.export.output_fill``).
@@ -108,11 +110,12 @@ class PruningPlan:
             raise ValueError("the model has no masks: nothing to shrink (apply_masks first)")
         graph, trace = cm.graph, cm.trace
         entries = cm.entries()
-        removed = graph.removed(entries)
-        _check_removable(cm, entries, removed)
+        _check_removable(cm, entries, graph.removed(entries))
+        removed = cm.removed(entries)  # with the components of removed experts
         plan = cls(convention=convention)
         plan.cost = {"dense": cm.dense_total(), "pruned": cm.total(entries)}
         plan.blocks = removed_blocks(cm.masks)
+        plan.attributes = expert_count_attributes(model, cm.masks)
         for b in trace.atoms.blocks:
             if b.kind != "param":
                 continue

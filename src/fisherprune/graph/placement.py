@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import logging
@@ -21,6 +22,7 @@ from fisherprune.graph.trace import Trace, trace_model
 from fisherprune.inputs import Inputs
 from fisherprune.masks import MaskLayer, find_masks
 from fisherprune.masks.blocks import GATE_KEY, find_block_list, install_block_gate
+from fisherprune.masks.experts import GATE_SUFFIX, find_moe_layers, install_expert_gates
 from fisherprune.masks.points import (
     MaskPoint,
     find_holder,
@@ -92,7 +94,12 @@ def _key(name: str, taken: set[str]) -> str:
 
 
 def apply_masks(
-    model: nn.Module, example_inputs: Any, *, strict: bool = False, blocks: bool = False
+    model: nn.Module,
+    example_inputs: Any,
+    *,
+    strict: bool = False,
+    blocks: bool = False,
+    experts: bool = False,
 ) -> AppliedMasks:
     """Find every set of coupled prunable channels in ``model`` and give each one mask.
 
@@ -112,7 +119,9 @@ def apply_masks(
     width is prunable, a forward hook on the model that masks that output. The model's
     class, ``forward`` and parameters are untouched; ``remove_masks`` undoes it. With
     ``blocks``, also a ``BlockGate`` (key ``blocks`` of the holder) and one forward hook per
-    repeated block (``fisherprune.masks.blocks``).
+    repeated block (``fisherprune.masks.blocks``). With ``experts``, also an ``ExpertGate``
+    per mixture-of-experts layer (key ``<layer>:experts``) and hooks on the layer and its
+    router (``fisherprune.masks.experts``).
 
     Args:
         model: any ``nn.Module``.
@@ -124,6 +133,10 @@ def apply_masks(
             ``BlockGate`` whose entry ``i`` gates block ``i``'s residual branches, ranked with
             the channels by its own Fisher signal and the block's cost; ``shrink`` removes the
             blocks whose entry is 0.
+        experts: also make the experts of every mixture-of-experts layer prunable units: one
+            ``ExpertGate`` per layer whose entry ``e`` removes expert ``e`` (its router row and
+            its weights; routing then picks among the others), ranked with the channels by
+            its own Fisher signal and its cost; never below ``top_k`` experts a layer.
 
     Returns:
         ``AppliedMasks``: ``{name: MaskLayer}`` with ``.groups`` and ``.skipped``.
@@ -131,7 +144,8 @@ def apply_masks(
     Raises:
         ValueError: the model already has masks; or, with ``strict``, some
             channels cannot be pruned safely (the message lists them); or, with ``blocks``,
-            the model has no chain of repeated blocks (nothing is added then).
+            the model has no chain of repeated blocks, or, with ``experts``, no
+            mixture-of-experts layer or one that cannot be gated (nothing is added then).
 
     Example:
         >>> masks = fisherprune.apply_masks(resnet, torch.randn(1, 3, 32, 32))
@@ -144,6 +158,7 @@ def apply_masks(
         )
     if blocks:
         find_block_list(model, example_inputs)  # refused before anything is added
+    moe = find_moe_layers(model, example_inputs) if experts else []  # refused up front too
     trace = trace_model(model, example_inputs)
     graph = ChannelGraph(trace)
     groups, specs, skipped = find_groups(trace, graph)
@@ -186,6 +201,7 @@ def apply_masks(
         specs = [sp for sp in specs if sp.parts]
         groups = [groups[gi] for gi in keep]
         keys = _install(model, groups, specs, trace)
+    skipped = _gated_rows(skipped, {f"{m.router}.weight" for m in moe})
     problems = [s for s in skipped if not s.expected]
     if strict and problems:
         remove_mask_points(model)
@@ -206,7 +222,24 @@ def apply_masks(
         keys.append(_key(GATE_KEY, set(holder.keys())))
         holder[keys[-1]] = gate
         holder.handles.extend(handles)
+    if moe:
+        gates, handles = install_expert_gates(model, moe)
+        for g in gates:
+            keys.append(_key(g.layer_path + GATE_SUFFIX, set(holder.keys())))
+            holder[keys[-1]] = g
+        holder.handles.extend(handles)
     return AppliedMasks({prefix + k: holder[k] for k in keys}, dict(holder.groups), skipped)
+
+
+def _gated_rows(skipped: list[Skipped], routers: set[str]) -> list[Skipped]:
+    """``skipped`` with the rows of gated routers (one per expert) marked expected: each
+    layer's ``ExpertGate`` removes them, with the expert."""
+    return [
+        dataclasses.replace(s, expected=True, reason=f"{s.reason} (removed by the ExpertGate)")
+        if s.params and all(p in routers and d == 0 for p, d in s.params)
+        else s
+        for s in skipped
+    ]
 
 
 _UNSAFE = (

@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from fisherprune.cost import CONVENTIONS, CostModel, CostReport, LatencySpec
 from fisherprune.masks import MaskLayer, find_masks
-from fisherprune.pruner.prune import PruneEvent, floor_of, lowest_kept, prune, rounding
+from fisherprune.pruner.prune import PruneEvent, lowest_kept, mask_floor, prune, rounding
 from fisherprune.pruner.scoring import FlopsWeight, score_all
 from fisherprune.pruner.uniform import plan_uniform
 from fisherprune.settings import (
@@ -470,7 +470,7 @@ class PruningOptimizer:
             alive = [k for k in range(m.num_channels) if floor[start + k] > 0.5]
             keep = lowest_kept(
                 len(alive),
-                floor_of(self.min_channels, m.num_channels),
+                mask_floor(self.min_channels, m),
                 rounding(m, self.round_to),
             )
             for k in alive[keep:]:

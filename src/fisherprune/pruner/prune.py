@@ -20,6 +20,7 @@ __all__ = [
     "block_size",
     "floor_of",
     "lowest_kept",
+    "mask_floor",
     "prune",
     "prune_many",
     "rounding",
@@ -111,6 +112,12 @@ def floor_of(min_channels: int | float, width: int) -> int:
     return min_channels
 
 
+def mask_floor(min_channels: int | float, mask: MaskLayer) -> int:
+    """Channels ``mask`` keeps at least: ``floor_of`` its width, and never fewer than the
+    mask's own ``min_kept`` where it has one (an ``ExpertGate`` keeps ``top_k`` experts)."""
+    return max(floor_of(min_channels, mask.num_channels), getattr(mask, "min_kept", 0))
+
+
 def prune(
     masks: MaskSet,
     scores: Mapping[str, Tensor] | Sequence[Tensor],
@@ -125,11 +132,11 @@ def prune(
     the one block of channels with the lowest mean score).
 
     Already pruned channels are never chosen, and no mask goes below
-    ``min_channels`` kept channels. Ties are broken deterministically: lowest
-    score, then the earlier mask in the order of ``masks``, then the lower
-    channel index. A NaN or infinite score of any kept channel is refused (``ValueError``,
-    nothing changed): it means the signal diverged (a NaN loss, NaN weights), and no channel
-    can be chosen safely from it.
+    ``min_channels`` kept channels (nor below its own floor: ``mask_floor``). Ties are
+    broken deterministically: lowest score, then the earlier mask in the order of ``masks``,
+    then the lower channel index. A NaN or infinite score of any kept channel is refused
+    (``ValueError``, nothing changed): it means the signal diverged (a NaN loss, NaN
+    weights), and no channel can be chosen safely from it.
 
     With ``round_to = k > 1`` every mask keeps a multiple of ``k`` channels (CPU and GPU
     kernels process channels in vector-width blocks, commonly 8 or 16: 9 channels run as
@@ -185,7 +192,7 @@ def prune(
     for members in _classes(md, uniform):
         n_alive = _common_count(md, members)
         r = block_size(n_alive, rounding(md[members[0]], round_to))
-        if n_alive - r < floor_of(min_channels, md[members[0]].num_channels):
+        if n_alive - r < mask_floor(min_channels, md[members[0]]):
             continue
         chosen = {n: _lowest_alive(md[n], sd[n], r) for n in members}
         cand = _candidate(chosen, sd, order)
@@ -250,7 +257,7 @@ def prune_many(
     for members in _classes(md, uniform):
         n_alive = _common_count(md, members)
         sorted_alive = {n: _lowest_alive(md[n], sd[n], n_alive) for n in members}
-        floor = floor_of(min_channels, md[members[0]].num_channels)
+        floor = mask_floor(min_channels, md[members[0]])
         floor = max(floor, (keep or {}).get(members[0], 0))
         queues.append(_Queue(sorted_alive, n_alive, floor, rounding(md[members[0]], round_to)))
     heap = []

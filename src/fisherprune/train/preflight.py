@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from fisherprune.cost.conventions import cost_unit
 from fisherprune.pruner import PruningOptimizer
-from fisherprune.pruner.prune import floor_of, lowest_kept, rounding
+from fisherprune.pruner.prune import lowest_kept, mask_floor, rounding
 from fisherprune.train.config import TrainConfig
 
 __all__ = ["preflight_lines"]
@@ -28,7 +28,7 @@ def preflight_lines(config: TrainConfig, popt: PruningOptimizer) -> list[str]:
         kept = sum(
             lowest_kept(
                 m.kept,
-                floor_of(popt.min_channels, m.num_channels),
+                mask_floor(popt.min_channels, m),
                 rounding(m, popt.round_to),
             )
             for m in popt.masks.values()
