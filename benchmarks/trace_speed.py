@@ -17,14 +17,18 @@ expansion 4, so 256..2048 output channels, projection shortcuts, in-place ReLU a
   masked model.
 
 ``--model bert`` / ``vit``: ``standard_nets``' BERT-base (128 tokens) and ViT-B/16 (224x224),
-one hidden width each. ``--model hierarchical``: four stages of pre-norm blocks of widths
+one hidden width each. ``--model swin_b``: Hugging Face's Swin-B built from its config
+(transformers; 224x224, 88 M parameters), the issue's hierarchical model written by others
+(torchvision's MViT-v2-S is not timed: no torchvision wheel on the package index here pairs
+with torch 2.13). ``--model hierarchical``: four stages of pre-norm blocks of widths
 128-1024 (depths 2, 2, 6, 2, as Swin-B and MViT change width from stage to stage) on 3136 ->
 49 tokens, each stage's width its own hidden-width group: ``apply_masks`` tries every group
 with one shrink, so four hidden widths must not cost four.
 
-Each figure is the median of ``--repeats`` runs (default 3) after one warm-up run. The target is
-``apply_masks`` under 10 s. ``--profile`` also runs ``apply_masks`` and ``computational_cost``
-once under cProfile and prints the functions with the largest own time.
+Each figure is the median of ``--repeats`` runs (default 3) after one warm-up run. The targets
+(issue 34, 2 cores) are ``apply_masks`` under 5 s on ResNet-50, 10 s on BERT-base and ViT-B,
+60 s on Swin-B and the hierarchical stand-in. ``--profile`` also runs ``apply_masks`` and
+``computational_cost`` once under cProfile and prints the functions with the largest own time.
 
 Run ``python benchmarks/trace_speed.py``; the table is printed and the JSON written to ``--out``
 (default ``benchmarks/results/trace_speed.json``).
@@ -56,7 +60,8 @@ from torch import Tensor, nn
 import fisherprune as fp
 from fisherprune.graph import ChannelGraph, find_groups, trace_model
 
-TARGET_APPLY_S = 10.0
+#: issue 34's limits for apply_masks on 2 CPU cores, by --model (10 s for the rest)
+TARGET_APPLY_S = {"resnet50": 5.0, "bert": 10.0, "swin_b": 60.0, "hierarchical": 60.0}
 
 
 # ------------------------------------------------------------------ ResNet-50
@@ -141,10 +146,22 @@ class Hierarchical(nn.Module):
         return self.head(self.norm(h).mean(1))
 
 
+def _swin_b() -> nn.Module:
+    """Hugging Face's Swin-B (Liu et al. 2021) from its config (embed 128, depths 2-2-18-2,
+    heads 4-8-16-32, window 7, 224x224): shifted windows, relative-position bias tables per
+    head and patch merging, as a user brings it (random weights: the trace reads shapes)."""
+    from transformers import SwinConfig, SwinForImageClassification
+
+    config = SwinConfig(embed_dim=128, depths=[2, 2, 18, 2], num_heads=[4, 8, 16, 32])
+    return SwinForImageClassification(config)
+
+
 def _model(name: str, size: int) -> tuple[nn.Module, Tensor]:
     """The network ``--model`` names and its example input (batch 1)."""
     if name == "bert":
         return standard_nets.build_bert_base(), torch.randint(0, 30522, (1, 128))
+    if name == "swin_b":
+        return _swin_b().eval(), torch.randn(1, 3, 224, 224)
     net = {"resnet50": ResNet50, "vit": standard_nets.build_vit_b16, "hierarchical": Hierarchical}
     return net[name]().eval(), torch.randn(1, 3, size, size)
 
@@ -180,7 +197,9 @@ def _profile(fn: Callable[[], Any], top: int) -> str:
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument(
-        "--model", choices=("resnet50", "bert", "vit", "hierarchical"), default="resnet50"
+        "--model",
+        choices=("resnet50", "bert", "vit", "hierarchical", "swin_b"),
+        default="resnet50",
     )
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
@@ -255,8 +274,9 @@ def main(argv: list[str] | None = None) -> dict:
         runs = ", ".join(f"{v:.3f}" for v in r["runs_s"])
         print(f"{name:<22}{r['median_s']:>10.3f}{r['median_s'] / fwd:>11.1f}   {runs}")
     apply_s = results["apply_masks"]["median_s"]
-    verdict = "met" if apply_s < TARGET_APPLY_S else "NOT met"
-    print(f"target apply_masks < {TARGET_APPLY_S:.0f} s: {verdict} ({apply_s:.2f} s)")
+    limit = TARGET_APPLY_S.get(args.model, 10.0)
+    verdict = "met" if apply_s < limit else "NOT met"
+    print(f"target apply_masks < {limit:.0f} s: {verdict} ({apply_s:.2f} s)")
     print(
         f"{facts['groups']} groups, {facts['masked_channels']} masked channels, "
         f"{report.total / 1e9:.3f} GFLOPs per example, "
@@ -287,8 +307,8 @@ def main(argv: list[str] | None = None) -> dict:
         "repeats": args.repeats,
         "results": results,
         "ratios_to_forward": {k: v["median_s"] / fwd for k, v in results.items()},
-        "target_apply_s": TARGET_APPLY_S,
-        "target_met": apply_s < TARGET_APPLY_S,
+        "target_apply_s": limit,
+        "target_met": apply_s < limit,
         "facts": facts,
         "profiles": profiles,
     }
