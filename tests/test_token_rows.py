@@ -18,8 +18,9 @@ from torch import Tensor, nn
 import fisherprune as fp
 from fisherprune.masks.points import find_holder
 from fisherprune.masks.rows import register_row_rule
+from tests.counted import hf_moe
 from tests.host_reads import spied_tensor_reads
-from tests.test_moe import _hf_moe, _moe_net
+from tests.test_moe import _moe_net
 
 #: float64 models: the signal buffers are float32 (apply_masks makes them so), hence float32's
 #: rounding; float32 models (CPU's grouped matrix product computes in float32 only): its sums
@@ -130,7 +131,7 @@ def _lm_loss(model: nn.Module, ids: Tensor, labels: Tensor) -> Tensor:
 def test_hf_moe_signal_equals_per_example_loop(kind: str, experts: str) -> None:
     """Qwen3-MoE and Mixtral (tiny configs, traced on (2, 8) ids, run on (3, 6)): every mask's
     signal (heads, hidden width, each layer's experts' width) is the per-example loop's."""
-    model, traced = _hf_moe(kind, experts)
+    model, traced = hf_moe(kind, experts)
     masks = fp.apply_masks(model, traced)
     gen = torch.Generator().manual_seed(5)
     ids = torch.randint(3, 99, (3, 6), generator=gen)
