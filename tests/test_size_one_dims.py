@@ -74,8 +74,8 @@ def test_query_heads_prune_exactly_whatever_the_batch_and_mask(kind, attention, 
     masks = fp.apply_masks(model, x)
     assert not [s for s in masks.skipped if "self_attn" in str(s)]
     names = _query_masks(masks)
-    per_kv_head = units == "query" or kv == 1  # multi-query attention: by query head
-    assert [masks[n].num_channels for n in names] == [heads // kv if per_kv_head else kv]
+    by_slot = units == "query" or kv == 1  # query slots (multi-query: every head)
+    assert [masks[n].num_channels for n in names] == [heads // kv if by_slot else kv]
     small = assert_exact(model, masks, x)
     assert small.model.layers[0].self_attn.q_proj.out_features < heads * (16 // heads)
 
@@ -87,3 +87,26 @@ def test_cost_of_another_example_than_the_masks_were_applied_with(kind):
     model = _llama(kind, "sdpa")
     masks = fp.apply_masks(model, _inputs(2, False))
     assert_exact(model, masks, _inputs(1, True, seed=1))
+
+
+def test_a_formula_refusing_a_marginal_state_names_the_mask_and_operator():
+    """A formula that asserts on its shapes (as torch's ``sdpa_flop_count`` does) while a
+    marginal is evaluated gives a ValueError naming the operator, its module and the mask
+    channel, not torch's bare AssertionError."""
+    from fisherprune.cost.conventions import register_cost_formula, unregister_cost_formula
+
+    def refuses_a_narrower_product(a, b, *_, out_shape=None, **__):
+        assert a[1] in (4, 8), "inner width changed"
+        return 2 * a[0] * a[1] * b[1]
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8, bias=False), nn.ReLU(), nn.Linear(8, 3, bias=False))
+    x = torch.randn(2, 4)
+    masks = fp.apply_masks(model, x)
+    register_cost_formula("flops", torch.ops.aten.mm)(refuses_a_narrower_product)
+    try:
+        with pytest.raises(ValueError, match=r"aten\.mm in 2 .* channel 0 of mask .*inner width"):
+            fp.computational_cost(model, x)
+    finally:
+        unregister_cost_formula("flops", torch.ops.aten.mm)
+    assert len(masks) == 1
