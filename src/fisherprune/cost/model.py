@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from fisherprune._errors import first_line
 from fisherprune.cost.blocks import GateEntries
 from fisherprune.cost.conventions import get_convention
 from fisherprune.cost.experts import ExpertEntries
@@ -449,7 +450,10 @@ class CostModel:
                 shapes = [list(s) for s in now_shapes]
                 for (s, d, _r), c in zip(t.dims, vec, strict=True):
                     shapes[s][d] -= c
-                saved[i] = now - self._cached_eval(t, [tuple(s) for s in shapes])
+                try:
+                    saved[i] = now - self._cached_eval(t, [tuple(s) for s in shapes])
+                except (AssertionError, RuntimeError, ValueError) as e:  # torch asserts shapes
+                    raise self._refusal(t, ents[row_of.reshape(-1) == i], e) from e
             marginal[ents] += saved[row_of.reshape(-1)]
         per = self._counting.divisor(self.trace.batch_size)
         values = {
@@ -463,6 +467,22 @@ class CostModel:
             MarginalCosts(values, self._names),
             self.convention,
             {k: v / per for k, v in by_module.items()},
+        )
+
+    def _refusal(self, term: _Term, entries: np.ndarray, error: BaseException) -> ValueError:
+        """The error for an operator whose formula refuses the shapes it would have with one of
+        ``entries`` zeroed: its dims were labelled inconsistently (one removal shrinks one
+        operand's heads and not the other's), which ``apply_masks`` on these inputs blocks."""
+        k = int(entries[0])
+        name, start = max(
+            ((n, s) for n, s in self._entry_start.items() if s <= k), key=lambda ns: ns[1]
+        )
+        where = getattr(term.op.op, "overloadpacket", term.op.op) if term.op else "a parameter"
+        return ValueError(
+            f"the cost of {where} in {term.module or '<model>'} cannot be computed with channel "
+            f"{k - start} of mask {name!r} removed ({first_line(error)}): the trace labelled "
+            "this operator's dimensions inconsistently, a fisherprune bug (please report it); "
+            "apply_masks(model, these inputs) keeps such channels whole"
         )
 
     def _warn_ineffective(self) -> None:

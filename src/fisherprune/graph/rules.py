@@ -29,6 +29,7 @@ from torch import Tensor
 from fisherprune._errors import first_line
 from fisherprune.graph.gqa import tie_heads
 from fisherprune.graph.types import Labels, RuleContext, TensorInfo
+from fisherprune.graph.unit_dims import carry_unit_dims
 
 __all__ = [
     "ChannelRule",
@@ -801,51 +802,9 @@ def _reshape_labels(ctx: RuleContext, x: TensorInfo, shape: tuple[int, ...]) -> 
         lab[d] = np.tile(np.repeat(src[j][0], inner), outer)
         if src[j][1] is not None:
             cov[d] = np.tile(np.repeat(src[j][1], inner), outer)
-    _carry_unit_dims(ctx, x, shape, lab, cov)
+    carry_unit_dims(ctx, x, shape, lab, cov)
     _split_single_head(ctx, shape, asked, lab, cov, whole)
     return TensorInfo(shape, lab, cov)
-
-
-def _carry_unit_dims(
-    ctx: RuleContext, x: TensorInfo, shape: tuple[int, ...], lab: list[Labels], cov: list[Labels]
-) -> None:
-    """Labels of ``x``'s dims of size 1 (a single key/value head), which the common factors do
-    not see: onto a dim of size 1 at the same place (a view, ``unsqueeze``), or, when the dim is
-    the outermost part of a dim made otherwise of copies (``expand`` then ``reshape``: Hugging
-    Face's ``repeat_kv`` of one key/value head), onto every index of that dim."""
-    src = ctx.args[0]
-    new = int(ctx.args[1]) % len(shape) if ctx.name == "unsqueeze" else None
-    taken: set[int] = set()
-    for s, size in enumerate(x.shape):
-        if size != 1 or x.labels[s] is None:
-            continue
-        p = math.prod(x.shape[s + 1 :])
-        same = [
-            e
-            for e in range(len(shape))
-            if shape[e] == 1 and e != new and e not in taken and math.prod(shape[e + 1 :]) == p
-        ]
-        if same:
-            taken.add(same[0])
-            lab[same[0]], cov[same[0]] = x.labels[s], x.cover[s]
-            continue
-        e = next((e for e in range(len(shape)) if math.prod(shape[e:]) == p), None)
-        if e is None or lab[e] is not None or not _copies(src, x.shape, shape, e):
-            continue
-        lab[e] = np.repeat(x.labels[s], shape[e])
-        cov[e] = None if x.cover[s] is None else np.repeat(x.cover[s], shape[e])
-
-
-def _copies(src: Any, src_shape: tuple[int, ...], shape: tuple[int, ...], e: int) -> bool:
-    """Whether the dims of tensor ``src`` that make up dim ``e`` of the reshaped ``shape`` are
-    all copies (stride 0, from ``expand``)."""
-    lo, hi = math.prod(shape[e + 1 :]), math.prod(shape[e:])
-    dims = [
-        d
-        for d, size in enumerate(src_shape)
-        if size > 1 and math.prod(src_shape[d + 1 :]) >= lo and math.prod(src_shape[d:]) <= hi
-    ]
-    return bool(dims) and isinstance(src, Tensor) and all(src.stride(d) == 0 for d in dims)
 
 
 def _split_single_head(
