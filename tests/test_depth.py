@@ -8,6 +8,7 @@ model for the cost, plain ``from_pretrained`` for the saved model.
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 
 import pytest
@@ -327,6 +328,29 @@ def test_prune_to_target_meets_a_target_by_removing_blocks(tmp_path) -> None:
     assert result.cost_after <= result.target
     assert gate.mask.tolist() == [1.0, 0.0, 0.0, 1.0]
     _assert_round_trip(model, inputs, tmp_path, layers=2)
+
+
+def test_cli_prune_blocks_writes_a_folder_with_fewer_layers(tmp_path) -> None:
+    """``fisherprune prune FOLDER --blocks --uniform`` on a Llama whose blocks 1 and 2 are
+    near-identities removes those blocks: hf/ loads with plain from_pretrained with two
+    num_hidden_layers, and report.json records the blocks kept."""
+    from tests.test_cli import run_cli
+    from tests.test_perplexity import text_folder
+
+    model = _llama()
+    with torch.no_grad():
+        for layer in model.model.layers[1:3]:
+            layer.mlp.down_proj.weight.mul_(1e-4)
+            layer.self_attn.o_proj.weight.mul_(1e-4)
+    folder, text, _ = text_folder(tmp_path, model)
+    out = tmp_path / "out"
+    cli = run_cli("prune", folder, "--text", text, "--seq_len", 8, "--target", "60%",
+                  "--uniform", "--blocks", "--no-reconstruct", "--out", out)  # fmt: skip
+    assert cli.code == 0, cli.err
+    back = transformers.AutoModelForCausalLM.from_pretrained(out / "hf")
+    assert back.config.num_hidden_layers == 2
+    report = json.loads((out / "report.json").read_text())
+    assert report["channels_kept"]["fisherprune_masks.blocks"] == {"kept": 2, "of": 4}
 
 
 def test_qwen2_layer_types_follow_the_kept_blocks() -> None:

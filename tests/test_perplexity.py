@@ -183,7 +183,7 @@ def test_a_text_of_one_token_is_refused() -> None:
         held_out_text(__file__, one_token, transformers.LlamaForCausalLM, 16, 64)
 
 
-def _folder(tmp_path: Path, model: nn.Module) -> tuple[Path, Path, Path]:
+def text_folder(tmp_path: Path, model: nn.Module) -> tuple[Path, Path, Path]:
     """``model`` saved with a word-piece tokenizer as a Hugging Face folder, 40 calibration
     sentences over its words, and a held-out text of 30 more."""
     words = [f"w{i}" for i in range(40)]
@@ -205,7 +205,7 @@ def test_prune_reports_the_dense_and_the_written_models_perplexity(tmp_path: Pat
     are ``perplexity`` of the folder's model and of ``hf/`` reloaded by from_pretrained, on
     the held-out file tokenized whole, in windows of --seq_len every half window; the summary
     line gives both."""
-    folder, text, held = _folder(tmp_path, _tiny_lm("llama"))
+    folder, text, held = text_folder(tmp_path, _tiny_lm("llama"))
     out = tmp_path / "out"
     cli = run_cli("prune", folder, "--text", text, "--eval_text", held, "--seq_len", 16,
                   "--target", "70%", "--uniform", "--out", out)  # fmt: skip
@@ -247,7 +247,9 @@ def test_eval_text_that_cannot_be_measured_exits_2_writing_nothing(
 ) -> None:
     """A missing or blank --eval_text, a model that predicts no next token (a BERT encoder)
     or a built-in model: exit 2, one line, before any work, and no output folder."""
-    folder, text, held = _folder(tmp_path, _bert() if case == "not causal" else _tiny_lm("gpt2"))
+    folder, text, held = text_folder(
+        tmp_path, _bert() if case == "not causal" else _tiny_lm("gpt2")
+    )
     if case == "missing":
         held = tmp_path / "absent.txt"
     if case == "empty":

@@ -186,6 +186,13 @@ def prune_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPar
         "hf/ records each block's widths and loads with trust_remote_code=True",
     )
     p.add_argument(
+        "--blocks",
+        action="store_true",
+        help="also rank whole repeated blocks (decoder layers) against channels in the one "
+        "budget: a removed block is dropped from the written model (fewer "
+        "num_hidden_layers in hf/)",
+    )
+    p.add_argument(
         "--score_convention",
         choices=CONVENTIONS,
         help="cost the signal is weighed against (default: FLOPs, the target's); memory "
@@ -607,6 +614,7 @@ def _prune(args: argparse.Namespace, bars: bool) -> int:
         min_channels=min_channels,
         round_to=args.round_to,
         uniform=args.uniform,
+        blocks=args.blocks,
         convention=args.convention,
         score_convention=args.score_convention,
         latency=latency,
