@@ -9,6 +9,7 @@ weights for the Fisher signal, plain ``from_pretrained`` for the saved model.
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
@@ -191,6 +192,31 @@ def test_uniform_expert_prune_round_trips_through_from_pretrained(kind: str, tmp
     assert getattr(back.config, field) == 2
     with torch.no_grad():
         assert _close(call(back, inputs), masked, ATOL64)
+
+
+@pytest.mark.filterwarnings("ignore:mask\\(s\\) left at their floor")
+def test_cli_prune_experts_writes_a_folder_with_fewer_experts(tmp_path) -> None:
+    """``fisherprune prune FOLDER --experts --uniform --convention params`` on a Qwen3-MoE
+    whose experts 1 and 3 add almost nothing removes them in every layer: hf/ loads with plain
+    from_pretrained with num_experts 2, and report.json records each layer's experts kept."""
+    from tests.test_cli import run_cli
+    from tests.test_perplexity import text_folder
+
+    transformers = pytest.importorskip("transformers")
+    model, _ = hf_moe("qwen3_moe", "eager")
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.experts.down_proj[[1, 3]] *= 1e-4
+    folder, text, _ = text_folder(tmp_path, model.float())
+    out = tmp_path / "out"
+    cli = run_cli("prune", folder, "--text", text, "--seq_len", 8, "--target", "75%",
+                  "--convention", "params", "--uniform", "--experts", "--no-reconstruct",
+                  "--out", out)  # fmt: skip
+    assert cli.code == 0, cli.err
+    back = transformers.AutoModelForCausalLM.from_pretrained(out / "hf")
+    assert back.config.num_experts == 2
+    kept = json.loads((out / "report.json").read_text())["channels_kept"]
+    assert [v for n, v in kept.items() if n.endswith(":experts")] == [{"kept": 2, "of": 4}] * 2
 
 
 def test_plan_json_rebuilds_the_shrunk_model_from_a_dense_copy() -> None:

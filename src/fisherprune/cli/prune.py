@@ -193,6 +193,13 @@ def prune_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPar
         "num_hidden_layers in hf/)",
     )
     p.add_argument(
+        "--experts",
+        action="store_true",
+        help="also rank the whole experts of mixture-of-experts layers (Qwen3-MoE, Mixtral, "
+        "OLMoE): a removed expert is dropped from the router and the written model (pays under "
+        "--convention params; under FLOPs an expert costs only its router row)",
+    )
+    p.add_argument(
         "--score_convention",
         choices=CONVENTIONS,
         help="cost the signal is weighed against (default: FLOPs, the target's); memory "
@@ -615,6 +622,7 @@ def _prune(args: argparse.Namespace, bars: bool) -> int:
         round_to=args.round_to,
         uniform=args.uniform,
         blocks=args.blocks,
+        experts=args.experts,
         convention=args.convention,
         score_convention=args.score_convention,
         latency=latency,
