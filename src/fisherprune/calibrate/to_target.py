@@ -162,9 +162,19 @@ def _check_uniform_reach(
     )
 
 
-def _floor_message(result: PruneResult, min_channels: Any, round_to: int) -> str:
-    """Which masks the selection pruned down to their floor, with their widths."""
-    left = ", ".join(f"{n} ({result.kept[n][0]} of {result.kept[n][1]})" for n in result.at_floor)
+def _floor_message(
+    result: PruneResult, masks: dict[str, MaskLayer], min_channels: Any, round_to: int
+) -> str:
+    """Which masks the selection pruned down to their floor, with their widths (and the floor
+    of their own where a mask has one: an ``ExpertGate`` keeps its router's ``top_k``)."""
+
+    def why(n: str) -> str:
+        own = getattr(masks[n], "min_kept", 0)
+        return f": its own floor, top_k={own}" if own and own == result.kept[n][0] else ""
+
+    left = ", ".join(
+        f"{n} ({result.kept[n][0]} of {result.kept[n][1]}{why(n)})" for n in result.at_floor
+    )
     return (
         f"mask(s) left at their floor (min_channels={min_channels}, round_to={round_to}): "
         f"{left}; the selection would have removed more of them. A layer this thin may hold "
@@ -563,7 +573,7 @@ def prune_to_target(
     if stuck:
         warnings.warn(_stuck_message(result, goal, min_channels, round_to), stacklevel=2)
     elif result.at_floor:
-        warnings.warn(_floor_message(result, min_channels, round_to), stacklevel=2)
+        warnings.warn(_floor_message(result, masks, min_channels, round_to), stacklevel=2)
     if reconstruct:
         with clock("repair"):
             result.repair = repair_consumers(
