@@ -3,8 +3,9 @@
     dense_phase      train dense for the burn-in; measure and check the dense model
     pruning_phase    train while the pruner takes a channel every ``pruning_iter`` steps,
                      until the cost target (or the step cap) is reached
-    fine_tune_phase  ``fine_tune_steps`` more steps at the target
-    finish_phase     final eval, then shrink, export and report (``finish.finish_run``)
+    fine_tune_phase  shrink the model in place (``shrunk.shrink_pruned``), then
+                     ``fine_tune_steps`` more steps at the target, on the smaller model
+    finish_phase     final eval, then time, export and report (``finish.finish_run``)
 
 Each phase takes ``train_step``s on a ``Loop`` (everything the steps work on) and picks up
 where a resumed run's ``RunState`` left off; how long each lasts is ``schedule``'s business.
@@ -21,6 +22,7 @@ from typing import Any, NoReturn
 import torch
 from torch import Tensor, nn
 
+from fisherprune._errors import first_line
 from fisherprune.cost.conventions import cost_unit
 from fisherprune.distill import distill_loss, frozen_teacher
 from fisherprune.pruner import PruningOptimizer
@@ -32,6 +34,7 @@ from fisherprune.train.interrupts import Interrupted, StopGuard
 from fisherprune.train.progress import Progress
 from fisherprune.train.result import TrainResult
 from fisherprune.train.schedule import DenseCheck
+from fisherprune.train.shrunk import Pruned, shrink_pruned
 from fisherprune.train.state import MetricsLog, RunState
 
 __all__ = [
@@ -42,11 +45,16 @@ __all__ = [
     "finish_phase",
     "kept_channels",
     "pruning_phase",
+    "restore_shrunk",
     "restore_teacher",
     "train_step",
 ]
 
 log = logging.getLogger("fisherprune")
+
+
+def _unwrapped(model: nn.Module) -> nn.Module:
+    return model
 
 
 @dataclass
@@ -75,6 +83,13 @@ class Loop:
     teacher: nn.Module | None = None  # the dense model, frozen, with ``distill_alpha`` > 0
     #: writes the dense model's file (``export_dense``), called once when the dense phase ends
     save_dense: Callable[[], None] | None = None
+    example: Tensor | None = None  # one input on the device: what the shrink traces with
+    #: model -> what the steps train (``net``): DistributedDataParallel under torchrun, else
+    #: the model itself; called again once the model is shrunk (its parameters are new)
+    wrap: Callable[[nn.Module], nn.Module] = _unwrapped
+    #: ``model`` shrunk in place once pruning finished (``shrink_for_fine_tune``); None while
+    #: the model is masked
+    pruned: Pruned | None = None
 
     def snapshot(self) -> dict[str, Any]:
         """What a checkpoint holds now: ``checkpoint()`` and, once it is kept, the teacher's
@@ -180,7 +195,8 @@ def pruning_phase(loop: Loop) -> None:
 
 
 def fine_tune_phase(loop: Loop) -> None:
-    """Once the target is reached, ``fine_tune_steps`` more steps (counted from
+    """Once the target is reached, shrink the model in place (``shrink_for_fine_tune``; not
+    with ``fine_tune_masked``), then ``fine_tune_steps`` more steps (counted from
     ``state.finished_at``, so a resumed run does not start them over), within the step cap.
     Does nothing when the cap came first."""
     state, popt = loop.state, loop.popt
@@ -192,8 +208,52 @@ def fine_tune_phase(loop: Loop) -> None:
             f"step {state.step}: {channels_removed(popt)} channels pruned; fine-tuning for "
             f"{loop.config.fine_tune_steps} steps"
         )
+    if loop.pruned is None and not loop.config.fine_tune_masked:
+        shrink_for_fine_tune(loop)
     while state.step < loop.cap and state.step - state.finished_at < loop.config.fine_tune_steps:
         train_step(loop)
+
+
+def shrink_for_fine_tune(loop: Loop) -> None:
+    """Shrink the trainer's model in place, its optimizer state carried over
+    (``shrink_pruned``), so that the steps after it run at the smaller model's cost, and wrap
+    it again (``loop.wrap``). Sets ``loop.pruned`` and ``loop.net``; prints a line.
+
+    Raises:
+        ValueError, ShrinkError: as ``fisherprune.shrink`` (nothing changed then).
+    """
+    model, example = loop.model, loop.example
+    if model is None or example is None:
+        raise ValueError("shrinking for the fine-tuning needs Loop.model and Loop.example")
+    before = sum(p.numel() for p in model.parameters())
+    loop.pruned = shrink_pruned(model, example, loop.popt, inplace=True)
+    loop.net = loop.wrap(model)
+    after = sum(p.numel() for p in model.parameters())
+    loop.progress.line(
+        f"step {loop.state.step}: shrunk the model in place ({before:,} -> {after:,} "
+        "parameters, optimizer state carried over); it fine-tunes at its smaller cost"
+    )
+
+
+def restore_shrunk(loop: Loop, weights: dict[str, Tensor]) -> None:
+    """On resume from a checkpoint written after the shrink: shrink the rebuilt model, whose
+    masks (and held-back optimizer state) ``popt.load_state_dict`` restored, as the run did
+    (``shrink_for_fine_tune``: ``popt`` loads the optimizer state then), and load the saved
+    shrunk ``weights`` into it.
+
+    Raises:
+        ValueError: the weights do not fit the shrunk model.
+    """
+    shrink_for_fine_tune(loop)
+    assert loop.model is not None  # shrink_for_fine_tune checked it
+    try:
+        loop.model.load_state_dict(weights)
+    except RuntimeError as e:
+        raise ValueError(
+            f"the checkpoint's shrunk weights do not fit the model shrunk by its masks "
+            f"({first_line(e, with_type=False)}); use another --save_dir or the original "
+            "settings"
+        ) from None
 
 
 # ------------------------------------------------------------------------- steps
@@ -329,8 +389,10 @@ def finish_phase(
     loop: Loop, model: nn.Module, example: Tensor, samples: Tensor, out: RunOutput
 ) -> TrainResult:
     """A last checkpoint, the final eval (the ``final`` metrics entry), then ``finish_run``
-    (shrink, time, export, report, summary). Moves ``model`` to the CPU, where the exports
-    and the latency figures are made. Warns when the step cap came before the target."""
+    (time, export, report, summary) on the shrunk model: ``loop.pruned``, or a shrunk copy of
+    ``model`` when it is still masked (the step cap came before the target, or
+    ``fine_tune_masked``). Moves ``model`` to the CPU, where the exports and the latency
+    figures are made. Warns when the step cap came before the target."""
     popt, state, metric = loop.popt, loop.state, loop.metric_name
     warnings: list[str] = []
     if not popt.finished:
@@ -354,10 +416,12 @@ def finish_phase(
             "kept": kept_channels(popt),
         }
     )
+    model, example = model.cpu(), example.cpu()
+    pruned = loop.pruned or shrink_pruned(model, example, popt, inplace=False)
     run = FinishedRun(
         popt=popt,
-        model=model.cpu(),
-        example=example.cpu(),
+        pruned=pruned,
+        example=example,
         samples=samples,
         metrics=state.metrics,
         metric_name=metric,
