@@ -98,6 +98,7 @@ from torch.func import functional_call, grad, vmap
 
 import fisherprune
 from fisherprune import MaskLayer
+from fisherprune.train.models import build_model
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # after choosing the headless backend
@@ -220,6 +221,13 @@ MODELS: dict[str, ModelSpec] = {
         "1x28x28: conv16-BN-ReLU-mask-pool, conv32-BN-ReLU-mask-pool, fc10",
         build_cnn_prepool,
         _vectors((1, 28, 28)),
+    ),
+    "cnn_digits": ModelSpec(
+        "cnn_digits",
+        "fisherprune train's built-in CNN on digits (1x8x8, default width), every mask "
+        "apply_masks finds: c / f are its fine-tuning step masked (--fine_tune_masked) / shrunk",
+        found_masks(lambda: build_model("cnn", (1, 8, 8), NUM_CLASSES), _vectors((1, 8, 8))),
+        _vectors((1, 8, 8)),
     ),
     "resnet50": ModelSpec(
         "resnet50",

@@ -222,7 +222,9 @@ class PruningTrainer:
         the result.
 
         Reads the data and builds the model unless they were given; leaves ``self.model``
-        trained with its masks (on the CPU). On rank 0 it writes under ``config.save_dir``:
+        trained on the CPU: shrunk in place once pruning finished (unless
+        ``config.fine_tune_masked``, or the step cap came first: then with its masks). On
+        rank 0 it writes under ``config.save_dir``:
         checkpoints, ``metrics.jsonl`` (entry by entry, and to the ``config.log`` sinks), and
         at the end the exports, the report and ``result.json``. With ``config.resume`` it goes
         on from the newest checkpoint there.
