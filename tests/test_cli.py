@@ -765,19 +765,21 @@ def test_flops_of_a_checkpoint_is_the_runs_final_cost(trained: Callable[[str], T
 def test_export_torchscript_of_a_checkpoint_loads_and_matches(
     trained: Callable[[str], Trained], tmp_path: Path, freeze: list[str]
 ) -> None:
-    """`fisherprune export --format torchscript [--freeze]` writes a file torch.jit.load reads,
-    whose outputs are the masked checkpoint model's (frozen: with no parameters left)."""
+    """`fisherprune export --format torchscript [--freeze]` of the final checkpoint (written
+    while the shrunk model fine-tuned) writes a file torch.jit.load reads, whose outputs are
+    the run's export's (frozen: with no parameters left)."""
     t = trained("npz_cnn")
     ckpt = _latest_checkpoint(t.save_dir)
+    assert CheckpointManager.load(ckpt)["pruner"]["shrunk"]
     out = tmp_path / "small.pt"
     argv = ["export", "--checkpoint", ckpt, "--format", "torchscript", "--out", out, *freeze]
     cli = run_cli(*argv)
     assert cli.code == 0, cli.err
     loaded = torch.jit.load(str(out))
     assert (list(loaded.parameters()) == []) == bool(freeze)
-    masked, _ = model_from_checkpoint(str(ckpt))
+    exported = fisherprune.load_state_dict_export(t.save_dir / "export" / "model.pt", t.fresh())
     x = t.x[:32]
-    torch.testing.assert_close(_eval_outputs(loaded, x), _eval_outputs(masked, x))
+    torch.testing.assert_close(_eval_outputs(loaded, x), _eval_outputs(exported, x))
     assert _tmp_files(tmp_path) == []
 
 
