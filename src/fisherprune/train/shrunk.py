@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from typing import Any
 
 from torch import Tensor, nn
 
@@ -56,7 +57,18 @@ def shrink_pruned(
         ValueError, ShrinkError: as ``fisherprune.shrink`` (nothing changed then).
     """
     plan = PruningPlan.from_model(model, example, cost_model=popt.cost_model)
-    dense = copy.deepcopy(model).cpu()
+    dense = _cpu_copy(model)
     remove_masks(dense)
     small = shrink(model, example, inplace=inplace, optimizer=popt if inplace else None)
     return Pruned(small=small, plan=plan, dense=dense)
+
+
+def _cpu_copy(model: nn.Module) -> nn.Module:
+    """A deep copy of ``model`` whose parameters and buffers are copied straight to the CPU
+    (no second copy on the model's device, where memory may be short; gradients left out)."""
+    memo: dict[int, Any] = {}
+    for p in model.parameters():
+        memo[id(p)] = nn.Parameter(p.detach().to("cpu", copy=True), p.requires_grad)
+    for b in model.buffers():
+        memo[id(b)] = b.detach().to("cpu", copy=True)
+    return copy.deepcopy(model, memo)
