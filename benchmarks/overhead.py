@@ -15,7 +15,10 @@ small models fed synthetic data of the right shape:
 * ``cnn_prepool`` (no target): the same CNN with each mask before the pool instead
   (conv-BN-ReLU-mask-maxpool). A 0/1 channel mask commutes with max pooling, so the signal and
   every channel's cost are the same (tests/test_signals.py checks both); only the collecting
-  work grows with the 4x larger tensor. It shows what a less careful placement costs,
+  work grows with the 4x larger tensor. It shows what a less careful placement costs;
+* ``cnn_digits`` (no target, not run by default): ``fisherprune train``'s built-in CNN on
+  digits (1x8x8, default width), every mask ``apply_masks`` finds: ``c`` and ``f`` are its
+  fine-tuning step masked (``--fine_tune_masked``) and shrunk (the default),
 
 each in the four variants of the issue, plus one to read them by:
 
@@ -98,6 +101,7 @@ from torch.func import functional_call, grad, vmap
 
 import fisherprune
 from fisherprune import MaskLayer
+from fisherprune.train.models import build_model
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # after choosing the headless backend
@@ -220,6 +224,13 @@ MODELS: dict[str, ModelSpec] = {
         "1x28x28: conv16-BN-ReLU-mask-pool, conv32-BN-ReLU-mask-pool, fc10",
         build_cnn_prepool,
         _vectors((1, 28, 28)),
+    ),
+    "cnn_digits": ModelSpec(
+        "cnn_digits",
+        "fisherprune train's built-in CNN on digits (1x8x8, default width), every mask "
+        "apply_masks finds: c / f are its fine-tuning step masked (--fine_tune_masked) / shrunk",
+        found_masks(lambda: build_model("cnn", (1, 8, 8), NUM_CLASSES), _vectors((1, 8, 8))),
+        _vectors((1, 8, 8)),
     ),
     "resnet50": ModelSpec(
         "resnet50",

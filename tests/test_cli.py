@@ -604,6 +604,13 @@ class Resumed:
     straight: Path  # the same run, uninterrupted
     killed_at: int  # newest checkpoint step when killed
     prunes_at_kill: int
+    shrunk_at_kill: bool  # the newest checkpoint holds the model shrunk for the fine-tuning
+
+
+# KILL_ARGS prune to the target by step 80, where the model is shrunk in place and fine-tunes
+# to the step cap, 120: killed once a checkpoint at step >= 40 (pruning) or >= 90 (fine-tuning
+# the shrunk model) exists
+KILL_AT = {"pruning": 40, "fine-tuning": 90}
 
 
 def _kill_when_checkpointed(proc: subprocess.Popen, save: Path, step: int) -> str:
@@ -622,10 +629,12 @@ def _kill_when_checkpointed(proc: subprocess.Popen, save: Path, step: int) -> st
     return ""
 
 
-@pytest.fixture(scope="module")
-def resumed(tmp_path_factory: pytest.TempPathFactory) -> Resumed:
-    """Run KILL_ARGS in a subprocess, SIGKILL it once a checkpoint at step >= 40 exists, then
-    finish it with --resume; meanwhile run the same settings uninterrupted in-process."""
+@pytest.fixture(scope="module", params=list(KILL_AT))
+def resumed(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Resumed:
+    """Run KILL_ARGS in a subprocess, SIGKILL it once a checkpoint at step >= KILL_AT[phase]
+    exists, then finish it with --resume; meanwhile run the same settings uninterrupted
+    in-process."""
+    kill_at = KILL_AT[request.param]
     tmp = tmp_path_factory.mktemp("kill")
     x, y = _table(200, seed=1)
     data = _write_csv(tmp / "t.csv", x, y)
@@ -637,7 +646,7 @@ def resumed(tmp_path_factory: pytest.TempPathFactory) -> Resumed:
         proc = subprocess.Popen(run, stdout=log, stderr=subprocess.STDOUT, env=_subprocess_env())
         try:
             watcher = threading.Thread(
-                target=lambda: why.append(_kill_when_checkpointed(proc, resumed_dir, 40))
+                target=lambda: why.append(_kill_when_checkpointed(proc, resumed_dir, kill_at))
             )
             watcher.start()
             with pytest.MonkeyPatch.context() as mp:  # the uninterrupted run, meanwhile
@@ -660,23 +669,37 @@ def resumed(tmp_path_factory: pytest.TempPathFactory) -> Resumed:
     )
     assert done.returncode == 0, done.stderr
     assert f"resumed from {resumed_dir / 'checkpoints'}" in done.stdout, done.stdout
-    return Resumed(resumed_dir, straight, killed_at, len(at_kill["pruner"]["history"]))
+    return Resumed(
+        resumed_dir,
+        straight,
+        killed_at,
+        len(at_kill["pruner"]["history"]),
+        bool(at_kill["pruner"]["shrunk"]),
+    )
 
 
 def _masks(save: Path) -> dict[str, list[float]]:
+    """The final checkpoint's masks, as its pruner saved them (the model has none once it is
+    shrunk for the fine-tuning)."""
     state = CheckpointManager.load(_latest_checkpoint(save))
-    return {k: v.tolist() for k, v in state["model"].items() if k.endswith(".mask")}
+    return {k: v["mask"].tolist() for k, v in state["pruner"]["masks"].items()}
 
 
 def test_kill_9_and_resume_gives_the_masks_of_an_uninterrupted_run(resumed: Resumed) -> None:
-    """A run killed with SIGKILL while pruning (after a checkpoint at step >= 40) and resumed
-    with --resume ends with exactly the masks and prune sequence of the same run left alone."""
+    """A run killed with SIGKILL while pruning (after a checkpoint at step >= 40), or while
+    fine-tuning the shrunk model (>= 90), and resumed with --resume ends with exactly the
+    masks and prune sequence of the same run left alone."""
     assert resumed.killed_at < 120
     final = CheckpointManager.load(_latest_checkpoint(resumed.resumed))
     straight = CheckpointManager.load(_latest_checkpoint(resumed.straight))
     history = [(e["step"], e["mask"], e["channel"]) for e in final["pruner"]["history"]]
     expected = [(e["step"], e["mask"], e["channel"]) for e in straight["pruner"]["history"]]
-    assert 0 < resumed.prunes_at_kill < len(expected), "pruning was not under way at the kill"
+    if resumed.killed_at < KILL_AT["fine-tuning"]:
+        assert 0 < resumed.prunes_at_kill < len(expected), "pruning was not under way"
+        assert not resumed.shrunk_at_kill
+    else:
+        assert resumed.shrunk_at_kill, "the model was not shrunk at the kill"
+    assert final["pruner"]["shrunk"] and straight["pruner"]["shrunk"]
     assert history == expected
     assert _masks(resumed.resumed) == _masks(resumed.straight)
 
@@ -742,19 +765,21 @@ def test_flops_of_a_checkpoint_is_the_runs_final_cost(trained: Callable[[str], T
 def test_export_torchscript_of_a_checkpoint_loads_and_matches(
     trained: Callable[[str], Trained], tmp_path: Path, freeze: list[str]
 ) -> None:
-    """`fisherprune export --format torchscript [--freeze]` writes a file torch.jit.load reads,
-    whose outputs are the masked checkpoint model's (frozen: with no parameters left)."""
+    """`fisherprune export --format torchscript [--freeze]` of the final checkpoint (written
+    while the shrunk model fine-tuned) writes a file torch.jit.load reads, whose outputs are
+    the run's export's (frozen: with no parameters left)."""
     t = trained("npz_cnn")
     ckpt = _latest_checkpoint(t.save_dir)
+    assert CheckpointManager.load(ckpt)["pruner"]["shrunk"]
     out = tmp_path / "small.pt"
     argv = ["export", "--checkpoint", ckpt, "--format", "torchscript", "--out", out, *freeze]
     cli = run_cli(*argv)
     assert cli.code == 0, cli.err
     loaded = torch.jit.load(str(out))
     assert (list(loaded.parameters()) == []) == bool(freeze)
-    masked, _ = model_from_checkpoint(str(ckpt))
+    exported = fisherprune.load_state_dict_export(t.save_dir / "export" / "model.pt", t.fresh())
     x = t.x[:32]
-    torch.testing.assert_close(_eval_outputs(loaded, x), _eval_outputs(masked, x))
+    torch.testing.assert_close(_eval_outputs(loaded, x), _eval_outputs(exported, x))
     assert _tmp_files(tmp_path) == []
 
 

@@ -40,7 +40,7 @@ os.chdir(root / f"rank{rank}")
 from fisherprune.pruner import PruningOptimizer
 from fisherprune.train.trainer import PruningTrainer
 
-masks, signals, batches = [], [], []
+masks, signals, batches, weights = [], [], [], []
 _step, _batch = PruningOptimizer.step, PruningTrainer._batch
 
 
@@ -48,6 +48,8 @@ def step(self, closure=None):
     out = _step(self, closure)
     masks.append({n: m.mask.tolist() for n, m in self.masks.items()})
     signals.append({n: m.signal.tolist() for n, m in self.masks.items()})
+    params = [p for g in self.param_groups for p in g["params"]]
+    weights.append([p.detach().double().flatten().tolist() for p in params])
     return out
 
 
@@ -62,7 +64,7 @@ PruningOptimizer.step, PruningTrainer._batch = step, batch
 from fisherprune.cli.main import main
 
 code = main(sys.argv[2:])
-record = {"masks": masks, "signals": signals, "batches": batches}
+record = {"masks": masks, "signals": signals, "batches": batches, "weights": weights}
 (root / f"record{rank}.json").write_text(json.dumps(record))
 sys.exit(code)
 """
@@ -210,6 +212,19 @@ def test_torchrun_ranks_hold_the_same_masks_after_every_step(torchrun: TorchrunR
     for step, (a, b) in enumerate(zip(r0["masks"], r1["masks"], strict=True), 1):
         assert a == b, f"masks differ across ranks after step {step}"
     assert r0["signals"] == r1["signals"]
+
+
+def test_torchrun_ranks_fine_tune_the_shrunk_model_in_step(torchrun: TorchrunRun) -> None:
+    """Once pruning finishes each rank shrinks its model and trains the smaller one under a
+    DistributedDataParallel built again around it: on different shares of every batch, the
+    ranks still hold the same weights after every step (the gradients are averaged)."""
+    r0, r1 = torchrun.records
+    assert r0 and r1, torchrun.done.stderr[-3000:]
+    sizes = [sum(len(p) for p in step) for step in r0["weights"]]
+    assert sizes[-1] < sizes[0], "the model was not shrunk"
+    shrunk = sizes.index(sizes[-1])
+    assert shrunk < len(sizes) - 1, "no step on the shrunk model"
+    assert r0["weights"][shrunk:] == r1["weights"][shrunk:]
 
 
 def test_torchrun_prints_the_summary_once(torchrun: TorchrunRun) -> None:

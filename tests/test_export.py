@@ -345,6 +345,24 @@ def test_state_dict_export_round_trip(arch: str, tmp_path: Path) -> None:
     _assert_close(_out(fresh.eval(), x), ref, ATOL_F64)
 
 
+def test_state_dict_export_of_a_model_shrunk_in_place_carries_the_plan_given(
+    tmp_path: Path,
+) -> None:
+    """A model shrunk in place has no masks to read its plan off: export_model(plan=) writes
+    the plan it was shrunk by, and load_state_dict_export rebuilds it from a fresh dense model
+    with the masked model's output; a plan given with a model that still has masks is
+    refused."""
+    model, x = _masked(_seeded_case("vgg", seed=1))
+    ref = _out(model, x)
+    with pytest.raises(ValueError, match="still has masks"):
+        fp.export_model(model, tmp_path / "m.pt", x, plan=fp.PruningPlan())
+    plan = fp.PruningPlan.from_model(model, x)
+    fp.shrink(model, x, inplace=True)
+    path = fp.export_model(model, tmp_path / "m.pt", x, format="state_dict", plan=plan)
+    fresh = fp.load_state_dict_export(path, _build("vgg"))
+    _assert_close(_out(fresh.eval(), x), ref, ATOL_F64)
+
+
 @pytest.mark.parametrize(("arch", "freeze"), [("grouped", False), ("vgg", True)])
 def test_torchscript_export_round_trip(arch: str, freeze: bool, tmp_path: Path) -> None:
     """export_model(torchscript) + torch.jit.load: same output, at another batch size too;

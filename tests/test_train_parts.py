@@ -10,11 +10,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fisherprune import PruningOptimizer, apply_masks, find_masks
+from fisherprune import PruningOptimizer, apply_masks
 from fisherprune.train import PruningTrainer, TrainConfig, TrainResult
 from fisherprune.train.config import TrainConfig as ConfigFromModule
 from fisherprune.train.finish import FinishedRun, RunOutput, finish_run
 from fisherprune.train.progress import Progress
+from fisherprune.train.shrunk import shrink_pruned
 from fisherprune.train.state import MetricsLog, RunState
 from fisherprune.train.trainer import PruningTrainer as TrainerFromModule
 
@@ -77,7 +78,8 @@ def test_metrics_log_that_does_not_write_keeps_its_entries_only(tmp_path: Path) 
 
 # ============================================================================= finish
 def _trained_run() -> FinishedRun:
-    """A masked 4-16-3 MLP trained and pruned a little, handed over as the trainer does."""
+    """A masked 4-16-3 MLP trained and pruned a little, shrunk and handed over as the trainer
+    does when the step cap comes before the target (a shrunk copy)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 3))
     x = torch.randn(80, 4)
@@ -90,7 +92,7 @@ def _trained_run() -> FinishedRun:
     prunes = sum(len(e.channels) for e in popt.history)
     return FinishedRun(
         popt=popt,
-        model=model,
+        pruned=shrink_pruned(model, x[:1], popt, inplace=False),
         example=x[:1],
         samples=x,
         metrics=[{"step": 12, "kind": "final", "accuracy": 0.5, "cost": popt.cost().total}],
@@ -106,19 +108,21 @@ def _trained_run() -> FinishedRun:
 
 def test_finish_off_rank_0_measures_but_changes_and_writes_nothing(tmp_path: Path) -> None:
     """finish_run with write=False returns the numbers (fewer parameters, both latencies)
-    with no files, leaves the masked model as it was, and creates nothing on disk."""
+    with no files, leaves the shrunk and the dense model as they were, and creates nothing on
+    disk."""
     run = _trained_run()
-    before = {k: v.clone() for k, v in run.model.state_dict().items()}
+    models = (run.pruned.small, run.pruned.dense)
+    before = [{k: v.clone() for k, v in m.state_dict().items()} for m in models]
     out = RunOutput(tmp_path / "run", tmp_path / "run" / "export", Progress(None, "none"), False)
     result = finish_run(TrainConfig(), run, out)
     assert result.files == {}
     assert result.final_params < result.dense_params
     assert result.prunes == run.prunes and result.final_cost == run.final_cost
     assert {"dense_b1_ms", "pruned_b64_ms", "speedup_b64"} <= set(result.latency)
-    after = run.model.state_dict()
-    assert after.keys() == before.keys()
-    assert all(torch.equal(after[k], v) for k, v in before.items())
-    assert find_masks(run.model), "the masks must stay on the trained model"
+    for model, saved in zip(models, before, strict=True):
+        after = model.state_dict()
+        assert after.keys() == saved.keys()
+        assert all(torch.equal(after[k], v) for k, v in saved.items())
     assert list(tmp_path.iterdir()) == []
 
 

@@ -20,6 +20,7 @@ from fisherprune.graph import apply_masks
 from fisherprune.train.checkpoint import CheckpointManager
 from fisherprune.train.config import TrainConfig
 from fisherprune.train.models import build_model
+from fisherprune.train.pretrained import load_pretrained
 from fisherprune.train.scaling import model_from_meta
 from fisherprune.train.schedule import (
     build_optimizer,
@@ -157,6 +158,21 @@ def test_init_from_accepts_a_fisherprune_checkpoint(tmp_path: Path) -> None:
     for k, v in saved.items():
         if not k.endswith(".signal"):
             assert torch.equal(again["model"][k], v), k
+
+
+def test_init_from_a_checkpoint_of_the_shrunk_model_says_what_to_give(tmp_path: Path) -> None:
+    """A checkpoint written after its run shrank the model holds narrower weights than
+    --model builds: refused, naming the checkpoint before the fine-tuning and dense.pt, and
+    the model is left as it was."""
+    model = build_model("mlp", (4,), 3, 8, 1)
+    masks = apply_masks(model, torch.zeros(1, 4))
+    small = {k: v[:2].clone() for k, v in model.state_dict().items() if v.dim() > 0}
+    path = tmp_path / "ckpt.pt"
+    torch.save({"model": small, "pruner": {"shrunk": True}}, path)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"shrunk model.*dense\.pt"):
+        load_pretrained(model, dict(masks), path)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
 
 def test_init_from_of_another_width_names_the_mismatched_shapes(tmp_path: Path) -> None:

@@ -8,15 +8,23 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
-from fisherprune.export import FORMATS, export_model
+from fisherprune.export import FORMATS, PruningPlan, export_model, shrink
 from fisherprune.export.manifest import MANIFEST_FILE, ExportSet, Manifest
 from fisherprune.graph import apply_masks
+from fisherprune.masks import find_masks
 from fisherprune.train.checkpoint import CheckpointManager
 from fisherprune.train.scaling import model_from_meta
 
-__all__ = ["export_command", "export_parser", "model_from_checkpoint"]
+__all__ = [
+    "export_command",
+    "export_parser",
+    "masked_from_checkpoint",
+    "model_from_checkpoint",
+    "pruned_from_checkpoint",
+    "shrunk_checkpoint",
+]
 
 
 def export_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -34,15 +42,17 @@ def export_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPa
     return p
 
 
-def model_from_checkpoint(path: str) -> tuple[nn.Module, Any]:
-    """Rebuild the masked model of a training checkpoint, and an example input for it.
+def masked_from_checkpoint(path: str) -> tuple[nn.Module, Tensor, dict[str, Any]]:
+    """The masked model of a training checkpoint, with the masks it saved; an example input
+    for it; the checkpoint. The weights are loaded when they are the masked model's (a
+    checkpoint written before the shrink), else (``shrunk_checkpoint``) they stay as built:
+    the costs and the channels kept are right, the outputs are not.
 
     Raises:
         FileNotFoundError / ValueError: missing or foreign checkpoint.
         IsADirectoryError: ``path`` is a directory.
         DamagedCheckpointError: (a ValueError) its content hash differs or it cannot be read.
     """
-
     p = Path(path)
     if not p.exists():
         raise FileNotFoundError(f"checkpoint {p} does not exist")
@@ -53,7 +63,43 @@ def model_from_checkpoint(path: str) -> tuple[nn.Module, Any]:
     model = model_from_meta(meta)
     example = torch.zeros(1, *meta["input_shape"])
     apply_masks(model, example)
+    if shrunk_checkpoint(state):
+        masks = find_masks(model)
+        with torch.no_grad():
+            for name, saved in state["pruner"]["masks"].items():
+                masks[name].mask.copy_(saved["mask"])
+    else:
+        model.load_state_dict(state["model"])
+    return model, example, state
+
+
+def shrunk_checkpoint(state: dict[str, Any]) -> bool:
+    """Whether the checkpoint ``state`` was written after its run shrank the model in place
+    (its ``model`` entry holds the shrunk weights)."""
+    return bool(state["pruner"].get("shrunk", False))
+
+
+def pruned_from_checkpoint(path: str) -> tuple[nn.Module, Tensor, PruningPlan | None]:
+    """The pruned model of a training checkpoint with its weights, an example input for it,
+    and the plan it was shrunk by: the masked model and None for a checkpoint written while
+    masked, the shrunk model (shrunk by its saved masks, then loaded) and its plan for one
+    written after the shrink. Both give the pruned model's outputs.
+
+    Raises:
+        as ``masked_from_checkpoint``.
+    """
+    model, example, state = masked_from_checkpoint(path)
+    if not shrunk_checkpoint(state):
+        return model, example, None
+    plan = PruningPlan.from_model(model, example)
+    shrink(model, example, inplace=True)
     model.load_state_dict(state["model"])
+    return model, example, plan
+
+
+def model_from_checkpoint(path: str) -> tuple[nn.Module, Tensor]:
+    """``pruned_from_checkpoint`` without the plan: the model and an example input."""
+    model, example, _ = pruned_from_checkpoint(path)
     return model, example
 
 
@@ -85,9 +131,14 @@ def export_command(args: argparse.Namespace) -> int:
         raise ValueError(f"--freeze applies to --format torchscript only, not {args.format}")
     out = Path(args.out)
     exports = _run_set(out, args.checkpoint)
-    model, example = model_from_checkpoint(args.checkpoint)
+    model, example, plan = pruned_from_checkpoint(args.checkpoint)
     write = partial(
-        export_model, model, example_inputs=example, format=args.format, freeze=args.freeze
+        export_model,
+        model,
+        example_inputs=example,
+        format=args.format,
+        freeze=args.freeze,
+        plan=plan,
     )
     if exports is None:
         path = write(out)

@@ -6,7 +6,7 @@ import argparse
 
 import torch
 
-from fisherprune.cli.export import model_from_checkpoint
+from fisherprune.cli.export import masked_from_checkpoint
 from fisherprune.cost import CostModel
 from fisherprune.graph import apply_masks
 from fisherprune.train.models import build_model
@@ -48,7 +48,7 @@ def flops_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPar
 def flops_command(args: argparse.Namespace) -> int:
 
     if args.checkpoint:
-        model, example = model_from_checkpoint(args.checkpoint)
+        model, example, _ = masked_from_checkpoint(args.checkpoint)
         masks = None
     else:
         model = build_model(args.model, args.input_shape, args.num_outputs, args.width, args.depth)

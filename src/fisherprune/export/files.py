@@ -39,8 +39,14 @@ def export_model(
     format: str = "state_dict",
     *,
     freeze: bool = False,
+    plan: PruningPlan | None = None,
 ) -> Path:
     """Shrink ``model`` if it still has masks, then write it to ``path`` atomically.
+
+    A model shrunk already (``shrink(..., inplace=True)``) has no masks left to read its plan
+    off: pass the plan it was shrunk by as ``plan`` (read with ``PruningPlan.from_model``
+    before the shrink), and the ``state_dict`` export holds it, so that
+    ``load_state_dict_export`` rebuilds the model from a fresh dense one.
 
     Formats:
         ``"state_dict"``: ``torch.save`` of ``{"state_dict", "plan"}`` (plain tensors
@@ -68,7 +74,8 @@ def export_model(
 
     Raises:
         ValueError: unknown format, no example inputs, ``freeze`` with another format
-            than TorchScript, or an ``aoti`` path not ending in ``.pt2``.
+            than TorchScript, an ``aoti`` path not ending in ``.pt2``, or ``plan`` given with
+            a model that still has masks (its own plan is read off it).
         ImportError: ONNX requested without the onnx package.
         FileNotFoundError: the target directory does not exist.
         IsADirectoryError: ``path`` is a directory.
@@ -93,6 +100,11 @@ def export_model(
     if format == "onnx" and importlib.util.find_spec("onnx") is None:
         raise ImportError("ONNX export needs the onnx package: pip install 'fisherprune[onnx]'")
     masked = bool(find_masks(model))
+    if masked and plan is not None:
+        raise ValueError(
+            "plan= is for a model shrunk already; this one still has masks, and its plan is "
+            "read off them: leave plan out"
+        )
     if masked:
         example_inputs = remembered_inputs(model, example_inputs)
         plan = PruningPlan.from_model(model, example_inputs)
@@ -100,7 +112,7 @@ def export_model(
     else:
         if example_inputs is None and format != "state_dict":
             raise ValueError(f"{format} export needs example_inputs for an unmasked model")
-        plan, small = PruningPlan(), model
+        plan, small = plan or PruningPlan(), model
     with eval_mode(small):  # the caller's model when unmasked: its flags are given back
         _write(small, path, example_inputs, format, plan, freeze)
     return path

@@ -502,6 +502,14 @@ class PruningOptimizer:
             warnings.warn(msg, RuntimeWarning, stacklevel=3)
 
     # ----------------------------------------------------------------- state
+    @property
+    def awaiting_shrink(self) -> bool:
+        """Whether ``load_state_dict`` restored a state saved after the model was shrunk, into
+        a model not shrunk yet: its optimizer state is held back until
+        ``fisherprune.shrink(model, inplace=True, optimizer=self)``, after which the saved
+        shrunk weights load into the model."""
+        return self._pending_optimizer_state is not None
+
     def mark_shrunk(self) -> None:
         """Record that the model was shrunk in place with this optimizer's state carried over
         (``fisherprune.shrink(model, inplace=True, optimizer=self)`` calls it): pruning is over

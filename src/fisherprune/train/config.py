@@ -144,6 +144,9 @@ HELP: dict[str, str] = {
     "distill_alpha": "fine-tuning learns this much from the dense model's outputs (frozen at "
     "the end of the dense phase) and 1 - this from the labels; 0: labels only",
     "distill_temperature": "softmax temperature of the distillation (classification)",
+    "fine_tune_masked": "fine-tune the masked model: every step then pays the dense model's "
+    "cost and the masks' (default: the model is shrunk in place when pruning ends, its "
+    "optimizer state carried over, and fine-tunes at its smaller cost)",
     "eval_every": "steps between evaluations",
     "eval_rows": "eval rows read by each evaluation during training (the same first rows each "
     "time; the dense and final evaluations read them all); 0: all",
@@ -221,6 +224,11 @@ class TrainConfig:
         init_from: a state_dict or fisherprune checkpoint to start from; the dense phase then
             trains nothing and only gathers the pruning statistics.
         fine_tune_steps: steps after the target is reached.
+        fine_tune_masked: fine-tune the masked model (every step pays the dense model's cost
+            and the masks'); False (the default): once pruning finishes, the model is shrunk in
+            place with its optimizer state carried over (``fisherprune.shrink(...,
+            optimizer=)``) and the fine-tuning, its checkpoints and the export use the smaller
+            model.
         eval_every: steps between evaluations.
         eval_rows: rows of the eval split each evaluation during training reads (the first
             ones, the same each time: a streamed eval split is not read whole every
@@ -298,6 +306,7 @@ class TrainConfig:
     fine_tune_steps: int = 200
     distill_alpha: float = 0.0
     distill_temperature: float = 2.0
+    fine_tune_masked: bool = False
     eval_every: int = 100
     eval_rows: int = 10000
 

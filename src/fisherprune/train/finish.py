@@ -1,5 +1,5 @@
-"""The end of a ``fisherprune train`` run: shrink the trained model, time it against the dense
-one, export it, and write the report, ``result.json`` and the summary.
+"""The end of a ``fisherprune train`` run: time the shrunk model against the dense one, export
+it, and write the report, ``result.json`` and the summary.
 
 It takes what the training loop measured (``FinishedRun``) and where the run's output goes
 (``RunOutput``); it knows nothing of the trainer, so imports flow trainer -> finish -> report.
@@ -7,7 +7,6 @@ It takes what the training loop measured (``FinishedRun``) and where the run's o
 
 from __future__ import annotations
 
-import copy
 import json
 import shlex
 from dataclasses import dataclass
@@ -20,18 +19,18 @@ from torch import Tensor, nn
 from fisherprune._errors import first_line
 from fisherprune.cost.conventions import cost_unit
 from fisherprune.cost.latency import prediction_check, prediction_text
-from fisherprune.export import PruningPlan, export_model, shrink
+from fisherprune.export import export_model
 from fisherprune.export.files import default_file_name
 from fisherprune.export.latency import compare_latency, frozen_for_serving
 from fisherprune.export.manifest import ExportSet
 from fisherprune.export.storage import atomic_write_bytes
-from fisherprune.graph import remove_masks
 from fisherprune.pruner import PruningOptimizer
 from fisherprune.train.checkpoint import CheckpointManager
 from fisherprune.train.config import TrainConfig
 from fisherprune.train.progress import Progress
 from fisherprune.train.report import write_report
 from fisherprune.train.result import TrainResult, latency_fields
+from fisherprune.train.shrunk import Pruned
 
 __all__ = ["FinishedRun", "RunOutput", "finish_run"]
 
@@ -46,8 +45,8 @@ class FinishedRun:
     """
 
     popt: PruningOptimizer  # its masks give the channels kept, its cost model the convention
-    model: nn.Module  # trained, masks attached; finish_run leaves it unchanged
-    example: Tensor  # one input, (1, ...), to trace, shrink and export the model with
+    pruned: Pruned  # the trained model shrunk, its plan and the dense architecture (CPU)
+    example: Tensor  # one input, (1, ...), to trace and export the model with
     samples: Tensor  # training inputs, (N, ...): the first 1 and 64 time the latency
     metrics: list[dict[str, Any]]  # the run's metrics log (metrics.jsonl), for the plots
     metric_name: str  # "accuracy" or "mse"
@@ -77,10 +76,10 @@ class RunOutput:
 
 
 def finish_run(config: TrainConfig, run: FinishedRun, out: RunOutput) -> TrainResult:
-    """Shrink ``run.model``, time it against the dense model and, when ``out.write``, export it
-    and write the report and ``result.json``, then print the summary.
+    """Time the shrunk model ``run.pruned.small`` against the dense one and, when ``out.write``,
+    export it and write the report and ``result.json``, then print the summary.
 
-    Changes nothing in ``run``: the shrunk and the dense model are copies. Writes into
+    Changes nothing in ``run``. Writes into
     ``out.export_dir`` (``plan.json``, one file per format of ``config.export_formats`` that
     could be exported and ``data.json``, then the manifest marking the run's set complete)
     and ``out.save_dir`` (``report.md``, plots when matplotlib is installed, ``result.json``);
@@ -95,9 +94,7 @@ def finish_run(config: TrainConfig, run: FinishedRun, out: RunOutput) -> TrainRe
             checkpoint.
         Exception: the ``state_dict`` export failed.
     """
-    dense_model = copy.deepcopy(run.model)
-    remove_masks(dense_model)
-    small = shrink(run.model, run.example)
+    dense_model, small = run.pruned.dense, run.pruned.small
     result = TrainResult(
         dense_metric=run.dense_metric,
         final_metric=run.final_metric,
@@ -167,10 +164,7 @@ def _export(config: TrainConfig, run: FinishedRun, out: RunOutput) -> dict[str, 
     included. A failure leaves the set marked incomplete."""
     exports = out.exports or ExportSet.begin(out.export_dir, str(out.save_dir.resolve()))
     files: dict[str, str] = {}
-    timed = run.popt.cost_model if run.popt.cost_model.latency is not None else None
-    plan = PruningPlan.from_model(  # a latency cost model is reused: no second timing
-        run.model, run.example, run.popt.cost_model.convention, cost_model=timed
-    )
+    plan, small = run.pruned.plan, run.pruned.small
     plan_path = exports.write("plan.json", "the kept channels of each module", plan.save)
     files["plan"] = str(plan_path)
     for fmt in config.export_formats:
@@ -178,7 +172,7 @@ def _export(config: TrainConfig, run: FinishedRun, out: RunOutput) -> dict[str, 
             path = exports.write(
                 default_file_name(fmt),
                 f"the pruned model, {fmt} export",
-                partial(export_model, run.model, example_inputs=run.example, format=fmt),
+                partial(export_model, small, example_inputs=run.example, format=fmt, plan=plan),
             )
             files[fmt] = str(path)
         except ImportError as e:

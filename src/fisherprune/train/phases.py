@@ -3,8 +3,9 @@
     dense_phase      train dense for the burn-in; measure and check the dense model
     pruning_phase    train while the pruner takes a channel every ``pruning_iter`` steps,
                      until the cost target (or the step cap) is reached
-    fine_tune_phase  ``fine_tune_steps`` more steps at the target
-    finish_phase     final eval, then shrink, export and report (``finish.finish_run``)
+    fine_tune_phase  shrink the model in place (``shrunk.shrink_pruned``), then
+                     ``fine_tune_steps`` more steps at the target, on the smaller model
+    finish_phase     final eval, then time, export and report (``finish.finish_run``)
 
 Each phase takes ``train_step``s on a ``Loop`` (everything the steps work on) and picks up
 where a resumed run's ``RunState`` left off; how long each lasts is ``schedule``'s business.
@@ -14,25 +15,19 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from fisherprune._errors import first_line
 from fisherprune.cost.conventions import cost_unit
 from fisherprune.distill import distill_loss, frozen_teacher
 from fisherprune.pruner import PruningOptimizer
-from fisherprune.train.checkpoint import CheckpointManager
-from fisherprune.train.config import TrainConfig
-from fisherprune.train.devices import Precision
 from fisherprune.train.finish import FinishedRun, RunOutput, finish_run
-from fisherprune.train.interrupts import Interrupted, StopGuard
-from fisherprune.train.progress import Progress
+from fisherprune.train.loop import Loop
 from fisherprune.train.result import TrainResult
-from fisherprune.train.schedule import DenseCheck
-from fisherprune.train.state import MetricsLog, RunState
+from fisherprune.train.shrunk import shrink_pruned
 
 __all__ = [
     "Loop",
@@ -42,81 +37,12 @@ __all__ = [
     "finish_phase",
     "kept_channels",
     "pruning_phase",
+    "restore_shrunk",
     "restore_teacher",
     "train_step",
 ]
 
 log = logging.getLogger("fisherprune")
-
-
-@dataclass
-class Loop:
-    """What the phases work on; ``PruningTrainer.run`` makes one per run."""
-
-    config: TrainConfig
-    net: nn.Module  # the trainer's model, in DistributedDataParallel under torchrun
-    popt: PruningOptimizer
-    state: RunState  # advanced by every step, saved in every checkpoint
-    metrics: MetricsLog  # appends to state.metrics
-    ckpts: CheckpointManager
-    progress: Progress
-    precision: Precision
-    burn_in: int  # steps of the dense phase
-    cap: int  # the step count no run goes beyond
-    batch: Callable[[int], tuple[Tensor, Tensor]]  # step -> (inputs, labels) on the device
-    loss: Callable[[Tensor, Tensor], Tensor]  # (outputs, labels) -> loss
-    evaluate: Callable[..., float]  # (limit=None) -> the eval metric of the model as it stands
-    metric_name: str  # "accuracy" or "mse"
-    check_dense: Callable[[float], DenseCheck]  # did the dense model learn?
-    checkpoint: Callable[[], dict[str, Any]]  # what a checkpoint holds now
-    write: bool  # rank 0: writes checkpoints
-    guard: StopGuard  # entered while the phases run: signals, a diverging loss
-    model: nn.Module | None = None  # the trainer's model itself (``net`` may wrap it)
-    teacher: nn.Module | None = None  # the dense model, frozen, with ``distill_alpha`` > 0
-    #: writes the dense model's file (``export_dense``), called once when the dense phase ends
-    save_dense: Callable[[], None] | None = None
-
-    def snapshot(self) -> dict[str, Any]:
-        """What a checkpoint holds now: ``checkpoint()`` and, once it is kept, the teacher's
-        weights (on the CPU), so that a resumed fine-tune still distils."""
-        saved = self.checkpoint()
-        if self.teacher is not None:
-            weights = self.teacher.state_dict().items()
-            saved["teacher"] = {k: v.detach().cpu() for k, v in weights}
-        return saved
-
-    def read_losses(self) -> None:
-        """Read the losses kept on the device (``StopGuard.flush``; every rank calls it at the
-        same step); a stop agreed there stops the run as ``train_step`` does.
-
-        Raises:
-            DivergedError: one of them is NaN or infinite (nothing written).
-            Interrupted: a rank was asked to stop (a checkpoint of the step reached written).
-        """
-        signum = self.guard.flush()
-        if signum:
-            self.stop(signum)
-
-    def stop(self, signum: int) -> NoReturn:
-        """End the run on ``signum``: a checkpoint of the step reached (rank 0, after step 0).
-
-        Raises:
-            Interrupted: always; it names the checkpoint.
-        """
-        saved = self.write and self.state.step > 0
-        path = self.ckpts.save(self.state.step, self.snapshot()) if saved else None
-        raise Interrupted(signum, self.state.step, path)
-
-    def save_checkpoint(self) -> None:
-        """Write a checkpoint of the run as it stands (rank 0 only), once the losses not read
-        yet are read and finite (``read_losses``).
-
-        Raises:
-            DivergedError, Interrupted: as ``read_losses``.
-        """
-        self.read_losses()
-        if self.write:
-            self.ckpts.save(self.state.step, self.snapshot())
 
 
 # ------------------------------------------------------------------------ phases
@@ -180,7 +106,8 @@ def pruning_phase(loop: Loop) -> None:
 
 
 def fine_tune_phase(loop: Loop) -> None:
-    """Once the target is reached, ``fine_tune_steps`` more steps (counted from
+    """Once the target is reached, shrink the model in place (``shrink_for_fine_tune``; not
+    with ``fine_tune_masked``), then ``fine_tune_steps`` more steps (counted from
     ``state.finished_at``, so a resumed run does not start them over), within the step cap.
     Does nothing when the cap came first."""
     state, popt = loop.state, loop.popt
@@ -192,8 +119,52 @@ def fine_tune_phase(loop: Loop) -> None:
             f"step {state.step}: {channels_removed(popt)} channels pruned; fine-tuning for "
             f"{loop.config.fine_tune_steps} steps"
         )
+    if loop.pruned is None and not loop.config.fine_tune_masked:
+        shrink_for_fine_tune(loop)
     while state.step < loop.cap and state.step - state.finished_at < loop.config.fine_tune_steps:
         train_step(loop)
+
+
+def shrink_for_fine_tune(loop: Loop) -> None:
+    """Shrink the trainer's model in place, its optimizer state carried over
+    (``shrink_pruned``), so that the steps after it run at the smaller model's cost, and wrap
+    it again (``loop.wrap``). Sets ``loop.pruned`` and ``loop.net``; prints a line.
+
+    Raises:
+        ValueError, ShrinkError: as ``fisherprune.shrink`` (nothing changed then).
+    """
+    model, example = loop.model, loop.example
+    if model is None or example is None:
+        raise ValueError("shrinking for the fine-tuning needs Loop.model and Loop.example")
+    before = sum(p.numel() for p in model.parameters())
+    loop.pruned = shrink_pruned(model, example, loop.popt, inplace=True)
+    loop.net = loop.wrap(model)
+    after = sum(p.numel() for p in model.parameters())
+    loop.progress.line(
+        f"step {loop.state.step}: shrunk the model in place ({before:,} -> {after:,} "
+        "parameters, optimizer state carried over); it fine-tunes at its smaller cost"
+    )
+
+
+def restore_shrunk(loop: Loop, weights: dict[str, Tensor]) -> None:
+    """On resume from a checkpoint written after the shrink: shrink the rebuilt model, whose
+    masks (and held-back optimizer state) ``popt.load_state_dict`` restored, as the run did
+    (``shrink_for_fine_tune``: ``popt`` loads the optimizer state then), and load the saved
+    shrunk ``weights`` into it.
+
+    Raises:
+        ValueError: the weights do not fit the shrunk model.
+    """
+    shrink_for_fine_tune(loop)
+    assert loop.model is not None  # shrink_for_fine_tune checked it
+    try:
+        loop.model.load_state_dict(weights)
+    except RuntimeError as e:
+        raise ValueError(
+            f"the checkpoint's shrunk weights do not fit the model shrunk by its masks "
+            f"({first_line(e, with_type=False)}); use another --save_dir or the original "
+            "settings"
+        ) from None
 
 
 # ------------------------------------------------------------------------- steps
@@ -329,8 +300,10 @@ def finish_phase(
     loop: Loop, model: nn.Module, example: Tensor, samples: Tensor, out: RunOutput
 ) -> TrainResult:
     """A last checkpoint, the final eval (the ``final`` metrics entry), then ``finish_run``
-    (shrink, time, export, report, summary). Moves ``model`` to the CPU, where the exports
-    and the latency figures are made. Warns when the step cap came before the target."""
+    (time, export, report, summary) on the shrunk model: ``loop.pruned``, or a shrunk copy of
+    ``model`` when it is still masked (the step cap came before the target, or
+    ``fine_tune_masked``). Moves ``model`` to the CPU, where the exports and the latency
+    figures are made. Warns when the step cap came before the target."""
     popt, state, metric = loop.popt, loop.state, loop.metric_name
     warnings: list[str] = []
     if not popt.finished:
@@ -354,10 +327,12 @@ def finish_phase(
             "kept": kept_channels(popt),
         }
     )
+    model, example = model.cpu(), example.cpu()
+    pruned = loop.pruned or shrink_pruned(model, example, popt, inplace=False)
     run = FinishedRun(
         popt=popt,
-        model=model.cpu(),
-        example=example.cpu(),
+        pruned=pruned,
+        example=example,
         samples=samples,
         metrics=state.metrics,
         metric_name=metric,

@@ -27,12 +27,20 @@ def _state_dict_of(path: Path) -> dict[str, Tensor]:
 
     Raises:
         FileNotFoundError: no such file.
-        ValueError: pickled objects, or a file that holds no tensors by name.
+        ValueError: pickled objects, a file that holds no tensors by name, or a checkpoint
+            of a shrunk model.
     """
     if not path.is_file():
         raise FileNotFoundError(f"--init_from {path} does not exist")
     loaded: Any = load_plain(path, "--init_from file", _REMEDY)
     if isinstance(loaded, dict) and isinstance(loaded.get("model"), dict):
+        if loaded.get("pruner", {}).get("shrunk", False):
+            raise ValueError(
+                f"--init_from {path} is a checkpoint written while its run fine-tuned the "
+                "shrunk model: its weights have lost the pruned channels, and --model builds "
+                "the dense one; give a checkpoint written before the fine-tuning, or the "
+                "dense model that run exported (EXPORT_DIR/dense.pt)"
+            )
         loaded = loaded["model"]  # a fisherprune checkpoint
     if not isinstance(loaded, dict) or not all(isinstance(v, Tensor) for v in loaded.values()):
         raise ValueError(

@@ -107,12 +107,18 @@ def resume_state(
     """Load the checkpoint ``saved`` (read from ``path``) into ``model``, ``popt`` and the
     RNGs, and return its run state.
 
+    A checkpoint written after the model was shrunk (``popt.awaiting_shrink`` afterwards)
+    holds the shrunk model's weights: only the masks are restored here (into ``model``'s
+    masks, through ``popt``), and ``saved["model"]`` loads once the model is shrunk again
+    (``phases.restore_shrunk``).
+
     Raises:
         ValueError: the checkpoint was written for another model or other settings.
     """
     try:
-        model.load_state_dict(saved["model"])
         popt.load_state_dict(saved["pruner"])
+        if not popt.awaiting_shrink:
+            model.load_state_dict(saved["model"])
     except (RuntimeError, ValueError, KeyError) as e:
         raise ValueError(
             f"cannot resume from {path}: it was written for a different model or settings "

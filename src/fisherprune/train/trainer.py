@@ -38,6 +38,7 @@ from fisherprune.train.phases import (
     fine_tune_phase,
     finish_phase,
     pruning_phase,
+    restore_shrunk,
     restore_teacher,
 )
 from fisherprune.train.preflight import preflight_lines
@@ -221,7 +222,9 @@ class PruningTrainer:
         the result.
 
         Reads the data and builds the model unless they were given; leaves ``self.model``
-        trained with its masks (on the CPU). On rank 0 it writes under ``config.save_dir``:
+        trained on the CPU: shrunk in place once pruning finished (unless
+        ``config.fine_tune_masked``, or the step cap came first: then with its masks). On
+        rank 0 it writes under ``config.save_dir``:
         checkpoints, ``metrics.jsonl`` (entry by entry, and to the ``config.log`` sinks), and
         at the end the exports, the report and ``result.json``. With ``config.resume`` it goes
         on from the newest checkpoint there.
@@ -263,13 +266,10 @@ class PruningTrainer:
         phases work on. Prints the line that opens the run."""
         cfg = self.config
         popt = self._optimizer()
-        net: nn.Module = self.model
-        if self.world > 1:
-            ids = [self.device.index] if self.device.type == "cuda" else None
-            net = nn.parallel.DistributedDataParallel(self.model, device_ids=ids)
         ckpts = CheckpointManager(self.save_dir / "checkpoints", cfg.keep_checkpoints)
         self._claim(ckpts, popt)
         self._teacher_weights: dict[str, Tensor] | None = None  # set by _resume
+        self._shrunk_weights: dict[str, Tensor] | None = None  # set by _resume
         state = self._resume(ckpts, popt) if cfg.resume else RunState()
         cap = step_cap(cfg, self.burn_in, _prunable_channels(popt))
         self.progress.total = cap
@@ -280,7 +280,7 @@ class PruningTrainer:
         metrics.restart()
         loop = Loop(
             config=cfg,
-            net=net,
+            net=self._wrap(self.model),
             popt=popt,
             state=state,
             metrics=metrics,
@@ -299,9 +299,21 @@ class PruningTrainer:
             guard=StopGuard(cfg.dist_timeout, loss_read_every(self.device)),
             model=self.model,
             save_dense=self._export_dense if cfg.export_dense else None,
+            example=self.example,
+            wrap=self._wrap,
         )
-        restore_teacher(loop, self._teacher_weights)
+        restore_teacher(loop, self._teacher_weights)  # a copy of the masked model: first
+        if self._shrunk_weights is not None:
+            restore_shrunk(loop, self._shrunk_weights)
         return loop
+
+    def _wrap(self, model: nn.Module) -> nn.Module:
+        """What the steps train: ``model`` in DistributedDataParallel under torchrun (built
+        again after the shrink, whose parameters are new objects), else ``model`` itself."""
+        if self.world == 1:
+            return model
+        ids = [self.device.index] if self.device.type == "cuda" else None
+        return nn.parallel.DistributedDataParallel(model, device_ids=ids)
 
     def _export_dense(self) -> None:
         """Write the model as it stands, unpruned, to ``export_dir/DENSE_FILE`` in
@@ -404,6 +416,8 @@ class PruningTrainer:
             self.progress.line(f"--resume: changed {line}")
         state = resume_state(saved, path, self.model, popt)
         self._teacher_weights = saved.get("teacher")
+        if popt.awaiting_shrink:
+            self._shrunk_weights = saved["model"]  # loaded once the model is shrunk again
         self.progress.line(f"resumed from {path} (step {state.step})")
         return state
 
