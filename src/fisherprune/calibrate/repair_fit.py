@@ -180,12 +180,18 @@ class LayerFit:
         return torch.randperm(n, generator=self.generator)[: self.positions]
 
     def current(self) -> Tensor:
-        """The layer's weights as the fit's unknowns: (features, out)."""
-        w = out_in_weight(self.mod).detach().double()
-        cols = w[:, self.kept].reshape(w.shape[0], -1)
+        """The layer's weights as the fit's unknowns: (features, out). Only the kept rows and
+        columns are widened to float64, never the whole weight (an output layer's is the
+        vocabulary times the width)."""
+        w = out_in_weight(self.mod).detach()
+        if self.outputs is not None:
+            w = w[self.outputs]
+        cols = w[:, self.kept].reshape(w.shape[0], -1).double()
         if self.mod.bias is not None:
-            cols = torch.cat([cols, self.mod.bias.detach().double()[:, None]], 1)
-        return cols.T if self.outputs is None else cols[self.outputs].T
+            bias = self.mod.bias.detach()
+            bias = bias if self.outputs is None else bias[self.outputs]
+            cols = torch.cat([cols, bias.double()[:, None]], 1)
+        return cols.T
 
     def _solve(self, a: Tensor, b: Tensor, ridge: float, prior: Tensor) -> Tensor:
         """``(a + lambda I)^-1 (b + lambda prior)`` with ``lambda = ridge * mean diagonal of
