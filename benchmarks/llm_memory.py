@@ -188,14 +188,19 @@ def _table(rows: list[dict[str, Any]]) -> None:
         print(f"{line} {r['peak_over_w']:>6.2f} {r['extra_over_w']:>7.2f}  {peaks}")
 
 
-def _plot(rows: list[dict[str, Any]], path: Path) -> None:
-    """Peak/W and seconds against parameters (tokens fixed) and against tokens (size fixed)."""
+def _cell(r: dict[str, Any]) -> str:
+    return f"{r['family']} {r['size']} {r['dtype']} {r['tokens']}"
+
+
+def _plot(rows: list[dict[str, Any]], baseline: list[dict[str, Any]], path: Path) -> None:
+    """Peak/W and seconds against parameters (tokens fixed) and against tokens (size fixed),
+    and peak/W per cell before (``baseline``) and now."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
     series: dict[tuple[str, str, int], list[dict[str, Any]]] = {}
     by_tokens: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
     for r in rows:
@@ -212,7 +217,8 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> None:
         tx.plot(x, [r["seconds"] for r in rs], "s--", alpha=0.5, label=f"s {label}")
     ax.set(xscale="log", xlabel="parameters (M)", ylabel="peak RSS / weight bytes")
     tx.set(ylabel="seconds (dashed)")
-    ax.legend(fontsize=7, loc="upper left")
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7, loc="upper left")
     ax, tx = axes[1], axes[1].twinx()
     for (family, dtype, size), rs in by_tokens.items():
         if len(rs) < 2:
@@ -224,7 +230,19 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> None:
         tx.plot(x, [r["seconds"] for r in rs], "s--", alpha=0.5, label=f"s {label}")
     ax.set(xscale="log", xlabel="calibration tokens", ylabel="peak RSS / weight bytes")
     tx.set(ylabel="seconds (dashed)")
-    ax.legend(fontsize=7, loc="upper left")
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7, loc="upper left")
+    ax = axes[2]
+    before = {_cell(r): r["peak_over_w"] for r in baseline}
+    cells = [_cell(r) for r in rows]
+    ax.barh([i + 0.2 for i in range(len(cells))], [r["peak_over_w"] for r in rows], 0.4,
+            label="now")  # fmt: skip
+    ax.barh([i - 0.2 for i in range(len(cells))], [before.get(c, 0) for c in cells], 0.4,
+            label="before (baseline)")  # fmt: skip
+    ax.set_yticks(range(len(cells)), cells, fontsize=7)
+    ax.axvline(1.3, color="k", ls=":", lw=1)
+    ax.set(xlabel="peak RSS / weight bytes (dotted: 1.3)")
+    ax.legend(fontsize=7)
     fig.suptitle("apply_masks + prune_to_target('50%'), repair on, label-free (CPU)")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -243,12 +261,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--plot", type=Path, default=DEFAULT_PLOT)
     parser.add_argument("--append", action="store_true", help="add to the rows of --out")
+    parser.add_argument(
+        "--baseline", type=Path, help="a JSON of this script whose rows are kept as 'baseline'"
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
         print(json.dumps(child(json.loads(args.child))))
         return 0
-    rows = json.loads(args.out.read_text())["rows"] if args.append and args.out.exists() else []
+    old = json.loads(args.out.read_text()) if args.append and args.out.exists() else {}
+    rows = old.get("rows", [])
+    baseline = (
+        json.loads(args.baseline.read_text())["rows"] if args.baseline else old.get("baseline", [])
+    )
     for family in args.families.split(","):
         for size in args.sizes.split(","):
             for dtype in args.dtypes.split(","):
@@ -273,9 +298,10 @@ def main(argv: list[str] | None = None) -> int:
             "machine": machine_info(),
             "torch": torch.__version__,
             "rows": rows,
+            "baseline": baseline,
         },
     )
-    _plot(rows, args.plot)
+    _plot(rows, baseline, args.plot)
     return 0
 
 
