@@ -119,3 +119,42 @@ def test_shrink_dry_run_copies_no_weight_and_leaves_a_bf16_model_bitwise_alone()
     assert list(net.parameters()) == params
     assert all(p.dtype == torch.bfloat16 for p in params)
     assert [_bits(p) for p in params] == before
+
+
+def test_ridge_choice_keeps_one_solution_alive_and_chooses_as_before() -> None:
+    """``ridge=None`` tries every ridge of ``RIDGES`` with no earlier solution alive at each
+    solve (an output layer's is the width times the vocabulary), and returns the ridge and
+    solution the rule gives with every solution kept: the largest ridge within
+    ``GAIN_SLACK`` of the best held-out gain, its solution bit for bit."""
+    import weakref
+
+    from fisherprune.calibrate.repair_fit import GAIN_SLACK, RIDGES, Sums, _conservative
+
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(200, 12, generator=g), torch.randn(12, 5, generator=g)
+    y = x @ w + torch.randn(200, 5, generator=g)
+    fit, held = Sums(), Sums()
+    fit.add(x[:150], y[:150])
+    held.add(x[150:], y[150:])
+    alive: list[weakref.ref[Tensor]] = []
+
+    def solve(ridge: float) -> Tensor:
+        assert all(ref() is None for ref in alive)  # _conservative's: no earlier one alive
+        lam = ridge * float(fit.xtx.diagonal().mean())
+        coef = torch.linalg.solve(fit.xtx + lam * torch.eye(12, dtype=torch.float64), fit.xty)
+        alive.append(weakref.ref(coef))
+        return coef
+
+    unrepaired = held.error(torch.zeros(12, 5, dtype=torch.float64))
+    ridge, coef = _conservative(solve, held, unrepaired)
+    assert len(alive) == len(RIDGES) + 1
+    alive.clear()
+    every = []  # the reference: every solution kept (the spy cleared before each solve)
+    for r in RIDGES:
+        every.append((r, solve(r)))
+        alive.clear()
+    errors = [held.error(c) for _, c in every]
+    bar = min(errors) + GAIN_SLACK * max(unrepaired - min(errors), 0.0)
+    want = max((rc for rc, e in zip(every, errors, strict=True) if e <= bar), key=lambda t: t[0])
+    assert ridge == want[0]
+    assert torch.equal(coef, want[1])
