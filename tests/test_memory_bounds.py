@@ -25,7 +25,6 @@ def _mlp(width: int = 48, depth: int = 5) -> nn.Sequential:
 def _weight_copies(model: nn.Module, shapes: set[tuple[int, ...]]) -> int:
     """Live tensors (by storage) shaped like one of ``shapes`` that no parameter of ``model``
     holds now: copies of weights."""
-    gc.collect()  # an earlier test's model, left in a reference cycle, is not counted
     own = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen: set[int] = set()
     for obj in gc.get_objects():
@@ -41,11 +40,12 @@ def _bits(t: Tensor) -> bytes:
 
 
 def test_repair_holds_at_most_one_layers_original_weights_at_a_time() -> None:
-    """While the repair runs (dense and pruned forwards, one stage per pass, over five fitted
+    """While the repair runs (dense and pruned forwards, one stage per pass, over three fitted
     layers), no more than one copy of a fitted layer's weight is alive beside the model when
     the last layer runs, after every other is refitted: the original weights are read back
-    one layer at a time, not held for all fitted layers (four copies alive there)."""
-    net = _mlp()
+    one layer at a time, not held for all fitted layers (three copies alive there)."""
+    gc.collect()  # an earlier test's model, left in a reference cycle, is not counted
+    net = _mlp(depth=4)
     x = torch.randn(64, 8, generator=torch.Generator().manual_seed(1))
     masks = fp.apply_masks(net, x[:1])
     with torch.no_grad():
@@ -64,7 +64,7 @@ def test_repair_holds_at_most_one_layers_original_weights_at_a_time() -> None:
         report = repair_consumers(net, [(x[i : i + 16], None) for i in range(0, 64, 16)], dense)
     finally:
         handle.remove()
-    assert report.passes >= 4  # the later passes run through every earlier refitted layer
+    assert report.passes >= 3  # the later passes run through every earlier refitted layer
     assert len(report.layers) + len(report.skipped) == len(linears) - 1
     assert most[0] == 1
 
@@ -101,6 +101,7 @@ def test_shrink_dry_run_copies_no_weight_and_leaves_a_bf16_model_bitwise_alone()
     """``apply_masks``' dry run of ``shrink`` on a bf16 model (compared in float32, as
     ``shrink`` does) allocates no copy of any weight it does not slice, and the model keeps
     its parameter objects, dtypes and bits."""
+    gc.collect()  # an earlier test's model, left in a reference cycle, is not counted
     net = _mlp(width=40).to(torch.bfloat16)
     x = torch.randn(4, 8).to(torch.bfloat16)
     masks = fp.apply_masks(net, x[:1])
