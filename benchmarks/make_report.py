@@ -1028,6 +1028,9 @@ def build(out: Path, results: Path = RESULTS) -> str:
     half = _load(results / "half_precision.json")
     if half is not None:
         lines += half_precision_section(half)
+    llm_memory = _load(results / "llm_memory.json")
+    if llm_memory is not None:
+        lines += llm_memory_section(llm_memory)
     predicted = _load(results / "latency_prediction.json")
     if predicted is not None:
         lines += latency_prediction_section(predicted)
@@ -1197,6 +1200,39 @@ def half_precision_section(data: dict[str, Any]) -> list[str]:
         "time, and pruning a float32 copy, then casting the result back, is the faster way.",
         "",
     ]
+    return lines
+
+
+def llm_memory_section(data: dict[str, Any]) -> list[str]:
+    """Peak memory over the weights' bytes and seconds per phase of ``apply_masks`` +
+    ``prune_to_target`` on Llama- and Qwen-shaped decoders (issue 33), with the rows of the
+    run before the memory fixes when the JSON holds them (``baseline``)."""
+    lines = [
+        "## Memory of pruning a decoder (`benchmarks/llm_memory.py`)",
+        "",
+        '`fp.apply_masks` then `fp.prune_to_target(..., "50%")` label-free, repair on, every '
+        "other argument at its default, on decoders built from a config with random weights, "
+        "each cell in its own process. W: the parameters' bytes. peak/W: the highest resident "
+        "set of the phases less the one after the imports; extra/W: less the one once the model "
+        "and data are built. Phase peaks (MiB): trace / signals / selection / repair. Seconds "
+        "are wall time on a shared 2-core machine (noisy: compare within a run).",
+        "",
+        "| run | model | dtype | params | W MiB | tokens | seconds | trace | signals | "
+        "selection | repair | peak/W | extra/W | phase peaks MiB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    runs = [("before", r) for r in data.get("baseline", [])] + [("now", r) for r in data["rows"]]
+    for run, r in runs:
+        ph, peaks = r["phase_seconds"], r["phase_peak_mib"]
+        lines.append(
+            f"| {run} | {r['family']} {r['size']} | {r['dtype']} | {r['parameters'] / 1e6:.0f}M "
+            f"| {r['weight_mib']:.0f} | {r['tokens']} | {r['seconds']:.0f} | "
+            + " | ".join(f"{ph.get(k, 0):.0f}" for k in ("trace", "signals", "selection", "repair"))
+            + f" | {r['peak_over_w']:.2f} | {r['extra_over_w']:.2f} | "
+            + " / ".join(str(peaks[k]) for k in ("trace", "signals", "selection", "repair"))
+            + " |"
+        )
+    lines += ["", "![peak memory and time](llm_memory.png)", ""]
     return lines
 
 

@@ -23,8 +23,9 @@ one stage (``calibrate.repair_plan``).
 
 Passes: the stages are split, in forward order, into ``passes`` groups of consecutive stages
 (near-equal counts). A group costs one pass over the fitting batches, two forwards per batch
-cut short after the group's last layer: the dense one (the masks set to ``dense_masks``, the
-original weights swapped in by ``torch.func.functional_call``) gives the targets, the pruned
+cut short after the group's last layer: the dense one (the masks set to ``dense_masks``, each
+fitted layer's original weights read back from disk for its own call: ``repair_store``, so
+that no second copy of the fitted weights stays in memory) gives the targets, the pruned
 one the inputs, of every layer of the group at once. So each layer is fitted on the pruned
 model as repaired by the EARLIER groups; within its group the layers before it are not yet
 refitted. A pass reaching depth ``d`` of the network costs ``2 d`` forwards of the fitting
@@ -65,7 +66,6 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.func import functional_call
 from torch.utils._pytree import tree_flatten
 
 from fisherprune.calibrate.repair_fit import LayerFit, widened
@@ -79,6 +79,7 @@ from fisherprune.calibrate.repair_plan import (
 )
 from fisherprune.calibrate.repair_residual import ResidualWatch
 from fisherprune.calibrate.repair_rows import REPAIRABLE
+from fisherprune.calibrate.repair_store import LayerStore
 from fisherprune.inputs import as_pair, batch_size, call_model
 from fisherprune.masks import MaskLayer
 from fisherprune.masks.points import no_fold
@@ -86,6 +87,9 @@ from fisherprune.modes import eval_mode
 from fisherprune.settings import check_int
 
 __all__ = ["MIN_PASSES", "REPAIRABLE", "RepairReport", "check_passes", "repair_consumers"]
+
+#: the ``LayerStore`` keys of the fitted layers' original weights and of a group's refits
+ORIGINAL, REFITTED = "original", "refitted"
 
 #: the fewest passes (groups of stages) a ``budget`` groups the stages into before it cuts
 #: the examples read
@@ -292,10 +296,12 @@ def repair_consumers(
     report.examples = sum(batch_size(inputs) for inputs, _ in data)
     fitting, held = _split(data, holdout)
     chosen = {n: m.mask.detach().clone() for n, m in masks.items()}
-    originals = _params(list(fits), fits)
+    layers = {n: fit.mod for n, fit in fits.items()}
+    store = LayerStore()  # the original weights, on disk: read back one layer at a time
 
     def dense(*args: Any, **kwargs: Any) -> Any:
-        return functional_call(model, originals, args, kwargs)
+        with store.swapped(ORIGINAL, layers):
+            return model(*args, **kwargs)
 
     def set_masks(values: dict[str, Tensor]) -> None:
         for n, m in masks.items():
@@ -331,8 +337,9 @@ def repair_consumers(
         )
         return sq / max(norm, 1e-300)
 
-    with eval_mode(model), torch.no_grad(), no_fold(model):
+    with eval_mode(model), torch.no_grad(), no_fold(model), store:
         try:
+            store.put(ORIGINAL, layers)
             set_masks(dense_masks)
             references = [_outputs(dense, inputs) for inputs, _ in held]
             finite = [all(bool(t.isfinite().all()) for t in ref) for ref in references]
@@ -348,7 +355,7 @@ def repair_consumers(
                     _solve(name, fits[name], ridge, rows_per_weight, report)
                 report.passes += 1
                 if held:
-                    best = _guard(group, fits, originals, report, held_error, best)
+                    best = _guard(group, layers, store, report, held_error, best)
             report.held_out = (start, best) if held else None
         finally:
             set_masks(chosen)
@@ -395,49 +402,33 @@ def _fit_group(
 
 def _guard(
     group: list[list[str]],
-    fits: dict[str, LayerFit],
-    originals: dict[str, Tensor],
+    layers: dict[str, nn.Module],
+    store: LayerStore,
     report: RepairReport,
     held_error: Callable[[], float],
     best: float,
 ) -> float:
     """Keep the group's refits if they lower the held-out error below ``best``; else put its
     stages back one at a time, in forward order, each kept only if it lowers the error.
-    Returns the held-out error of what is kept. Changes: the weights of undone layers."""
+    Returns the held-out error of what is kept. Changes: the weights of undone layers (read
+    back from ``store``, where a group of several stages also leaves its refits)."""
     error = held_error()
     if error < best:
         return error
     if len(group) == 1:
-        _undo(group[0], fits, originals, report, f"{best:.4g} -> {error:.4g}")
+        _undo(group[0], layers, store, report, f"{best:.4g} -> {error:.4g}")
         return best
-    refitted = _params([n for st in group for n in st], fits)
+    store.put(REFITTED, {n: layers[n] for st in group for n in st})
     for stage in group:
-        _load(stage, fits, originals)
+        store.load(ORIGINAL, {n: layers[n] for n in stage})
     for stage in group:
-        _load(stage, fits, refitted)
+        store.load(REFITTED, {n: layers[n] for n in stage})
         error = held_error()
         if error < best:
             best = error
         else:
-            _undo(stage, fits, originals, report, f"{best:.4g} -> {error:.4g}")
+            _undo(stage, layers, store, report, f"{best:.4g} -> {error:.4g}")
     return best
-
-
-def _params(names: list[str], fits: dict[str, LayerFit]) -> dict[str, Tensor]:
-    """Copies of the layers' own parameters, by full name (as ``originals`` has them)."""
-    return {
-        f"{'' if name == '<model>' else name + '.'}{k}": p.detach().clone()
-        for name in names
-        for k, p in fits[name].mod.named_parameters(recurse=False)
-    }
-
-
-def _load(stage: list[str], fits: dict[str, LayerFit], values: dict[str, Tensor]) -> None:
-    """Copy ``values`` (by full name) into the stage's layers' parameters."""
-    for name in stage:
-        prefix = "" if name == "<model>" else name + "."
-        for k, p in fits[name].mod.named_parameters(recurse=False):
-            p.copy_(values[prefix + k])
 
 
 def _solve(
@@ -457,13 +448,13 @@ def _solve(
 
 def _undo(
     stage: list[str],
-    fits: dict[str, LayerFit],
-    originals: dict[str, Tensor],
+    layers: dict[str, nn.Module],
+    store: LayerStore,
     report: RepairReport,
     change: str,
 ) -> None:
     """Give a stage's layers their original weights back and report them as skipped."""
-    _load(stage, fits, originals)
+    store.load(ORIGINAL, {n: layers[n] for n in stage})
     for name in stage:
         if name in report.layers:
             del report.layers[name], report.modes[name], report.ridges[name]

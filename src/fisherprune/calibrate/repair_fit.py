@@ -17,8 +17,10 @@ unrepaired layer rather than towards 0:
 
 The ridge: a given value, or (``ridge=None``) the value of ``RIDGES`` whose solution has the
 least error on the held-out rows, as ordinary cross-validation picks it (one solve per value,
-no more data). On MiniLM a fixed small ridge overfits the calibration text: the held-out rows
-choose 0.1-1, and the embeddings of other text come out closer to the dense ones.
+and the chosen one's again rather than every solution kept: an output layer's is the width
+times the vocabulary; no more data). On MiniLM a fixed small ridge overfits the calibration
+text: the held-out rows choose 0.1-1, and the embeddings of other text come out closer to the
+dense ones.
 """
 
 from __future__ import annotations
@@ -180,12 +182,18 @@ class LayerFit:
         return torch.randperm(n, generator=self.generator)[: self.positions]
 
     def current(self) -> Tensor:
-        """The layer's weights as the fit's unknowns: (features, out)."""
-        w = out_in_weight(self.mod).detach().double()
-        cols = w[:, self.kept].reshape(w.shape[0], -1)
+        """The layer's weights as the fit's unknowns: (features, out). Only the kept rows and
+        columns are widened to float64, never the whole weight (an output layer's is the
+        vocabulary times the width)."""
+        w = out_in_weight(self.mod).detach()
+        if self.outputs is not None:
+            w = w[self.outputs]
+        cols = w[:, self.kept].reshape(w.shape[0], -1).double()
         if self.mod.bias is not None:
-            cols = torch.cat([cols, self.mod.bias.detach().double()[:, None]], 1)
-        return cols.T if self.outputs is None else cols[self.outputs].T
+            bias = self.mod.bias.detach()
+            bias = bias if self.outputs is None else bias[self.outputs]
+            cols = torch.cat([cols, bias.double()[:, None]], 1)
+        return cols.T
 
     def _solve(self, a: Tensor, b: Tensor, ridge: float, prior: Tensor) -> Tensor:
         """``(a + lambda I)^-1 (b + lambda prior)`` with ``lambda = ridge * mean diagonal of
@@ -273,8 +281,8 @@ def _conservative(
     the one-standard-error rule of cross-validation in spirit, since a layer's held-out rows
     come from the calibration text while the model meets other text, where the fit's
     compensation for removed channels transfers less well the further it moves the weights."""
-    fits = [(r, solve(r)) for r in RIDGES]
-    errors = [held.error(c) for _, c in fits]
+    errors = [held.error(solve(r)) for r in RIDGES]  # one solution alive at a time
     best = min(errors)
     bar = best + GAIN_SLACK * max(unrepaired - best, 0.0)
-    return max((rc for rc, e in zip(fits, errors, strict=True) if e <= bar), key=lambda rc: rc[0])
+    ridge = max(r for r, e in zip(RIDGES, errors, strict=True) if e <= bar)
+    return ridge, solve(ridge)  # solved again rather than six (features x outputs) kept

@@ -401,6 +401,12 @@ def prune_to_target(
     ``recalibrate_norms``, then put back, also when the call raises), ``.grad`` and
     train/eval flags come back as they were.
 
+    Memory, besides the model: one calibration batch's activations, forward and backward
+    (pass small batches to bound it: the signals are per example, whatever the batching), no
+    weight gradient (parameters are frozen while signals are collected), and in the repair
+    one stage's least-squares sums and one layer's original weights at a time (the others wait
+    in a temporary folder, ``TMPDIR``: about the fitted layers' bytes on disk).
+
     Args:
         model: a trained network.
         example_inputs: inputs to trace it with (a tensor, tuple or dict; a batch of one does).

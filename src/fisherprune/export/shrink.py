@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -17,7 +19,7 @@ from fisherprune.masks import MaskLayer
 from fisherprune.masks.points import find_holder, no_fold, remembered_inputs
 from fisherprune.tolerance import output_rtol
 
-__all__ = ["ShrinkError", "shrink"]
+__all__ = ["ShrinkError", "shrink", "shrink_dry_run"]
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -79,15 +81,47 @@ def shrink(
         ref = _comparable_outputs(model, example_inputs) if check else None
     n_before = sum(p.numel() for p in model.parameters())  # masks hold buffers, not parameters
     target = model if inplace else copy.deepcopy(model)
+    _apply_and_check(target, plan, carry, optimizer, example_inputs, ref, n_before)
+    return target
+
+
+def shrink_dry_run(model: nn.Module, example_inputs: Any = None) -> None:
+    """``shrink(model, example_inputs)`` with its checks, on a copy that shares every tensor
+    with ``model`` and is thrown away: the plan replaces the tensors it slices (new objects)
+    and changes none in place, so no weight is copied whole (a decoder's weights would
+    otherwise be held twice while ``apply_masks`` tries its groups). ``model`` is unchanged.
+
+    Raises:
+        as ``shrink``.
+    """
+    example_inputs = remembered_inputs(model, example_inputs)
+    plan = PruningPlan.from_model(model, example_inputs)
+    with no_fold(model):
+        ref = _comparable_outputs(model, example_inputs)
+    n_before = sum(p.numel() for p in model.parameters())
+    shared = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+    _apply_and_check(copy.deepcopy(model, shared), plan, None, None, example_inputs, ref, n_before)
+
+
+def _apply_and_check(
+    target: nn.Module,
+    plan: PruningPlan,
+    carry: OptimizerCarry | None,
+    optimizer: Any,
+    example_inputs: Any,
+    ref: list[Tensor] | None,
+    n_before: int,
+) -> None:
+    """Apply ``plan`` to ``target`` (carrying ``optimizer`` over), then check it unless
+    ``ref`` is None (``shrink``'s ``check=False``)."""
     plan.apply(target)
     if carry is not None:  # before the check: a failed check leaves the two consistent
         carry.apply(target)
         mark = getattr(optimizer, "mark_shrunk", None)
         if mark is not None:
             mark()
-    if check:
+    if ref is not None:
         _check(target, example_inputs, ref, n_before, list(plan.modules))
-    return target
 
 
 def _check_carry(optimizer: Any, inplace: bool) -> None:
@@ -159,11 +193,31 @@ def _comparable_outputs(model: nn.Module, example_inputs: Any) -> list[Tensor]:
     would be refused for rounding, not for a wrong plan (issue 36)."""
     if not _half_precision(model):
         return eval_outputs(model, example_inputs)
-    wide = copy.deepcopy(model).float()
     inputs = Inputs.of(example_inputs).map_leaves(
         lambda x, _b: x.float() if isinstance(x, Tensor) and x.dtype in _HALF else x
     )
-    return eval_outputs(wide, inputs.value())
+    with _widened(model):
+        return eval_outputs(model, inputs.value())
+
+
+@contextmanager
+def _widened(model: nn.Module) -> Iterator[None]:
+    """``model``'s fp16 / bf16 parameters and buffers hold float32 values for the block, in
+    place (the same ``Parameter`` objects), and their own dtype again after it: exact, since
+    float32 holds every half-precision value. In place rather than on a widened copy, which
+    would hold the weights three times over (the model, and the copy at twice the bytes)."""
+    half = [t for t in {id(t): t for t in [*model.parameters(), *model.buffers()]}.values()
+            if t.dtype in _HALF]  # fmt: skip
+    dtypes = [t.dtype for t in half]
+    try:
+        with torch.no_grad():
+            for t in half:
+                t.data = t.data.float()
+        yield
+    finally:
+        with torch.no_grad():
+            for t, dtype in zip(half, dtypes, strict=True):
+                t.data = t.data.to(dtype)
 
 
 def _unruled(small: nn.Module, sliced: list[str]) -> str:

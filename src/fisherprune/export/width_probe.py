@@ -17,7 +17,7 @@ from typing import Any
 from torch import nn
 
 from fisherprune._errors import first_line
-from fisherprune.export.shrink import shrink
+from fisherprune.export.shrink import shrink_dry_run
 from fisherprune.graph.placement import register_group_trial
 
 __all__ = ["shrink_problem"]
@@ -27,11 +27,11 @@ def shrink_problem(model: nn.Module, example_inputs: Any) -> str | None:
     """Why ``shrink`` fails on the model as its masks now stand: the plan (with its cost)
     cannot be made, the shrunk copy does not run, or it does not give the masked model's
     outputs, or the model cannot be copied; None if it works. The model is left as it was
-    (``shrink`` works on a copy)."""
+    (the dry run works on a copy sharing its tensors)."""
     try:
         with warnings.catch_warnings():  # a config that cannot follow one channel is no problem
             warnings.simplefilter("ignore")
-            shrink(model, example_inputs)
+            shrink_dry_run(model, example_inputs)
     except Exception as e:  # any failure is the reason these channels are not offered
         return (
             f"shrinking the model with one of these channels removed fails ({first_line(e)}): "

@@ -1,0 +1,162 @@
+"""What ``prune_to_target`` holds in memory beside the model (issue 33, point 1), stated so
+that no machine's allocator enters: which tensors are alive (by storage, through ``gc``) when
+each layer runs, and whether weights require grad while signals are collected."""
+
+from __future__ import annotations
+
+import gc
+
+import torch
+from torch import Tensor, nn
+
+import fisherprune as fp
+from fisherprune.calibrate import repair_consumers
+from fisherprune.export.shrink import shrink_dry_run
+
+
+def _mlp(width: int = 48, depth: int = 5) -> nn.Sequential:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = [nn.Linear(8, width), nn.ReLU()]
+    for _ in range(depth - 2):
+        layers += [nn.Linear(width, width), nn.ReLU()]
+    return nn.Sequential(*layers, nn.Linear(width, 3)).eval()
+
+
+def _weight_copies(model: nn.Module, shapes: set[tuple[int, ...]]) -> int:
+    """Live tensors (by storage) shaped like one of ``shapes`` that no parameter of ``model``
+    holds now: copies of weights."""
+    own = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: set[int] = set()
+    for obj in gc.get_objects():
+        if type(obj) in (Tensor, nn.Parameter) and tuple(obj.shape) in shapes:
+            ptr = obj.untyped_storage().data_ptr()
+            if ptr not in own:
+                seen.add(ptr)
+    return len(seen)
+
+
+def _bits(t: Tensor) -> bytes:
+    return t.detach().contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def test_repair_holds_at_most_one_layers_original_weights_at_a_time() -> None:
+    """While the repair runs (dense and pruned forwards, one stage per pass, over three fitted
+    layers), no more than one copy of a fitted layer's weight is alive beside the model when
+    the last layer runs, after every other is refitted: the original weights are read back
+    one layer at a time, not held for all fitted layers (three copies alive there)."""
+    gc.collect()  # an earlier test's model, left in a reference cycle, is not counted
+    net = _mlp(depth=4)
+    x = torch.randn(64, 8, generator=torch.Generator().manual_seed(1))
+    masks = fp.apply_masks(net, x[:1])
+    with torch.no_grad():
+        for m in masks.values():
+            m.mask[: m.num_channels // 2] = 0.0
+    dense = {n: torch.ones_like(m.mask) for n, m in masks.items()}
+    linears = [m for m in net if isinstance(m, nn.Linear)]
+    shapes = {tuple(m.weight.shape) for m in linears[1:]}
+    most = [0]
+
+    def spy(*_: object) -> None:
+        most[0] = max(most[0], _weight_copies(net, shapes))
+
+    handle = linears[-1].register_forward_hook(spy)  # where the most layers are refitted
+    try:
+        report = repair_consumers(net, [(x[i : i + 16], None) for i in range(0, 64, 16)], dense)
+    finally:
+        handle.remove()
+    assert report.passes >= 3  # the later passes run through every earlier refitted layer
+    assert len(report.layers) + len(report.skipped) == len(linears) - 1
+    assert most[0] == 1
+
+
+def test_no_weight_requires_grad_while_signals_are_collected() -> None:
+    """Every forward of the signal passes runs with no parameter requiring grad (autograd
+    records no weight gradient and keeps no graph for one), yet the masks get their signals;
+    the flags come back afterwards."""
+    net = _mlp()
+    x = torch.randn(32, 8, generator=torch.Generator().manual_seed(1))
+    y = torch.randint(0, 3, (32,), generator=torch.Generator().manual_seed(2))
+    fp.apply_masks(net, x[:1])
+    flags: list[bool] = []  # per forward with autograd on: does any weight require grad?
+
+    def spy(mod: nn.Module, _: object) -> None:
+        if torch.is_grad_enabled():
+            flags.append(any(p.requires_grad for p in mod.parameters()))
+
+    handle = net.register_forward_pre_hook(spy)
+    try:
+        fp.prune_to_target(
+            net, x[:1], [(x[:16], y[:16]), (x[16:], y[16:])], "60%",
+            loss_fn=nn.functional.cross_entropy, reconstruct=False,
+        )  # fmt: skip
+    finally:
+        handle.remove()
+    assert len(flags) >= 2  # at least one round over the two batches
+    assert not any(flags)
+    assert all(p.requires_grad for p in net.parameters())
+    assert all(p.grad is None for p in net.parameters())
+
+
+def test_shrink_dry_run_copies_no_weight_and_leaves_a_bf16_model_bitwise_alone() -> None:
+    """``apply_masks``' dry run of ``shrink`` on a bf16 model (compared in float32, as
+    ``shrink`` does) allocates no copy of any weight it does not slice, and the model keeps
+    its parameter objects, dtypes and bits."""
+    gc.collect()  # an earlier test's model, left in a reference cycle, is not counted
+    net = _mlp(width=40).to(torch.bfloat16)
+    x = torch.randn(4, 8).to(torch.bfloat16)
+    masks = fp.apply_masks(net, x[:1])
+    with torch.no_grad():
+        masks[next(iter(masks))].mask[:4] = 0.0
+    params = list(net.parameters())
+    before = [_bits(p) for p in params]  # not tensors: no weight copy to count
+    # the 40 x 40 weights: one mask slices at most two of the three, so one is shared
+    shapes = {(40, 40)}
+    counts: list[int] = []
+    handle = net[0].register_forward_hook(lambda *_: counts.append(_weight_copies(net, shapes)))
+    try:
+        shrink_dry_run(net, x)
+    finally:
+        handle.remove()
+    assert counts and max(counts) == 0
+    assert list(net.parameters()) == params
+    assert all(p.dtype == torch.bfloat16 for p in params)
+    assert [_bits(p) for p in params] == before
+
+
+def test_ridge_choice_keeps_one_solution_alive_and_chooses_as_before() -> None:
+    """``ridge=None`` tries every ridge of ``RIDGES`` with no earlier solution alive at each
+    solve (an output layer's is the width times the vocabulary), and returns the ridge and
+    solution the rule gives with every solution kept: the largest ridge within
+    ``GAIN_SLACK`` of the best held-out gain, its solution bit for bit."""
+    import weakref
+
+    from fisherprune.calibrate.repair_fit import GAIN_SLACK, RIDGES, Sums, _conservative
+
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(200, 12, generator=g), torch.randn(12, 5, generator=g)
+    y = x @ w + torch.randn(200, 5, generator=g)
+    fit, held = Sums(), Sums()
+    fit.add(x[:150], y[:150])
+    held.add(x[150:], y[150:])
+    alive: list[weakref.ref[Tensor]] = []
+
+    def solve(ridge: float) -> Tensor:
+        assert all(ref() is None for ref in alive)  # _conservative's: no earlier one alive
+        lam = ridge * float(fit.xtx.diagonal().mean())
+        coef = torch.linalg.solve(fit.xtx + lam * torch.eye(12, dtype=torch.float64), fit.xty)
+        alive.append(weakref.ref(coef))
+        return coef
+
+    unrepaired = held.error(torch.zeros(12, 5, dtype=torch.float64))
+    ridge, coef = _conservative(solve, held, unrepaired)
+    assert len(alive) == len(RIDGES) + 1
+    alive.clear()
+    every = []  # the reference: every solution kept (the spy cleared before each solve)
+    for r in RIDGES:
+        every.append((r, solve(r)))
+        alive.clear()
+    errors = [held.error(c) for _, c in every]
+    bar = min(errors) + GAIN_SLACK * max(unrepaired - min(errors), 0.0)
+    want = max((rc for rc, e in zip(every, errors, strict=True) if e <= bar), key=lambda t: t[0])
+    assert ridge == want[0]
+    assert torch.equal(coef, want[1])
