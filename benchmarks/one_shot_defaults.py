@@ -27,7 +27,9 @@ default: ``rounds="auto", round_cap=0.25``), ``fisher_one_scoring`` (``rounds=1,
 round_cap=1``: the defaults before issue 31), ``fisher_cap_only`` (``rounds=1,
 round_cap=0.5``), ``fisher_cap50`` (``round_cap=0.5``), ``fisher_cap10`` (``round_cap=0.1``),
 ``fisher_cap_pace`` and ``taylor_cap_pace`` (``round_cap=1 - sqrt(ROUND_RATIO)``, 0.106: the
-pace of thinning every mask alike to one goal), ``fisher_rounds_only`` (``round_cap=1``),
+pace of thinning every mask alike to one goal), ``fisher_rescore`` (``rescore_at_cap=True``:
+a round ends when its first mask reaches the cap, the signals re-measured before the next),
+``fisher_rounds_only`` (``round_cap=1``),
 ``fisher_rounds8`` (``rounds=8, round_cap=1``), ``fisher_root`` (the defaults with the Fisher
 signal's square root as importance: ``RootFisher``), ``fisher_no_norms``
 (``recalibrate_norms=False``: every round's signals measured with the dense batch-norm
@@ -36,7 +38,8 @@ labels sampled from the model, not the data's), ``optimizer_one_shot`` (``Prunin
 with ``lr=0``, one prune per calibration batch, then the same repair: ``optimizer_cell``), and
 ``l1``,
 ``taylor``, ``random`` at the defaults. Each cell records test accuracy, the channels kept per
-mask, the smallest kept fraction, the rounds run and its wall time.
+mask, the smallest kept fraction, the rounds run and its wall time, and (image and table rows)
+the test rows it gets wrong and its test cross-entropy, for paired comparisons.
 
 ``python benchmarks/one_shot_defaults.py [--quick] [--seeds 3] [--nets ...]`` writes
 ``benchmarks/results/one_shot_defaults.json`` (``_quick`` with ``--quick``: one seed, 50%
