@@ -27,7 +27,9 @@ default: ``rounds="auto", round_cap=0.25``), ``fisher_one_scoring`` (``rounds=1,
 round_cap=1``: the defaults before issue 31), ``fisher_cap_only`` (``rounds=1,
 round_cap=0.5``), ``fisher_cap50`` (``round_cap=0.5``), ``fisher_cap10`` (``round_cap=0.1``),
 ``fisher_cap_pace`` and ``taylor_cap_pace`` (``round_cap=1 - sqrt(ROUND_RATIO)``, 0.106: the
-pace of thinning every mask alike to one goal), ``fisher_rounds_only`` (``round_cap=1``),
+pace of thinning every mask alike to one goal), ``fisher_rescore`` (``rescore_at_cap=True``:
+a round ends when its first mask reaches the cap, the signals re-measured before the next),
+``fisher_rounds_only`` (``round_cap=1``),
 ``fisher_rounds8`` (``rounds=8, round_cap=1``), ``fisher_root`` (the defaults with the Fisher
 signal's square root as importance: ``RootFisher``), ``fisher_no_norms``
 (``recalibrate_norms=False``: every round's signals measured with the dense batch-norm
@@ -36,7 +38,8 @@ labels sampled from the model, not the data's), ``optimizer_one_shot`` (``Prunin
 with ``lr=0``, one prune per calibration batch, then the same repair: ``optimizer_cell``), and
 ``l1``,
 ``taylor``, ``random`` at the defaults. Each cell records test accuracy, the channels kept per
-mask, the smallest kept fraction, the rounds run and its wall time.
+mask, the smallest kept fraction, the rounds run and its wall time, and (image and table rows)
+the test rows it gets wrong and its test cross-entropy, for paired comparisons.
 
 ``python benchmarks/one_shot_defaults.py [--quick] [--seeds 3] [--nets ...]`` writes
 ``benchmarks/results/one_shot_defaults.json`` (``_quick`` with ``--quick``: one seed, 50%
@@ -280,6 +283,16 @@ def accuracy(model: nn.Module, split: Split) -> float:
     return float((model(split.x_test).argmax(1) == split.y_test).double().mean())
 
 
+@torch.no_grad()
+def test_errors(model: nn.Module, split: Split) -> dict[str, Any]:
+    """The test rows ``model`` gets wrong (their indices: two models' rows compared side by
+    side give the paired noise of ``_paired``) and its mean test cross-entropy."""
+    model.eval()
+    logits = model(split.x_test)
+    wrong = torch.nonzero(logits.argmax(1) != split.y_test).flatten()
+    return {"wrong": wrong.tolist(), "test_loss": float(F.cross_entropy(logits, split.y_test))}
+
+
 # ------------------------------------------------------------------------------ methods
 class RootFisher(Fisher):
     """The Fisher signal's square root (the root-mean-square mask gradient) as importance:
@@ -303,6 +316,7 @@ METHODS: dict[str, Callable[[int], dict[str, Any]]] = {
     "fisher_cap50": lambda seed: {"round_cap": 0.5},
     "fisher_cap10": lambda seed: {"round_cap": 0.1},
     "fisher_cap_pace": lambda seed: dict(PACE),
+    "fisher_rescore": lambda seed: {"rescore_at_cap": True},
     "fisher_rounds_only": lambda seed: {"round_cap": 1.0},
     "fisher_rounds8": lambda seed: {"rounds": 8, "round_cap": 1.0},
     "fisher_root": lambda seed: {"criterion": RootFisher()},
@@ -321,6 +335,7 @@ RIVALS = ("fisher", "l1", "taylor", "random")
 TEXT_METHODS = (
     "fisher",
     "fisher_cap_pace",
+    "fisher_rescore",
     "fisher_root",
     "l1",
     "taylor",
@@ -392,6 +407,7 @@ def cell(
         "quality": acc,
         "metric": ACCURACY,
         "higher_is_better": True,
+        **test_errors(model, split),
         **result_fields(result, caught),
     }
 
@@ -460,19 +476,51 @@ def summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "rounds": statistics.mean(r["rounds"] for r in rs),
                 "seconds": statistics.mean(r["seconds"] for r in rs),
                 "seeds": len(rs),
+                **_errors(rs),
             }
         )
     return out
 
 
+def _errors(rs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The mean test cross-entropy and each seed's wrong test rows of a cell's ``rs``, when
+    every row has them (rows measured before they were recorded have not)."""
+    if not all("wrong" in r for r in rs):
+        return {}
+    return {
+        "test_loss": statistics.mean(r["test_loss"] for r in rs),
+        "wrong": {str(r["seed"]): r["wrong"] for r in rs},
+    }
+
+
+def _paired(f: dict[str, Any], other: dict[str, Any]) -> str:
+    """``f`` against ``other`` on the same test rows, seed by seed (McNemar): the mean
+    difference in rows right, its standard error ``sqrt(discordant) / seeds`` (the rows
+    one gets right and the other wrong, summed over the seeds), and both test losses. Empty
+    when a cell lacks the wrong rows."""
+    seeds = sorted(set(f.get("wrong", {})) & set(other.get("wrong", {})))
+    if not seeds:
+        return ""
+    wf, wo = ([set(c["wrong"][s]) for s in seeds] for c in (f, other))
+    gain = statistics.mean(len(b) - len(a) for a, b in zip(wf, wo, strict=True))
+    discordant = sum(len(a ^ b) for a, b in zip(wf, wo, strict=True))
+    return (
+        f" [paired on {len(seeds)} seed(s): {gain:+.2f} of {f['test_examples']} rows right, "
+        f"se {discordant**0.5 / len(seeds):.2f}; test loss {f['test_loss']:.4f} vs "
+        f"{other['test_loss']:.4f}]"
+    )
+
+
 def verdicts(cells: list[dict[str, Any]]) -> list[str]:
     """Per (net, target): is ``fisher`` first or within noise of the first of ``RIVALS``, and
-    ahead of ``random``? Noise: the larger of the two seed sds and, for test accuracy, the test
-    set's binomial standard error at the best mean (one seed's sd is 0; 539 test rows give
-    0.008 at 0.96, 171 give 0.013 at 0.97). "First" follows the metric's direction
-    (perplexity: the lowest). Fisher's ablations (``fisher_*``, ``optimizer_one_shot``) are
-    not rivals: the best of them is named after the verdict when it beats ``fisher`` by more
-    than that noise."""
+    ahead of ``random`` (or, when not, behind it by no more than the noise)? Noise: the larger
+    of the two seed sds and, for test accuracy, the test set's binomial standard error at the
+    best mean (one seed's sd is 0; 539 test rows give 0.008 at 0.96, 171 give 0.013 at 0.97).
+    "First" follows the metric's direction (perplexity: the lowest). When the cells carry
+    their wrong test rows, the comparison with random is also given paired, seed by seed
+    (``_paired``). Fisher's ablations (``fisher_*``, ``optimizer_one_shot``) are not rivals:
+    the best of them is named after the verdict when it beats ``fisher`` by more than that
+    noise."""
     rows: dict[tuple[str, float], dict[str, dict[str, Any]]] = {}
     for c in cells:
         rows.setdefault((c["net"], c["target"]), {})[c["method"]] = c
@@ -485,12 +533,19 @@ def verdicts(cells: list[dict[str, Any]]) -> list[str]:
         sign = 1 if f.get("higher_is_better", True) else -1
         best = max(by.values(), key=lambda c: sign * c["mean"])
         near = sign * (f["mean"] - best["mean"]) + _noise(f, best) >= 0
-        ahead = "random" not in by or sign * (f["mean"] - by["random"]["mean"]) > 0
         line = (
             f"{net} at {target:.0%}: fisher {f['mean']:.4g}, best {best['method']} "
             f"{best['mean']:.4g}: {'first' if best is f else 'within noise' if near else 'BEHIND'}"
-            f"; {'ahead of' if ahead else 'NOT ahead of'} random"
         )
+        if "random" in by:
+            rnd = by["random"]
+            gap = sign * (f["mean"] - rnd["mean"])
+            line += (
+                "; ahead of random" if gap > 0 else
+                f"; NOT ahead of random ({rnd['mean']:.4g}), "
+                f"{'within noise' if gap + _noise(f, rnd) >= 0 else 'BEHIND by more than noise'}"
+                f"{_paired(f, rnd)}"
+            )  # fmt: skip
         ablation = max(every.values(), key=lambda c: sign * c["mean"])
         if sign * (ablation["mean"] - f["mean"]) > _noise(f, ablation):
             line += f" (ablation {ablation['method']} {ablation['mean']:.4g} is ahead of fisher)"

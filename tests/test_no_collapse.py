@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import inspect
 import json
+import math
 import warnings
 from pathlib import Path
 
@@ -122,10 +123,35 @@ def test_no_round_removes_more_than_the_cap(trained: nn.Module, kw: dict) -> Non
     assert result.cost_after <= result.target
 
 
+def test_rescore_at_cap_ends_the_round_at_the_first_mask_capped(trained: nn.Module) -> None:
+    """With ``rescore_at_cap=True``, replaying the events round by round: at most one mask
+    reaches its cap (``ceil((1 - round_cap) * kept)`` channels left) in a round, and when
+    one does, the round's last removal is from it; so the signals are re-estimated right
+    after, and more rounds run than without (the target is still met)."""
+    net = copy.deepcopy(trained)
+    result, _ = _prune(net, reconstruct=False, rescore_at_cap=True)
+    plain, _ = _prune(copy.deepcopy(trained), reconstruct=False)
+    kept = {n: w for n, (_, w) in result.kept.items()}
+    capped_rounds = 0
+    for r in range(1, result.rounds + 1):
+        events = [e for e in result.events if e.step == r]
+        least = {n: min(math.ceil(k * (1 - ROUND_CAP) - 1e-9), k - 1) for n, k in kept.items()}
+        for e in events:
+            kept[e.mask] -= len(e.channels)
+        capped = [n for n in kept if kept[n] == least[n]]
+        assert len(capped) <= 1, (r, capped)
+        if capped:
+            capped_rounds += 1
+            assert events[-1].mask == capped[0], (r, capped, events[-1].mask)
+    assert capped_rounds > 0 and result.rounds > plain.rounds
+    assert result.cost_after <= result.target
+
+
 @pytest.mark.parametrize(
     ("kw", "match"),
     [({"round_cap": 0.0}, "round_cap"), ({"round_cap": 1.5}, "round_cap"),
-     ({"rounds": "many"}, "rounds"), ({"rounds": 0}, "rounds")],
+     ({"rounds": "many"}, "rounds"), ({"rounds": 0}, "rounds"),
+     ({"rescore_at_cap": "yes"}, "rescore_at_cap")],
 )  # fmt: skip
 def test_bad_round_settings_are_refused_before_anything_changes(
     trained: nn.Module, kw: dict, match: str

@@ -215,6 +215,7 @@ def prune_many(
     round_to: int = 1,
     uniform: bool | Sequence[Sequence[str]] = False,
     keep: Mapping[str, int] | None = None,
+    stop_at_keep: bool = False,
 ) -> list[PruneEvent]:
     """What calling ``prune`` over and over with the same arguments does while the estimated
     cost is above ``until``, in one pass: the same channels in the same order, the same events.
@@ -240,10 +241,14 @@ def prune_many(
         keep: per mask name, the fewest channels it may keep in this call, on top of its
             floor (``prune_to_target``'s cap on one round's removals); a class of copies
             reads its first member's. Absent names: the floor alone.
+        stop_at_keep: stop as soon as a mask whose ``keep`` lies above its floor reaches
+            ``keep`` (nothing is removed when one is there already): the caller re-scores
+            before going on (``prune_to_target``'s ``rescore_at_cap``).
 
     Returns:
         The events in order (one per ``prune`` call it stands for). The estimated cost after
-        the last is above ``until`` only when every mask reached its floor (or ``keep``).
+        the last is above ``until`` only when every mask reached its floor (or ``keep``), or
+        with ``stop_at_keep`` one reached its ``keep``.
 
     Raises:
         ValueError: as ``prune`` (nothing is changed then).
@@ -258,11 +263,16 @@ def prune_many(
         n_alive = _common_count(md, members)
         sorted_alive = {n: _lowest_alive(md[n], sd[n], n_alive) for n in members}
         floor = mask_floor(min_channels, md[members[0]])
+        capped = stop_at_keep and (keep or {}).get(members[0], 0) > floor
         floor = max(floor, (keep or {}).get(members[0], 0))
-        queues.append(_Queue(sorted_alive, n_alive, floor, rounding(md[members[0]], round_to)))
+        queues.append(
+            _Queue(sorted_alive, n_alive, floor, rounding(md[members[0]], round_to), capped)
+        )
     heap = []
     for i, q in enumerate(queues):
         chosen = q.next_block()
+        if chosen is None and q.capped:
+            return []
         if chosen is not None:
             heap.append((*_candidate(chosen, sd, order)[:3], i, chosen))
     heapq.heapify(heap)
@@ -274,6 +284,8 @@ def prune_many(
         total = events[-1].cost_after
         queues[i].taken(chosen)
         nxt = queues[i].next_block()
+        if nxt is None and queues[i].capped:
+            break
         if nxt is not None:
             heapq.heappush(heap, (*_candidate(nxt, sd, order)[:3], i, nxt))
     return events
@@ -282,12 +294,14 @@ def prune_many(
 @dataclass
 class _Queue:
     """One class of copies in ``prune_many``: each member's alive channels, lowest score
-    first, the multiple of channels they keep (``rounding``) and how many of them are gone."""
+    first, the multiple of channels they keep (``rounding``), whether reaching ``floor`` ends
+    the call (``stop_at_keep``) and how many of them are gone."""
 
     sorted_alive: dict[str, list[int]]
     alive: int
     floor: int
     multiple: int
+    capped: bool = False
     gone: int = 0
 
     def next_block(self) -> dict[str, list[int]] | None:
