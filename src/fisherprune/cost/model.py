@@ -334,9 +334,7 @@ class CostModel:
     def _entries_reading(self, terms: np.ndarray) -> np.ndarray:
         """The mask entries that remove some channel a selected term (``terms``: per term)
         prices."""
-        parts = [
-            r for t, on in zip(self._terms, terms, strict=True) if on for _s, _d, r in t.dims
-        ]
+        parts = [r for t, on in zip(self._terms, terms, strict=True) if on for _s, _d, r in t.dims]
         if not parts:
             return np.zeros(0, dtype=np.int64)
         c = self.graph.consumers
