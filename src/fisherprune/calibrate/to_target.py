@@ -439,7 +439,8 @@ def prune_to_target(
         loss_fn: ``loss(outputs, targets)``, averaged over the batch; None: the label-free
             Fisher of the model's own predictive distribution (``calibrate.label_free``).
         criterion: a ``fisherprune.criteria.Criterion`` or a registered name (``"fisher"``,
-            ``"taylor"``, ``"l1"``, ``"random"``).
+            ``"taylor"``, ``"l1"``, ``"random"``, ``"activation"``: forward statistics from
+            the calibration batches, ``observe_activations``).
         rounds: the cost goals, equal cost ratios apart, each reached by one or more
             estimation-and-selection rounds; ``"auto"``: as many as the share of the cost
             removed needs at ``ROUND_RATIO`` each (4 to 50%); 1: one goal.
