@@ -27,8 +27,10 @@ Each cell records the held-out test perplexity (``fisherprune.calibrate.perplexi
 non-overlapping 128-token windows of the test text) and its wall time. ``fisher`` (width only,
 the library's default) is ranked among the width-only rivals by ``one_shot_defaults.verdicts``.
 
-``python benchmarks/lm_quality.py [--seeds 3] [--targets 0.8 0.65 0.5] [--methods ...]``
-writes ``benchmarks/results/lm_quality.json`` and ``docs/lm_quality.png`` and prints the table.
+``python benchmarks/lm_quality.py [--seeds 3] [--targets 0.8 0.65 0.5] [--methods ...]
+[--train-minutes 12]`` writes ``benchmarks/results/lm_quality.json`` and ``docs/lm_quality.png``
+and prints the table; ``--first-seed``, ``--out`` and ``--combine`` split a run over processes
+and merge their files.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ from torch import Tensor, nn
 import fisherprune as fp
 from fisherprune.calibrate.perplexity import perplexity, token_windows
 from fisherprune.criteria import Random
+from fisherprune.masks.blocks import BlockGate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import transformers
@@ -238,8 +241,7 @@ def cell(
             **settings,
         )  # fmt: skip
     seconds = time.perf_counter() - t0
-    gate = next((m for m in fp.find_masks(model).values() if m.num_channels == cfg.layers
-                 and type(m).__name__ == "BlockGate"), None)  # fmt: skip
+    gate = next((m for m in fp.find_masks(model).values() if isinstance(m, BlockGate)), None)
     ppl = held_out(model, t.test, cfg.context)
     return {
         "quality": ppl,
@@ -259,10 +261,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     dense_ppl = held_out(dense, t.test, cfg.context)
     print(f"dense: {info['parameters']} parameters, test perplexity {dense_ppl:.3f}", flush=True)
     rows: list[dict[str, Any]] = []
-    for seed in range(args.seeds):
+    for seed in range(args.first_seed, args.seeds):
         for target in args.targets:
-            if seed > 0 and args.extra_seed_targets and target not in args.extra_seed_targets:
-                continue
             for method in args.methods:
                 r = cell(dense, t, cfg, seed, target, METHODS[method](seed))
                 rows.append({"net": NET, "seed": seed, "target": target, "method": method,
@@ -280,6 +280,26 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return {"rows": rows, "train_seconds": train_seconds, "details": details}
 
 
+def pivot(cells: list[dict[str, Any]]) -> str:
+    """A markdown table for docs/benchmarks.md: one row per target, one column per method,
+    ``mean ± sd (seeds)`` of the held-out perplexity and the mean seconds of a cell."""
+    methods = list(dict.fromkeys(c["method"] for c in cells))
+    lines = [
+        "| parameters kept | " + " | ".join(methods) + " |",
+        "|---|" + "---|" * len(methods),
+    ]
+    for target in sorted({c["target"] for c in cells}, reverse=True):
+        by = {c["method"]: c for c in cells if c["target"] == target}
+        row = [
+            f"{by[m]['mean']:.2f} ± {by[m]['sd']:.2f} ({by[m]['seeds']}) [{by[m]['seconds']:.0f} s]"
+            if m in by
+            else "-"
+            for m in methods
+        ]
+        lines.append(f"| {target:.0%} | " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
 def report(measured: dict[str, Any], args: argparse.Namespace, seconds: float) -> None:
     """Write the JSON and the plot, print the table and verdicts."""
     cells = summary(measured["rows"], nets=[NET], methods=list(METHODS))
@@ -294,7 +314,6 @@ def report(measured: dict[str, Any], args: argparse.Namespace, seconds: float) -
         "note": args.note,
         "seeds": args.seeds,
         "targets": args.targets,
-        "extra_seed_targets": args.extra_seed_targets,
         "seconds": seconds,
         "train_seconds": measured["train_seconds"],
         "details": measured["details"],
@@ -305,6 +324,7 @@ def report(measured: dict[str, Any], args: argparse.Namespace, seconds: float) -
     write_json(args.out, data)
     plot(cells, args.plot, cost="parameters")
     print(table(cells, cost="parameters"))
+    print(pivot(cells))
     print("\n".join(data["verdicts"]))
     print(f"wrote {args.out} and {args.plot} ({seconds:.0f} s)")
 
@@ -313,9 +333,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--targets", nargs="+", type=float, default=list(TARGETS))
+    p.add_argument("--first-seed", type=int, default=0, help="run seeds first-seed..seeds-1")
     p.add_argument(
-        "--extra-seed-targets", nargs="*", type=float, default=[],
-        help="seeds after the first run only these targets (empty: every target)",
+        "--combine", nargs="+", type=Path,
+        help="measure nothing: merge the rows of these runs (e.g. two processes given other "
+        "seeds or targets) into --out; a later file's row replaces an earlier one's",
     )  # fmt: skip
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     p.add_argument(
@@ -327,6 +349,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "lm_quality.json")
     p.add_argument("--plot", type=Path, default=ROOT / "docs" / "lm_quality.png")
     args = p.parse_args(argv)
+    if args.combine:
+        runs = [json.loads(path.read_text()) for path in args.combine]
+        rows = {(r["seed"], r["target"], r["method"]): r for run_ in runs for r in run_["rows"]}
+        merged = {"rows": list(rows.values()), "train_seconds": runs[0]["train_seconds"],
+                  "details": runs[0]["details"]}  # fmt: skip
+        report(merged, args, sum(r["seconds"] for r in runs))
+        return 0
     torch.set_num_threads(args.threads)
     started = time.perf_counter()
     measured = run(args)
