@@ -559,7 +559,8 @@ def plot(cells: list[dict[str, Any]], path: Path, cost: str = "FLOPs") -> None:
             ax.set_title(net)
             if metric == "perplexity":
                 ax.set_yscale("log")
-    axes[0].legend(fontsize=7, loc="lower right")
+    higher = cells[0].get("higher_is_better", True)  # perplexity falls to the right: "best"
+    axes[0].legend(fontsize=7, loc="lower right" if higher else "best")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
