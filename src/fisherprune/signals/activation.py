@@ -50,18 +50,21 @@ class _InputSquares:
 
     def __init__(self, point: MaskPoint) -> None:
         self.point = point
-        self.sum = torch.zeros(point.size, dtype=torch.float64)
+        self.sum: Tensor | None = None  # (size,) on the input's device, never read back there
         self.rows = 0
 
     def __call__(self, module: nn.Module, args: tuple) -> None:
         x = args[self.point.arg].detach()
         others = [d for d in range(x.dim()) if d != self.point.dim % x.dim()]
         x = x if x.dtype == torch.float64 else x.float()  # half precision summed in float32
-        self.sum += x.square().sum(dim=others).double().cpu()
+        part = x.square().sum(dim=others)
+        self.sum = part if self.sum is None else self.sum + part
         self.rows += x.numel() // self.point.size
 
     def rms(self) -> Tensor:
-        return (self.sum / max(self.rows, 1)).sqrt()
+        """The root-mean-square of each position over every row seen (float64, CPU)."""
+        assert self.sum is not None, "no forward pass was observed"
+        return (self.sum.double().cpu() / self.rows).sqrt()
 
 
 @register_criterion("activation")
