@@ -20,6 +20,8 @@ dense model, on 32 calibration windows of 128 tokens with next-token labels:
 
 * ``fisher``, ``l1``, ``activation`` (structured Wanda / FLAP: ``fisherprune.criteria.
   Activation``), ``taylor``, ``random``: width only (channels, heads, hidden width);
+* ``activation_mean``: ``Activation(normalize="mean")`` (each group's importances scaled to
+  mean 1, as ``L1`` does: an ablation, not a rival);
 * ``fisher_depth``: ``blocks="only"`` (whole decoder layers, channels left whole);
 * ``fisher_both``: ``blocks=True`` (layers and channels ranked in one budget).
 
@@ -53,7 +55,7 @@ from torch import Tensor, nn
 
 import fisherprune as fp
 from fisherprune.calibrate.perplexity import perplexity, token_windows
-from fisherprune.criteria import Random
+from fisherprune.criteria import Activation, Random
 from fisherprune.masks.blocks import BlockGate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -72,6 +74,7 @@ METHODS: dict[str, Any] = {
     "fisher": lambda seed: {},
     "l1": lambda seed: {"criterion": "l1"},
     "activation": lambda seed: {"criterion": "activation"},
+    "activation_mean": lambda seed: {"criterion": Activation(normalize="mean")},
     "taylor": lambda seed: {"criterion": "taylor"},
     "random": lambda seed: {"criterion": Random(seed)},
     "fisher_depth": lambda seed: {"blocks": "only"},

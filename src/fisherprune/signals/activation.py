@@ -73,14 +73,17 @@ class Activation(Criterion):
     RMS(x_j)`` over the consumers of each channel, from forward statistics only.
 
     Args:
-        normalize: default ``"mean"``: each group's importances divided by their mean over
-            its kept channels, so that groups of different widths and scales rank together
-            (as ``L1``).
+        normalize: default ``"none"``: the importances are in one unit everywhere (the size
+            of what a channel writes into its readers), so groups rank against each other as
+            they are. ``"mean"`` (as ``L1``'s default) scaled each group to mean 1 and, weighed
+            against the cost, pruned the most expensive channels first whatever they carry:
+            held-out perplexity 76.3 against 54.4 at 65% of a decoder's parameters
+            (benchmarks/lm_quality.py).
     """
 
     uses_activations: ClassVar[bool] = True
 
-    def __init__(self, normalize: str = "mean") -> None:
+    def __init__(self, normalize: str = "none") -> None:
         super().__init__(normalize)
         self._squares: list[_InputSquares] = []
 
