@@ -58,7 +58,7 @@ import statistics
 import sys
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -448,11 +448,15 @@ def _log_text(name: str, seed: int, target: float, method: str, r: dict[str, Any
 
 
 # ------------------------------------------------------------------------------- report
-def summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Mean, sd, and mean seconds per (net, target, method), in the order of ``NETS``, of
-    the targets from the largest and of ``METHODS``."""
+def summary(
+    rows: list[dict[str, Any]],
+    nets: Sequence[str] = (*NETS, *TEXT_NETS),
+    methods: Sequence[str] = tuple(METHODS),
+) -> list[dict[str, Any]]:
+    """Mean, sd, and mean seconds per (net, target, method), in the order of ``nets``, of
+    the targets from the largest and of ``methods`` (another benchmark passes its own)."""
     cells: dict[tuple[str, float, str], list[dict[str, Any]]] = {}
-    nets, methods = [*NETS, *TEXT_NETS], list(METHODS)
+    nets, methods = list(nets), list(methods)
     order = sorted(
         rows, key=lambda r: (nets.index(r["net"]), -r["target"], methods.index(r["method"]))
     )
@@ -511,8 +515,8 @@ def _paired(f: dict[str, Any], other: dict[str, Any]) -> str:
     )
 
 
-def verdicts(cells: list[dict[str, Any]]) -> list[str]:
-    """Per (net, target): is ``fisher`` first or within noise of the first of ``RIVALS``, and
+def verdicts(cells: list[dict[str, Any]], rivals: Sequence[str] = RIVALS) -> list[str]:
+    """Per (net, target): is ``fisher`` first or within noise of the first of ``rivals``, and
     ahead of ``random`` (or, when not, behind it by no more than the noise)? Noise: the larger
     of the two seed sds and, for test accuracy, the test set's binomial standard error at the
     best mean (one seed's sd is 0; 539 test rows give 0.008 at 0.96, 171 give 0.013 at 0.97).
@@ -528,7 +532,7 @@ def verdicts(cells: list[dict[str, Any]]) -> list[str]:
     for (net, target), every in rows.items():
         if "fisher" not in every:
             continue
-        by = {m: c for m, c in every.items() if m in RIVALS}
+        by = {m: c for m, c in every.items() if m in rivals}
         f = by["fisher"]
         sign = 1 if f.get("higher_is_better", True) else -1
         best = max(by.values(), key=lambda c: sign * c["mean"])
@@ -563,8 +567,8 @@ def _noise(f: dict[str, Any], best: dict[str, Any]) -> float:
     return max(f["sd"], best["sd"], binomial)
 
 
-def table(cells: list[dict[str, Any]]) -> str:
-    head = "| net | FLOPs kept | method | quality | smallest kept share | rounds | s per cell |"
+def table(cells: list[dict[str, Any]], cost: str = "FLOPs") -> str:
+    head = f"| net | {cost} kept | method | quality | smallest kept share | rounds | s per cell |"
     lines = [head, "|---|---|---|---|---|---|---|"]
     for c in cells:
         metric = c.get("metric", ACCURACY)
@@ -576,7 +580,7 @@ def table(cells: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def plot(cells: list[dict[str, Any]], path: Path) -> None:
+def plot(cells: list[dict[str, Any]], path: Path, cost: str = "FLOPs") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -601,7 +605,7 @@ def plot(cells: list[dict[str, Any]], path: Path) -> None:
                 ax.errorbar(t, mean, yerr=sd, label=m, linestyle=style, marker="o", ms=3,
                             color=color)  # fmt: skip
         metric = next(c.get("metric", ACCURACY) for c in cells if c["net"] == net)
-        ax.set_xlabel("FLOPs kept")
+        ax.set_xlabel(f"{cost} kept")
         ax.set_ylabel(f"{metric}, no fine-tuning")
         if metric == ACCURACY:
             ax.set_title(f"{net} (axis from 0.7)")
@@ -610,7 +614,8 @@ def plot(cells: list[dict[str, Any]], path: Path) -> None:
             ax.set_title(net)
             if metric == "perplexity":
                 ax.set_yscale("log")
-    axes[0].legend(fontsize=7, loc="lower right")
+    higher = cells[0].get("higher_is_better", True)  # perplexity falls to the right: "best"
+    axes[0].legend(fontsize=7, loc="lower right" if higher else "best")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

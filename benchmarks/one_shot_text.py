@@ -116,14 +116,20 @@ class Corpus:
     vocab: list[str]
 
 
-def corpus() -> Corpus:
-    """Python's documentation topics (sorted), each tenth held out; printable ASCII and the
-    newline are kept, any other character becomes one unknown id."""
+def corpus_text() -> dict[str, str]:
+    """Python's documentation topics (sorted) as ``train`` and ``test`` text: each tenth topic
+    held out."""
     keys = sorted(pydoc_data.topics.topics)
-    parts = {
+    return {
         "train": "\n\n".join(pydoc_data.topics.topics[k] for i, k in enumerate(keys) if i % 10),
         "test": "\n\n".join(pydoc_data.topics.topics[k] for i, k in enumerate(keys) if not i % 10),
     }
+
+
+def corpus() -> Corpus:
+    """``corpus_text`` as character ids: printable ASCII and the newline are kept, any other
+    character becomes one unknown id."""
+    parts = corpus_text()
     vocab = ["\n", *(chr(c) for c in range(32, 127)), "\0"]
     index = {ch: i for i, ch in enumerate(vocab)}
     unknown = len(vocab) - 1

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import fisherprune as fp
-from fisherprune.criteria import L1, Random, Taylor
+from fisherprune.criteria import L1, Activation, Random, Taylor
 from tests import zoo
 
 
@@ -112,9 +112,12 @@ def test_rounds_stop_at_equal_cost_ratios() -> None:
         assert costs[-1] <= goal * (1 + 1e-9) and all(c > goal for c in costs[:-1])
 
 
-@pytest.mark.parametrize("criterion", ["taylor", L1(), Random(3), Taylor(normalize="l2")])
+@pytest.mark.parametrize(
+    "criterion", ["taylor", L1(), Random(3), Taylor(normalize="l2"), Activation()]
+)
 def test_every_criterion_runs_the_workflow(criterion: object) -> None:
-    """Gradient criteria and weight-only criteria reach the target the same way."""
+    """Gradient, weight-only and activation criteria reach the target the same way (a
+    ResNet: convolutions read the activation criterion's channels)."""
     net = _net()
     x, y = _data()
     result = fp.prune_to_target(

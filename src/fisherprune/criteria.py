@@ -1,6 +1,8 @@
-"""Pruning criteria (``fisherprune.criteria.Fisher()``, ``Taylor()``, ``L1()``, ``Random(seed)``)
-and the ``Criterion`` base to write your own; see ``fisherprune.signals.criteria``."""
+"""Pruning criteria (``fisherprune.criteria.Fisher()``, ``Taylor()``, ``L1()``, ``Random(seed)``,
+``Activation()``) and the ``Criterion`` base to write your own; see
+``fisherprune.signals.criteria``."""
 
+from fisherprune.signals.activation import Activation
 from fisherprune.signals.criteria import (
     CRITERIA,
     L1,
@@ -19,6 +21,7 @@ __all__ = [
     "CRITERIA",
     "L1",
     "NORMALIZE",
+    "Activation",
     "Criterion",
     "Fisher",
     "GradientCriterion",

@@ -63,7 +63,7 @@ try:
 except ImportError:  # pragma: no cover - tqdm is optional
     tqdm = None
 
-__all__ = ["PruneResult", "estimate_signals", "prune_to_target"]
+__all__ = ["PruneResult", "estimate_signals", "observe_activations", "prune_to_target"]
 
 log = logging.getLogger("fisherprune")
 
@@ -100,12 +100,18 @@ REPAIR_FLOPS = 2e13
 
 def _stuck_message(result: PruneResult, goal: float, min_channels: Any, round_to: int) -> str:
     """Why the cost stays above the target: every prunable mask at its floor, and the masks
-    ``uniform=True`` keeps whole (with the first reason) when there are any."""
+    ``uniform=True`` or ``blocks="only"`` keeps whole (with the first reason) when there are
+    any."""
     floor = f"(min_channels={min_channels}, round_to={round_to})"
     gap = f"the cost {result.cost_after:.6g} stays above the target {goal:.6g}"
     if not result.kept_whole:
         return f"every mask is at its floor {floor}; {gap}"
     name, reason = next(iter(result.kept_whole.items()))
+    if reason.startswith("blocks='only'"):
+        return (
+            f"every block gate is at its floor {floor}; {gap}. blocks='only' keeps every "
+            "channel: prune with blocks=True to narrow channels too, or choose a higher target"
+        )
     return (
         f"every mask uniform=True may prune is at its floor {floor}; {gap}. uniform=True keeps "
         f"{len(result.kept_whole)} mask(s) whole, e.g. {name}: {reason}. Prune with "
@@ -333,6 +339,35 @@ def estimate_signals(
     return examples
 
 
+def observe_activations(
+    model: nn.Module,
+    masks: dict[str, MaskLayer],
+    batches: Iterable[tuple[Any, Any]],
+    criterion: Criterion,
+    progress: Callable[[Iterable[Any]], Iterable[Any]] | None = None,
+) -> int:
+    """Run every batch forward (eval mode, no gradient) under ``criterion.observing``, so that
+    a criterion that ``uses_activations`` gathers its statistics over all of ``batches``.
+
+    Changes: the criterion's statistics (replaced). Weights, masks and train/eval flags are
+    unchanged.
+
+    Returns:
+        The number of calibration examples.
+
+    Raises:
+        ValueError: no batches.
+    """
+    examples = 0
+    with eval_mode(model), torch.no_grad(), criterion.observing(model, masks):
+        for inputs, _ in progress(batches) if progress else batches:
+            call_model(model, inputs)
+            examples += batch_size(inputs)
+    if examples == 0:
+        raise ValueError("no calibration batches: give prune_to_target at least one batch")
+    return examples
+
+
 def _not_finite_message(losses: list[Tensor], skipped: int, masks: int) -> str:
     """Why no channel is pruned: ``skipped`` of ``masks`` signals are not finite, and the
     first calibration batch whose loss is not (or that the gradients alone are not)."""
@@ -374,7 +409,7 @@ def prune_to_target(
     min_channels: int | float = 1,
     round_to: int = 1,
     uniform: bool = False,
-    blocks: bool = False,
+    blocks: bool | str = False,
     experts: bool = False,
     flops_weight: FlopsWeight = "auto",
     convention: str = "flops",
@@ -424,7 +459,8 @@ def prune_to_target(
         loss_fn: ``loss(outputs, targets)``, averaged over the batch; None: the label-free
             Fisher of the model's own predictive distribution (``calibrate.label_free``).
         criterion: a ``fisherprune.criteria.Criterion`` or a registered name (``"fisher"``,
-            ``"taylor"``, ``"l1"``, ``"random"``).
+            ``"taylor"``, ``"l1"``, ``"random"``, ``"activation"``: forward statistics from
+            the calibration batches, ``observe_activations``).
         rounds: the cost goals, equal cost ratios apart, each reached by one or more
             estimation-and-selection rounds; ``"auto"``: as many as the share of the cost
             removed needs at ``ROUND_RATIO`` each (4 to 50%); 1: one goal.
@@ -447,7 +483,8 @@ def prune_to_target(
         blocks: with a model that has no masks yet, ``apply_masks(..., blocks=True)``: whole
             repeated blocks (decoder layers) are ranked with the channels in the one budget
             and ``shrink`` drops those removed (``fisherprune.masks.blocks``). A model already
-            masked without a ``BlockGate`` is refused.
+            masked without a ``BlockGate`` is refused. ``"only"``: the same, but every other
+            mask is left whole (depth pruning alone; listed in ``PruneResult.kept_whole``).
         experts: likewise ``apply_masks(..., experts=True)``: the experts of every
             mixture-of-experts layer are ranked with the channels, never below ``top_k`` a
             layer (``fisherprune.masks.experts``); a model already masked without an
@@ -503,11 +540,13 @@ def prune_to_target(
             f"score_convention must be one of {', '.join(CONVENTIONS)} or None, "
             f"got {score_convention!r}"
         )
+    if blocks not in (True, False, "only"):
+        raise ValueError(f'blocks must be True, False or "only", got {blocks!r}')
     loss = loss_fn if loss_fn is not None else LabelFreeLoss(task, seed)
     data = calibration_pairs(batches)
     masks = find_masks(model)
     if not masks:
-        apply_masks(model, example_inputs, blocks=blocks, experts=experts)
+        apply_masks(model, example_inputs, blocks=bool(blocks), experts=experts)
         masks = find_masks(model)
     for wanted, kind, what in ((blocks, BlockGate, "blocks"), (experts, ExpertGate, "experts")):
         if wanted and not any(isinstance(m, kind) for m in masks.values()):
@@ -540,6 +579,9 @@ def prune_to_target(
     if reconstruct and repair_budget is not None and convention != "flops":
         dense_flops = CostModel(model, example_inputs, "flops").total()
     classes, whole = plan_uniform(model, example_inputs, masks, round_to) if uniform else ([], {})
+    if blocks == "only":
+        depth_only = "blocks='only' prunes whole blocks alone"  # (``_stuck_message`` reads it)
+        whole.update({n: depth_only for n, m in masks.items() if not isinstance(m, BlockGate)})
     if uniform:
         _check_uniform_reach(cost_model, masks, whole, goal, target, (min_channels, round_to))
     selection = _Selection(
@@ -565,9 +607,11 @@ def prune_to_target(
             with clock("signals"):
                 if norms is not None and r > 1:
                     norms.reestimate(data)
+                bar = _bar(progress, f"signals, round {r} (goal {g}/{goals})")
                 if crit.uses_gradients:
-                    bar = _bar(progress, f"signals, round {r} (goal {g}/{goals})")
                     result.examples = estimate_signals(model, masks, data, loss, crit, bar)
+                elif crit.uses_activations:
+                    result.examples = observe_activations(model, masks, data, crit, bar)
             with clock("selection"):
                 round_goal = goal if g == goals else start * (goal / start) ** (g / goals)
                 before = {n: m.kept for n, m in masks.items()}

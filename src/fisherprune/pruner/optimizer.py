@@ -216,6 +216,12 @@ class PruningOptimizer:
             raise ValueError("give either method or criterion, not both")
         #: how channels are ranked
         self.criterion = resolve_criterion(criterion if criterion is not None else method)
+        if self.criterion.uses_activations:
+            raise ValueError(
+                f"criterion {self.criterion.name!r} reads activation statistics from "
+                "calibration passes, which training does not run: use it with "
+                "fisherprune.prune_to_target, or choose fisher, taylor, l1 or random"
+            )
         self.model = model
         self.masks = dict(masks) if masks is not None else find_masks(model)
         if not self.masks:

@@ -2,6 +2,7 @@
 compared against it."""
 
 from fisherprune.settings import LOSS_REDUCTIONS, METHODS
+from fisherprune.signals.activation import Activation
 from fisherprune.signals.criteria import (
     L1,
     Criterion,
@@ -17,6 +18,7 @@ __all__ = [
     "L1",
     "LOSS_REDUCTIONS",
     "METHODS",
+    "Activation",
     "Criterion",
     "Fisher",
     "GradientCriterion",

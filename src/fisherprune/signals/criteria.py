@@ -15,6 +15,8 @@ public API.
 * ``L1``: the L1 norm of each channel's producing weights (Li et al., ICLR 2017), by default
   divided by the group's mean (the layer-wise normalisation Torch-Pruning applies).
 * ``Random(seed)``: uniform random importances, a cost-blind baseline.
+* ``Activation`` (``fisherprune.signals.activation``): weight column norms times the RMS of the
+  activations they read (structured Wanda / FLAP), from forward passes only.
 
 Higher importance = kept longer; ``PruningOptimizer`` weighs it against the channel's marginal
 cost (``flops_weight``) and prunes the lowest. Write your own by subclassing ``Criterion``
@@ -25,6 +27,7 @@ docs/usage.md ("Writing a criterion").
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, ClassVar, TypeVar
 
 import torch
@@ -45,6 +48,7 @@ __all__ = [
     "GradientCriterion",
     "Random",
     "Taylor",
+    "alive_along",
     "groups_of",
     "register_criterion",
     "resolve_criterion",
@@ -91,6 +95,8 @@ class Criterion:
 
     #: whether masks must gather per-example mask gradients in backward for this criterion
     uses_gradients: ClassVar[bool] = False
+    #: whether the criterion reads forward statistics gathered under ``observing``
+    uses_activations: ClassVar[bool] = False
 
     def __init__(self, normalize: str = "none") -> None:
         if normalize not in NORMALIZE:
@@ -123,6 +129,13 @@ class Criterion:
             was folded.
         """
         return None
+
+    def observing(
+        self, model: nn.Module, masks: Mapping[str, MaskLayer]
+    ) -> AbstractContextManager[None]:
+        """A context in which the model's forward passes feed the criterion's statistics
+        (for a criterion that ``uses_activations``); changes nothing for the others."""
+        return nullcontext()
 
     def importance(self, masks: Mapping[str, MaskLayer], model: nn.Module) -> dict[str, Tensor]:
         """Per mask, one importance per channel (higher = kept longer), before normalisation.
@@ -265,7 +278,7 @@ class L1(Criterion):
     def importance(self, masks: Mapping[str, MaskLayer], model: nn.Module) -> dict[str, Tensor]:
         groups = groups_of(masks, model)
         params = dict(model.named_parameters())
-        alive_along = _alive_along(masks, groups)
+        kept_along = alive_along(masks, groups)
         out: dict[str, Tensor] = {}
         for name, mask in masks.items():
             group = groups[name]
@@ -277,7 +290,7 @@ class L1(Criterion):
                     continue
                 found = True
                 w = p.detach().abs().double().cpu()
-                for (other, odim), keep_idx in alive_along.items():  # drop pruned inputs' slices
+                for (other, odim), keep_idx in kept_along.items():  # drop pruned inputs' slices
                     if other == pname and odim != dim and keep_idx.numel() == w.shape[odim]:
                         shape = [1] * w.dim()
                         shape[odim] = -1
@@ -383,15 +396,15 @@ def _producing_weights(group: Any) -> list[tuple[str, int]]:
     return out
 
 
-def _alive_along(
+def alive_along(
     masks: Mapping[str, MaskLayer], groups: Mapping[str, Any]
 ) -> dict[tuple[str, int], Tensor]:
     """For each parameter dim a group touches: whether each index along it is still kept."""
-    alive_along: dict[tuple[str, int], Tensor] = {}
+    out: dict[tuple[str, int], Tensor] = {}
     for name, mask in as_mask_dict(masks).items():
         alive = torch.cat([mask.mask.detach().cpu() > 0.5, torch.ones(1, dtype=torch.bool)])
         for key, channel in groups[name].members.items():
             idx = torch.as_tensor(channel, dtype=torch.long)  # -1: another group's -> True
             here = alive[idx]
-            alive_along[key] = alive_along[key] & here if key in alive_along else here
-    return alive_along
+            out[key] = out[key] & here if key in out else here
+    return out

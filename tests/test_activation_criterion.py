@@ -1,0 +1,74 @@
+"""The activation criterion (structured Wanda / FLAP, ``fisherprune.criteria.Activation``):
+against a float64 hand computation, through ``prune_to_target``, and refused where no
+calibration pass runs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import fisherprune as fp
+from fisherprune.criteria import Activation
+
+
+def _mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(3, 6), nn.ReLU(), nn.Linear(6, 2)).double()
+
+
+def test_activation_importance_is_column_norm_times_rms() -> None:
+    """Hidden unit k of Linear->ReLU->Linear scores ``||W2[:, k]||_2 * sqrt(mean_n h[n,k]^2)``
+    over every calibration example (h the ReLU output), summed over two batches; a pruned
+    unit reads 0 and scores 0."""
+    model = _mlp()
+    x = torch.randn(7, 3, dtype=torch.float64)
+    masks = fp.apply_masks(model, x[:1])
+    (name,) = masks  # the hidden width is the only prunable group
+    masks[name].mask[4] = 0.0
+    crit = Activation(normalize="none")
+    with torch.no_grad(), crit.observing(model, masks):
+        model(x[:3])
+        model(x[3:])
+    h = torch.relu(x @ model[0].weight.T + model[0].bias)
+    h[:, 4] = 0.0
+    ref = model[2].weight.norm(dim=0) * h.square().mean(0).sqrt()
+    got = crit.scores(masks, model)[name]
+    torch.testing.assert_close(got, ref.detach(), rtol=1e-12, atol=1e-15)
+    assert got[4] == 0 and bool((got[:4] > 0).any())
+
+
+def test_prune_to_target_with_activation_removes_lowest_scores() -> None:
+    """``prune_to_target(criterion="activation")`` observes the calibration batches with no
+    gradient and removes the hidden units of lowest hand-computed score (every unit costs
+    the same, so the ranking alone decides)."""
+    model = _mlp()
+    x = torch.randn(16, 3, dtype=torch.float64)
+    h = torch.relu(x @ model[0].weight.T + model[0].bias)
+    ref = (model[2].weight.norm(dim=0) * h.square().mean(0).sqrt()).detach()
+    batches = [(x[:8], None), (x[8:], None)]
+    result = fp.prune_to_target(
+        model, x[:1], batches, 0.6, criterion="activation", reconstruct=False, rounds=1,
+        round_cap=1.0,
+    )  # fmt: skip
+    (mask,) = fp.find_masks(model).values()
+    removed = set(torch.nonzero(mask.mask < 0.5).flatten().tolist())
+    assert removed == set(ref.argsort()[: len(removed)].tolist())
+    assert len(removed) >= 2 and result.examples == 16
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_optimizer_refuses_activation_criterion() -> None:
+    """Training runs no calibration passes, so ``PruningOptimizer`` refuses the criterion."""
+    model = _mlp()
+    fp.apply_masks(model, torch.randn(1, 3, dtype=torch.float64))
+    with pytest.raises(ValueError, match="prune_to_target"):
+        fp.PruningOptimizer(model, torch.randn(1, 3, dtype=torch.float64), criterion="activation")
+
+
+def test_activation_scores_need_a_forward() -> None:
+    """Scores asked for before any observed forward pass are an error, not zeros."""
+    model = _mlp()
+    masks = fp.apply_masks(model, torch.randn(1, 3, dtype=torch.float64))
+    with pytest.raises(ValueError, match="observing"):
+        Activation().scores(masks, model)
