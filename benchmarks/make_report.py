@@ -529,6 +529,19 @@ def _findings(q: dict[str, Any] | None) -> list[str]:
 
 
 # ====================================================================== overhead
+#: the trainer's fine-tune step masked against shrunk, measured apart from overhead.json (one
+#: run of ``overhead.py --models cnn_digits``; its JSON was not kept over the standard one)
+TRAINER_SHRUNK_STEP = [
+    "The trainer's fine-tuning step, masked against shrunk (`--models cnn_digits --rounds 12",
+    "--steps 20 --warmup 10 --threads 1`, 2026-11-28, 2 CPUs under heavy load: PSI saw tasks",
+    "waiting 100% of the time, so the wall-clock ratios are loose; CPU time per step, median over",
+    "rounds): `a` plain 5.5 ms, `c` masked (half of each group pruned) 7.3 ms, `f` shrunk 4.8 ms;",
+    "`f/c` per round 0.48-0.82, median 0.68. `fisherprune train` fine-tunes the shrunk model since",
+    '(docs/usage.md, "Fine-tuning the shrunk model").',
+    "",
+]
+
+
 def overhead_section(
     o: dict[str, Any], title: str = "## Training-step overhead (`benchmarks/overhead.py`)"
 ) -> list[str]:
@@ -975,7 +988,7 @@ def build(out: Path, results: Path = RESULTS) -> str:
             "",
         ]
     if o is not None:
-        lines += overhead_section(o)
+        lines += overhead_section(o) + TRAINER_SHRUNK_STEP
     else:
         lines += [
             "## Training-step overhead",
@@ -1031,6 +1044,9 @@ def build(out: Path, results: Path = RESULTS) -> str:
     llm_memory = _load(results / "llm_memory.json")
     if llm_memory is not None:
         lines += llm_memory_section(llm_memory)
+    lm = _load(results / "lm_quality.json")
+    if lm is not None:
+        lines += lm_quality_section(lm, results / "lm_quality.md")
     predicted = _load(results / "latency_prediction.json")
     if predicted is not None:
         lines += latency_prediction_section(predicted)
@@ -1159,6 +1175,20 @@ def latency_vs_flops_section(runs: list[dict[str, Any]]) -> list[str]:
         "",
     ]
     return lines
+
+
+def lm_quality_section(data: dict[str, Any], prose: Path) -> list[str]:
+    """One-shot pruning of a decoder LM trained here (issue 33 point 5): the written analysis
+    (``prose``, beside the JSON; its ``<!-- table -->`` line takes the per-target table of
+    ``lm_quality.pivot``) and the run line."""
+    from lm_quality import pivot  # (imports transformers: only when the JSON is there)
+
+    text = prose.read_text().replace("<!-- table -->", pivot(data["cells"]))
+    run = (
+        f"- run {data['timestamp']}: {data['seeds']} seeds; torch {data['torch_version']}, "
+        f"transformers {data['transformers_version']}; {data.get('note') or ''}"
+    )
+    return [*text.rstrip("\n").split("\n"), "", run, ""]
 
 
 def half_precision_section(data: dict[str, Any]) -> list[str]:
