@@ -510,6 +510,8 @@ def test_times_the_whole_model_contradicts_are_not_saved(tmp_path, monkeypatch, 
     first = calls[0]
     monkeypatch.undo()
     calls = _count_measures(monkeypatch)
+    # a whole model slower than its operators' sum: plausible however loaded this machine is
+    monkeypatch.setattr(model_module, "whole_model_seconds", lambda *a, **k: 1.0)
     CostModel(net, x, "latency", latency=spec)
     assert calls[0] >= first  # timed again, not read from a file
     assert len(list((tmp_path / "latency").glob("*.json"))) == 1
