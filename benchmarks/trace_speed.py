@@ -156,6 +156,11 @@ def _swin_b() -> nn.Module:
     return SwinForImageClassification(config)
 
 
+def _first(out: Any) -> Tensor:
+    """A model's output tensor (a Hugging Face output's first field)."""
+    return out if isinstance(out, Tensor) else out[0]
+
+
 def _model(name: str, size: int) -> tuple[nn.Module, Tensor]:
     """The network ``--model`` names and its example input (batch 1)."""
     if name == "bert":
@@ -222,7 +227,7 @@ def main(argv: list[str] | None = None) -> dict:
     model.eval()
     n_params = sum(p.numel() for p in model.parameters())
     with torch.no_grad():
-        plain = model(x)
+        plain = _first(model(x))
 
     def forward() -> None:
         with torch.no_grad():
@@ -255,7 +260,7 @@ def main(argv: list[str] | None = None) -> dict:
     masks = holder["masks"]
     report = holder["cost"]
     with torch.no_grad():
-        masked_equal = bool(torch.equal(model(x), plain))
+        masked_equal = bool(torch.equal(_first(model(x)), plain))
     facts = {
         "groups": len(masks),
         "masked_channels": sum(m.num_channels for m in masks.values()),
