@@ -192,6 +192,31 @@ def _cell(r: dict[str, Any]) -> str:
     return f"{r['family']} {r['size']} {r['dtype']} {r['tokens']}"
 
 
+def _growth(
+    ax: Any,
+    groups: dict[tuple, list[dict[str, Any]]],
+    key: str,
+    scale: float,
+    xlabel: str,
+    unit: str,
+) -> None:
+    """Peak/W (and seconds, dashed, on a twin axis) against ``key`` for each group of at least
+    two rows, labelled by the group's key (and ``unit``)."""
+    tx = ax.twinx()
+    for group, rs in groups.items():
+        if len(rs) < 2:
+            continue
+        rs.sort(key=lambda r: r[key])
+        x = [r[key] * scale for r in rs]
+        label = " ".join(str(g) for g in group) + (f" {unit}" if unit else "")
+        ax.plot(x, [r["peak_over_w"] for r in rs], "o-", label=f"peak/W {label}")
+        tx.plot(x, [r["seconds"] for r in rs], "s--", alpha=0.5, label=f"s {label}")
+    ax.set(xscale="log", xlabel=xlabel, ylabel="peak RSS / weight bytes")
+    tx.set(ylabel="seconds (dashed)")
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7, loc="upper left")
+
+
 def _plot(rows: list[dict[str, Any]], baseline: list[dict[str, Any]], path: Path) -> None:
     """Peak/W and seconds against parameters (tokens fixed) and against tokens (size fixed),
     and peak/W per cell before (``baseline``) and now."""
@@ -206,32 +231,8 @@ def _plot(rows: list[dict[str, Any]], baseline: list[dict[str, Any]], path: Path
     for r in rows:
         series.setdefault((r["family"], r["dtype"], r["tokens"]), []).append(r)
         by_tokens.setdefault((r["family"], r["dtype"], r["size"]), []).append(r)
-    ax, tx = axes[0], axes[0].twinx()
-    for (family, dtype, tokens), rs in series.items():
-        if len(rs) < 2:
-            continue
-        rs.sort(key=lambda r: r["parameters"])
-        x = [r["parameters"] / 1e6 for r in rs]
-        label = f"{family} {dtype} {tokens} tok"
-        ax.plot(x, [r["peak_over_w"] for r in rs], "o-", label=f"peak/W {label}")
-        tx.plot(x, [r["seconds"] for r in rs], "s--", alpha=0.5, label=f"s {label}")
-    ax.set(xscale="log", xlabel="parameters (M)", ylabel="peak RSS / weight bytes")
-    tx.set(ylabel="seconds (dashed)")
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=7, loc="upper left")
-    ax, tx = axes[1], axes[1].twinx()
-    for (family, dtype, size), rs in by_tokens.items():
-        if len(rs) < 2:
-            continue
-        rs.sort(key=lambda r: r["tokens"])
-        x = [r["tokens"] for r in rs]
-        label = f"{family} {size} {dtype}"
-        ax.plot(x, [r["peak_over_w"] for r in rs], "o-", label=f"peak/W {label}")
-        tx.plot(x, [r["seconds"] for r in rs], "s--", alpha=0.5, label=f"s {label}")
-    ax.set(xscale="log", xlabel="calibration tokens", ylabel="peak RSS / weight bytes")
-    tx.set(ylabel="seconds (dashed)")
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=7, loc="upper left")
+    _growth(axes[0], series, "parameters", 1e-6, "parameters (M)", "tok")
+    _growth(axes[1], by_tokens, "tokens", 1.0, "calibration tokens", "")
     ax = axes[2]
     before = {_cell(r): r["peak_over_w"] for r in baseline}
     cells = [_cell(r) for r in rows]
