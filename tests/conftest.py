@@ -28,3 +28,31 @@ def _hf_modules_cache(
     if "transformers" in sys.modules:
         modules = importlib.import_module("transformers.dynamic_module_utils")
         monkeypatch.setattr(modules, "HF_MODULES_CACHE", cache)
+
+
+#: module-scoped fixtures that take seconds to build (a torchrun launch, a killed and resumed
+#: run, an AOTInductor compile, a trained network), by test module. With pytest-xdist's
+#: ``--dist loadgroup`` (in pyproject's addopts) every test using one runs on the same
+#: worker, so that it is built once rather than once per worker that draws one of its tests.
+BUILT_ONCE = {
+    "test_cli": ("trained", "checkpointed", "resumed"),
+    "test_distributed": ("torchrun",),
+    "test_export": ("onnx_files", "aoti_package", "aoti_two_inputs"),
+    "test_fsdp_recover": ("runs",),
+    "test_half_precision": ("bank",),
+    "test_inputs": ("aoti_tagger",),
+    "test_no_collapse": ("trained",),
+    "test_no_host_sync": ("ddp_records",),
+    "test_train_export_set": ("finished",),
+    "test_train_shrunk": ("runs",),
+}
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Put each test that uses a ``BUILT_ONCE`` fixture in that fixture's xdist group."""
+    for item in items:
+        module = item.nodeid.split("::")[0].rsplit("/", 1)[-1].removesuffix(".py")
+        for name in BUILT_ONCE.get(module, ()):
+            if name in getattr(item, "fixturenames", ()):
+                item.add_marker(pytest.mark.xdist_group(f"{module}.{name}"))

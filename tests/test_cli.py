@@ -599,17 +599,22 @@ def _ckpt_steps(save: Path) -> list[int]:
 
 
 @dataclass
+class Kill:
+    at: int  # newest checkpoint step when killed
+    prunes: int  # prunes the newest checkpoint holds
+    shrunk: bool  # the newest checkpoint holds the model shrunk for the fine-tuning
+
+
+@dataclass
 class Resumed:
-    resumed: Path  # killed with kill -9, then --resume
+    resumed: Path  # killed with kill -9 twice, resumed with --resume after each
     straight: Path  # the same run, uninterrupted
-    killed_at: int  # newest checkpoint step when killed
-    prunes_at_kill: int
-    shrunk_at_kill: bool  # the newest checkpoint holds the model shrunk for the fine-tuning
+    kills: dict[str, Kill]  # by phase (KILL_AT)
 
 
 # KILL_ARGS prune to the target by step 80, where the model is shrunk in place and fine-tunes
-# to the step cap, 120: killed once a checkpoint at step >= 40 (pruning) or >= 90 (fine-tuning
-# the shrunk model) exists
+# to the step cap, 120: killed once a checkpoint at step >= 40 exists (pruning), resumed, and
+# killed again once one at step >= 90 exists (fine-tuning the shrunk model)
 KILL_AT = {"pruning": 40, "fine-tuning": 90}
 
 
@@ -629,53 +634,66 @@ def _kill_when_checkpointed(proc: subprocess.Popen, save: Path, step: int) -> st
     return ""
 
 
-@pytest.fixture(scope="module", params=list(KILL_AT))
-def resumed(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Resumed:
-    """Run KILL_ARGS in a subprocess, SIGKILL it once a checkpoint at step >= KILL_AT[phase]
-    exists, then finish it with --resume; meanwhile run the same settings uninterrupted
-    in-process."""
-    kill_at = KILL_AT[request.param]
-    tmp = tmp_path_factory.mktemp("kill")
-    x, y = _table(200, seed=1)
-    data = _write_csv(tmp / "t.csv", x, y)
-    argv = ["train", "--data", str(data), *KILL_ARGS]
-    resumed_dir, straight = tmp / "resumed", tmp / "straight"
-    run = [sys.executable, "-m", "fisherprune", *argv, "--save_dir", str(resumed_dir)]
+def _run_killed(
+    run: list[str], save: Path, step: int, log: Path, meanwhile: Callable[[], Any]
+) -> Kill:
+    """Start ``run``, SIGKILL it once ``save`` holds a checkpoint at ``step`` or later (calling
+    ``meanwhile`` in this process while it runs); what its newest checkpoint held."""
     why: list[str] = []
-    with (tmp / "killed.log").open("w") as log:
-        proc = subprocess.Popen(run, stdout=log, stderr=subprocess.STDOUT, env=_subprocess_env())
+    with log.open("w") as out:
+        proc = subprocess.Popen(run, stdout=out, stderr=subprocess.STDOUT, env=_subprocess_env())
         try:
             watcher = threading.Thread(
-                target=lambda: why.append(_kill_when_checkpointed(proc, resumed_dir, kill_at))
+                target=lambda: why.append(_kill_when_checkpointed(proc, save, step))
             )
             watcher.start()
-            with pytest.MonkeyPatch.context() as mp:  # the uninterrupted run, meanwhile
-                mp.syspath_prepend(str(REPO))
-                cli = run_cli(*argv, "--save_dir", straight)
+            meanwhile()
             watcher.join(TIMEOUT)
             proc.wait(timeout=TIMEOUT)
         finally:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait(timeout=TIMEOUT)
-    assert cli.code == 0, cli.err
-    assert why == [""], [*why, (tmp / "killed.log").read_text()]
+    assert why == [""], [*why, log.read_text()]
     assert proc.returncode == -signal.SIGKILL
-    assert not (resumed_dir / "result.json").exists(), "the run ended before it was killed"
-    killed_at = max(_ckpt_steps(resumed_dir))
-    at_kill = CheckpointManager.load(_latest_checkpoint(resumed_dir))
+    assert not (save / "result.json").exists(), "the run ended before it was killed"
+    at_kill = CheckpointManager.load(_latest_checkpoint(save))
+    history = at_kill["pruner"]["history"]
+    return Kill(max(_ckpt_steps(save)), len(history), bool(at_kill["pruner"]["shrunk"]))
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory: pytest.TempPathFactory) -> Resumed:
+    """Run KILL_ARGS in a subprocess and SIGKILL it while pruning; --resume it and SIGKILL it
+    again while it fine-tunes the shrunk model; then finish it with --resume. Meanwhile run
+    the same settings uninterrupted in-process."""
+    tmp = tmp_path_factory.mktemp("kill")
+    x, y = _table(200, seed=1)
+    data = _write_csv(tmp / "t.csv", x, y)
+    argv = ["train", "--data", str(data), *KILL_ARGS]
+    resumed_dir, straight = tmp / "resumed", tmp / "straight"
+    run = [sys.executable, "-m", "fisherprune", *argv, "--save_dir", str(resumed_dir)]
+    clis: list[Cli] = []
+
+    def uninterrupted() -> None:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.syspath_prepend(str(REPO))
+            clis.append(run_cli(*argv, "--save_dir", straight))
+
+    kills = {
+        "pruning": _run_killed(run, resumed_dir, KILL_AT["pruning"], tmp / "1.log", uninterrupted)
+    }
+    assert clis[0].code == 0, clis[0].err
+    kills["fine-tuning"] = _run_killed(
+        [*run, "--resume"], resumed_dir, KILL_AT["fine-tuning"], tmp / "2.log", lambda: None
+    )
+    assert "resumed from" in (tmp / "2.log").read_text()
     done = subprocess.run(
         [*run, "--resume"], capture_output=True, text=True, timeout=TIMEOUT, env=_subprocess_env()
     )
     assert done.returncode == 0, done.stderr
     assert f"resumed from {resumed_dir / 'checkpoints'}" in done.stdout, done.stdout
-    return Resumed(
-        resumed_dir,
-        straight,
-        killed_at,
-        len(at_kill["pruner"]["history"]),
-        bool(at_kill["pruner"]["shrunk"]),
-    )
+    return Resumed(resumed_dir, straight, kills)
 
 
 def _masks(save: Path) -> dict[str, list[float]]:
@@ -685,28 +703,35 @@ def _masks(save: Path) -> dict[str, list[float]]:
     return {k: v["mask"].tolist() for k, v in state["pruner"]["masks"].items()}
 
 
+def test_kills_landed_while_pruning_and_while_fine_tuning_the_shrunk_model(
+    resumed: Resumed,
+) -> None:
+    """The first kill came with pruning under way and the model not yet shrunk; the second,
+    in the resumed run, after the shrink (its newest checkpoint holds the small model)."""
+    straight = CheckpointManager.load(_latest_checkpoint(resumed.straight))
+    prunes = len(straight["pruner"]["history"])
+    first, second = resumed.kills["pruning"], resumed.kills["fine-tuning"]
+    assert 0 < first.prunes < prunes and not first.shrunk, first
+    assert first.at < second.at < 120 and second.shrunk and second.prunes == prunes, second
+
+
 def test_kill_9_and_resume_gives_the_masks_of_an_uninterrupted_run(resumed: Resumed) -> None:
-    """A run killed with SIGKILL while pruning (after a checkpoint at step >= 40), or while
-    fine-tuning the shrunk model (>= 90), and resumed with --resume ends with exactly the
-    masks and prune sequence of the same run left alone."""
-    assert resumed.killed_at < 120
+    """A run killed with SIGKILL while pruning, resumed, killed again while fine-tuning the
+    shrunk model and resumed with --resume, ends with exactly the masks and prune sequence of
+    the same run left alone."""
     final = CheckpointManager.load(_latest_checkpoint(resumed.resumed))
     straight = CheckpointManager.load(_latest_checkpoint(resumed.straight))
     history = [(e["step"], e["mask"], e["channel"]) for e in final["pruner"]["history"]]
     expected = [(e["step"], e["mask"], e["channel"]) for e in straight["pruner"]["history"]]
-    if resumed.killed_at < KILL_AT["fine-tuning"]:
-        assert 0 < resumed.prunes_at_kill < len(expected), "pruning was not under way"
-        assert not resumed.shrunk_at_kill
-    else:
-        assert resumed.shrunk_at_kill, "the model was not shrunk at the kill"
     assert final["pruner"]["shrunk"] and straight["pruner"]["shrunk"]
     assert history == expected
     assert _masks(resumed.resumed) == _masks(resumed.straight)
 
 
 def test_kill_9_and_resume_gives_the_weights_of_an_uninterrupted_run(resumed: Resumed) -> None:
-    """After kill -9 and --resume, every tensor of the final model (weights, masks, signals) is
-    bit for bit that of the uninterrupted run: optimizer state, RNG and data position resume."""
+    """After two kill -9s and --resumes, every tensor of the final model (weights, masks,
+    signals) is bit for bit that of the uninterrupted run: optimizer state, RNG and data
+    position resume."""
     final = CheckpointManager.load(_latest_checkpoint(resumed.resumed))["model"]
     straight = CheckpointManager.load(_latest_checkpoint(resumed.straight))["model"]
     assert final.keys() == straight.keys()

@@ -8,6 +8,7 @@ import importlib.metadata
 import importlib.util
 import json
 import re
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -606,7 +607,7 @@ def test_mnist5k_builtin() -> None:
 
 def test_digits_without_sklearn_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
     """'digits' without scikit-learn raises ImportError naming the fisherprune[data] extra."""
-    monkeypatch.setattr(builtins_mod, "load_digits", None)
+    monkeypatch.setitem(sys.modules, "sklearn.datasets", None)  # import raises ImportError
     builtins_mod.builtin_arrays.cache_clear()
     try:
         with pytest.raises(ImportError, match=re.escape("pip install 'fisherprune[data]'")):

@@ -18,11 +18,6 @@ from fisherprune.recover import distill_sharded, save_pretrained_gathered
 from fisherprune.train.devices import process_group_backend, resolve_device
 from fisherprune.train.interrupts import init_distributed
 
-try:
-    import transformers
-except ImportError:  # pragma: no cover - optional
-    transformers = None
-
 __all__ = ["distill_command", "distill_parser", "text_batches"]
 
 
@@ -108,9 +103,13 @@ def _join(timeout_s: float) -> bool:
 
 
 def distill_command(args: argparse.Namespace) -> int:
-    if transformers is None:
+    # imported here, not with the command line: transformers takes a second to import,
+    # which every other command would pay
+    try:
+        import transformers
+    except ImportError:
         raise ImportError("fisherprune distill reads model folders with transformers: "
-                          "pip install transformers")  # fmt: skip
+                          "pip install transformers") from None  # fmt: skip
     for flag in ("student", "teacher", "text"):
         if not Path(getattr(args, flag)).exists():
             raise FileNotFoundError(f"--{flag} {getattr(args, flag)}: no such file or folder")

@@ -69,11 +69,6 @@ from fisherprune.train.models import MODELS, build_model
 from fisherprune.train.pretrained import misfit
 from fisherprune.train.scaling import with_scaling
 
-try:
-    import transformers
-except ImportError:  # pragma: no cover - optional
-    transformers = None
-
 __all__ = ["prune_command", "prune_parser"]
 
 
@@ -386,10 +381,12 @@ def _mean_pooled(out: Any, mask: Tensor) -> Tensor:
 
 
 def _hf_job(args: argparse.Namespace) -> _Job:
-    if transformers is None:
+    try:  # imported here: transformers takes a second to import, which other jobs need not pay
+        import transformers
+    except ImportError:
         raise ImportError(
             "a Hugging Face model folder needs transformers: pip install transformers"
-        )
+        ) from None
     if args.text is None:
         raise ValueError("a Hugging Face model needs --text, a file of sentences, one a line")
     lines = [s.strip() for s in Path(args.text).read_text().splitlines() if s.strip()]
@@ -520,6 +517,8 @@ def _text_model_class(folder: str) -> Any:
     Raises:
         ValueError: an encoder-decoder model (T5, BART), which needs decoder inputs.
     """
+    import transformers  # present: the caller checked
+
     config = transformers.AutoConfig.from_pretrained(folder)
     arch = next(iter(getattr(config, "architectures", None) or []), "")
     if getattr(config, "is_encoder_decoder", False) and not arch.endswith("EncoderModel"):

@@ -15,11 +15,6 @@ from typing import TextIO
 
 from torch import Tensor
 
-try:
-    from transformers.utils import logging as hf_logging
-except ImportError:  # pragma: no cover - optional
-    hf_logging = None
-
 __all__ = ["FinetuneProgress", "PhaseClock", "bars_on_terminal_only"]
 
 _WHO = "fisherprune prune:"
@@ -95,6 +90,10 @@ def bars_on_terminal_only() -> Iterator[bool]:
     """Yield whether progress bars may be drawn: stderr is a terminal. When it is not (a log
     file, a pipe), Hugging Face's own bars (loading and saving weights) are switched off
     inside the block and back on after it if they were on."""
+    try:  # imported here: transformers takes a second to import, and only `prune` needs it
+        from transformers.utils import logging as hf_logging
+    except ImportError:  # pragma: no cover - optional
+        hf_logging = None
     terminal = sys.stderr.isatty()
     switch = hf_logging is not None and not terminal and hf_logging.is_progress_bar_enabled()
     if switch:

