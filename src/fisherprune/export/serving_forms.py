@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fisherprune._errors import first_line
 from fisherprune.cost.latency import DTYPES, LatencySpec
 from fisherprune.export.aoti import load_aoti_export
 from fisherprune.export.files import export_model
@@ -57,7 +58,8 @@ class ServedForm:
         run: one forward pass on those inputs (call it in inference mode).
         module: the module whose train/eval flag must be eval while ``run`` is timed (eager),
             else None (a compiled form was built in eval mode).
-        keep: what must live as long as ``run`` (a package's folder, a graph's inputs).
+        keep: what must live as long as ``run`` and ``run`` does not hold (a package's
+            folder; a CUDA graph's module, inputs and outputs, which it replays into).
     """
 
     form: str
@@ -112,30 +114,29 @@ def serve(model: nn.Module, example_inputs: Any, spec: LatencySpec) -> ServedFor
     except Exception as e:
         raise RuntimeError(
             f"LatencySpec.form {spec.form!r}: the model could not be built in this form "
-            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); time it in "
-            "another form (eager, or torchscript)"
+            f"({first_line(e)}); time it in another form (eager, or torchscript)"
         ) from e
 
 
 def _torchscript(net: nn.Module, inputs: Inputs) -> ServedForm:
     frozen, args = frozen_for_serving(net, inputs.packed())
     if isinstance(args, dict):
-        return ServedForm("torchscript", lambda: frozen(**args), keep=[frozen])
-    return ServedForm("torchscript", lambda: frozen(*args), keep=[frozen])
+        return ServedForm("torchscript", lambda: frozen(**args))
+    return ServedForm("torchscript", lambda: frozen(*args))
 
 
 def _aoti(net: nn.Module, inputs: Inputs) -> ServedForm:
     folder = tempfile.TemporaryDirectory(prefix="fisherprune-aoti-")
     path = export_model(net, Path(folder.name) / "served.pt2", inputs.packed(), format="aoti")
     loaded = load_aoti_export(path)
-    return ServedForm("aoti", lambda: inputs.call(loaded), keep=[folder, loaded])
+    return ServedForm("aoti", lambda: inputs.call(loaded), keep=[folder])
 
 
 def _compile(net: nn.Module, inputs: Inputs) -> ServedForm:
     compiled = torch.compile(net)
     with torch.inference_mode():
         inputs.call(compiled)  # compiled here, not in the first timed call
-    return ServedForm("compile", lambda: inputs.call(compiled), keep=[compiled])
+    return ServedForm("compile", lambda: inputs.call(compiled))
 
 
 def _cuda_graphs(net: nn.Module, inputs: Inputs) -> ServedForm:
