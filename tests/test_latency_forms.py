@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -18,7 +19,7 @@ from fisherprune.calibrate import fit_latency_line
 from fisherprune.cost import CostModel, LatencySpec
 from fisherprune.cost import latency as lat
 from fisherprune.export.aoti import AOTIModule
-from tests.test_latency_cost import _cnn, _fake_seconds, fake_clock  # noqa: F401
+from tests.test_latency_cost import _cnn, _fake_seconds, _fake_whole, fake_clock  # noqa: F401
 
 
 @pytest.fixture
@@ -104,6 +105,17 @@ def test_cuda_graphs_are_refused_on_the_cpu():
         LatencySpec(form="cuda_graphs")
 
 
+def test_train_config_carries_the_form_and_refuses_a_wrong_device():
+    """``--pruning.latency_form`` reaches the run's LatencySpec; CUDA graphs on the CPU are
+    refused when the config is built, naming the field."""
+    from fisherprune.train.config import TrainConfig
+
+    cfg = TrainConfig(pruning_convention="latency", pruning_latency_form="torchscript")
+    assert cfg.latency_spec().form == "torchscript"
+    with pytest.raises(ValueError, match=r"pruning_latency.*'cuda_graphs' is not built on"):
+        TrainConfig(pruning_convention="latency", pruning_latency_form="cuda_graphs")
+
+
 def test_dense_prediction_is_the_aoti_packages_time(tmp_path, eager_operators, monkeypatch):
     """In form aoti the dense total is the time of the model compiled by AOTInductor and
     loaded back (one compile, 15-25 s)."""
@@ -118,3 +130,84 @@ def test_dense_prediction_is_the_aoti_packages_time(tmp_path, eager_operators, m
     assert len(loaded) == 1 and isinstance(loaded[0], AOTIModule)
     (compiled,) = [s for f, s in eager_operators if f == "aoti"]
     assert cm.dense_total() * lat.UNIT == pytest.approx(compiled, rel=1e-12)
+
+
+def _train(tmp_path, steps: int, *extra: str) -> int:
+    from fisherprune.cli.main import main
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(120, 4))
+    y = (x[:, 0] + x[:, 1] > 0).astype(int)
+    csv = tmp_path / "t.csv"
+    rows = [
+        "a,b,c,d,label",
+        *(",".join(f"{v:.4f}" for v in r) + f",{c}" for r, c in zip(x, y, strict=True)),
+    ]
+    csv.write_text("\n".join(rows) + "\n")
+    return main([
+        "train", "--data", str(csv), "--model", "mlp", "--width", "16", "--depth", "1",
+        "--train.steps", str(steps), "--pruning.burn_in", "5", "--pruning_iter", "2",
+        "--eval_every", "10", "--fine_tune_steps", "5", "--export_formats", "state_dict",
+        "--threads", "1", "--progress", "none", "--dense_check", "warn",
+        "--pruning.convention", "latency", "--pruning.flops_target", "40%",
+        "--pruning.latency_cache", str(tmp_path / "tables"), *extra,
+    ])  # fmt: skip
+
+
+def _final_masks(save) -> dict[str, torch.Tensor]:
+    from fisherprune.train.checkpoint import CheckpointManager
+
+    path = CheckpointManager(save / "checkpoints", 3).paths()[-1]
+    masks = CheckpointManager.load(path)["pruner"]["masks"]
+    return {n: m["mask"] for n, m in masks.items()}
+
+
+@pytest.mark.usefixtures("fake_clock")
+def test_resumed_latency_run_is_not_timed_again(tmp_path, monkeypatch):
+    """A run stopped mid-pruning and resumed reuses the checkpoint's latency calibration (the
+    whole model is not timed again) and ends with the masks of the run never stopped."""
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    assert _train(tmp_path, 24, "--save_dir", str(straight)) == 0
+    assert _train(tmp_path, 9, "--save_dir", str(stopped)) == 0
+    calls = [0]
+
+    def counted(*a, **k):
+        calls[0] += 1
+        return _fake_whole(*a, **k)
+
+    monkeypatch.setattr(model_module, "whole_model_seconds", counted)
+    monkeypatch.setattr(line_module, "whole_model_seconds", counted)
+    assert _train(tmp_path, 24, "--save_dir", str(stopped), "--resume") == 0
+    assert calls[0] == 0
+    want, got = _final_masks(straight), _final_masks(stopped)
+    assert set(got) == set(want)
+    for name, mask in want.items():
+        torch.testing.assert_close(got[name], mask, rtol=0, atol=0)
+
+
+@pytest.mark.usefixtures("fake_clock")
+def test_resume_from_a_checkpoint_without_calibration_times_afresh(tmp_path, monkeypatch, capsys):
+    """A checkpoint written before the calibration was kept is resumed, not refused: the
+    model is timed whole again, and one line says why."""
+    from fisherprune.train.checkpoint import CheckpointManager
+
+    save = tmp_path / "run"
+    assert _train(tmp_path, 9, "--save_dir", str(save)) == 0
+    ckpts = CheckpointManager(save / "checkpoints", 3)
+    path = ckpts.paths()[-1]
+    saved = CheckpointManager.load(path)
+    del saved["pruner"]["latency"]
+    ckpts.save(int(path.stem.split("-")[1]), saved)
+    calls = [0]
+
+    def counted(*a, **k):
+        calls[0] += 1
+        return _fake_whole(*a, **k)
+
+    monkeypatch.setattr(model_module, "whole_model_seconds", counted)
+    monkeypatch.setattr(line_module, "whole_model_seconds", counted)
+    capsys.readouterr()
+    assert _train(tmp_path, 24, "--save_dir", str(save), "--resume", "--progress", "plain") == 0
+    assert calls[0] > 0
+    out = capsys.readouterr()
+    assert f"{path.name} holds no latency calibration" in out.out + out.err
