@@ -135,8 +135,9 @@ class CostModel:
             used and the whole model is not timed again; None: timed.
 
     Raises:
-        ValueError: unknown convention; ``latency`` given with another convention; a table
-            file measured under another device, dtype, torch version or thread count.
+        ValueError: unknown convention; ``latency`` or ``latency_calibration`` given with
+            another convention; a table file measured under another device, dtype, torch
+            version, thread count or form.
     """
 
     def __init__(
@@ -155,6 +156,11 @@ class CostModel:
             raise ValueError(
                 f"latency= describes how convention='latency' times the model; the "
                 f"{convention!r} convention is computed, so drop latency= or choose 'latency'"
+            )
+        if latency_calibration is not None and not self._counting.measured:
+            raise ValueError(
+                f"latency_calibration= prices the latency convention's operators; the "
+                f"{convention!r} convention has none, so drop it"
             )
         if batch_size(example_inputs) == 0:
             raise ValueError(
@@ -230,7 +236,7 @@ class CostModel:
             summed = sum(self._eval(t, t.shapes) for t in terms)
             self._table_key = table.key
             if self._calibration is not None:
-                self._calibrated(table)
+                self._calibrated(self._calibration, table)
             else:
                 whole = self._scaled_to_whole(model, example_inputs, spec, table, summed)
                 log.info(
@@ -265,10 +271,9 @@ class CostModel:
         self.latency_scale = whole / summed if summed > 0 else 1.0
         return whole
 
-    def _calibrated(self, table: LatencyTable) -> None:
-        """``latency_scale`` and ``latency_offset`` from the calibration given (not timed);
+    def _calibrated(self, cal: dict[str, Any], table: LatencyTable) -> None:
+        """``latency_scale`` and ``latency_offset`` from the calibration ``cal`` (not timed);
         a table of another key, or operators timed afresh, are said in one line each."""
-        cal = self._calibration or {}
         self.latency_scale, self.latency_offset = float(cal["slope"]), float(cal["offset"])
         if cal.get("table") != table.key:
             log.warning(

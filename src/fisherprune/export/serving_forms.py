@@ -114,7 +114,7 @@ def serve(model: nn.Module, example_inputs: Any, spec: LatencySpec) -> ServedFor
     except Exception as e:
         raise RuntimeError(
             f"LatencySpec.form {spec.form!r}: the model could not be built in this form "
-            f"({first_line(e)}); time it in another form (eager, or torchscript)"
+            f"({first_line(e)}); choose another form (eager times any model)"
         ) from e
 
 

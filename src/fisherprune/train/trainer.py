@@ -443,6 +443,7 @@ class PruningTrainer:
             self.config.to_dict(),
             self.data_files,
             str(path),
+            defaults=TrainConfig().to_dict(),
         ):
             self.progress.line(f"--resume: changed {line}")
         state = resume_state(saved, path, self.model, popt)
