@@ -116,6 +116,33 @@ def test_train_config_carries_the_form_and_refuses_a_wrong_device():
         TrainConfig(pruning_convention="latency", pruning_latency_form="cuda_graphs")
 
 
+def _prune_flags(form: str):
+    import argparse
+
+    from fisherprune.cli.prune_latency import add_latency_arguments
+
+    parser = argparse.ArgumentParser()
+    add_latency_arguments(parser)
+    args = parser.parse_args(["--latency_form", form])
+    args.convention, args.score_convention, args.round_to = "latency", None, 8
+    return args
+
+
+def test_prune_flag_carries_the_form():
+    """``fisherprune prune --latency_form torchscript`` reaches the LatencySpec."""
+    from fisherprune.cli.prune_latency import latency_spec
+
+    assert latency_spec(_prune_flags("torchscript")).form == "torchscript"
+
+
+def test_prune_flag_of_a_form_the_device_cannot_build_is_refused():
+    """``--latency_form cuda_graphs`` on the CPU is refused, naming the flags."""
+    from fisherprune.cli.prune_latency import latency_spec
+
+    with pytest.raises(ValueError, match=r"--latency_\*: .*'cuda_graphs' is not built"):
+        latency_spec(_prune_flags("cuda_graphs"))
+
+
 def test_dense_prediction_is_the_aoti_packages_time(tmp_path, eager_operators, monkeypatch):
     """In form aoti the dense total is the time of the model compiled by AOTInductor and
     loaded back (one compile, 15-25 s)."""
