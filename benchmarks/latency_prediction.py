@@ -23,6 +23,10 @@ config at 128 tokens; random weights: latency does not depend on them):
    over dense, each pair timed one after the other, with its quartiles) cancels that drift,
    and its error is the check of the table's shape.
 
+With ``--form`` (torchscript, aoti, compile, cuda_graphs) every whole-model timing (the
+table's scale, the line, the measurement) is of the model built in that serving form, once
+per size; the operators are timed in eager whatever the form.
+
 Everything runs in one process with ``--threads`` threads and glibc's freed memory retained
 (``retain_freed_memory``), as docs/usage.md advises for serving on CPU.
 
@@ -52,7 +56,7 @@ from standard_nets import build_resnet50, build_vit_b16
 
 import fisherprune as fp
 from fisherprune.cost import CostModel, LatencySpec
-from fisherprune.cost.latency import whole_model_seconds
+from fisherprune.cost.latency import FORMS, served_pair, whole_model_seconds
 from fisherprune.export.latency import retain_freed_memory
 
 RESULTS = Path(__file__).resolve().parent / "results" / "latency_prediction.json"
@@ -93,7 +97,7 @@ def run_model(name: str, args: argparse.Namespace, cache: Path) -> dict[str, Any
     model, example = MODELS[name](args.batch)
     fp.apply_masks(model, example)
     spec = LatencySpec(threads=args.threads, cache=cache, step=args.round_to, points=args.points,
-                       line_at=None if args.no_line else 0.5)  # fmt: skip
+                       line_at=None if args.no_line else 0.5, form=args.form)  # fmt: skip
     t0 = time.perf_counter()
     CostModel(model, example, "latency", latency=spec)
     build = time.perf_counter() - t0
@@ -112,9 +116,10 @@ def run_model(name: str, args: argparse.Namespace, cache: Path) -> dict[str, Any
             )  # fmt: skip
             small = fp.shrink(pruned)
         dense_s, small_s = [], []
+        timed_dense, timed_small = served_pair(model, small, example, spec)  # in spec.form
         for _ in range(args.rounds):  # interleaved: both see the same load
-            dense_s.append(whole_model_seconds(model, example, spec))
-            small_s.append(whole_model_seconds(small, example, spec))
+            dense_s.append(whole_model_seconds(timed_dense, example, spec))
+            small_s.append(whole_model_seconds(timed_small, example, spec))
         measured = min(small_s) * 1e6
         dense = min(dense_s) * 1e6
         # the share by round (each round's pair saw the same load): its median and quartiles
@@ -156,6 +161,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--targets", nargs="+", default=["50%", "25%"])
     parser.add_argument("--no-line", action="store_true", help="operators in proportion only")
+    parser.add_argument(
+        "--form",
+        default="eager",
+        choices=list(FORMS),
+        help="serving form the whole model is timed in (operators: eager)",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)

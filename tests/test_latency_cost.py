@@ -310,7 +310,9 @@ def test_time_target_needs_the_latency_convention():
     ("kw", "match"),
     [
         ({"device": "tpu"}, "'cpu' or 'cuda"),
-        ({"form": "torchscript"}, "not timed per operator"),
+        ({"form": "jit"}, "form must be one of"),
+        ({"form": "cuda_graphs"}, "not built on device .cpu."),
+        ({"form": "torchscript", "line_at": None}, "needs line_at"),
         ({"dtype": "int8"}, "dtype must be one of"),
         ({"threads": 0}, "threads must be an int >= 1"),
         ({"points": 1}, "points must be an int >= 2"),

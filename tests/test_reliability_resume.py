@@ -62,6 +62,18 @@ def test_allowed_changes_are_listed_and_not_refused() -> None:
     assert {"steps", "eval_every", "threads"} <= set(ALLOWED_CHANGES)
 
 
+def test_a_setting_the_checkpoint_predates_counts_at_its_default() -> None:
+    """A checkpoint written before a setting existed (here ``pruning_latency_form``) resumes
+    when the setting is at its default, and is refused when it is not."""
+    now = TrainConfig().to_dict()
+    saved = {k: v for k, v in now.items() if k != "pruning_latency_form"}
+    defaults = TrainConfig().to_dict()
+    assert resume_changes(saved, {}, now, {}, "ckpt", defaults=defaults) == []
+    other = {**now, "pruning_latency_form": "torchscript"}
+    with pytest.raises(ResumeMismatchError, match=r"pruning_latency_form: 'eager' in the"):
+        resume_changes(saved, {}, other, {}, "ckpt", defaults=defaults)
+
+
 def test_changed_data_content_is_refused(tmp_path: Path) -> None:
     saved = TrainConfig(data="t.csv").to_dict()
     with pytest.raises(ResumeMismatchError, match=r"content of t.csv changed"):

@@ -9,7 +9,9 @@ ViT-B/16 at 29.4% for 24.4% (``benchmarks/latency_prediction.py``, before this m
 ``fit_latency_line`` therefore times a second size: a copy of the model with ``line_at`` (a
 share, ``LatencySpec.line_at``) of every mask's channels kept, shrunk, timed whole beside the
 dense model (one after the other, ``ROUNDS`` times; ``mu`` is the median of the rounds'
-ratios, so that a drift of the machine's speed cancels out of it). With ``S`` the operators'
+ratios, so that a drift of the machine's speed cancels out of it); both are timed in the
+``LatencySpec.form`` that serves them, so the line maps the eager operators' sum to that
+form's time. With ``S`` the operators'
 summed times alone and ``W`` the dense total the table already predicts, the cost becomes
 ``slope * S + offset``, the line through ``(S_dense, W)`` and ``(S_copy, mu * W)``. The dense
 total, and with it every target given as a share, is unchanged, and a state's share of it,
@@ -33,7 +35,7 @@ import torch
 from torch import nn
 
 from fisherprune.cost import CostModel
-from fisherprune.cost.latency import timing_threads, whole_model_seconds, with_batch
+from fisherprune.cost.latency import served_pair, timing_threads, whole_model_seconds, with_batch
 from fisherprune.export.shrink import shrink
 from fisherprune.inputs import Inputs
 from fisherprune.masks import find_masks
@@ -147,9 +149,10 @@ def fit_latency_line(cost_model: CostModel, model: nn.Module, example_inputs: An
         return line
     ratios = []
     with timing_threads(spec), _masks_kept(model, {}):  # the model itself, dense
+        timed_dense, timed_small = served_pair(model, small, inputs, spec)  # in spec.form
         for _ in range(ROUNDS):
-            dense = whole_model_seconds(model, inputs, spec)
-            ratios.append(whole_model_seconds(small, inputs, spec) / dense)
+            dense = whole_model_seconds(timed_dense, inputs, spec)
+            ratios.append(whole_model_seconds(timed_small, inputs, spec) / dense)
     mu = float(np.median(ratios))
     line.measured_share = mu
     slope = whole * (1 - mu) / (s_dense - s_copy)

@@ -12,14 +12,14 @@ from __future__ import annotations
 import argparse
 
 from fisherprune.cost import LatencySpec
-from fisherprune.cost.latency import spec_for
+from fisherprune.cost.latency import FORMS, spec_for
 
 __all__ = ["add_latency_arguments", "latency_spec"]
 
 
 def add_latency_arguments(p: argparse.ArgumentParser) -> None:
-    """Add ``--latency_device``, ``--latency_batch``, ``--latency_threads`` and
-    ``--latency_cache`` to ``p``."""
+    """Add ``--latency_device``, ``--latency_batch``, ``--latency_threads``,
+    ``--latency_form`` and ``--latency_cache`` to ``p``."""
     p.add_argument(
         "--latency_device",
         default="cpu",
@@ -35,6 +35,14 @@ def add_latency_arguments(p: argparse.ArgumentParser) -> None:
         "--latency_threads",
         type=int,
         help="with --convention latency: CPU threads while timing (default: torch's setting)",
+    )
+    p.add_argument(
+        "--latency_form",
+        default="eager",
+        choices=list(FORMS),
+        help="with --convention latency: the serving form the whole model is timed in "
+        "(operators are timed in eager): eager, torchscript, aoti (CPU), compile, "
+        "cuda_graphs (GPU)",
     )
     p.add_argument(
         "--latency_cache",
@@ -55,6 +63,7 @@ def latency_spec(args: argparse.Namespace) -> LatencySpec | None:
         device=args.latency_device,
         batch=args.latency_batch,
         threads=args.latency_threads,
+        form=args.latency_form,
         cache=args.latency_cache,
         step=args.round_to,
     )

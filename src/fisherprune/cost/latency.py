@@ -30,8 +30,14 @@ Every timing is kept on disk (``cache``), keyed by the operator, its argument sh
 dtypes; the file's header names the device, torch version, threads, dtype and form it was
 measured under, and a second run on the same model reads every time from it. A file whose
 header differs is refused, naming the field; a file that does not match its own checksum is
-measured afresh, never trusted. Only the ``eager`` form is timed per operator; a compiled
-form fuses operators, which a per-operator table cannot see.
+measured afresh, never trusted.
+
+Operators are timed alone in eager whatever the serving form: the table ranks channels by their
+relative cost. A compiled form (``LatencySpec.form``: TorchScript, AOTInductor,
+``torch.compile``, CUDA graphs) fuses operators, which the table cannot see, so every timing
+of the whole model (the dense total of the scale, both sizes of the line) is taken in that form
+(``fisherprune.export.serving_forms``), and the line maps the eager operators' sum to the
+served form's time.
 """
 
 from __future__ import annotations
@@ -63,6 +69,7 @@ __all__ = [
     "default_cache_dir",
     "prediction_check",
     "prediction_text",
+    "served_pair",
     "spec_for",
     "timing_threads",
     "whole_model_seconds",
@@ -71,8 +78,14 @@ __all__ = [
 
 log = logging.getLogger("fisherprune")
 
-#: serving forms a per-operator table can time
-FORMS = ("eager",)
+#: serving forms, and the device types each is built on (``fisherprune.export.serving_forms``)
+FORMS = {
+    "eager": ("cpu", "cuda"),
+    "torchscript": ("cpu", "cuda"),
+    "aoti": ("cpu",),
+    "compile": ("cpu", "cuda"),
+    "cuda_graphs": ("cuda",),
+}
 #: one timed block of an operator lasts at least this long (seconds)
 BLOCK_SECONDS = 2e-3
 #: table file format
@@ -80,7 +93,7 @@ FORMAT = 1
 #: widths per axis of the grid an operator's two widest axes are timed on together
 GRID = 5
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -95,7 +108,11 @@ class LatencySpec:
             operators are timed in; None: each operator's own (the model's).
         batch: examples per forward pass timed; None: the example inputs' batch. The cost is
             seconds per forward pass of this batch, not per example.
-        form: how the model is served: ``"eager"`` (the only form timed per operator).
+        form: how the model is served, and timed whole: ``"eager"``, ``"torchscript"``
+            (traced and frozen), ``"aoti"`` (an AOTInductor package; CPU), ``"compile"``
+            (``torch.compile``) or ``"cuda_graphs"`` (GPU). Operators are timed alone in eager
+            in every form; a compiled form needs ``line_at`` (the eager table alone cannot
+            predict a fused form).
         step: widths are timed in steps of this many channels (use the pruner's
             ``round_to``); an axis of at most ``points`` widths is timed at every width.
         points: at most this many widths timed per axis of an operator.
@@ -148,15 +165,24 @@ class LatencySpec:
             raise ValueError(
                 f"LatencySpec.line_at must be a share in (0, 1) or None, got {self.line_at!r}"
             )
-        if self.dtype is not None and self.dtype not in _DTYPES:
+        if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(
-                f"LatencySpec.dtype must be one of {', '.join(_DTYPES)} or None, got {self.dtype!r}"
+                f"LatencySpec.dtype must be one of {', '.join(DTYPES)} or None, got {self.dtype!r}"
             )
         if self.form not in FORMS:
             raise ValueError(
-                f"LatencySpec.form {self.form!r} is not timed per operator (forms: "
-                f"{', '.join(FORMS)}); a compiled form fuses operators, so time the eager "
-                "model and measure the compiled one on the result"
+                f"LatencySpec.form must be one of {', '.join(FORMS)}, got {self.form!r}"
+            )
+        if dev.type not in FORMS[self.form]:
+            raise ValueError(
+                f"LatencySpec.form {self.form!r} is not built on device {self.device!r} (it "
+                f"runs on {' or '.join(FORMS[self.form])}); choose another form or device"
+            )
+        if self.form != "eager" and self.line_at is None:
+            raise ValueError(
+                f"LatencySpec.form {self.form!r} needs line_at (a share in (0, 1)): the eager "
+                "operators' table alone cannot predict a fused form; the line through two "
+                "sizes of the model timed in that form maps one to the other"
             )
 
     @property
@@ -217,6 +243,8 @@ class LatencyTable:
 
     header: dict[str, Any]
     path: Path
+    #: the header's digest: the tables of one device, torch version, threads, dtype and form
+    key: str
     entries: dict[str, float] = field(default_factory=dict)
     measured: int = 0  # entries added since it was opened
     warned: bool = False  # the machine was found loaded while timing (said once)
@@ -239,12 +267,9 @@ class LatencyTable:
             "form": spec.form,
         }
         given = Path(spec.cache) if spec.cache is not None else default_cache_dir()
-        if given.suffix == ".json":
-            path = given
-        else:
-            key = hashlib.sha256(json.dumps(header, sort_keys=True).encode()).hexdigest()[:16]
-            path = given / f"{dev.type}-{key}.json"
-        table = cls(header, path)
+        key = hashlib.sha256(json.dumps(header, sort_keys=True).encode()).hexdigest()[:16]
+        path = given if given.suffix == ".json" else given / f"{dev.type}-{key}.json"
+        table = cls(header, path, key)
         table._load()
         return table
 
@@ -486,7 +511,7 @@ class OpTimer:
         self.spec, self.table = spec, table
         self.device = spec.torch_device
         self.sync = _sync(self.device)
-        self.dtype = _DTYPES.get(spec.dtype) if spec.dtype else None
+        self.dtype = DTYPES.get(spec.dtype) if spec.dtype else None
 
     def _dtype(self, dtype: torch.dtype) -> torch.dtype:
         return self.dtype if self.dtype is not None and dtype.is_floating_point else dtype
@@ -717,32 +742,32 @@ def with_batch(example_inputs: Any, batch: int) -> Any:
     return inputs.repeated(times).map_leaves(lambda x, b: x[:batch] if b else x).packed()
 
 
-def whole_model_seconds(model: torch.nn.Module, example_inputs: Any, spec: LatencySpec) -> float:
-    """Seconds per forward pass of ``model`` on ``example_inputs`` in eval mode, on
-    ``spec``'s device and dtype (a copy where the model lives elsewhere or in another dtype;
-    the model itself is left as it was): the fastest of ``2 * spec.blocks`` blocks, never
-    cached (it is what the operators' table is checked against)."""
-    device, dtype = spec.torch_device, _DTYPES.get(spec.dtype) if spec.dtype else None
-    params = list(model.parameters())
-    here = not params or all(
-        p.device == device and (dtype is None or not p.is_floating_point() or p.dtype == dtype)
-        for p in params
-    )
-    if not here:
-        import copy
+def whole_model_seconds(model: Any, example_inputs: Any, spec: LatencySpec) -> float:
+    """Seconds per forward pass of ``model`` on ``example_inputs`` in eval mode, in
+    ``spec``'s form, device and dtype (``fisherprune.export.serving_forms.serve``: a copy where
+    the form or the device needs one; the model itself is left as it was): the fastest of
+    ``2 * spec.blocks`` blocks, never cached (it is what the operators' table is checked
+    against). ``model`` may be a ``ServedForm`` built already (it runs on its own inputs;
+    ``example_inputs`` are then not read), so that a form compiled once is timed again."""
+    # the export package imports the cost models: imported here, once both are loaded
+    from fisherprune.export.serving_forms import ServedForm, serve
 
-        model = copy.deepcopy(model).to(device=device, dtype=dtype)
+    served = model if isinstance(model, ServedForm) else serve(model, example_inputs, spec)
+    modules = [served.module] if served.module is not None else []
+    with eval_mode(*modules), torch.inference_mode():
+        return _measure(served.run, _sync(spec.torch_device), 2 * spec.blocks)
 
-    def move(x: Any, _batched: bool) -> Any:
-        if not isinstance(x, torch.Tensor):
-            return x
-        if dtype is not None and x.is_floating_point():
-            return x.to(device=device, dtype=dtype)
-        return x.to(device)
 
-    inputs = Inputs.of(example_inputs).map_leaves(move)
-    with eval_mode(model), torch.inference_mode():
-        return _measure(lambda: inputs.call(model), _sync(device), 2 * spec.blocks)
+def served_pair(
+    dense: torch.nn.Module, small: torch.nn.Module, example_inputs: Any, spec: LatencySpec
+) -> tuple[Any, Any]:
+    """``dense`` and ``small`` as ``whole_model_seconds`` times them again and again: the
+    modules themselves in eager, else each built once in ``spec.form`` (``ServedForm``)."""
+    if spec.form == "eager":
+        return dense, small
+    from fisherprune.export.serving_forms import serve
+
+    return serve(dense, example_inputs, spec), serve(small, example_inputs, spec)
 
 
 def prediction_check(
@@ -762,9 +787,10 @@ def prediction_check(
     inputs = with_batch(example_inputs, spec.batch or Inputs.of(example_inputs).batch_size)
     dense_s, small_s = [], []
     with timing_threads(spec):
+        timed_dense, timed_small = served_pair(dense, small, inputs, spec)
         for _ in range(3):
-            dense_s.append(whole_model_seconds(dense, inputs, spec))
-            small_s.append(whole_model_seconds(small, inputs, spec))
+            dense_s.append(whole_model_seconds(timed_dense, inputs, spec))
+            small_s.append(whole_model_seconds(timed_small, inputs, spec))
     ms = UNIT * 1e3
     measured, measured_dense = min(small_s) * 1e3, min(dense_s) * 1e3
     return {

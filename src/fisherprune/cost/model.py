@@ -9,6 +9,7 @@ evaluating each operator's formula once per distinct shape change.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import warnings
@@ -129,10 +130,14 @@ class CostModel:
             inputs' batch). Building the model then times every operator not yet in the
             spec's table (``fisherprune.cost.latency``) and the dense model once, with the
             masks as they are (all ones for a dense model); the table is saved.
+        latency_calibration: with ``latency``: a ``latency_calibration`` of an earlier cost
+            model of this model and spec (a resumed run's checkpoint): its slope and offset are
+            used and the whole model is not timed again; None: timed.
 
     Raises:
-        ValueError: unknown convention; ``latency`` given with another convention; a table
-            file measured under another device, dtype, torch version or thread count.
+        ValueError: unknown convention; ``latency`` or ``latency_calibration`` given with
+            another convention; a table file measured under another device, dtype, torch
+            version, thread count or form.
     """
 
     def __init__(
@@ -142,13 +147,20 @@ class CostModel:
         convention: str = "flops",
         loss_fn: Callable[[Any], Tensor] | None = None,
         latency: LatencySpec | None = None,
+        latency_calibration: dict[str, Any] | None = None,
     ) -> None:
+        self._calibration = latency_calibration
         self._counting = get_convention(convention)  # its formulas, parameter terms, divisor
         self.convention = convention
         if latency is not None and not self._counting.measured:
             raise ValueError(
                 f"latency= describes how convention='latency' times the model; the "
                 f"{convention!r} convention is computed, so drop latency= or choose 'latency'"
+            )
+        if latency_calibration is not None and not self._counting.measured:
+            raise ValueError(
+                f"latency_calibration= prices the latency convention's operators; the "
+                f"{convention!r} convention has none, so drop it"
             )
         if batch_size(example_inputs) == 0:
             raise ValueError(
@@ -163,6 +175,7 @@ class CostModel:
         #: ``latency``: microseconds per forward pass added to the operators' scaled sum (the
         #: offset of ``set_latency_line``; 0 else)
         self.latency_offset = 0.0
+        self._table_key: str | None = None  # ``latency``: the key of the table it was timed in
         if self.latency is not None and self.latency.batch is not None:
             example_inputs = with_batch(example_inputs, self.latency.batch)
         self.masks = find_masks(model)
@@ -220,19 +233,74 @@ class CostModel:
                 timed = time_op(timer, t.op, t.dims, t.shapes, axes)
                 dims = [(0, j, a.roots) for j, a in enumerate(axes)]
                 terms.append(_Term(timed, None, dims, [tuple(a.n for a in axes)], t.module))
-            whole = whole_model_seconds(model, example_inputs, spec) / UNIT
-        summed = sum(self._eval(t, t.shapes) for t in terms)
-        table.save_if_plausible(summed, whole)
+            summed = sum(self._eval(t, t.shapes) for t in terms)
+            self._table_key = table.key
+            if self._calibration is not None:
+                self._calibrated(self._calibration, table)
+            else:
+                whole = self._scaled_to_whole(model, example_inputs, spec, table, summed)
+                log.info(
+                    "latency: %d operators timed (%d new), sum %.6g us; the model whole (%s) "
+                    "%.6g us",
+                    len(terms), table.measured, summed, spec.form, whole,
+                )  # fmt: skip
+        for t in terms:
+            t.formula.scale = self.latency_scale
+        return terms
+
+    def _scaled_to_whole(
+        self,
+        model: nn.Module,
+        example_inputs: Any,
+        spec: LatencySpec,
+        table: LatencyTable,
+        summed: float,
+    ) -> float:
+        """``latency_scale``: the dense model timed whole, in ``spec.form``, over the
+        operators' sum ``summed``; the table is saved when its operators are plausible beside
+        the model timed whole in eager (a compiled form may well run faster than its eager
+        operators)."""
+        whole = whole_model_seconds(model, example_inputs, spec) / UNIT
+        eager = whole
+        if spec.form != "eager":
+            eager_spec = dataclasses.replace(spec, form="eager")
+            eager = whole_model_seconds(model, example_inputs, eager_spec) / UNIT
+        table.save_if_plausible(summed, eager)
         # what the operators alone miss (the Python between them, caches a lone operator
         # keeps warm) is spread over them in proportion
         self.latency_scale = whole / summed if summed > 0 else 1.0
-        for t in terms:
-            t.formula.scale = self.latency_scale
-        log.info(
-            "latency: %d operators timed (%d new), sum %.6g us; the model whole %.6g us",
-            len(terms), table.measured, summed, whole,
-        )  # fmt: skip
-        return terms
+        return whole
+
+    def _calibrated(self, cal: dict[str, Any], table: LatencyTable) -> None:
+        """``latency_scale`` and ``latency_offset`` from the calibration ``cal`` (not timed);
+        a table of another key, or operators timed afresh, are said in one line each."""
+        self.latency_scale, self.latency_offset = float(cal["slope"]), float(cal["offset"])
+        if cal.get("table") != table.key:
+            log.warning(
+                "latency: the calibration given was measured with table %s, not %s as now: "
+                "its slope and offset price this table's operators",
+                cal.get("table"), table.key,
+            )  # fmt: skip
+        if table.measured:
+            log.warning(
+                "latency: %d operator times were not in %s and were timed afresh: costs may "
+                "differ from those the calibration was measured with",
+                table.measured, table.path,
+            )  # fmt: skip
+            table.save()
+
+    @property
+    def latency_calibration(self) -> dict[str, Any] | None:
+        """``latency`` only: what prices its operators, to build the same cost model again
+        without timing (``latency_calibration=``): ``slope``, ``offset`` (microseconds) and
+        the ``table`` key (``LatencyTable.key``); None for another convention."""
+        if self.latency is None:
+            return None
+        return {
+            "slope": self.latency_scale,
+            "offset": self.latency_offset,
+            "table": self._table_key,
+        }
 
     def _parameter_terms(self, model: nn.Module) -> list[_Term]:
         """One term per parameter when the convention prices parameters (shapes pruned)."""

@@ -163,6 +163,9 @@ class PruningOptimizer:
             for ``criterion``.
         latency: with ``convention`` or ``score_convention`` ``"latency"``: where and how
             it is timed (``fisherprune.LatencySpec``; default: this CPU as set now).
+        latency_calibration: the ``"latency"`` entry of an earlier ``state_dict()`` of this
+            model and settings (a resumed run): its cost models' slopes and offsets are used
+            and the whole model is not timed again; None: timed.
         criterion: how channels are ranked: a ``fisherprune.criteria.Criterion`` (``Fisher()``,
             ``Taylor()``, ``L1()``, ``Random(seed)`` or your own subclass) or the name of a
             registered one (``"l1"``). Default: ``method``. Criteria that read only weights
@@ -202,6 +205,7 @@ class PruningOptimizer:
         method: str = "fisher",
         criterion: Criterion | str | None = None,
         latency: LatencySpec | None = None,
+        latency_calibration: dict[str, Any] | None = None,
     ) -> None:
         self.prune_every = check_int("prune_every", prune_every, 1)
         self.burn_in = check_int("burn_in", burn_in, 0)
@@ -264,14 +268,25 @@ class PruningOptimizer:
         self.convention = convention
         self.score_convention = score_convention or convention
         timed = {c: latency if c == "latency" else None for c in (convention, score_convention)}
-        self.cost_model = CostModel(model, example_inputs, convention, latency=timed[convention])
+        given = latency_calibration or {}
+        self.cost_model = CostModel(
+            model,
+            example_inputs,
+            convention,
+            latency=timed[convention],
+            latency_calibration=given.get("cost") if timed[convention] else None,
+        )
         #: the cost that scores are normalised by (the same object when the conventions agree)
         self.score_model = self.cost_model
         if score_convention not in (None, convention):
             with warnings.catch_warnings():  # the trace's warnings were given just above
                 warnings.simplefilter("ignore")
                 self.score_model = CostModel(
-                    model, example_inputs, score_convention, latency=timed[score_convention]
+                    model,
+                    example_inputs,
+                    score_convention,
+                    latency=timed[score_convention],
+                    latency_calibration=given.get("score") if timed[score_convention] else None,
                 )
         self.start_cost = self.cost_model.total()
         self.target = resolve_target(flops_target, self.start_cost, convention)
@@ -539,6 +554,7 @@ class PruningOptimizer:
             "target": self.target,
             "start_cost": self.start_cost,
             "settings": self._settings(),
+            "latency": self.latency_calibration(),
             "history": [e.as_dict() for e in self.history],
             "criterion": self.criterion.state_dict(),
             "optimizer": self.optimizer.state_dict(),
@@ -547,6 +563,17 @@ class PruningOptimizer:
                 for n, m in self.masks.items()
             },
         }
+
+    def latency_calibration(self) -> dict[str, Any] | None:
+        """What prices the ``latency`` convention's operators, by cost model (``"cost"``,
+        ``"score"``: ``CostModel.latency_calibration``), for ``latency_calibration=`` of a
+        resumed run; None when neither convention is ``latency``."""
+        score = self.score_model if self.score_model is not self.cost_model else None
+        cal = {
+            "cost": self.cost_model.latency_calibration,
+            "score": score.latency_calibration if score is not None else None,
+        }
+        return cal if any(cal.values()) else None
 
     def _settings(self) -> dict[str, Any]:
         """The settings that decide which channels go: a resume must not change them."""

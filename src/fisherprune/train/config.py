@@ -79,6 +79,7 @@ ALIASES: dict[str, str] = {
     "pruning.latency_device": "pruning_latency_device",
     "pruning.latency_batch": "pruning_latency_batch",
     "pruning.latency_threads": "pruning_latency_threads",
+    "pruning.latency_form": "pruning_latency_form",
     "pruning.latency_cache": "pruning_latency_cache",
     "pruning.round_to": "pruning_round_to",
     "pruning.uniform": "pruning_uniform",
@@ -167,6 +168,8 @@ HELP: dict[str, str] = {
     "pruning_latency_device": "where the latency convention times the model: cpu or cuda[:N]",
     "pruning_latency_batch": "examples per forward pass the latency convention times",
     "pruning_latency_threads": "CPU threads while timing (default: as set)",
+    "pruning_latency_form": "serving form the whole model is timed in: eager, torchscript, "
+    "aoti (CPU), compile, cuda_graphs (GPU); operators are timed in eager",
     "pruning_latency_cache": "folder or .json file of latency tables (default "
     "~/.cache/fisherprune/latency)",
     "save_dir": "directory for checkpoints, metrics, report",
@@ -252,8 +255,9 @@ class TrainConfig:
         pruning_score_convention: cost convention the signal is weighed against when choosing
             a channel (None: ``pruning_convention``); see ``PruningOptimizer``.
         pruning_latency_device, pruning_latency_batch, pruning_latency_threads,
-            pruning_latency_cache: the ``LatencySpec`` of the ``latency`` convention (device,
-            batch, CPU threads, table cache), read only when a convention is ``latency``.
+            pruning_latency_form, pruning_latency_cache: the ``LatencySpec`` of the ``latency``
+            convention (device, batch, CPU threads, serving form, table cache), read only
+            when a convention is ``latency``.
     Files:
         save_dir: where checkpoints, metrics, report go; export_dir: exported models
         (default ``save_dir/export``); checkpoint_every, keep_checkpoints; resume (a resumed
@@ -324,6 +328,7 @@ class TrainConfig:
     pruning_latency_device: str = "cpu"
     pruning_latency_batch: int = 1
     pruning_latency_threads: int | None = None
+    pruning_latency_form: str = "eager"
     pruning_latency_cache: str | None = None
 
     save_dir: str = "runs/fisherprune"
@@ -436,6 +441,7 @@ class TrainConfig:
             device=self.pruning_latency_device,
             batch=self.pruning_latency_batch,
             threads=self.pruning_latency_threads,
+            form=self.pruning_latency_form,
             cache=self.pruning_latency_cache,
             step=self.pruning_round_to,
         )

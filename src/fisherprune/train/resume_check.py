@@ -67,10 +67,13 @@ def resume_changes(
     now: dict[str, Any],
     now_data: dict[str, str],
     source: str,
+    defaults: dict[str, Any] | None = None,
 ) -> list[str]:
     """The allowed settings that differ between a checkpoint (``saved``: its settings,
     ``saved_data``: its ``data_fingerprint``, None for a checkpoint written before they were
     recorded) and this run (``now``, ``now_data``), one ``"name: old -> new"`` line each.
+    A setting ``saved`` lacks (the checkpoint was written before it existed) counts at its
+    value in ``defaults``, what the older run did without it.
 
     Raises:
         ResumeMismatchError: another setting differs, or a data file's content does: the
@@ -78,6 +81,7 @@ def resume_changes(
             that may change.
     """
     refused, allowed = [], []
+    saved = {**(defaults or {}), **saved}
     for name in sorted(set(saved) | set(now)):
         old, new = saved.get(name), now.get(name)
         if old == new or name in ("resume", "overwrite"):

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -68,12 +69,19 @@ def inner_optimizer(
 
 
 def build_optimizer(
-    config: TrainConfig, model: nn.Module, example: Tensor, burn_in: int, weight_decay: float
+    config: TrainConfig,
+    model: nn.Module,
+    example: Tensor,
+    burn_in: int,
+    weight_decay: float,
+    latency_calibration: dict[str, Any] | None = None,
 ) -> PruningOptimizer:
     """The run's ``PruningOptimizer`` over ``model``'s trainable parameters: the inner
     optimizer of ``config.optimizer`` with ``weight_decay``, a prune every ``pruning_iter``
     steps after ``burn_in``. With the ``latency`` convention its cost is fitted to the model
-    timed whole at two sizes (``fit_latency_line``)."""
+    timed whole at two sizes (``fit_latency_line``), unless ``latency_calibration`` (a
+    resumed checkpoint's, ``PruningOptimizer.latency_calibration``) gives the fit: then
+    nothing is timed whole."""
     params = [p for p in model.parameters() if p.requires_grad]
     opt = PruningOptimizer(
         model,
@@ -91,8 +99,9 @@ def build_optimizer(
         score_convention=config.pruning_score_convention,
         criterion=config.pruning_criterion,
         latency=config.latency_spec(),
+        latency_calibration=latency_calibration,
     )
-    if config.pruning_convention == "latency":
+    if config.pruning_convention == "latency" and latency_calibration is None:
         fit_latency_line(opt.cost_model, model, example)
     return opt
 

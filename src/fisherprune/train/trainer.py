@@ -23,7 +23,7 @@ from fisherprune.graph import apply_masks
 from fisherprune.masks import find_masks
 from fisherprune.modes import eval_mode
 from fisherprune.pruner import PruningOptimizer
-from fisherprune.train.checkpoint import CheckpointManager, rng_state
+from fisherprune.train.checkpoint import CheckpointManager, DamagedCheckpointError, rng_state
 from fisherprune.train.config import TrainConfig
 from fisherprune.train.data import Dataset, DataSpec, StreamingDataset, data_card, load_data
 from fisherprune.train.devices import Precision, process_group_backend, resolve_device
@@ -177,7 +177,38 @@ class PruningTrainer:
             precision=self.precision,
             device=self.device,
         )
-        return build_optimizer(cfg, self.model, self.example, self.burn_in, self.weight_decay.value)
+        return build_optimizer(
+            cfg,
+            self.model,
+            self.example,
+            self.burn_in,
+            self.weight_decay.value,
+            self._saved_calibration(),
+        )
+
+    def _saved_calibration(self) -> dict[str, Any] | None:
+        """With ``--resume`` and the ``latency`` convention: how the newest checkpoint that
+        loads priced the operators (``PruningOptimizer.latency_calibration``), so that the
+        resumed run does not time the model whole again and prunes as the first run would;
+        None otherwise, with a line when that checkpoint was written before it was kept (the
+        model is then timed afresh)."""
+        cfg = self.config
+        if not cfg.resume or cfg.latency_spec() is None:
+            return None
+        ckpts = CheckpointManager(self.save_dir / "checkpoints", cfg.keep_checkpoints)
+        for path in reversed(ckpts.paths()):
+            try:
+                saved = CheckpointManager.load(path)
+            except DamagedCheckpointError:
+                continue  # set aside, and said, when the run resumes from the one before
+            calibration = saved.get("pruner", {}).get("latency")
+            if calibration is None:
+                self.progress.line(
+                    f"--resume: {path.name} holds no latency calibration (written before it "
+                    "was kept): the model is timed afresh"
+                )
+            return calibration
+        return None
 
     # -------------------------------------------------------------- batches
     def _batch(self, step: int) -> tuple[Tensor, Tensor]:
@@ -412,6 +443,7 @@ class PruningTrainer:
             self.config.to_dict(),
             self.data_files,
             str(path),
+            defaults=TrainConfig().to_dict(),
         ):
             self.progress.line(f"--resume: changed {line}")
         state = resume_state(saved, path, self.model, popt)

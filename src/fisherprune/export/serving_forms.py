@@ -1,0 +1,161 @@
+"""A model in the form that serves it, ready to be timed whole (the ``latency`` convention).
+
+The ``latency`` convention times each operator alone in eager, which ranks channels by their
+relative cost; a compiled form fuses operators, which such a table cannot see. So every
+whole-model timing (the dense total ``CostModel.latency_scale`` is taken from, both sizes
+``fisherprune.calibrate.fit_latency_line`` times) is taken on the model in the
+``LatencySpec.form`` it is served in, and the scale and the line map the eager operators' sum
+to the served form's time. ``serve`` builds that form once; ``whole_model_seconds`` times it.
+
+Forms, built with the project's own exporters:
+
+* ``eager``: the module itself (a copy only where it lives on another device or dtype);
+* ``torchscript``: traced and frozen (``frozen_for_serving``, what
+  ``export_model(format="torchscript", freeze=True)`` writes), on the CPU or a GPU;
+* ``aoti``: an AOTInductor package (``export_model(format="aoti")``, loaded back), CPU only;
+* ``compile``: ``torch.compile`` of the module, on the CPU or a GPU;
+* ``cuda_graphs``: one forward pass captured in a CUDA graph and replayed, GPU only.
+
+A compiled form is built from the model shrunk at its masks, as an export would serve it (a
+model with every mask at 1 loses only its mask multiplications). Eager times the module as
+given, as the convention always has.
+"""
+
+from __future__ import annotations
+
+import copy
+import tempfile
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from fisherprune._errors import first_line
+from fisherprune.cost.latency import DTYPES, LatencySpec
+from fisherprune.export.aoti import load_aoti_export
+from fisherprune.export.files import export_model
+from fisherprune.export.latency import frozen_for_serving
+from fisherprune.export.shrink import shrink
+from fisherprune.inputs import Inputs
+from fisherprune.masks import find_masks
+
+__all__ = ["ServedForm", "serve"]
+
+#: untimed forward passes before a CUDA graph is captured (cuDNN and the allocator settle)
+CAPTURE_WARMUP = 3
+
+
+@dataclass
+class ServedForm:
+    """A model built in a serving form, with the inputs it runs on.
+
+    Attributes:
+        form: the ``LatencySpec.form`` it was built in.
+        run: one forward pass on those inputs (call it in inference mode).
+        module: the module whose train/eval flag must be eval while ``run`` is timed (eager),
+            else None (a compiled form was built in eval mode).
+        keep: what must live as long as ``run`` and ``run`` does not hold (a package's
+            folder; a CUDA graph's module, inputs and outputs, which it replays into).
+    """
+
+    form: str
+    run: Callable[[], Any]
+    module: nn.Module | None = None
+    keep: list[Any] = field(default_factory=list)
+
+
+def _placed(model: nn.Module, spec: LatencySpec) -> tuple[nn.Module, Callable[[Any], Any]]:
+    """``model`` on ``spec``'s device and dtype (a copy where it is not there already), and
+    the function that moves an input leaf there."""
+    device, dtype = spec.torch_device, DTYPES.get(spec.dtype) if spec.dtype else None
+    params = list(model.parameters())
+    here = not params or all(
+        p.device == device and (dtype is None or not p.is_floating_point() or p.dtype == dtype)
+        for p in params
+    )
+    if not here:
+        model = copy.deepcopy(model).to(device=device, dtype=dtype)
+
+    def move(x: Any, _batched: bool = False) -> Any:
+        if not isinstance(x, torch.Tensor):
+            return x
+        if dtype is not None and x.is_floating_point():
+            return x.to(device=device, dtype=dtype)
+        return x.to(device)
+
+    return model, move
+
+
+def serve(model: nn.Module, example_inputs: Any, spec: LatencySpec) -> ServedForm:
+    """``model`` built in ``spec.form`` on ``spec``'s device and dtype, running on
+    ``example_inputs`` (moved there). A compiled form is built once here (AOTInductor: 15-25 s
+    on a CPU), from a copy shrunk at the model's masks.
+
+    Changes: nothing; ``model`` is copied where a form or a device needs it.
+
+    Raises:
+        RuntimeError: the form cannot be built for this model (what the exporter or compiler
+            says, with the form named).
+    """
+    model, move = _placed(model, spec)
+    inputs = Inputs.of(example_inputs).map_leaves(move)
+    if spec.form == "eager":
+        return ServedForm("eager", lambda: inputs.call(model), module=model)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # tracers' and compilers' own notices
+            net = shrink(model, inputs.packed(), check=False) if find_masks(model) else model
+            net = copy.deepcopy(net).eval() if net is model else net.eval()
+            return _BUILD[spec.form](net, inputs)
+    except Exception as e:
+        raise RuntimeError(
+            f"LatencySpec.form {spec.form!r}: the model could not be built in this form "
+            f"({first_line(e)}); choose another form (eager times any model)"
+        ) from e
+
+
+def _torchscript(net: nn.Module, inputs: Inputs) -> ServedForm:
+    frozen, args = frozen_for_serving(net, inputs.packed())
+    if isinstance(args, dict):
+        return ServedForm("torchscript", lambda: frozen(**args))
+    return ServedForm("torchscript", lambda: frozen(*args))
+
+
+def _aoti(net: nn.Module, inputs: Inputs) -> ServedForm:
+    folder = tempfile.TemporaryDirectory(prefix="fisherprune-aoti-")
+    path = export_model(net, Path(folder.name) / "served.pt2", inputs.packed(), format="aoti")
+    loaded = load_aoti_export(path)
+    return ServedForm("aoti", lambda: inputs.call(loaded), keep=[folder])
+
+
+def _compile(net: nn.Module, inputs: Inputs) -> ServedForm:
+    compiled = torch.compile(net)
+    with torch.inference_mode():
+        inputs.call(compiled)  # compiled here, not in the first timed call
+    return ServedForm("compile", lambda: inputs.call(compiled))
+
+
+def _cuda_graphs(net: nn.Module, inputs: Inputs) -> ServedForm:
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.inference_mode():
+        with torch.cuda.stream(side):
+            for _ in range(CAPTURE_WARMUP):
+                inputs.call(net)
+        torch.cuda.current_stream().wait_stream(side)
+        with torch.cuda.graph(graph):
+            out = inputs.call(net)
+    return ServedForm("cuda_graphs", graph.replay, keep=[net, inputs, out])
+
+
+_BUILD: dict[str, Callable[[nn.Module, Inputs], ServedForm]] = {
+    "torchscript": _torchscript,
+    "aoti": _aoti,
+    "compile": _compile,
+    "cuda_graphs": _cuda_graphs,
+}

@@ -1,0 +1,240 @@
+"""The ``latency`` convention in a serving form (issue 32, point 1) and its calibration kept
+for a resumed run: operators are timed alone in eager (here on the fake clock of
+``test_latency_cost``), the whole model in the form that serves it, built once per size."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import fisherprune as fp
+import fisherprune.calibrate.latency_line as line_module
+import fisherprune.cost.model as model_module
+import fisherprune.export.serving_forms as forms
+from fisherprune.calibrate import fit_latency_line
+from fisherprune.cost import CostModel, LatencySpec
+from fisherprune.cost import latency as lat
+from fisherprune.export.aoti import AOTIModule
+from tests.test_latency_cost import _cnn, _fake_seconds, _fake_whole, fake_clock  # noqa: F401
+
+
+@pytest.fixture
+def eager_operators(monkeypatch):
+    """Operators on the fake clock; the whole model timed for real, and each timing recorded
+    with the form it was served in."""
+    monkeypatch.setattr(lat.OpTimer, "seconds", _fake_seconds)
+    timed: list[tuple[str, float]] = []
+    real = lat.whole_model_seconds
+
+    def spy(model, example_inputs, spec):
+        seconds = real(model, example_inputs, spec)
+        timed.append((getattr(model, "form", spec.form), seconds))
+        return seconds
+
+    monkeypatch.setattr(model_module, "whole_model_seconds", spy)
+    monkeypatch.setattr(line_module, "whole_model_seconds", spy)
+    return timed
+
+
+def _count_builds(monkeypatch, name: str) -> list[int]:
+    calls = [0]
+    real = getattr(forms, name)
+
+    def counting(*a, **k):
+        calls[0] += 1
+        return real(*a, **k)
+
+    monkeypatch.setattr(forms, name, counting)
+    return calls
+
+
+def _masked_cnn() -> tuple[nn.Module, torch.Tensor]:
+    net, x = _cnn(), torch.randn(2, 3, 8, 8)
+    fp.apply_masks(net, x)
+    return net, x
+
+
+def test_dense_prediction_is_the_torchscript_time(tmp_path, eager_operators, monkeypatch):
+    """In form torchscript the dense total is the model timed whole as frozen TorchScript
+    (traced once), not in eager; the eager time only checks the table."""
+    traced = _count_builds(monkeypatch, "frozen_for_serving")
+    net, x = _masked_cnn()
+    spec = LatencySpec(cache=tmp_path, threads=1, blocks=1, form="torchscript")
+    cm = CostModel(net, x, "latency", latency=spec)
+    assert traced[0] == 1
+    (scripted,) = [s for f, s in eager_operators if f == "torchscript"]
+    assert cm.dense_total() * lat.UNIT == pytest.approx(scripted, rel=1e-12)
+    assert [f for f, _ in eager_operators] == ["torchscript", "eager"]
+
+
+def test_line_is_fitted_on_both_sizes_served_once_each(tmp_path, eager_operators, monkeypatch):
+    """fit_latency_line in form torchscript traces the dense model and the shrunk copy once
+    each, and times every round on those two, keeping the dense total."""
+    net, x = _masked_cnn()
+    spec = LatencySpec(cache=tmp_path, threads=1, blocks=1, form="torchscript")
+    cm = CostModel(net, x, "latency", latency=spec)
+    dense = cm.dense_total()
+    traced = _count_builds(monkeypatch, "frozen_for_serving")
+    eager_operators.clear()
+    fit_latency_line(cm, net, x)
+    assert traced[0] == 2
+    assert [f for f, _ in eager_operators] == ["torchscript"] * 2 * line_module.ROUNDS
+    assert cm.dense_total() == pytest.approx(dense, rel=1e-9)
+
+
+@pytest.mark.usefixtures("fake_clock")
+def test_table_of_another_form_is_refused_naming_it(tmp_path):
+    """A table file measured under form eager is refused for form torchscript, the message
+    naming the field and both values."""
+    net, x = _masked_cnn()
+    file = tmp_path / "table.json"
+    CostModel(net, x, "latency", latency=LatencySpec(cache=file, threads=1, blocks=1))
+    assert json.loads(file.read_text())["header"]["form"] == "eager"
+    spec = LatencySpec(cache=file, threads=1, blocks=1, form="torchscript")
+    with pytest.raises(ValueError, match=r"form='eager', not 'torchscript'"):
+        CostModel(net, x, "latency", latency=spec)
+
+
+def test_cuda_graphs_are_refused_on_the_cpu():
+    """CUDA graphs need a GPU: refused at once, naming the form and the device."""
+    with pytest.raises(ValueError, match=r"'cuda_graphs' is not built on device 'cpu'"):
+        LatencySpec(form="cuda_graphs")
+
+
+def test_train_config_carries_the_form_and_refuses_a_wrong_device():
+    """``--pruning.latency_form`` reaches the run's LatencySpec; CUDA graphs on the CPU are
+    refused when the config is built, naming the field."""
+    from fisherprune.train.config import TrainConfig
+
+    cfg = TrainConfig(pruning_convention="latency", pruning_latency_form="torchscript")
+    assert cfg.latency_spec().form == "torchscript"
+    with pytest.raises(ValueError, match=r"pruning_latency.*'cuda_graphs' is not built on"):
+        TrainConfig(pruning_convention="latency", pruning_latency_form="cuda_graphs")
+
+
+def _prune_flags(form: str):
+    import argparse
+
+    from fisherprune.cli.prune_latency import add_latency_arguments
+
+    parser = argparse.ArgumentParser()
+    add_latency_arguments(parser)
+    args = parser.parse_args(["--latency_form", form])
+    args.convention, args.score_convention, args.round_to = "latency", None, 8
+    return args
+
+
+def test_prune_flag_carries_the_form():
+    """``fisherprune prune --latency_form torchscript`` reaches the LatencySpec."""
+    from fisherprune.cli.prune_latency import latency_spec
+
+    assert latency_spec(_prune_flags("torchscript")).form == "torchscript"
+
+
+def test_prune_flag_of_a_form_the_device_cannot_build_is_refused():
+    """``--latency_form cuda_graphs`` on the CPU is refused, naming the flags."""
+    from fisherprune.cli.prune_latency import latency_spec
+
+    with pytest.raises(ValueError, match=r"--latency_\*: .*'cuda_graphs' is not built"):
+        latency_spec(_prune_flags("cuda_graphs"))
+
+
+def test_dense_prediction_is_the_aoti_packages_time(tmp_path, eager_operators, monkeypatch):
+    """In form aoti the dense total is the time of the model compiled by AOTInductor and
+    loaded back (one compile, 15-25 s)."""
+    loaded = []
+    real = forms.load_aoti_export
+    monkeypatch.setattr(forms, "load_aoti_export", lambda p: loaded.append(real(p)) or loaded[-1])
+    torch.manual_seed(0)
+    net, x = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3)), torch.randn(2, 6)
+    fp.apply_masks(net, x)
+    spec = LatencySpec(cache=tmp_path, threads=1, blocks=1, form="aoti")
+    cm = CostModel(net, x, "latency", latency=spec)
+    assert len(loaded) == 1 and isinstance(loaded[0], AOTIModule)
+    (compiled,) = [s for f, s in eager_operators if f == "aoti"]
+    assert cm.dense_total() * lat.UNIT == pytest.approx(compiled, rel=1e-12)
+
+
+def _train(tmp_path, steps: int, *extra: str) -> int:
+    from fisherprune.cli.main import main
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(120, 4))
+    y = (x[:, 0] + x[:, 1] > 0).astype(int)
+    csv = tmp_path / "t.csv"
+    rows = [
+        "a,b,c,d,label",
+        *(",".join(f"{v:.4f}" for v in r) + f",{c}" for r, c in zip(x, y, strict=True)),
+    ]
+    csv.write_text("\n".join(rows) + "\n")
+    return main([
+        "train", "--data", str(csv), "--model", "mlp", "--width", "16", "--depth", "1",
+        "--train.steps", str(steps), "--pruning.burn_in", "5", "--pruning_iter", "2",
+        "--eval_every", "10", "--fine_tune_steps", "5", "--export_formats", "state_dict",
+        "--threads", "1", "--progress", "none", "--dense_check", "warn",
+        "--pruning.convention", "latency", "--pruning.flops_target", "40%",
+        "--pruning.latency_cache", str(tmp_path / "tables"), *extra,
+    ])  # fmt: skip
+
+
+def _final_masks(save) -> dict[str, torch.Tensor]:
+    from fisherprune.train.checkpoint import CheckpointManager
+
+    path = CheckpointManager(save / "checkpoints", 3).paths()[-1]
+    masks = CheckpointManager.load(path)["pruner"]["masks"]
+    return {n: m["mask"] for n, m in masks.items()}
+
+
+@pytest.mark.usefixtures("fake_clock")
+def test_resumed_latency_run_is_not_timed_again(tmp_path, monkeypatch):
+    """A run stopped mid-pruning and resumed reuses the checkpoint's latency calibration (the
+    whole model is not timed again) and ends with the masks of the run never stopped."""
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    assert _train(tmp_path, 24, "--save_dir", str(straight)) == 0
+    assert _train(tmp_path, 9, "--save_dir", str(stopped)) == 0
+    calls = [0]
+
+    def counted(*a, **k):
+        calls[0] += 1
+        return _fake_whole(*a, **k)
+
+    monkeypatch.setattr(model_module, "whole_model_seconds", counted)
+    monkeypatch.setattr(line_module, "whole_model_seconds", counted)
+    assert _train(tmp_path, 24, "--save_dir", str(stopped), "--resume") == 0
+    assert calls[0] == 0
+    want, got = _final_masks(straight), _final_masks(stopped)
+    assert set(got) == set(want)
+    for name, mask in want.items():
+        torch.testing.assert_close(got[name], mask, rtol=0, atol=0)
+
+
+@pytest.mark.usefixtures("fake_clock")
+def test_resume_from_a_checkpoint_without_calibration_times_afresh(tmp_path, monkeypatch, capsys):
+    """A checkpoint written before the calibration was kept is resumed, not refused: the
+    model is timed whole again, and one line says why."""
+    from fisherprune.train.checkpoint import CheckpointManager
+
+    save = tmp_path / "run"
+    assert _train(tmp_path, 9, "--save_dir", str(save)) == 0
+    ckpts = CheckpointManager(save / "checkpoints", 3)
+    path = ckpts.paths()[-1]
+    saved = CheckpointManager.load(path)
+    del saved["pruner"]["latency"]
+    ckpts.save(int(path.stem.split("-")[1]), saved)
+    calls = [0]
+
+    def counted(*a, **k):
+        calls[0] += 1
+        return _fake_whole(*a, **k)
+
+    monkeypatch.setattr(model_module, "whole_model_seconds", counted)
+    monkeypatch.setattr(line_module, "whole_model_seconds", counted)
+    capsys.readouterr()
+    assert _train(tmp_path, 24, "--save_dir", str(save), "--resume", "--progress", "plain") == 0
+    assert calls[0] > 0
+    out = capsys.readouterr()
+    assert f"{path.name} holds no latency calibration" in out.out + out.err
