@@ -105,13 +105,26 @@ _IMG = torch.zeros(3, 8, 8)  # (C, H, W): C = 3 must not be read as a batch
         (([_IMG] * 5, torch.zeros(9, 1)), 5),
         (({"a": torch.zeros(7, 2)},), 7),  # a nested dict: its first tensor's dim 0
         ({"images": (_IMG, _IMG, _IMG, _IMG)}, 4),
+        ((torch.zeros(1, 5), torch.zeros(3, 5)), 3),  # a batch of 1 first broadcasts
+        ((torch.zeros(1, 5), torch.zeros(1, 5)), 1),
     ],
-    ids=["tensor", "first-arg", "skip-none", "skip-0d", "list", "list-first", "nested", "kw-list"],
+    ids=[
+        "tensor",
+        "first-arg",
+        "skip-none",
+        "skip-0d",
+        "list",
+        "list-first",
+        "nested",
+        "kw-list",
+        "one-broadcasts",
+        "all-one",
+    ],
 )
 def test_batch_size_follows_the_documented_rule(inputs: Any, expected: int) -> None:
     """The batch is the first argument's that has one: a tensor's dim 0, a list or tuple of
     tensors' length, a nested value's first tensor's dim 0; None, numbers and 0-d tensors
-    have none."""
+    have none; a first batch of 1 gives way to a later larger one (it broadcasts)."""
     assert batch_size(inputs) == expected
 
 

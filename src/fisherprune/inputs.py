@@ -26,6 +26,10 @@ in order, then keyword ones in the dict's order; the first argument that has a b
   first tensor of at least one dimension;
 * anything else (None, numbers, 0-d tensors): no batch.
 
+A batch of 1 broadcasts: where the first argument with a batch has 1 and a later one has more
+(``position_ids`` of shape (1, L) passed before ``input_ids`` of shape (N, L)), the first
+later argument with a batch above 1 sets it.
+
 A tensor is *batch data* when its dim 0 is that size (a list of tensors, when its length is);
 other tensors (a lookup table, a mask shared by all examples) are constants of the call: they
 are kept whole in the batch-of-one copy that ``apply_masks`` remembers and are not resized
@@ -163,10 +167,9 @@ class Inputs:
         Raises:
             ValueError: no argument has a batch (no tensor of at least one dimension).
         """
-        for _, a in self.arguments():
-            n = _argument_batch(a)
-            if n is not None:
-                return n
+        found = [n for _, a in self.arguments() if (n := _argument_batch(a)) is not None]
+        if found:
+            return next((n for n in found if n != 1), 1) if found[0] == 1 else found[0]
         raise ValueError(
             "example_inputs must hold at least one tensor with a batch dimension (dim 0), or "
             "a list of tensors (one per example)"

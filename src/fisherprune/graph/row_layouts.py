@@ -11,7 +11,15 @@ from __future__ import annotations
 
 from fisherprune.graph.groups import MaskPointSpec
 from fisherprune.graph.trace import Trace
-from fisherprune.masks.rows import BATCH, SELECTED, TOKENS, UNKNOWN, RowLayout, classify_rows
+from fisherprune.masks.rows import (
+    BATCH,
+    SELECTED,
+    TOKENS,
+    UNKNOWN,
+    RowLayout,
+    batch_dim,
+    classify_rows,
+)
 
 __all__ = ["output_layouts", "point_layouts"]
 
@@ -50,6 +58,8 @@ def _call_layout(trace: Trace, call: int, arg: int) -> RowLayout:
     c = trace.calls[call]
     rows = c.rows[arg] if arg < len(c.rows) else None
     kind = classify_rows(rows, trace.batch_size)
+    if kind == UNKNOWN and (k := batch_dim(rows, trace.batch_size)) is not None:
+        return RowLayout(BATCH, dim=k)  # a sequence-first input: the batch on dim k
     if kind != SELECTED:
         return RowLayout(kind)
     parent = c.parent

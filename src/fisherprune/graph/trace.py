@@ -49,7 +49,8 @@ from fisherprune.graph.types import (
 from fisherprune.inputs import Inputs
 from fisherprune.masks import tracing
 from fisherprune.masks.layer import MaskLayer
-from fisherprune.masks.rows import Rows, classify_rows, rows_after
+from fisherprune.masks.rows import Rows, classify_rows
+from fisherprune.masks.rows_nd import rows_after_nd
 from fisherprune.modes import eval_mode
 from fisherprune.norms import detect_norms, norm_spec
 
@@ -167,12 +168,12 @@ class _Tracer(TorchDispatchMode):
         self.keep.append(t)
 
     def rows_of(self, t: Any) -> Rows | None:
-        """The row map of a traced tensor (which example each index of its dim 0 is of)."""
+        """The row map of a traced tensor (which example each index of its first dims is of)."""
         return self.rows.get(id(t)) if isinstance(t, Tensor) and id(t) in self.infos else None
 
     def _follow_rows(self, func: Any, args: tuple, kwargs: dict, outs: list[Tensor]) -> None:
         try:
-            found = rows_after(func, args, kwargs, outs, self.rows_of)
+            found = rows_after_nd(func, args, kwargs, outs, self.rows_of)
         except Exception:  # a rule that does not fit this call: its rows are not followed
             return
         for t, rows in zip(outs, found, strict=True):

@@ -78,8 +78,9 @@ def _fused_channel_dot(grad: Tensor, x: Tensor) -> Tensor | None:
     return dot.view(x.shape[0], x.shape[1])
 
 
-def _per_example_channel_dot(grad: Tensor, x: Tensor, dim: int) -> Tensor:
-    """Return ``sum over positions of grad * x`` for each (example, channel): shape (N, C).
+def _per_example_channel_dot(grad: Tensor, x: Tensor, dim: int, batch_dim: int = 0) -> Tensor:
+    """Return ``sum over positions of grad * x`` for each (example, channel): shape (N, C),
+    the examples being the indices of ``batch_dim`` (1 for a sequence-first (L, N, C) input).
 
     Large contiguous (N, C, ...) tensors go through ``_fused_channel_dot`` where the backend
     takes it; anything else (channels-last, (N, L, C) tokens, small tensors, a backend that
@@ -88,6 +89,10 @@ def _per_example_channel_dot(grad: Tensor, x: Tensor, dim: int) -> Tensor:
     product stays in the inputs' dtype (no activation is upcast) and the sum over thousands of
     positions accumulates in float32, not rounded to 8 or 11 bits.
     """
+    if batch_dim:  # the batch moved to dim 0 (views): the product-and-sum below serves them
+        d = dim % x.dim()
+        grad, x = grad.movedim(batch_dim, 0), x.movedim(batch_dim, 0)
+        dim = d + 1 if d < batch_dim else d
     low = grad.dtype in _LOW_PRECISION or x.dtype in _LOW_PRECISION
     if grad.dtype != x.dtype:  # (autocast can hand a float32 gradient for a bf16 input)
         grad = grad.to(x.dtype)
@@ -121,14 +126,16 @@ class _MaskMultiply(torch.autograd.Function):
     (``input_changed_in_place``), so that later passes multiply into a new tensor. ``x`` is
     released once its backward ran (so that activations are freed as the backward goes, as
     without the mask); a second backward through the same graph (``retain_graph=True``)
-    finds it gone and is handled the same way. ``to_examples`` (or None where dim 0 of ``x``
-    is the batch) maps the per-row gradients to per-example ones before they are handed over
-    (rows that are tokens, or rows selected by data: ``fisherprune.masks.row_tracker``).
+    finds it gone and is handled the same way. ``batch_dim`` is the dim of ``x`` that holds
+    the examples; ``to_examples`` (or None where the rows of that dim are the examples) maps
+    the per-row gradients to per-example ones before they are handed over (rows that are
+    tokens, or rows selected by data: ``fisherprune.masks.row_tracker``).
     """
 
     @staticmethod
-    def forward(ctx, x, mult, owner, index, dim, identity, to_examples):  # type: ignore[override]
+    def forward(ctx, x, mult, owner, index, dim, identity, to_examples, batch_dim):  # type: ignore[override]
         ctx.owner, ctx.index, ctx.dim, ctx.identity = owner, index, dim, identity
+        ctx.batch_dim = batch_dim
         ctx.to_examples = to_examples
         if identity:
             # kept off save_for_backward: its version check would turn a legal in-place
@@ -151,14 +158,14 @@ class _MaskMultiply(torch.autograd.Function):
             ctx.owner.input_changed_in_place()
         else:
             g = grad.detach() if grad.requires_grad else grad  # create_graph: keep no graph
-            dot = _per_example_channel_dot(g, x, ctx.dim)  # (rows, C)
+            dot = _per_example_channel_dot(g, x, ctx.dim, ctx.batch_dim)  # (rows, C)
             if ctx.to_examples is not None:
                 dot = ctx.to_examples(dot)  # (N, C), before anything is squared
             ctx.owner.accumulate(dot, ctx.index)
         grad_x = None
         if ctx.needs_input_grad[0]:
             grad_x = grad if mult is None else grad * mult
-        return grad_x, None, None, None, None, None, None
+        return grad_x, None, None, None, None, None, None, None
 
 
 def gather_through(
@@ -169,17 +176,19 @@ def gather_through(
     dim: int,
     identity: bool,
     to_examples: Callable[[Tensor], Tensor] | None = None,
+    batch_dim: int = 0,
 ) -> Tensor:
     """``x * mult`` (or ``x`` itself when ``identity``), handing ``owner.accumulate`` the
     per-example mask gradient during backward (see ``_MaskMultiply``). ``mult`` may be None
     only with ``identity`` and an ``x`` that requires grad; ``to_examples`` maps per-row
-    gradients (rows, C) to per-example ones (N, C) where dim 0 of ``x`` is not the batch."""
+    gradients (rows, C) to per-example ones (N, C) where dim 0 of ``x`` is not the batch;
+    ``batch_dim``: the dim of ``x`` that holds the examples (1 for sequence-first tensors)."""
     if not x.requires_grad:
         assert mult is not None, "a multiplier is needed to carry the gradient"
         # then the multiplier requires grad, so that backward still reaches the mask
         # (a mask on the model input, or after frozen layers)
         mult = mult.detach().requires_grad_()
-    return _MaskMultiply.apply(x, mult, owner, index, dim, identity, to_examples)
+    return _MaskMultiply.apply(x, mult, owner, index, dim, identity, to_examples, batch_dim)
 
 
 def all_ones(masks: list[MaskLayer], cache: dict[str, Any]) -> bool:

@@ -94,9 +94,10 @@ class MaskPoint:
     its channels each position uses; positions no mask covers are left as they are.
     ``shared``: the ``SharedProduct`` of the points with the same masks, positions and dim
     (default: one of its own).
-    ``rows``: how the rows (dim 0) of the input relate to examples (default: row n is example
-    n); ``probe`` and ``scope`` give, at run time, the batch size and the rows a module
-    selected by data, for the layouts that need them (``fisherprune.masks.row_tracker``).
+    ``rows``: how the rows (dim 0, or the dim ``rows.dim``) of the input relate to examples
+    (default: row n is example n); ``probe`` and ``scope`` give, at run time, the batch size
+    and the rows a module selected by data, for the layouts that need them
+    (``fisherprune.masks.row_tracker``).
     """
 
     def __init__(
@@ -274,7 +275,8 @@ class MaskPoint:
         ident = self._alias_ok and self._nothing_pruned()
         # an aliasing product needs no multiplier (unless it must carry the gradient)
         mult = None if ident and x.requires_grad else self.multiplier(x)
-        out = gather_through(x, mult, self, None, self.dim, ident, self._to_examples(x))
+        reduce = self._to_examples(x)
+        out = gather_through(x, mult, self, None, self.dim, ident, reduce, self.rows.dim)
         return self.shared.put(x, key, out)
 
     def _to_examples(self, x: Tensor) -> Any:

@@ -19,6 +19,7 @@ Rules compute on the maps' own device and never read a value back to the host.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +31,7 @@ from torch.utils._pytree import tree_flatten
 __all__ = [
     "RowLayout",
     "Rows",
+    "batch_dim",
     "classify_rows",
     "register_row_rule",
     "rows_after",
@@ -41,7 +43,9 @@ aten = torch.ops.aten
 @dataclass(frozen=True)
 class Rows:
     """The example of each row of a tensor (``example``, long, shape (rows,)) and whether an
-    index computed from data chose the rows (``by_data``)."""
+    index computed from data chose the rows (``by_data``). The tracer also follows maps over
+    several leading dims (``example`` of shape (d0, ..., dk): the example of each index of the
+    tensor's first k+1 dims; ``fisherprune.masks.rows_nd``); the rules here see 1-dim maps."""
 
     example: Tensor
     by_data: bool = False
@@ -64,22 +68,30 @@ class RowLayout:
     row maps in (its positional inputs have ``"batch"`` or ``"tokens"`` rows), else None.
     ``scope_args``: the layout (``"batch"`` or ``"tokens"``) of each of the scope's positional
     inputs the tracker starts from, by position.
+    ``dim``: for ``"batch"``, the dim of the input that holds the batch (1 for PyTorch's
+    sequence-first (L, N, E) tensors), else 0.
     """
 
     kind: str = BATCH
     scope: str | None = None
     scope_args: tuple[tuple[int, str], ...] = ()
+    dim: int = 0
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"RowLayout kind must be one of {KINDS}, got {self.kind!r}")
+        if self.dim < 0 or (self.dim and self.kind != BATCH):
+            raise ValueError(
+                f"RowLayout dim must be 0, or a positive dim for kind 'batch'; got dim="
+                f"{self.dim} with kind {self.kind!r}"
+            )
 
 
 def classify_rows(rows: Rows | None, batch: int) -> str:
     """The layout kind of a tensor whose dim 0 carries ``rows``, traced with ``batch``
     examples: ``"selected"`` when data chose the rows, ``"batch"`` / ``"tokens"`` when the map
     is 0, 1, ... N-1 / N runs of equal length in order, else ``"unknown"``."""
-    if rows is None:
+    if rows is None or rows.example.dim() != 1:
         return UNKNOWN
     if rows.by_data:
         return SELECTED
@@ -91,6 +103,18 @@ def classify_rows(rows: Rows | None, batch: int) -> str:
     if not torch.equal(ex.cpu(), expected):
         return UNKNOWN
     return BATCH if n == batch else TOKENS
+
+
+def batch_dim(rows: Rows | None, batch: int) -> int | None:
+    """The dim k > 0 that holds the batch of a tensor whose first k+1 dims carry ``rows``
+    (traced with ``batch`` examples): example n is index n of dim k, whatever the indices of
+    the dims before it (a sequence-first (L, N, E) tensor: k = 1); None for any other map."""
+    if rows is None or rows.by_data or rows.example.dim() < 2:
+        return None
+    ex = rows.example
+    if ex.shape[-1] != batch or ex.device.type == "meta":
+        return None
+    return ex.dim() - 1 if torch.equal(ex.cpu(), torch.arange(batch).expand(ex.shape)) else None
 
 
 # ------------------------------------------------------------------ rules
@@ -109,17 +133,20 @@ def register_row_rule(*ops: Any) -> Callable[[RowRule], RowRule]:
         TypeError: a key is not an operator.
     """
 
-    def deco(fn: RowRule) -> RowRule:
-        for op in ops:
-            key = getattr(op, "overloadpacket", op)
-            if not isinstance(key, torch._ops.OpOverloadPacket):
-                raise TypeError(f"register_row_rule expects ATen operators, got {op!r}")
-            if key in _RULES:
-                raise ValueError(f"{key} already has a row rule")
-            _RULES[key] = fn
-        return fn
+    return functools.partial(_register, _RULES, ops)
 
-    return deco
+
+def _register(table: dict[Any, RowRule], ops: tuple[Any, ...], fn: RowRule) -> RowRule:
+    """Enter ``fn`` in ``table`` under each operator packet of ``ops`` (see
+    ``register_row_rule``, whose errors it raises)."""
+    for op in ops:
+        key = getattr(op, "overloadpacket", op)
+        if not isinstance(key, torch._ops.OpOverloadPacket):
+            raise TypeError(f"register_row_rule expects ATen operators, got {op!r}")
+        if key in table:
+            raise ValueError(f"{key} already has a row rule")
+        table[key] = fn
+    return fn
 
 
 def rows_after(
@@ -133,13 +160,15 @@ def rows_after(
 def _same_rows(
     _func: Any, args: tuple, kwargs: dict, out: Tensor, _i: int, rows_of: RowsOf
 ) -> Rows | None:
-    """The default: the map of the first input tensor whose dim 0 has the output's size."""
+    """The default: the map of the first input tensor whose dims that the map covers (dim 0
+    for a 1-dim map) have the output's sizes."""
     if out.dim() == 0:
         return None
     for a in tree_flatten((args, kwargs))[0]:
         if isinstance(a, Tensor) and a.dim() > 0 and a.shape[0] == out.shape[0]:
             rows = rows_of(a)
-            if rows is not None:
+            m = 0 if rows is None else rows.example.dim()
+            if rows is not None and out.dim() >= m and a.shape[:m] == out.shape[:m]:
                 return rows
     return None
 
