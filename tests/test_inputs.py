@@ -107,6 +107,7 @@ _IMG = torch.zeros(3, 8, 8)  # (C, H, W): C = 3 must not be read as a batch
         ({"images": (_IMG, _IMG, _IMG, _IMG)}, 4),
         ((torch.zeros(1, 5), torch.zeros(3, 5)), 3),  # a batch of 1 first broadcasts
         ((torch.zeros(1, 5), torch.zeros(1, 5)), 1),
+        ((torch.zeros(1, 3, 4), torch.zeros(100, 8)), 1),  # a table of another shape: no
     ],
     ids=[
         "tensor",
@@ -119,12 +120,14 @@ _IMG = torch.zeros(3, 8, 8)  # (C, H, W): C = 3 must not be read as a batch
         "kw-list",
         "one-broadcasts",
         "all-one",
+        "one-beside-a-table",
     ],
 )
 def test_batch_size_follows_the_documented_rule(inputs: Any, expected: int) -> None:
     """The batch is the first argument's that has one: a tensor's dim 0, a list or tuple of
     tensors' length, a nested value's first tensor's dim 0; None, numbers and 0-d tensors
-    have none; a first batch of 1 gives way to a later larger one (it broadcasts)."""
+    have none; a first batch of 1 gives way to a later larger one of its shape past dim 0 (it
+    broadcasts), not to a tensor of another shape."""
     assert batch_size(inputs) == expected
 
 

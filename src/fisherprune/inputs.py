@@ -26,9 +26,10 @@ in order, then keyword ones in the dict's order; the first argument that has a b
   first tensor of at least one dimension;
 * anything else (None, numbers, 0-d tensors): no batch.
 
-A batch of 1 broadcasts: where the first argument with a batch has 1 and a later one has more
-(``position_ids`` of shape (1, L) passed before ``input_ids`` of shape (N, L)), the first
-later argument with a batch above 1 sets it.
+A batch of 1 broadcasts: where the first argument with a batch has 1 and a later one of the
+same shape past dim 0 has more (``position_ids`` of shape (1, L) passed before ``input_ids`` of
+shape (N, L)), the first such later argument sets it; a later tensor of another shape (a
+lookup table beside a single image) does not.
 
 A tensor is *batch data* when its dim 0 is that size (a list of tensors, when its length is);
 other tensors (a lookup table, a mask shared by all examples) are constants of the call: they
@@ -167,9 +168,13 @@ class Inputs:
         Raises:
             ValueError: no argument has a batch (no tensor of at least one dimension).
         """
-        found = [n for _, a in self.arguments() if (n := _argument_batch(a)) is not None]
+        found = [(n, a) for _, a in self.arguments() if (n := _argument_batch(a)) is not None]
         if found:
-            return next((n for n in found if n != 1), 1) if found[0] == 1 else found[0]
+            first, arg = found[0]
+            if first != 1:
+                return first
+            rest = _first_tensor(arg)
+            return next((n for n, a in found[1:] if n > 1 and _broadcasts(rest, a)), 1)
         raise ValueError(
             "example_inputs must hold at least one tensor with a batch dimension (dim 0), or "
             "a list of tensors (one per example)"
@@ -246,6 +251,18 @@ def _copy(x: Any) -> Any:
 def _tensor_list(a: Any) -> bool:
     """A non-empty plain list or tuple whose items are all tensors: a list of examples."""
     return type(a) in (list, tuple) and len(a) > 0 and all(isinstance(t, Tensor) for t in a)
+
+
+def _first_tensor(a: Any) -> Tensor | None:
+    """The first tensor of at least one dimension in an argument, or None."""
+    return next((t for t in tree_flatten(a)[0] if isinstance(t, Tensor) and t.dim() > 0), None)
+
+
+def _broadcasts(one: Tensor | None, a: Any) -> bool:
+    """Whether ``one`` (a batch of 1) has the shape of ``a``'s first tensor past dim 0: a
+    ``position_ids`` (1, L) beside ``input_ids`` (N, L), not a lookup table of other shape."""
+    other = _first_tensor(a)
+    return one is not None and other is not None and one.shape[1:] == other.shape[1:]
 
 
 def _argument_batch(a: Any) -> int | None:
