@@ -31,8 +31,7 @@ pace of thinning every mask alike to one goal), ``fisher_rescore`` (``rescore_at
 a round ends when its first mask reaches the cap, the signals re-measured before the next),
 ``fisher_floor`` and ``fisher_floor75`` (``floor_power=1`` and ``0.75``: no mask below
 ``(target / start) ** p`` of its width over all rounds), ``fisher_rescore_floor``
-(``rescore_at_cap=True, floor_power=1``: re-scoring that cannot drain a mask; ``15``, ``2``:
-``floor_power=1.5``, ``2``),
+(``rescore_at_cap=True, floor_power=1``: re-scoring that cannot drain a mask),
 ``fisher_rounds_only`` (``round_cap=1``),
 ``fisher_rounds8`` (``rounds=8, round_cap=1``), ``fisher_root`` (the defaults with the Fisher
 signal's square root as importance: ``RootFisher``), ``fisher_no_norms``
@@ -324,14 +323,6 @@ METHODS: dict[str, Callable[[int], dict[str, Any]]] = {
     "fisher_floor": lambda seed: {"floor_power": 1.0},
     "fisher_floor75": lambda seed: {"floor_power": 0.75},
     "fisher_rescore_floor": lambda seed: {"rescore_at_cap": True, "floor_power": 1.0},
-    "fisher_rescore_goal": lambda seed: {"rescore_at_cap": True, "cap_per": "goal"},
-    "fisher_rescore_goal_floor": lambda seed: {
-        "rescore_at_cap": True,
-        "cap_per": "goal",
-        "floor_power": 1.0,
-    },
-    "fisher_rescore_floor15": lambda seed: {"rescore_at_cap": True, "floor_power": 1.5},
-    "fisher_rescore_floor2": lambda seed: {"rescore_at_cap": True, "floor_power": 2.0},
     "fisher_rounds_only": lambda seed: {"round_cap": 1.0},
     "fisher_rounds8": lambda seed: {"rounds": 8, "round_cap": 1.0},
     "fisher_root": lambda seed: {"criterion": RootFisher()},
@@ -351,6 +342,7 @@ TEXT_METHODS = (
     "fisher",
     "fisher_cap_pace",
     "fisher_rescore",
+    "fisher_rescore_floor",
     "fisher_root",
     "l1",
     "taylor",

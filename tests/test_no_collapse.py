@@ -147,32 +147,6 @@ def test_rescore_at_cap_ends_the_round_at_the_first_mask_capped(trained: nn.Modu
     assert result.cost_after <= result.target
 
 
-def test_cap_per_goal_counts_the_cap_over_the_rounds_of_one_goal(trained: nn.Module) -> None:
-    """With ``cap_per="goal"`` (one goal, re-scoring at the cap), replaying the events: from
-    the dense widths until a round removes nothing, no mask loses more than ``round_cap`` of
-    the channels it kept when that count started (or one channel), over several re-scored
-    rounds together; the count then starts again and the target is met."""
-    net = copy.deepcopy(trained)
-    result, _ = _prune(net, reconstruct=False, rounds=1, rescore_at_cap=True, cap_per="goal")
-    kept = {n: w for n, (_, w) in result.kept.items()}
-    start, windows, busy = dict(kept), 1, 0
-
-    def most(k: int) -> int:  # what the cap lets a mask of k channels lose
-        return max(k - math.ceil(k * (1 - ROUND_CAP) - 1e-9), 1)
-
-    for r in range(1, result.rounds + 1):
-        events = [e for e in result.events if e.step == r]
-        if not events:
-            start, windows = dict(kept), windows + 1
-            continue
-        busy += windows == 1
-        for e in events:
-            kept[e.mask] -= len(e.channels)
-        over = {n: (start[n], k) for n, k in kept.items() if start[n] - k > most(start[n])}
-        assert not over, (r, over)
-    assert busy > 1 and windows > 1 and result.cost_after <= result.target
-
-
 @pytest.mark.parametrize("kw", [ONE_SCORING, {"rescore_at_cap": True}, {}])
 def test_floor_power_keeps_its_share_of_every_mask(trained: nn.Module, kw: dict) -> None:
     """With ``floor_power=1`` every mask keeps at least ``ceil(width * target / start)`` of
@@ -202,8 +176,7 @@ def test_a_floor_power_that_cannot_meet_the_target_stops_and_says_so(trained: nn
     [({"round_cap": 0.0}, "round_cap"), ({"round_cap": 1.5}, "round_cap"),
      ({"rounds": "many"}, "rounds"), ({"rounds": 0}, "rounds"),
      ({"rescore_at_cap": "yes"}, "rescore_at_cap"), ({"floor_power": 0}, "floor_power"),
-     ({"floor_power": True}, "floor_power"), ({"floor_power": "1"}, "floor_power"),
-     ({"cap_per": "round robin"}, "cap_per")],
+     ({"floor_power": True}, "floor_power"), ({"floor_power": "1"}, "floor_power")],
 )  # fmt: skip
 def test_bad_round_settings_are_refused_before_anything_changes(
     trained: nn.Module, kw: dict, match: str

@@ -420,7 +420,6 @@ def prune_to_target(
     round_cap: float = ROUND_CAP,
     rescore_at_cap: bool = False,
     floor_power: float | None = None,
-    cap_per: str = "round",
     min_channels: int | float = 1,
     round_to: int = 1,
     uniform: bool = False,
@@ -491,11 +490,6 @@ def prune_to_target(
             channels it kept when the call started (rounded up; at most ``round_to`` blocks
             below it), over all rounds together; a mask there is left out of the selection
             as at ``min_channels``. None: no such floor.
-        cap_per: ``"round"``: ``round_cap`` counts from the channels a mask keeps when each
-            round starts; ``"goal"``: from those it keeps when the rounds toward one goal
-            start, so the rounds re-scored on the way (``rescore_at_cap``, or a round the cap
-            stopped) together take at most ``round_cap`` of it (a round that can remove
-            nothing under it starts the count again).
         min_channels, round_to, uniform, flops_weight, convention, score_convention, latency:
             as in ``PruningOptimizer`` (with ``uniform``, the masks a config cannot describe
             are left whole, listed in ``PruneResult.kept_whole``, and a target below the cost
@@ -554,8 +548,6 @@ def prune_to_target(
     if not isinstance(rescore_at_cap, bool):
         raise ValueError(f"rescore_at_cap must be True or False, got {rescore_at_cap!r}")
     _check_floor_power(floor_power)
-    if cap_per not in ("round", "goal"):
-        raise ValueError(f'cap_per must be "round" or "goal", got {cap_per!r}')
     names = ("repair_passes", "repair_examples", "repair_budget")
     check_passes(repair_passes, repair_examples, repair_budget, names)
     min_channels = check_min_channels(min_channels)
@@ -625,7 +617,6 @@ def prune_to_target(
         round_cap,
         rescore_at_cap,
         width_floors,
-        cap_per == "goal",
     )
     result = PruneResult(start, start, goal, convention=convention, kept_whole=whole,
                          latency_line=line)  # fmt: skip
@@ -725,8 +716,6 @@ class _Selection:
     round_cap: float  # the largest share of a mask's kept channels one round removes
     rescore_at_cap: bool  # a mask reaching round_cap ends the round
     width_floors: dict[str, int]  # floor_power's floor per mask (0: none)
-    cap_per_goal: bool  # round_cap counts from the start of the goal, not of the round
-    window: dict[str, int] = field(default_factory=dict)  # the fewest each mask may keep
 
     def run(
         self, model: nn.Module, masks: dict[str, MaskLayer], goal: float, step: int
@@ -755,17 +744,12 @@ class _Selection:
                 f"no channel pruned in round {step}: the {self.criterion.name} importance of "
                 f"mask {bad[0]!r} is not finite (NaN or inf weights or calibration data)"
             )
-        if not self.cap_per_goal or not self.window:
-            self.window = {n: self._least(m) for n, m in masks.items() if n not in self.whole}
-        spent = {n for n, k in self.window.items() if masks[n].kept <= k}  # capped: frozen
-        least = {n: k for n, k in self.window.items() if n not in spent}
-        floors = {n: max(f, self.window[n]) if n in spent else f
-                  for n, f in self.width_floors.items()}  # fmt: skip
+        least = {n: self._least(m) for n, m in masks.items() if n not in self.whole}
         events: list[PruneEvent] = []
         while True:
             report = self.cost_model.report()
             if report.total <= goal:
-                return self._close(events, True)
+                return events, True
             free = self._selectable(masks)
             weigh = report if self.score_model is self.cost_model else self.score_model.report()
             marginal = {n: weigh.marginal[n] for n in free}
@@ -782,19 +766,12 @@ class _Selection:
                 uniform=self.classes if self.classes or self.whole else False,
                 keep=least,
                 stop_at_keep=self.rescore_at_cap,
-                floors=floors,
+                floors=self.width_floors,
             )
             events.extend(chunk)
             self._exact_last(events)
             if not chunk or chunk[-1].cost_after > until:
-                return self._close(events, self.cost_model.total() <= goal)
-
-    def _close(self, events: list[PruneEvent], reached: bool) -> tuple[list[PruneEvent], bool]:
-        """End a round: the cap's count starts again after a goal reached or a round that
-        removed nothing (``cap_per="goal"``)."""
-        if reached or not events:
-            self.window = {}
-        return events, reached
+                return events, self.cost_model.total() <= goal
 
     def _least(self, m: MaskLayer) -> int:
         """The fewest channels ``m`` may keep after this round: ``round_cap`` of those it
