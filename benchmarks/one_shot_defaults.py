@@ -32,6 +32,8 @@ a round ends when its first mask reaches the cap, the signals re-measured before
 ``fisher_floor`` and ``fisher_floor75`` (``floor_power=1`` and ``0.75``: no mask below
 ``(target / start) ** p`` of its width over all rounds), ``fisher_rescore_floor``
 (``rescore_at_cap=True, floor_power=1``: re-scoring that cannot drain a mask),
+``fisher_rescore_min25`` (``rescore_at_cap=True, min_channels=0.25``: the same with a floor
+that does not follow the target),
 ``fisher_rounds_only`` (``round_cap=1``),
 ``fisher_rounds8`` (``rounds=8, round_cap=1``), ``fisher_root`` (the defaults with the Fisher
 signal's square root as importance: ``RootFisher``), ``fisher_no_norms``
@@ -323,6 +325,7 @@ METHODS: dict[str, Callable[[int], dict[str, Any]]] = {
     "fisher_floor": lambda seed: {"floor_power": 1.0},
     "fisher_floor75": lambda seed: {"floor_power": 0.75},
     "fisher_rescore_floor": lambda seed: {"rescore_at_cap": True, "floor_power": 1.0},
+    "fisher_rescore_min25": lambda seed: {"rescore_at_cap": True, "min_channels": 0.25},
     "fisher_rounds_only": lambda seed: {"round_cap": 1.0},
     "fisher_rounds8": lambda seed: {"rounds": 8, "round_cap": 1.0},
     "fisher_root": lambda seed: {"criterion": RootFisher()},
@@ -343,6 +346,7 @@ TEXT_METHODS = (
     "fisher_cap_pace",
     "fisher_rescore",
     "fisher_rescore_floor",
+    "fisher_rescore_min25",
     "fisher_root",
     "l1",
     "taylor",
