@@ -29,6 +29,11 @@ round_cap=0.5``), ``fisher_cap50`` (``round_cap=0.5``), ``fisher_cap10`` (``roun
 ``fisher_cap_pace`` and ``taylor_cap_pace`` (``round_cap=1 - sqrt(ROUND_RATIO)``, 0.106: the
 pace of thinning every mask alike to one goal), ``fisher_rescore`` (``rescore_at_cap=True``:
 a round ends when its first mask reaches the cap, the signals re-measured before the next),
+``fisher_floor`` and ``fisher_floor75`` (``floor_power=1`` and ``0.75``: no mask below
+``(target / start) ** p`` of its width over all rounds), ``fisher_rescore_floor``
+(``rescore_at_cap=True, floor_power=1``: re-scoring that cannot drain a mask),
+``fisher_rescore_min25`` (``rescore_at_cap=True, min_channels=0.25``: the same with a floor
+that does not follow the target),
 ``fisher_rounds_only`` (``round_cap=1``),
 ``fisher_rounds8`` (``rounds=8, round_cap=1``), ``fisher_root`` (the defaults with the Fisher
 signal's square root as importance: ``RootFisher``), ``fisher_no_norms``
@@ -317,6 +322,10 @@ METHODS: dict[str, Callable[[int], dict[str, Any]]] = {
     "fisher_cap10": lambda seed: {"round_cap": 0.1},
     "fisher_cap_pace": lambda seed: dict(PACE),
     "fisher_rescore": lambda seed: {"rescore_at_cap": True},
+    "fisher_floor": lambda seed: {"floor_power": 1.0},
+    "fisher_floor75": lambda seed: {"floor_power": 0.75},
+    "fisher_rescore_floor": lambda seed: {"rescore_at_cap": True, "floor_power": 1.0},
+    "fisher_rescore_min25": lambda seed: {"rescore_at_cap": True, "min_channels": 0.25},
     "fisher_rounds_only": lambda seed: {"round_cap": 1.0},
     "fisher_rounds8": lambda seed: {"rounds": 8, "round_cap": 1.0},
     "fisher_root": lambda seed: {"criterion": RootFisher()},
@@ -336,6 +345,8 @@ TEXT_METHODS = (
     "fisher",
     "fisher_cap_pace",
     "fisher_rescore",
+    "fisher_rescore_floor",
+    "fisher_rescore_min25",
     "fisher_root",
     "l1",
     "taylor",

@@ -147,11 +147,36 @@ def test_rescore_at_cap_ends_the_round_at_the_first_mask_capped(trained: nn.Modu
     assert result.cost_after <= result.target
 
 
+@pytest.mark.parametrize("kw", [ONE_SCORING, {"rescore_at_cap": True}, {}])
+def test_floor_power_keeps_its_share_of_every_mask(trained: nn.Module, kw: dict) -> None:
+    """With ``floor_power=1`` every mask keeps at least ``ceil(width * target / start)`` of
+    its channels, whatever the rounds or re-scoring, and the target is still met: one scoring
+    no longer leaves a layer at one channel (without the floor it does)."""
+    net = copy.deepcopy(trained)
+    result, _ = _prune(net, reconstruct=False, floor_power=1.0, **kw)
+    share = result.target / result.cost_before
+    assert all(k >= math.ceil(w * share - 1e-9) for k, w in result.kept.values()), result.kept
+    assert result.cost_after <= result.target and not result.at_floor
+
+
+def test_a_floor_power_that_cannot_meet_the_target_stops_and_says_so(trained: nn.Module) -> None:
+    """A floor that keeps nearly every channel (``floor_power=0.05`` at 50%: 97% of each
+    mask) leaves the cost above the target: the call stops (no endless rounds) with a
+    warning naming ``floor_power``, every mask at that floor."""
+    net = copy.deepcopy(trained)
+    result, caught = _prune(net, reconstruct=False, floor_power=0.05)
+    share = 0.5**0.05
+    assert result.cost_after > result.target
+    assert all(k == math.ceil(w * share - 1e-9) for k, w in result.kept.values()), result.kept
+    assert any("floor_power=0.05" in w for w in caught), caught
+
+
 @pytest.mark.parametrize(
     ("kw", "match"),
     [({"round_cap": 0.0}, "round_cap"), ({"round_cap": 1.5}, "round_cap"),
      ({"rounds": "many"}, "rounds"), ({"rounds": 0}, "rounds"),
-     ({"rescore_at_cap": "yes"}, "rescore_at_cap")],
+     ({"rescore_at_cap": "yes"}, "rescore_at_cap"), ({"floor_power": 0}, "floor_power"),
+     ({"floor_power": True}, "floor_power"), ({"floor_power": "1"}, "floor_power")],
 )  # fmt: skip
 def test_bad_round_settings_are_refused_before_anything_changes(
     trained: nn.Module, kw: dict, match: str

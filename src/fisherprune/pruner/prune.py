@@ -216,6 +216,7 @@ def prune_many(
     uniform: bool | Sequence[Sequence[str]] = False,
     keep: Mapping[str, int] | None = None,
     stop_at_keep: bool = False,
+    floors: Mapping[str, int] | None = None,
 ) -> list[PruneEvent]:
     """What calling ``prune`` over and over with the same arguments does while the estimated
     cost is above ``until``, in one pass: the same channels in the same order, the same events.
@@ -244,6 +245,9 @@ def prune_many(
         stop_at_keep: stop as soon as a mask whose ``keep`` lies above its floor reaches
             ``keep`` (nothing is removed when one is there already): the caller re-scores
             before going on (``prune_to_target``'s ``rescore_at_cap``).
+        floors: per mask name, a floor of its own above ``min_channels``' (a class of copies
+            reads its first member's; ``prune_to_target``'s ``floor_power``): unlike ``keep``,
+            reaching it never ends the call.
 
     Returns:
         The events in order (one per ``prune`` call it stands for). The estimated cost after
@@ -262,7 +266,7 @@ def prune_many(
     for members in _classes(md, uniform):
         n_alive = _common_count(md, members)
         sorted_alive = {n: _lowest_alive(md[n], sd[n], n_alive) for n in members}
-        floor = mask_floor(min_channels, md[members[0]])
+        floor = max(mask_floor(min_channels, md[members[0]]), (floors or {}).get(members[0], 0))
         capped = stop_at_keep and (keep or {}).get(members[0], 0) > floor
         floor = max(floor, (keep or {}).get(members[0], 0))
         queues.append(
