@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -156,6 +158,38 @@ def test_shrunk_module_has_no_masks_fewer_parameters_and_its_forward_runs_the_sm
         torch.testing.assert_close(small.eval()(x), masked.eval()(x), rtol=1e-4, atol=1e-5)
 
 
+@pytest.fixture
+def _process_left_as_it_was() -> Iterator[None]:
+    """Undo what a one-process DDP fit sets up for the whole process: its process group,
+    environment (LOCAL_RANK, MASTER_PORT, OMP_NUM_THREADS) and torch's thread count."""
+    environ, threads = dict(os.environ), torch.get_num_threads()
+    yield
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(environ)
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.usefixtures("_process_left_as_it_was")
 def test_shrink_when_finished_refuses_a_strategy_that_wraps_the_module() -> None:
     with pytest.raises(ValueError, match="DDPStrategy wraps in DistributedDataParallel"):
         _fit(shrink_when_finished=True, strategy="ddp")
+
+
+class _TwoOptimizers(_Module):
+    def configure_optimizers(self) -> Any:
+        first, second = self.net[0].parameters(), self.net[2:].parameters()
+        return torch.optim.SGD(first, lr=0.1), torch.optim.SGD(second, lr=0.1)
+
+
+def test_a_module_with_two_optimizers_is_refused() -> None:
+    module = _TwoOptimizers()
+    module.automatic_optimization = False  # Lightning refuses two under automatic optimization
+    callback = FisherPruningCallback(torch.zeros(1, 6), shrink_when_finished=True, **SETTINGS)
+    trainer = pl.Trainer(
+        max_steps=2, accelerator="cpu", devices=1, logger=False, callbacks=[callback],
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="needs exactly one optimizer, the module configures 2"):
+        trainer.fit(module, DataLoader(TensorDataset(*_data()), batch_size=16))
