@@ -80,6 +80,7 @@ class FisherPruningCallback(pl.Callback):
         self.settings = settings
         self.pruner: PruningOptimizer | None = None
         self._restored: dict[str, Any] | None = None
+        self._inputs: Any = None  # example_inputs on the module's device (set at train start)
         self._global_step = -1  # the trainer's optimizer steps at the last update
 
     def _example(self, module: pl.LightningModule) -> Any:
@@ -115,9 +116,10 @@ class FisherPruningCallback(pl.Callback):
                 "the shrink replaces): train on one device, or leave shrink_when_finished off "
                 "and call fisherprune.shrink after fit"
             )
+        self._inputs = self._example(pl_module)
         self.pruner = PruningOptimizer(
             pl_module,
-            self._example(pl_module),
+            self._inputs,
             optimizer=trainer.optimizers[0],
             **self.settings,
         )
@@ -141,7 +143,7 @@ class FisherPruningCallback(pl.Callback):
         self._global_step = trainer.global_step
         self.pruner.after_update()
         if self.shrink_when_finished:
-            shrink_if_finished(self.pruner, self._example(pl_module))
+            shrink_if_finished(self.pruner, self._inputs)
 
     def state_dict(self) -> dict[str, Any]:
         """The pruner's state (counter, masks, signals, history), for Lightning checkpoints."""
