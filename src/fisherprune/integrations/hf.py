@@ -21,12 +21,15 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from torch import Tensor, nn
+from torch import nn
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from fisherprune.export import shrink
 from fisherprune.graph import apply_masks
-from fisherprune.inputs import Inputs
+from fisherprune.integrations._shared import (
+    inputs_on,
+    refuse_owned_settings,
+    shrink_if_finished,
+)
 from fisherprune.masks import find_masks
 from fisherprune.pruner import PruningOptimizer
 
@@ -65,12 +68,7 @@ class FisherPruningCallback(TrainerCallback):
     def __init__(
         self, example_inputs: Any, *, shrink_when_finished: bool = False, **settings: Any
     ) -> None:
-        for bad in ("optimizer", "lr", "momentum", "nesterov", "weight_decay", "model"):
-            if bad in settings:
-                raise TypeError(
-                    f"FisherPruningCallback does not take {bad!r}: the Trainer owns the model "
-                    "and its optimizer"
-                )
+        refuse_owned_settings(settings, "the Trainer")
         self.example_inputs = example_inputs
         self.shrink_when_finished = bool(shrink_when_finished)
         self.settings = settings
@@ -103,12 +101,7 @@ class FisherPruningCallback(TrainerCallback):
             return
         if model is None or optimizer is None:
             raise ValueError("the Trainer passed no model or optimizer to the callback")
-        device = next(model.parameters()).device
-        inputs = (
-            Inputs.of(self.example_inputs)
-            .map(lambda t: t.to(device) if isinstance(t, Tensor) else t)
-            .value()
-        )
+        inputs = inputs_on(self.example_inputs, next(model.parameters()).device)
         if not find_masks(model):
             apply_masks(model, inputs)
         self._inputs = inputs
@@ -128,6 +121,5 @@ class FisherPruningCallback(TrainerCallback):
         if pruner is None:
             return
         pruner.after_update()
-        if self.shrink_when_finished and pruner.finished and not pruner.shrunk:
-            shrink(pruner.model, self._inputs, inplace=True, optimizer=pruner)
-            log.info("pruning finished: the model is shrunk in place for the remaining steps")
+        if self.shrink_when_finished:
+            shrink_if_finished(pruner, self._inputs)
