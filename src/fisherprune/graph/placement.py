@@ -51,11 +51,11 @@ class TrialProblem:
 
 
 #: a group trial, prepared once per ``apply_masks`` from the masked model, its example inputs
-#: and their trace (the masks' places are fixed by then; only their values change between runs,
-#: so that trace stands for every run): the
-#: prepared call says why shrinking or costing the model as its masks now stand (some entries
-#: zeroed) fails, or None; ``fisherprune.export.width_probe`` registers its dry run, since
-#: ``graph`` cannot import ``export``
+#: and their trace (the masks' places are fixed by then and only their values change between
+#: runs, so that trace stands for every run); the prepared call says why shrinking or costing
+#: the model as its masks now stand (some entries zeroed) fails, or None.
+#: ``fisherprune.export.width_probe`` registers its dry run, since ``graph`` cannot import
+#: ``export``
 GroupTrial = Callable[[nn.Module, Any, Trace], Callable[[], "TrialProblem | None"]]
 _TRIALS: list[GroupTrial] = []
 #: how many of the groups a failure's module holds are tried alone before halving instead
