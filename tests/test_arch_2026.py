@@ -166,6 +166,42 @@ def test_relative_position_table_with_a_fixed_shape_keeps_its_heads_whole() -> N
     assert_exact(model, masks, torch.randn(3, 9, 8, dtype=torch.float64))
 
 
+# ================================= MViT-v2-style attention: heads merged to output_dim
+class PooledAttention(nn.Module):
+    """torchvision's MViT-v2 attention cut down (no pooling): heads split by ``num_heads``,
+    merged back by ``reshape(b, -1, self.output_dim)``, the query added as residual pooling."""
+
+    def __init__(self, dim: int, output_dim: int, num_heads: int) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = output_dim // num_heads
+        self.output_dim = output_dim
+        self.qkv = nn.Linear(dim, 3 * output_dim)
+        self.project = nn.Linear(output_dim, output_dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, n, _ = x.shape
+        qkv = self.qkv(x).reshape(b, n, 3, self.num_heads, self.head_dim).transpose(1, 3)
+        q, k, v = qkv.unbind(dim=2)
+        attn = (q * self.head_dim**-0.5) @ k.transpose(2, 3)
+        x = attn.softmax(dim=-1) @ v + q
+        return self.project(x.transpose(1, 2).reshape(b, -1, self.output_dim))
+
+
+def test_heads_merged_to_an_output_dim_attribute_are_pruned_exactly() -> None:
+    """MViT-v2 writes the merged heads' width as ``self.output_dim``: shrink sets it to the
+    heads kept, so the heads are prunable and the shrunk model equals the masked one, with
+    FlopCounterMode's count (before, every block's heads failed the trial shrink)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), PooledAttention(16, 24, 4), nn.Linear(24, 5))
+    model = model.double().eval()
+    masks = fp.apply_masks(model, torch.randn(2, 6, 8, dtype=torch.float64))
+    [heads] = [g for g in masks.groups.values() if g.producers == ["1.qkv"]]
+    assert heads.num_channels == 4
+    small = assert_exact(model, masks, torch.randn(3, 6, 8, dtype=torch.float64))
+    assert small[1].output_dim == small[1].project.in_features < 24
+
+
 # ======================================= fused QKV, repeat of key/value heads (part 2)
 class FusedQKV(nn.Module):
     """Self-attention from one fused q/k/v projection, split in two ways recent encoders

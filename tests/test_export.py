@@ -924,8 +924,8 @@ def test_a_shrunk_model_that_fails_to_run_raises_shrink_error(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """If the rebuilt network cannot even run on the example inputs (here a plan that leaves a
-    conv with the wrong input width), shrink raises ShrinkError naming the layer's error, and
-    the masked model is left working."""
+    conv with the wrong input width), shrink raises ShrinkError naming the layer it failed in
+    and the layer's error, and the masked model is left working."""
     model = nn.Sequential(nn.Conv2d(3, 6, 3), nn.ReLU(), nn.Conv2d(6, 4, 3)).eval()
     x = torch.randn(2, 3, 8, 8)
     masks = fp.apply_masks(model, x)
@@ -939,6 +939,8 @@ def test_a_shrunk_model_that_fails_to_run_raises_shrink_error(
         return out
 
     monkeypatch.setattr(fp.PruningPlan, "apply", broken_apply)
-    with pytest.raises(fp.ShrinkError, match=r"fails on the example inputs \(RuntimeError"):
+    failed = r"fails in 2 on the example inputs \(RuntimeError"
+    with pytest.raises(fp.ShrinkError, match=failed) as e:
         fp.shrink(model, x)
+    assert e.value.module == "2"
     torch.testing.assert_close(_out(model, x), expected)

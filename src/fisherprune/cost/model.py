@@ -39,7 +39,7 @@ from fisherprune.cost.latency import (
     with_batch,
 )
 from fisherprune.graph.channels import ChannelGraph
-from fisherprune.graph.trace import trace_model
+from fisherprune.graph.trace import Trace, trace_model
 from fisherprune.graph.types import OpRecord, Slot
 from fisherprune.inputs import batch_size
 from fisherprune.masks import MaskLayer, find_masks
@@ -133,11 +133,16 @@ class CostModel:
         latency_calibration: with ``latency``: a ``latency_calibration`` of an earlier cost
             model of this model and spec (a resumed run's checkpoint): its slope and offset are
             used and the whole model is not timed again; None: timed.
+        trace: a trace of ``model`` on ``example_inputs`` with its masks placed as now (mask
+            values may differ), made without ``loss_fn``: used instead of tracing again, as
+            ``apply_masks`` shares the one it checked its masks with. Not with the ``latency``
+            convention, which traces at its spec's batch.
 
     Raises:
         ValueError: unknown convention; ``latency`` or ``latency_calibration`` given with
             another convention; a table file measured under another device, dtype, torch
-            version, thread count or form.
+            version, thread count or form; ``trace`` with the latency convention or a
+            ``loss_fn``.
     """
 
     def __init__(
@@ -148,6 +153,8 @@ class CostModel:
         loss_fn: Callable[[Any], Tensor] | None = None,
         latency: LatencySpec | None = None,
         latency_calibration: dict[str, Any] | None = None,
+        *,
+        trace: Trace | None = None,
     ) -> None:
         self._calibration = latency_calibration
         self._counting = get_convention(convention)  # its formulas, parameter terms, divisor
@@ -161,6 +168,11 @@ class CostModel:
             raise ValueError(
                 f"latency_calibration= prices the latency convention's operators; the "
                 f"{convention!r} convention has none, so drop it"
+            )
+        if trace is not None and (self._counting.measured or loss_fn is not None):
+            raise ValueError(
+                "trace= stands for the trace of the model alone on example_inputs; the latency "
+                "convention traces at its own batch and loss_fn adds ops: drop trace="
             )
         if batch_size(example_inputs) == 0:
             raise ValueError(
@@ -179,7 +191,7 @@ class CostModel:
         if self.latency is not None and self.latency.batch is not None:
             example_inputs = with_batch(example_inputs, self.latency.batch)
         self.masks = find_masks(model)
-        self.trace = trace_model(model, example_inputs, loss_fn)
+        self.trace = trace if trace is not None else trace_model(model, example_inputs, loss_fn)
         self.graph = ChannelGraph(self.trace)
         self._names = {id(m): n for n, m in self.masks.items()}
         #: block gates: entries after the traced masks' (``fisherprune.cost.blocks``)

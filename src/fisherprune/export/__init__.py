@@ -17,7 +17,7 @@ from fisherprune.export.modules import register_shrink_rule, unregister_shrink_r
 from fisherprune.export.plan import PlanMismatchError, PruningPlan
 from fisherprune.export.safe_load import PickledObjectsError
 from fisherprune.export.shrink import ShrinkError, shrink
-from fisherprune.export.width_probe import shrink_problem as _shrink_problem  # noqa: F401
+from fisherprune.export.width_probe import shrink_trial as _shrink_trial  # noqa: F401
 
 __all__ = [
     "FORMATS",

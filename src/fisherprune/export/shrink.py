@@ -11,6 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from fisherprune._errors import first_line
+from fisherprune.cost import CostModel
 from fisherprune.export.carry import OptimizerCarry, inner_optimizer
 from fisherprune.export.modules import has_shrink_rule
 from fisherprune.export.plan import PruningPlan
@@ -25,7 +26,16 @@ _HALF = (torch.float16, torch.bfloat16)
 
 
 class ShrinkError(RuntimeError):
-    """A shrunk model failed a postcondition (the input model is left untouched)."""
+    """A shrunk model failed a postcondition (the input model is left untouched).
+
+    Attributes:
+        module: the innermost module whose forward the shrunk model failed in, when its forward
+            raised there (None otherwise, or when it failed outside every submodule).
+    """
+
+    def __init__(self, message: str, module: str | None = None) -> None:
+        super().__init__(message)
+        self.module = module
 
 
 def shrink(
@@ -85,17 +95,22 @@ def shrink(
     return target
 
 
-def shrink_dry_run(model: nn.Module, example_inputs: Any = None) -> None:
+def shrink_dry_run(
+    model: nn.Module, example_inputs: Any = None, *, cost_model: CostModel | None = None
+) -> None:
     """``shrink(model, example_inputs)`` with its checks, on a copy that shares every tensor
     with ``model`` and is thrown away: the plan replaces the tensors it slices (new objects)
     and changes none in place, so no weight is copied whole (a decoder's weights would
     otherwise be held twice while ``apply_masks`` tries its groups). ``model`` is unchanged.
+    With ``cost_model`` (a ``CostModel`` of ``model`` as masked now; mask values may have
+    changed since) the plan is read off it and the model is not traced again, as
+    ``apply_masks`` does for its trials.
 
     Raises:
         as ``shrink``.
     """
     example_inputs = remembered_inputs(model, example_inputs)
-    plan = PruningPlan.from_model(model, example_inputs)
+    plan = PruningPlan.from_model(model, example_inputs, cost_model=cost_model)
     with no_fold(model):
         ref = _comparable_outputs(model, example_inputs)
     n_before = sum(p.numel() for p in model.parameters())
@@ -150,13 +165,17 @@ def _check(
     n_after = sum(p.numel() for p in small.parameters())
     if n_after > n_before or (sliced and n_after == n_before):
         raise ShrinkError(f"parameters did not drop: {n_before} before, {n_after} after")
-    try:
-        out = eval_outputs(small, example_inputs)
-    except Exception as e:  # a shape the plan got wrong surfaces as the layer's own error
-        raise ShrinkError(
-            f"the shrunk model fails on the example inputs ({first_line(e)}); "
-            f"{_unruled(small, sliced)}please report this with the model"
-        ) from e
+    with _open_forwards(small) as open_now:
+        try:
+            out = eval_outputs(small, example_inputs)
+        except Exception as e:  # a shape the plan got wrong surfaces as the layer's own error
+            where = open_now[-1] if open_now else None
+            raise ShrinkError(
+                f"the shrunk model fails{f' in {where}' if where else ''} on the example "
+                f"inputs ({first_line(e)}); {_unruled(small, sliced)}please report this with "
+                "the model",
+                module=where,
+            ) from e
     if ref is None:
         return
     if _half_precision(small):
@@ -179,6 +198,29 @@ def _check(
                 )
         elif not torch.equal(a, b):
             raise ShrinkError("the shrunk model's output differs from the masked model's")
+
+
+@contextmanager
+def _open_forwards(model: nn.Module) -> Iterator[list[str]]:
+    """Within the block, the names of ``model``'s submodules whose forward has begun and not
+    ended, outermost first: after a forward raised, the last is the innermost one it failed
+    in. Adds a forward pre-hook and a forward hook to every submodule for the block only."""
+    open_now: list[str] = []
+
+    def close(name: str) -> None:  # also drops any inner forward whose error was caught
+        if name in open_now:
+            del open_now[len(open_now) - 1 - open_now[::-1].index(name) :]
+
+    handles = []
+    for name, m in model.named_modules():
+        if name:
+            handles.append(m.register_forward_pre_hook(lambda _m, _a, n=name: open_now.append(n)))
+            handles.append(m.register_forward_hook(lambda _m, _a, _o, n=name: close(n)))
+    try:
+        yield open_now
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def _half_precision(model: nn.Module) -> bool:

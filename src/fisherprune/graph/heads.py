@@ -47,7 +47,7 @@ GROUP_SIZE_ATTRIBUTES: tuple[str, ...] = (
     "n_rep",
 )
 #: attribute names that hold the width of all heads together (heads x head_dim)
-HEADS_WIDTH_ATTRIBUTES: tuple[str, ...] = ("all_head_size", "split_size", "inner_dim")
+HEADS_WIDTH_ATTRIBUTES: tuple[str, ...] = ("all_head_size", "split_size", "inner_dim", "output_dim")
 #: attribute names that hold a channel width (the hidden width, as torchvision's ViT writes
 #: ``x.reshape(n, self.hidden_dim, n_h * n_w)``)
 WIDTH_ATTRIBUTES: tuple[str, ...] = (

@@ -31,21 +31,41 @@ from fisherprune.masks.points import (
 )
 from fisherprune.masks.rows import UNKNOWN
 
-__all__ = ["AppliedMasks", "apply_masks", "register_group_trial", "remove_masks"]
+__all__ = ["AppliedMasks", "TrialProblem", "apply_masks", "register_group_trial", "remove_masks"]
 
 log = logging.getLogger("fisherprune")
 
-#: a trial of the masked model as its masks now stand (some entries zeroed): why shrinking or
-#: costing it fails, or None; ``fisherprune.export.width_probe`` registers its dry run (given
-#: the model and its example inputs) since ``graph`` cannot import ``export``
-GroupTrial = Callable[[nn.Module, Any], "str | None"]
+
+@dataclasses.dataclass(frozen=True)
+class TrialProblem:
+    """Why a group trial failed.
+
+    Attributes:
+        reason: one line, kept as the reason of the groups it blames.
+        module: the innermost module the failure arose in, when known (the search tries the
+            groups that live there first), else None.
+    """
+
+    reason: str
+    module: str | None = None
+
+
+#: a group trial, prepared once per ``apply_masks`` from the masked model, its example inputs
+#: and their trace (the masks' places are fixed by then and only their values change between
+#: runs, so that trace stands for every run); the prepared call says why shrinking or costing
+#: the model as its masks now stand (some entries zeroed) fails, or None.
+#: ``fisherprune.export.width_probe`` registers its dry run, since ``graph`` cannot import
+#: ``export``
+GroupTrial = Callable[[nn.Module, Any, Trace], Callable[[], "TrialProblem | None"]]
 _TRIALS: list[GroupTrial] = []
+#: how many of the groups a failure's module holds are tried alone before halving instead
+_BLAMED_TRIED = 2
 
 
 def register_group_trial(trial: GroupTrial) -> GroupTrial:
-    """Run ``trial`` when masks are applied, on the model with one channel of each group
-    removed: a group some trial fails on is left unmasked, with the trial's reason. A trial
-    registered twice (a module reloaded) runs once.
+    """Run ``trial`` when masks are applied: prepared once on the masked model, then run with
+    one channel of each group removed: a group some trial fails on is left unmasked, with the
+    trial's reason. A trial registered twice (a module reloaded) runs once.
 
     Changes: adds ``trial`` to the registry, for every later ``apply_masks``."""
     if trial.__qualname__ not in {t.__qualname__ for t in _TRIALS}:
@@ -165,9 +185,10 @@ def apply_masks(
     keys = _install(model, groups, specs, trace)
     # check by a second trace that each mask really removes its channels: a module may
     # read its input through a BatchNorm or a gate before the layer that contracts it
+    masked_trace = trace_model(model, example_inputs) if keys else None
     unsafe = {
         gi: _UNSAFE.format(", ".join(groups[gi].consumers))
-        for gi in sorted(_ineffective(model, example_inputs, keys))
+        for gi in sorted(_ineffective(model, masked_trace, keys))
     }
     # never leave a model whose cost or shrink then raises: a width the trace cannot follow
     # (code that reads it off a shape, a per-head table viewed to a shape held in the code)
@@ -178,7 +199,8 @@ def apply_masks(
     ]
     hidden = {gi for gi in tried if groups[gi].norms}
     masks = [holder[keys[gi]] for gi in tried]  # type: ignore[index]
-    unsafe.update(_failing_groups(model, example_inputs, masks, tried, hidden))
+    homes = [_modules(groups[gi]) for gi in tried]
+    unsafe.update(_failing_groups(model, example_inputs, masked_trace, masks, tried, hidden, homes))
     if unsafe:
         remove_mask_points(model)
         for gi, why in sorted(unsafe.items()):
@@ -251,45 +273,69 @@ _UNSAFE = (
 def _failing_groups(
     model: nn.Module,
     example_inputs: Any,
+    trace: Trace | None,
     masks: list[MaskLayer],
     groups: list[int],
     must_clear: set[int],
+    homes: list[set[str]],
 ) -> dict[int, str]:
-    """The groups (of ``groups``, whose masks are ``masks``) that some registered trial fails
-    on, each with the trial's reason. The trials run once with the first channel of every
-    group removed; only when that fails are the groups halved and tried apart, so a model
-    whose groups all work costs one trial, not one per group. Where a trial fails with no
-    channel removed as well, only the groups of ``must_clear`` (a hidden width, which code
-    often reads off a shape) are reported. Every mask is left as it was. A model on the
+    """The groups (of ``groups``, whose masks are ``masks`` and whose modules are ``homes``)
+    that some registered trial fails on, each with the trial's reason. The trials are prepared
+    once, on ``trace`` (the masked model's: no trial traces again), and run first with the
+    first channel of every group removed, so a model whose groups all work costs one trial,
+    not one per group. When that fails in a module, the groups living most in it are tried
+    alone (at most ``_BLAMED_TRIED``): the first that fails is kept whole and the rest tried
+    together again, so ``f`` failing groups cost about ``2 f + 2`` trials; a failure no blamed
+    group explains halves the groups instead, trying the halves apart. Where a trial fails
+    with no channel removed as well, only the groups of ``must_clear`` (a hidden width, which
+    code often reads off a shape) are reported. Every mask is left as it was. A model on the
     ``meta`` device has no values to run a trial on: nothing is tried (its masks land where
     the CPU's do unless a trial would keep a group whole)."""
-    if not _TRIALS or not masks or any(m.mask.device.type == "meta" for m in masks):
+    if (
+        trace is None
+        or not _TRIALS
+        or not masks
+        or any(m.mask.device.type == "meta" for m in masks)
+    ):
         return {}
     saved = [(m.mask.detach().clone(), m.is_all_ones()) for m in masks]
 
-    def trial(picked: list[int]) -> str | None:
-        with torch.no_grad():
-            for i, m in enumerate(masks):
-                m.mask.fill_(1.0)
-                if i in picked:  # the fewest channels prune may remove at once
-                    m.mask[: m.num_channels % m.keep_multiple or m.keep_multiple] = 0.0
-        return next((p for t in _TRIALS if (p := t(model, example_inputs)) is not None), None)
-
-    def bisect(picked: list[int]) -> dict[int, str]:
-        problem = trial(picked)
-        if problem is None:
-            return {}
-        if len(picked) == 1:
-            return {groups[picked[0]]: problem}
-        half = len(picked) // 2
-        found = bisect(picked[:half]) | bisect(picked[half:])
-        # each half works alone and not together: keep them all whole, to be safe
-        return found or {
-            groups[i]: f"{problem} (with other groups removed at once)" for i in picked
-        }
-
     try:
-        found = bisect(list(range(len(masks))))
+        prepared = [t(model, example_inputs, trace) for t in _TRIALS]
+
+        def trial(picked: list[int]) -> TrialProblem | None:
+            with torch.no_grad():
+                for i, m in enumerate(masks):
+                    m.mask.fill_(1.0)
+                    if i in picked:  # the fewest channels prune may remove at once
+                        m.mask[: m.num_channels % m.keep_multiple or m.keep_multiple] = 0.0
+            return next((p for t in prepared if (p := t()) is not None), None)
+
+        def bisect(picked: list[int], problem: TrialProblem | None) -> dict[int, str]:
+            if problem is None:
+                return {}
+            if len(picked) == 1:
+                return {groups[picked[0]]: problem.reason}
+            half = len(picked) // 2
+            found = bisect(picked[:half], trial(picked[:half]))
+            found |= bisect(picked[half:], trial(picked[half:]))
+            # each half works alone and not together: keep them all whole, to be safe
+            return found or {
+                groups[i]: f"{problem.reason} (with other groups removed at once)" for i in picked
+            }
+
+        def search(pending: list[int]) -> dict[int, str]:
+            found: dict[int, str] = {}
+            while (problem := trial(pending)) is not None:
+                blamed = _blamed(problem.module, pending, homes)[:_BLAMED_TRIED]
+                culprit = next(((i, p) for i in blamed if (p := trial([i])) is not None), None)
+                if culprit is None:
+                    return found | bisect(pending, problem)
+                found[groups[culprit[0]]] = culprit[1].reason
+                pending = [i for i in pending if i != culprit[0]]
+            return found
+
+        found = search(list(range(len(masks))))
         if not found or trial([]) is None:
             return found
         # failing with no channel removed (a model deepcopy cannot copy), the trial tells
@@ -300,6 +346,26 @@ def _failing_groups(
             for m, (values, ones) in zip(masks, saved, strict=True):
                 m.mask.copy_(values)
                 m.record_values(ones)
+
+
+def _modules(group: ChannelGroup) -> set[str]:
+    """The modules a group's channels live in: those of its parameters, producers and
+    consumers."""
+    return {p.rpartition(".")[0] for p, _ in group.params} | {*group.producers, *group.consumers}
+
+
+def _blamed(module: str | None, pending: list[int], homes: list[set[str]]) -> list[int]:
+    """The groups of ``pending`` with a module inside ``module`` (or it), those with the
+    largest share of their modules there first (a group local to the failing module before
+    a width that runs through the whole model); none when ``module`` is unknown."""
+    if module is None:
+        return []
+    inside = {
+        i: sum(m == module or m.startswith(module + ".") for m in homes[i]) / len(homes[i])
+        for i in pending
+        if homes[i]
+    }
+    return sorted((i for i, share in inside.items() if share > 0), key=lambda i: -inside[i])
 
 
 def _warn_unknown_rows(model: nn.Module) -> None:
@@ -387,11 +453,11 @@ def _masked_forward(
     return entry.masked(module, args, kwargs, points, cache)
 
 
-def _ineffective(model: nn.Module, example_inputs: Any, keys: list[str]) -> set[int]:
-    """Indices (into ``keys``) of masks some of whose entries remove nothing."""
-    if not keys:
+def _ineffective(model: nn.Module, trace: Trace | None, keys: list[str]) -> set[int]:
+    """Indices (into ``keys``) of masks some of whose entries remove nothing, read off
+    ``trace``, the masked model's."""
+    if trace is None:
         return set()
-    trace = trace_model(model, example_inputs)
     graph = ChannelGraph(trace)
     ones = np.ones(graph.n_entries)
     killer = graph.killers(ones, np.zeros(len(graph.roots), dtype=bool))
