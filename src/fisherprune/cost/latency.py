@@ -742,6 +742,46 @@ def with_batch(example_inputs: Any, batch: int) -> Any:
     return inputs.repeated(times).map_leaves(lambda x, b: x[:batch] if b else x).packed()
 
 
+@dataclass
+class ServedForm:
+    """A model built in a serving form, with the inputs it runs on.
+
+    Attributes:
+        form: the ``LatencySpec.form`` it was built in.
+        run: one forward pass on those inputs (call it in inference mode).
+        module: the module whose train/eval flag must be eval while ``run`` is timed (eager),
+            else None (a compiled form was built in eval mode).
+        keep: what must live as long as ``run`` and ``run`` does not hold (a package's
+            folder; a CUDA graph's module, inputs and outputs, which it replays into).
+    """
+
+    form: str
+    run: Callable[[], Any]
+    module: torch.nn.Module | None = None
+    keep: list[Any] = field(default_factory=list)
+
+
+#: what builds a model in a serving form: ``fisherprune.export.serving_forms.serve``, which
+#: registers itself when the export package is imported (it imports the cost models, so they
+#: cannot import it)
+_SERVING: list[Callable[[torch.nn.Module, Any, LatencySpec], ServedForm]] = []
+
+
+def register_serving(build: Callable[[torch.nn.Module, Any, LatencySpec], ServedForm]) -> None:
+    """Make ``build(model, example_inputs, spec)`` the builder of serving forms (one at a
+    time: a second registration replaces the first)."""
+    _SERVING[:] = [build]
+
+
+def _serve(model: torch.nn.Module, example_inputs: Any, spec: LatencySpec) -> ServedForm:
+    if not _SERVING:
+        raise RuntimeError(
+            "no serving-form builder is registered: import fisherprune (or "
+            "fisherprune.export) before timing a model whole"
+        )
+    return _SERVING[0](model, example_inputs, spec)
+
+
 def whole_model_seconds(model: Any, example_inputs: Any, spec: LatencySpec) -> float:
     """Seconds per forward pass of ``model`` on ``example_inputs`` in eval mode, in
     ``spec``'s form, device and dtype (``fisherprune.export.serving_forms.serve``: a copy where
@@ -749,10 +789,7 @@ def whole_model_seconds(model: Any, example_inputs: Any, spec: LatencySpec) -> f
     ``2 * spec.blocks`` blocks, never cached (it is what the operators' table is checked
     against). ``model`` may be a ``ServedForm`` built already (it runs on its own inputs;
     ``example_inputs`` are then not read), so that a form compiled once is timed again."""
-    # the export package imports the cost models: imported here, once both are loaded
-    from fisherprune.export.serving_forms import ServedForm, serve
-
-    served = model if isinstance(model, ServedForm) else serve(model, example_inputs, spec)
+    served = model if isinstance(model, ServedForm) else _serve(model, example_inputs, spec)
     modules = [served.module] if served.module is not None else []
     with eval_mode(*modules), torch.inference_mode():
         return _measure(served.run, _sync(spec.torch_device), 2 * spec.blocks)
@@ -765,9 +802,7 @@ def served_pair(
     modules themselves in eager, else each built once in ``spec.form`` (``ServedForm``)."""
     if spec.form == "eager":
         return dense, small
-    from fisherprune.export.serving_forms import serve
-
-    return serve(dense, example_inputs, spec), serve(small, example_inputs, spec)
+    return _serve(dense, example_inputs, spec), _serve(small, example_inputs, spec)
 
 
 def prediction_check(

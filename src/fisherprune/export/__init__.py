@@ -16,6 +16,7 @@ from fisherprune.export.mha import PrunedMultiheadAttention
 from fisherprune.export.modules import register_shrink_rule, unregister_shrink_rule
 from fisherprune.export.plan import PlanMismatchError, PruningPlan
 from fisherprune.export.safe_load import PickledObjectsError
+from fisherprune.export.serving_forms import serve as _serve  # noqa: F401 (registers it)
 from fisherprune.export.shrink import ShrinkError, shrink
 from fisherprune.export.width_probe import shrink_trial as _shrink_trial  # noqa: F401
 

@@ -27,7 +27,6 @@ import copy
 import tempfile
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +34,7 @@ import torch
 from torch import nn
 
 from fisherprune._errors import first_line
-from fisherprune.cost.latency import DTYPES, LatencySpec
+from fisherprune.cost.latency import DTYPES, LatencySpec, ServedForm, register_serving
 from fisherprune.export.aoti import load_aoti_export
 from fisherprune.export.files import export_model
 from fisherprune.export.latency import frozen_for_serving
@@ -43,29 +42,10 @@ from fisherprune.export.shrink import shrink
 from fisherprune.inputs import Inputs
 from fisherprune.masks import find_masks
 
-__all__ = ["ServedForm", "serve"]
+__all__ = ["serve"]
 
 #: untimed forward passes before a CUDA graph is captured (cuDNN and the allocator settle)
 CAPTURE_WARMUP = 3
-
-
-@dataclass
-class ServedForm:
-    """A model built in a serving form, with the inputs it runs on.
-
-    Attributes:
-        form: the ``LatencySpec.form`` it was built in.
-        run: one forward pass on those inputs (call it in inference mode).
-        module: the module whose train/eval flag must be eval while ``run`` is timed (eager),
-            else None (a compiled form was built in eval mode).
-        keep: what must live as long as ``run`` and ``run`` does not hold (a package's
-            folder; a CUDA graph's module, inputs and outputs, which it replays into).
-    """
-
-    form: str
-    run: Callable[[], Any]
-    module: nn.Module | None = None
-    keep: list[Any] = field(default_factory=list)
 
 
 def _placed(model: nn.Module, spec: LatencySpec) -> tuple[nn.Module, Callable[[Any], Any]]:
@@ -159,3 +139,6 @@ _BUILD: dict[str, Callable[[nn.Module, Inputs], ServedForm]] = {
     "compile": _compile,
     "cuda_graphs": _cuda_graphs,
 }
+
+
+register_serving(serve)

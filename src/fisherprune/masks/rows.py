@@ -20,6 +20,7 @@ Rules compute on the maps' own device and never read a value back to the host.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -133,10 +134,10 @@ def register_row_rule(*ops: Any) -> Callable[[RowRule], RowRule]:
         TypeError: a key is not an operator.
     """
 
-    return functools.partial(_register, _RULES, ops)
+    return functools.partial(add_rule, _RULES, ops)
 
 
-def _register(table: dict[Any, RowRule], ops: tuple[Any, ...], fn: RowRule) -> RowRule:
+def add_rule(table: dict[Any, RowRule], ops: tuple[Any, ...], fn: RowRule) -> RowRule:
     """Enter ``fn`` in ``table`` under each operator packet of ``ops`` (see
     ``register_row_rule``, whose errors it raises)."""
     for op in ops:
@@ -153,11 +154,11 @@ def rows_after(
     func: Any, args: tuple, kwargs: dict, outs: Sequence[Tensor], rows_of: RowsOf
 ) -> list[Rows | None]:
     """The row map of each output tensor of one operator call (None: rows not followed)."""
-    rule = _RULES.get(getattr(func, "overloadpacket", None), _same_rows)
+    rule = _RULES.get(getattr(func, "overloadpacket", None), same_rows)
     return [rule(func, args, kwargs, o, i, rows_of) for i, o in enumerate(outs)]
 
 
-def _same_rows(
+def same_rows(
     _func: Any, args: tuple, kwargs: dict, out: Tensor, _i: int, rows_of: RowsOf
 ) -> Rows | None:
     """The default: the map of the first input tensor whose dims that the map covers (dim 0
@@ -199,23 +200,16 @@ def _view(func: Any, args: tuple, kwargs: dict, out: Tensor, i: int, rows_of: Ro
     if (
         n_in
         and n_out % n_in == 0
-        and any(_prod(x.shape[:j]) == n_out for j in range(2, x.dim() + 1))
+        and any(math.prod(x.shape[:j]) == n_out for j in range(2, x.dim() + 1))
     ):
         return Rows(rows.example.repeat_interleave(n_out // n_in), rows.by_data)
     if (
         n_out
         and n_in % n_out == 0
-        and any(_prod(out.shape[:j]) == n_in for j in range(2, out.dim() + 1))
+        and any(math.prod(out.shape[:j]) == n_in for j in range(2, out.dim() + 1))
     ):
         return Rows(rows.example.view(n_out, n_in // n_out)[:, 0], rows.by_data)
     return None
-
-
-def _prod(shape: Sequence[int]) -> int:
-    p = 1
-    for s in shape:
-        p *= int(s)
-    return p
 
 
 @register_row_rule(aten.index)
@@ -238,7 +232,7 @@ def _index_select(func: Any, args: tuple, kwargs: dict, out: Tensor, i: int, row
     x, dim, index = args[0], args[1], args[2]
     rows = rows_of(x)
     if rows is None or dim % x.dim() != 0:
-        return _same_rows(func, args, kwargs, out, i, rows_of)
+        return same_rows(func, args, kwargs, out, i, rows_of)
     return Rows(rows.example[index.to(rows.example.device)], True)
 
 
@@ -248,7 +242,7 @@ def _slice(func: Any, args: tuple, kwargs: dict, out: Tensor, i: int, rows_of: R
     dim = _dim_arg(args, kwargs, 1)
     rows = rows_of(x)
     if rows is None or dim % x.dim() != 0:
-        return _same_rows(func, args, kwargs, out, i, rows_of)
+        return same_rows(func, args, kwargs, out, i, rows_of)
     start = args[2] if len(args) > 2 and args[2] is not None else 0
     end = args[3] if len(args) > 3 and args[3] is not None else x.shape[0]
     step = args[4] if len(args) > 4 else 1
@@ -271,7 +265,7 @@ def _moves_rows(func: Any, args: tuple, kwargs: dict, out: Tensor, i: int, rows_
         a, b = args[1], args[2]
         a, b = (a[0], b[0]) if isinstance(a, (list, tuple)) else (a, b)
         keep = a % nd == b % nd or 0 not in (a % nd, b % nd)
-    return _same_rows(func, args, kwargs, out, i, rows_of) if keep else None
+    return same_rows(func, args, kwargs, out, i, rows_of) if keep else None
 
 
 @register_row_rule(
@@ -300,7 +294,7 @@ def _along_dim(func: Any, args: tuple, kwargs: dict, out: Tensor, i: int, rows_o
         dim = None
     if _moves_dim0(dim, first.dim() + (name in ("unsqueeze", "stack"))):
         return None
-    return _same_rows(func, args, kwargs, out, i, rows_of)
+    return same_rows(func, args, kwargs, out, i, rows_of)
 
 
 @register_row_rule(aten.nonzero, aten.masked_select, aten.unique_dim, aten._unique2)

@@ -19,6 +19,7 @@ that is moved off dim 0 is not followed (the point's rows are ``"unknown"``, as 
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -30,10 +31,9 @@ from fisherprune.masks.rows import (
     RowRule,
     Rows,
     RowsOf,
-    _prod,
-    _register,
-    _same_rows,
+    add_rule,
     rows_after,
+    same_rows,
 )
 
 __all__ = ["rows_after_nd"]
@@ -53,7 +53,7 @@ def rows_after_nd(
         tensors = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, Tensor)]
         if not any((r := rows_of(a)) is not None and r.example.dim() > 1 for a in tensors):
             return rows_after(func, args, kwargs, outs, rows_of)
-        rule = _same_rows
+        rule = same_rows
     return [rule(func, args, kwargs, o, i, rows_of) for i, o in enumerate(outs)]
 
 
@@ -82,7 +82,7 @@ def _from_full(full: Tensor, out: Tensor, by_data: bool) -> Rows | None:
 
 def _nd_rule(*ops: Any) -> Any:
     """Register a rule in ``_ND_RULES`` (duplicates refused as ``register_row_rule`` does)."""
-    return functools.partial(_register, _ND_RULES, ops)
+    return functools.partial(add_rule, _ND_RULES, ops)
 
 
 def _first(args: tuple, rows_of: RowsOf) -> tuple[Tensor, Rows] | None:
@@ -101,9 +101,9 @@ def _reshaped(func: Any, args: tuple, kwargs: dict, out: Tensor, i: int, rows_of
         return None
     x, rows = got
     m = rows.example.dim()
-    prefixes = [_prod(out.shape[:j]) for j in range(1, out.dim() + 1)]
+    prefixes = [math.prod(out.shape[:j]) for j in range(1, out.dim() + 1)]
     for k in range(m, x.dim() + 1):
-        size = _prod(x.shape[:k])
+        size = math.prod(x.shape[:k])
         if size and size in prefixes:
             j = prefixes.index(size) + 1
             ex = rows.example.reshape(*rows.example.shape, *([1] * (k - m)))
