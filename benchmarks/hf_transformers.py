@@ -87,6 +87,16 @@ CASES: list[tuple[str, str]] = [
     ("vit", "sdpa"), ("t5", "eager"),
 ]  # fmt: skip
 
+#: ``--cases 2026``: the architectures of issue 34 at the same sizes (its bar: >= 85% of the
+#: FLOPs prunable, >= 35% saved): a fused-QKV encoder (ModernBERT), repeated key/value heads
+#: (DeBERTa-v2), a mixture-of-experts decoder (Qwen3-MoE, 8 experts of 128, top 2), a
+#: state-space model (Mamba) and a vision transformer with per-head relative-position bias
+#: tables (Swin, 64x64 images in 4x4 patches, windows of 4, two stages)
+CASES_2026: list[tuple[str, str]] = [
+    ("modernbert", "eager"), ("deberta_v2", "eager"), ("qwen3_moe", "eager"),
+    ("mamba", "eager"), ("swin", "eager"),
+]  # fmt: skip
+
 
 def build(kind: str, attention: str) -> tuple[nn.Module, dict[str, Tensor]]:
     """The model (seeded random weights, eval mode) and its keyword inputs."""
@@ -126,6 +136,29 @@ def build(kind: str, attention: str) -> tuple[nn.Module, dict[str, Tensor]]:
     elif kind == "vit":
         cfg = tr.ViTConfig(image_size=IMAGE, patch_size=PATCH, **common, num_labels=2)
         model = tr.ViTForImageClassification(cfg)
+        inputs = {"pixel_values": torch.randn(BATCH, 3, IMAGE, IMAGE, generator=g)}
+    elif kind == "modernbert":
+        cfg = tr.ModernBertConfig(vocab_size=VOCAB, **common, **heads, global_attn_every_n_layers=2)
+        model = tr.ModernBertForSequenceClassification(cfg)
+    elif kind == "deberta_v2":
+        cfg = tr.DebertaV2Config(vocab_size=VOCAB, **common, **heads)
+        model = tr.DebertaV2ForSequenceClassification(cfg)
+    elif kind == "qwen3_moe":
+        cfg = tr.Qwen3MoeConfig(
+            vocab_size=VOCAB, num_key_value_heads=KV_HEADS, num_experts=8, num_experts_per_tok=2,
+            moe_intermediate_size=HIDDEN, decoder_sparse_step=1, **common, **heads,
+        )  # fmt: skip
+        model = tr.Qwen3MoeForSequenceClassification(cfg)
+    elif kind == "mamba":
+        cfg = tr.MambaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS)
+        model = tr.MambaForCausalLM(cfg)
+        inputs = {"input_ids": ids}
+    elif kind == "swin":
+        cfg = tr.SwinConfig(
+            image_size=IMAGE, patch_size=4, embed_dim=HIDDEN // 2, depths=[2, 2],
+            num_heads=[HEADS // 2, HEADS], window_size=4, num_labels=2,
+        )  # fmt: skip
+        model = tr.SwinForImageClassification(cfg)
         inputs = {"pixel_values": torch.randn(BATCH, 3, IMAGE, IMAGE, generator=g)}
     elif kind == "t5":
         cfg = tr.T5Config(
@@ -357,6 +390,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-torch-pruning", action="store_true", help="skip Torch-Pruning")
+    ap.add_argument(
+        "--cases", choices=("standard", "2026"), default="standard",
+        help="the standard encoders and decoders, or issue 34's architectures (CASES_2026)",
+    )  # fmt: skip
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results/transformers.json")
     ap.add_argument(
         "--plot",
@@ -386,7 +423,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
 
     rows: list[dict[str, Any]] = []
-    for kind, attention in CASES:
+    for kind, attention in CASES_2026 if args.cases == "2026" else CASES:
         r = {"model": kind, "attention": attention}
         r["fisherprune"] = run_fisherprune(kind, attention)
         r["torch_pruning"] = run_tp(kind, attention)
