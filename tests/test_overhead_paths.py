@@ -39,9 +39,9 @@ def test_layers_reading_one_tensor_share_one_reduction(monkeypatch: pytest.Monke
     calls: list[tuple[int, ...]] = []
     reduce = mask_layer._per_example_channel_dot
 
-    def counting(g: Tensor, x: Tensor, dim: int) -> Tensor:
+    def counting(g: Tensor, x: Tensor, dim: int, batch_dim: int = 0) -> Tensor:
         calls.append(tuple(x.shape))
-        return reduce(g, x, dim)
+        return reduce(g, x, dim, batch_dim)
 
     monkeypatch.setattr(mask_layer, "_per_example_channel_dot", counting)
     x, y = token_input(4).double(), torch.arange(4) % 5
