@@ -93,11 +93,14 @@ def test_cli_stops_a_diverging_run_before_pruning_or_export(
     assert code == 1, err
     assert "training loss is" in err and "diverged" in err and "Traceback" not in err
     # one error line; a batch whose gradients overflowed before the loss did is skipped by the
-    # signal, with its own one-line warning (they depend on the BLAS's rounding)
+    # signal, with its own one-line warning, and a prune due after it is skipped, saying so
+    # (whether they come depends on the BLAS's rounding and the thread count)
     lines = err.strip().splitlines()
     errors = [ln for ln in lines if not ln.startswith("fisherprune train: warning:")]
     assert len(errors) == 1, err
-    assert all("pruning-signal estimate is not finite" in ln for ln in lines if ln not in errors)
+    skipped = ("pruning-signal estimate is not finite", "no channel pruned", "were not finite")
+    warned = [ln for ln in lines if ln not in errors]
+    assert all(any(s in ln for s in skipped) for ln in warned), err
     exported = sorted(p.name for p in (save / "export").glob("*"))
     # the model as it was when its dense phase ended, in an export set marked incomplete
     assert exported in ([], ["dense.pt", MANIFEST_FILE])
