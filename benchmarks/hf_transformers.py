@@ -24,12 +24,14 @@ For fisherprune (whatever the installed version prunes; rerun it when the librar
   (The sum over channels of their marginal costs is not used: a matmul between two prunable
   dimensions would be counted by both.)
 * ``saved``: the share of FLOPs saved by removing ``floor(0.3 * n)`` channels of every group of
-  ``n`` channels, chosen uniformly at random (``torch.randperm`` with a seeded generator, seed
-  0, groups in ``masks`` order). It is measured with ``FlopCounterMode`` (2 FLOPs per
-  multiply-accumulate; ``custom_mapping=SAME_AS_TORCH`` so that CPU's fused attention op is
-  counted as torch counts its flash kernel) on the shrunk model against the dense model, per
-  example; ``cost == counted`` says whether ``computational_cost(...).total`` of the masked
-  model equals that count on the shrunk one (relative difference below 1e-9);
+  ``n`` channels (fewer where the channels kept must be a multiple,
+  ``MaskLayer.keep_multiple``, as ``prune`` keeps them: the experts of ``grouped_mm``), chosen
+  uniformly at random (``torch.randperm`` with a seeded generator, seed 0, groups in ``masks``
+  order). It is measured with ``FlopCounterMode`` (2 FLOPs per multiply-accumulate;
+  ``custom_mapping=SAME_AS_TORCH`` so that CPU's fused attention op is counted as torch counts
+  its flash kernel) on the shrunk model against the dense model, per example; ``cost ==
+  counted`` says whether ``computational_cost(...).total`` of the masked model equals that
+  count on the shrunk one (relative difference below 1e-9);
 * ``trace s``: wall time of ``apply_masks`` (one call, after one warm-up call on another copy);
 * ``max |shrunk - masked|``: largest absolute difference between the shrunk model's and the
   masked model's logits (T5: ``last_hidden_state``), float32.
@@ -208,6 +210,8 @@ def run_fisherprune(kind: str, attention: str) -> dict[str, Any]:
         with torch.no_grad():
             for m in masks.values():
                 k = int(np.floor(RATIO * m.num_channels))
+                while k and (m.num_channels - k) % m.keep_multiple:  # as prune keeps them:
+                    k -= 1  # whole multiples where a kernel needs them (grouped_mm's experts)
                 m.mask[torch.randperm(m.num_channels, generator=gen)[:k]] = 0.0
                 removed += k
         row["removed_channels"] = removed
