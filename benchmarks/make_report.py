@@ -1022,6 +1022,9 @@ def build(out: Path, results: Path = RESULTS) -> str:
     t = _load(results / "transformers.json")
     if t is not None:
         lines += transformers_section(t, out)
+    arch = _load(results / "transformers_2026.json")
+    if arch is not None:
+        lines += architectures_2026_section(arch, results / "transformers_2026.md")
     lines += standard_size_sections(results, out)
     lines += streaming_section(results)
     lines += tables_section(results)
@@ -1175,6 +1178,39 @@ def latency_vs_flops_section(runs: list[dict[str, Any]]) -> list[str]:
         "",
     ]
     return lines
+
+
+#: what each model of ``hf_transformers.CASES_2026`` tests (issue 34)
+_ARCH_2026 = {
+    "modernbert": ("ModernBERT", "fused QKV viewed with the head count in the code"),
+    "deberta_v2": ("DeBERTa-v2", "key/value heads repeated (`aten.repeat`), relative attention"),
+    "qwen3_moe": ("Qwen3-MoE", "experts (`grouped_mm`), router, GQA"),
+    "mamba": ("Mamba", "state-space inner width, depthwise conv, `x_proj` splits"),
+    "swin": ("Swin", "per-head relative-position bias tables, shifted windows, patch merging"),
+}
+
+
+def architectures_2026_section(data: dict[str, Any], prose: Path) -> list[str]:
+    """Issue 34's architectures from configs (``hf_transformers.py --cases 2026``): the written
+    text (``prose``; its ``<!-- table -->`` line takes the table of the JSON's rows)."""
+    table = [
+        "| model | what it tests | groups | channels | prunable | saved | cost == FlopCounterMode "
+        "| apply_masks s | max \\|shrunk - masked\\| |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in data["rows"]:
+        name, what = _ARCH_2026.get(row["model"], (row["model"], ""))
+        f = row["fisherprune"]
+        if not f["ok"]:
+            table.append(f"| {name} | {what} | failed: {f.get('error')} |||||||")
+            continue
+        table.append(
+            f"| {name} | {what} | {f['groups']} | {f['channels']} | {_pct(f['prunable_share'])} "
+            f"| {_pct(f['saved_share'])} | {'yes' if f['cost_equals_counted'] else 'NO'} "
+            f"| {f['trace_s']:.2f} | {f['max_abs_diff']:.1e} |"
+        )
+    text = prose.read_text().replace("<!-- table -->", "\n".join(table))
+    return [*text.rstrip("\n").split("\n"), ""]
 
 
 def lm_quality_section(data: dict[str, Any], prose: Path) -> list[str]:
