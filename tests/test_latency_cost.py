@@ -382,10 +382,9 @@ def test_pruning_optimizer_takes_a_time_target(tmp_path, fake_clock, monkeypatch
     assert opt.start_cost == pytest.approx(1000.0)  # the whole model's (patched) 1 ms
 
 
-def test_train_cli_prunes_to_a_latency_target(tmp_path, fake_clock):
-    """``fisherprune train --pruning.convention latency`` prunes to a share of the timed
-    latency, writes its table where ``--pruning.latency_cache`` says, its plan records the
-    latency convention, and result.json gives the prediction beside the model timed whole."""
+def latency_train(tmp_path, steps: int, target: str, *extra: str) -> int:
+    """``fisherprune train`` of a 16-unit MLP on a separable 4-column CSV table, pruned to
+    ``target`` of its timed latency, the tables cached under ``tmp_path / "tables"``."""
     from fisherprune.cli.main import main
 
     rng = np.random.default_rng(0)
@@ -397,15 +396,22 @@ def test_train_cli_prunes_to_a_latency_target(tmp_path, fake_clock):
         *(",".join(f"{v:.4f}" for v in r) + f",{c}" for r, c in zip(x, y, strict=True)),
     ]
     csv.write_text("\n".join(rows) + "\n")
-    cache = tmp_path / "tables"
-    code = main([
+    return main([
         "train", "--data", str(csv), "--model", "mlp", "--width", "16", "--depth", "1",
-        "--train.steps", "40", "--pruning.burn_in", "5", "--pruning_iter", "2",
+        "--train.steps", str(steps), "--pruning.burn_in", "5", "--pruning_iter", "2",
         "--eval_every", "10", "--fine_tune_steps", "5", "--export_formats", "state_dict",
         "--threads", "1", "--progress", "none", "--dense_check", "warn",
-        "--pruning.convention", "latency", "--pruning.flops_target", "70%",
-        "--pruning.latency_cache", str(cache), "--save_dir", str(tmp_path / "run"),
+        "--pruning.convention", "latency", "--pruning.flops_target", target,
+        "--pruning.latency_cache", str(tmp_path / "tables"), *extra,
     ])  # fmt: skip
+
+
+def test_train_cli_prunes_to_a_latency_target(tmp_path, fake_clock):
+    """``fisherprune train --pruning.convention latency`` prunes to a share of the timed
+    latency, writes its table where ``--pruning.latency_cache`` says, its plan records the
+    latency convention, and result.json gives the prediction beside the model timed whole."""
+    cache = tmp_path / "tables"
+    code = latency_train(tmp_path, 40, "70%", "--save_dir", str(tmp_path / "run"))
     assert code == 0
     assert list(cache.glob("*.json"))
     plan = json.loads((tmp_path / "run" / "export" / "plan.json").read_text())

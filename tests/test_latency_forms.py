@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -18,7 +17,13 @@ import fisherprune.export.serving_forms as forms
 from fisherprune.calibrate import fit_latency_line
 from fisherprune.cost import CostModel, LatencySpec
 from fisherprune.cost import latency as lat
-from tests.test_latency_cost import _cnn, _fake_seconds, _fake_whole, fake_clock  # noqa: F401
+from tests.test_latency_cost import (  # noqa: F401
+    _cnn,
+    _fake_seconds,
+    _fake_whole,
+    fake_clock,
+    latency_train,
+)
 
 
 @pytest.fixture
@@ -169,25 +174,20 @@ def test_dense_prediction_is_the_aoti_packages_time(tmp_path, eager_operators, m
 
 
 def _train(tmp_path, steps: int, *extra: str) -> int:
-    from fisherprune.cli.main import main
+    return latency_train(tmp_path, steps, "40%", *extra)
 
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(120, 4))
-    y = (x[:, 0] + x[:, 1] > 0).astype(int)
-    csv = tmp_path / "t.csv"
-    rows = [
-        "a,b,c,d,label",
-        *(",".join(f"{v:.4f}" for v in r) + f",{c}" for r, c in zip(x, y, strict=True)),
-    ]
-    csv.write_text("\n".join(rows) + "\n")
-    return main([
-        "train", "--data", str(csv), "--model", "mlp", "--width", "16", "--depth", "1",
-        "--train.steps", str(steps), "--pruning.burn_in", "5", "--pruning_iter", "2",
-        "--eval_every", "10", "--fine_tune_steps", "5", "--export_formats", "state_dict",
-        "--threads", "1", "--progress", "none", "--dense_check", "warn",
-        "--pruning.convention", "latency", "--pruning.flops_target", "40%",
-        "--pruning.latency_cache", str(tmp_path / "tables"), *extra,
-    ])  # fmt: skip
+
+def _count_whole(monkeypatch) -> list[int]:
+    """Count the whole-model timings (on the fake clock) from here on."""
+    calls = [0]
+
+    def counted(*a, **k):
+        calls[0] += 1
+        return _fake_whole(*a, **k)
+
+    monkeypatch.setattr(model_module, "whole_model_seconds", counted)
+    monkeypatch.setattr(line_module, "whole_model_seconds", counted)
+    return calls
 
 
 def _final_masks(save) -> dict[str, torch.Tensor]:
@@ -205,14 +205,7 @@ def test_resumed_latency_run_is_not_timed_again(tmp_path, monkeypatch):
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
     assert _train(tmp_path, 24, "--save_dir", str(straight)) == 0
     assert _train(tmp_path, 9, "--save_dir", str(stopped)) == 0
-    calls = [0]
-
-    def counted(*a, **k):
-        calls[0] += 1
-        return _fake_whole(*a, **k)
-
-    monkeypatch.setattr(model_module, "whole_model_seconds", counted)
-    monkeypatch.setattr(line_module, "whole_model_seconds", counted)
+    calls = _count_whole(monkeypatch)
     assert _train(tmp_path, 24, "--save_dir", str(stopped), "--resume") == 0
     assert calls[0] == 0
     want, got = _final_masks(straight), _final_masks(stopped)
@@ -234,14 +227,7 @@ def test_resume_from_a_checkpoint_without_calibration_times_afresh(tmp_path, mon
     saved = CheckpointManager.load(path)
     del saved["pruner"]["latency"]
     ckpts.save(int(path.stem.split("-")[1]), saved)
-    calls = [0]
-
-    def counted(*a, **k):
-        calls[0] += 1
-        return _fake_whole(*a, **k)
-
-    monkeypatch.setattr(model_module, "whole_model_seconds", counted)
-    monkeypatch.setattr(line_module, "whole_model_seconds", counted)
+    calls = _count_whole(monkeypatch)
     capsys.readouterr()
     assert _train(tmp_path, 24, "--save_dir", str(save), "--resume", "--progress", "plain") == 0
     assert calls[0] > 0

@@ -267,27 +267,22 @@ class PruningOptimizer:
             )
         self.convention = convention
         self.score_convention = score_convention or convention
-        timed = {c: latency if c == "latency" else None for c in (convention, score_convention)}
         given = latency_calibration or {}
-        self.cost_model = CostModel(
-            model,
-            example_inputs,
-            convention,
-            latency=timed[convention],
-            latency_calibration=given.get("cost") if timed[convention] else None,
-        )
+
+        def cost_model(conv: str, role: str) -> CostModel:
+            """The cost of ``conv``, with the resumed calibration of ``role`` when timed."""
+            timed = latency if conv == "latency" else None
+            calibration = given.get(role) if timed else None
+            return CostModel(model, example_inputs, conv, latency=timed,
+                             latency_calibration=calibration)  # fmt: skip
+
+        self.cost_model = cost_model(convention, "cost")
         #: the cost that scores are normalised by (the same object when the conventions agree)
         self.score_model = self.cost_model
         if score_convention not in (None, convention):
             with warnings.catch_warnings():  # the trace's warnings were given just above
                 warnings.simplefilter("ignore")
-                self.score_model = CostModel(
-                    model,
-                    example_inputs,
-                    score_convention,
-                    latency=timed[score_convention],
-                    latency_calibration=given.get("score") if timed[score_convention] else None,
-                )
+                self.score_model = cost_model(score_convention, "score")
         self.start_cost = self.cost_model.total()
         self.target = resolve_target(flops_target, self.start_cost, convention)
         self.counter = 1
