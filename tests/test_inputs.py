@@ -626,3 +626,14 @@ def test_gpt2_shrunk_model_gives_the_masked_output() -> None:
     small = fp.shrink(model)
     inputs = _hf_inputs(2, seed=1)
     _assert_close(_eval(small, inputs).logits, _eval(model, inputs).logits, ATOL_F64)
+
+
+def test_callbacks_move_every_tensor_of_nested_inputs_to_the_device() -> None:
+    """The training-loop callbacks' ``inputs_on`` moves tensors inside a list or a dict
+    argument too, not only top-level ones (the meta device stands for a GPU)."""
+    from fisherprune.integrations._shared import inputs_on
+
+    given = ({"ids": torch.zeros(2, 3), "extra": [torch.ones(2), 3]}, torch.zeros(2, 1))
+    moved = inputs_on(given, torch.device("meta"))
+    assert moved[0]["ids"].is_meta and moved[0]["extra"][0].is_meta and moved[1].is_meta
+    assert moved[0]["extra"][1] == 3 and given[0]["ids"].device.type == "cpu"

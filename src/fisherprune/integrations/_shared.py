@@ -36,11 +36,10 @@ def refuse_owned_settings(settings: Mapping[str, Any], owner: str) -> None:
 
 def inputs_on(example_inputs: Any, device: torch.device) -> Any:
     """``example_inputs`` with every tensor in it moved to ``device`` (a new structure)."""
-    return (
-        Inputs.of(example_inputs)
-        .map(lambda t: t.to(device) if isinstance(t, Tensor) else t)
-        .value()
+    moved = Inputs.of(example_inputs).map_leaves(
+        lambda t, _batched: t.to(device) if isinstance(t, Tensor) else t
     )
+    return moved.value()
 
 
 def shrink_if_finished(pruner: PruningOptimizer, example_inputs: Any) -> bool:
