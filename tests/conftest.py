@@ -1,12 +1,14 @@
 """Shared test settings: with pytest-xdist, each worker's torch uses its share of the cores
 (two workers each running torch's default of every core would fight over them); transformers'
-cache of remote modelling code lies under the session's temporary folder."""
+cache of remote modelling code and inductor's compile cache lie under the session's temporary
+folder."""
 
 from __future__ import annotations
 
 import importlib
 import os
 import sys
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -28,6 +30,20 @@ def _hf_modules_cache(
     if "transformers" in sys.modules:
         modules = importlib.import_module("transformers.dynamic_module_utils")
         monkeypatch.setattr(modules, "HF_MODULES_CACHE", cache)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _inductor_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """AOTInductor exports (and the processes a test starts) compile into the session's
+    temporary folder, not ``/tmp/torchinductor_$USER``: tests write only under their temporary
+    folders, and no run leans on a cache an earlier run left. A cache the caller names in
+    ``TORCHINDUCTOR_CACHE_DIR`` is kept."""
+    if "TORCHINDUCTOR_CACHE_DIR" in os.environ:
+        yield
+        return
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path_factory.getbasetemp() / "inductor")
+    yield
+    del os.environ["TORCHINDUCTOR_CACHE_DIR"]
 
 
 #: module-scoped fixtures that take seconds to build (a torchrun launch, a killed and resumed
