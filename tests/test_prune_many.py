@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import itertools
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -186,3 +187,50 @@ def test_keep_is_a_floor_for_this_call_only() -> None:
     prune_many(masks, scores, cost=report, until=-1.0, keep={"a": 9, "d": 15, "c": 8})
     kept = {n: m.kept for n, m in masks.items()}
     assert kept == {"a": 9, "b": 1, "c": 7, "d": 15, "e": 1}
+
+
+def _big_and_small(block_loss: float) -> tuple[dict[str, MaskLayer], dict[str, Any], Any]:
+    """A one-channel mask costing 30 whose removal loses ``block_loss`` (a decoder block) and
+    20 channels costing 1 that lose 1 each; scores are loss over cost (the block's lowest),
+    the cost is 100. Returns the masks, ``prune_many``'s keyword arguments, and the report."""
+    masks = {"block": MaskLayer(1), "w": MaskLayer(20)}
+    importance = {"block": torch.tensor([block_loss]), "w": torch.ones(20, dtype=torch.float64)}
+    marginal = {"block": torch.full((1,), 30.0), "w": torch.ones(20, dtype=torch.float64)}
+    scores = {n: importance[n] / marginal[n] for n in masks}
+    report = SimpleNamespace(total=100.0, marginal=marginal)
+    return masks, {"scores": scores, "importance": importance}, report
+
+
+def test_a_removal_that_would_overshoot_the_goal_gives_way_to_channels_that_lose_less() -> None:
+    """Ten of cost are left to go: the block (lowest score, 30 of cost, loses 20) would land
+    the cost at 70; the ten next channels reach the goal losing 10, so they go instead, and
+    the block stays."""
+    masks, kw, report = _big_and_small(20.0)
+    greedy = prune_many(copy.deepcopy(masks), kw["scores"], 0, cost=report, until=90.0)
+    assert [e.mask for e in greedy] == ["block"]  # without a goal: the lowest score first
+    events = prune_many(masks, **kw, min_channels=0, cost=report, until=90.0, goal=90.0)
+    assert events[-1].cost_after == 90.0
+    assert masks["block"].mask.tolist() == [1.0]
+    assert masks["w"].mask.tolist() == [0.0] * 10 + [1.0] * 10
+
+
+@pytest.mark.parametrize(
+    ("block_loss", "floors"),
+    [(20.0, {"w": 15}), (5.0, {})],
+    ids=["the channels cannot reach the goal", "the channels would lose more"],
+)
+def test_an_overshooting_removal_goes_when_smaller_ones_cannot_do_better(block_loss, floors):
+    """The block goes as without a goal, and nothing else, when the small channels can give
+    only 5 of the 10 needed (a floor keeps 15 of 20), or would lose 10 against its 5."""
+    masks, kw, report = _big_and_small(block_loss)
+    events = prune_many(
+        masks, **kw, min_channels=0, cost=report, until=90.0, goal=90.0, floors=floors
+    )
+    assert [e.mask for e in events] == ["block"]
+    assert events[-1].cost_after == 70.0
+
+
+def test_a_goal_without_importance_is_refused() -> None:
+    masks, kw, report = _big_and_small(1.0)
+    with pytest.raises(ValueError, match="importance"):
+        prune_many(masks, kw["scores"], cost=report, until=90.0, goal=90.0)

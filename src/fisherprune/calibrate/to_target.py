@@ -775,6 +775,8 @@ class _Selection:
                 keep=least,
                 stop_at_keep=self.rescore_at_cap,
                 floors=self.width_floors,
+                goal=goal,
+                importance=importances,
             )
             events.extend(chunk)
             self._exact_last(events)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
@@ -217,6 +217,8 @@ def prune_many(
     keep: Mapping[str, int] | None = None,
     stop_at_keep: bool = False,
     floors: Mapping[str, int] | None = None,
+    goal: float | None = None,
+    importance: Mapping[str, Tensor] | None = None,
 ) -> list[PruneEvent]:
     """What calling ``prune`` over and over with the same arguments does while the estimated
     cost is above ``until``, in one pass: the same channels in the same order, the same events.
@@ -248,6 +250,14 @@ def prune_many(
         floors: per mask name, a floor of its own above ``min_channels``' (a class of copies
             reads its first member's; ``prune_to_target``'s ``floor_power``): unlike ``keep``,
             reaching it never ends the call.
+        goal: with ``importance``, the cost the caller prunes to (``prune_to_target``'s
+            goal). A candidate whose removal would leave the estimated cost more than
+            ``OVERSHOOT`` of ``goal`` below it (a whole decoder block when a few channels are
+            left to go) is passed over, with what its mask would remove after it, when the
+            candidates that would come next from the other masks reach ``goal`` losing less
+            summed ``importance`` than it alone; else it goes as without ``goal``.
+        importance: per mask name, what removing each channel loses (the criterion's
+            importances the scores were made from); read only with ``goal``.
 
     Returns:
         The events in order (one per ``prune`` call it stands for). The estimated cost after
@@ -255,10 +265,14 @@ def prune_many(
         with ``stop_at_keep`` one reached its ``keep``.
 
     Raises:
-        ValueError: as ``prune`` (nothing is changed then).
+        ValueError: as ``prune``, or ``goal`` without ``importance`` (nothing is changed).
     """
     check_min_channels(min_channels)
     check_round_to(round_to)
+    if goal is not None and importance is None:
+        raise ValueError("prune_many(goal=...) needs the importance each channel's removal loses")
+    if goal is not None and importance is None:
+        raise ValueError("prune_many(goal=...) needs the importance each channel's removal loses")
     md = as_mask_dict(masks)
     sd = _scores_by_name(md, scores)
     order = {n: i for i, n in enumerate(md)}
@@ -282,8 +296,22 @@ def prune_many(
     heapq.heapify(heap)
     events: list[PruneEvent] = []
     total = float(cost.total)
+    passed: set[int] = set()  # queues whose next removal would overshoot ``goal``
+
+    def key(chosen: dict[str, list[int]]) -> tuple[Any, ...]:
+        return _candidate(chosen, sd, order)[:3]
+
     while heap and total > until:
         v, first, k, i, chosen = heapq.heappop(heap)
+        if (
+            goal is not None
+            and importance is not None
+            and total - _saved(cost, chosen) < goal * (1 - OVERSHOOT)
+        ):
+            fill = _fill(heap, queues, passed | {i}, total - goal, cost, importance, key)
+            if fill < _lost(importance, chosen):
+                passed.add(i)  # smaller removals get there for less: this mask waits
+                continue
         events.append(_remove(md, (v, first, k, chosen), total, cost, step))
         total = events[-1].cost_after
         queues[i].taken(chosen)
@@ -293,6 +321,49 @@ def prune_many(
         if nxt is not None:
             heapq.heappush(heap, (*_candidate(nxt, sd, order)[:3], i, nxt))
     return events
+
+
+def _fill(
+    heap: list[Any],
+    queues: list[_Queue],
+    left_out: set[int],
+    need: float,
+    cost: Any,
+    importance: Mapping[str, Tensor],
+    key: Callable[[dict[str, list[int]]], tuple[Any, ...]],
+) -> float:
+    """What the removals that would come next from the queues not in ``left_out`` (in the
+    heap's order, ``key`` ranking a queue's next block) lose in summed ``importance`` until
+    their marginal costs add up to ``need``; infinite when they cannot. Changes nothing (it
+    runs on copies of the heap and the queues)."""
+    heap = [h for h in heap if h[3] not in left_out]
+    heapq.heapify(heap)
+    states = {h[3]: replace(queues[h[3]]) for h in heap}
+    saved = lost = 0.0
+    while saved < need:
+        if not heap:
+            return math.inf
+        *_, i, chosen = heapq.heappop(heap)
+        saved, lost = saved + _saved(cost, chosen), lost + _lost(importance, chosen)
+        states[i].taken(chosen)
+        if (nxt := states[i].next_block()) is not None:
+            heapq.heappush(heap, (*key(nxt), i, nxt))
+    return lost
+
+
+def _lost(importance: Mapping[str, Tensor], chosen: dict[str, list[int]]) -> float:
+    """The summed ``importance`` of the channels ``chosen`` (per mask name)."""
+    return sum(float(importance[n][c].double().sum()) for n, c in chosen.items())
+
+
+def _saved(cost: Any, chosen: dict[str, list[int]]) -> float:
+    """The summed marginal cost of the channels ``chosen`` (per mask name)."""
+    return sum(float(cost.marginal[n][c].sum()) for n, c in chosen.items())
+
+
+#: how far below its goal ``prune_many`` lets one removal take the cost (a share of the goal)
+#: while a smaller removal could still reach it
+OVERSHOOT = 0.02
 
 
 @dataclass
@@ -369,9 +440,7 @@ def _remove(
     summed marginal costs (NaN without ``cost``)."""
     v, _, k, chosen = cand
     name, *others = chosen
-    after = math.nan
-    if cost is not None:
-        after = before - sum(float(cost.marginal[n][c].sum()) for n, c in chosen.items())
+    after = math.nan if cost is None else before - _saved(cost, chosen)
     with torch.no_grad():
         for n, c in chosen.items():
             md[n].mask[c] = 0.0
