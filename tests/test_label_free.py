@@ -172,6 +172,16 @@ def test_expected_labels_estimate_the_expectation_over_labels() -> None:
         torch.testing.assert_close(m.signal, want[name], rtol=0.05, atol=0)
 
 
+def test_expected_labels_leave_regression_as_it_was() -> None:
+    """labels="expected" changes only the classification draw: a regression output gets the
+    same Gaussian targets from the same seed."""
+    out = torch.randn(6, 3)
+    sampled = LabelFreeLoss("regression", seed=2).sample(out)
+    torch.testing.assert_close(
+        LabelFreeLoss("regression", seed=2, labels="expected").sample(out), sampled, rtol=0, atol=0
+    )
+
+
 def test_unknown_labels_draw_is_refused() -> None:
     with pytest.raises(ValueError, match="labels must be one of sampled, expected"):
         LabelFreeLoss("classification", labels="argmax")
