@@ -10,6 +10,7 @@ from torch import nn
 
 import fisherprune as fp
 from fisherprune.criteria import Activation
+from fisherprune.masks.blocks import BlockGate
 
 
 def _mlp() -> nn.Sequential:
@@ -72,3 +73,45 @@ def test_activation_scores_need_a_forward() -> None:
     masks = fp.apply_masks(model, torch.randn(1, 3, dtype=torch.float64))
     with pytest.raises(ValueError, match="observing"):
         Activation().scores(masks, model)
+
+
+def test_a_block_scores_the_rms_size_of_its_change_to_the_residual_stream() -> None:
+    """A Llama's block gate (``blocks=True``) scores block ``i`` by ``sqrt(mean over example
+    positions of ||h_{i+1} - h_i||^2)``, with ``h`` the hidden states the model returns (the
+    last block's output is returned after the final norm, so the reference stops before it);
+    a block gated off scores 0."""
+    from tests.test_depth import IDS, _llama
+
+    model = _llama()
+    masks = fp.apply_masks(model, {"input_ids": IDS}, blocks=True)
+    (gate,) = (n for n, m in masks.items() if isinstance(m, BlockGate))
+    masks[gate].mask[1] = 0.0
+    crit = Activation()
+    with torch.no_grad(), crit.observing(model, masks):
+        hidden = model(IDS[:2], output_hidden_states=True).hidden_states
+        hidden2 = model(IDS[2:], output_hidden_states=True).hidden_states
+    got = crit.scores(masks, model)[gate]
+    for i in range(3):
+        change = torch.cat([hidden[i + 1] - hidden[i], hidden2[i + 1] - hidden2[i]])
+        ref = change.square().sum(-1).mean().sqrt()
+        torch.testing.assert_close(got[i], ref.to(got.dtype), rtol=1e-6, atol=1e-9)
+    assert got[1] == 0 and bool((got[[0, 2, 3]] > 0).all())
+
+
+def test_activation_prunes_the_near_identity_blocks_first() -> None:
+    """``prune_to_target(criterion="activation", blocks="only")`` on a Llama whose blocks 1
+    and 2 barely change the hidden state removes those two."""
+    from tests.test_depth import IDS, _llama
+
+    model = _llama()
+    with torch.no_grad():
+        for layer in model.model.layers[1:3]:
+            layer.mlp.down_proj.weight.mul_(1e-4)
+            layer.self_attn.o_proj.weight.mul_(1e-4)
+    inputs = {"input_ids": IDS}
+    fp.prune_to_target(
+        model, inputs, [(inputs, None)], "60%", criterion="activation", blocks="only",
+        reconstruct=False,
+    )  # fmt: skip
+    (gate,) = (m for m in fp.find_masks(model).values() if isinstance(m, BlockGate))
+    assert gate.mask.tolist() == [1.0, 0.0, 0.0, 1.0]

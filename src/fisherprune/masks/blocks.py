@@ -29,7 +29,14 @@ from fisherprune.masks import tracing
 from fisherprune.masks.layer import MaskLayer, gather_through
 from fisherprune.modes import eval_mode
 
-__all__ = ["BlockGate", "BlockGatePoint", "find_block_list", "install_block_gate"]
+__all__ = [
+    "BlockGate",
+    "BlockGatePoint",
+    "block_input",
+    "block_output",
+    "find_block_list",
+    "install_block_gate",
+]
 
 #: the key of the gate in the ``fisherprune_masks`` holder
 GATE_KEY = "blocks"
@@ -62,7 +69,7 @@ class BlockGate(MaskLayer):
         return f"list_path={self.list_path!r}, {super().extra_repr()}"
 
 
-def _main_tensor(args: tuple, kwargs: dict[str, Any]) -> Tensor | None:
+def block_input(args: tuple, kwargs: dict[str, Any]) -> Tensor | None:
     """The block's input hidden state: its first tensor argument (positional, then keyword)."""
     for a in (*args, *kwargs.values()):
         if isinstance(a, Tensor):
@@ -70,7 +77,7 @@ def _main_tensor(args: tuple, kwargs: dict[str, Any]) -> Tensor | None:
     return None
 
 
-def _out_tensor(out: Any) -> tuple[Tensor | None, Callable[[Tensor], Any]]:
+def block_output(out: Any) -> tuple[Tensor | None, Callable[[Tensor], Any]]:
     """The block's output hidden state (the tensor, or a tuple's first entry) and a function
     that puts a replacement back in the same structure."""
     if isinstance(out, Tensor):
@@ -95,8 +102,8 @@ class BlockGatePoint:
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict[str, Any], out: Any) -> Any:
         if tracing.active() is not None:
             return None
-        x = _main_tensor(args, kwargs)
-        y, rebuild = _out_tensor(out)
+        x = block_input(args, kwargs)
+        y, rebuild = block_output(out)
         if x is None or y is None or x.shape != y.shape:
             raise ValueError(
                 f"block {self.gate.list_path}.{self.index} cannot be gated: its input and "
@@ -131,7 +138,7 @@ def _chains(model: nn.Module, blocks: nn.ModuleList, inputs: Inputs) -> bool:
     seen: list[tuple[Tensor | None, Tensor | None]] = []
 
     def hook(_m: nn.Module, args: tuple, kwargs: dict[str, Any], out: Any) -> None:
-        seen.append((_main_tensor(args, kwargs), _out_tensor(out)[0]))
+        seen.append((block_input(args, kwargs), block_output(out)[0]))
 
     handles = [b.register_forward_hook(hook, with_kwargs=True) for b in blocks]
     try:

@@ -19,8 +19,14 @@ already pruned channel of another group are left out of the norm, as in ``L1``.
 The statistics come from forward passes only (no gradient): ``observing`` hooks the inputs of
 the modules ``apply_masks`` masks, and ``prune_to_target`` runs the calibration batches under
 it before every round. A consumer whose weight has no input dim (dim 1) as wide as its masked
-input (a depthwise or grouped conv) adds nothing; whole blocks and experts have no consumer
-weight and are not scored by this criterion.
+input (a depthwise or grouped conv) adds nothing.
+
+A whole block (entry ``i`` of a ``BlockGate``) scores in the same unit: the root-mean-square
+size of what it writes into the residual stream, ``sqrt(mean over rows of ||block_i(x) -
+x||_2^2)`` (rows: every calibration example and position), from a forward hook on the block,
+so that blocks rank against channels in one budget (``blocks=True``); after ShortGPT's block
+influence (Men et al. 2024), which measures the same change as one minus a cosine. Experts
+(``ExpertGate``) have no such score here.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import torch
 from torch import Tensor, nn
 
 from fisherprune.masks import MaskLayer
+from fisherprune.masks.blocks import BlockGate, block_input, block_output
 from fisherprune.masks.points import MaskPoint, find_holder
 from fisherprune.signals.criteria import (
     Criterion,
@@ -67,6 +74,29 @@ class _InputSquares:
         return (self.sum.double().cpu() / self.rows).sqrt()
 
 
+class _BlockChanges:
+    """The summed squared size of what one block writes into the residual stream, and how
+    many rows (example positions) went into it: a forward hook (``with_kwargs``) on the block,
+    registered after its gate's, so a block gated off adds 0."""
+
+    def __init__(self) -> None:
+        self.sum: Tensor | None = None  # () on the output's device, never read back there
+        self.rows = 0
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
+        x, (y, _) = block_input(args, kwargs), block_output(out)
+        if x is None or y is None or x.shape != y.shape:
+            return  # a block whose hidden state this cannot find: left unscored
+        d = y.detach().float() - x.detach().float()
+        part = d.square().sum()
+        self.sum = part if self.sum is None else self.sum + part
+        self.rows += d.numel() // max(1, d.shape[-1])
+
+    def rms(self) -> float:
+        """``sqrt(mean over rows of ||change||^2)`` (0 before any forward pass)."""
+        return 0.0 if self.sum is None else float((self.sum.double().cpu() / self.rows).sqrt())
+
+
 @register_criterion("activation")
 class Activation(Criterion):
     """Activation-weighted magnitude (module docstring): ``sum_c sum_j ||W_c[:, j]||_2 *
@@ -86,12 +116,15 @@ class Activation(Criterion):
     def __init__(self, normalize: str = "none") -> None:
         super().__init__(normalize)
         self._squares: list[_InputSquares] = []
+        self._blocks: dict[str, list[_BlockChanges]] = {}  # per BlockGate name, per block
 
     @contextmanager
     def observing(self, model: nn.Module, masks: Mapping[str, MaskLayer]) -> Iterator[None]:
-        """Within the block, every forward of ``model`` adds its consumers' input statistics
-        (those of earlier blocks are dropped on entry). Changes: adds one forward pre-hook per
-        masked consumer, removed on exit; the model's outputs are unchanged.
+        """Within the ``with`` block, every forward of ``model`` adds its consumers' input
+        statistics and, for a ``BlockGate`` among ``masks``, the size of each gated block's
+        change (those of earlier ``with`` blocks are dropped on entry). Changes: adds one
+        forward pre-hook per masked consumer and one forward hook per gated block, removed on
+        exit; the model's outputs are unchanged.
 
         Raises:
             ValueError: the model has no masks placed by ``apply_masks``.
@@ -105,6 +138,11 @@ class Activation(Criterion):
         modules = dict(model.named_modules())
         self._squares = [_InputSquares(p) for p in found[1].points]
         handles = [modules[s.point.module_name].register_forward_pre_hook(s) for s in self._squares]
+        gates = {n: m for n, m in masks.items() if isinstance(m, BlockGate)}
+        self._blocks = {n: [_BlockChanges() for _ in g.block_names()] for n, g in gates.items()}
+        for n, g in gates.items():
+            for block, hook in zip(g.block_names(), self._blocks[n], strict=True):
+                handles.append(modules[block].register_forward_hook(hook, with_kwargs=True))
         try:
             yield
         finally:
@@ -118,8 +156,9 @@ class Activation(Criterion):
                 "the activation criterion has seen no forward pass: run the calibration data "
                 "under criterion.observing(model, masks), as prune_to_target does"
             )
-        groups = groups_of(masks, model)
-        kept_rows = alive_along(masks, groups)
+        channels = {n: m for n, m in masks.items() if n not in self._blocks}
+        groups = groups_of(channels, model)
+        kept_rows = alive_along(channels, groups)
         params = dict(model.named_parameters())
         name_of = {id(m): n for n, m in masks.items()}
         out = {n: torch.zeros(m.num_channels, dtype=torch.float64) for n, m in masks.items()}
@@ -135,12 +174,16 @@ class Activation(Criterion):
                 if name is not None:
                     out[name].index_add_(0, idx, contrib[pos])
                     scored.add(name)
+        for name, changes in self._blocks.items():
+            if name in out and any(c.rows for c in changes):
+                out[name] = torch.tensor([c.rms() for c in changes], dtype=torch.float64)
+                scored.add(name)
         missing = [n for n in masks if n not in scored]
         if missing:
             raise ValueError(
                 f"mask(s) {missing} have no consumer with a weight that reads them along dim 1 "
-                "(a block or expert gate, a depthwise conv): the activation criterion cannot "
-                "score them; use fisher, taylor or random there"
+                "(an expert gate, a depthwise conv, a block whose hidden state was not found): "
+                "the activation criterion cannot score them; use fisher, taylor or random there"
             )
         return out
 
