@@ -490,13 +490,13 @@ def test_sentences_longer_than_the_model_reads_exit_2_naming_the_length(tmp_path
 
 
 def test_the_command_shows_fisherprune_warnings_as_one_line(tmp_path: Path) -> None:
-    """A group pruned to its floor on BERT at 60%: the warning is one line,
+    """A group pruned to its floor on BERT at 40%: the warning is one line,
     ``fisherprune prune: warning: ...``, not Python's file, line and source line (run as the
     console script runs, since pytest records warnings in-process)."""
     folder, text = _bert_folder(tmp_path)
     done = subprocess.run(
         [sys.executable, "-m", "fisherprune", "prune", str(folder), "--text", str(text),
-         "--target", "60%", "--out", str(tmp_path / "o")],
+         "--target", "40%", "--out", str(tmp_path / "o")],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
@@ -644,7 +644,7 @@ def test_the_target_is_met_at_seq_len_tokens_and_reported_at_the_calibration_len
     for key, tokens in (("cost_ratio", 60), ("calibration_cost_ratio", calibration)):
         assert report[key] == pytest.approx(flops(small, tokens) / flops(dense, tokens), rel=1e-6)
     assert report["cost_ratio"] <= 0.5
-    assert abs(report["cost_ratio"] - report["calibration_cost_ratio"]) > 1e-3
+    assert report["cost_ratio"] != pytest.approx(report["calibration_cost_ratio"], rel=1e-4)
     assert "at 60 tokens" in cli.out and "Loading weights" not in cli.err
 
 

@@ -643,6 +643,9 @@ def prune_to_target(
                 elif crit.uses_activations:
                     result.examples = observe_activations(model, masks, data, crit, bar)
             with clock("selection"):
+                if r == 1 and line is not None and line.fitted:
+                    line = _line_at_first_state(selection, model, masks, goal, example_inputs)
+                    result.latency_line = line
                 round_goal = goal if g == goals else start * (goal / start) ** (g / goals)
                 before = {n: m.kept for n, m in masks.items()}
                 events, reached = selection.run(model, masks, round_goal, r)
@@ -690,6 +693,22 @@ def prune_to_target(
         ", ".join(f"{k} {v:.1f} s" for k, v in clock.wall.items()),
     )
     return result
+
+
+def _line_at_first_state(
+    selection: _Selection,
+    model: nn.Module,
+    masks: dict[str, MaskLayer],
+    goal: float,
+    example_inputs: Any,
+) -> LatencyLine:
+    """The latency line fitted again through the dense model and the state the first scores
+    reach at ``goal`` in one go (``_Selection.preview``), timed whole: the prune lands near
+    that mix of widths, which a uniform copy may not resemble. Changes: ``selection``'s cost
+    model's line when that fit succeeds (else the line it has stays, and the reason is
+    returned)."""
+    kept = selection.preview(model, masks, goal)
+    return fit_latency_line(selection.cost_model, model, example_inputs, kept=kept)
 
 
 class _PhaseClock:
@@ -782,6 +801,19 @@ class _Selection:
             self._exact_last(events)
             if not chunk or chunk[-1].cost_after > until:
                 return events, self.cost_model.total() <= goal
+
+    def preview(self, model: nn.Module, masks: dict[str, MaskLayer], goal: float) -> dict[str, int]:
+        """The channels each mask would keep if this round's scores removed all the way to
+        ``goal`` (no ``round_cap``, no re-scoring). Changes nothing: the masks are given back."""
+        saved = {n: m.mask.detach().clone() for n, m in masks.items()}
+        try:
+            replace(self, round_cap=1.0, rescore_at_cap=False).run(model, masks, goal, 0)
+            return {n: m.kept for n, m in masks.items()}
+        finally:
+            with torch.no_grad():
+                for n, m in masks.items():
+                    m.mask.copy_(saved[n])
+                    m.record_values(all_ones=bool((saved[n] > 0.5).all()))
 
     def _least(self, m: MaskLayer) -> int:
         """The fewest channels ``m`` may keep after this round: ``round_cap`` of those it
