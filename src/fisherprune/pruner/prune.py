@@ -265,16 +265,21 @@ def prune_many(
         with ``stop_at_keep`` one reached its ``keep``.
 
     Raises:
-        ValueError: as ``prune``, or ``goal`` without ``importance`` (nothing is changed).
+        ValueError: as ``prune``, or ``goal`` without ``importance``, or (with ``goal``) an
+            ``importance`` that does not match the masks or is not finite for a kept channel,
+            checked as the scores (nothing is changed).
     """
     check_min_channels(min_channels)
     check_round_to(round_to)
     if goal is not None and importance is None:
         raise ValueError("prune_many(goal=...) needs the importance each channel's removal loses")
-    if goal is not None and importance is None:
-        raise ValueError("prune_many(goal=...) needs the importance each channel's removal loses")
     md = as_mask_dict(masks)
     sd = _scores_by_name(md, scores)
+    lost_by = (
+        None
+        if goal is None or importance is None
+        else _scores_by_name(md, importance, "importance")
+    )
     order = {n: i for i, n in enumerate(md)}
     queues: list[_Queue] = []
     for members in _classes(md, uniform):
@@ -305,11 +310,11 @@ def prune_many(
         v, first, k, i, chosen = heapq.heappop(heap)
         if (
             goal is not None
-            and importance is not None
+            and lost_by is not None
             and total - _saved(cost, chosen) < goal * (1 - OVERSHOOT)
         ):
-            fill = _fill(heap, queues, passed | {i}, total - goal, cost, importance, key)
-            if fill < _lost(importance, chosen):
+            fill = _fill(heap, queues, passed | {i}, total - goal, cost, lost_by, key)
+            if fill < _lost(lost_by, chosen):
                 passed.add(i)  # smaller removals get there for less: this mask waits
                 continue
         events.append(_remove(md, (v, first, k, chosen), total, cost, step))
@@ -353,7 +358,7 @@ def _fill(
 
 def _lost(importance: Mapping[str, Tensor], chosen: dict[str, list[int]]) -> float:
     """The summed ``importance`` of the channels ``chosen`` (per mask name)."""
-    return sum(float(importance[n][c].double().sum()) for n, c in chosen.items())
+    return sum(float(importance[n][c].sum()) for n, c in chosen.items())
 
 
 def _saved(cost: Any, chosen: dict[str, list[int]]) -> float:
@@ -451,28 +456,30 @@ def _remove(
 
 
 def _scores_by_name(
-    md: Mapping[str, Any], scores: Mapping[str, Tensor] | Sequence[Tensor]
+    md: Mapping[str, Any],
+    scores: Mapping[str, Tensor] | Sequence[Tensor],
+    what: str = "scores",
 ) -> dict[str, Tensor]:
-    """Scores per mask name, as float64 on the CPU; checked against the masks (and finite for
-    every kept channel)."""
+    """Scores (or, named by ``what``, another per-channel quantity) per mask name, as float64
+    on the CPU; checked against the masks (and finite for every kept channel)."""
     if isinstance(scores, Mapping):
         given = {str(k): v for k, v in scores.items()}
     else:
         seq = list(scores)
         if len(seq) != len(md):
-            raise ValueError(f"{len(seq)} score tensors given for {len(md)} masks")
+            raise ValueError(f"{len(seq)} {what} tensors given for {len(md)} masks")
         given = dict(zip(md, seq, strict=True))  # a sequence follows the order of masks
     out = {}
     for name, m in md.items():
         if name not in given:
-            raise ValueError(f"no scores given for mask {name!r}")
+            raise ValueError(f"no {what} given for mask {name!r}")
         s = given[name].detach().double().cpu().flatten()
         if s.numel() != m.num_channels:
             raise ValueError(
-                f"scores for mask {name!r} have {s.numel()} entries, the mask has "
+                f"{what} for mask {name!r}: {s.numel()} entries, the mask has "
                 f"{m.num_channels} channels"
             )
-        _check_finite(name, s, m.mask.detach().cpu() > 0.5)
+        _check_finite(name, s, m.mask.detach().cpu() > 0.5, what.removesuffix("s"))
         out[name] = s
     return out
 
@@ -483,14 +490,14 @@ def _lowest_alive(m: Any, s: Tensor, r: int) -> list[int]:
     return idx[torch.sort(s[idx], stable=True).indices[:r]].tolist()
 
 
-def _check_finite(name: str, scores: Tensor, alive: Tensor) -> None:
+def _check_finite(name: str, scores: Tensor, alive: Tensor, what: str = "score") -> None:
     """Raise ValueError when a channel of mask ``name`` that is still kept (``alive``) has a NaN
-    or infinite score."""
+    or infinite score (or ``what``)."""
     bad = torch.nonzero(alive & ~torch.isfinite(scores)).flatten()
     if bad.numel():
         k = int(bad[0])
         raise ValueError(
-            f"prune: mask {name!r} has {bad.numel()} kept channel(s) with a non-finite score "
+            f"prune: mask {name!r} has {bad.numel()} kept channel(s) with a non-finite {what} "
             f"(channel {k}: {float(scores[k])}); the pruning signal diverged (a NaN or infinite "
             "loss, gradients or weights), so nothing was pruned: lower the learning rate or "
             "check the data for NaN"
