@@ -301,7 +301,6 @@ def prune_many(
     heapq.heapify(heap)
     events: list[PruneEvent] = []
     total = float(cost.total)
-    passed: set[int] = set()  # queues whose next removal would overshoot ``goal``
 
     def key(chosen: dict[str, list[int]]) -> tuple[Any, ...]:
         return _candidate(chosen, sd, order)[:3]
@@ -313,10 +312,9 @@ def prune_many(
             and lost_by is not None
             and total - _saved(cost, chosen) < goal * (1 - OVERSHOOT)
         ):
-            fill = _fill(heap, queues, passed | {i}, total - goal, cost, lost_by, key)
+            fill = _fill(heap, queues, total - goal, cost, lost_by, key)
             if fill < _lost(lost_by, chosen):
-                passed.add(i)  # smaller removals get there for less: this mask waits
-                continue
+                continue  # smaller removals get there for less: this mask waits (off the heap)
         events.append(_remove(md, (v, first, k, chosen), total, cost, step))
         total = events[-1].cost_after
         queues[i].taken(chosen)
@@ -331,18 +329,16 @@ def prune_many(
 def _fill(
     heap: list[Any],
     queues: list[_Queue],
-    left_out: set[int],
     need: float,
     cost: Any,
     importance: Mapping[str, Tensor],
     key: Callable[[dict[str, list[int]]], tuple[Any, ...]],
 ) -> float:
-    """What the removals that would come next from the queues not in ``left_out`` (in the
-    heap's order, ``key`` ranking a queue's next block) lose in summed ``importance`` until
-    their marginal costs add up to ``need``; infinite when they cannot. Changes nothing (it
-    runs on copies of the heap and the queues)."""
-    heap = [h for h in heap if h[3] not in left_out]
-    heapq.heapify(heap)
+    """What the removals that would come next from the queues on ``heap`` (in its order, ``key``
+    ranking a queue's next block; a queue has at most one entry there, none once its entry is
+    popped) lose in summed ``importance`` until their marginal costs add up to ``need``;
+    infinite when they cannot. Changes nothing (it runs on copies of the heap and queues)."""
+    heap = list(heap)
     states = {h[3]: replace(queues[h[3]]) for h in heap}
     saved = lost = 0.0
     while saved < need:
