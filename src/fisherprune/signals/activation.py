@@ -87,7 +87,8 @@ class _BlockChanges:
         x, (y, _) = block_input(args, kwargs), block_output(out)
         if x is None or y is None or x.shape != y.shape:
             return  # a block whose hidden state this cannot find: its gate is left unscored
-        d = y.detach().float() - x.detach().float()
+        dtype = torch.float64 if y.dtype == torch.float64 else torch.float32  # as _InputSquares
+        d = y.detach().to(dtype) - x.detach().to(dtype)
         part = d.square().sum()
         self.sum = part if self.sum is None else self.sum + part
         self.rows += d.numel() // max(1, d.shape[-1])
