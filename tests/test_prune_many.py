@@ -271,3 +271,13 @@ def test_a_goal_reads_a_float32_importance_as_the_float64_one() -> None:
         masks, kw["scores"], 0, cost=report, until=90.0, goal=90.0, importance=single
     )
     assert [e.mask for e in events] == ["w"] * 10
+
+
+def test_an_until_below_the_goal_is_refused() -> None:
+    """``until`` below ``goal`` is refused: a removal passed over for channels that reach the
+    goal would never come back, so the call could stop above ``until`` with that mask above
+    its floor (here the 20 channels go, the block stays, and the cost ends at 80 > 75)."""
+    masks, kw, report = _big_and_small(20.0)
+    with pytest.raises(ValueError, match=r"until \(75.0\) below goal \(90.0\)"):
+        prune_many(masks, **kw, min_channels=0, cost=report, until=75.0, goal=90.0)
+    assert all(float(m.mask.min()) == 1.0 for m in masks.values())

@@ -251,11 +251,11 @@ def prune_many(
             reads its first member's; ``prune_to_target``'s ``floor_power``): unlike ``keep``,
             reaching it never ends the call.
         goal: with ``importance``, the cost the caller prunes to (``prune_to_target``'s
-            goal). A candidate whose removal would leave the estimated cost more than
-            ``OVERSHOOT`` of ``goal`` below it (a whole decoder block when a few channels are
-            left to go) is passed over, with what its mask would remove after it, when the
-            candidates that would come next from the other masks reach ``goal`` losing less
-            summed ``importance`` than it alone; else it goes as without ``goal``.
+            goal; at most ``until``). A candidate whose removal would leave the estimated cost
+            more than ``OVERSHOOT`` of ``goal`` below it (a whole decoder block when a few
+            channels are left to go) is passed over, with what its mask would remove after
+            it, when the candidates that would come next from the other masks reach ``goal``
+            losing less summed ``importance`` than it alone; else it goes as without ``goal``.
         importance: per mask name, what removing each channel loses (the criterion's
             importances the scores were made from); read only with ``goal``.
 
@@ -265,7 +265,7 @@ def prune_many(
         with ``stop_at_keep`` one reached its ``keep``.
 
     Raises:
-        ValueError: as ``prune``, or ``goal`` without ``importance``, or (with ``goal``) an
+        ValueError: as ``prune``, or ``goal`` without ``importance`` or above ``until``, or an
             ``importance`` that does not match the masks or is not finite for a kept channel,
             checked as the scores (nothing is changed).
     """
@@ -273,6 +273,11 @@ def prune_many(
     check_round_to(round_to)
     if goal is not None and importance is None:
         raise ValueError("prune_many(goal=...) needs the importance each channel's removal loses")
+    if goal is not None and until < goal:
+        raise ValueError(
+            f"prune_many: until ({until}) below goal ({goal}): a removal passed over for "
+            "smaller ones that reach the goal would not come back to go further"
+        )
     md = as_mask_dict(masks)
     sd = _scores_by_name(md, scores)
     lost_by = (
