@@ -115,3 +115,42 @@ def test_activation_prunes_the_near_identity_blocks_first() -> None:
     )  # fmt: skip
     (gate,) = (m for m in fp.find_masks(model).values() if isinstance(m, BlockGate))
     assert gate.mask.tolist() == [1.0, 0.0, 0.0, 1.0]
+
+
+def test_a_block_no_forward_reached_is_not_scored_zero() -> None:
+    """A gated block that no calibration forward ran (here the last of four) has no size of
+    change: the criterion refuses to score the gate rather than give that block 0, which
+    would rank it first for removal."""
+    from tests.test_depth import _stack
+
+    model, x, _ = _stack()
+    masks = fp.apply_masks(model, x[:1], blocks=True)
+    (gate,) = (n for n, m in masks.items() if isinstance(m, BlockGate))
+    crit = Activation()
+    with torch.no_grad(), crit.observing(model, masks):
+        h = model.inp(x)
+        for block in model.layers[:3]:
+            h = block(h)
+    with pytest.raises(ValueError, match=rf"{gate}.*block.*not found"):
+        crit.scores({gate: masks[gate]}, model)  # the unrun block's channels are refused too
+
+
+def test_a_float64_block_change_is_measured_in_float64() -> None:
+    """In a float64 model a block's score is its change's RMS to float64 precision (as the
+    channels' input statistics are), not rounded through float32."""
+    from tests.test_depth import _stack
+
+    model, x, _ = _stack()
+    masks = fp.apply_masks(model, x[:1], blocks=True)
+    (gate,) = (n for n, m in masks.items() if isinstance(m, BlockGate))
+    crit = Activation()
+    with torch.no_grad(), crit.observing(model, masks):
+        model(x)
+    got = crit.scores(masks, model)[gate]
+    with torch.no_grad():
+        h, want = model.inp(x), []
+        for block in model.layers:
+            h, before = block(h), h
+            want.append((h - before).square().sum(-1).mean().sqrt())
+    assert got.dtype == torch.float64 and float(got.min()) > 0
+    torch.testing.assert_close(got, torch.stack(want), rtol=1e-12, atol=0)

@@ -234,3 +234,50 @@ def test_a_goal_without_importance_is_refused() -> None:
     masks, kw, report = _big_and_small(1.0)
     with pytest.raises(ValueError, match="importance"):
         prune_many(masks, kw["scores"], cost=report, until=90.0, goal=90.0)
+
+
+@pytest.mark.parametrize(
+    ("importance", "match"),
+    [
+        ({"block": torch.tensor([20.0])}, "no importance given for mask 'w'"),
+        (
+            {"block": torch.tensor([20.0]), "w": torch.ones(19)},
+            "importance for mask 'w': 19 entries",
+        ),
+        (
+            {"block": torch.tensor([20.0]), "w": torch.tensor([1.0] * 19 + [float("nan")])},
+            r"mask 'w'.*non-finite importance",
+        ),
+    ],
+    ids=["missing", "wrong size", "nan"],
+)
+def test_a_goal_checks_the_importance_like_the_scores(importance, match) -> None:
+    """An importance missing for a mask, of the wrong size or not finite for a kept channel is
+    refused by name before anything is pruned (it is read only when a removal would overshoot
+    the goal, so unchecked it would fail late, with a KeyError, or be ignored)."""
+    masks, kw, report = _big_and_small(20.0)
+    with pytest.raises(ValueError, match=match):
+        prune_many(
+            masks, kw["scores"], 0, cost=report, until=90.0, goal=90.0, importance=importance
+        )
+    assert all(float(m.mask.min()) == 1.0 for m in masks.values())
+
+
+def test_a_goal_reads_a_float32_importance_as_the_float64_one() -> None:
+    """The end-game decides the same with the importances in float32 as in float64."""
+    masks, kw, report = _big_and_small(20.0)
+    single = {n: v.float() for n, v in kw["importance"].items()}
+    events = prune_many(
+        masks, kw["scores"], 0, cost=report, until=90.0, goal=90.0, importance=single
+    )
+    assert [e.mask for e in events] == ["w"] * 10
+
+
+def test_an_until_below_the_goal_is_refused() -> None:
+    """``until`` below ``goal`` is refused: a removal passed over for channels that reach the
+    goal would never come back, so the call could stop above ``until`` with that mask above
+    its floor (here the 20 channels go, the block stays, and the cost ends at 80 > 75)."""
+    masks, kw, report = _big_and_small(20.0)
+    with pytest.raises(ValueError, match=r"until \(75.0\) below goal \(90.0\)"):
+        prune_many(masks, **kw, min_channels=0, cost=report, until=75.0, goal=90.0)
+    assert all(float(m.mask.min()) == 1.0 for m in masks.values())

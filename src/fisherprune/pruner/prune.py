@@ -251,11 +251,11 @@ def prune_many(
             reads its first member's; ``prune_to_target``'s ``floor_power``): unlike ``keep``,
             reaching it never ends the call.
         goal: with ``importance``, the cost the caller prunes to (``prune_to_target``'s
-            goal). A candidate whose removal would leave the estimated cost more than
-            ``OVERSHOOT`` of ``goal`` below it (a whole decoder block when a few channels are
-            left to go) is passed over, with what its mask would remove after it, when the
-            candidates that would come next from the other masks reach ``goal`` losing less
-            summed ``importance`` than it alone; else it goes as without ``goal``.
+            goal; at most ``until``). A candidate whose removal would leave the estimated cost
+            more than ``OVERSHOOT`` of ``goal`` below it (a whole decoder block when a few
+            channels are left to go) is passed over, with what its mask would remove after
+            it, when the candidates that would come next from the other masks reach ``goal``
+            losing less summed ``importance`` than it alone; else it goes as without ``goal``.
         importance: per mask name, what removing each channel loses (the criterion's
             importances the scores were made from); read only with ``goal``.
 
@@ -265,16 +265,26 @@ def prune_many(
         with ``stop_at_keep`` one reached its ``keep``.
 
     Raises:
-        ValueError: as ``prune``, or ``goal`` without ``importance`` (nothing is changed).
+        ValueError: as ``prune``, or ``goal`` without ``importance`` or above ``until``, or an
+            ``importance`` that does not match the masks or is not finite for a kept channel,
+            checked as the scores (nothing is changed).
     """
     check_min_channels(min_channels)
     check_round_to(round_to)
     if goal is not None and importance is None:
         raise ValueError("prune_many(goal=...) needs the importance each channel's removal loses")
-    if goal is not None and importance is None:
-        raise ValueError("prune_many(goal=...) needs the importance each channel's removal loses")
+    if goal is not None and until < goal:
+        raise ValueError(
+            f"prune_many: until ({until}) below goal ({goal}): a removal passed over for "
+            "smaller ones that reach the goal would not come back to go further"
+        )
     md = as_mask_dict(masks)
     sd = _scores_by_name(md, scores)
+    lost_by = (
+        None
+        if goal is None or importance is None
+        else _scores_by_name(md, importance, "importance")
+    )
     order = {n: i for i, n in enumerate(md)}
     queues: list[_Queue] = []
     for members in _classes(md, uniform):
@@ -296,7 +306,6 @@ def prune_many(
     heapq.heapify(heap)
     events: list[PruneEvent] = []
     total = float(cost.total)
-    passed: set[int] = set()  # queues whose next removal would overshoot ``goal``
 
     def key(chosen: dict[str, list[int]]) -> tuple[Any, ...]:
         return _candidate(chosen, sd, order)[:3]
@@ -305,13 +314,12 @@ def prune_many(
         v, first, k, i, chosen = heapq.heappop(heap)
         if (
             goal is not None
-            and importance is not None
+            and lost_by is not None
             and total - _saved(cost, chosen) < goal * (1 - OVERSHOOT)
         ):
-            fill = _fill(heap, queues, passed | {i}, total - goal, cost, importance, key)
-            if fill < _lost(importance, chosen):
-                passed.add(i)  # smaller removals get there for less: this mask waits
-                continue
+            fill = _fill(heap, queues, total - goal, cost, lost_by, key)
+            if fill < _lost(lost_by, chosen):
+                continue  # smaller removals get there for less: this mask waits (off the heap)
         events.append(_remove(md, (v, first, k, chosen), total, cost, step))
         total = events[-1].cost_after
         queues[i].taken(chosen)
@@ -326,18 +334,16 @@ def prune_many(
 def _fill(
     heap: list[Any],
     queues: list[_Queue],
-    left_out: set[int],
     need: float,
     cost: Any,
     importance: Mapping[str, Tensor],
     key: Callable[[dict[str, list[int]]], tuple[Any, ...]],
 ) -> float:
-    """What the removals that would come next from the queues not in ``left_out`` (in the
-    heap's order, ``key`` ranking a queue's next block) lose in summed ``importance`` until
-    their marginal costs add up to ``need``; infinite when they cannot. Changes nothing (it
-    runs on copies of the heap and the queues)."""
-    heap = [h for h in heap if h[3] not in left_out]
-    heapq.heapify(heap)
+    """What the removals that would come next from the queues on ``heap`` (in its order, ``key``
+    ranking a queue's next block; a queue has at most one entry there, none once its entry is
+    popped) lose in summed ``importance`` until their marginal costs add up to ``need``;
+    infinite when they cannot. Changes nothing (it runs on copies of the heap and queues)."""
+    heap = list(heap)
     states = {h[3]: replace(queues[h[3]]) for h in heap}
     saved = lost = 0.0
     while saved < need:
@@ -353,7 +359,7 @@ def _fill(
 
 def _lost(importance: Mapping[str, Tensor], chosen: dict[str, list[int]]) -> float:
     """The summed ``importance`` of the channels ``chosen`` (per mask name)."""
-    return sum(float(importance[n][c].double().sum()) for n, c in chosen.items())
+    return sum(float(importance[n][c].sum()) for n, c in chosen.items())
 
 
 def _saved(cost: Any, chosen: dict[str, list[int]]) -> float:
@@ -451,28 +457,30 @@ def _remove(
 
 
 def _scores_by_name(
-    md: Mapping[str, Any], scores: Mapping[str, Tensor] | Sequence[Tensor]
+    md: Mapping[str, Any],
+    scores: Mapping[str, Tensor] | Sequence[Tensor],
+    what: str = "scores",
 ) -> dict[str, Tensor]:
-    """Scores per mask name, as float64 on the CPU; checked against the masks (and finite for
-    every kept channel)."""
+    """Scores (or, named by ``what``, another per-channel quantity) per mask name, as float64
+    on the CPU; checked against the masks (and finite for every kept channel)."""
     if isinstance(scores, Mapping):
         given = {str(k): v for k, v in scores.items()}
     else:
         seq = list(scores)
         if len(seq) != len(md):
-            raise ValueError(f"{len(seq)} score tensors given for {len(md)} masks")
+            raise ValueError(f"{len(seq)} {what} tensors given for {len(md)} masks")
         given = dict(zip(md, seq, strict=True))  # a sequence follows the order of masks
     out = {}
     for name, m in md.items():
         if name not in given:
-            raise ValueError(f"no scores given for mask {name!r}")
+            raise ValueError(f"no {what} given for mask {name!r}")
         s = given[name].detach().double().cpu().flatten()
         if s.numel() != m.num_channels:
             raise ValueError(
-                f"scores for mask {name!r} have {s.numel()} entries, the mask has "
+                f"{what} for mask {name!r}: {s.numel()} entries, the mask has "
                 f"{m.num_channels} channels"
             )
-        _check_finite(name, s, m.mask.detach().cpu() > 0.5)
+        _check_finite(name, s, m.mask.detach().cpu() > 0.5, what.removesuffix("s"))
         out[name] = s
     return out
 
@@ -483,14 +491,14 @@ def _lowest_alive(m: Any, s: Tensor, r: int) -> list[int]:
     return idx[torch.sort(s[idx], stable=True).indices[:r]].tolist()
 
 
-def _check_finite(name: str, scores: Tensor, alive: Tensor) -> None:
+def _check_finite(name: str, scores: Tensor, alive: Tensor, what: str = "score") -> None:
     """Raise ValueError when a channel of mask ``name`` that is still kept (``alive``) has a NaN
-    or infinite score."""
+    or infinite score (or ``what``)."""
     bad = torch.nonzero(alive & ~torch.isfinite(scores)).flatten()
     if bad.numel():
         k = int(bad[0])
         raise ValueError(
-            f"prune: mask {name!r} has {bad.numel()} kept channel(s) with a non-finite score "
+            f"prune: mask {name!r} has {bad.numel()} kept channel(s) with a non-finite {what} "
             f"(channel {k}: {float(scores[k])}); the pruning signal diverged (a NaN or infinite "
             "loss, gradients or weights), so nothing was pruned: lower the learning rate or "
             "check the data for NaN"

@@ -86,8 +86,9 @@ class _BlockChanges:
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
         x, (y, _) = block_input(args, kwargs), block_output(out)
         if x is None or y is None or x.shape != y.shape:
-            return  # a block whose hidden state this cannot find: left unscored
-        d = y.detach().float() - x.detach().float()
+            return  # a block whose hidden state this cannot find: its gate is left unscored
+        dtype = torch.float64 if y.dtype == torch.float64 else torch.float32  # as _InputSquares
+        d = y.detach().to(dtype) - x.detach().to(dtype)
         part = d.square().sum()
         self.sum = part if self.sum is None else self.sum + part
         self.rows += d.numel() // max(1, d.shape[-1])
@@ -175,15 +176,16 @@ class Activation(Criterion):
                     out[name].index_add_(0, idx, contrib[pos])
                     scored.add(name)
         for name, changes in self._blocks.items():
-            if name in out and any(c.rows for c in changes):
+            if name in out and all(c.rows for c in changes):  # an unrun block is not 0
                 out[name] = torch.tensor([c.rms() for c in changes], dtype=torch.float64)
                 scored.add(name)
         missing = [n for n in masks if n not in scored]
         if missing:
             raise ValueError(
                 f"mask(s) {missing} have no consumer with a weight that reads them along dim 1 "
-                "(an expert gate, a depthwise conv, a block whose hidden state was not found): "
-                "the activation criterion cannot score them; use fisher, taylor or random there"
+                "(an expert gate, a depthwise conv, a block no forward ran or whose hidden state "
+                "was not found): the activation criterion cannot score them; use fisher, taylor "
+                "or random there"
             )
         return out
 
