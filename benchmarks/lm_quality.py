@@ -80,8 +80,14 @@ METHODS: dict[str, Any] = {
     "fisher_depth": lambda seed: {"blocks": "only"},
     "fisher_both": lambda seed: {"blocks": True},
 }
-#: the width-only methods ``fisher`` is ranked among (the depth rows are Fisher's variants)
+#: the methods ``fisher`` is ranked among, width only and with ``_depth`` / ``_both``
 RIVALS = ("fisher", "l1", "activation", "taylor", "random")
+#: whole layers: ``blocks="only"`` (``_depth``) and ``blocks=True`` (``_both``) for every rival
+#: that can score a block gate (L1 reads the weights that make a channel: a gate has none)
+KINDS = {"depth": {"blocks": "only"}, "both": {"blocks": True}}
+for _rival in ("activation", "taylor", "random"):
+    for _kind, _blocks in KINDS.items():
+        METHODS[f"{_rival}_{_kind}"] = lambda seed, r=_rival, b=_blocks: {**METHODS[r](seed), **b}
 
 
 @dataclass(frozen=True)
@@ -283,9 +289,36 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return {"rows": rows, "train_seconds": train_seconds, "details": details}
 
 
+def kind_verdicts(cells: list[dict[str, Any]]) -> list[str]:
+    """``one_shot_defaults.verdicts`` for the width-only methods, then for the ``_depth`` and
+    the ``_both`` methods each among their own kind (lines prefixed ``depth:`` / ``both:``)."""
+    lines = verdicts([c for c in cells if _kind(c["method"]) is None], RIVALS)
+    for kind in KINDS:
+        same = [{**c, "method": c["method"].removesuffix(f"_{kind}")} for c in cells
+                if _kind(c["method"]) == kind]  # fmt: skip
+        lines += [f"{kind}: {line}" for line in verdicts(same, RIVALS)]
+    return lines
+
+
+def _kind(method: str) -> str | None:
+    return next((k for k in KINDS if method.endswith(f"_{k}")), None)
+
+
 def pivot(cells: list[dict[str, Any]]) -> str:
-    """A markdown table for docs/benchmarks.md: one row per target, one column per method,
-    ``mean ± sd (seeds)`` of the held-out perplexity and the mean seconds of a cell."""
+    """Markdown tables for docs/benchmarks.md: width-only methods, then (when run) the
+    ``_depth`` and ``_both`` ones; one row per target, one column per method, ``mean ± sd
+    (seeds)`` of the held-out perplexity and the mean seconds of a cell."""
+    width = [c for c in cells if _kind(c["method"]) is None or c["method"] == "activation_mean"]
+    layers = [c for c in cells if c not in width]
+    text = _pivot(width) if width else ""
+    if layers:
+        text += "\n\n" if text else ""
+        text += 'Whole layers (`_depth`: `blocks="only"`; `_both`: `blocks=True`):\n\n'
+        text += _pivot(layers)
+    return text
+
+
+def _pivot(cells: list[dict[str, Any]]) -> str:
     methods = list(dict.fromkeys(c["method"] for c in cells))
     lines = [
         "| parameters kept | " + " | ".join(methods) + " |",
@@ -321,7 +354,7 @@ def report(measured: dict[str, Any], args: argparse.Namespace, seconds: float) -
         "train_seconds": measured["train_seconds"],
         "details": measured["details"],
         "cells": cells,
-        "verdicts": verdicts(cells, RIVALS),
+        "verdicts": kind_verdicts(cells),
         "rows": measured["rows"],
     }
     write_json(args.out, data)
