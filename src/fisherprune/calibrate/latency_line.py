@@ -19,6 +19,10 @@ total, and with it every target given as a share, is unchanged, and a state's sh
 only; narrower states cost more than in proportion when the offset is positive. A copy that
 is relatively faster than its operators (offset below 0) keeps the proportional scale, as
 does a model whose copy cannot be shrunk (a warning says why).
+
+With ``kept=`` the copy keeps those widths instead: ``prune_to_target`` fits the line a
+second time through the state its first scores reach at the target, so that the line is
+right where the prune lands, whatever mix of widths it keeps.
 """
 
 from __future__ import annotations
