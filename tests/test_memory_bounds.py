@@ -5,12 +5,16 @@ each layer runs, and whether weights require grad while signals are collected.""
 from __future__ import annotations
 
 import gc
+from collections.abc import Callable
 
+import pytest
 import torch
 from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
 
 import fisherprune as fp
-from fisherprune.calibrate import repair_consumers
+from fisherprune.calibrate import repair_consumers, repair_fit
 from fisherprune.export.shrink import shrink_dry_run
 
 
@@ -130,7 +134,7 @@ def test_ridge_choice_keeps_one_solution_alive_and_chooses_as_before() -> None:
     ``GAIN_SLACK`` of the best held-out gain, its solution bit for bit."""
     import weakref
 
-    from fisherprune.calibrate.repair_fit import GAIN_SLACK, RIDGES, Sums, _conservative
+    from fisherprune.calibrate.repair_fit import GAIN_SLACK, RIDGES, Solution, Sums, _conservative
 
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(200, 12, generator=g), torch.randn(12, 5, generator=g)
@@ -140,15 +144,16 @@ def test_ridge_choice_keeps_one_solution_alive_and_chooses_as_before() -> None:
     held.add(x[150:], y[150:])
     alive: list[weakref.ref[Tensor]] = []
 
-    def solve(ridge: float) -> Tensor:
+    def solve(ridge: float) -> Solution:
         assert all(ref() is None for ref in alive)  # _conservative's: no earlier one alive
         lam = ridge * float(fit.xtx.diagonal().mean())
         coef = torch.linalg.solve(fit.xtx + lam * torch.eye(12, dtype=torch.float64), fit.xty)
         alive.append(weakref.ref(coef))
-        return coef
+        return Solution.of(coef)
 
-    unrepaired = held.error(torch.zeros(12, 5, dtype=torch.float64))
-    ridge, coef = _conservative(solve, held, unrepaired)
+    unrepaired = held.error(Solution.of(torch.zeros(12, 5, dtype=torch.float64)))
+    ridge, solution = _conservative(solve, held, unrepaired)
+    coef = solution.columns(slice(None))
     assert len(alive) == len(RIDGES) + 1
     alive.clear()
     every = []  # the reference: every solution kept (the spy cleared before each solve)
@@ -159,4 +164,52 @@ def test_ridge_choice_keeps_one_solution_alive_and_chooses_as_before() -> None:
     bar = min(errors) + GAIN_SLACK * max(unrepaired - min(errors), 0.0)
     want = max((rc for rc, e in zip(every, errors, strict=True) if e <= bar), key=lambda t: t[0])
     assert ridge == want[0]
-    assert torch.equal(coef, want[1])
+    assert torch.equal(coef, want[1].columns(slice(None)))
+
+
+class _WidestFloat64(TorchFunctionMode):
+    """Records the most elements of any float64 tensor a torch call returns."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.most = 0
+
+    def __torch_function__(
+        self, func: Callable, types: object, args: tuple = (), kwargs: dict | None = None
+    ) -> object:
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, Tensor) and t.dtype == torch.float64:
+                self.most = max(self.most, t.numel())
+        return out
+
+
+def test_solve_of_a_wide_output_layer_makes_one_block_of_columns_at_a_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Solving and writing the refit of a layer with many outputs (an LM head: the width times
+    the vocabulary) makes no float64 tensor larger than one block of ``BLOCK_ELEMENTS`` (the
+    whole (features, outputs) solution, its prior and its errors were each made at once), and
+    writes the whole-matrix ridge solution."""
+    monkeypatch.setattr(repair_fit, "BLOCK_ELEMENTS", 5 * 64)  # 64 of the 400 columns a block
+    g = torch.Generator().manual_seed(0)
+    layer = nn.Linear(6, 400)
+    kept = torch.tensor([0, 2, 3, 5])
+    x = torch.randn(300, 6, generator=g)
+    y = x[:, kept] @ torch.randn(4, 400, generator=g) + 0.1 * torch.randn(300, 400, generator=g)
+    fit = repair_fit.LayerFit(layer, kept, dim=1, positions=1)
+    fit.add(x, y)
+    rows = torch.cat([x[:, kept], torch.ones(300, 1)], 1).double()  # the reference: whole
+    w0 = torch.cat([layer.weight[:, kept], layer.bias[:, None]], 1).detach().double().T
+    a, b = rows.T @ rows, rows.T @ y.double()
+    lam = 0.1 * float(a.diagonal().mean())
+    want = torch.linalg.solve(a + lam * torch.eye(5, dtype=torch.float64), b + lam * w0)
+    spy = _WidestFloat64()
+    with spy:
+        mode, *_ = fit.solve_and_set(0.1, rows_per_weight=20.0)
+    assert mode == "weights"  # 300 rows for 5 features
+    assert 0 < spy.most <= 5 * 64 < 5 * 400
+    torch.testing.assert_close(layer.weight[:, kept].double(), want[:4].T, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(layer.bias.double(), want[4], rtol=1e-6, atol=1e-6)
+    assert not layer.weight[:, [1, 4]].any()
+
