@@ -14,7 +14,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 import fisherprune as fp
-from fisherprune.calibrate import repair_consumers, repair_fit
+from fisherprune.calibrate import label_free, repair_consumers, repair_fit
 from fisherprune.export.shrink import shrink_dry_run
 
 
@@ -213,3 +213,20 @@ def test_solve_of_a_wide_output_layer_makes_one_block_of_columns_at_a_time(
     torch.testing.assert_close(layer.bias.double(), want[4], rtol=1e-6, atol=1e-6)
     assert not layer.weight[:, [1, 4]].any()
 
+
+def test_label_free_sampling_widens_a_few_positions_at_a_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The label-free loss samples an LM's labels from float64 softmaxes of at most
+    ``SAMPLE_ELEMENTS`` logits at a time (the whole (N, L, vocab) logits were widened at once,
+    twice with their softmax), and draws the labels the whole-tensor draw gives with the same
+    seed."""
+    monkeypatch.setattr(label_free, "SAMPLE_ELEMENTS", 3 * 50)  # 3 of the 2 x 16 positions
+    logits = torch.randn(2, 16, 50, generator=torch.Generator().manual_seed(0))
+    spy = _WidestFloat64()
+    with spy:
+        labels = label_free.LabelFreeLoss("classification", seed=4).sample(logits)
+    whole = torch.softmax(logits.double(), -1).reshape(-1, 50)
+    want = torch.multinomial(whole, 1, generator=torch.Generator().manual_seed(4))
+    assert 0 < spy.most <= 3 * 50 < logits.numel()
+    assert torch.equal(labels, want.view(2, 16))

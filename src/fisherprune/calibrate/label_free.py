@@ -27,12 +27,17 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["TASKS", "LabelFreeLoss", "output_tensor", "resolve_task"]
+__all__ = ["SAMPLE_ELEMENTS", "TASKS", "LabelFreeLoss", "output_tensor", "resolve_task"]
 
 #: the predictive distributions a label-free loss can sample from
 TASKS: tuple[str, ...] = ("auto", "classification", "regression")
 
 _OUTPUT_FIELDS = ("logits", "last_hidden_state", "pooler_output")
+
+#: the most float64 probabilities ``LabelFreeLoss.sample`` widens at once (8 MiB): a language
+#: model's logits are sampled a few positions at a time, not widened whole (a (2, 512, 32000)
+#: batch is 262 MB in float64, twice with its softmax)
+SAMPLE_ELEMENTS = 2**20
 
 
 def output_tensor(outputs: Any) -> Tensor:
@@ -104,14 +109,25 @@ class LabelFreeLoss:
 
     def sample(self, outputs: Any) -> Tensor:
         """The sampled targets for ``outputs``: class indices (shape of the output without its
-        last dim) or Gaussian targets (the output's shape), drawn from this loss's stream.
+        last dim; the softmax taken in float64 on at most ``SAMPLE_ELEMENTS`` of the outputs
+        at a time) or Gaussian targets (the output's shape), drawn from this loss's stream.
 
         Changes: advances the generator.
         """
         out = output_tensor(outputs).detach()
         if resolve_task(self.task, outputs) == "classification":
-            probs = torch.softmax(out.double().cpu(), dim=-1).reshape(-1, out.shape[-1])
-            labels = torch.multinomial(probs, 1, generator=self.generator)
+            rows = out.reshape(-1, out.shape[-1])
+            step = max(1, SAMPLE_ELEMENTS // rows.shape[1])
+            labels = torch.cat(
+                [
+                    torch.multinomial(
+                        torch.softmax(rows[i : i + step].double().cpu(), dim=-1),
+                        1,
+                        generator=self.generator,
+                    )
+                    for i in range(0, rows.shape[0], step)
+                ]
+            )
             return labels.view(out.shape[:-1]).to(out.device)
         noise = torch.randn(out.shape, generator=self.generator, dtype=out.dtype)
         return out + noise.to(out.device)
