@@ -127,6 +127,33 @@ def test_shrink_dry_run_copies_no_weight_and_leaves_a_bf16_model_bitwise_alone()
     assert [_bits(p) for p in params] == before
 
 
+def test_shrink_dry_run_narrows_a_run_of_kept_channels_instead_of_copying() -> None:
+    """Where every mask's removed channels are its first ones (as ``apply_masks``' trial
+    removes them), the dry run's shrunk copy holds views of the model's weights: no tensor
+    shaped like a sliced weight is alive beside the model's own storages while the copy runs
+    (each sliced weight was copied), and the model keeps its weights."""
+    gc.collect()  # an earlier test's model, left in a reference cycle, is not counted
+    net = _mlp(width=40)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    masks = fp.apply_masks(net, x[:1])
+    with torch.no_grad():
+        for m in masks.values():
+            m.mask[:4] = 0.0
+    params = list(net.parameters())
+    before = [_bits(p) for p in params]
+    sliced = {(36, 8), (36, 36), (3, 36), (36,)}  # every hidden width loses 4 of 40
+    counts: list[int] = []
+    handle = net[-1].register_forward_hook(lambda *_: counts.append(_weight_copies(net, sliced)))
+    try:
+        shrink_dry_run(net, x)
+    finally:
+        handle.remove()
+    assert len(counts) >= 2  # the masked model's forwards, then the shrunk copy's
+    assert max(counts) == 0
+    assert list(net.parameters()) == params
+    assert [_bits(p) for p in params] == before
+
+
 def test_ridge_choice_keeps_one_solution_alive_and_chooses_as_before() -> None:
     """``ridge=None`` tries every ridge of ``RIDGES`` with no earlier solution alive at each
     solve (an output layer's is the width times the vocabulary), and returns the ridge and
