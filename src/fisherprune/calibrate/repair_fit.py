@@ -92,16 +92,16 @@ class Sums:
 
     def add(self, x: Tensor, y: Tensor) -> None:
         """Add the rows ``x`` (rows, features) with targets ``y`` (rows, outputs); ``X^T Y``
-        a block of output columns at a time (``column_blocks``)."""
+        and ``Y^T Y`` a block of output columns at a time (``column_blocks``)."""
         if self.count == 0:
             self.xtx = x.new_zeros(x.shape[1], x.shape[1], dtype=torch.float64)
             self.xty = x.new_zeros(x.shape[1], y.shape[1], dtype=torch.float64)
         # float64 matmuls are several times slower on CPU: one batch's in float32 (or float64)
         x, y = widened(x), widened(y)
         self.xtx += (x.T @ x).double()
-        for block in column_blocks(x.shape[1], y.shape[1]):
+        for block in column_blocks(max(x.shape), y.shape[1]):  # (rows or features) x block
             self.xty[:, block] += (x.T @ y[:, block]).double()
-        self.yty += float(y.double().square().sum())
+            self.yty += float(y[:, block].double().square().sum())
         self.count += x.shape[0]
 
     def error(self, coef: Solution) -> float:
