@@ -178,7 +178,7 @@ def child(args: dict[str, Any]) -> dict[str, Any]:
         "extra_over_w": round((peak - base) / weight_mib, 3),
         "repair_passes": result.repair.passes if result.repair else 0,
         "repaired_layers": len(result.repair.layers) if result.repair else 0,
-    }
+    } | ({"run": args["label"]} if args.get("label") else {})
 
 
 def _table(rows: list[dict[str, Any]]) -> None:
@@ -270,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--plot", type=Path, default=DEFAULT_PLOT)
     parser.add_argument("--append", action="store_true", help="add to the rows of --out")
+    parser.add_argument("--label", help="the run's name in the table (default: now)")
     parser.add_argument(
         "--baseline", type=Path, help="a JSON of this script whose rows are kept as 'baseline'"
     )
@@ -289,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
                 for tokens in args.tokens.split(","):
                     cell = {"family": family, "size": size, "dtype": dtype,
                             "tokens": int(tokens), "micro": args.micro, "seq": args.seq,
-                            "threads": args.threads}  # fmt: skip
+                            "threads": args.threads, "label": args.label}  # fmt: skip
                     cmd = [sys.executable, __file__, "--child", json.dumps(cell)]
                     done = subprocess.run(cmd, capture_output=True, text=True)
                     if done.returncode != 0:

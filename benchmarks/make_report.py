@@ -1287,7 +1287,8 @@ def llm_memory_section(data: dict[str, Any]) -> list[str]:
         "selection | repair | peak/W | extra/W | phase peaks MiB |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    runs = [("before", r) for r in data.get("baseline", [])] + [("now", r) for r in data["rows"]]
+    runs = [(r.get("run", "before"), r) for r in data.get("baseline", [])]
+    runs += [(r.get("run", "now"), r) for r in data["rows"]]
     for run, r in runs:
         ph, peaks = r["phase_seconds"], r["phase_peak_mib"]
         lines.append(
