@@ -9,7 +9,9 @@ label-free, with the repair and every other argument at its default, on syntheti
 batches: ``--tokens`` calibration tokens per cell, in micro-batches of ``--micro`` sequences
 of ``--seq`` tokens.
 
-Memory is the resident set (Linux ``/proc/self/status``): ``rss0`` after the imports,
+Memory is the resident set (Linux ``/proc/self/status``): ``rss0`` after the imports
+(torch, fisherprune and the family's modelling module, which ``transformers`` imports lazily:
+rows before 2026-11-29 took ``rss0`` before it and counted its ~130 MiB as the call's),
 ``base`` after the model is built, and per phase the high-water mark (``VmHWM``, reset by
 writing 5 to ``/proc/self/clear_refs`` as the phase starts). The phases are ``trace``
 (``apply_masks``), ``signals``, ``selection`` and ``repair`` (the library's own functions,
@@ -76,20 +78,25 @@ def _reset_peak() -> None:
     Path("/proc/self/clear_refs").write_text("5")
 
 
-def build(family: str, size: str, dtype: str, seq: int) -> torch.nn.Module:
-    """A causal LM of the family at the nominal size, random weights, eval mode."""
+def _classes(family: str) -> tuple[Any, Any]:
+    """The family's config and causal-LM classes (reading them imports the modelling module,
+    which ``transformers`` imports lazily: about 130 MiB of resident set)."""
     import transformers
 
+    if family == "llama":
+        return transformers.LlamaConfig, transformers.LlamaForCausalLM
+    return transformers.Qwen2Config, transformers.Qwen2ForCausalLM
+
+
+def build(family: str, size: str, dtype: str, seq: int) -> torch.nn.Module:
+    """A causal LM of the family at the nominal size, random weights, eval mode."""
     hidden, layers, heads, kv, mlp = SHAPES[size]
-    config_class = transformers.LlamaConfig if family == "llama" else transformers.Qwen2Config
+    config_class, model_class = _classes(family)
     config = config_class(
         vocab_size=VOCAB, hidden_size=hidden, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=kv, intermediate_size=mlp,
         max_position_embeddings=max(seq, 64), tie_word_embeddings=False,
     )  # fmt: skip
-    model_class = (
-        transformers.LlamaForCausalLM if family == "llama" else transformers.Qwen2ForCausalLM
-    )
     torch.manual_seed(0)
     # built in float32 then converted: the build's own peak is before the phases measured
     return model_class(config).to(DTYPES[dtype]).eval()
@@ -125,6 +132,7 @@ def child(args: dict[str, Any]) -> dict[str, Any]:
     from fisherprune.calibrate import to_target
 
     torch.set_num_threads(args["threads"])
+    _classes(args["family"])  # imported before rss0: a fixed cost, not the call's
     rss0 = _status("VmRSS")
     model = build(args["family"], args["size"], args["dtype"], args["seq"])
     params = sum(p.numel() for p in model.parameters())
@@ -170,7 +178,7 @@ def child(args: dict[str, Any]) -> dict[str, Any]:
         "extra_over_w": round((peak - base) / weight_mib, 3),
         "repair_passes": result.repair.passes if result.repair else 0,
         "repaired_layers": len(result.repair.layers) if result.repair else 0,
-    }
+    } | ({"run": args["label"]} if args.get("label") else {})
 
 
 def _table(rows: list[dict[str, Any]]) -> None:
@@ -262,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--plot", type=Path, default=DEFAULT_PLOT)
     parser.add_argument("--append", action="store_true", help="add to the rows of --out")
+    parser.add_argument("--label", help="the run's name in the table (default: now)")
     parser.add_argument(
         "--baseline", type=Path, help="a JSON of this script whose rows are kept as 'baseline'"
     )
@@ -281,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
                 for tokens in args.tokens.split(","):
                     cell = {"family": family, "size": size, "dtype": dtype,
                             "tokens": int(tokens), "micro": args.micro, "seq": args.seq,
-                            "threads": args.threads}  # fmt: skip
+                            "threads": args.threads, "label": args.label}  # fmt: skip
                     cmd = [sys.executable, __file__, "--child", json.dumps(cell)]
                     done = subprocess.run(cmd, capture_output=True, text=True)
                     if done.returncode != 0:

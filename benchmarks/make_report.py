@@ -1272,7 +1272,8 @@ def half_precision_section(data: dict[str, Any]) -> list[str]:
 def llm_memory_section(data: dict[str, Any]) -> list[str]:
     """Peak memory over the weights' bytes and seconds per phase of ``apply_masks`` +
     ``prune_to_target`` on Llama- and Qwen-shaped decoders (issue 33), with the rows of the
-    run before the memory fixes when the JSON holds them (``baseline``)."""
+    runs before the memory fixes when the JSON holds them (``baseline``, each named by its
+    ``run``), and the JSON's ``notes`` and ``changes`` paragraphs."""
     lines = [
         "## Memory of pruning a decoder (`benchmarks/llm_memory.py`)",
         "",
@@ -1287,7 +1288,8 @@ def llm_memory_section(data: dict[str, Any]) -> list[str]:
         "selection | repair | peak/W | extra/W | phase peaks MiB |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    runs = [("before", r) for r in data.get("baseline", [])] + [("now", r) for r in data["rows"]]
+    runs = [(r.get("run", "before"), r) for r in data.get("baseline", [])]
+    runs += [(r.get("run", "now"), r) for r in data["rows"]]
     for run, r in runs:
         ph, peaks = r["phase_seconds"], r["phase_peak_mib"]
         lines.append(
@@ -1298,7 +1300,8 @@ def llm_memory_section(data: dict[str, Any]) -> list[str]:
             + " / ".join(str(peaks[k]) for k in ("trace", "signals", "selection", "repair"))
             + " |"
         )
-    lines += ["", "![peak memory and time](llm_memory.png)", ""]
+    lines += [""] + [f"{data[k]}\n" for k in ("notes", "changes") if data.get(k)]
+    lines += ["![peak memory and time](llm_memory.png)", ""]
     return lines
 
 

@@ -5,12 +5,16 @@ each layer runs, and whether weights require grad while signals are collected.""
 from __future__ import annotations
 
 import gc
+from collections.abc import Callable
 
+import pytest
 import torch
 from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
 
 import fisherprune as fp
-from fisherprune.calibrate import repair_consumers
+from fisherprune.calibrate import label_free, repair_consumers, repair_fit
 from fisherprune.export.shrink import shrink_dry_run
 
 
@@ -69,6 +73,40 @@ def test_repair_holds_at_most_one_layers_original_weights_at_a_time() -> None:
     assert most[0] == 1
 
 
+def test_repair_reads_the_held_out_dense_outputs_back_one_batch_at_a_time() -> None:
+    """While the repair runs, no more tensors shaped like a held-out batch's output are alive
+    than that batch's own output and the last layer's dense target for it: the dense outputs
+    of the two held-out batches (an LM's logits, growing with the calibration tokens) wait on
+    disk, not in memory (both were alive through every pass: four at once)."""
+    gc.collect()  # an earlier test's model, left in a reference cycle, is not counted
+    net = _mlp(depth=3)
+    g = torch.Generator().manual_seed(1)
+    # every 4th batch is held out (holdout=0.25): those have 5 examples, the others 8
+    batches = [(torch.randn(5 if i % 4 == 3 else 8, 8, generator=g), None) for i in range(8)]
+    masks = fp.apply_masks(net, batches[0][0][:1])
+    with torch.no_grad():
+        for m in masks.values():
+            m.mask[: m.num_channels // 2] = 0.0
+    dense = {n: torch.ones_like(m.mask) for n, m in masks.items()}
+    most = [0]
+
+    def spy(*_: object) -> None:
+        alive = {
+            o.untyped_storage().data_ptr()
+            for o in gc.get_objects()
+            if type(o) is Tensor and tuple(o.shape) == (5, 3)
+        }
+        most[0] = max(most[0], len(alive))
+
+    handle = net[-1].register_forward_hook(spy)
+    try:
+        report = repair_consumers(net, batches, dense)
+    finally:
+        handle.remove()
+    assert report.held_out is not None  # the held-out check ran
+    assert 1 <= most[0] <= 2
+
+
 def test_no_weight_requires_grad_while_signals_are_collected() -> None:
     """Every forward of the signal passes runs with no parameter requiring grad (autograd
     records no weight gradient and keeps no graph for one), yet the masks get their signals;
@@ -123,6 +161,33 @@ def test_shrink_dry_run_copies_no_weight_and_leaves_a_bf16_model_bitwise_alone()
     assert [_bits(p) for p in params] == before
 
 
+def test_shrink_dry_run_narrows_a_run_of_kept_channels_instead_of_copying() -> None:
+    """Where every mask's removed channels are its first ones (as ``apply_masks``' trial
+    removes them), the dry run's shrunk copy holds views of the model's weights: no tensor
+    shaped like a sliced weight is alive beside the model's own storages while the copy runs
+    (each sliced weight was copied), and the model keeps its weights."""
+    gc.collect()  # an earlier test's model, left in a reference cycle, is not counted
+    net = _mlp(width=40)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    masks = fp.apply_masks(net, x[:1])
+    with torch.no_grad():
+        for m in masks.values():
+            m.mask[:4] = 0.0
+    params = list(net.parameters())
+    before = [_bits(p) for p in params]
+    sliced = {(36, 8), (36, 36), (3, 36), (36,)}  # every hidden width loses 4 of 40
+    counts: list[int] = []
+    handle = net[-1].register_forward_hook(lambda *_: counts.append(_weight_copies(net, sliced)))
+    try:
+        shrink_dry_run(net, x)
+    finally:
+        handle.remove()
+    assert len(counts) >= 2  # the masked model's forwards, then the shrunk copy's
+    assert max(counts) == 0
+    assert list(net.parameters()) == params
+    assert [_bits(p) for p in params] == before
+
+
 def test_ridge_choice_keeps_one_solution_alive_and_chooses_as_before() -> None:
     """``ridge=None`` tries every ridge of ``RIDGES`` with no earlier solution alive at each
     solve (an output layer's is the width times the vocabulary), and returns the ridge and
@@ -130,7 +195,7 @@ def test_ridge_choice_keeps_one_solution_alive_and_chooses_as_before() -> None:
     ``GAIN_SLACK`` of the best held-out gain, its solution bit for bit."""
     import weakref
 
-    from fisherprune.calibrate.repair_fit import GAIN_SLACK, RIDGES, Sums, _conservative
+    from fisherprune.calibrate.repair_fit import GAIN_SLACK, RIDGES, Solution, Sums, _conservative
 
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(200, 12, generator=g), torch.randn(12, 5, generator=g)
@@ -140,15 +205,16 @@ def test_ridge_choice_keeps_one_solution_alive_and_chooses_as_before() -> None:
     held.add(x[150:], y[150:])
     alive: list[weakref.ref[Tensor]] = []
 
-    def solve(ridge: float) -> Tensor:
+    def solve(ridge: float) -> Solution:
         assert all(ref() is None for ref in alive)  # _conservative's: no earlier one alive
         lam = ridge * float(fit.xtx.diagonal().mean())
         coef = torch.linalg.solve(fit.xtx + lam * torch.eye(12, dtype=torch.float64), fit.xty)
         alive.append(weakref.ref(coef))
-        return coef
+        return Solution.of(coef)
 
-    unrepaired = held.error(torch.zeros(12, 5, dtype=torch.float64))
-    ridge, coef = _conservative(solve, held, unrepaired)
+    unrepaired = held.error(Solution.of(torch.zeros(12, 5, dtype=torch.float64)))
+    ridge, solution = _conservative(solve, held, unrepaired)
+    coef = solution.columns(slice(None))
     assert len(alive) == len(RIDGES) + 1
     alive.clear()
     every = []  # the reference: every solution kept (the spy cleared before each solve)
@@ -159,4 +225,69 @@ def test_ridge_choice_keeps_one_solution_alive_and_chooses_as_before() -> None:
     bar = min(errors) + GAIN_SLACK * max(unrepaired - min(errors), 0.0)
     want = max((rc for rc, e in zip(every, errors, strict=True) if e <= bar), key=lambda t: t[0])
     assert ridge == want[0]
-    assert torch.equal(coef, want[1])
+    assert torch.equal(coef, want[1].columns(slice(None)))
+
+
+class _WidestFloat64(TorchFunctionMode):
+    """Records the most elements of any float64 tensor a torch call returns."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.most = 0
+
+    def __torch_function__(
+        self, func: Callable, types: object, args: tuple = (), kwargs: dict | None = None
+    ) -> object:
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, Tensor) and t.dtype == torch.float64:
+                self.most = max(self.most, t.numel())
+        return out
+
+
+def test_solve_of_a_wide_output_layer_makes_one_block_of_columns_at_a_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Solving and writing the refit of a layer with many outputs (an LM head: the width times
+    the vocabulary) makes no float64 tensor larger than one block of ``BLOCK_ELEMENTS`` (the
+    whole (features, outputs) solution, its prior and its errors were each made at once), and
+    writes the whole-matrix ridge solution."""
+    monkeypatch.setattr(repair_fit, "BLOCK_ELEMENTS", 5 * 64)  # 64 of the 400 columns a block
+    g = torch.Generator().manual_seed(0)
+    layer = nn.Linear(6, 400)
+    kept = torch.tensor([0, 2, 3, 5])
+    x = torch.randn(300, 6, generator=g)
+    y = x[:, kept] @ torch.randn(4, 400, generator=g) + 0.1 * torch.randn(300, 400, generator=g)
+    fit = repair_fit.LayerFit(layer, kept, dim=1, positions=1)
+    fit.add(x, y)
+    rows = torch.cat([x[:, kept], torch.ones(300, 1)], 1).double()  # the reference: whole
+    w0 = torch.cat([layer.weight[:, kept], layer.bias[:, None]], 1).detach().double().T
+    a, b = rows.T @ rows, rows.T @ y.double()
+    lam = 0.1 * float(a.diagonal().mean())
+    want = torch.linalg.solve(a + lam * torch.eye(5, dtype=torch.float64), b + lam * w0)
+    spy = _WidestFloat64()
+    with spy:
+        mode, *_ = fit.solve_and_set(0.1, rows_per_weight=20.0)
+    assert mode == "weights"  # 300 rows for 5 features
+    assert 0 < spy.most <= 5 * 64 < 5 * 400
+    torch.testing.assert_close(layer.weight[:, kept].double(), want[:4].T, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(layer.bias.double(), want[4], rtol=1e-6, atol=1e-6)
+    assert not layer.weight[:, [1, 4]].any()
+
+
+def test_label_free_sampling_widens_a_few_positions_at_a_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The label-free loss samples an LM's labels from float64 softmaxes of at most
+    ``SAMPLE_ELEMENTS`` logits at a time (the whole (N, L, vocab) logits were widened at once,
+    twice with their softmax), and draws the labels the whole-tensor draw gives with the same
+    seed."""
+    monkeypatch.setattr(label_free, "SAMPLE_ELEMENTS", 3 * 50)  # 3 of the 2 x 16 positions
+    logits = torch.randn(2, 16, 50, generator=torch.Generator().manual_seed(0))
+    spy = _WidestFloat64()
+    with spy:
+        labels = label_free.LabelFreeLoss("classification", seed=4).sample(logits)
+    whole = torch.softmax(logits.double(), -1).reshape(-1, 50)
+    want = torch.multinomial(whole, 1, generator=torch.Generator().manual_seed(4))
+    assert 0 < spy.most <= 3 * 50 < logits.numel()
+    assert torch.equal(labels, want.view(2, 16))

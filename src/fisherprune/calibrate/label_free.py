@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["LABELS", "TASKS", "LabelFreeLoss", "output_tensor", "resolve_task"]
+__all__ = ["LABELS", "SAMPLE_ELEMENTS", "TASKS", "LabelFreeLoss", "output_tensor", "resolve_task"]
 
 #: the predictive distributions a label-free loss can sample from
 TASKS: tuple[str, ...] = ("auto", "classification", "regression")
@@ -45,6 +45,11 @@ TASKS: tuple[str, ...] = ("auto", "classification", "regression")
 LABELS: tuple[str, ...] = ("sampled", "expected")
 
 _OUTPUT_FIELDS = ("logits", "last_hidden_state", "pooler_output")
+
+#: the most float64 probabilities ``LabelFreeLoss.sample`` widens at once (8 MiB): a language
+#: model's logits are sampled a few positions at a time, not widened whole (a (2, 512, 32000)
+#: batch is 262 MB in float64, twice with its softmax)
+SAMPLE_ELEMENTS = 2**20
 
 
 def output_tensor(outputs: Any) -> Tensor:
@@ -125,7 +130,8 @@ class LabelFreeLoss:
 
     def sample(self, outputs: Any) -> Tensor:
         """The sampled targets for ``outputs``: class indices (shape of the output without its
-        last dim), the direction ``v`` of ``labels="expected"`` (the output's shape, on the
+        last dim; the softmax taken in float64 on at most ``SAMPLE_ELEMENTS`` of the outputs
+        at a time), the direction ``v`` of ``labels="expected"`` (the output's shape, on the
         logits' device in their dtype) or Gaussian targets (the output's shape), drawn from
         this loss's stream.
 
@@ -139,8 +145,18 @@ class LabelFreeLoss:
                 root = probs.sqrt() * eps  # (..., C): eps_y sqrt(p_y)
                 v = probs * root.sum(-1, keepdim=True) - root  # sum_y eps_y sqrt(p_y)(p - e_y)
                 return v.to(out.device, out.dtype)
-            probs = torch.softmax(out.double().cpu(), dim=-1).reshape(-1, out.shape[-1])
-            labels = torch.multinomial(probs, 1, generator=self.generator)
+            rows = out.reshape(-1, out.shape[-1])
+            step = max(1, SAMPLE_ELEMENTS // rows.shape[1])
+            labels = torch.cat(
+                [
+                    torch.multinomial(
+                        torch.softmax(rows[i : i + step].double().cpu(), dim=-1),
+                        1,
+                        generator=self.generator,
+                    )
+                    for i in range(0, rows.shape[0], step)
+                ]
+            )
             return labels.view(out.shape[:-1]).to(out.device)
         noise = torch.randn(out.shape, generator=self.generator, dtype=out.dtype)
         return out + noise.to(out.device)

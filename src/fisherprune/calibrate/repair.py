@@ -88,8 +88,9 @@ from fisherprune.settings import check_int
 
 __all__ = ["MIN_PASSES", "REPAIRABLE", "RepairReport", "check_passes", "repair_consumers"]
 
-#: the ``LayerStore`` keys of the fitted layers' original weights and of a group's refits
-ORIGINAL, REFITTED = "original", "refitted"
+#: the ``LayerStore`` keys of the fitted layers' original weights, of a group's refits and of
+#: the dense outputs on the held-out batches
+ORIGINAL, REFITTED, REFERENCE = "original", "refitted", "reference"
 
 #: the fewest passes (groups of stages) a ``budget`` groups the stages into before it cuts
 #: the examples read
@@ -331,9 +332,8 @@ def repair_consumers(
     def held_error() -> float:
         set_masks(chosen)
         sq = sum(
-            float((widened(o) - widened(r)).double().square().sum())
-            for (inputs, _), ref in zip(held, references, strict=True)
-            for o, r in zip(_outputs(model, inputs), ref, strict=True)
+            _squared_gap(_outputs(model, inputs), store.tensors(REFERENCE, i))
+            for i, (inputs, _) in enumerate(held)
         )
         return sq / max(norm, 1e-300)
 
@@ -341,11 +341,7 @@ def repair_consumers(
         try:
             store.put(ORIGINAL, layers)
             set_masks(dense_masks)
-            references = [_outputs(dense, inputs) for inputs, _ in held]
-            finite = [all(bool(t.isfinite().all()) for t in ref) for ref in references]
-            held = [b for b, ok in zip(held, finite, strict=True) if ok]
-            references = [r for r, ok in zip(references, finite, strict=True) if ok]
-            norm = sum(float(t.double().square().sum()) for ref in references for t in ref)
+            held, norm = _store_references(dense, held, store)
             groups = _groups(order, passes) if sequential else [order]
             best = start = held_error() if held else 0.0
             for group in progress(groups) if progress else groups:
@@ -370,6 +366,32 @@ def repair_consumers(
             stacklevel=2,
         )
     return report
+
+
+def _store_references(
+    dense: Callable[..., Any], held: list[tuple[Any, Any]], store: LayerStore
+) -> tuple[list[tuple[Any, Any]], float]:
+    """Write the dense model's outputs on each ``held``-out batch to ``store`` (under
+    ``REFERENCE`` and the batch's place among those kept), one batch's in memory at a time (an
+    LM's are its logits, the tokens times the vocabulary). Returns the batches whose outputs
+    are finite, and the outputs' sum of squares."""
+    kept, norm = [], 0.0
+    for batch in held:
+        ref = _outputs(dense, batch[0])
+        if all(bool(t.isfinite().all()) for t in ref):
+            store.put_tensors(REFERENCE, len(kept), ref)
+            norm += sum(float(t.double().square().sum()) for t in ref)
+            kept.append(batch)
+    return kept, norm
+
+
+def _squared_gap(outputs: list[Tensor], references: list[Tensor]) -> float:
+    """The squared difference of ``outputs`` and ``references`` (read back on the CPU),
+    summed in float64."""
+    return sum(
+        float((widened(o) - widened(r.to(o.device))).double().square().sum())
+        for o, r in zip(outputs, references, strict=True)
+    )
 
 
 def _fit_group(

@@ -21,11 +21,16 @@ and the chosen one's again rather than every solution kept: an output layer's is
 times the vocabulary; no more data). On MiniLM a fixed small ridge overfits the calibration
 text: the held-out rows choose 0.1-1, and the embeddings of other text come out closer to the
 dense ones.
+
+Memory: a solution, its errors and its write into the weight are computed a block of output
+columns at a time (``Solution``, ``BLOCK_ELEMENTS``), from one factorisation of the system, so
+no (features x outputs) float64 tensor is held beside the sums' ``X^T Y``: an output layer's is
+the width times the vocabulary, twice its float32 weight.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import Tensor, nn
@@ -33,12 +38,46 @@ from torch import Tensor, nn
 from fisherprune.calibrate.repair_residual import ResidualWatch
 from fisherprune.calibrate.repair_rows import linear_rows, out_in_weight, rows_reader
 
-__all__ = ["RIDGES", "LayerFit", "Sums", "widened"]
+__all__ = ["BLOCK_ELEMENTS", "RIDGES", "LayerFit", "Solution", "Sums", "widened"]
 
 #: the ridge values ``ridge=None`` chooses from, by the held-out rows' error
 RIDGES = (1e-4, 1e-3, 1e-2, 0.1, 1.0, 10.0)
 #: ``ridge=None`` gives up at most this share of the best held-out gain for a larger ridge
 GAIN_SLACK = 0.1
+#: the most float64 elements of one block of output columns (8 MiB) that the sums' products,
+#: a solution and its errors are computed in (at least one column)
+BLOCK_ELEMENTS = 2**20
+
+
+def column_blocks(features: int, outputs: int) -> list[slice]:
+    """``outputs`` columns in consecutive slices of at most ``BLOCK_ELEMENTS`` elements of
+    ``features`` rows each (at least one column a slice)."""
+    step = max(1, BLOCK_ELEMENTS // max(features, 1))
+    return [slice(i, min(i + step, outputs)) for i in range(0, outputs, step)]
+
+
+class Solution:
+    """A fit's (features, outputs) coefficients, never held whole: ``columns(block)`` gives
+    the float64 columns of one slice of the outputs.
+
+    Args:
+        columns: the coefficients of a slice of the output columns, (features, len(slice)).
+        features: the rows of the coefficients.
+        outputs: the columns of the coefficients.
+    """
+
+    def __init__(self, columns: Callable[[slice], Tensor], features: int, outputs: int) -> None:
+        self.columns, self.features, self.outputs = columns, features, outputs
+
+    @classmethod
+    def of(cls, coef: Tensor) -> Solution:
+        """A solution held whole already, (features, outputs)."""
+        return cls(lambda block: coef[:, block], coef.shape[0], coef.shape[1])
+
+    def blocks(self) -> Iterator[tuple[slice, Tensor]]:
+        """Each slice of the output columns with its coefficients, one at a time."""
+        for block in column_blocks(self.features, self.outputs):
+            yield block, self.columns(block)
 
 
 class Sums:
@@ -52,20 +91,24 @@ class Sums:
         self.count = 0
 
     def add(self, x: Tensor, y: Tensor) -> None:
-        """Add the rows ``x`` (rows, features) with targets ``y`` (rows, outputs)."""
+        """Add the rows ``x`` (rows, features) with targets ``y`` (rows, outputs); ``X^T Y``
+        and ``Y^T Y`` a block of output columns at a time (``column_blocks``)."""
         if self.count == 0:
             self.xtx = x.new_zeros(x.shape[1], x.shape[1], dtype=torch.float64)
             self.xty = x.new_zeros(x.shape[1], y.shape[1], dtype=torch.float64)
         # float64 matmuls are several times slower on CPU: one batch's in float32 (or float64)
         x, y = widened(x), widened(y)
         self.xtx += (x.T @ x).double()
-        self.xty += (x.T @ y).double()
-        self.yty += float(y.double().square().sum())
+        for block in column_blocks(max(x.shape), y.shape[1]):  # (rows or features) x block
+            self.xty[:, block] += (x.T @ y[:, block]).double()
+            self.yty += float(y[:, block].double().square().sum())
         self.count += x.shape[0]
 
-    def error(self, coef: Tensor) -> float:
-        """``||Y - X coef||^2 / ||Y||^2``."""
-        sq = self.yty - 2 * float((coef * self.xty).sum()) + float((coef * (self.xtx @ coef)).sum())
+    def error(self, coef: Solution) -> float:
+        """``||Y - X coef||^2 / ||Y||^2``, a block of ``coef``'s columns at a time."""
+        sq = self.yty
+        for block, c in coef.blocks():
+            sq += float((c * (self.xtx @ c - 2 * self.xty[:, block])).sum())
         return max(sq, 0.0) / max(self.yty, 1e-300)
 
 
@@ -181,57 +224,84 @@ class LayerFit:
         """``positions`` of ``n`` output positions, at random without replacement."""
         return torch.randperm(n, generator=self.generator)[: self.positions]
 
-    def current(self) -> Tensor:
-        """The layer's weights as the fit's unknowns: (features, out). Only the kept rows and
-        columns are widened to float64, never the whole weight (an output layer's is the
-        vocabulary times the width)."""
+    @property
+    def out_rows(self) -> Tensor:
+        """The indices of the weight's output rows the fit solves for, in its column order."""
+        w = out_in_weight(self.mod)
+        return torch.arange(w.shape[0], device=w.device) if self.outputs is None else self.outputs
+
+    def current_columns(self, block: slice) -> Tensor:
+        """The layer's weights of the fit's output columns ``block`` as its unknowns:
+        (features, len(block)) in float64. Only these rows' kept columns are widened."""
+        rows = self.out_rows[block]
         w = out_in_weight(self.mod).detach()
-        if self.outputs is not None:
-            w = w[self.outputs]
-        cols = w[:, self.kept].reshape(w.shape[0], -1).double()
+        cols = w[rows[:, None], self.kept].reshape(rows.numel(), -1).double()
         if self.mod.bias is not None:
-            bias = self.mod.bias.detach()
-            bias = bias if self.outputs is None else bias[self.outputs]
-            cols = torch.cat([cols, bias.double()[:, None]], 1)
+            cols = torch.cat([cols, self.mod.bias.detach()[rows].double()[:, None]], 1)
         return cols.T
 
-    def _solve(self, a: Tensor, b: Tensor, ridge: float, prior: Tensor) -> Tensor:
+    def current(self) -> Solution:
+        """The layer's weights as the fit's unknowns, (features, out), read a block of output
+        columns at a time (``current_columns``): never the whole weight in float64 (an output
+        layer's is the vocabulary times the width)."""
+        return Solution(self.current_columns, self.features, self.out_rows.numel())
+
+    def _solve(self, a: Tensor, b: Solution, ridge: float, prior: Solution) -> Solution:
         """``(a + lambda I)^-1 (b + lambda prior)`` with ``lambda = ridge * mean diagonal of
-        a``: the least-squares solution pulled towards ``prior`` (the unrepaired layer)."""
+        a``: the least-squares solution pulled towards ``prior`` (the unrepaired layer). ``a``
+        is factorised once here; each block of columns is solved when it is read."""
         lam = ridge * float(torch.diagonal(a).mean())
         a = a + lam * torch.eye(a.shape[0], dtype=a.dtype, device=a.device)
-        b = b + lam * prior
-        x, info = torch.linalg.solve_ex(a, b)
-        if int(info) != 0:  # singular (a dead input with ridge 0): the minimum-norm solution
-            x = torch.linalg.lstsq(a.cpu(), b.cpu(), driver="gelsd").solution.to(a.device)
-        return x
+        lu, pivots, info = torch.linalg.lu_factor_ex(a)
+        singular = int(info) != 0  # a dead input with ridge 0: the minimum-norm solution
 
-    def weights_coef(self, ridge: float) -> Tensor:
+        def columns(block: slice) -> Tensor:
+            rhs = b.columns(block) + lam * prior.columns(block)
+            if singular:
+                return torch.linalg.lstsq(a.cpu(), rhs.cpu(), driver="gelsd").solution.to(a.device)
+            return torch.linalg.lu_solve(lu, pivots, rhs)
+
+        return Solution(columns, prior.features, prior.outputs)
+
+    def weights_coef(self, ridge: float) -> Solution:
         """Every kept weight (and the bias) refitted: (features, out)."""
-        return self._solve(self.sums.xtx, self.sums.xty, ridge, self.current())
+        return self._solve(self.sums.xtx, Solution.of(self.sums.xty), ridge, self.current())
 
-    def scales_coef(self, ridge: float) -> Tensor:
+    def scales_coef(self, ridge: float) -> Solution:
         """One scale per kept input channel (all its kernel taps) times the current weights,
         and the bias refitted (Kwon et al.'s mask tuning): (features, out). With ``Z_c`` the
         output contribution of channel c, ``Z_c^T Z_d`` is read off the streamed sums as the
-        block sums of ``X^T X * (W^T W)`` over the taps, so no more data is needed."""
+        block sums of ``X^T X * (W^T W)`` over the taps, so no more data is needed; ``W W^T``
+        and the right-hand side are summed a block of output columns at a time."""
         k, taps = self.kept.numel(), self.kernel
         n_w = k * taps
-        w = self.current()[:n_w]  # (n_w, out)
-        sums = self.sums
-        xtx, xty = sums.xtx[:n_w, :n_w], sums.xty[:n_w]
-        if self.mod.bias is not None:  # centre: the bias absorbs the means
+        sums, now, bias = self.sums, self.current(), self.mod.bias is not None
+        xtx = sums.xtx[:n_w, :n_w]
+        n = mu = None
+        if bias:  # centre: the bias absorbs the means
             n = sums.xtx[n_w, n_w]
-            mu, nu = sums.xtx[:n_w, n_w] / n, sums.xty[n_w] / n
+            mu = sums.xtx[:n_w, n_w] / n
             xtx = xtx - n * torch.outer(mu, mu)
-            xty = xty - n * torch.outer(mu, nu)
-        gram = (xtx * (w @ w.T)).view(k, taps, k, taps).sum((1, 3))  # (k, k)
-        rhs = (xty * w).sum(1).view(k, taps).sum(1)  # (k,)
-        scale = self._solve(gram, rhs[:, None], ridge, torch.ones_like(rhs[:, None]))[:, 0]
-        coef = w * scale.repeat_interleave(taps)[:, None]
-        if self.mod.bias is not None:
-            coef = torch.cat([coef, (nu - coef.T @ mu)[None]])
-        return coef
+        wwt, rhs = torch.zeros_like(xtx), xtx.new_zeros(n_w)
+        for block, c in now.blocks():
+            w, xty = c[:n_w], sums.xty[:n_w, block]
+            if bias:
+                xty = xty - torch.outer(mu, sums.xty[n_w, block])  # n * outer(mu, nu)
+            wwt += w @ w.T
+            rhs += (xty * w).sum(1)
+        gram = (xtx * wwt).view(k, taps, k, taps).sum((1, 3))  # (k, k)
+        rhs = rhs.view(k, taps).sum(1)[:, None]  # (k, 1)
+        ones = Solution.of(torch.ones_like(rhs))
+        scale = self._solve(gram, Solution.of(rhs), ridge, ones).columns(slice(None))
+        scale = scale.repeat_interleave(taps, 0)  # (n_w, 1)
+
+        def columns(block: slice) -> Tensor:
+            coef = now.columns(block)[:n_w] * scale
+            if bias:
+                coef = torch.cat([coef, (sums.xty[n_w, block] / n - coef.T @ mu)[None]])
+            return coef
+
+        return Solution(columns, self.features, now.outputs)
 
     def solve_and_set(
         self, ridge: float | None, rows_per_weight: float
@@ -242,46 +312,47 @@ class LayerFit:
         zero the removed columns. ``ridge=None``: the value of ``RIDGES`` with the least
         held-out error (with no held-out rows, 0.1). Returns the mode, the relative errors on
         the fitting rows before and after, and the ridge. Changes the module's ``weight`` (and
-        ``bias``) in place, unless the fit is no better on the fitting rows, or on the held-out
-        rows when there are any; releases the sums."""
+        ``bias``) in place, a block of output rows at a time, unless the fit is no better on
+        the fitting rows, or on the held-out rows when there are any; releases the sums."""
         full = self.count >= rows_per_weight * self.features
         solve = self.weights_coef if full else self.scales_coef
         mode = "weights" if full else "scales"
         held = self.held_sums if self.held_sums.count else None
+        now = self.current()
         if ridge is None and held is not None:
-            ridge, coef = _conservative(solve, held, held.error(self.current()))
+            ridge, coef = _conservative(solve, held, held.error(now))
         else:
             ridge = 0.1 if ridge is None else ridge
             coef = solve(ridge)
-        now = self.current()
         before, after = self.sums.error(now), self.sums.error(coef)
         worse = not after < before or (held is not None and not held.error(coef) < held.error(now))
         self.sums, self.held_sums = Sums(), Sums()
         if worse:  # a ridge fit loses only on nearly singular data or out of sample
             return mode, before, before, ridge
         w, bias = out_in_weight(self.mod), self.mod.bias
-        n_w = self.kept.numel() * self.kernel
-        rows = torch.arange(w.shape[0], device=w.device) if self.outputs is None else self.outputs
+        n_w, rows = self.kept.numel() * self.kernel, self.out_rows
         with torch.no_grad():
-            new = coef[:n_w].T.reshape(rows.numel(), self.kept.numel(), *w.shape[2:])
             removed = torch.ones(w.shape[1], dtype=torch.bool, device=w.device)
             removed[self.kept] = False
             w[:, removed] = 0  # removed columns stay zero, as the mask has them
-            w[rows[:, None], self.kept] = new.to(w.dtype)
-            if bias is not None:
-                bias[rows] = coef[n_w].to(bias.dtype)
+            # each block's columns read only its own rows of the weight, written after
+            for block, c in coef.blocks():
+                new = c[:n_w].T.reshape(rows[block].numel(), self.kept.numel(), *w.shape[2:])
+                w[rows[block][:, None], self.kept] = new.to(w.dtype)
+                if bias is not None:
+                    bias[rows[block]] = c[n_w].to(bias.dtype)
         return mode, before, after, ridge
 
 
 def _conservative(
-    solve: Callable[[float], Tensor], held: Sums, unrepaired: float
-) -> tuple[float, Tensor]:
+    solve: Callable[[float], Solution], held: Sums, unrepaired: float
+) -> tuple[float, Solution]:
     """The largest ridge of ``RIDGES`` (the fit closest to the unrepaired layer) whose held-out
     error keeps ``1 - GAIN_SLACK`` of the best ridge's gain over ``unrepaired``, and its fit:
     the one-standard-error rule of cross-validation in spirit, since a layer's held-out rows
     come from the calibration text while the model meets other text, where the fit's
     compensation for removed channels transfers less well the further it moves the weights."""
-    errors = [held.error(solve(r)) for r in RIDGES]  # one solution alive at a time
+    errors = [held.error(solve(r)) for r in RIDGES]  # one block of one solution at a time
     best = min(errors)
     bar = best + GAIN_SLACK * max(unrepaired - best, 0.0)
     ridge = max(r for r, e in zip(RIDGES, errors, strict=True) if e <= bar)

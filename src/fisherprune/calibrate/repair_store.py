@@ -1,5 +1,7 @@
 """The repair's copies of weights, kept on disk and read back one layer at a time
-(``LayerStore``), so that the repair holds no second copy of the model in memory.
+(``LayerStore``), so that the repair holds no second copy of the model in memory; also the
+dense model's outputs on the held-out batches, read back one batch at a time (an LM's logits
+on every held-out batch would grow with the calibration tokens).
 
 The sequential repair runs the DENSE model (original weights, dense masks) once per pass, after
 earlier passes have refitted layers in place; its guards put back a stage's original or
@@ -58,6 +60,16 @@ class LayerStore:
             state = {k: p.detach() for k, p in mod.named_parameters(recurse=False)}
             torch.save(state, path)
             self._files[key, name] = path
+
+    def put_tensors(self, key: str, index: int, tensors: list[Tensor]) -> None:
+        """Write ``tensors`` under ``key`` and ``index`` (replacing what was there)."""
+        path = Path(self._folder.name) / f"{key}-{len(self._files)}.pt"
+        torch.save([t.detach() for t in tensors], path)
+        self._files[key, str(index)] = path
+
+    def tensors(self, key: str, index: int) -> list[Tensor]:
+        """The tensors ``put_tensors`` wrote under ``key`` and ``index``, read back (CPU)."""
+        return torch.load(self._files[key, str(index)], weights_only=True, map_location="cpu")
 
     def _read(self, key: str, name: str) -> dict[str, Tensor]:
         return torch.load(self._files[key, name], weights_only=True, map_location="cpu")

@@ -465,8 +465,9 @@ def prune_to_target(
     Memory, besides the model: one calibration batch's activations, forward and backward
     (pass small batches to bound it: the signals are per example, whatever the batching), no
     weight gradient (parameters are frozen while signals are collected), and in the repair
-    one stage's least-squares sums and one layer's original weights at a time (the others wait
-    in a temporary folder, ``TMPDIR``: about the fitted layers' bytes on disk).
+    one stage's least-squares sums, one block of a layer's solution, one layer's original
+    weights and one held-out batch's dense outputs at a time (the others wait in a temporary
+    folder, ``TMPDIR``: about the fitted layers' bytes on disk).
 
     Args:
         model: a trained network.

@@ -162,18 +162,21 @@ class PruningPlan:
         return plan
 
     # ------------------------------------------------------------- applying
-    def apply(self, model: nn.Module) -> nn.Module:
+    def apply(self, model: nn.Module, *, views: bool = False) -> nn.Module:
         """Shrink ``model`` in place to the planned architecture and return it.
 
-        Slices every listed parameter and buffer (new ``nn.Parameter`` objects for
-        parameters), updates module metadata through the shrink-rule registry,
-        replaces hand-placed MaskLayers by ``nn.Identity`` and removes masks added
-        by ``apply_masks``. An output whose width lost channels is zero-filled back to its
-        full width by a forward hook (``fisherprune.export.output_fill``; one, however often
-        the plan is applied). The model's class and forward code are kept; a sliced module whose
-        class cannot hold its new widths (``nn.MultiheadAttention``) is replaced by one that
-        can (``fisherprune.export.mha.PrunedMultiheadAttention``, same parameters). A Hugging
-        Face model's ``config`` gets the new widths when one config can describe them
+        Slices every listed parameter and buffer (new ``nn.Parameter`` objects for parameters; with
+        ``views``, a tensor whose kept indices form one run along every sliced dim becomes a view of
+        the original, narrowed, instead of a copy: for a model thrown away after a check,
+        ``shrink_dry_run``, since a view keeps the whole original storage alive and may not be
+        contiguous), updates module metadata through the shrink-rule registry, replaces hand-placed
+        MaskLayers by ``nn.Identity`` and removes masks added by ``apply_masks``. An output whose
+        width lost channels is zero-filled back to its full width by a forward hook
+        (``fisherprune.export.output_fill``; one, however often the plan is applied). The model's
+        class and forward code are kept; a sliced module whose class cannot hold its new widths
+        (``nn.MultiheadAttention``) is replaced by one that can
+        (``fisherprune.export.mha.PrunedMultiheadAttention``, same parameters). A Hugging Face
+        model's ``config`` gets the new widths when one config can describe them
         (``fisherprune.export.hf_config``; a warning says why not).
         Idempotent: applying to an already shrunk model changes nothing.
 
@@ -244,9 +247,12 @@ class PruningPlan:
                 old_shape = tuple(t.shape)
                 new = t
                 for d, kept in spec["kept"].items():
-                    idx = torch.as_tensor(kept, dtype=torch.long, device=t.device)
-                    new = new.index_select(int(d), idx)
-                _set_tensor(mod, tname, new.contiguous())
+                    if views and _one_run(kept):
+                        new = new.narrow(int(d), kept[0], len(kept))
+                    else:
+                        idx = torch.as_tensor(kept, dtype=torch.long, device=t.device)
+                        new = new.index_select(int(d), idx)
+                _set_tensor(mod, tname, new if views else new.contiguous())
                 made = _get_tensor(mod, tname)
                 for other, oname in owners.get(id(t), [(mod, tname)]):
                     store = other._parameters if oname in other._parameters else other._buffers
@@ -486,6 +492,11 @@ def _get_tensor(mod: nn.Module, name: str) -> torch.Tensor | None:
     if name in mod._buffers:
         return mod._buffers[name]
     return None
+
+
+def _one_run(kept: list[int]) -> bool:
+    """Whether ``kept`` (sorted indices, at least one) is one run of consecutive indices."""
+    return bool(kept) and kept[-1] - kept[0] == len(kept) - 1
 
 
 def _set_tensor(mod: nn.Module, name: str, value: torch.Tensor) -> None:

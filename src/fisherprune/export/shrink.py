@@ -101,7 +101,12 @@ def shrink_dry_run(
     """``shrink(model, example_inputs)`` with its checks, on a copy that shares every tensor
     with ``model`` and is thrown away: the plan replaces the tensors it slices (new objects)
     and changes none in place, so no weight is copied whole (a decoder's weights would
-    otherwise be held twice while ``apply_masks`` tries its groups). ``model`` is unchanged.
+    otherwise be held twice while ``apply_masks`` tries its groups), and a tensor whose kept
+    indices form one run (``apply_masks`` removes each group's first channels) is narrowed as
+    a view of the original rather than copied (``PruningPlan.apply(views=True)``): no sliced
+    copy of the weights either. Where the copy fails with views (a forward that needs a
+    contiguous weight), it is made again with copies, as ``shrink`` makes it, and that
+    verdict stands. ``model`` is unchanged.
     With ``cost_model`` (a ``CostModel`` of ``model`` as masked now; mask values may have
     changed since) the plan is read off it and the model is not traced again, as
     ``apply_masks`` does for its trials.
@@ -115,7 +120,11 @@ def shrink_dry_run(
         ref = _comparable_outputs(model, example_inputs)
     n_before = sum(p.numel() for p in model.parameters())
     shared = {id(t): t for t in [*model.parameters(), *model.buffers()]}
-    _apply_and_check(copy.deepcopy(model, shared), plan, None, None, example_inputs, ref, n_before)
+    checked = (plan, None, None, example_inputs, ref, n_before)
+    try:  # deepcopy adds to its memo: each copy gets its own
+        _apply_and_check(copy.deepcopy(model, dict(shared)), *checked, views=True)
+    except Exception:  # the copies' verdict stands
+        _apply_and_check(copy.deepcopy(model, dict(shared)), *checked)
 
 
 def _apply_and_check(
@@ -126,10 +135,12 @@ def _apply_and_check(
     example_inputs: Any,
     ref: list[Tensor] | None,
     n_before: int,
+    views: bool = False,
 ) -> None:
-    """Apply ``plan`` to ``target`` (carrying ``optimizer`` over), then check it unless
-    ``ref`` is None (``shrink``'s ``check=False``)."""
-    plan.apply(target)
+    """Apply ``plan`` to ``target`` (carrying ``optimizer`` over; ``views``: as
+    ``PruningPlan.apply``'s), then check it unless ``ref`` is None (``shrink``'s
+    ``check=False``)."""
+    plan.apply(target, views=views)
     if carry is not None:  # before the check: a failed check leaves the two consistent
         carry.apply(target)
         mark = getattr(optimizer, "mark_shrunk", None)
