@@ -44,7 +44,7 @@ from fisherprune.export.shrink import shrink
 from fisherprune.inputs import Inputs
 from fisherprune.masks import find_masks
 
-__all__ = ["LatencyLine", "fit_latency_line"]
+__all__ = ["LatencyLine", "fit_latency_line", "kept_entries"]
 
 #: rounds of the dense model and the shrunk copy timed one after the other; their ratio is the
 #: median of the rounds' ratios (a round that a burst of other load slowed stays an outlier)
@@ -91,7 +91,7 @@ def _cut_entries(cost_model: CostModel, share: float) -> tuple[np.ndarray, dict[
     return entries, kept
 
 
-def _kept_entries(
+def kept_entries(
     cost_model: CostModel, kept: Mapping[str, int]
 ) -> tuple[np.ndarray, dict[str, int]]:
     """Mask entries with the first ``kept[name]`` channels of each named traced mask kept (at
@@ -158,7 +158,7 @@ def fit_latency_line(
         return LatencyLine(False, scale, offset, reason="line_at=None: operators in proportion")
     share = spec.line_at if kept is None else None
     entries, kept = (
-        _cut_entries(cost_model, spec.line_at) if kept is None else _kept_entries(cost_model, kept)
+        _cut_entries(cost_model, spec.line_at) if kept is None else kept_entries(cost_model, kept)
     )
     whole = cost_model.dense_total()
     s_dense = (whole - offset) / scale
