@@ -8,7 +8,6 @@ shrunk model's whole time exactly, where a proportional scale would not."""
 
 from __future__ import annotations
 
-import copy
 import warnings
 
 import pytest
@@ -181,70 +180,3 @@ def test_a_bilinear_clock_is_predicted_exactly_at_every_width(tmp_path, overhead
         small = fp.shrink(net)
         want = _fake_whole(small, x, None, _flops_seconds) / lat.UNIT
         assert cm.total() == pytest.approx(want, rel=1e-9), (k1, k2)
-
-
-def _first_conv_slow(self, rec, dense, shapes):
-    """The fake operator clock, but the first convolution (3 input channels) takes 3x its
-    time alone inside the whole model (what a lone operator's warm caches hide)."""
-    slow = getattr(rec.op, "overloadpacket", None) is torch.ops.aten.convolution
-    return flops_at(rec, shapes) * 1e-9 * (3.0 if slow and shapes[0][1] == 3 else 1.0)
-
-
-def _skewed_whole(model, example_inputs, spec, clock=None):
-    return _fake_whole(model, example_inputs, spec, _first_conv_slow) + OVERHEAD
-
-
-def test_the_line_is_fitted_where_the_prune_lands(tmp_path, monkeypatch):
-    """The whole model runs its first convolution slower than the operators timed alone say,
-    so a uniform copy prices a prune that keeps that convolution wide wrongly.
-    ``prune_to_target`` fits the line again at the state its first scores reach: the pruned
-    model is then predicted within 1% of its whole time, where the uniform copy's line
-    misses it by more than 5%."""
-    monkeypatch.setattr(lat.OpTimer, "seconds", _flops_seconds)
-    monkeypatch.setattr(model_module, "whole_model_seconds", _skewed_whole)
-    monkeypatch.setattr(line_module, "whole_model_seconds", _skewed_whole)
-    net, x = _net(), torch.randn(2, 3, 8, 8)
-    with torch.no_grad():
-        net[2].weight[:, 8:].mul_(10.0)  # L1 keeps the convolution after the slow one wide
-    uniform_net = copy.deepcopy(net)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        result = fp.prune_to_target(
-            net, x, [(x, None)], "40%", criterion="l1", convention="latency",
-            latency=_spec(tmp_path), reconstruct=False, rounds=1, round_cap=1.0,
-        )  # fmt: skip
-    assert result.latency_line.fitted and result.latency_line.kept_share is None
-    measured = _skewed_whole(fp.shrink(net), x, None) / lat.UNIT
-    assert result.cost_after == pytest.approx(measured, rel=0.01)
-    fp.apply_masks(uniform_net, x)
-    cm = CostModel(uniform_net, x, "latency", latency=_spec(tmp_path))
-    assert fit_latency_line(cm, uniform_net, x).kept_share == 0.5
-    for name, m in fp.find_masks(uniform_net).items():
-        m.mask.copy_(fp.find_masks(net)[name].mask)
-    assert abs(cm.total() / measured - 1) > 0.05
-
-
-def test_a_state_timed_far_from_the_copys_line_is_taken_for_noise(tmp_path, monkeypatch):
-    """The state the first scores reach is timed 1.6x slower than its operators say (a burst of
-    other load): the copy's line is kept, not refitted through it, and the line says why."""
-
-    def loaded(model, example_inputs, spec, clock=None):
-        widths = [m.out_channels for m in model.modules() if isinstance(m, nn.Conv2d)]
-        burst = 1.6 if widths not in ([16, 24], [8, 12]) else 1.0  # neither dense nor copy
-        return burst * _with_overhead(model, example_inputs, spec)
-
-    monkeypatch.setattr(lat.OpTimer, "seconds", _flops_seconds)
-    monkeypatch.setattr(model_module, "whole_model_seconds", loaded)
-    monkeypatch.setattr(line_module, "whole_model_seconds", loaded)
-    net, x = _net(), torch.randn(2, 3, 8, 8)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        result = fp.prune_to_target(
-            net, x, [(x, None)], "40%", criterion="l1", convention="latency",
-            latency=_spec(tmp_path), reconstruct=False, rounds=1, round_cap=1.0,
-        )  # fmt: skip
-    line = result.latency_line
-    assert not line.fitted and "taken for other load" in line.reason
-    assert line.offset == pytest.approx(OVERHEAD / lat.UNIT, rel=1e-9)  # the copy's line
-    measured = _with_overhead(fp.shrink(net), x, None) / lat.UNIT
-    assert result.cost_after == pytest.approx(measured, rel=1e-9)

@@ -19,17 +19,13 @@ total, and with it every target given as a share, is unchanged, and a state's sh
 only; narrower states cost more than in proportion when the offset is positive. A copy that
 is relatively faster than its operators (offset below 0) keeps the proportional scale, as
 does a model whose copy cannot be shrunk (a warning says why).
-
-With ``kept=`` the copy keeps those widths instead: ``prune_to_target`` fits the line a
-second time through the state its first scores reach at the target, so that the line is
-right where the prune lands, whatever mix of widths it keeps.
 """
 
 from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -44,7 +40,7 @@ from fisherprune.export.shrink import shrink
 from fisherprune.inputs import Inputs
 from fisherprune.masks import find_masks
 
-__all__ = ["LatencyLine", "fit_latency_line", "kept_entries"]
+__all__ = ["LatencyLine", "fit_latency_line"]
 
 #: rounds of the dense model and the shrunk copy timed one after the other; their ratio is the
 #: median of the rounds' ratios (a round that a burst of other load slowed stays an outlier)
@@ -61,8 +57,7 @@ class LatencyLine:
         offset: microseconds per forward pass added to them.
         operators_share: the copy's operators summed, over the dense model's.
         measured_share: the copy timed whole, over the dense model timed beside it.
-        kept_share: the share of every mask's channels the copy kept (``line_at``); None
-            when it kept the widths given (``kept=``: the state a prune's first scores reach).
+        kept_share: the share of every mask's channels the copy kept (``line_at``).
         reason: why the line was not fitted, or what was kept instead ("" when fitted).
     """
 
@@ -91,20 +86,6 @@ def _cut_entries(cost_model: CostModel, share: float) -> tuple[np.ndarray, dict[
     return entries, kept
 
 
-def kept_entries(
-    cost_model: CostModel, kept: Mapping[str, int]
-) -> tuple[np.ndarray, dict[str, int]]:
-    """Mask entries with the first ``kept[name]`` channels of each named traced mask kept (at
-    least one; the others whole), and those counts."""
-    entries = np.ones(cost_model.graph.n_entries)
-    counts: dict[str, int] = {}
-    for name, start in cost_model.entry_start.items():
-        n = cost_model.masks[name].num_channels
-        counts[name] = max(1, min(n, int(kept.get(name, n))))
-        entries[start + counts[name] : start + n] = 0.0
-    return entries, counts
-
-
 @contextmanager
 def _masks_kept(model: nn.Module, kept: dict[str, int]) -> Iterator[None]:
     """For the block, every mask of ``model`` at one except those named in ``kept``, which keep
@@ -124,12 +105,7 @@ def _masks_kept(model: nn.Module, kept: dict[str, int]) -> Iterator[None]:
                 m.mask.copy_(saved[name])
 
 
-def fit_latency_line(
-    cost_model: CostModel,
-    model: nn.Module,
-    example_inputs: Any,
-    kept: Mapping[str, int] | None = None,
-) -> LatencyLine:
+def fit_latency_line(cost_model: CostModel, model: nn.Module, example_inputs: Any) -> LatencyLine:
     """Fit ``cost_model``'s latency to the model timed whole at two sizes (module docstring).
 
     Changes: ``cost_model``'s slope and offset (``CostModel.set_latency_line``) when fitted;
@@ -139,11 +115,6 @@ def fit_latency_line(
         cost_model: a ``CostModel`` of the ``latency`` convention, built on ``model``.
         model: the masked network the cost model was built on.
         example_inputs: its example inputs (repeated to the spec's batch, as the table was).
-        kept: the copy's channel counts per mask name (the others whole) instead of
-            ``line_at`` of every width: ``prune_to_target`` passes the state its first scores
-            reach, so the line is fitted where the prune will land, whatever mix of widths it
-            keeps (a uniform copy of BERT-base ran at 31.7% of the dense model for 19.8% of
-            its operators, the state an L1 prune reached at 21.6% for 11.9%).
 
     Raises:
         ValueError: ``cost_model`` is not of the ``latency`` convention.
@@ -156,16 +127,12 @@ def fit_latency_line(
     scale, offset = cost_model.latency_scale, cost_model.latency_offset
     if spec.line_at is None:
         return LatencyLine(False, scale, offset, reason="line_at=None: operators in proportion")
-    share = spec.line_at if kept is None else None
-    entries, kept = (
-        _cut_entries(cost_model, spec.line_at) if kept is None else kept_entries(cost_model, kept)
-    )
+    entries, kept = _cut_entries(cost_model, spec.line_at)
     whole = cost_model.dense_total()
     s_dense = (whole - offset) / scale
     s_copy = (cost_model.total(entries) - offset) / scale
     line = LatencyLine(False, scale, offset, s_copy / s_dense if s_dense > 0 else None,
-                       kept_share=share)  # fmt: skip
-    copy_text = f"{share:g} of every width" if share is not None else "the widths given"
+                       kept_share=spec.line_at)  # fmt: skip
     if not s_dense > s_copy > 0:
         line.reason = "the copy's operators cost what the dense model's do: nothing to fit"
         return line
@@ -176,7 +143,7 @@ def fit_latency_line(
             with _masks_kept(model, kept):
                 small = shrink(model, inputs, check=False)
     except Exception as e:  # any model shrink refuses at these widths keeps the proportion
-        line.reason = f"the copy with {copy_text} was not shrunk ({e})"
+        line.reason = f"the copy with {spec.line_at:g} of every width was not shrunk ({e})"
         warnings.warn(f"latency line not fitted: {line.reason}; operators in proportion",
                       stacklevel=2)  # fmt: skip
         return line

@@ -34,7 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from fisherprune.calibrate.label_free import LabelFreeLoss
-from fisherprune.calibrate.latency_line import LatencyLine, fit_latency_line, kept_entries
+from fisherprune.calibrate.latency_line import LatencyLine, fit_latency_line
 from fisherprune.calibrate.norm_stats import NormStats
 from fisherprune.calibrate.repair import RepairReport, check_passes, repair_consumers
 from fisherprune.cost import CONVENTIONS, CostModel, LatencySpec
@@ -644,9 +644,6 @@ def prune_to_target(
                 elif crit.uses_activations:
                     result.examples = observe_activations(model, masks, data, crit, bar)
             with clock("selection"):
-                if r == 1 and line is not None and line.fitted:
-                    line = _line_at_first_state(selection, model, masks, goal, example_inputs)
-                    result.latency_line = line
                 round_goal = goal if g == goals else start * (goal / start) ** (g / goals)
                 before = {n: m.kept for n, m in masks.items()}
                 events, reached = selection.run(model, masks, round_goal, r)
@@ -694,45 +691,6 @@ def prune_to_target(
         ", ".join(f"{k} {v:.1f} s" for k, v in clock.wall.items()),
     )
     return result
-
-
-#: how far (a share of the prediction) the state ``_line_at_first_state`` times may run from
-#: what the copy's line predicts for it before the second measurement is taken for noise
-REFIT_TOLERANCE = 0.35
-
-
-def _line_at_first_state(
-    selection: _Selection,
-    model: nn.Module,
-    masks: dict[str, MaskLayer],
-    goal: float,
-    example_inputs: Any,
-) -> LatencyLine:
-    """The latency line fitted again through the dense model and the state the first scores
-    reach at ``goal`` in one go (``_Selection.preview``), timed whole: the prune lands near
-    that mix of widths, which a uniform copy may not resemble. A state timed more than
-    ``REFIT_TOLERANCE`` away from what the copy's line predicts for it contradicts that
-    measurement rather than refining it (a burst of other load on a shared machine once timed
-    a ResNet-50 state at 85.5% of the dense model for 44.1% of its operators; pruned further
-    under that line, it ran at 8.0% for a predicted 75.8%): the copy's line stays, and the
-    returned line's ``reason`` says why. Changes: ``selection``'s cost model's line when the
-    new one is kept."""
-    cm = selection.cost_model
-    kept = selection.preview(model, masks, goal)
-    before = (cm.latency_scale, cm.latency_offset)
-    share = cm.total(kept_entries(cm, kept)[0]) / cm.dense_total()
-    line = fit_latency_line(cm, model, example_inputs, kept=kept)
-    if line.fitted and line.measured_share is not None:
-        off = line.measured_share / share - 1
-        if abs(off) > REFIT_TOLERANCE:
-            cm.set_latency_line(*before)
-            line.fitted, (line.slope, line.offset) = False, before
-            line.reason = (
-                f"the state the first scores reach ran at {line.measured_share:.1%} of the "
-                f"dense model where the copy's line predicts {share:.1%} ({off:+.0%}): taken "
-                "for other load while timing; the copy's line is kept"
-            )
-    return line
 
 
 class _PhaseClock:
@@ -825,19 +783,6 @@ class _Selection:
             self._exact_last(events)
             if not chunk or chunk[-1].cost_after > until:
                 return events, self.cost_model.total() <= goal
-
-    def preview(self, model: nn.Module, masks: dict[str, MaskLayer], goal: float) -> dict[str, int]:
-        """The channels each mask would keep if this round's scores removed all the way to
-        ``goal`` (no ``round_cap``, no re-scoring). Changes nothing: the masks are given back."""
-        saved = {n: m.mask.detach().clone() for n, m in masks.items()}
-        try:
-            replace(self, round_cap=1.0, rescore_at_cap=False).run(model, masks, goal, 0)
-            return {n: m.kept for n, m in masks.items()}
-        finally:
-            with torch.no_grad():
-                for n, m in masks.items():
-                    m.mask.copy_(saved[n])
-                    m.record_values(all_ones=bool((saved[n] > 0.5).all()))
 
     def _least(self, m: MaskLayer) -> int:
         """The fewest channels ``m`` may keep after this round: ``round_cap`` of those it
