@@ -291,3 +291,23 @@ def test_label_free_sampling_widens_a_few_positions_at_a_time(
     want = torch.multinomial(whole, 1, generator=torch.Generator().manual_seed(4))
     assert 0 < spy.most <= 3 * 50 < logits.numel()
     assert torch.equal(labels, want.view(2, 16))
+
+
+def test_expected_label_directions_widen_a_few_positions_at_a_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``labels="expected"`` builds its directions from float64 softmaxes of at most
+    ``SAMPLE_ELEMENTS`` logits at a time (it widened the whole logits, with three more
+    float64 copies), each ``sum_y eps_y sqrt(p_y) (p - e_y)`` of the noise drawn in order."""
+    monkeypatch.setattr(label_free, "SAMPLE_ELEMENTS", 3 * 50)  # 3 of the 2 x 16 positions
+    logits = torch.randn(2, 16, 50, generator=torch.Generator().manual_seed(0))
+    spy = _WidestFloat64()
+    with spy:
+        v = label_free.LabelFreeLoss("classification", seed=4, labels="expected").sample(logits)
+    g = torch.Generator().manual_seed(4)
+    eps = torch.cat([torch.randn(min(3, 32 - i), 50, generator=g, dtype=torch.float64)
+                     for i in range(0, 32, 3)])  # fmt: skip
+    p = torch.softmax(logits.double(), -1).reshape(-1, 50)
+    want = p * (p.sqrt() * eps).sum(-1, keepdim=True) - p.sqrt() * eps
+    assert 0 < spy.most <= 3 * 50 < logits.numel()
+    torch.testing.assert_close(v, want.float().view(2, 16, 50), rtol=1e-6, atol=1e-7)

@@ -130,36 +130,35 @@ class LabelFreeLoss:
 
     def sample(self, outputs: Any) -> Tensor:
         """The sampled targets for ``outputs``: class indices (shape of the output without its
-        last dim; the softmax taken in float64 on at most ``SAMPLE_ELEMENTS`` of the outputs
-        at a time), the direction ``v`` of ``labels="expected"`` (the output's shape, on the
-        logits' device in their dtype) or Gaussian targets (the output's shape), drawn from
-        this loss's stream.
+        last dim) or the direction ``v`` of ``labels="expected"`` (the output's shape, on the
+        logits' device in their dtype), each from softmaxes taken in float64 on at most
+        ``SAMPLE_ELEMENTS`` of the outputs at a time; or Gaussian targets (the output's shape),
+        drawn from this loss's stream.
 
         Changes: advances the generator.
         """
         out = output_tensor(outputs).detach()
         if resolve_task(self.task, outputs) == "classification":
-            if self.labels == "expected":
-                probs = torch.softmax(out.double().cpu(), dim=-1)
-                eps = torch.randn(probs.shape, generator=self.generator, dtype=probs.dtype)
-                root = probs.sqrt() * eps  # (..., C): eps_y sqrt(p_y)
-                v = probs * root.sum(-1, keepdim=True) - root  # sum_y eps_y sqrt(p_y)(p - e_y)
-                return v.to(out.device, out.dtype)
             rows = out.reshape(-1, out.shape[-1])
             step = max(1, SAMPLE_ELEMENTS // rows.shape[1])
-            labels = torch.cat(
-                [
-                    torch.multinomial(
-                        torch.softmax(rows[i : i + step].double().cpu(), dim=-1),
-                        1,
-                        generator=self.generator,
-                    )
-                    for i in range(0, rows.shape[0], step)
-                ]
+            probs = (
+                torch.softmax(rows[i : i + step].double().cpu(), dim=-1)
+                for i in range(0, rows.shape[0], step)
             )
+            if self.labels == "expected":
+                v = torch.cat([self._direction(p).to(out.dtype) for p in probs])
+                return v.view(out.shape).to(out.device)
+            labels = torch.cat([torch.multinomial(p, 1, generator=self.generator) for p in probs])
             return labels.view(out.shape[:-1]).to(out.device)
         noise = torch.randn(out.shape, generator=self.generator, dtype=out.dtype)
         return out + noise.to(out.device)
+
+    def _direction(self, probs: Tensor) -> Tensor:
+        """``v = sum_y eps_y sqrt(p_y) (p - e_y)`` per row of ``probs`` (float64), ``eps`` drawn
+        from this loss's stream: ``E[v v^T] = diag(p) - p p^T``."""
+        eps = torch.randn(probs.shape, generator=self.generator, dtype=probs.dtype)
+        root = probs.sqrt() * eps  # (rows, C): eps_y sqrt(p_y)
+        return probs * root.sum(-1, keepdim=True) - root
 
     def loss(self, outputs: Any, sampled: Tensor) -> Tensor:
         """The batch mean of each example's ``-log p(sampled | x)`` (up to a constant); with
