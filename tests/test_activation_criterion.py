@@ -101,13 +101,9 @@ def test_a_block_scores_the_rms_size_of_its_change_to_the_residual_stream() -> N
 def test_activation_prunes_the_near_identity_blocks_first() -> None:
     """``prune_to_target(criterion="activation", blocks="only")`` on a Llama whose blocks 1
     and 2 barely change the hidden state removes those two."""
-    from tests.test_depth import IDS, _llama
+    from tests.test_depth import IDS, near_identity_llama
 
-    model = _llama()
-    with torch.no_grad():
-        for layer in model.model.layers[1:3]:
-            layer.mlp.down_proj.weight.mul_(1e-4)
-            layer.self_attn.o_proj.weight.mul_(1e-4)
+    model = near_identity_llama()
     inputs = {"input_ids": IDS}
     fp.prune_to_target(
         model, inputs, [(inputs, None)], "60%", criterion="activation", blocks="only",

@@ -279,6 +279,17 @@ def _llama(**extra: object) -> nn.Module:
     return t.LlamaForCausalLM(config).double().eval()
 
 
+def near_identity_llama() -> nn.Module:
+    """``_llama`` whose blocks 1 and 2 barely change the hidden state (their down and o
+    projections scaled by 1e-4)."""
+    model = _llama()
+    with torch.no_grad():
+        for layer in model.model.layers[1:3]:
+            layer.mlp.down_proj.weight.mul_(1e-4)
+            layer.self_attn.o_proj.weight.mul_(1e-4)
+    return model
+
+
 def _gpt2() -> nn.Module:
     t = transformers
     config = t.GPT2Config(
@@ -309,11 +320,7 @@ def test_prune_to_target_meets_a_target_by_removing_blocks(tmp_path) -> None:
     """prune_to_target(blocks=True) on a Llama whose blocks are near-identities (down and o
     projections scaled to almost 0) meets 60% by removing blocks, ranked against channels in
     one budget; the result saves and loads with fewer layers and the masked model's logits."""
-    model = _llama()
-    with torch.no_grad():
-        for layer in model.model.layers[1:3]:
-            layer.mlp.down_proj.weight.mul_(1e-4)
-            layer.self_attn.o_proj.weight.mul_(1e-4)
+    model = near_identity_llama()
     inputs = {"input_ids": IDS}
     batches = [(inputs, IDS)]
 
@@ -337,12 +344,7 @@ def test_cli_prune_blocks_writes_a_folder_with_fewer_layers(tmp_path) -> None:
     from tests.test_cli import run_cli
     from tests.test_perplexity import text_folder
 
-    model = _llama()
-    with torch.no_grad():
-        for layer in model.model.layers[1:3]:
-            layer.mlp.down_proj.weight.mul_(1e-4)
-            layer.self_attn.o_proj.weight.mul_(1e-4)
-    folder, text, _ = text_folder(tmp_path, model)
+    folder, text, _ = text_folder(tmp_path, near_identity_llama())
     out = tmp_path / "out"
     cli = run_cli("prune", folder, "--text", text, "--seq_len", 8, "--target", "60%",
                   "--uniform", "--blocks", "--no-reconstruct", "--out", out)  # fmt: skip
