@@ -30,6 +30,7 @@ from fisherprune._errors import first_line
 from fisherprune.graph.gqa import tie_heads
 from fisherprune.graph.types import Labels, RuleContext, TensorInfo
 from fisherprune.graph.unit_dims import carry_unit_dims
+from fisherprune.op_tables import enter_rule
 
 __all__ = [
     "ChannelRule",
@@ -56,14 +57,7 @@ def register_channel_rule(*ops: Any) -> Callable[[ChannelRule], ChannelRule]:
     """
 
     def deco(fn: ChannelRule) -> ChannelRule:
-        for op in ops:
-            key = getattr(op, "overloadpacket", op)
-            if not isinstance(key, torch._ops.OpOverloadPacket):
-                raise TypeError(f"register_channel_rule expects ATen operators, got {op!r}")
-            if key in _RULES:
-                raise ValueError(f"{key} already has a channel rule")
-            _RULES[key] = fn
-        return fn
+        return enter_rule(_RULES, ops, fn, "channel")
 
     return deco
 

@@ -29,6 +29,8 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_flatten
 
+from fisherprune.op_tables import enter_rule
+
 __all__ = [
     "RowLayout",
     "Rows",
@@ -140,14 +142,7 @@ def register_row_rule(*ops: Any) -> Callable[[RowRule], RowRule]:
 def add_rule(table: dict[Any, RowRule], ops: tuple[Any, ...], fn: RowRule) -> RowRule:
     """Enter ``fn`` in ``table`` under each operator packet of ``ops`` (see
     ``register_row_rule``, whose errors it raises)."""
-    for op in ops:
-        key = getattr(op, "overloadpacket", op)
-        if not isinstance(key, torch._ops.OpOverloadPacket):
-            raise TypeError(f"register_row_rule expects ATen operators, got {op!r}")
-        if key in table:
-            raise ValueError(f"{key} already has a row rule")
-        table[key] = fn
-    return fn
+    return enter_rule(table, ops, fn, "row")
 
 
 def rows_after(
