@@ -150,3 +150,33 @@ def test_a_float64_block_change_is_measured_in_float64() -> None:
             want.append((h - before).square().sum(-1).mean().sqrt())
     assert got.dtype == torch.float64 and float(got.min()) > 0
     torch.testing.assert_close(got, torch.stack(want), rtol=1e-12, atol=0)
+
+
+def test_a_bfloat16_block_change_is_summed_in_float32_without_a_float32_copy() -> None:
+    """A block's change in bfloat16 is squared in its own dtype and summed in float32: no
+    float32 tensor larger than the sum itself is made (the activations stay in their dtype),
+    and the score is the float64 one to bfloat16's precision."""
+    from torch.overrides import TorchFunctionMode
+
+    from fisherprune.signals.activation import _BlockChanges
+
+    class Float32Sizes(TorchFunctionMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.most = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor) and out.dtype == torch.float32:
+                self.most = max(self.most, out.numel())
+            return out
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 8, 16, generator=g).bfloat16()
+    y = x + torch.randn(4, 8, 16, generator=g).bfloat16()
+    changes, spy = _BlockChanges(), Float32Sizes()
+    with spy:
+        changes(nn.Identity(), (x,), {}, y)
+    assert spy.most == 1
+    ref = (y.double() - x.double()).square().sum(-1).mean().sqrt()
+    assert changes.rms() == pytest.approx(float(ref), rel=2e-2)

@@ -280,11 +280,7 @@ def prune_many(
         )
     md = as_mask_dict(masks)
     sd = _scores_by_name(md, scores)
-    lost_by = (
-        None
-        if goal is None or importance is None
-        else _scores_by_name(md, importance, "importance")
-    )
+    lost_by = None if goal is None else _scores_by_name(md, importance, "importance")
     order = {n: i for i, n in enumerate(md)}
     queues: list[_Queue] = []
     for members in _classes(md, uniform):

@@ -87,9 +87,9 @@ class _BlockChanges:
         x, (y, _) = block_input(args, kwargs), block_output(out)
         if x is None or y is None or x.shape != y.shape:
             return  # a block whose hidden state this cannot find: its gate is left unscored
-        dtype = torch.float64 if y.dtype == torch.float64 else torch.float32  # as _InputSquares
-        d = y.detach().to(dtype) - x.detach().to(dtype)
-        part = d.square().sum()
+        d = y.detach() - x.detach()  # in the activations' dtype: no widened copy of them
+        acc = torch.float64 if d.dtype == torch.float64 else torch.float32
+        part = d.square().sum(dtype=acc)  # summed in float32 at least
         self.sum = part if self.sum is None else self.sum + part
         self.rows += d.numel() // max(1, d.shape[-1])
 
