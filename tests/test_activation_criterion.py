@@ -4,9 +4,12 @@ calibration pass runs."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 import fisherprune as fp
 from fisherprune.criteria import Activation
@@ -152,31 +155,54 @@ def test_a_float64_block_change_is_measured_in_float64() -> None:
     torch.testing.assert_close(got, torch.stack(want), rtol=1e-12, atol=0)
 
 
-def test_a_bfloat16_block_change_is_summed_in_float32_without_a_float32_copy() -> None:
-    """A block's change in bfloat16 is squared in its own dtype and summed in float32: no
-    float32 tensor larger than the sum itself is made (the activations stay in their dtype),
-    and the score is the float64 one to bfloat16's precision."""
-    from torch.overrides import TorchFunctionMode
+class _Float32Sizes(TorchFunctionMode):
+    """The largest float32 tensor any torch call makes while active."""
 
-    from fisherprune.signals.activation import _BlockChanges
+    def __init__(self) -> None:
+        super().__init__()
+        self.most = 0
 
-    class Float32Sizes(TorchFunctionMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.most = 0
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if isinstance(out, torch.Tensor) and out.dtype == torch.float32:
+            self.most = max(self.most, out.numel())
+        return out
 
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            if isinstance(out, torch.Tensor) and out.dtype == torch.float32:
-                self.most = max(self.most, out.numel())
-            return out
 
+def test_a_half_precision_block_change_is_summed_in_float32_a_slice_at_a_time(
+    monkeypatch,
+) -> None:
+    """A block's change in float16 is widened to float32 at most ``WIDEN_CHUNK`` elements at
+    a time (no float32 copy of the activations), and the score is the float64 one to
+    float16's precision, also where the change passes 256 and its square would not fit."""
+    from fisherprune.signals import activation
+
+    monkeypatch.setattr(activation, "WIDEN_CHUNK", 64)
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(4, 8, 16, generator=g).bfloat16()
-    y = x + torch.randn(4, 8, 16, generator=g).bfloat16()
-    changes, spy = _BlockChanges(), Float32Sizes()
+    x = torch.randn(4, 8, 16, generator=g).half()
+    y = x + (torch.randn(4, 8, 16, generator=g) * 400).half()
+    changes, spy = activation._BlockChanges(), _Float32Sizes()
     with spy:
         changes(nn.Identity(), (x,), {}, y)
-    assert spy.most == 1
+    assert spy.most <= 64
     ref = (y.double() - x.double()).square().sum(-1).mean().sqrt()
     assert changes.rms() == pytest.approx(float(ref), rel=2e-2)
+
+
+def test_half_precision_channel_inputs_are_summed_in_float32_a_slice_at_a_time(
+    monkeypatch,
+) -> None:
+    """A masked layer's float16 input is widened to float32 at most ``WIDEN_CHUNK`` elements
+    at a time, and its squares are summed there: values past 256, whose squares float16
+    cannot hold, give the float64 RMS (to float16's precision), not inf."""
+    from fisherprune.signals import activation
+
+    monkeypatch.setattr(activation, "WIDEN_CHUNK", 64)
+    x = torch.randn(3, 10, 6, generator=torch.Generator().manual_seed(1)) * 400  # (N, L, C)
+    point = SimpleNamespace(arg=0, dim=-1, size=6)
+    squares, spy = activation._InputSquares(point), _Float32Sizes()
+    with spy:
+        squares(nn.Identity(), (x.half(),))
+    assert spy.most <= 64
+    want = x.half().double().square().mean(dim=(0, 1)).sqrt()
+    torch.testing.assert_close(squares.rms(), want, rtol=1e-6, atol=0)

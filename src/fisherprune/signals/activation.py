@@ -50,6 +50,28 @@ from fisherprune.signals.criteria import (
 
 __all__ = ["Activation"]
 
+#: elements of a half-precision activation widened to float32 at a time by ``_sum_squares``
+WIDEN_CHUNK = 1 << 16
+
+
+def _sum_squares(x: Tensor, keep: int | None = None) -> Tensor:
+    """The sum of ``x ** 2`` over every dim but ``keep`` (over all of them with None).
+
+    Float32 and float64 are squared and summed as they are. Half precision is summed in
+    float32 and widened a slice at a time (along the largest dim other than ``keep``, about
+    ``WIDEN_CHUNK`` elements each): no float32 copy of the whole activation is made, and a
+    float16 value past 256, whose square float16 cannot hold, still counts."""
+    keep = None if keep is None else keep % x.dim()
+    others = [d for d in range(x.dim()) if d != keep]
+    if x.dtype in (torch.float32, torch.float64):
+        return x.square().sum(dim=others)
+    if x.numel() <= WIDEN_CHUNK:
+        return x.float().square().sum(dim=others)
+    along = max(others, key=lambda d: x.shape[d], default=0)
+    step = max(1, WIDEN_CHUNK * x.shape[along] // max(1, x.numel()))
+    parts = (c.float().square().sum(dim=others) for c in x.split(step, dim=along))
+    return torch.stack(list(parts)).sum(0)
+
 
 class _InputSquares:
     """The per-position sum of squares of one mask point's module input, and how many rows
@@ -62,9 +84,7 @@ class _InputSquares:
 
     def __call__(self, module: nn.Module, args: tuple) -> None:
         x = args[self.point.arg].detach()
-        others = [d for d in range(x.dim()) if d != self.point.dim % x.dim()]
-        x = x if x.dtype == torch.float64 else x.float()  # half precision summed in float32
-        part = x.square().sum(dim=others)
+        part = _sum_squares(x, self.point.dim)
         self.sum = part if self.sum is None else self.sum + part
         self.rows += x.numel() // self.point.size
 
@@ -88,8 +108,7 @@ class _BlockChanges:
         if x is None or y is None or x.shape != y.shape:
             return  # a block whose hidden state this cannot find: its gate is left unscored
         d = y.detach() - x.detach()  # in the activations' dtype: no widened copy of them
-        acc = torch.float64 if d.dtype == torch.float64 else torch.float32
-        part = d.square().sum(dtype=acc)  # summed in float32 at least
+        part = _sum_squares(d)
         self.sum = part if self.sum is None else self.sum + part
         self.rows += d.numel() // max(1, d.shape[-1])
 
