@@ -8,7 +8,10 @@ takes time), it distils ``ROOT/teacher`` (the dense Llama) into a fresh copy of
 ``ROOT/student`` (the shrunk one) for ``STEPS`` steps on ``batches()``, checkpointing into
 ``RUN/checkpoints`` every ``EVERY`` steps (resuming from there when it holds one); then rank
 0 writes the gathered weights and the losses (``RUN/final.pt``) and
-``save_pretrained_gathered`` writes ``RUN/hf``. With KILL_AT > 0, every rank sends itself
+``save_pretrained_gathered`` writes ``RUN/hf``. In a RUN named ``from_rank0`` only rank 0
+reads the folders; rank 1 builds both models on the meta device and receives its shards
+from rank 0, and rank 1 writes ``RUN/meta_rank1.pt`` (how many elements it held before
+training: none). With KILL_AT > 0, every rank sends itself
 SIGKILL once that step (and any checkpoint of it) is done: kill -9 mid-run.
 """
 
@@ -39,8 +42,14 @@ def batches() -> list[dict[str, torch.Tensor]]:
     return [{"input_ids": torch.randint(0, VOCAB, (4, 8), generator=g)} for _ in range(3)]
 
 
-def load(folder: Path) -> torch.nn.Module:
-    return transformers.LlamaForCausalLM.from_pretrained(folder, attn_implementation="eager")
+def load(folder: Path, on_meta: bool = False) -> torch.nn.Module:
+    """The Llama in ``folder``; with ``on_meta``, built from its configuration on the meta
+    device (no weights read, no memory for them)."""
+    if not on_meta:
+        return transformers.LlamaForCausalLM.from_pretrained(folder, attn_implementation="eager")
+    config = transformers.AutoConfig.from_pretrained(folder, attn_implementation="eager")
+    with torch.device("meta"):
+        return transformers.LlamaForCausalLM(config)
 
 
 def distil(root: Path, run: Path, kill_at: int) -> None:
@@ -50,9 +59,15 @@ def distil(root: Path, run: Path, kill_at: int) -> None:
         if done == kill_at:
             os.kill(os.getpid(), signal.SIGKILL)
 
-    student = load(root / "student")
+    on_meta = run.name == "from_rank0" and dist.get_rank() != 0
+    student, teacher = load(root / "student", on_meta), load(root / "teacher", on_meta)
+    if on_meta:
+        run.mkdir(parents=True, exist_ok=True)
+        held = sum(t.numel() for m in (student, teacher) for t in m.state_dict().values()
+                   if not t.is_meta)  # fmt: skip
+        torch.save(held, run / "meta_rank1.pt")
     result = distill_sharded(
-        student, load(root / "teacher"), batches(), steps=STEPS, lr=LR,
+        student, teacher, batches(), steps=STEPS, lr=LR,
         checkpoint_dir=run / "checkpoints", every=EVERY, on_step=on_step,
     )  # fmt: skip
     state = full_state_dict(student)

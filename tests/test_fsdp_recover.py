@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 import transformers
 from torch import Tensor, nn
 
@@ -148,7 +149,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
     assert not (root / "killed" / "final.pt").exists(), killed_log[-3000:]
     shutil.copytree(root / "killed" / "checkpoints", root / "damaged" / "checkpoints")
     _damage(root / "damaged" / "checkpoints")
-    resumed = _torchrun(root, 0, root / "straight", root / "killed", root / "damaged")
+    resumed = _torchrun(
+        root, 0, root / "straight", root / "killed", root / "damaged", root / "from_rank0"
+    )
     try:
         output = resumed.communicate(timeout=3 * TIMEOUT)[0]
     finally:
@@ -204,6 +207,19 @@ def test_damaged_and_half_written_checkpoints_are_passed_over(runs: Runs) -> Non
     assert resumed["start"] == 2
     straight = runs.final("straight")["state"]
     assert all(torch.equal(resumed["state"][k], v) for k, v in straight.items())
+
+
+@pytest.mark.torchrun
+def test_models_read_on_rank_0_only_train_to_the_same_weights(runs: Runs) -> None:
+    """Rank 1 builds student and teacher on the meta device (it holds no element of either)
+    and receives its shards from rank 0: the run ends with the weights and losses of the run
+    where both ranks read the folders."""
+    assert torch.load(runs.root / "from_rank0" / "meta_rank1.pt", weights_only=True) == 0
+    got, straight = runs.final("from_rank0"), runs.final("straight")
+    assert got["state"].keys() == straight["state"].keys()
+    for name, value in straight["state"].items():
+        torch.testing.assert_close(got["state"][name], value, rtol=0, atol=0, msg=name)
+    assert got["losses"] == straight["losses"]
 
 
 @pytest.mark.torchrun
@@ -282,3 +298,18 @@ def test_distill_sharded_outside_torchrun_says_how_to_start() -> None:
     with pytest.raises(RuntimeError, match="start it with torchrun"):
         distill_sharded(model, None, driver.batches(), steps=1, loss_fn=lambda out, _: out.loss)
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_a_model_on_the_meta_device_on_rank_0_is_refused_by_name() -> None:
+    """Rank 0 must hold the weights that the other ranks receive: a student built on the
+    meta device there is refused before anything is sharded, saying what to do."""
+    config = _dense().config
+    with torch.device("meta"):
+        student = transformers.LlamaForCausalLM(config)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with pytest.raises(ValueError, match="student is on the meta device on rank 0"):
+            distill_sharded(student, _dense(), driver.batches(), steps=1)
+    finally:
+        dist.destroy_process_group()
+    assert all(p.is_meta for p in student.parameters())

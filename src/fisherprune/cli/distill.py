@@ -27,7 +27,8 @@ def distill_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentP
         help="recover a shrunk language model from the dense one, sharded over processes",
         description="Distil the dense --teacher into the shrunk --student (Hugging Face causal "
         "LM folders) on --text with AdamW, both sharded with FSDP2 over the processes of "
-        "torchrun (one process without it), checkpointing as it goes; the same command run "
+        "torchrun (one process without it; only the first process reads the folders, the "
+        "others receive their shards from it), checkpointing as it goes; the same command run "
         "again resumes from the newest whole checkpoint. Writes --out with save_pretrained.",
         formatter_class=DefaultsFormatter,
     )
@@ -102,6 +103,18 @@ def _join(timeout_s: float) -> bool:
     return True
 
 
+def _read(transformers: Any, folder: Path) -> torch.nn.Module:
+    """The causal LM in ``folder``, read on rank 0 only: the other ranks build it from its
+    configuration on the meta device, holding no weights until their shards arrive from rank
+    0 (``fisherprune.recover.rank0``), so that the host holds one whole copy, not one a
+    process."""
+    if dist.get_rank() == 0:
+        return transformers.AutoModelForCausalLM.from_pretrained(folder)
+    config = transformers.AutoConfig.from_pretrained(folder)
+    with torch.device("meta"):
+        return transformers.AutoModelForCausalLM.from_config(config)
+
+
 def distill_command(args: argparse.Namespace) -> int:
     # imported here, not with the command line: transformers takes a second to import,
     # which every other command would pay
@@ -123,8 +136,8 @@ def distill_command(args: argparse.Namespace) -> int:
                 f"a multiple of {world}"
             )
         batches = text_batches(Path(args.text), tokenizer, args.seq_len, args.batch_size)
-        student = transformers.AutoModelForCausalLM.from_pretrained(args.student)
-        teacher = transformers.AutoModelForCausalLM.from_pretrained(args.teacher)
+        student = _read(transformers, Path(args.student))
+        teacher = _read(transformers, Path(args.teacher))
         out = Path(args.out)
         done = distill_sharded(
             student, teacher, batches, steps=args.steps, lr=args.lr,

@@ -1,6 +1,8 @@
 """Recovery of a pruned model past one device: distillation from the dense model under
 ``torchrun`` with FSDP2 (``fully_shard``), sharded checkpoints with
 ``torch.distributed.checkpoint``, resume after ``kill -9``, and the result written whole.
+Models may be read on rank 0 only, the other ranks building theirs on the meta device
+(``fisherprune.recover.rank0``).
 
     distill_sharded           train the shrunk student on the dense teacher, sharded
     save_pretrained_gathered  the trained student as a plain Hugging Face folder

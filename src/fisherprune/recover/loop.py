@@ -24,12 +24,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from fisherprune.distill import LossFn, distill_loss
 from fisherprune.inputs import Inputs, as_pair, call_model
 from fisherprune.modes import eval_mode
 from fisherprune.recover.checkpoints import Position, ShardedCheckpoints
-from fisherprune.recover.sharding import data_parallel_mesh, device_of, find_blocks, shard_model
+from fisherprune.recover.rank0 import agreed_blocks, fill_from_rank0, held_on_meta
+from fisherprune.recover.sharding import data_parallel_mesh, device_of, shard_model
 from fisherprune.train.interrupts import Interrupted, StopGuard, loss_read_every
 
 __all__ = ["Recovery", "distill_sharded"]
@@ -107,8 +109,12 @@ def distill_sharded(
     steps, after the last step, and on SIGINT / SIGTERM (then ``Interrupted`` is raised).
 
     Args:
-        student: the shrunk model, the same weights on every rank.
-        teacher: the dense model, or None to train on ``loss_fn`` alone.
+        student: the shrunk model, the same weights on every rank; or loaded on rank 0
+            only, the other ranks building it on the meta device (``with
+            torch.device("meta"): Model(config)``), to receive their shards from rank 0
+            (``fisherprune.recover.rank0``: one whole copy in memory on rank 0, never more
+            than a shard elsewhere).
+        teacher: the dense model (loaded alike), or None to train on ``loss_fn`` alone.
         batches: ``(inputs, targets)`` pairs or dicts of keyword inputs, the same on every
             rank, indexed by step (cycled); each batch's size a multiple of the world size.
         steps: the step to train to (counted from the start of the first run, not resumed).
@@ -118,7 +124,8 @@ def distill_sharded(
         keep: how many checkpoints are kept (2 or more, so that a damaged newest one has one
             to fall back to).
         block_types: the classes of the blocks to shard one by one; empty: the model's chain
-            of repeated blocks, found by one forward pass on the first batch.
+            of repeated blocks, found by one forward pass on the first batch on rank 0 and
+            named to the other ranks.
         shard_teacher: shard the teacher too (see the module docstring) or replicate it.
         loss_fn, alpha, temperature, task: as in ``distill_loss`` (default: the teacher only).
         dist_timeout_s: the process group's timeout, named when a rank stops answering.
@@ -128,7 +135,8 @@ def distill_sharded(
     Raises:
         ValueError: no teacher and no ``loss_fn``, no batches, a negative ``steps`` /
             ``every``, ``every`` without a ``checkpoint_dir``, a batch that does not split
-            evenly over the ranks, or a checkpoint saved with a different number of batches.
+            evenly over the ranks, a checkpoint saved with a different number of batches, or
+            a model on the meta device on rank 0 or built unlike rank 0's on another rank.
         RuntimeError: no process group.
         fisherprune.train.interrupts.DivergedError: the loss is not finite on some rank.
         fisherprune.train.interrupts.Interrupted: SIGINT or SIGTERM, after its checkpoint.
@@ -139,14 +147,14 @@ def distill_sharded(
     mesh = data_parallel_mesh()
     device = device_of(mesh)
     rank, world = dist.get_rank(), dist.get_world_size()
-    first = _share(data[0][0], rank, world, _device_of(student))
-    shard_model(student, find_blocks(student, first, block_types), mesh)
+
+    def first() -> Any:  # called on rank 0 only, whose models hold their weights
+        return _share(data[0][0], rank, world, _device_of(student))
+
+    _place(student, first, block_types, mesh, device, shard=True, what="student")
     if teacher is not None:
         teacher.eval().requires_grad_(False)
-        if shard_teacher:
-            shard_model(teacher, find_blocks(teacher, first, block_types), mesh)
-        else:
-            teacher.to(device)
+        _place(teacher, first, block_types, mesh, device, shard=shard_teacher, what="teacher")
     opt = torch.optim.AdamW(student.parameters(), lr=lr, weight_decay=weight_decay)
     store = ShardedCheckpoints(Path(checkpoint_dir), keep) if checkpoint_dir else None
     start, resumed = _resume(store, student, opt, len(data), report)
@@ -179,6 +187,29 @@ def distill_sharded(
             if on_step is not None:
                 on_step(step + 1)
     return Recovery(_mean_over_ranks(losses), start, resumed, written)
+
+
+def _place(
+    model: nn.Module,
+    example: Callable[[], Any],
+    block_types: Sequence[type[nn.Module]],
+    mesh: DeviceMesh,
+    device: torch.device,
+    *,
+    shard: bool,
+    what: str,
+) -> None:
+    """Shard ``model`` block by block over ``mesh`` (or, not ``shard``, put it whole on
+    ``device``), then fill the copies that ranks other than 0 built on the meta device from
+    rank 0's weights (``fisherprune.recover.rank0``). A collective."""
+    meta = held_on_meta(model, what)
+    whole = model.state_dict() if meta and shard and dist.get_rank() == 0 else None
+    if shard:
+        shard_model(model, agreed_blocks(model, example, block_types), mesh)
+    if meta:
+        fill_from_rank0(model, whole, device, sharded=shard)
+    elif not shard:
+        model.to(device)
 
 
 def _check(
