@@ -9,8 +9,8 @@ takes time), it distils ``ROOT/teacher`` (the dense Llama) into a fresh copy of
 ``RUN/checkpoints`` every ``EVERY`` steps (resuming from there when it holds one); then rank
 0 writes the gathered weights and the losses (``RUN/final.pt``) and
 ``save_pretrained_gathered`` writes ``RUN/hf``. In a RUN named ``from_rank0`` only rank 0
-reads the folders; rank 1 builds both models on the meta device and receives its shards
-from rank 0, and rank 1 writes ``RUN/meta_rank1.pt`` (how many elements it held before
+reads the folders; rank 1 builds both models on the meta device and receives from rank 0
+its shards of the student and the whole teacher (replicated, not sharded), and rank 1 writes ``RUN/meta_rank1.pt`` (how many elements it held before
 training: none). With KILL_AT > 0, every rank sends itself
 SIGKILL once that step (and any checkpoint of it) is done: kill -9 mid-run.
 """
@@ -69,6 +69,7 @@ def distil(root: Path, run: Path, kill_at: int) -> None:
     result = distill_sharded(
         student, teacher, batches(), steps=STEPS, lr=LR,
         checkpoint_dir=run / "checkpoints", every=EVERY, on_step=on_step,
+        shard_teacher=run.name != "from_rank0",
     )  # fmt: skip
     state = full_state_dict(student)
     if dist.get_rank() == 0:

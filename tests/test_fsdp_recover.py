@@ -212,8 +212,8 @@ def test_damaged_and_half_written_checkpoints_are_passed_over(runs: Runs) -> Non
 @pytest.mark.torchrun
 def test_models_read_on_rank_0_only_train_to_the_same_weights(runs: Runs) -> None:
     """Rank 1 builds student and teacher on the meta device (it holds no element of either)
-    and receives its shards from rank 0: the run ends with the weights and losses of the run
-    where both ranks read the folders."""
+    and receives from rank 0 its shards of the student and the whole teacher (replicated):
+    the run ends with the weights and losses of the run where both ranks read the folders."""
     assert torch.load(runs.root / "from_rank0" / "meta_rank1.pt", weights_only=True) == 0
     got, straight = runs.final("from_rank0"), runs.final("straight")
     assert got["state"].keys() == straight["state"].keys()
