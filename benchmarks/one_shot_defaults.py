@@ -86,6 +86,7 @@ from fisherprune.train.models import BasicBlock  # the trainer's own block, same
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import machine_info, write_json
 from one_shot_text import TEXT_NETS, cache_dir, log_cell, result_fields, text_rows
+from paired import paired
 
 ROOT = Path(__file__).resolve().parent.parent
 TARGETS = (0.7, 0.5, 0.3)
@@ -293,8 +294,8 @@ def accuracy(model: nn.Module, split: Split) -> float:
 
 @torch.no_grad()
 def test_errors(model: nn.Module, split: Split) -> dict[str, Any]:
-    """The test rows ``model`` gets wrong (their indices: two models' rows compared side by
-    side give the paired noise of ``_paired``) and its mean test cross-entropy."""
+    """The test rows ``model`` gets wrong (their indices, to compare two models' rows side by
+    side) and its mean test cross-entropy."""
     model.eval()
     logits = model(split.x_test)
     wrong = torch.nonzero(logits.argmax(1) != split.y_test).flatten()
@@ -503,6 +504,8 @@ def summary(
                 "rounds": statistics.mean(r["rounds"] for r in rs),
                 "seconds": statistics.mean(r["seconds"] for r in rs),
                 "seeds": len(rs),
+                "by_seed": {str(r["seed"]): quality(r) for r in rs},
+                "dense_by_seed": {str(r["seed"]): r["dense"] for r in rs},
                 **_errors(rs),
             }
         )
@@ -510,8 +513,9 @@ def summary(
 
 
 def _errors(rs: list[dict[str, Any]]) -> dict[str, Any]:
-    """The mean test cross-entropy and each seed's wrong test rows of a cell's ``rs``, when
-    every row has them (rows measured before they were recorded have not)."""
+    """The mean test cross-entropy and each seed's wrong test rows of a cell's ``rs`` (for a
+    look at which rows two methods disagree on), when every row has them (rows measured
+    before they were recorded have not)."""
     if not all("wrong" in r for r in rs):
         return {}
     return {
@@ -520,34 +524,19 @@ def _errors(rs: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def _paired(f: dict[str, Any], other: dict[str, Any]) -> str:
-    """``f`` against ``other`` on the same test rows, seed by seed (McNemar): the mean
-    difference in rows right, its standard error ``sqrt(discordant) / seeds`` (the rows
-    one gets right and the other wrong, summed over the seeds), and both test losses. Empty
-    when a cell lacks the wrong rows."""
-    seeds = sorted(set(f.get("wrong", {})) & set(other.get("wrong", {})))
-    if not seeds:
-        return ""
-    wf, wo = ([set(c["wrong"][s]) for s in seeds] for c in (f, other))
-    gain = statistics.mean(len(b) - len(a) for a, b in zip(wf, wo, strict=True))
-    discordant = sum(len(a ^ b) for a, b in zip(wf, wo, strict=True))
-    return (
-        f" [paired on {len(seeds)} seed(s): {gain:+.2f} of {f['test_examples']} rows right, "
-        f"se {discordant**0.5 / len(seeds):.2f}; test loss {f['test_loss']:.4f} vs "
-        f"{other['test_loss']:.4f}]"
-    )
-
-
 def verdicts(cells: list[dict[str, Any]], rivals: Sequence[str] = RIVALS) -> list[str]:
-    """Per (net, target): is ``fisher`` first or within noise of the first of ``rivals``, and
-    ahead of ``random`` (or, when not, behind it by no more than the noise)? Noise: the larger
-    of the two seed sds and, for test accuracy, the test set's binomial standard error at the
-    best mean (one seed's sd is 0; 539 test rows give 0.008 at 0.96, 171 give 0.013 at 0.97).
-    "First" follows the metric's direction (perplexity: the lowest). When the cells carry
-    their wrong test rows, the comparison with random is also given paired, seed by seed
-    (``_paired``). Fisher's ablations (``fisher_*``, ``optimizer_one_shot``) are not rivals:
-    the best of them is named after the verdict when it beats ``fisher`` by more than that
-    noise."""
+    """Per (net, target) of ``summary``'s cells: is ``fisher`` first or within noise of the
+    first of ``rivals``, and ahead of ``random``? Each comparison is paired seed by seed
+    (``paired.paired``: the mean of the per-seed differences over the seeds both cells ran,
+    with its 95% t interval; a seed is one trained network and its calibration draw), in the
+    metric's direction (perplexity: lower is better). ``fisher`` is first when no rival's
+    paired mean beats it, within noise when every rival that beats it does so by an interval
+    that holds 0, and BEHIND a rival whose interval lies wholly on the rival's side. It is
+    ahead of random when that interval lies above 0, else within noise of random or behind it;
+    when random itself is not behind the dense network (paired the same way), the line says
+    so: no method has lost anything there for fisher to be ahead of random by.
+    Fisher's ablations (``fisher_*``, ``optimizer_one_shot``) are not rivals: of those ahead
+    of ``fisher`` by an interval that lies wholly on their side, the furthest is named."""
     rows: dict[tuple[str, float], dict[str, dict[str, Any]]] = {}
     for c in cells:
         rows.setdefault((c["net"], c["target"]), {})[c["method"]] = c
@@ -555,39 +544,29 @@ def verdicts(cells: list[dict[str, Any]], rivals: Sequence[str] = RIVALS) -> lis
     for (net, target), every in rows.items():
         if "fisher" not in every:
             continue
-        by = {m: c for m, c in every.items() if m in rivals}
-        f = by["fisher"]
-        sign = 1 if f.get("higher_is_better", True) else -1
-        best = max(by.values(), key=lambda c: sign * c["mean"])
-        near = sign * (f["mean"] - best["mean"]) + _noise(f, best) >= 0
-        line = (
-            f"{net} at {target:.0%}: fisher {f['mean']:.4g}, best {best['method']} "
-            f"{best['mean']:.4g}: {'first' if best is f else 'within noise' if near else 'BEHIND'}"
-        )
-        if "random" in by:
-            rnd = by["random"]
-            gap = sign * (f["mean"] - rnd["mean"])
-            line += (
-                "; ahead of random" if gap > 0 else
-                f"; NOT ahead of random ({rnd['mean']:.4g}), "
-                f"{'within noise' if gap + _noise(f, rnd) >= 0 else 'BEHIND by more than noise'}"
-                f"{_paired(f, rnd)}"
-            )  # fmt: skip
-        ablation = max(every.values(), key=lambda c: sign * c["mean"])
-        if sign * (ablation["mean"] - f["mean"]) > _noise(f, ablation):
-            line += f" (ablation {ablation['method']} {ablation['mean']:.4g} is ahead of fisher)"
+        f = every["fisher"]
+        higher = f.get("higher_is_better", True)
+        vs = {m: paired(f["by_seed"], c["by_seed"], higher)
+              for m, c in every.items() if m != "fisher"}  # fmt: skip
+        beaten_by = sorted((m for m in vs if m in rivals and vs[m].mean < 0),
+                           key=lambda m: vs[m].mean)  # fmt: skip
+        behind = [m for m in beaten_by if vs[m].verdict == "behind"]
+        rank = f"BEHIND {', '.join(behind)}" if behind else "within noise" if beaten_by else "first"
+        line = f"{net} at {target:.0%}: fisher {f['mean']:.4g}, {rank}"
+        line += "".join(f"; vs {m} {vs[m]}" for m in rivals if m in vs and m != "random")
+        if "random" in vs:
+            on_random = {"ahead": "ahead of random", "behind": "BEHIND random"}
+            line += f"; {on_random.get(vs['random'].verdict, 'NOT ahead of random (within noise)')}"
+            line += f" ({vs['random']})"
+            loss = paired(every["random"]["by_seed"], every["random"]["dense_by_seed"], higher)
+            if loss.verdict != "behind":
+                line += f"; random loses nothing measurable against dense ({loss})"
+        ablations = [m for m in vs if m not in rivals and vs[m].verdict == "behind"]
+        if ablations:
+            best = min(ablations, key=lambda m: vs[m].mean)
+            line += f" (ablation {best} is ahead of fisher: fisher vs it {vs[best]})"
         lines.append(line)
     return lines
-
-
-def _noise(f: dict[str, Any], best: dict[str, Any]) -> float:
-    """The noise ``verdicts`` allows between ``f`` and ``best``: the larger seed sd, or for
-    test accuracy the test set's binomial standard error at ``best``'s mean if larger."""
-    binomial = 0.0
-    if f.get("metric", ACCURACY) == ACCURACY:
-        p = best["mean"]
-        binomial = (p * (1 - p) / best["test_examples"]) ** 0.5
-    return max(f["sd"], best["sd"], binomial)
 
 
 def table(cells: list[dict[str, Any]], cost: str = "FLOPs") -> str:
