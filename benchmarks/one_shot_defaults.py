@@ -513,15 +513,11 @@ def summary(
 
 
 def _errors(rs: list[dict[str, Any]]) -> dict[str, Any]:
-    """The mean test cross-entropy and each seed's wrong test rows of a cell's ``rs`` (for a
-    look at which rows two methods disagree on), when every row has them (rows measured
-    before they were recorded have not)."""
-    if not all("wrong" in r for r in rs):
+    """The mean test cross-entropy of a cell's ``rs``, when every row has it (rows measured
+    before it was recorded have not; each row keeps its wrong test rows)."""
+    if not all("test_loss" in r for r in rs):
         return {}
-    return {
-        "test_loss": statistics.mean(r["test_loss"] for r in rs),
-        "wrong": {str(r["seed"]): r["wrong"] for r in rs},
-    }
+    return {"test_loss": statistics.mean(r["test_loss"] for r in rs)}
 
 
 def verdicts(cells: list[dict[str, Any]], rivals: Sequence[str] = RIVALS) -> list[str]:
@@ -560,7 +556,7 @@ def verdicts(cells: list[dict[str, Any]], rivals: Sequence[str] = RIVALS) -> lis
             line += f" ({vs['random']})"
             loss = paired(every["random"]["by_seed"], every["random"]["dense_by_seed"], higher)
             if loss.verdict != "behind":
-                line += f"; random loses nothing measurable against dense ({loss})"
+                line += f"; random not measurably below dense ({loss})"
         ablations = [m for m in vs if m not in rivals and vs[m].verdict == "behind"]
         if ablations:
             best = min(ablations, key=lambda m: vs[m].mean)

@@ -130,7 +130,7 @@ def test_verdict_within_noise_and_random_lost_nothing(bench: ModuleType) -> None
     (line,) = bench.verdicts(cells)
     assert ": fisher 0.99, within noise" in line
     assert "NOT ahead of random (within noise)" in line
-    assert "random loses nothing measurable against dense" in line
+    assert "random not measurably below dense" in line
 
 
 def test_verdict_first_pairs_unequal_seed_sets(bench: ModuleType) -> None:
@@ -143,4 +143,4 @@ def test_verdict_first_pairs_unequal_seed_sets(bench: ModuleType) -> None:
     ]
     (line,) = bench.verdicts(cells)
     assert ", first; vs taylor +0.01 ± 0 (3 seeds)" in line
-    assert "random loses" not in line
+    assert "below dense" not in line
