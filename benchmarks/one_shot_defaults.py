@@ -36,7 +36,8 @@ a round ends when its first mask reaches the cap, the signals re-measured before
 that does not follow the target),
 ``fisher_rounds_only`` (``round_cap=1``),
 ``fisher_rounds8`` (``rounds=8, round_cap=1``), ``fisher_root`` (the defaults with the Fisher
-signal's square root as importance: ``RootFisher``), ``fisher_no_norms``
+signal's square root as importance: ``PowerFisher(0.5)``), ``fisher_pow67`` (its power 2/3:
+a cost exponent of 1.5), ``fisher_no_norms``
 (``recalibrate_norms=False``: every round's signals measured with the dense batch-norm
 statistics, the default before), ``fisher_label_free`` (``loss_fn=None``: the Fisher of
 labels sampled from the model, not the data's), ``fisher_expected``
@@ -303,15 +304,20 @@ def test_errors(model: nn.Module, split: Split) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------ methods
-class RootFisher(Fisher):
-    """The Fisher signal's square root (the root-mean-square mask gradient) as importance:
-    with ``flops_weight="auto"`` it is weighed against the cost in a gradient's units, as
-    Taylor's ``mean |g|`` is, where Fisher's ``1/2 mean g^2 / c`` ranks like ``sqrt(s) /
-    sqrt(c)``. A candidate default (issue 31, point c), not a library criterion: it helps the
-    CNNs at 30% of the FLOPs and hurts the decoder LM at every target."""
+class PowerFisher(Fisher):
+    """A power ``p`` of the Fisher signal as importance: with ``flops_weight="auto"`` its
+    score ``s ** p / c`` ranks channels as ``s / c ** (1 / p)``, a cost exponent ``1 / p``.
+    ``p = 1/2`` (``fisher_root``: the root-mean-square mask gradient, weighed against the cost
+    in a gradient's units, as Taylor's ``mean |g|`` is) helps the CNNs at 30% of the FLOPs and
+    hurts the decoder LM at every target; ``p = 2/3`` (``fisher_pow67``, cost exponent 1.5)
+    lies between. Candidate defaults (issue 31), not library criteria."""
+
+    def __init__(self, power: float) -> None:
+        super().__init__()
+        self.power = power
 
     def importance(self, masks: Any, model: nn.Module) -> dict[str, Tensor]:
-        return {n: m.signal.clamp_min(0.0).sqrt() for n, m in masks.items()}
+        return {n: m.signal.clamp_min(0.0) ** self.power for n, m in masks.items()}
 
 
 OLD = {"rounds": 1, "round_cap": 1.0}
@@ -332,7 +338,8 @@ METHODS: dict[str, Callable[[int], dict[str, Any]]] = {
     "fisher_rescore_min25": lambda seed: {"rescore_at_cap": True, "min_channels": 0.25},
     "fisher_rounds_only": lambda seed: {"round_cap": 1.0},
     "fisher_rounds8": lambda seed: {"rounds": 8, "round_cap": 1.0},
-    "fisher_root": lambda seed: {"criterion": RootFisher()},
+    "fisher_root": lambda seed: {"criterion": PowerFisher(0.5)},
+    "fisher_pow67": lambda seed: {"criterion": PowerFisher(2 / 3)},
     "fisher_no_norms": lambda seed: {"recalibrate_norms": False},
     "fisher_label_free": lambda seed: {"loss_fn": None, "seed": seed},
     "fisher_expected": lambda seed: {"loss_fn": LabelFreeLoss(seed=seed, labels="expected")},
@@ -354,6 +361,7 @@ TEXT_METHODS = (
     "fisher_rescore_floor",
     "fisher_rescore_min25",
     "fisher_root",
+    "fisher_pow67",
     "l1",
     "taylor",
     "taylor_cap_pace",
