@@ -36,7 +36,8 @@ a round ends when its first mask reaches the cap, the signals re-measured before
 that does not follow the target),
 ``fisher_rounds_only`` (``round_cap=1``),
 ``fisher_rounds8`` (``rounds=8, round_cap=1``), ``fisher_root`` (the defaults with the Fisher
-signal's square root as importance: ``RootFisher``), ``fisher_no_norms``
+signal's square root as importance: ``PowerFisher(0.5)``), ``fisher_pow67`` (its power 2/3:
+a cost exponent of 1.5), ``fisher_no_norms``
 (``recalibrate_norms=False``: every round's signals measured with the dense batch-norm
 statistics, the default before), ``fisher_label_free`` (``loss_fn=None``: the Fisher of
 labels sampled from the model, not the data's), ``fisher_expected``
@@ -86,6 +87,7 @@ from fisherprune.train.models import BasicBlock  # the trainer's own block, same
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import machine_info, write_json
 from one_shot_text import TEXT_NETS, cache_dir, log_cell, result_fields, text_rows
+from paired import paired
 
 ROOT = Path(__file__).resolve().parent.parent
 TARGETS = (0.7, 0.5, 0.3)
@@ -293,8 +295,8 @@ def accuracy(model: nn.Module, split: Split) -> float:
 
 @torch.no_grad()
 def test_errors(model: nn.Module, split: Split) -> dict[str, Any]:
-    """The test rows ``model`` gets wrong (their indices: two models' rows compared side by
-    side give the paired noise of ``_paired``) and its mean test cross-entropy."""
+    """The test rows ``model`` gets wrong (their indices, to compare two models' rows side by
+    side) and its mean test cross-entropy."""
     model.eval()
     logits = model(split.x_test)
     wrong = torch.nonzero(logits.argmax(1) != split.y_test).flatten()
@@ -302,15 +304,20 @@ def test_errors(model: nn.Module, split: Split) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------ methods
-class RootFisher(Fisher):
-    """The Fisher signal's square root (the root-mean-square mask gradient) as importance:
-    with ``flops_weight="auto"`` it is weighed against the cost in a gradient's units, as
-    Taylor's ``mean |g|`` is, where Fisher's ``1/2 mean g^2 / c`` ranks like ``sqrt(s) /
-    sqrt(c)``. A candidate default (issue 31, point c), not a library criterion: it helps the
-    CNNs at 30% of the FLOPs and hurts the decoder LM at every target."""
+class PowerFisher(Fisher):
+    """A power ``p`` of the Fisher signal as importance: with ``flops_weight="auto"`` its
+    score ``s ** p / c`` ranks channels as ``s / c ** (1 / p)``, a cost exponent ``1 / p``.
+    ``p = 1/2`` (``fisher_root``: the root-mean-square mask gradient, weighed against the cost
+    in a gradient's units, as Taylor's ``mean |g|`` is) helps the CNNs at 30% of the FLOPs and
+    hurts the decoder LM at every target; ``p = 2/3`` (``fisher_pow67``, cost exponent 1.5)
+    lies between. Candidate defaults (issue 31), not library criteria."""
+
+    def __init__(self, power: float) -> None:
+        super().__init__()
+        self.power = power
 
     def importance(self, masks: Any, model: nn.Module) -> dict[str, Tensor]:
-        return {n: m.signal.clamp_min(0.0).sqrt() for n, m in masks.items()}
+        return {n: m.signal.clamp_min(0.0) ** self.power for n, m in masks.items()}
 
 
 OLD = {"rounds": 1, "round_cap": 1.0}
@@ -331,7 +338,8 @@ METHODS: dict[str, Callable[[int], dict[str, Any]]] = {
     "fisher_rescore_min25": lambda seed: {"rescore_at_cap": True, "min_channels": 0.25},
     "fisher_rounds_only": lambda seed: {"round_cap": 1.0},
     "fisher_rounds8": lambda seed: {"rounds": 8, "round_cap": 1.0},
-    "fisher_root": lambda seed: {"criterion": RootFisher()},
+    "fisher_root": lambda seed: {"criterion": PowerFisher(0.5)},
+    "fisher_pow67": lambda seed: {"criterion": PowerFisher(2 / 3)},
     "fisher_no_norms": lambda seed: {"recalibrate_norms": False},
     "fisher_label_free": lambda seed: {"loss_fn": None, "seed": seed},
     "fisher_expected": lambda seed: {"loss_fn": LabelFreeLoss(seed=seed, labels="expected")},
@@ -353,6 +361,7 @@ TEXT_METHODS = (
     "fisher_rescore_floor",
     "fisher_rescore_min25",
     "fisher_root",
+    "fisher_pow67",
     "l1",
     "taylor",
     "taylor_cap_pace",
@@ -503,6 +512,8 @@ def summary(
                 "rounds": statistics.mean(r["rounds"] for r in rs),
                 "seconds": statistics.mean(r["seconds"] for r in rs),
                 "seeds": len(rs),
+                "by_seed": {str(r["seed"]): quality(r) for r in rs},
+                "dense_by_seed": {str(r["seed"]): r["dense"] for r in rs},
                 **_errors(rs),
             }
         )
@@ -510,44 +521,26 @@ def summary(
 
 
 def _errors(rs: list[dict[str, Any]]) -> dict[str, Any]:
-    """The mean test cross-entropy and each seed's wrong test rows of a cell's ``rs``, when
-    every row has them (rows measured before they were recorded have not)."""
-    if not all("wrong" in r for r in rs):
+    """The mean test cross-entropy of a cell's ``rs``, when every row has it (rows measured
+    before it was recorded have not; each row keeps its wrong test rows)."""
+    if not all("test_loss" in r for r in rs):
         return {}
-    return {
-        "test_loss": statistics.mean(r["test_loss"] for r in rs),
-        "wrong": {str(r["seed"]): r["wrong"] for r in rs},
-    }
-
-
-def _paired(f: dict[str, Any], other: dict[str, Any]) -> str:
-    """``f`` against ``other`` on the same test rows, seed by seed (McNemar): the mean
-    difference in rows right, its standard error ``sqrt(discordant) / seeds`` (the rows
-    one gets right and the other wrong, summed over the seeds), and both test losses. Empty
-    when a cell lacks the wrong rows."""
-    seeds = sorted(set(f.get("wrong", {})) & set(other.get("wrong", {})))
-    if not seeds:
-        return ""
-    wf, wo = ([set(c["wrong"][s]) for s in seeds] for c in (f, other))
-    gain = statistics.mean(len(b) - len(a) for a, b in zip(wf, wo, strict=True))
-    discordant = sum(len(a ^ b) for a, b in zip(wf, wo, strict=True))
-    return (
-        f" [paired on {len(seeds)} seed(s): {gain:+.2f} of {f['test_examples']} rows right, "
-        f"se {discordant**0.5 / len(seeds):.2f}; test loss {f['test_loss']:.4f} vs "
-        f"{other['test_loss']:.4f}]"
-    )
+    return {"test_loss": statistics.mean(r["test_loss"] for r in rs)}
 
 
 def verdicts(cells: list[dict[str, Any]], rivals: Sequence[str] = RIVALS) -> list[str]:
-    """Per (net, target): is ``fisher`` first or within noise of the first of ``rivals``, and
-    ahead of ``random`` (or, when not, behind it by no more than the noise)? Noise: the larger
-    of the two seed sds and, for test accuracy, the test set's binomial standard error at the
-    best mean (one seed's sd is 0; 539 test rows give 0.008 at 0.96, 171 give 0.013 at 0.97).
-    "First" follows the metric's direction (perplexity: the lowest). When the cells carry
-    their wrong test rows, the comparison with random is also given paired, seed by seed
-    (``_paired``). Fisher's ablations (``fisher_*``, ``optimizer_one_shot``) are not rivals:
-    the best of them is named after the verdict when it beats ``fisher`` by more than that
-    noise."""
+    """Per (net, target) of ``summary``'s cells: is ``fisher`` first or within noise of the
+    first of ``rivals``, and ahead of ``random``? Each comparison is paired seed by seed
+    (``paired.paired``: the mean of the per-seed differences over the seeds both cells ran,
+    with its 95% t interval; a seed is one trained network and its calibration draw), in the
+    metric's direction (perplexity: lower is better). ``fisher`` is first when no rival's
+    paired mean beats it, within noise when every rival that beats it does so by an interval
+    that holds 0, and BEHIND a rival whose interval lies wholly on the rival's side. It is
+    ahead of random when that interval lies above 0, else within noise of random or behind it;
+    when random itself is not behind the dense network (paired the same way), the line says
+    so: no method has lost anything there for fisher to be ahead of random by.
+    Fisher's ablations (``fisher_*``, ``optimizer_one_shot``) are not rivals: of those ahead
+    of ``fisher`` by an interval that lies wholly on their side, the furthest is named."""
     rows: dict[tuple[str, float], dict[str, dict[str, Any]]] = {}
     for c in cells:
         rows.setdefault((c["net"], c["target"]), {})[c["method"]] = c
@@ -555,39 +548,29 @@ def verdicts(cells: list[dict[str, Any]], rivals: Sequence[str] = RIVALS) -> lis
     for (net, target), every in rows.items():
         if "fisher" not in every:
             continue
-        by = {m: c for m, c in every.items() if m in rivals}
-        f = by["fisher"]
-        sign = 1 if f.get("higher_is_better", True) else -1
-        best = max(by.values(), key=lambda c: sign * c["mean"])
-        near = sign * (f["mean"] - best["mean"]) + _noise(f, best) >= 0
-        line = (
-            f"{net} at {target:.0%}: fisher {f['mean']:.4g}, best {best['method']} "
-            f"{best['mean']:.4g}: {'first' if best is f else 'within noise' if near else 'BEHIND'}"
-        )
-        if "random" in by:
-            rnd = by["random"]
-            gap = sign * (f["mean"] - rnd["mean"])
-            line += (
-                "; ahead of random" if gap > 0 else
-                f"; NOT ahead of random ({rnd['mean']:.4g}), "
-                f"{'within noise' if gap + _noise(f, rnd) >= 0 else 'BEHIND by more than noise'}"
-                f"{_paired(f, rnd)}"
-            )  # fmt: skip
-        ablation = max(every.values(), key=lambda c: sign * c["mean"])
-        if sign * (ablation["mean"] - f["mean"]) > _noise(f, ablation):
-            line += f" (ablation {ablation['method']} {ablation['mean']:.4g} is ahead of fisher)"
+        f = every["fisher"]
+        higher = f.get("higher_is_better", True)
+        vs = {m: paired(f["by_seed"], c["by_seed"], higher)
+              for m, c in every.items() if m != "fisher"}  # fmt: skip
+        beaten_by = sorted((m for m in vs if m in rivals and vs[m].mean < 0),
+                           key=lambda m: vs[m].mean)  # fmt: skip
+        behind = [m for m in beaten_by if vs[m].verdict == "behind"]
+        rank = f"BEHIND {', '.join(behind)}" if behind else "within noise" if beaten_by else "first"
+        line = f"{net} at {target:.0%}: fisher {f['mean']:.4g}, {rank}"
+        line += "".join(f"; vs {m} {vs[m]}" for m in rivals if m in vs and m != "random")
+        if "random" in vs:
+            on_random = {"ahead": "ahead of random", "behind": "BEHIND random"}
+            line += f"; {on_random.get(vs['random'].verdict, 'NOT ahead of random (within noise)')}"
+            line += f" ({vs['random']})"
+            loss = paired(every["random"]["by_seed"], every["random"]["dense_by_seed"], higher)
+            if loss.verdict != "behind":
+                line += f"; random not measurably below dense ({loss})"
+        ablations = [m for m in vs if m not in rivals and vs[m].verdict == "behind"]
+        if ablations:
+            best = min(ablations, key=lambda m: vs[m].mean)
+            line += f" (ablation {best} is ahead of fisher: fisher vs it {vs[best]})"
         lines.append(line)
     return lines
-
-
-def _noise(f: dict[str, Any], best: dict[str, Any]) -> float:
-    """The noise ``verdicts`` allows between ``f`` and ``best``: the larger seed sd, or for
-    test accuracy the test set's binomial standard error at ``best``'s mean if larger."""
-    binomial = 0.0
-    if f.get("metric", ACCURACY) == ACCURACY:
-        p = best["mean"]
-        binomial = (p * (1 - p) / best["test_examples"]) ** 0.5
-    return max(f["sd"], best["sd"], binomial)
 
 
 def table(cells: list[dict[str, Any]], cost: str = "FLOPs") -> str:
