@@ -10,9 +10,10 @@ takes time), it distils ``ROOT/teacher`` (the dense Llama) into a fresh copy of
 0 writes the gathered weights and the losses (``RUN/final.pt``) and
 ``save_pretrained_gathered`` writes ``RUN/hf``. In a RUN named ``from_rank0`` only rank 0
 reads the folders; rank 1 builds both models on the meta device and receives from rank 0
-its shards of the student and the whole teacher (replicated, not sharded), and rank 1 writes ``RUN/meta_rank1.pt`` (how many elements it held before
-training: none). With KILL_AT > 0, every rank sends itself
-SIGKILL once that step (and any checkpoint of it) is done: kill -9 mid-run.
+its shards of the student and the whole teacher (replicated, not sharded); rank 1 writes
+``RUN/meta_rank1.pt``, how many elements it held before training (none). With KILL_AT > 0,
+every rank sends itself SIGKILL once that step (and any checkpoint of it) is done: kill -9
+mid-run.
 """
 
 from __future__ import annotations
