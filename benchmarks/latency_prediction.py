@@ -23,6 +23,14 @@ config at 128 tokens; random weights: latency does not depend on them):
    over dense, each pair timed one after the other, with its quartiles) cancels that drift,
    and its error is the check of the table's shape.
 
+4. The prune times the states its rounds reach whole and refits the line through them
+   (``LatencySpec.checks``, ``--checks``; ``fisherprune.calibrate.LatencyLoop``); the cell
+   records every check and its seconds, and the target error (the target share over the
+   measured share, less 1: where the prune landed). With ``--compare`` the same target is
+   pruned again on the copy's line alone (``checks=0``, as before the loop) and timed in the
+   same rounds (dense, the loop's, the copy line's: every network sees the same load), under
+   ``copy_line``.
+
 With ``--form`` (torchscript, aoti, compile, cuda_graphs) every whole-model timing (the
 table's scale, the line, the measurement) is of the model built in that serving form, once
 per size; the operators are timed in eager whatever the form.
@@ -38,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import sys
 import tempfile
 import time
@@ -92,12 +101,56 @@ def _batches(example: Any) -> list[tuple[Any, Any]]:
     return [(example, None)]
 
 
+def _prune(
+    model: nn.Module, example: Any, target: str, spec: LatencySpec, args: argparse.Namespace
+) -> tuple[Any, nn.Module]:
+    """``prune_to_target`` on a copy of ``model`` by L1 (no repair) and the shrunk result."""
+    pruned = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = fp.prune_to_target(
+            pruned, example, _batches(example), target, criterion="l1",
+            convention="latency", latency=spec, reconstruct=False, round_to=args.round_to,
+        )  # fmt: skip
+        return result, fp.shrink(pruned)
+
+
+def _cell(target: str, result: Any, dense_s: list[float], small_s: list[float]) -> dict[str, Any]:
+    """A prune's prediction beside its timing (seconds of the rounds, dense and shrunk)."""
+    measured, dense = min(small_s) * 1e6, min(dense_s) * 1e6
+    # the share by round (each round's pair saw the same load): its median and quartiles
+    shares = [b / a for a, b in zip(dense_s, small_s, strict=True)]
+    q1, share, q3 = (float(q) for q in np.quantile(shares, [0.25, 0.5, 0.75]))
+    predicted_share = result.cost_after / result.cost_before
+    return {
+        "target": target,
+        "predicted_dense_us": result.cost_before,
+        "measured_dense_us": dense,
+        "predicted_us": result.cost_after,
+        "measured_us": measured,
+        "error": result.cost_after / measured - 1,
+        "predicted_share": predicted_share,
+        "measured_share": share,
+        "measured_share_iqr": [q1, q3],
+        # the share is measured side by side (dense and shrunk alternately): the
+        # machine's drift between the table's timing and now cancels out of it
+        "share_error": predicted_share / share - 1,
+        # where the prune landed against where it was asked to
+        "target_error": (result.target / result.cost_before) / share - 1,
+        "line": result.latency_line.as_dict() if result.latency_line else None,
+        "checks": [c.as_dict() for c in result.latency_checks],
+        "check_seconds": sum(c.seconds for c in result.latency_checks),
+        "prune_seconds": result.seconds,
+    }
+
+
 def run_model(name: str, args: argparse.Namespace, cache: Path) -> dict[str, Any]:
     torch.manual_seed(0)
     model, example = MODELS[name](args.batch)
     fp.apply_masks(model, example)
     spec = LatencySpec(threads=args.threads, cache=cache, step=args.round_to, points=args.points,
-                       line_at=None if args.no_line else 0.5, form=args.form)  # fmt: skip
+                       line_at=None if args.no_line else 0.5, form=args.form,
+                       checks=args.checks)  # fmt: skip
     t0 = time.perf_counter()
     CostModel(model, example, "latency", latency=spec)
     build = time.perf_counter() - t0
@@ -105,49 +158,35 @@ def run_model(name: str, args: argparse.Namespace, cache: Path) -> dict[str, Any
     CostModel(model, example, "latency", latency=spec)
     rebuild = time.perf_counter() - t0
     row: dict[str, Any] = {"model": name, "table_seconds": build, "cached_seconds": rebuild}
-    print(f"{name}: table built in {build:.1f} s, again from the file in {rebuild:.1f} s")
+    print(
+        f"{name}: table built in {build:.1f} s, again from the file in {rebuild:.1f} s", flush=True
+    )
+    variants = {"loop": spec}
+    if args.compare:  # the copy's line alone, pruned and timed beside the loop's prune
+        variants["copy_line"] = dataclasses.replace(spec, checks=0)
     for target in args.targets:
-        pruned = copy.deepcopy(model)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            result = fp.prune_to_target(
-                pruned, example, _batches(example), target, criterion="l1",
-                convention="latency", latency=spec, reconstruct=False, round_to=args.round_to,
-            )  # fmt: skip
-            small = fp.shrink(pruned)
-        dense_s, small_s = [], []
-        timed_dense, timed_small = served_pair(model, small, example, spec)  # in spec.form
-        for _ in range(args.rounds):  # interleaved: both see the same load
-            dense_s.append(whole_model_seconds(timed_dense, example, spec))
-            small_s.append(whole_model_seconds(timed_small, example, spec))
-        measured = min(small_s) * 1e6
-        dense = min(dense_s) * 1e6
-        # the share by round (each round's pair saw the same load): its median and quartiles
-        shares = [b / a for a, b in zip(dense_s, small_s, strict=True)]
-        q1, share, q3 = (float(q) for q in np.quantile(shares, [0.25, 0.5, 0.75]))
-        cell = {
-            "target": target,
-            "predicted_dense_us": result.cost_before,
-            "measured_dense_us": dense,
-            "predicted_us": result.cost_after,
-            "measured_us": measured,
-            "error": result.cost_after / measured - 1,
-            "predicted_share": result.cost_after / result.cost_before,
-            "measured_share": share,
-            "measured_share_iqr": [q1, q3],
-            # the share is measured side by side (dense and shrunk alternately): the
-            # machine's drift between the table's timing and now cancels out of it
-            "share_error": (result.cost_after / result.cost_before) / share - 1,
-            "line": result.latency_line.as_dict() if result.latency_line else None,
-        }
-        row[target] = cell
-        print(
-            f"  {target}: predicted {result.cost_after / 1e3:.2f} ms, measured "
-            f"{measured / 1e3:.2f} ms ({cell['error']:+.1%}); dense predicted "
-            f"{result.cost_before / 1e3:.2f}, measured {dense / 1e3:.2f} ms; share of the "
-            f"dense predicted {cell['predicted_share']:.1%}, measured {cell['measured_share']:.1%}"
-        )
-        del pruned, small
+        pruned = {k: _prune(model, example, target, v, args) for k, v in variants.items()}
+        dense_s: list[float] = []
+        small_s: dict[str, list[float]] = {k: [] for k in variants}
+        served = {k: served_pair(model, small, example, spec) for k, (_, small) in pruned.items()}
+        for _ in range(args.rounds):  # interleaved: every network sees the same load
+            dense_s.append(whole_model_seconds(served["loop"][0], example, spec))
+            for k, (_, timed_small) in served.items():
+                small_s[k].append(whole_model_seconds(timed_small, example, spec))
+        cells = {k: _cell(target, result, dense_s, small_s[k]) for k, (result, _) in pruned.items()}
+        cell = row[target] = cells["loop"]
+        if "copy_line" in cells:
+            cell["copy_line"] = cells["copy_line"]
+        for k, c in cells.items():
+            print(
+                f"  {target} ({k}): predicted {c['predicted_us'] / 1e3:.2f} ms, measured "
+                f"{c['measured_us'] / 1e3:.2f} ms ({c['error']:+.1%}); share of the dense "
+                f"predicted {c['predicted_share']:.1%}, measured {c['measured_share']:.1%} "
+                f"(target error {c['target_error']:+.1%}); checks {c['check_seconds']:.1f} s "
+                f"of {c['prune_seconds']:.1f} s",
+                flush=True,
+            )
+        del pruned, served
     return row
 
 
@@ -162,6 +201,14 @@ def main() -> None:
     parser.add_argument("--targets", nargs="+", default=["50%", "25%"])
     parser.add_argument("--no-line", action="store_true", help="operators in proportion only")
     parser.add_argument(
+        "--checks", type=int, default=2, help="LatencySpec.checks: states timed on the way"
+    )
+    parser.add_argument(
+        "--compare",
+        action="store_true",
+        help="also prune with checks=0 (the copy's line alone), timed beside it",
+    )
+    parser.add_argument(
         "--form",
         default="eager",
         choices=list(FORMS),
@@ -175,18 +222,19 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as cache:
         for name in args.models:
             rows.append(run_model(name, args, Path(cache)))
-    print("\n| model | table build (s) | from file (s) | target | predicted (ms) | measured (ms) "
-          "| error | predicted share | measured share (IQR) | share error |\n"
-          "|---|---|---|---|---|---|---|---|---|---|")  # fmt: skip
+    print("\n| model | target | predicted share | measured share (IQR) | share error "
+          "| target error | checks (s) | copy's line alone: share error, target error |\n"
+          "|---|---|---|---|---|---|---|---|")  # fmt: skip
     for r in rows:
         for t in args.targets:
             c = r[t]
+            alone = c.get("copy_line")
+            other = f"{alone['share_error']:+.1%}, {alone['target_error']:+.1%}" if alone else "-"
             print(
-                f"| {r['model']} | {r['table_seconds']:.0f} | {r['cached_seconds']:.1f} | {t} | "
-                f"{c['predicted_us'] / 1e3:.2f} | {c['measured_us'] / 1e3:.2f} | "
-                f"{c['error']:+.1%} | {c['predicted_share']:.1%} | {c['measured_share']:.1%} "
+                f"| {r['model']} | {t} | {c['predicted_share']:.1%} | {c['measured_share']:.1%} "
                 f"({c['measured_share_iqr'][0]:.1%}-{c['measured_share_iqr'][1]:.1%}) | "
-                f"{c['share_error']:+.1%} |"
+                f"{c['share_error']:+.1%} | {c['target_error']:+.1%} | "
+                f"{c['check_seconds']:.0f} | {other} |"
             )
     write_json(
         args.out,

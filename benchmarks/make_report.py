@@ -1081,11 +1081,16 @@ def latency_prediction_section(data: dict[str, Any]) -> list[str]:
         "shrunk over dense, predicted by the table, and measured as the median of the rounds' "
         "ratios (quartiles in brackets); the share cancels the drift of this shared VM between "
         "the table's timing and the check (the same dense network timed a minute apart "
-        "differed by up to 15-20%).",
+        "differed by up to 15-20%). Where the prune timed the states its rounds reached "
+        "and refitted the line through them (`LatencySpec.checks`, `LatencyLoop`): their "
+        "seconds, and the target error (target share over measured share, less 1: where the "
+        "prune landed); with `--compare`, the same target pruned on the copy's line alone "
+        "and timed in the same rounds (its share and target errors).",
         "",
         "| model | table (s) | again (s) | target | predicted (ms) | measured (ms) | error "
-        "| predicted share | measured share | share error | line: slope, offset (ms) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| predicted share | measured share | share error | line: slope, offset (ms) "
+        "| target error | checks (s) | copy's line alone: share, target error |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in data["rows"]:
         for t in st["targets"]:
@@ -1104,7 +1109,7 @@ def latency_prediction_section(data: dict[str, Any]) -> list[str]:
                 f"| {r['model']} | {r['table_seconds']:.0f} | {r['cached_seconds']:.1f} | {t} "
                 f"| {c['predicted_us'] / 1e3:.1f} | {c['measured_us'] / 1e3:.1f} | "
                 f"{c['error']:+.1%} | {c['predicted_share']:.1%} | {c['measured_share']:.1%}"
-                f"{spread} | {c['share_error']:+.1%} | {fit} |"
+                f"{spread} | {c['share_error']:+.1%} | {fit} | {_target_cells(c)} |"
             )
     lines += [
         "",
@@ -1118,6 +1123,15 @@ def latency_prediction_section(data: dict[str, Any]) -> list[str]:
         "",
     ]
     return lines
+
+
+def _target_cells(cell: dict[str, Any]) -> str:
+    """The latency loop's columns of a ``latency_prediction`` cell ("-" where not recorded)."""
+    if "target_error" not in cell:
+        return "- | - | -"
+    alone = cell.get("copy_line")
+    other = f"{alone['share_error']:+.1%}, {alone['target_error']:+.1%}" if alone else "-"
+    return f"{cell['target_error']:+.1%} | {cell['check_seconds']:.0f} | {other}"
 
 
 def latency_vs_flops_section(runs: list[dict[str, Any]]) -> list[str]:

@@ -447,6 +447,8 @@ def test_prune_cli_reports_predicted_and_measured_latency(tmp_path, fake_clock):
     assert "predicted" in cli.out and "measured" in cli.out
     assert list((tmp_path / "tables").glob("*.json"))
     assert report["latency_line"]["kept_share"] == 0.5  # the line was tried (fit_latency_line)
+    last = report["latency_checks"][-1]  # the end state timed whole by the loop, priced on it
+    assert last["measured_share"] == pytest.approx(report["cost_ratio"], rel=1e-6)
 
 
 def test_prune_cli_refuses_a_bad_latency_flag(tmp_path):

@@ -8,6 +8,7 @@ shrunk model's whole time exactly, where a proportional scale would not."""
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import pytest
@@ -82,14 +83,16 @@ def test_after_the_line_a_pruned_model_is_predicted_as_timed_whole(tmp_path, ove
 
 
 def test_without_the_line_the_prediction_misses_the_overhead(tmp_path, overhead_clock):
-    """The reference for the test above: ``line_at=None`` keeps the proportional scale,
-    which under-predicts the pruned model by the overhead it scaled down."""
+    """The reference for the test above: ``line_at=None`` keeps the proportional scale
+    (and ``checks=0`` never refits it through a state timed whole), which under-predicts the
+    pruned model by the overhead it scaled down."""
     net, x = _net(), torch.randn(2, 3, 8, 8)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         result = fp.prune_to_target(
             net, x, [(x, torch.tensor([0, 1]))], "60%", loss_fn=F.cross_entropy,
-            convention="latency", latency=_spec(tmp_path, line_at=None), reconstruct=False,
+            convention="latency", latency=_spec(tmp_path, line_at=None, checks=0),
+            reconstruct=False,
         )  # fmt: skip
     assert result.latency_line is not None and not result.latency_line.fitted
     measured = _with_overhead(fp.shrink(net), x, None) / lat.UNIT
@@ -150,9 +153,12 @@ def test_set_latency_line_refuses_what_is_not_a_line(tmp_path, overhead_clock):
     net, x = _net(), torch.randn(2, 3, 8, 8)
     fp.apply_masks(net, x)
     cm = CostModel(net, x, "latency", latency=_spec(tmp_path))
-    for slope, offset in ((0.0, 1.0), (1.0, -1.0), (float("nan"), 0.0)):
+    ops = cm.dense_total() / cm.latency_scale  # the dense model's operators summed alone
+    for slope, offset in ((0.0, 1.0), (1.0, -ops), (float("nan"), 0.0), (1.0, math.inf)):
         with pytest.raises(ValueError, match="positive slope"):
             cm.set_latency_line(slope, offset)
+    cm.set_latency_line(1.0, -0.5 * ops)  # negative, but the dense model still costs
+    assert cm.dense_total() == pytest.approx(0.5 * ops, rel=1e-12)
     with pytest.raises(ValueError, match="latency convention"):
         CostModel(net, x).set_latency_line(1.0, 0.0)
 

@@ -34,7 +34,12 @@ import torch
 from torch import Tensor, nn
 
 from fisherprune.calibrate.label_free import LabelFreeLoss
-from fisherprune.calibrate.latency_line import LatencyLine, fit_latency_line
+from fisherprune.calibrate.latency_line import (
+    LatencyCheck,
+    LatencyLine,
+    LatencyLoop,
+    fit_latency_line,
+)
 from fisherprune.calibrate.norm_stats import NormStats
 from fisherprune.calibrate.repair import RepairReport, check_passes, repair_consumers
 from fisherprune.cost import CONVENTIONS, CostModel, LatencySpec
@@ -253,8 +258,8 @@ class PruneResult:
         events: every ``PruneEvent``, in order (``step`` is the round, from 1).
         seconds: wall time of the whole call.
         phase_seconds: wall time of each phase: ``signals`` (estimation passes),
-            ``selection`` (choosing channels), ``repair`` (the least-squares passes and
-            solves).
+            ``selection`` (choosing channels; with ``convention="latency"`` the states timed
+            whole, ``latency_checks``), ``repair`` (the least-squares passes and solves).
         phase_cpu_seconds: process CPU time of each phase (all threads; on a shared machine
             the wall time also holds the waits for a core).
         rounds: rounds run.
@@ -266,8 +271,11 @@ class PruneResult:
         kept: per mask, the channels it keeps and the channels it had.
         at_floor: the masks pruned down to their floor (``min_channels``, ``round_to``):
             the selection stopped there, not the scores.
-        latency_line: with ``convention="latency"``, the line the cost was fitted to
+        latency_line: with ``convention="latency"``, the line the cost was first fitted to
             (``fit_latency_line``: the dense model and a shrunk copy timed whole), else None.
+        latency_checks: with ``convention="latency"``, the states the rounds reached, timed
+            whole, that the line was refitted through (``LatencyLoop``; the last is the state
+            at the end, ``cost_after`` priced on the line through it when refitted).
     """
 
     cost_before: float
@@ -285,6 +293,7 @@ class PruneResult:
     kept: dict[str, tuple[int, int]] = field(default_factory=dict)
     at_floor: list[str] = field(default_factory=list)
     latency_line: LatencyLine | None = None
+    latency_checks: list[LatencyCheck] = field(default_factory=list)
 
     @property
     def ratio(self) -> float:
@@ -602,6 +611,7 @@ def prune_to_target(
             f"cost {start:.6g}"
         )
     goals = _auto_rounds(start, goal) if rounds == "auto" else rounds
+    loop = LatencyLoop.planned(cost_model, model, example_inputs, goal, goals)
     dense = {n: m.mask.detach().clone() for n, m in masks.items()}
     share = 0.0 if floor_power is None else (goal / start) ** floor_power
     width_floors = {n: math.ceil(m.kept * share - 1e-9) for n, m in masks.items()}
@@ -652,6 +662,9 @@ def prune_to_target(
             result.events.extend(events)
             result.rounds = r
             g += reached
+            if loop is not None and reached:
+                with clock("selection"):
+                    g -= loop.reached(g - 1)  # the last goal again, on the refitted line
     finally:
         if norms is not None:
             norms.restore()
@@ -659,6 +672,7 @@ def prune_to_target(
         m.collecting = False
         m.reset_statistics()
     result.cost_after = cost_model.total()
+    result.latency_checks = loop.checks if loop is not None else []
     result.kept = {n: (m.kept, m.num_channels) for n, m in masks.items()}
     result.at_floor = selection.at_floor(masks)
     if stuck:

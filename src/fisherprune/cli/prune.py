@@ -738,6 +738,11 @@ def _prune(args: argparse.Namespace, bars: bool) -> int:
             "latency": {**timed.to_json(), "speedup": speedup.to_json()},
             **({"latency_prediction": predicted} if predicted else {}),
             **({"latency_line": result.latency_line.as_dict()} if result.latency_line else {}),
+            **(
+                {"latency_checks": [c.as_dict() for c in result.latency_checks]}
+                if result.latency_checks
+                else {}
+            ),
         }
         with atomic_path(folder / REPORT_FILE) as tmp:
             Path(tmp).write_text(json.dumps(report, indent=1) + "\n")

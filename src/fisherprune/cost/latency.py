@@ -124,6 +124,10 @@ class LatencySpec:
             ``fisherprune.calibrate.fit_latency_line`` shrinks and times whole beside the dense
             model, to fit latency = slope x operators + offset through both (``prune_to_target``
             and the commands do it); None: the operators scaled in proportion only.
+        checks: states of a ``prune_to_target`` shrunk and timed whole beside the dense model
+            before its last goal, the line refitted through each
+            (``fisherprune.calibrate.LatencyLoop``), and then the state at the last goal; 0:
+            none, the prune aims on the copy's line alone.
     """
 
     device: str = "cpu"
@@ -136,6 +140,7 @@ class LatencySpec:
     blocks: int = 5
     cache: str | os.PathLike[str] | None = None
     line_at: float | None = 0.5
+    checks: int = 2
 
     def __post_init__(self) -> None:
         try:
@@ -153,7 +158,7 @@ class LatencySpec:
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < low):
                 raise ValueError(f"LatencySpec.{name} must be an int >= {low} or None, got {v!r}")
-        for name, low in (("step", 1), ("points", 2), ("blocks", 1)):
+        for name, low in (("step", 1), ("points", 2), ("blocks", 1), ("checks", 0)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
                 raise ValueError(f"LatencySpec.{name} must be an int >= {low}, got {v!r}")

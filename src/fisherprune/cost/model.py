@@ -472,18 +472,26 @@ class CostModel:
         ``latency_offset`` and every timed operator's scale; marginal costs scale with
         ``slope``.
 
+        The offset may be negative (``fisherprune.calibrate.check_latency`` fits one where a
+        pruned state ran relatively faster than its operators) as long as the dense model is
+        priced positive.
+
         Raises:
-            ValueError: another convention, a slope that is not positive or a negative or
-                non-finite offset.
+            ValueError: another convention, a slope that is not positive, a non-finite
+                offset, or one that prices the dense model at 0 or below.
         """
         if self.latency is None:
             raise ValueError(
                 f"set_latency_line needs the latency convention, not {self.convention!r}"
             )
-        if not (math.isfinite(slope) and slope > 0 and math.isfinite(offset) and offset >= 0):
+        operators = (self.dense_total() - self.latency_offset) / self.latency_scale
+        if not (
+            math.isfinite(slope) and slope > 0 and math.isfinite(offset)
+            and slope * operators + offset > 0
+        ):  # fmt: skip
             raise ValueError(
-                f"a latency line needs a positive slope and an offset >= 0, got {slope!r} "
-                f"and {offset!r}"
+                f"a latency line needs a positive slope and an offset that prices the dense "
+                f"model ({operators:.6g} us of operators) above 0, got {slope!r} and {offset!r}"
             )
         for t in self._terms:
             t.formula.scale = slope
