@@ -208,7 +208,8 @@ def test_ridge_choice_keeps_one_solution_alive_and_chooses_as_before() -> None:
     def solve(ridge: float) -> Solution:
         assert all(ref() is None for ref in alive)  # _conservative's: no earlier one alive
         lam = ridge * float(fit.xtx.diagonal().mean())
-        coef = torch.linalg.solve(fit.xtx + lam * torch.eye(12, dtype=torch.float64), fit.xty)
+        a = fit.xtx + lam * torch.eye(12, dtype=torch.float64)
+        coef = torch.linalg.solve(a, fit.rhs(slice(None)))
         alive.append(weakref.ref(coef))
         return Solution.of(coef)
 
@@ -353,3 +354,24 @@ def test_a_checkpointed_signal_pass_holds_no_layers_mlp_activations_for_the_back
     plain = _held_mlp_wide(masks, model, ids, None)
     assert plain >= 3 * len(model.model.layers)
     assert _held_mlp_wide(masks, model, ids, model.model.layers) == 0
+
+
+def test_streamed_xty_of_float32_rows_is_held_in_float32_within_its_rounding() -> None:
+    """The repair's streamed ``X^T Y`` of float32 rows over 40 batches is held in float32 (an
+    LM head's, the width times the vocabulary, was twice its float32 weight in float64 for each
+    of the fitting and held-out sums) and equals the float64 product of all rows to float32
+    rounding; ``X^T X`` stays float64."""
+    from fisherprune.calibrate.repair_fit import Sums
+
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(64, 12, generator=g) for _ in range(40)]
+    ys = [x @ torch.randn(12, 300, generator=g) + torch.randn(64, 300, generator=g) for x in xs]
+    sums = Sums()
+    for x, y in zip(xs, ys, strict=True):
+        sums.add(x, y)
+    want = torch.cat(xs).double().T @ torch.cat(ys).double()
+    assert sums.xty.dtype == torch.float32 and sums.xtx.dtype == torch.float64
+    assert sums.rhs(slice(None)).dtype == torch.float64
+    torch.testing.assert_close(
+        sums.rhs(slice(None)), want, rtol=0.0, atol=1e-5 * want.abs().max().item()
+    )
