@@ -52,7 +52,10 @@ class _Checkpointed(nn.Module):
         try:
             return super().__getattr__(name)
         except AttributeError:
-            return getattr(self._modules["block"], name)
+            block = self.__dict__.get("_modules", {}).get("block")
+            if block is None:
+                raise
+            return getattr(block, name)
 
 
 @contextlib.contextmanager
