@@ -203,7 +203,8 @@ def _table(rows: list[dict[str, Any]]) -> None:
 
 
 def _cell(r: dict[str, Any]) -> str:
-    return f"{r['family']} {r['size']} {r['dtype']} {r['tokens']}"
+    off = " ckpt off" if r.get("checkpoint") is False else ""
+    return f"{r['family']} {r['size']} {r['dtype']} {r['tokens']}{off}"
 
 
 def _growth(
@@ -243,6 +244,8 @@ def _plot(rows: list[dict[str, Any]], baseline: list[dict[str, Any]], path: Path
     series: dict[tuple[str, str, int], list[dict[str, Any]]] = {}
     by_tokens: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
     for r in rows:
+        if r.get("checkpoint") is False:  # (its own bar only)
+            continue
         series.setdefault((r["family"], r["dtype"], r["tokens"]), []).append(r)
         by_tokens.setdefault((r["family"], r["dtype"], r["size"]), []).append(r)
     _growth(axes[0], series, "parameters", 1e-6, "parameters (M)", "tok")
