@@ -18,13 +18,17 @@ writing 5 to ``/proc/self/clear_refs`` as the phase starts). The phases are ``tr
 wrapped here to reset and read the mark). With ``W`` the parameter bytes, the table gives
 ``peak / W``, with ``peak`` the highest mark less ``rss0`` (weights plus everything the call
 holds: the issue's goal is about 1.3 plus one micro-batch's activations), and ``extra / W``,
-the highest mark less ``base``.
+the highest mark less ``base``. Each row also gives the process CPU seconds of each of
+``prune_to_target``'s phases (steadier than wall time on a shared machine) and its
+``checkpoint`` (``--checkpoint off``: the signal passes hold every decoder layer's
+activations, as before 2026-11-29, to measure what checkpointing saves and costs).
 
 Run::
 
     python benchmarks/llm_memory.py --sizes 30M,100M                  # minutes on 2 cores
     python benchmarks/llm_memory.py --sizes 500M,1B --tokens 512      # the issue's sizes
     python benchmarks/llm_memory.py --sizes 30M --tokens 256,1024,4096  # growth with tokens
+    python benchmarks/llm_memory.py --sizes 30M --checkpoint off --label off  # without it
 
 JSON to ``--out`` (default ``benchmarks/results/llm_memory.json``), plot to ``--plot``
 (default ``docs/llm_memory.png``).
@@ -156,7 +160,7 @@ def child(args: dict[str, Any]) -> dict[str, Any]:
         with phases.phase("trace"):
             fp.apply_masks(model, example)
         trace_s = time.perf_counter() - start
-        result = fp.prune_to_target(model, example, data, "50%")
+        result = fp.prune_to_target(model, example, data, "50%", checkpoint=args["checkpoint"])
     seconds = time.perf_counter() - start
     peak = max(phases.peak.values())
     return {
@@ -170,6 +174,8 @@ def child(args: dict[str, Any]) -> dict[str, Any]:
         "seconds": round(seconds, 1),
         "phase_seconds": {"trace": round(trace_s, 1)}
         | {k: round(v, 1) for k, v in result.phase_seconds.items()},
+        "phase_cpu_seconds": {k: round(v, 1) for k, v in result.phase_cpu_seconds.items()},
+        "checkpoint": args["checkpoint"],
         "cost_ratio": round(result.ratio, 4),
         "rss0_mib": round(rss0),
         "base_mib": round(base),
@@ -197,7 +203,8 @@ def _table(rows: list[dict[str, Any]]) -> None:
 
 
 def _cell(r: dict[str, Any]) -> str:
-    return f"{r['family']} {r['size']} {r['dtype']} {r['tokens']}"
+    off = " ckpt off" if r.get("checkpoint") is False else ""
+    return f"{r['family']} {r['size']} {r['dtype']} {r['tokens']}{off}"
 
 
 def _growth(
@@ -237,6 +244,8 @@ def _plot(rows: list[dict[str, Any]], baseline: list[dict[str, Any]], path: Path
     series: dict[tuple[str, str, int], list[dict[str, Any]]] = {}
     by_tokens: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
     for r in rows:
+        if r.get("checkpoint") is False:  # (its own bar only)
+            continue
         series.setdefault((r["family"], r["dtype"], r["tokens"]), []).append(r)
         by_tokens.setdefault((r["family"], r["dtype"], r["size"]), []).append(r)
     _growth(axes[0], series, "parameters", 1e-6, "parameters (M)", "tok")
@@ -267,6 +276,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--micro", type=int, default=2, help="sequences per micro-batch")
     parser.add_argument("--seq", type=int, default=128, help="tokens per sequence")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--checkpoint", default="auto", choices=("auto", "off"),
+        help="prune_to_target's checkpoint (off: the signal passes hold every layer's tensors)",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--plot", type=Path, default=DEFAULT_PLOT)
     parser.add_argument("--append", action="store_true", help="add to the rows of --out")
@@ -290,7 +303,8 @@ def main(argv: list[str] | None = None) -> int:
                 for tokens in args.tokens.split(","):
                     cell = {"family": family, "size": size, "dtype": dtype,
                             "tokens": int(tokens), "micro": args.micro, "seq": args.seq,
-                            "threads": args.threads, "label": args.label}  # fmt: skip
+                            "threads": args.threads, "label": args.label,
+                            "checkpoint": args.checkpoint == "auto" and "auto"}  # fmt: skip
                     cmd = [sys.executable, __file__, "--child", json.dumps(cell)]
                     done = subprocess.run(cmd, capture_output=True, text=True)
                     if done.returncode != 0:

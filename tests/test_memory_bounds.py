@@ -208,7 +208,8 @@ def test_ridge_choice_keeps_one_solution_alive_and_chooses_as_before() -> None:
     def solve(ridge: float) -> Solution:
         assert all(ref() is None for ref in alive)  # _conservative's: no earlier one alive
         lam = ridge * float(fit.xtx.diagonal().mean())
-        coef = torch.linalg.solve(fit.xtx + lam * torch.eye(12, dtype=torch.float64), fit.xty)
+        a = fit.xtx + lam * torch.eye(12, dtype=torch.float64)
+        coef = torch.linalg.solve(a, fit.rhs(slice(None)))
         alive.append(weakref.ref(coef))
         return Solution.of(coef)
 
@@ -311,3 +312,66 @@ def test_expected_label_directions_widen_a_few_positions_at_a_time(
     want = p * (p.sqrt() * eps).sum(-1, keepdim=True) - p.sqrt() * eps
     assert 0 < spy.most <= 3 * 50 < logits.numel()
     torch.testing.assert_close(v, want.float().view(2, 16, 50), rtol=1e-6, atol=1e-7)
+
+
+def _held_mlp_wide(masks: dict, model: nn.Module, ids: Tensor, layers: nn.ModuleList | None) -> int:
+    """Tensors 56 wide (the decoder's MLP width) held for the backward when the loss of a
+    signal pass is computed: saved by autograd outside any checkpointed block, or alive as
+    Python objects (a mask's aliased input)."""
+    from fisherprune.calibrate import estimate_signals
+    from fisherprune.calibrate.label_free import LabelFreeLoss
+
+    saved: list[int] = []
+    alive: list[int] = []
+    label_free_loss = LabelFreeLoss("auto", 0)
+
+    def pack(t: Tensor) -> Tensor:
+        if t.dim() == 3 and t.shape[-1] == 56:
+            saved.append(1)
+        return t
+
+    def loss(out: object, targets: object) -> Tensor:
+        wide = [o for o in gc.get_objects() if type(o) is Tensor and o.dim() == 3]
+        alive.append(len({t.untyped_storage().data_ptr() for t in wide if t.shape[-1] == 56}))
+        return label_free_loss(out, targets)
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        estimate_signals(model, masks, [({"input_ids": ids}, None)], loss, fp.criteria.Fisher(),
+                         blocks=layers)  # fmt: skip
+    return len(saved) + alive[0]
+
+
+def test_a_checkpointed_signal_pass_holds_no_layers_mlp_activations_for_the_backward() -> None:
+    """When the loss of a signal pass whose decoder layers are checkpointed is computed, no
+    tensor as wide as a layer's MLP is held for the backward (they are recomputed one layer at
+    a time as the backward reaches it); the plain pass holds several per layer."""
+    from tests.test_checkpoint_signals import masked_decoder
+
+    model, masks, ids = masked_decoder("llama")
+    with torch.no_grad():
+        for m in masks.values():
+            m.mask.fill_(1.0)  # nothing removed: the masks would alias their inputs
+    plain = _held_mlp_wide(masks, model, ids, None)
+    assert plain >= 3 * len(model.model.layers)
+    assert _held_mlp_wide(masks, model, ids, model.model.layers) == 0
+
+
+def test_streamed_xty_of_float32_rows_is_held_in_float32_within_its_rounding() -> None:
+    """The repair's streamed ``X^T Y`` of float32 rows over 40 batches is held in float32 (an
+    LM head's, the width times the vocabulary, was twice its float32 weight in float64 for each
+    of the fitting and held-out sums) and equals the float64 product of all rows to float32
+    rounding; ``X^T X`` stays float64."""
+    from fisherprune.calibrate.repair_fit import Sums
+
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(64, 12, generator=g) for _ in range(40)]
+    ys = [x @ torch.randn(12, 300, generator=g) + torch.randn(64, 300, generator=g) for x in xs]
+    sums = Sums()
+    for x, y in zip(xs, ys, strict=True):
+        sums.add(x, y)
+    want = torch.cat(xs).double().T @ torch.cat(ys).double()
+    assert sums.xty.dtype == torch.float32 and sums.xtx.dtype == torch.float64
+    assert sums.rhs(slice(None)).dtype == torch.float64
+    torch.testing.assert_close(
+        sums.rhs(slice(None)), want, rtol=0.0, atol=1e-5 * want.abs().max().item()
+    )

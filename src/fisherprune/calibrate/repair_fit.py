@@ -3,8 +3,11 @@
 With ``k`` kept input features (kept channels x kernel size for a conv, +1 for the bias), a
 pass streams ``X^T X`` (k x k) and ``X^T Y`` (k x kept outputs) over the batches, each batch's
 products in float32 (or float64 for a float64 layer; a bf16 / fp16 layer's rows are widened
-first, one batch at a time: half-precision sums of thousands of rows lose the fit or overflow)
-and their sum in float64 (memory ``8 k^2`` bytes), separately
+first, one batch at a time: half-precision sums of thousands of rows lose the fit or overflow),
+``X^T X`` summed in float64 (memory ``8 k^2`` bytes) and ``X^T Y`` in the products' dtype
+(an output layer's is the width times the vocabulary: in float64, twice its float32 weight for
+each of the two sums; the sum of a few dozen float32 products rounds no worse than each
+product already does), separately
 for the fitting rows and the held-out rows (``Sums``). Then, from those sums alone, by
 ``torch.linalg.solve`` in float64 with ``lambda = ridge * mean diagonal`` pulling towards the
 unrepaired layer rather than towards 0:
@@ -82,8 +85,8 @@ class Solution:
 
 class Sums:
     """``X^T X``, ``X^T Y``, ``Y^T Y`` and the row count of a least-squares problem, streamed:
-    each batch's products in float32 at least (half-precision rows widened), their sum in
-    float64."""
+    each batch's products in float32 at least (half-precision rows widened), summed in float64
+    but ``X^T Y`` (``rhs`` reads it in float64), summed in the products' dtype."""
 
     def __init__(self) -> None:
         self.xtx = self.xty = torch.empty(0, dtype=torch.float64)
@@ -93,22 +96,26 @@ class Sums:
     def add(self, x: Tensor, y: Tensor) -> None:
         """Add the rows ``x`` (rows, features) with targets ``y`` (rows, outputs); ``X^T Y``
         and ``Y^T Y`` a block of output columns at a time (``column_blocks``)."""
-        if self.count == 0:
-            self.xtx = x.new_zeros(x.shape[1], x.shape[1], dtype=torch.float64)
-            self.xty = x.new_zeros(x.shape[1], y.shape[1], dtype=torch.float64)
         # float64 matmuls are several times slower on CPU: one batch's in float32 (or float64)
         x, y = widened(x), widened(y)
+        if self.count == 0:
+            self.xtx = x.new_zeros(x.shape[1], x.shape[1], dtype=torch.float64)
+            self.xty = x.new_zeros(x.shape[1], y.shape[1])  # (the products' dtype)
         self.xtx += (x.T @ x).double()
         for block in column_blocks(max(x.shape), y.shape[1]):  # (rows or features) x block
-            self.xty[:, block] += (x.T @ y[:, block]).double()
+            self.xty[:, block] += x.T @ y[:, block]
             self.yty += float(y[:, block].double().square().sum())
         self.count += x.shape[0]
+
+    def rhs(self, block: slice | int) -> Tensor:
+        """Columns ``block`` of ``X^T Y`` in float64."""
+        return self.xty[:, block].double()
 
     def error(self, coef: Solution) -> float:
         """``||Y - X coef||^2 / ||Y||^2``, a block of ``coef``'s columns at a time."""
         sq = self.yty
         for block, c in coef.blocks():
-            sq += float((c * (self.xtx @ c - 2 * self.xty[:, block])).sum())
+            sq += float((c * (self.xtx @ c - 2 * self.rhs(block))).sum())
         return max(sq, 0.0) / max(self.yty, 1e-300)
 
 
@@ -265,7 +272,9 @@ class LayerFit:
 
     def weights_coef(self, ridge: float) -> Solution:
         """Every kept weight (and the bias) refitted: (features, out)."""
-        return self._solve(self.sums.xtx, Solution.of(self.sums.xty), ridge, self.current())
+        sums = self.sums
+        b = Solution(sums.rhs, sums.xty.shape[0], sums.xty.shape[1])
+        return self._solve(sums.xtx, b, ridge, self.current())
 
     def scales_coef(self, ridge: float) -> Solution:
         """One scale per kept input channel (all its kernel taps) times the current weights,
@@ -284,9 +293,9 @@ class LayerFit:
             xtx = xtx - n * torch.outer(mu, mu)
         wwt, rhs = torch.zeros_like(xtx), xtx.new_zeros(n_w)
         for block, c in now.blocks():
-            w, xty = c[:n_w], sums.xty[:n_w, block]
+            w, xty = c[:n_w], sums.rhs(block)
             if bias:
-                xty = xty - torch.outer(mu, sums.xty[n_w, block])  # n * outer(mu, nu)
+                xty = xty[:n_w] - torch.outer(mu, xty[n_w])  # n * outer(mu, nu)
             wwt += w @ w.T
             rhs += (xty * w).sum(1)
         gram = (xtx * wwt).view(k, taps, k, taps).sum((1, 3))  # (k, k)
@@ -298,7 +307,7 @@ class LayerFit:
         def columns(block: slice) -> Tensor:
             coef = now.columns(block)[:n_w] * scale
             if bias:
-                coef = torch.cat([coef, (sums.xty[n_w, block] / n - coef.T @ mu)[None]])
+                coef = torch.cat([coef, (sums.rhs(block)[n_w] / n - coef.T @ mu)[None]])
             return coef
 
         return Solution(columns, self.features, now.outputs)

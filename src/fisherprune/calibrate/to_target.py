@@ -26,13 +26,18 @@ import math
 import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from fisherprune.calibrate.checkpoint import (
+    check_checkpoint,
+    checkpointed_blocks,
+    resolve_block_list,
+)
 from fisherprune.calibrate.label_free import LabelFreeLoss
 from fisherprune.calibrate.latency_line import (
     LatencyCheck,
@@ -327,14 +332,19 @@ def estimate_signals(
     loss_fn: LossFn,
     criterion: Criterion,
     progress: Callable[[Iterable[Any]], Iterable[Any]] | None = None,
+    blocks: nn.ModuleList | None = None,
 ) -> int:
     """Set each mask's ``signal`` to the criterion's estimate over all of ``batches``.
 
     Runs one forward and backward per batch in eval mode with every parameter frozen, the
-    masks collecting; then ``criterion.update(masks, decay=0)`` pools every example.
+    masks collecting; then ``criterion.update(masks, decay=0)`` pools every example. With
+    ``blocks`` (a repeated ``nn.ModuleList`` of ``model``), each block is checkpointed for the
+    pass (``calibrate.checkpoint``): its activations are recomputed in backward instead of
+    held, one block's at a time; the signals are the same.
 
     Changes: each mask's ``signal`` (replaced); the masks' ``collecting`` flag is left on.
-    Weights, their ``.grad``, batch-norm statistics and train/eval flags are unchanged.
+    Weights, their ``.grad``, batch-norm statistics, train/eval flags and the model's modules
+    are unchanged.
 
     Returns:
         The number of calibration examples.
@@ -347,7 +357,8 @@ def estimate_signals(
         m.collecting = True
         m.reset_statistics()
     examples, losses = 0, []
-    with eval_mode(model), _frozen(model), torch.enable_grad():
+    recomputed = checkpointed_blocks(model, blocks) if blocks is not None else nullcontext()
+    with eval_mode(model), _frozen(model), recomputed, torch.enable_grad():
         for inputs, targets in progress(batches) if progress else batches:
             loss = loss_fn(call_model(model, inputs), targets)
             loss.backward()
@@ -454,6 +465,7 @@ def prune_to_target(
     repair_passes: int | None = None,
     repair_examples: int | None = None,
     repair_budget: float | None = REPAIR_FLOPS,
+    checkpoint: bool | str = "auto",
     progress: bool = False,
 ) -> PruneResult:
     """Prune a trained ``model`` to ``target`` using calibration ``batches``, without training.
@@ -472,7 +484,8 @@ def prune_to_target(
     train/eval flags come back as they were.
 
     Memory, besides the model: one calibration batch's activations, forward and backward
-    (pass small batches to bound it: the signals are per example, whatever the batching), no
+    (pass small batches to bound it: the signals are per example, whatever the batching; with
+    ``checkpoint``, one repeated block's and each block's input), no
     weight gradient (parameters are frozen while signals are collected), and in the repair
     one stage's least-squares sums, one block of a layer's solution, one layer's original
     weights and one held-out batch's dense outputs at a time (the others wait in a temporary
@@ -543,6 +556,10 @@ def prune_to_target(
             per example times about ``examples x (passes + 1)``); over it the stages are
             grouped into fewer passes, then fewer examples are read (``repair_consumers``'
             ``budget``; ``RepairReport`` says what ran). None: no limit.
+        checkpoint: recompute each repeated block (decoder layer) in the signal passes'
+            backward instead of holding its activations (``calibrate.checkpoint``): the same
+            signals for about one more forward per batch; ``"auto"``: where the model has such
+            a list (found by one forward pass) and no ``ExpertGate``; True: refused without one.
         progress: show a progress bar over the calibration passes and rounds (tqdm).
 
     Returns:
@@ -577,6 +594,7 @@ def prune_to_target(
             f"score_convention must be one of {', '.join(CONVENTIONS)} or None, "
             f"got {score_convention!r}"
         )
+    check_checkpoint(checkpoint)
     if blocks not in (True, False, "only"):
         raise ValueError(f'blocks must be True, False or "only", got {blocks!r}')
     loss = loss_fn if loss_fn is not None else LabelFreeLoss(task, seed)
@@ -592,6 +610,11 @@ def prune_to_target(
                 f"{kind.__name__}: remove_masks(model) first, or "
                 f"apply_masks(model, x, {what}=True)"
             )
+    recompute = (
+        resolve_block_list(model, example_inputs, masks, checkpoint)
+        if crit.uses_gradients
+        else None
+    )
     timed = {c: latency if c == "latency" else None for c in (convention, score_convention)}
     cost_model = CostModel(model, example_inputs, convention, latency=timed[convention])
     score_model = cost_model
@@ -650,7 +673,9 @@ def prune_to_target(
                     norms.reestimate(data)
                 bar = _bar(progress, f"signals, round {r} (goal {g}/{goals})")
                 if crit.uses_gradients:
-                    result.examples = estimate_signals(model, masks, data, loss, crit, bar)
+                    result.examples = estimate_signals(
+                        model, masks, data, loss, crit, bar, blocks=recompute
+                    )
                 elif crit.uses_activations:
                     result.examples = observe_activations(model, masks, data, crit, bar)
             with clock("selection"):

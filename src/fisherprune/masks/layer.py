@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from fisherprune.masks import tracing
+from fisherprune.masks import recompute, tracing
 
 __all__ = ["MaskLayer", "all_ones", "gather_through", "log_input_changed"]
 
@@ -360,7 +360,8 @@ class MaskLayer(nn.Module):
         mult = self._multiplier(x, dim, index)
         if collect:
             self.start_pass()
-            return gather_through(x, mult, self, index, dim, ones and self._alias_ok)
+            alias = ones and self._alias_ok and not recompute.checkpointing()
+            return gather_through(x, mult, self, index, dim, alias)
         return x * mult
 
     def _multiplier(self, x: Tensor, dim: int, index: Tensor | None) -> Tensor:
@@ -411,8 +412,9 @@ class MaskLayer(nn.Module):
         self._gathered.received = True
 
     def start_pass(self) -> None:
-        """Called at each forward use: a forward after a backward closes the last pass."""
-        if self._gathered.backward_seen:
+        """Called at each forward use: a forward after a backward closes the last pass (not a
+        forward recomputed within the backward, ``masks.recompute``)."""
+        if self._gathered.backward_seen and not recompute.recomputing():
             self._gathered.commit()
 
     def accumulate(self, g: Tensor, index: Tensor | None) -> None:

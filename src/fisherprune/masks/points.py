@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from fisherprune.masks import tracing
+from fisherprune.masks import recompute, tracing
 from fisherprune.masks.layer import MaskLayer, all_ones, gather_through, log_input_changed
 from fisherprune.masks.norm_points import NormPoint
 from fisherprune.masks.output_points import OutputMasks
@@ -272,7 +272,7 @@ class MaskPoint:
             return self.shared.put(x, key, x * self.multiplier(x))
         for m in self._masks:
             m.start_pass()
-        ident = self._alias_ok and self._nothing_pruned()
+        ident = self._alias_ok and self._nothing_pruned() and not recompute.checkpointing()
         # an aliasing product needs no multiplier (unless it must carry the gradient)
         mult = None if ident and x.requires_grad else self.multiplier(x)
         reduce = self._to_examples(x)
@@ -285,6 +285,8 @@ class MaskPoint:
         reduce = to_examples(self.rows.kind, x, self.probe, self.scope)
         if reduce is not False:
             return reduce
+        if recompute.recomputing():  # outside the model call; its backward never runs
+            return None
         if not self._rows_warned and self.rows.kind != UNKNOWN:
             self._rows_warned = True
             log.warning(

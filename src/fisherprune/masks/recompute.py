@@ -1,0 +1,48 @@
+"""What masks must know of activation checkpointing (``fisherprune.calibrate.checkpoint``).
+
+Two flags of this thread. ``checkpointing()``: a signal pass runs with its repeated blocks
+checkpointed, so no mask may alias its input (an aliasing product holds its input for the
+backward outside the saved tensors that checkpointing drops and recomputes).
+``recomputing()``: a block's forward is being run again in backward to rebuild its saved
+tensors; the masks inside it then change no state (no pass is closed, nothing is warned about),
+so that nothing is counted twice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+
+__all__ = ["checkpointing", "checkpointing_on", "recomputing", "recomputing_on"]
+
+_state = threading.local()
+
+
+def checkpointing() -> bool:
+    """Whether a checkpointed signal pass runs on this thread."""
+    return getattr(_state, "checkpointing", 0) > 0
+
+
+def recomputing() -> bool:
+    """Whether a checkpointed block's forward is being recomputed on this thread."""
+    return getattr(_state, "recomputing", 0) > 0
+
+
+@contextlib.contextmanager
+def _raised(flag: str) -> Iterator[None]:
+    setattr(_state, flag, getattr(_state, flag, 0) + 1)
+    try:
+        yield
+    finally:
+        setattr(_state, flag, getattr(_state, flag) - 1)
+
+
+def checkpointing_on() -> contextlib.AbstractContextManager[None]:
+    """``checkpointing()`` is True inside the block (nests)."""
+    return _raised("checkpointing")
+
+
+def recomputing_on() -> contextlib.AbstractContextManager[None]:
+    """``recomputing()`` is True inside the block (nests)."""
+    return _raised("recomputing")
