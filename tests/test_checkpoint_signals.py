@@ -5,6 +5,7 @@ repeated blocks is refused when checkpointing is asked for."""
 from __future__ import annotations
 
 import functools
+import threading
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from torch import nn
 
 import fisherprune as fp
 from fisherprune.calibrate import estimate_signals
+from fisherprune.calibrate.checkpoint import checkpointed_blocks
 from fisherprune.calibrate.label_free import LabelFreeLoss
 from fisherprune.masks.blocks import find_block_list
 
@@ -100,3 +102,40 @@ def test_checkpoint_is_refused_without_repeated_blocks_and_for_a_bad_value() -> 
         fp.prune_to_target(net, x[:1], data, "60%", loss_fn=loss, checkpoint=True)
     with pytest.raises(ValueError, match='checkpoint must be True, False or "auto"'):
         fp.prune_to_target(net, x[:1], data, "60%", loss_fn=loss, checkpoint="yes")
+
+
+def test_a_backward_on_another_thread_recomputes_as_the_first_forward_ran() -> None:
+    """CUDA's autograd engine runs a backward, and so the layers' recomputation, on a thread of
+    the device, not the one that ran the forward: a checkpointed pass whose backwards run on
+    another thread gives the plain pass's signals, with nothing pruned (the masks' aliasing
+    path, which the recomputation must also leave alone)."""
+    model, masks, ids = masked_decoder("llama")
+    with torch.no_grad():
+        for m in masks.values():
+            m.mask.fill_(1.0)
+    data = [({"input_ids": ids[i : i + 2]}, None) for i in (0, 2)]
+    plain = _signals(model, masks, data, None)
+    _, layers = find_block_list(model, {"input_ids": ids[:1]})
+    for m in masks.values():
+        m.reset_statistics()
+    loss_fn, errors = LabelFreeLoss("auto", 0), []
+
+    def backward(loss: torch.Tensor) -> None:
+        try:
+            loss.backward()
+        except Exception as e:  # reported below, on the test's thread
+            errors.append(e)
+
+    model.requires_grad_(False)
+    try:
+        with checkpointed_blocks(model, layers), torch.enable_grad():
+            for inputs, _ in data:
+                worker = threading.Thread(target=backward, args=(loss_fn(model(**inputs), None),))
+                worker.start()
+                worker.join()
+    finally:
+        model.requires_grad_(True)
+    assert errors == []
+    fp.criteria.Fisher().update(masks, 0.0, loss_reduction="mean")
+    for name, s in plain.items():
+        torch.testing.assert_close(masks[name].signal, s, rtol=1e-6, atol=0.0)

@@ -6,6 +6,11 @@ backward outside the saved tensors that checkpointing drops and recomputes).
 ``recomputing()``: a block's forward is being run again in backward to rebuild its saved
 tensors; the masks inside it then change no state (no pass is closed, nothing is warned about),
 so that nothing is counted twice.
+
+The backward, and so the recomputation, may run on another thread than the forward: CUDA's
+autograd engine runs it on a thread of the device. ``recomputing_on`` therefore raises both
+flags on the thread it is entered on, so that the recomputed forward makes the same choices
+(no aliasing) as the first one did.
 """
 
 from __future__ import annotations
@@ -43,6 +48,9 @@ def checkpointing_on() -> contextlib.AbstractContextManager[None]:
     return _raised("checkpointing")
 
 
-def recomputing_on() -> contextlib.AbstractContextManager[None]:
-    """``recomputing()`` is True inside the block (nests)."""
-    return _raised("recomputing")
+@contextlib.contextmanager
+def recomputing_on() -> Iterator[None]:
+    """``recomputing()`` and ``checkpointing()`` are True inside the block, on the thread
+    entering it (nests)."""
+    with _raised("checkpointing"), _raised("recomputing"):
+        yield
