@@ -426,7 +426,8 @@ def test_train_cli_prunes_to_a_latency_target(tmp_path, fake_clock):
 
 def test_prune_cli_reports_predicted_and_measured_latency(tmp_path, fake_clock):
     """``fisherprune prune --convention latency`` meets a share of the timed latency and its
-    report gives the table's prediction beside the written model timed whole, in ms."""
+    report gives the table's prediction beside the written model timed whole, in ms, and
+    with ``--latency_checks`` the states its loop timed (the last, the state written)."""
     from tests.test_cli import run_cli
     from tests.test_cli_prune import _data_and_weights
 
@@ -436,6 +437,7 @@ def test_prune_cli_reports_predicted_and_measured_latency(tmp_path, fake_clock):
         "prune", "mlp", "--width", "32", "--depth", "2", "--weights", weights, "--data", data,
         "--target", "60%", "--convention", "latency", "--latency_batch", "4",
         "--latency_threads", "1", "--latency_cache", tmp_path / "tables", "--out", out,
+        "--latency_checks", "2",
     )  # fmt: skip
     assert cli.code == 0, cli.err
     report = json.loads((out / "report.json").read_text())

@@ -19,7 +19,7 @@ __all__ = ["add_latency_arguments", "latency_spec"]
 
 def add_latency_arguments(p: argparse.ArgumentParser) -> None:
     """Add ``--latency_device``, ``--latency_batch``, ``--latency_threads``,
-    ``--latency_form`` and ``--latency_cache`` to ``p``."""
+    ``--latency_form``, ``--latency_cache`` and ``--latency_checks`` to ``p``."""
     p.add_argument(
         "--latency_device",
         default="cpu",
@@ -49,6 +49,14 @@ def add_latency_arguments(p: argparse.ArgumentParser) -> None:
         help="with --convention latency: folder (or .json file) of the timing tables "
         "(default ~/.cache/fisherprune/latency; a second run reads them)",
     )
+    p.add_argument(
+        "--latency_checks",
+        type=int,
+        default=0,
+        help="with --convention latency: states of the prune shrunk and timed whole on the "
+        "way, the latency line refitted through each (LatencySpec.checks; experimental: "
+        "not yet validated on a quiet machine)",
+    )
 
 
 def latency_spec(args: argparse.Namespace) -> LatencySpec | None:
@@ -65,5 +73,6 @@ def latency_spec(args: argparse.Namespace) -> LatencySpec | None:
         threads=args.latency_threads,
         form=args.latency_form,
         cache=args.latency_cache,
+        checks=args.latency_checks,
         step=args.round_to,
     )
