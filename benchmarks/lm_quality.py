@@ -1,13 +1,15 @@
 """One-shot quality on a decoder language model trained here on real text (issue 33 point 5).
 
-Model: a Hugging Face ``LlamaForCausalLM`` built from a config (default: hidden 256, 6 layers,
-MLP 768, 8 query heads sharing 4 key/value heads, rotary positions, RMSNorm, untied embedding
-and head over a byte-level BPE vocabulary of 2,048 tokens trained with the ``tokenizers``
-package on the training text: about 5.8M parameters, the embedding and head 18% of them).
+Model: a Hugging Face ``LlamaForCausalLM`` built from a config (``TrainConfig``: hidden 128,
+4 layers, MLP 384, 4 query heads sharing 2 key/value heads, rotary positions, RMSNorm, untied
+embedding and head over a byte-level BPE vocabulary of 1,024 tokens trained with the
+``tokenizers`` package on the training text: 1.05M parameters, the embedding and head 25% of
+them; a 5.8M shape took 13-17 s a step on this shared 2-core machine, far from a plateau in 30
+minutes).
 Corpus: Python's documentation topics shipped with CPython (``pydoc_data.topics``, split as
 ``one_shot_text.corpus_text``: each tenth topic held out for the test perplexity; the last 5%
 of the training tokens are the validation stream that decides when training has plateaued).
-Training: AdamW, batches of 16 windows of 128 tokens, a linear warm-up then a constant rate,
+Training: AdamW, batches of 16 windows of 64 tokens, a linear warm-up then a constant rate,
 held-out validation perplexity every ``--eval-every`` steps; it stops at a plateau (no
 improvement of 1% over the best in two evaluations) or when ``--train-minutes`` of wall time are
 spent, whichever comes first. The model and tokenizer are cached under
@@ -16,7 +18,7 @@ spent, whichever comes first. The model and tokenizer are cached under
 Cells: per seed (which picks the calibration windows and the random criterion's stream) and
 target (20%, 35% and 50% fewer parameters: ``target`` 0.8, 0.65 and 0.5 with
 ``convention="params"``), ``prune_to_target`` at its defaults (repair on) from a copy of the
-dense model, on 32 calibration windows of 128 tokens with next-token labels:
+dense model, on 32 calibration windows of 64 tokens (the context) with next-token labels:
 
 * ``fisher``, ``l1``, ``activation`` (structured Wanda / FLAP: ``fisherprune.criteria.
   Activation``), ``taylor``, ``random``: width only (channels, heads, hidden width);
@@ -26,7 +28,7 @@ dense model, on 32 calibration windows of 128 tokens with next-token labels:
 * ``fisher_both``: ``blocks=True`` (layers and channels ranked in one budget).
 
 Each cell records the held-out test perplexity (``fisherprune.calibrate.perplexity`` over
-non-overlapping 128-token windows of the test text) and its wall time. ``fisher`` (width only,
+non-overlapping context-long windows of the test text) and its wall time. ``fisher`` (width only,
 the library's default) is ranked among the width-only rivals by ``one_shot_defaults.verdicts``.
 
 ``python benchmarks/lm_quality.py [--seeds 3] [--targets 0.8 0.65 0.5] [--methods ...]
