@@ -35,11 +35,16 @@ def _with_overhead(model, example_inputs, spec, clock=None):
     return _fake_whole(model, example_inputs, spec, _flops_seconds) + OVERHEAD
 
 
+def install_clock(monkeypatch: pytest.MonkeyPatch, whole) -> None:
+    """Operators take their FLOPs in nanoseconds; a model timed whole takes ``whole``."""
+    monkeypatch.setattr(lat.OpTimer, "seconds", _flops_seconds)
+    monkeypatch.setattr(model_module, "whole_model_seconds", whole)
+    monkeypatch.setattr(line_module, "whole_model_seconds", whole)
+
+
 @pytest.fixture
 def overhead_clock(monkeypatch):
-    monkeypatch.setattr(lat.OpTimer, "seconds", _flops_seconds)
-    monkeypatch.setattr(model_module, "whole_model_seconds", _with_overhead)
-    monkeypatch.setattr(line_module, "whole_model_seconds", _with_overhead)
+    install_clock(monkeypatch, _with_overhead)
 
 
 def _net() -> nn.Module:

@@ -20,14 +20,10 @@ import fisherprune.cost.model as model_module
 from fisherprune.calibrate import fit_latency_line
 from fisherprune.cost import CostModel, LatencySpec
 from fisherprune.cost import latency as lat
-from tests.test_latency_cost import _fake_whole, flops_at
+from tests.test_latency_cost import _fake_whole
+from tests.test_latency_line import OVERHEAD, _flops_seconds, install_clock
 
-OVERHEAD = 40e-6  # seconds per forward pass between the operators
 BENT = 300e-6  # seconds the whole model adds at the second convolution's full width, squared
-
-
-def _flops_seconds(self, rec, dense, shapes):
-    return flops_at(rec, shapes) * 1e-9
 
 
 def _bent(model, example_inputs, spec, clock=None):
@@ -41,9 +37,7 @@ def _bent(model, example_inputs, spec, clock=None):
 
 @pytest.fixture
 def bent_clock(monkeypatch):
-    monkeypatch.setattr(lat.OpTimer, "seconds", _flops_seconds)
-    monkeypatch.setattr(model_module, "whole_model_seconds", _bent)
-    monkeypatch.setattr(line_module, "whole_model_seconds", _bent)
+    install_clock(monkeypatch, _bent)
 
 
 def _net() -> nn.Module:
@@ -93,9 +87,7 @@ def test_a_last_state_slower_than_the_target_is_pruned_again_once(tmp_path, monk
     """One goal (no state checked before it): the state it reaches on the copy's line times
     more than the slack slower than the target, so the goal is reached again on the line
     through that state, and checked once more (never a third time)."""
-    monkeypatch.setattr(lat.OpTimer, "seconds", _flops_seconds)
-    monkeypatch.setattr(model_module, "whole_model_seconds", _steep)
-    monkeypatch.setattr(line_module, "whole_model_seconds", _steep)
+    install_clock(monkeypatch, _steep)
     net, x = _net(), torch.randn(2, 3, 8, 8)
     result, _ = _prune(tmp_path, net, "50%", rounds=1)
     first, last = result.latency_checks
