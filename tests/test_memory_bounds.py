@@ -26,6 +26,22 @@ def _mlp(width: int = 48, depth: int = 5) -> nn.Sequential:
     return nn.Sequential(*layers, nn.Linear(width, 3)).eval()
 
 
+def _first_channels_pruned(
+    rows: int, removed: Callable[[int], int], **shape: int
+) -> tuple[nn.Sequential, Tensor, dict]:
+    """``_mlp(**shape)`` masked, each mask's first ``removed(its channels)`` channels zeroed,
+    and ``rows`` inputs; after a ``gc.collect()``, so that an earlier test's model left in a
+    reference cycle is not counted."""
+    gc.collect()
+    net = _mlp(**shape)
+    x = torch.randn(rows, 8, generator=torch.Generator().manual_seed(1))
+    masks = fp.apply_masks(net, x[:1])
+    with torch.no_grad():
+        for m in masks.values():
+            m.mask[: removed(m.num_channels)] = 0.0
+    return net, x, masks
+
+
 def _weight_copies(model: nn.Module, shapes: set[tuple[int, ...]]) -> int:
     """Live tensors (by storage) shaped like one of ``shapes`` that no parameter of ``model``
     holds now: copies of weights."""
@@ -48,13 +64,7 @@ def test_repair_holds_at_most_one_layers_original_weights_at_a_time() -> None:
     layers), no more than one copy of a fitted layer's weight is alive beside the model when
     the last layer runs, after every other is refitted: the original weights are read back
     one layer at a time, not held for all fitted layers (three copies alive there)."""
-    gc.collect()  # an earlier test's model, left in a reference cycle, is not counted
-    net = _mlp(depth=4)
-    x = torch.randn(64, 8, generator=torch.Generator().manual_seed(1))
-    masks = fp.apply_masks(net, x[:1])
-    with torch.no_grad():
-        for m in masks.values():
-            m.mask[: m.num_channels // 2] = 0.0
+    net, x, masks = _first_channels_pruned(64, lambda n: n // 2, depth=4)
     dense = {n: torch.ones_like(m.mask) for n, m in masks.items()}
     linears = [m for m in net if isinstance(m, nn.Linear)]
     shapes = {tuple(m.weight.shape) for m in linears[1:]}
@@ -166,13 +176,7 @@ def test_shrink_dry_run_narrows_a_run_of_kept_channels_instead_of_copying() -> N
     removes them), the dry run's shrunk copy holds views of the model's weights: no tensor
     shaped like a sliced weight is alive beside the model's own storages while the copy runs
     (each sliced weight was copied), and the model keeps its weights."""
-    gc.collect()  # an earlier test's model, left in a reference cycle, is not counted
-    net = _mlp(width=40)
-    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
-    masks = fp.apply_masks(net, x[:1])
-    with torch.no_grad():
-        for m in masks.values():
-            m.mask[:4] = 0.0
+    net, x, _ = _first_channels_pruned(4, lambda n: 4, width=40)
     params = list(net.parameters())
     before = [_bits(p) for p in params]
     sliced = {(36, 8), (36, 36), (3, 36), (36,)}  # every hidden width loses 4 of 40
