@@ -12,8 +12,9 @@ import torch
 from torch import nn
 
 import fisherprune as fp
+from fisherprune.calibrate import checkpoint as checkpointing
 from fisherprune.calibrate import estimate_signals
-from fisherprune.calibrate.checkpoint import checkpointed_blocks
+from fisherprune.calibrate.checkpoint import checkpointed_blocks, resolve_block_list
 from fisherprune.calibrate.label_free import LabelFreeLoss
 from fisherprune.masks.blocks import find_block_list
 
@@ -102,6 +103,37 @@ def test_checkpoint_is_refused_without_repeated_blocks_and_for_a_bad_value() -> 
         fp.prune_to_target(net, x[:1], data, "60%", loss_fn=loss, checkpoint=True)
     with pytest.raises(ValueError, match='checkpoint must be True, False or "auto"'):
         fp.prune_to_target(net, x[:1], data, "60%", loss_fn=loss, checkpoint="yes")
+
+
+def _resolved_and_forwards(model: nn.Module, masks: dict, example: dict) -> tuple[object, int]:
+    """What ``resolve_block_list(..., "auto")`` gives, and how many forwards it ran."""
+    calls = [0]
+    handle = model.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    try:
+        found = resolve_block_list(model, example, masks, "auto")
+    finally:
+        handle.remove()
+    return found, calls[0]
+
+
+def test_auto_leaves_a_model_under_the_size_floor_alone_without_a_forward() -> None:
+    """``checkpoint="auto"`` does not checkpoint a model whose parameters take fewer than
+    ``AUTO_MIN_BYTES``, and runs no forward pass to look for its blocks."""
+    model, masks, ids = masked_decoder("llama")
+    assert sum(p.numel() * p.element_size() for p in model.parameters()) < (
+        checkpointing.AUTO_MIN_BYTES
+    )
+    assert _resolved_and_forwards(model, masks, {"input_ids": ids[:1]}) == (None, 0)
+
+
+def test_auto_checkpoints_a_model_at_the_size_floor(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model whose parameters take exactly ``AUTO_MIN_BYTES`` gets its decoder layers
+    checkpointed under ``checkpoint="auto"``."""
+    model, masks, ids = masked_decoder("llama")
+    size = sum(p.numel() * p.element_size() for p in model.parameters())
+    monkeypatch.setattr(checkpointing, "AUTO_MIN_BYTES", size)
+    found, _ = _resolved_and_forwards(model, masks, {"input_ids": ids[:1]})
+    assert found is model.model.layers
 
 
 def test_a_backward_on_another_thread_recomputes_as_the_first_forward_ran() -> None:

@@ -28,7 +28,12 @@ from fisherprune.masks import MaskLayer, recompute
 from fisherprune.masks.blocks import BlockGate, find_block_list
 from fisherprune.masks.experts import ExpertGate
 
-__all__ = ["check_checkpoint", "checkpointed_blocks", "resolve_block_list"]
+__all__ = ["AUTO_MIN_BYTES", "check_checkpoint", "checkpointed_blocks", "resolve_block_list"]
+
+#: ``checkpoint="auto"`` leaves models whose parameters take fewer bytes than this alone (8M
+#: float32 parameters): the activations a pass of such a model holds are small in bytes, and
+#: recomputing each block would cost one more forward per batch for nothing
+AUTO_MIN_BYTES = 32 * 2**20
 
 
 def _contexts() -> tuple[contextlib.AbstractContextManager[None], Any]:
@@ -103,8 +108,9 @@ def resolve_block_list(
 ) -> nn.ModuleList | None:
     """The blocks a signal pass checkpoints under ``checkpoint``: False, None; True, the
     model's repeated blocks (a ``BlockGate``'s list, else ``find_block_list``: one forward
-    pass without gradient); ``"auto"``: the same, but None for a model without such a list or
-    with an ``ExpertGate`` (its routing is not checked under recomputation).
+    pass without gradient); ``"auto"``: the same, but None for a model without such a list,
+    with an ``ExpertGate`` (its routing is not checked under recomputation), or whose
+    parameters take fewer than ``AUTO_MIN_BYTES`` (then no forward pass is run).
 
     Raises:
         ValueError: ``checkpoint`` is not True, False or ``"auto"``; True and no block list.
@@ -112,7 +118,10 @@ def resolve_block_list(
     check_checkpoint(checkpoint)
     if checkpoint is False:
         return None
-    if checkpoint == "auto" and any(isinstance(m, ExpertGate) for m in masks.values()):
+    if checkpoint == "auto" and (
+        any(isinstance(m, ExpertGate) for m in masks.values())
+        or sum(p.numel() * p.element_size() for p in model.parameters()) < AUTO_MIN_BYTES
+    ):
         return None
     gate = next((m for m in masks.values() if isinstance(m, BlockGate)), None)
     if gate is not None:

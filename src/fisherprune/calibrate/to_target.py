@@ -559,7 +559,8 @@ def prune_to_target(
         checkpoint: recompute each repeated block (decoder layer) in the signal passes'
             backward instead of holding its activations (``calibrate.checkpoint``): the same
             signals for about one more forward per batch; ``"auto"``: where the model has such
-            a list (found by one forward pass) and no ``ExpertGate``; True: refused without one.
+            a list (found by one forward pass), no ``ExpertGate`` and parameters of at least
+            ``calibrate.checkpoint.AUTO_MIN_BYTES`` (32 MiB); True: refused without one.
         progress: show a progress bar over the calibration passes and rounds (tqdm).
 
     Returns:
