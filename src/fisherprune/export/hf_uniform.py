@@ -8,7 +8,7 @@ pooler's width is ``hidden_size`` too). Importing this module registers a refine
 ``fisherprune.pruner.uniform``: for each class of copies it shrinks a copy of the model with one
 channel removed from every copy and reads which config widths moved; classes that move the same
 field are merged, and classes (merged or not) whose result the config cannot describe are left
-whole, with the reason. It costs one trace and one copy of the model per class, once, when a
+whole, with the reason. It costs one trace, and one copy of the model per class, once, when a
 ``PruningOptimizer`` is made with ``uniform=True``.
 """
 
@@ -23,11 +23,13 @@ import torch
 from torch import nn
 
 from fisherprune._errors import first_line
+from fisherprune.cost import CostModel
 from fisherprune.export.hf_config import is_hf_model, read_widths, update_config
 from fisherprune.export.plan import PruningPlan
 from fisherprune.masks import MaskLayer
 from fisherprune.masks.blocks import BlockGate
 from fisherprune.masks.experts import ExpertGate
+from fisherprune.masks.points import remembered_inputs
 from fisherprune.pruner.prune import block_size, rounding
 from fisherprune.pruner.uniform import register_uniform_refiner
 
@@ -54,10 +56,12 @@ def refine_for_config(
     gates = [c for c in classes if any(isinstance(masks[n], (BlockGate, ExpertGate)) for n in c)]
     classes = [c for c in classes if c not in gates]
     dense = read_widths(model)
+    # one trace for every probe: a cost model reads its masks' values when asked
+    traced = CostModel(model, remembered_inputs(model, example_inputs))
     whole: dict[str, str] = {}
     moved: list[set[str]] = []
     for members in classes:
-        small = _probe(model, example_inputs, members, masks, round_to)
+        small = _probe(model, traced, members, masks, round_to)
         if isinstance(small, str):
             whole.update(dict.fromkeys(members, small))
             moved.append(set())
@@ -66,7 +70,7 @@ def refine_for_config(
         moved.append({f for f in widths if widths[f] != dense.get(f)})
     merged = _merge(classes, moved, whole)
     for members in merged:
-        small = _probe(model, example_inputs, members, masks, round_to)
+        small = _probe(model, traced, members, masks, round_to)
         reason = small if isinstance(small, str) else update_config(small)
         if reason:
             whole.update(dict.fromkeys(members, reason))
@@ -100,14 +104,14 @@ def _merge(
 
 def _probe(
     model: nn.Module,
-    example_inputs: Any,
+    traced: CostModel,
     names: list[str],
     masks: Mapping[str, MaskLayer],
     round_to: int,
 ) -> nn.Module | str:
-    """A shrunk copy of ``model`` with one more block of channels (as ``prune`` removes with
-    ``round_to``) removed from each mask in ``names``, or why it cannot be made. The model's
-    masks are restored."""
+    """A shrunk copy of ``model`` (``traced``: a cost model of it) with one more block of
+    channels (as ``prune`` removes with ``round_to``) removed from each mask in ``names``, or
+    why it cannot be made. The model's masks are restored."""
     saved = {n: masks[n].mask.detach().clone() for n in names}
     all_ones = {n: masks[n].is_all_ones() for n in names}
     try:
@@ -118,7 +122,7 @@ def _probe(
                 if alive.numel() <= r:
                     return "nothing is left to remove"
                 masks[n].mask[alive[:r]] = 0.0
-        plan = PruningPlan.from_model(model, example_inputs)
+        plan = PruningPlan.from_model(model, cost_model=traced)
         small = copy.deepcopy(model)
         with warnings.catch_warnings():  # the config's verdict is read by the caller
             warnings.simplefilter("ignore")
