@@ -86,6 +86,8 @@ from fisherprune.train.models import BasicBlock  # the trainer's own block, same
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import machine_info, write_json
+from fisher_joint import FisherJoint
+from fisher_repair import FisherRepair
 from one_shot_text import TEXT_NETS, cache_dir, log_cell, result_fields, text_rows
 from paired import paired
 
@@ -340,6 +342,8 @@ METHODS: dict[str, Callable[[int], dict[str, Any]]] = {
     "fisher_rounds8": lambda seed: {"rounds": 8, "round_cap": 1.0},
     "fisher_root": lambda seed: {"criterion": PowerFisher(0.5)},
     "fisher_pow67": lambda seed: {"criterion": PowerFisher(2 / 3)},
+    "fisher_repair": lambda seed: {"criterion": FisherRepair()},
+    "fisher_joint": lambda seed: {"criterion": FisherJoint()},
     "fisher_no_norms": lambda seed: {"recalibrate_norms": False},
     "fisher_label_free": lambda seed: {"loss_fn": None, "seed": seed},
     "fisher_expected": lambda seed: {"loss_fn": LabelFreeLoss(seed=seed, labels="expected")},
@@ -362,6 +366,8 @@ TEXT_METHODS = (
     "fisher_rescore_min25",
     "fisher_root",
     "fisher_pow67",
+    "fisher_repair",
+    "fisher_joint",
     "l1",
     "taylor",
     "taylor_cap_pace",
