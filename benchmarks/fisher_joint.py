@@ -1,23 +1,31 @@
-"""``FisherJoint``: a group-level joint Fisher signal, a candidate default for issue 31 (point 2).
+"""``FisherJoint``: the Fisher signal of removing a group's channels together, not one by one
+(a candidate default for issue 31, point 2; ``one_shot_defaults.py``'s ``fisher_joint``).
 
-The Fisher signal of one channel, ``1/2 mean_n g[n,k]^2``, is the second-order loss of removing
-that channel alone. Removing a set ``S`` of a group's channels together costs
-``1/2 mean_n (sum_{k in S} g[n,k])^2``: the channels' cross terms count. Here the kept channels
-of each group are ordered by their own Fisher signal (lowest first), and the channel at rank
-``m`` scores the increment ``J_m - J_(m-1)`` of ``J_m = 1/2 mean_n (sum of g[n,k] over the m
-lowest)^2``, the increments made non-decreasing along the order (a running maximum) so that a
-group is still thinned from its lowest channel up. A group whose channels' gradients agree in
-sign costs more to thin than the sum of its channels' signals says, and stays wider; one whose
-channels cancel is thinned further. Pruned channels keep their plain signal (never ranked).
+The Fisher signal of channel ``k``, ``F_k = 1/2 mean_n g[n,k]^2`` (``criteria.Fisher``), is the
+second-order loss of removing that channel alone (Theis et al. 2018). Removing a set ``S`` of
+one group's channels at once costs ``1/2 mean_n (sum_{k in S} g[n,k])^2``: the cross terms
+between channels count too (the group-level view of Group Fisher Pruning, Liu et al. 2021,
+applied to a set of a group's channels rather than to coupled layers). Here the kept channels
+of each mask are ordered by their own signal, lowest first, and the channel at rank ``m``
+scores the increment
 
-The per-example gradients ``g`` (every calibration example, ``C`` values per mask) are kept
-between ``update`` and ``importance``: 512 x C floats per mask on the benchmark's networks.
+    J_m - J_(m-1),   J_m = 1/2 mean_n (sum of g[n,k] over the m lowest-ranked kept k)^2,
+
+the increments made non-decreasing along the order (a running maximum), so that a group is
+still thinned from its lowest channel up and the sum of the ``m`` lowest scores is at least
+``J_m``. Channels whose gradients agree in sign cost more together than their signals add up
+to, and their group stays wider; channels that cancel are thinned further. The first channel
+scores its own ``F_k``; pruned channels keep ``F_k`` (never ranked).
+
+The per-example gradients of the last ``update`` (``N x C`` values per mask: every calibration
+example in ``prune_to_target``, which folds all its batches in one update) are kept until the
+next one; the order uses the signal, which in training is a moving average over updates.
+One process only: the gradients of other ranks are not gathered.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -28,15 +36,20 @@ from fisherprune.masks import MaskLayer, MaskSet, as_mask_dict
 
 
 class FisherJoint(Fisher):
-    """The joint Fisher increment of each channel within its group (module docstring)."""
+    """The increment of the joint Fisher loss each channel adds within its group, in the
+    order of the plain Fisher signal (module docstring). Changes nothing but its own record of
+    the last update's per-example gradients."""
 
     def __init__(self) -> None:
         super().__init__()
         self._passes: list[Tensor] = []
-        self._grads: dict[str, Tensor] = {}  # per mask: (examples, C), the 1/N undone
+        self._mean = True  # whether the last update's loss was mean-reduced
+        self._grads: dict[str, Tensor] = {}  # per mask: (examples, C), float64 on the CPU
 
     def statistic(self, g: Tensor) -> Tensor:
-        self._passes.append(g.detach().double() * g.shape[0])  # a mean loss's 1/N undone
+        """``Fisher.statistic``, keeping ``g`` (a mean-reduced loss's ``1/N`` undone)."""
+        scale = g.shape[0] if self._mean else 1
+        self._passes.append(g.detach().double().cpu() * scale)
         return super().statistic(g)
 
     def update(
@@ -47,17 +60,25 @@ class FisherJoint(Fisher):
         loss_reduction: str = "mean",
         process_group: dist.ProcessGroup | None = None,
     ) -> Tensor | None:
-        """``Fisher.update`` one mask at a time, keeping each one's per-example gradients."""
-        if loss_reduction != "mean":
-            raise ValueError("FisherJoint keeps per-example gradients of a mean-reduced loss only")
-        skipped: Tensor | None = None
-        self._grads = {}
+        """``Fisher.update`` one mask at a time, keeping each mask's per-example gradients
+        (those of an earlier update are dropped).
+
+        Raises:
+            ValueError: ``torch.distributed`` runs more than one process.
+        """
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            raise ValueError(
+                "fisher_joint scores channels from this process's per-example gradients only: "
+                "run it on one process, or use fisher, which all-reduces its signal"
+            )
+        self._mean = loss_reduction == "mean"
+        self._grads, skipped = {}, None
         for name, m in as_mask_dict(masks).items():
             self._passes = []
             got = super().update({name: m}, decay, loss_reduction=loss_reduction,
                                  process_group=process_group)  # fmt: skip
             if self._passes:
-                self._grads[name] = torch.cat(self._passes).cpu()
+                self._grads[name] = torch.cat(self._passes)
             if got is not None:
                 skipped = got if skipped is None else skipped + got
         return skipped
@@ -66,19 +87,13 @@ class FisherJoint(Fisher):
     def importance(self, masks: Mapping[str, MaskLayer], model: nn.Module) -> dict[str, Tensor]:
         out: dict[str, Tensor] = {}
         for name, m in masks.items():
-            signal = m.signal.detach().double().cpu()
+            score = m.signal.detach().double().cpu().clone()
             g = self._grads.get(name)
             kept = torch.nonzero(m.mask.detach().cpu() > 0.5).flatten()
-            if g is None or len(kept) == 0:
-                out[name] = signal
-                continue
-            order = kept[torch.argsort(signal[kept])]  # lowest first
-            joint = 0.5 * g[:, order].cumsum(1).square().mean(0)  # J_1, ..., J_K
-            steps = torch.diff(joint, prepend=joint.new_zeros(1)).cummax(0).values
-            score = signal.clone()
-            score[order] = steps.clamp_min(0.0)
+            if g is not None and len(kept):
+                order = kept[torch.argsort(score[kept], stable=True)]  # lowest signal first
+                joint = 0.5 * g[:, order].cumsum(1).square().mean(0)  # J_1 .. J_K
+                steps = torch.diff(joint, prepend=joint.new_zeros(1))
+                score[order] = steps.cummax(0).values.clamp_min(0.0)
             out[name] = score
         return out
-
-    def settings(self) -> dict[str, Any]:
-        return {**super().settings(), "joint": True}

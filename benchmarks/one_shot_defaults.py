@@ -37,7 +37,10 @@ that does not follow the target),
 ``fisher_rounds_only`` (``round_cap=1``),
 ``fisher_rounds8`` (``rounds=8, round_cap=1``), ``fisher_root`` (the defaults with the Fisher
 signal's square root as importance: ``PowerFisher(0.5)``), ``fisher_pow67`` (its power 2/3:
-a cost exponent of 1.5), ``fisher_no_norms``
+a cost exponent of 1.5), ``fisher_repair`` (the defaults with ``FisherRepair``: the signal
+times the share of each channel the repair cannot rebuild from the others, ``fisher_repair.py``),
+``fisher_joint`` (the defaults with ``FisherJoint``, ``fisher_joint.py``: each channel scores
+the increment of the joint Fisher loss of its group's lowest channels), ``fisher_no_norms``
 (``recalibrate_norms=False``: every round's signals measured with the dense batch-norm
 statistics, the default before), ``fisher_label_free`` (``loss_fn=None``: the Fisher of
 labels sampled from the model, not the data's), ``fisher_expected``

@@ -1,5 +1,5 @@
 """Pruning criteria (``fisherprune.criteria.Fisher()``, ``Taylor()``, ``L1()``, ``Random(seed)``,
-``Activation()``, ``FisherJoint()``) and the ``Criterion`` base to write your own; see
+``Activation()``) and the ``Criterion`` base to write your own; see
 ``fisherprune.signals.criteria``."""
 
 from fisherprune.signals.activation import Activation
@@ -16,7 +16,6 @@ from fisherprune.signals.criteria import (
     register_criterion,
     resolve_criterion,
 )
-from fisherprune.signals.joint import FisherJoint
 
 __all__ = [
     "CRITERIA",
@@ -25,7 +24,6 @@ __all__ = [
     "Activation",
     "Criterion",
     "Fisher",
-    "FisherJoint",
     "GradientCriterion",
     "Random",
     "Taylor",

@@ -13,7 +13,6 @@ from fisherprune.signals.criteria import (
     resolve_criterion,
 )
 from fisherprune.signals.fisher import update_pruning_signals
-from fisherprune.signals.joint import FisherJoint
 
 __all__ = [
     "L1",
@@ -22,7 +21,6 @@ __all__ = [
     "Activation",
     "Criterion",
     "Fisher",
-    "FisherJoint",
     "GradientCriterion",
     "Random",
     "Taylor",
