@@ -38,10 +38,18 @@ from fisherprune.masks import MaskLayer, MaskSet, as_mask_dict
 class FisherJoint(Fisher):
     """The increment of the joint Fisher loss each channel adds within its group, in the
     order of the plain Fisher signal (module docstring). Changes nothing but its own record of
-    the last update's per-example gradients."""
+    the last update's per-example gradients.
 
-    def __init__(self) -> None:
+    Args:
+        at_least_own: score each channel at least its own signal, so that channels whose
+            gradients cancel are never cheaper together than alone (a norm downstream makes
+            a width scale-invariant: its channels' ``g`` then sum to about 0 per example, and
+            the joint loss of removing many is a second-order artefact).
+    """
+
+    def __init__(self, at_least_own: bool = False) -> None:
         super().__init__()
+        self.at_least_own = at_least_own
         self._passes: list[Tensor] = []
         self._mean = True  # whether the last update's loss was mean-reduced
         self._grads: dict[str, Tensor] = {}  # per mask: (examples, C), float64 on the CPU
@@ -94,6 +102,7 @@ class FisherJoint(Fisher):
                 order = kept[torch.argsort(score[kept], stable=True)]  # lowest signal first
                 joint = 0.5 * g[:, order].cumsum(1).square().mean(0)  # J_1 .. J_K
                 steps = torch.diff(joint, prepend=joint.new_zeros(1))
-                score[order] = steps.cummax(0).values.clamp_min(0.0)
+                steps = steps.cummax(0).values.clamp_min(0.0)
+                score[order] = steps.maximum(score[order]) if self.at_least_own else steps
             out[name] = score
         return out

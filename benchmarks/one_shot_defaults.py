@@ -40,7 +40,8 @@ signal's square root as importance: ``PowerFisher(0.5)``), ``fisher_pow67`` (its
 a cost exponent of 1.5), ``fisher_repair`` (the defaults with ``FisherRepair``: the signal
 times the share of each channel the repair cannot rebuild from the others, ``fisher_repair.py``),
 ``fisher_joint`` (the defaults with ``FisherJoint``, ``fisher_joint.py``: each channel scores
-the increment of the joint Fisher loss of its group's lowest channels), ``fisher_no_norms``
+the increment of the joint Fisher loss of its group's lowest channels), ``fisher_joint_own``
+(``FisherJoint(at_least_own=True)``: never below the channel's own signal), ``fisher_no_norms``
 (``recalibrate_norms=False``: every round's signals measured with the dense batch-norm
 statistics, the default before), ``fisher_label_free`` (``loss_fn=None``: the Fisher of
 labels sampled from the model, not the data's), ``fisher_expected``
@@ -347,6 +348,7 @@ METHODS: dict[str, Callable[[int], dict[str, Any]]] = {
     "fisher_pow67": lambda seed: {"criterion": PowerFisher(2 / 3)},
     "fisher_repair": lambda seed: {"criterion": FisherRepair()},
     "fisher_joint": lambda seed: {"criterion": FisherJoint()},
+    "fisher_joint_own": lambda seed: {"criterion": FisherJoint(at_least_own=True)},
     "fisher_no_norms": lambda seed: {"recalibrate_norms": False},
     "fisher_label_free": lambda seed: {"loss_fn": None, "seed": seed},
     "fisher_expected": lambda seed: {"loss_fn": LabelFreeLoss(seed=seed, labels="expected")},
@@ -371,6 +373,7 @@ TEXT_METHODS = (
     "fisher_pow67",
     "fisher_repair",
     "fisher_joint",
+    "fisher_joint_own",
     "l1",
     "taylor",
     "taylor_cap_pace",

@@ -78,26 +78,46 @@ def test_joint_increments_match_a_float64_loop_over_examples() -> None:
     assert not torch.allclose(got[n], m.signal.double())  # the cross terms changed something
 
 
-def test_a_duplicated_channel_costs_three_times_its_signal_jointly() -> None:
-    """Two copies of one channel (same producer row, same consumer column), the weakest of
-    their group: removing both costs 1/2 mean (2 g)^2 = 4 F, so the first scores its Fisher
-    signal F and the second the increment 3 F, where plain Fisher scores both F."""
+def _pair_scores(reader: float) -> dict[str, Tensor]:
+    """Channel 1 a copy of channel 0 (same producer row), read through ``reader`` times
+    channel 0's consumer column, the two the weakest of their group: the first mask's scores
+    under Fisher, FisherJoint and FisherJoint(at_least_own=True)."""
     net = _net()
     with torch.no_grad():
         net[0].weight[1] = net[0].weight[0] = 0.01 * net[0].weight[0]
         net[0].bias[1] = net[0].bias[0] = 0.0
-        net[3].weight[:, 1] = net[3].weight[:, 0]
+        net[3].weight[:, 1] = reader * net[3].weight[:, 0]
     masks = fp.find_masks(net)
     torch.manual_seed(5)
     x, y = torch.randn(16, 5, dtype=torch.float64), torch.randint(0, 3, (16,))
     scores = {}
-    for crit in (Fisher(), FisherJoint()):
+    for key, crit in (("plain", Fisher()), ("joint", FisherJoint()),
+                      ("own", FisherJoint(at_least_own=True))):  # fmt: skip
         for m in masks.values():
             m.reset_statistics()
         F.cross_entropy(net(x), y).backward()
         crit.update(masks, decay=0.0)
-        scores[type(crit).__name__] = crit.importance(masks, net)[next(iter(masks))].clone()
-    plain, joint = scores["Fisher"], scores["FisherJoint"]
-    torch.testing.assert_close(plain[0], plain[1])
-    assert int(plain.argsort()[:2].sort().values.sum()) == 1  # the copies are the two lowest
-    torch.testing.assert_close(joint[:2].sort().values, torch.stack([plain[0], 3 * plain[0]]))
+        scores[key] = crit.importance(masks, net)[next(iter(masks))][:2].clone()
+    assert int(scores["plain"].argsort()[:2].sort().values.sum()) == 1  # the pair is lowest
+    return scores
+
+
+def test_a_duplicated_channel_costs_three_times_its_signal_jointly() -> None:
+    """Two copies of one channel (same producer row, same consumer column), the weakest of
+    their group: removing both costs 1/2 mean (2 g)^2 = 4 F, so the first scores its Fisher
+    signal F and the second the increment 3 F, where plain Fisher scores both F."""
+    s = _pair_scores(1.0)
+    f = s["plain"][0]
+    torch.testing.assert_close(s["plain"][1], f)
+    torch.testing.assert_close(s["joint"].sort().values, torch.stack([f, 3 * f]))
+
+
+def test_at_least_own_keeps_a_cancelling_channel_at_its_own_signal() -> None:
+    """Channel 1 read through -2 times channel 0's column: g1 = -2 g0, so F1 = 4 F0 and
+    removing both costs 1/2 mean (g0 - 2 g0)^2 = F0, an increment of 0 that the running
+    maximum lifts to F0; with ``at_least_own`` channel 1 scores its own 4 F0."""
+    s = _pair_scores(-2.0)
+    f = s["plain"][0]
+    torch.testing.assert_close(s["plain"][1], 4 * f)
+    torch.testing.assert_close(s["joint"], torch.stack([f, f]))
+    torch.testing.assert_close(s["own"], torch.stack([f, 4 * f]))
