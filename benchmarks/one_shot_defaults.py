@@ -37,7 +37,11 @@ that does not follow the target),
 ``fisher_rounds_only`` (``round_cap=1``),
 ``fisher_rounds8`` (``rounds=8, round_cap=1``), ``fisher_root`` (the defaults with the Fisher
 signal's square root as importance: ``PowerFisher(0.5)``), ``fisher_pow67`` (its power 2/3:
-a cost exponent of 1.5), ``fisher_no_norms``
+a cost exponent of 1.5), ``fisher_repair`` (the defaults with ``FisherRepair``: the signal
+times the share of each channel the repair cannot rebuild from the others, ``fisher_repair.py``),
+``fisher_joint`` (the defaults with ``FisherJoint``, ``fisher_joint.py``: each channel scores
+the increment of the joint Fisher loss of its group's lowest channels), ``fisher_joint_own``
+(``FisherJoint(at_least_own=True)``: never below the channel's own signal), ``fisher_no_norms``
 (``recalibrate_norms=False``: every round's signals measured with the dense batch-norm
 statistics, the default before), ``fisher_label_free`` (``loss_fn=None``: the Fisher of
 labels sampled from the model, not the data's), ``fisher_expected``
@@ -86,6 +90,8 @@ from fisherprune.train.models import BasicBlock  # the trainer's own block, same
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import machine_info, write_json
+from fisher_joint import FisherJoint
+from fisher_repair import FisherRepair
 from one_shot_text import TEXT_NETS, cache_dir, log_cell, result_fields, text_rows
 from paired import paired
 
@@ -340,6 +346,9 @@ METHODS: dict[str, Callable[[int], dict[str, Any]]] = {
     "fisher_rounds8": lambda seed: {"rounds": 8, "round_cap": 1.0},
     "fisher_root": lambda seed: {"criterion": PowerFisher(0.5)},
     "fisher_pow67": lambda seed: {"criterion": PowerFisher(2 / 3)},
+    "fisher_repair": lambda seed: {"criterion": FisherRepair()},
+    "fisher_joint": lambda seed: {"criterion": FisherJoint()},
+    "fisher_joint_own": lambda seed: {"criterion": FisherJoint(at_least_own=True)},
     "fisher_no_norms": lambda seed: {"recalibrate_norms": False},
     "fisher_label_free": lambda seed: {"loss_fn": None, "seed": seed},
     "fisher_expected": lambda seed: {"loss_fn": LabelFreeLoss(seed=seed, labels="expected")},
@@ -362,6 +371,9 @@ TEXT_METHODS = (
     "fisher_rescore_min25",
     "fisher_root",
     "fisher_pow67",
+    "fisher_repair",
+    "fisher_joint",
+    "fisher_joint_own",
     "l1",
     "taylor",
     "taylor_cap_pace",

@@ -1,9 +1,14 @@
 """What the architecture tests compare against: a model's first output, FlopCounterMode's count
 per example (with the grouped matrix product counted as torch's own formula does), and the
-shrunk model against the masked one after a random prune; and the tiny Hugging Face
-mixture-of-experts decoders the MoE tests share."""
+shrunk model against the masked one after a random prune; the tiny Hugging Face
+mixture-of-experts decoders the MoE tests share; and the benchmark scripts' import."""
 
 from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -14,6 +19,14 @@ import fisherprune as fp
 from fisherprune.cost.formulas import SAME_AS_TORCH
 
 ATOL = 1e-9  # float64 output difference, relative to max(1, max |expected|)
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def benchmark_module(name: str) -> ModuleType:
+    """A benchmark script, imported as the scripts import each other (siblings on sys.path)."""
+    if str(BENCHMARKS) not in sys.path:
+        sys.path.insert(0, str(BENCHMARKS))
+    return importlib.import_module(name)
 
 
 def call(model: nn.Module, inputs: object) -> Tensor:

@@ -4,6 +4,8 @@ calibration pass runs."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from types import SimpleNamespace
 
 import pytest
@@ -14,6 +16,7 @@ from torch.overrides import TorchFunctionMode
 import fisherprune as fp
 from fisherprune.criteria import Activation
 from fisherprune.masks.blocks import BlockGate
+from fisherprune.signals.activation import hook_points
 
 
 def _mlp() -> nn.Sequential:
@@ -60,6 +63,41 @@ def test_prune_to_target_with_activation_removes_lowest_scores() -> None:
     assert removed == set(ref.argsort()[: len(removed)].tolist())
     assert len(removed) >= 2 and result.examples == 16
     assert all(p.grad is None for p in model.parameters())
+
+
+class _CountingFisher(fp.criteria.Fisher):
+    """Fisher that also counts the rows reaching the masked layers under ``observing``."""
+
+    uses_activations = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: list[int] = []
+
+    @contextmanager
+    def observing(self, model: nn.Module, masks: object) -> Iterator[None]:
+        def count(module: nn.Module, args: tuple) -> None:
+            self.rows.append(args[0].shape[0])
+
+        _, handles = hook_points(model, lambda point: count, "counting")
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+
+
+def test_a_gradient_criterion_that_reads_activations_sees_every_calibration_pass() -> None:
+    """``prune_to_target`` runs a gradient criterion's signal passes under its ``observing``:
+    a Fisher that also counts forward rows sees both calibration batches in every round."""
+    model = _mlp()
+    x = torch.randn(16, 3, dtype=torch.float64)
+    batches = [(x[:8], torch.zeros(8, dtype=torch.long)), (x[8:], torch.ones(8, dtype=torch.long))]
+    crit = _CountingFisher()
+    result = fp.prune_to_target(model, x[:1], batches, 0.6, criterion=crit, reconstruct=False,
+                                loss_fn=nn.functional.cross_entropy)  # fmt: skip
+    assert result.rounds >= 1 and result.examples == 16
+    assert crit.rows == [8, 8] * result.rounds  # one masked layer: one count per forward
 
 
 def test_optimizer_refuses_activation_criterion() -> None:

@@ -4,35 +4,25 @@ quantiles from a printed table: t(0.975, 2) = 4.303, t(0.975, 4) = 2.776)."""
 
 from __future__ import annotations
 
-import importlib
 import math
 import statistics
-import sys
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pytest
+from counted import benchmark_module
 
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 T_2, T_4 = 4.303, 2.776  # two-sided 95% Student t quantiles, 2 and 4 degrees of freedom
-
-
-def _import(name: str) -> ModuleType:
-    """A benchmark script, imported as the scripts import each other (siblings on sys.path)."""
-    if str(BENCHMARKS) not in sys.path:
-        sys.path.insert(0, str(BENCHMARKS))
-    return importlib.import_module(name)
 
 
 @pytest.fixture(scope="module")
 def pairing() -> ModuleType:
-    return _import("paired")
+    return benchmark_module("paired")
 
 
 @pytest.fixture(scope="module")
 def bench() -> ModuleType:
-    return _import("one_shot_defaults")
+    return benchmark_module("one_shot_defaults")
 
 
 def test_interval_is_mean_plus_t_times_standard_error(pairing: ModuleType) -> None:

@@ -673,10 +673,11 @@ def prune_to_target(
                 if norms is not None and r > 1:
                     norms.reestimate(data)
                 bar = _bar(progress, f"signals, round {r} (goal {g}/{goals})")
-                if crit.uses_gradients:
-                    result.examples = estimate_signals(
-                        model, masks, data, loss, crit, bar, blocks=recompute
-                    )
+                if crit.uses_gradients:  # (forward statistics too, if it reads them)
+                    with crit.observing(model, masks):
+                        result.examples = estimate_signals(
+                            model, masks, data, loss, crit, bar, blocks=recompute
+                        )
                 elif crit.uses_activations:
                     result.examples = observe_activations(model, masks, data, crit, bar)
             with clock("selection"):

@@ -31,12 +31,13 @@ influence (Men et al. 2024), which measures the same change as one minus a cosin
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
 
 from fisherprune.masks import MaskLayer
 from fisherprune.masks.blocks import BlockGate, block_input, block_output
@@ -48,7 +49,7 @@ from fisherprune.signals.criteria import (
     register_criterion,
 )
 
-__all__ = ["Activation"]
+__all__ = ["Activation", "hook_points"]
 
 #: elements of a half-precision activation widened to float32 at a time by ``_sum_squares``
 WIDEN_CHUNK = 1 << 16
@@ -117,6 +118,34 @@ class _BlockChanges:
         return 0.0 if self.sum is None else float((self.sum.double().cpu() / self.rows).sqrt())
 
 
+H = TypeVar("H", bound=Callable[[nn.Module, tuple], None])
+
+
+def hook_points(
+    model: nn.Module, make: Callable[[MaskPoint], H], criterion: str
+) -> tuple[list[H], list[RemovableHandle]]:
+    """One forward pre-hook ``make(point)`` on every module input ``apply_masks`` masks: it
+    sees that input as masked now (pruned channels read 0), after the mask's own hook.
+
+    Changes: adds the hooks; the caller removes them through the returned handles.
+
+    Raises:
+        ValueError: the model has no masks placed by ``apply_masks`` (``criterion`` names who
+            needs them).
+    """
+    found = find_holder(model)
+    if found is None or not found[1].points:
+        raise ValueError(
+            f"the {criterion} criterion reads the inputs of the layers apply_masks masks: "
+            "call fisherprune.apply_masks(model, example_inputs) first"
+        )
+    modules = dict(model.named_modules())
+    points = found[1].points
+    hooks = [make(p) for p in points]
+    pairs = zip(points, hooks, strict=True)
+    return hooks, [modules[p.module_name].register_forward_pre_hook(h) for p, h in pairs]
+
+
 @register_criterion("activation")
 class Activation(Criterion):
     """Activation-weighted magnitude (module docstring): ``sum_c sum_j ||W_c[:, j]||_2 *
@@ -149,15 +178,8 @@ class Activation(Criterion):
         Raises:
             ValueError: the model has no masks placed by ``apply_masks``.
         """
-        found = find_holder(model)
-        if found is None or not found[1].points:
-            raise ValueError(
-                "the activation criterion reads the inputs of the layers apply_masks masks: "
-                "call fisherprune.apply_masks(model, example_inputs) first"
-            )
+        self._squares, handles = hook_points(model, _InputSquares, "activation")
         modules = dict(model.named_modules())
-        self._squares = [_InputSquares(p) for p in found[1].points]
-        handles = [modules[s.point.module_name].register_forward_pre_hook(s) for s in self._squares]
         gates = {n: m for n, m in masks.items() if isinstance(m, BlockGate)}
         self._blocks = {n: [_BlockChanges() for _ in g.block_names()] for n, g in gates.items()}
         for n, g in gates.items():
