@@ -134,7 +134,8 @@ class Criterion:
         self, model: nn.Module, masks: Mapping[str, MaskLayer]
     ) -> AbstractContextManager[None]:
         """A context in which the model's forward passes feed the criterion's statistics
-        (for a criterion that ``uses_activations``); changes nothing for the others."""
+        (for a criterion that reads activations; ``prune_to_target`` runs a gradient
+        criterion's signal passes in it too); changes nothing for the others."""
         return nullcontext()
 
     def importance(self, masks: Mapping[str, MaskLayer], model: nn.Module) -> dict[str, Tensor]:
