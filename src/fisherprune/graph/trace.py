@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_map
+from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 
 from fisherprune.graph.atoms import Atoms
 from fisherprune.graph.cpu_standin import on_cpu
@@ -171,9 +171,11 @@ class _Tracer(TorchDispatchMode):
         """The row map of a traced tensor (which example each index of its first dims is of)."""
         return self.rows.get(id(t)) if isinstance(t, Tensor) and id(t) in self.infos else None
 
-    def _follow_rows(self, func: Any, args: tuple, kwargs: dict, outs: list[Tensor]) -> None:
+    def _follow_rows(
+        self, func: Any, args: tuple, kwargs: dict, outs: list[Tensor], flat_in: list[Any]
+    ) -> None:
         try:
-            found = rows_after_nd(func, args, kwargs, outs, self.rows_of)
+            found = rows_after_nd(func, args, kwargs, outs, self.rows_of, flat_in)
         except Exception:  # a rule that does not fit this call: its rows are not followed
             return
         for t, rows in zip(outs, found, strict=True):
@@ -186,7 +188,7 @@ class _Tracer(TorchDispatchMode):
         out = func(*args, **kwargs)
         if self._suspended:
             return out
-        flat_in, _ = tree_flatten((args, kwargs))
+        flat_in, in_spec = tree_flatten((args, kwargs))
         in_tensors = [a for a in flat_in if isinstance(a, Tensor)]
         flat_out, _ = tree_flatten(out)
         out_tensors = [o for o in flat_out if isinstance(o, Tensor)]
@@ -225,12 +227,13 @@ class _Tracer(TorchDispatchMode):
         for t, oi in zip(out_tensors, out_infos, strict=True):
             self.set_info(t, oi)
             slots.append(oi)
-        self._follow_rows(func, args, kwargs, out_tensors)
+        self._follow_rows(func, args, kwargs, out_tensors, flat_in)
         placeholder = _slot_replacer(slot_of)
+        rec_args, rec_kwargs = tree_unflatten([placeholder(a) for a in flat_in], in_spec)
         rec = OpRecord(
             func,
-            tree_map(placeholder, args),
-            tree_map(placeholder, kwargs),
+            rec_args,
+            rec_kwargs,
             slots,
             n_in,
             module=self.module_stack[-1] if self.module_stack else "",

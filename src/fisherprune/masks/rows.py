@@ -146,21 +146,36 @@ def add_rule(table: dict[Any, RowRule], ops: tuple[Any, ...], fn: RowRule) -> Ro
 
 
 def rows_after(
-    func: Any, args: tuple, kwargs: dict, outs: Sequence[Tensor], rows_of: RowsOf
+    func: Any,
+    args: tuple,
+    kwargs: dict,
+    outs: Sequence[Tensor],
+    rows_of: RowsOf,
+    inputs: Sequence[Any] | None = None,
 ) -> list[Rows | None]:
-    """The row map of each output tensor of one operator call (None: rows not followed)."""
-    rule = _RULES.get(getattr(func, "overloadpacket", None), same_rows)
+    """The row map of each output tensor of one operator call (None: rows not followed).
+    ``inputs``: ``(args, kwargs)`` flattened, when the caller has it (the default rule then
+    does not flatten them again for each output)."""
+    rule = _RULES.get(getattr(func, "overloadpacket", None))
+    if rule is None:
+        flat = tree_flatten((args, kwargs))[0] if inputs is None else inputs
+        return [first_rows(flat, o, rows_of) for o in outs]
     return [rule(func, args, kwargs, o, i, rows_of) for i, o in enumerate(outs)]
 
 
 def same_rows(
     _func: Any, args: tuple, kwargs: dict, out: Tensor, _i: int, rows_of: RowsOf
 ) -> Rows | None:
-    """The default: the map of the first input tensor whose dims that the map covers (dim 0
-    for a 1-dim map) have the output's sizes."""
+    """The default rule: ``first_rows`` of the call's inputs."""
+    return first_rows(tree_flatten((args, kwargs))[0], out, rows_of)
+
+
+def first_rows(inputs: Sequence[Any], out: Tensor, rows_of: RowsOf) -> Rows | None:
+    """The map of the first tensor of ``inputs`` (a call's arguments, flattened) whose dims
+    that the map covers (dim 0 for a 1-dim map) have the output's sizes."""
     if out.dim() == 0:
         return None
-    for a in tree_flatten((args, kwargs))[0]:
+    for a in inputs:
         if isinstance(a, Tensor) and a.dim() > 0 and a.shape[0] == out.shape[0]:
             rows = rows_of(a)
             m = 0 if rows is None else rows.example.dim()

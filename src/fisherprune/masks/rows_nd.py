@@ -32,8 +32,8 @@ from fisherprune.masks.rows import (
     Rows,
     RowsOf,
     add_rule,
+    first_rows,
     rows_after,
-    same_rows,
 )
 
 __all__ = ["rows_after_nd"]
@@ -45,15 +45,24 @@ _ND_RULES: dict[Any, RowRule] = {}
 
 
 def rows_after_nd(
-    func: Any, args: tuple, kwargs: dict, outs: Sequence[Tensor], rows_of: RowsOf
+    func: Any,
+    args: tuple,
+    kwargs: dict,
+    outs: Sequence[Tensor],
+    rows_of: RowsOf,
+    inputs: Sequence[Any] | None = None,
 ) -> list[Rows | None]:
-    """``rows_after``, following maps over several leading dims too (trace time only)."""
+    """``rows_after``, following maps over several leading dims too (trace time only).
+    ``inputs``: ``(args, kwargs)`` flattened, when the caller has it."""
     rule = _ND_RULES.get(getattr(func, "overloadpacket", None))
     if rule is None:
-        tensors = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, Tensor)]
-        if not any((r := rows_of(a)) is not None and r.example.dim() > 1 for a in tensors):
-            return rows_after(func, args, kwargs, outs, rows_of)
-        rule = same_rows
+        flat = tree_flatten((args, kwargs))[0] if inputs is None else inputs
+        if not any(
+            isinstance(a, Tensor) and (r := rows_of(a)) is not None and r.example.dim() > 1
+            for a in flat
+        ):
+            return rows_after(func, args, kwargs, outs, rows_of, flat)
+        return [first_rows(flat, o, rows_of) for o in outs]
     return [rule(func, args, kwargs, o, i, rows_of) for i, o in enumerate(outs)]
 
 
