@@ -694,7 +694,8 @@ def main(argv: list[str] | None = None) -> int:
         type=Path,
         help="measure nothing: merge the rows of these runs (e.g. two processes, one per "
         "core, each given some --nets) into --out; a later file's row replaces an earlier "
-        "one's of the same (net, seed, target, method)",
+        "one's of the same (net, seed, target, method); each net's training record is the first "
+        "file's",
     )
     p.add_argument("--note", default="", help="a line for the report (how the run was made)")
     p.add_argument("--out", type=Path)
@@ -713,7 +714,8 @@ def main(argv: list[str] | None = None) -> int:
             cells.update({(x["net"], x["seed"], x["target"], x["method"]): x for x in r["rows"]})
             for net, secs in r["train_seconds"].items():  # the first file's (a cache hit is ~0)
                 measured["train_seconds"].setdefault(net, secs)
-            measured.setdefault("details", {}).update(r.get("text_details", {}))
+            for net, about in r.get("text_details", {}).items():  # the first file's too
+                measured.setdefault("details", {}).setdefault(net, about)
         measured["rows"] = list(cells.values())
         report(measured, args, out, sum(r["seconds"] for r in runs))
         return 0
