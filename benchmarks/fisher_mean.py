@@ -155,7 +155,8 @@ class FisherMean(Fisher):
         gradient sums are then dropped (the means are kept for the block).
 
         Raises:
-            ValueError: ``torch.distributed`` runs more than one process.
+            ValueError: ``torch.distributed`` runs more than one process, or a mask's passes
+                do not match the gradient sums recorded under ``observing``.
         """
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             raise ValueError("fisher_mean corrects this process's gradients only: one process")
@@ -164,7 +165,8 @@ class FisherMean(Fisher):
             self._corrections = self._corrections_of(m)
             got = super().update({name: m}, decay, loss_reduction=loss_reduction,
                                  process_group=process_group)  # fmt: skip
-            self._corrections = []
+            if self._corrections:
+                raise ValueError(f"fisher_mean: mask {name!r} got fewer passes than shifts")
             if got is not None:
                 skipped = got if skipped is None else skipped + got
         for place in self._places:
