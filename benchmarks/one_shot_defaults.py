@@ -41,7 +41,9 @@ a cost exponent of 1.5), ``fisher_repair`` (the defaults with ``FisherRepair``: 
 times the share of each channel the repair cannot rebuild from the others, ``fisher_repair.py``),
 ``fisher_joint`` (the defaults with ``FisherJoint``, ``fisher_joint.py``: each channel scores
 the increment of the joint Fisher loss of its group's lowest channels), ``fisher_joint_own``
-(``FisherJoint(at_least_own=True)``: never below the channel's own signal), ``fisher_no_norms``
+(``FisherJoint(at_least_own=True)``: never below the channel's own signal), ``fisher_mean``
+(the defaults with ``FisherMean``, ``fisher_mean.py``: the Fisher signal of replacing each
+channel by its calibration mean, as the repair's refit bias does), ``fisher_no_norms``
 (``recalibrate_norms=False``: every round's signals measured with the dense batch-norm
 statistics, the default before), ``fisher_label_free`` (``loss_fn=None``: the Fisher of
 labels sampled from the model, not the data's), ``fisher_expected``
@@ -91,6 +93,7 @@ from fisherprune.train.models import BasicBlock  # the trainer's own block, same
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import machine_info, write_json
 from fisher_joint import FisherJoint
+from fisher_mean import FisherMean
 from fisher_repair import FisherRepair
 from one_shot_text import TEXT_NETS, cache_dir, log_cell, result_fields, text_rows
 from paired import paired
@@ -349,6 +352,7 @@ METHODS: dict[str, Callable[[int], dict[str, Any]]] = {
     "fisher_repair": lambda seed: {"criterion": FisherRepair()},
     "fisher_joint": lambda seed: {"criterion": FisherJoint()},
     "fisher_joint_own": lambda seed: {"criterion": FisherJoint(at_least_own=True)},
+    "fisher_mean": lambda seed: {"criterion": FisherMean()},
     "fisher_no_norms": lambda seed: {"recalibrate_norms": False},
     "fisher_label_free": lambda seed: {"loss_fn": None, "seed": seed},
     "fisher_expected": lambda seed: {"loss_fn": LabelFreeLoss(seed=seed, labels="expected")},
@@ -374,6 +378,7 @@ TEXT_METHODS = (
     "fisher_repair",
     "fisher_joint",
     "fisher_joint_own",
+    "fisher_mean",
     "l1",
     "taylor",
     "taylor_cap_pace",
@@ -689,7 +694,8 @@ def main(argv: list[str] | None = None) -> int:
         type=Path,
         help="measure nothing: merge the rows of these runs (e.g. two processes, one per "
         "core, each given some --nets) into --out; a later file's row replaces an earlier "
-        "one's of the same (net, seed, target, method)",
+        "one's of the same (net, seed, target, method); each net's training record is the first "
+        "file's",
     )
     p.add_argument("--note", default="", help="a line for the report (how the run was made)")
     p.add_argument("--out", type=Path)
@@ -708,7 +714,8 @@ def main(argv: list[str] | None = None) -> int:
             cells.update({(x["net"], x["seed"], x["target"], x["method"]): x for x in r["rows"]})
             for net, secs in r["train_seconds"].items():  # the first file's (a cache hit is ~0)
                 measured["train_seconds"].setdefault(net, secs)
-            measured.setdefault("details", {}).update(r.get("text_details", {}))
+            for net, about in r.get("text_details", {}).items():  # the first file's too
+                measured.setdefault("details", {}).setdefault(net, about)
         measured["rows"] = list(cells.values())
         report(measured, args, out, sum(r["seconds"] for r in runs))
         return 0
