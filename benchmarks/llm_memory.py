@@ -316,7 +316,8 @@ def main(argv: list[str] | None = None) -> int:
     _table(rows)
     write_json(
         args.out,
-        {
+        old  # --append keeps the file's other fields (its notes and changes)
+        | {
             "benchmark": "llm_memory",
             "when": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "machine": machine_info(),
