@@ -29,6 +29,7 @@ Run::
     python benchmarks/llm_memory.py --sizes 500M,1B --tokens 512      # the sizes
     python benchmarks/llm_memory.py --sizes 30M --tokens 256,1024,4096  # growth with tokens
     python benchmarks/llm_memory.py --sizes 30M --checkpoint off --label off  # without it
+    python benchmarks/llm_memory.py --replot          # the plot again from the JSON's rows
 
 JSON to ``--out`` (default ``benchmarks/results/llm_memory.json``), plot to ``--plot``
 (default ``docs/llm_memory.png``).
@@ -287,10 +288,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--baseline", type=Path, help="a JSON of this script whose rows are kept as 'baseline'"
     )
+    parser.add_argument(
+        "--replot", action="store_true", help="redraw --plot from the rows of --out, run nothing"
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
         print(json.dumps(child(json.loads(args.child))))
+        return 0
+    if args.replot:
+        saved = json.loads(args.out.read_text())
+        _plot(saved["rows"], saved.get("baseline", []), args.plot)
         return 0
     old = json.loads(args.out.read_text()) if args.append and args.out.exists() else {}
     rows = old.get("rows", [])
@@ -316,7 +324,8 @@ def main(argv: list[str] | None = None) -> int:
     _table(rows)
     write_json(
         args.out,
-        {
+        old  # --append keeps the file's other fields (its notes and changes)
+        | {
             "benchmark": "llm_memory",
             "when": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "machine": machine_info(),

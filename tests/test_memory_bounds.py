@@ -5,12 +5,14 @@ each layer runs, and whether weights require grad while signals are collected.""
 from __future__ import annotations
 
 import gc
+import math
 from collections.abc import Callable
 
 import pytest
 import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import fisherprune as fp
@@ -62,8 +64,9 @@ def _bits(t: Tensor) -> bytes:
 def test_repair_holds_at_most_one_layers_original_weights_at_a_time() -> None:
     """While the repair runs (dense and pruned forwards, one stage per pass, over three fitted
     layers), no more than one copy of a fitted layer's weight is alive beside the model when
-    the last layer runs, after every other is refitted: the original weights are read back
-    one layer at a time, not held for all fitted layers (three copies alive there)."""
+    the last but one runs, its original swapped in after every layer before it was refitted:
+    the original weights are read back one layer at a time, not held for all fitted layers
+    (three copies alive there)."""
     net, x, masks = _first_channels_pruned(64, lambda n: n // 2, depth=4)
     dense = {n: torch.ones_like(m.mask) for n, m in masks.items()}
     linears = [m for m in net if isinstance(m, nn.Linear)]
@@ -73,7 +76,8 @@ def test_repair_holds_at_most_one_layers_original_weights_at_a_time() -> None:
     def spy(*_: object) -> None:
         most[0] = max(most[0], _weight_copies(net, shapes))
 
-    handle = linears[-1].register_forward_hook(spy)  # where the most layers are refitted
+    # registered before the repair's hooks: it runs while the layer's original is swapped in
+    handle = linears[-2].register_forward_hook(spy)
     try:
         report = repair_consumers(net, [(x[i : i + 16], None) for i in range(0, 64, 16)], dense)
     finally:
@@ -81,6 +85,62 @@ def test_repair_holds_at_most_one_layers_original_weights_at_a_time() -> None:
     assert report.passes >= 3  # the later passes run through every earlier refitted layer
     assert len(report.layers) + len(report.skipped) == len(linears) - 1
     assert most[0] == 1
+
+
+def _original_reads(net: nn.Module, batches: list, dense: dict, every: bool) -> list[list[str]]:
+    """Run ``repair_consumers``; return, per dense forward, the names of the layers whose
+    original weights it read back from disk. ``every``: the dense forward swaps in every
+    fitted layer's original (the repair before it read only the refitted ones), the
+    reference."""
+    from fisherprune.calibrate import repair_store
+    from fisherprune.calibrate.repair import ORIGINAL
+
+    reads: list[list[str]] = []
+    stored: dict[str, nn.Module] = {}
+    put, swapped, read = (getattr(repair_store.LayerStore, a) for a in ("put", "swapped", "_read"))
+
+    def put_spy(self: object, key: str, modules: dict) -> None:
+        stored.update(modules if key == ORIGINAL else {})
+        put(self, key, modules)
+
+    def swapped_spy(self: object, key: str, modules: dict) -> object:
+        reads.append([])
+        return swapped(self, key, stored if every else modules)
+
+    def read_spy(self: object, key: str, name: str) -> dict:
+        reads[-1].append(name)
+        return read(self, key, name)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(repair_store.LayerStore, "put", put_spy)
+        mp.setattr(repair_store.LayerStore, "swapped", swapped_spy)
+        mp.setattr(repair_store.LayerStore, "_read", read_spy)
+        repair_consumers(net, batches, dense, holdout=0.0)
+    return reads
+
+
+def test_dense_forwards_read_back_only_refitted_layers_and_repair_as_before() -> None:
+    """The repair's dense forwards read back from disk the original weights of the layers an
+    earlier pass refitted and of no other (every fitted layer's was read, 125 MiB for a 500M
+    Llama's LM head, whose own weights were still its originals), and the repaired weights
+    equal, bit for bit, those of the repair whose dense forwards swap in every original."""
+    runs = []
+    for every in (False, True):
+        net, x, masks = _first_channels_pruned(64, lambda n: n // 2, depth=4)
+        dense = {n: torch.ones_like(m.mask) for n, m in masks.items()}
+        names = [n for n, m in net.named_modules() if isinstance(m, nn.Linear)][1:]
+        reads = _original_reads(net, [(x[i : i + 16], None) for i in range(0, 64, 16)], dense,
+                                every)  # fmt: skip
+        runs.append((net, reads))
+    (net, reads), (reference, every_reads) = runs
+    stages = [r for r in every_reads if r]  # one dense forward per batch and stage
+    assert len(stages) >= 3 * 4 and all(set(r) == set(names[: len(r)]) for r in stages)
+    for dense_reads, all_reads in zip(reads, every_reads, strict=True):
+        last = all_reads[-1] if all_reads else None  # the stage being fitted: not refitted
+        assert dense_reads == [n for n in all_reads if n != last]
+    assert sum(map(len, reads)) < sum(map(len, every_reads))
+    for p, q in zip(net.parameters(), reference.parameters(), strict=True):
+        assert _bits(p) == _bits(q)
 
 
 def test_repair_reads_the_held_out_dense_outputs_back_one_batch_at_a_time() -> None:
@@ -278,6 +338,53 @@ def test_solve_of_a_wide_output_layer_makes_one_block_of_columns_at_a_time(
     torch.testing.assert_close(layer.weight[:, kept].double(), want[:4].T, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(layer.bias.double(), want[4], rtol=1e-6, atol=1e-6)
     assert not layer.weight[:, [1, 4]].any()
+
+
+class _LargestNew(TorchDispatchMode):
+    """Records the most bytes of any storage an aten op makes (not a view of its inputs)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.most = 0
+
+    def __torch_dispatch__(
+        self, func: Callable, types: object, args: tuple = (), kwargs: dict | None = None
+    ) -> object:
+        out = func(*args, **(kwargs or {}))
+        given = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
+                 if isinstance(t, Tensor)}  # fmt: skip
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, Tensor) and t.untyped_storage().data_ptr() not in given:
+                self.most = max(self.most, t.untyped_storage().nbytes())
+        return out
+
+
+def test_fit_rows_of_a_wide_output_layer_are_checked_finite_without_a_copy_of_the_targets(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Adding finite rows of a wide-output layer (an LM head's targets: the tokens times the
+    vocabulary) makes no tensor a quarter of the targets' size (``isfinite`` made one as large
+    and three a quarter of it), a row whose sum overflows included; and rows holding NaN or
+    inf are left out exactly where a per-element check finds them."""
+    monkeypatch.setattr(repair_fit, "BLOCK_ELEMENTS", 5 * 16)  # a few columns of X^T Y a block
+    g = torch.Generator().manual_seed(0)
+    layer = nn.Linear(6, 400)
+    kept = torch.tensor([0, 2, 3, 5])
+    x = torch.randn(300, 6, generator=g)
+    y = torch.randn(300, 400, generator=g)
+    y[40, :2] = 3e38  # finite, but its sum is inf
+    spy = _LargestNew()
+    with spy:
+        repair_fit.LayerFit(layer, kept, dim=1, positions=1).add(x, y)
+    assert 0 < spy.most < y.nbytes // 4
+    y[7, 3], y[11, 0], x[20, 2], x[30, 1] = float("nan"), float("inf"), float("-inf"), 1e38
+    fit = repair_fit.LayerFit(layer, kept, dim=1, positions=1)
+    fit.add(x, y)
+    rows = [i for i in range(300) if all(math.isfinite(v) for v in [*x[i, kept], *y[i]])]
+    assert 40 in rows and len(rows) == 297  # x[30, 1] is not a kept feature
+    assert fit.nonfinite == 3 and fit.count == 297
+    want = torch.cat([x[rows][:, kept], torch.ones(297, 1)], 1).double()
+    torch.testing.assert_close(fit.sums.xtx, want.T @ want, rtol=1e-5, atol=1e-4)  # float32
 
 
 def test_label_free_sampling_widens_a_few_positions_at_a_time(

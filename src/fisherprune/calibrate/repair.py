@@ -24,8 +24,9 @@ one stage (``calibrate.repair_plan``).
 Passes: the stages are split, in forward order, into ``passes`` groups of consecutive stages
 (near-equal counts). A group costs one pass over the fitting batches, two forwards per batch
 cut short after the group's last layer: the dense one (the masks set to ``dense_masks``, each
-fitted layer's original weights read back from disk for its own call: ``repair_store``, so
-that no second copy of the fitted weights stays in memory) gives the targets, the pruned
+layer an earlier group refitted given its original weights back from disk for its own call:
+``repair_store``, so that no second copy of the fitted weights stays in memory; a layer not
+yet refitted computes with its own, the same) gives the targets, the pruned
 one the inputs, of every layer of the group at once. So each layer is fitted on the pruned
 model as repaired by the EARLIER groups; within its group the layers before it are not yet
 refitted. A pass reaching depth ``d`` of the network costs ``2 d`` forwards of the fitting
@@ -299,9 +300,10 @@ def repair_consumers(
     chosen = {n: m.mask.detach().clone() for n, m in masks.items()}
     layers = {n: fit.mod for n, fit in fits.items()}
     store = LayerStore()  # the original weights, on disk: read back one layer at a time
+    refitted: dict[str, nn.Module] = {}  # the layers an earlier group may have changed
 
     def dense(*args: Any, **kwargs: Any) -> Any:
-        with store.swapped(ORIGINAL, layers):
+        with store.swapped(ORIGINAL, refitted):  # the others hold their original weights
             return model(*args, **kwargs)
 
     def set_masks(values: dict[str, Tensor]) -> None:
@@ -349,6 +351,7 @@ def repair_consumers(
                 _fit_group(names, fits, fitting, held, sequence, sequential, two_forwards)
                 for name in names:
                     _solve(name, fits[name], ridge, rows_per_weight, report)
+                    refitted[name] = layers[name]
                 report.passes += 1
                 if held:
                     best = _guard(group, layers, store, report, held_error, best)
