@@ -43,7 +43,9 @@ times the share of each channel the repair cannot rebuild from the others, ``fis
 the increment of the joint Fisher loss of its group's lowest channels), ``fisher_joint_own``
 (``FisherJoint(at_least_own=True)``: never below the channel's own signal), ``fisher_mean``
 (the defaults with ``FisherMean``, ``fisher_mean.py``: the Fisher signal of replacing each
-channel by its calibration mean, as the repair's refit bias does), ``fisher_no_norms``
+channel by its calibration mean, as the repair's refit bias does), ``fisher_joint_mean``
+(``FisherJointMean``, ``fisher_joint_mean.py``: ``fisher_joint_own``'s increments of
+``fisher_mean``'s mean-replaced gradients), ``fisher_no_norms``
 (``recalibrate_norms=False``: every round's signals measured with the dense batch-norm
 statistics, the default before), ``fisher_label_free`` (``loss_fn=None``: the Fisher of
 labels sampled from the model, not the data's), ``fisher_expected``
@@ -93,6 +95,7 @@ from fisherprune.train.models import BasicBlock  # the trainer's own block, same
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import machine_info, write_json
 from fisher_joint import FisherJoint
+from fisher_joint_mean import FisherJointMean
 from fisher_mean import FisherMean
 from fisher_repair import FisherRepair
 from one_shot_text import TEXT_NETS, cache_dir, log_cell, result_fields, text_rows
@@ -353,6 +356,7 @@ METHODS: dict[str, Callable[[int], dict[str, Any]]] = {
     "fisher_joint": lambda seed: {"criterion": FisherJoint()},
     "fisher_joint_own": lambda seed: {"criterion": FisherJoint(at_least_own=True)},
     "fisher_mean": lambda seed: {"criterion": FisherMean()},
+    "fisher_joint_mean": lambda seed: {"criterion": FisherJointMean()},
     "fisher_no_norms": lambda seed: {"recalibrate_norms": False},
     "fisher_label_free": lambda seed: {"loss_fn": None, "seed": seed},
     "fisher_expected": lambda seed: {"loss_fn": LabelFreeLoss(seed=seed, labels="expected")},
@@ -379,6 +383,7 @@ TEXT_METHODS = (
     "fisher_joint",
     "fisher_joint_own",
     "fisher_mean",
+    "fisher_joint_mean",
     "l1",
     "taylor",
     "taylor_cap_pace",
