@@ -249,6 +249,33 @@ def test_marginal_is_cost_saved_by_zeroing_that_channel(
     assert any(bool((v > 0).any()) for v in r.marginal.values())  # the check is not vacuous
 
 
+@pytest.mark.parametrize("model", list(MODELS))
+def test_one_cost_model_reports_each_state_as_a_fresh_one(model: str) -> None:
+    """A CostModel kept across prunes, a restore and other prunes (it remembers each term's
+    result per channel state) reports, in every state, what a model traced afresh does."""
+    net, _, x = MODELS[model](0)
+    kept = fp.CostModel(net, x, "flops")
+    masks = list(fp.find_masks(net).values())
+    dense = [m.mask.clone() for m in masks]
+    gen = torch.Generator().manual_seed(7)
+    states = []
+    for i in range(6):
+        if i == 3:  # back to dense, then pruned another way: states seen before and new ones
+            with torch.no_grad():
+                for m, d in zip(masks, dense, strict=True):
+                    m.mask.copy_(d)
+        else:
+            for m in masks:
+                _zero_random(m, gen, 1)
+        got, fresh = kept.report(), fp.computational_cost(net, x, "flops")
+        assert got.total == fresh.total and kept.total() == fresh.total
+        assert got.by_module == fresh.by_module
+        for name in fresh.marginal:
+            assert torch.equal(got.marginal[name], fresh.marginal[name]), (i, name)
+        states.append(got.total)
+    assert len(set(states)) > 2  # the states differ: the check is not vacuous
+
+
 # ----------------------------------------------------- (c) other conventions
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("model", list(MODELS))

@@ -48,6 +48,10 @@ __all__ = ["CostModel", "CostReport", "MarginalCosts", "computational_cost"]
 
 #: term evaluations a ``CostModel`` remembers (shapes per term) before it starts afresh
 EVAL_CACHE_SIZE = 200_000
+#: how many (term, channel state) results ``CostModel._term_margin`` keeps
+MARGIN_CACHE_SIZE = 50_000
+_NO_ENTRIES = np.zeros(0, dtype=np.int64)
+_NO_SAVINGS = np.zeros(0)
 
 log = logging.getLogger("fisherprune")
 
@@ -216,6 +220,11 @@ class CostModel:
         self._terms = self._build_terms(model, example_inputs)
         self._gates.assign([t.module for t in self._terms])
         self._evals: dict[tuple[int, tuple[tuple[int, ...], ...]], float] = {}
+        #: ``_term_margin``'s and ``_term_now``'s results by term and channel state, and each
+        #: term's roots
+        self._margins: dict[tuple[int, bytes, bytes], tuple[float, np.ndarray, np.ndarray]] = {}
+        self._nows: dict[tuple[int, bytes], float] = {}
+        self._roots_of: dict[int, np.ndarray] = {}
         self._warn_ineffective()
 
     @property
@@ -458,11 +467,7 @@ class CostModel:
         e = self.entries() if entries is None else self._full(entries)
         removed = self.removed(e)
         live = self._gates.live_terms(e)
-        tot = sum(
-            self._cached_eval(t, self._pruned_shapes(t, removed))
-            for t, on in zip(self._terms, live, strict=True)
-            if on
-        )
+        tot = sum(self._term_now(t, removed) for t, on in zip(self._terms, live, strict=True) if on)
         return tot / self._counting.divisor(self.trace.batch_size) + self.latency_offset
 
     def set_latency_line(self, slope: float, offset: float) -> None:
@@ -496,7 +501,8 @@ class CostModel:
         for t in self._terms:
             t.formula.scale = slope
         self.latency_scale, self.latency_offset = float(slope), float(offset)
-        self._evals.clear()
+        for cache in (self._evals, self._margins, self._nows):
+            cache.clear()
 
     def dense_total(self) -> float:
         """Cost per example with every mask entry set to 1."""
@@ -514,33 +520,12 @@ class CostModel:
         for t, on, gate in zip(self._terms, self._gates.live_terms(e), owner, strict=True):
             if not on:
                 continue  # its block is gated off: gone with it
-            now_shapes = self._pruned_shapes(t, removed)
-            now = self._cached_eval(t, now_shapes)
+            now, ents, saved = self._term_margin(t, killer, removed)
             total += now
             by_module[t.module] += now
             if gate >= 0:
                 marginal[gate] += now  # removing the block removes this term as it is now
-            if not t.dims:
-                continue
-            # which entry would remove each live channel of each labelled dim: per killing
-            # entry, how many channels of each dim it takes (one row per entry)
-            found = [(j, _live_killers(killer, removed, r)) for j, (_s, _d, r) in enumerate(t.dims)]
-            found = [(j, k) for j, k in found if k.size]
-            if not found:
-                continue
-            ents, counts = _counts_per_entry(found, len(t.dims))
-            # entries that take the same channels save the same cost: evaluate each once
-            rows, row_of = _unique_rows(counts)
-            saved = np.empty(len(rows))
-            for i, vec in enumerate(rows.tolist()):
-                shapes = [list(s) for s in now_shapes]
-                for (s, d, _r), c in zip(t.dims, vec, strict=True):
-                    shapes[s][d] -= c
-                try:
-                    saved[i] = now - self._cached_eval(t, [tuple(s) for s in shapes])
-                except (AssertionError, RuntimeError, ValueError) as e:  # torch asserts shapes
-                    raise self._refusal(t, ents[row_of.reshape(-1) == i], e) from e
-            marginal[ents] += saved[row_of.reshape(-1)]
+            marginal[ents] += saved
         per = self._counting.divisor(self.trace.batch_size)
         values = {
             n: torch.from_numpy(marginal[start : start + self.masks[n].num_channels] / per)
@@ -554,6 +539,64 @@ class CostModel:
             self.convention,
             {k: v / per for k, v in by_module.items()},
         )
+
+    def _roots(self, t: _Term) -> np.ndarray:
+        """The channels (roots) of every labelled dim of term ``t``, concatenated."""
+        roots = self._roots_of.get(id(t))
+        if roots is None:
+            parts = [r for _s, _d, r in t.dims]
+            roots = self._roots_of[id(t)] = np.concatenate(parts) if parts else _NO_ENTRIES
+        return roots
+
+    def _term_now(self, t: _Term, removed: np.ndarray) -> float:
+        """Term ``t``'s cost with channels ``removed``: ``_cached_eval`` found by which of the
+        term's own channels are removed, without building its shapes again."""
+        key = (id(t), removed[self._roots(t)].tobytes())
+        got = self._nows.get(key)
+        if got is None:
+            if len(self._nows) >= MARGIN_CACHE_SIZE:
+                self._nows.clear()
+            got = self._nows[key] = self._cached_eval(t, self._pruned_shapes(t, removed))
+        return got
+
+    def _term_margin(
+        self, t: _Term, killer: np.ndarray, removed: np.ndarray
+    ) -> tuple[float, np.ndarray, np.ndarray]:
+        """Term ``t``'s cost now, the entries that would each remove some of its channels
+        alone, and what removing each would save. Remembered per term and per the state of
+        its channels (which are removed, which entry removes each): a prune changes few
+        terms' channels, so the next report recomputes few terms (the rest of a report is
+        host time every prune step pays)."""
+        roots = self._roots(t)
+        key = (id(t), killer[roots].tobytes(), removed[roots].tobytes())
+        got = self._margins.get(key)
+        if got is not None:
+            return got
+        now_shapes = self._pruned_shapes(t, removed)
+        now = self._cached_eval(t, now_shapes)
+        ents, saved = _NO_ENTRIES, _NO_SAVINGS
+        # which entry would remove each live channel of each labelled dim: per killing
+        # entry, how many channels of each dim it takes (one row per entry)
+        found = [(j, _live_killers(killer, removed, r)) for j, (_s, _d, r) in enumerate(t.dims)]
+        found = [(j, k) for j, k in found if k.size]
+        if found:
+            ents, counts = _counts_per_entry(found, len(t.dims))
+            # entries that take the same channels save the same cost: evaluate each once
+            rows, row_of = _unique_rows(counts)
+            per_row = np.empty(len(rows))
+            for i, vec in enumerate(rows.tolist()):
+                shapes = [list(s) for s in now_shapes]
+                for (s, d, _r), c in zip(t.dims, vec, strict=True):
+                    shapes[s][d] -= c
+                try:
+                    per_row[i] = now - self._cached_eval(t, [tuple(s) for s in shapes])
+                except (AssertionError, RuntimeError, ValueError) as e:  # torch asserts shapes
+                    raise self._refusal(t, ents[row_of.reshape(-1) == i], e) from e
+            saved = per_row[row_of.reshape(-1)]
+        if len(self._margins) >= MARGIN_CACHE_SIZE:
+            self._margins.clear()
+        got = self._margins[key] = (now, ents, saved)
+        return got
 
     def _refusal(self, term: _Term, entries: np.ndarray, error: BaseException) -> ValueError:
         """The error for an operator whose formula refuses the shapes it would have with one of
