@@ -101,7 +101,10 @@ def host_section(path: Path) -> list[str]:
         "above. ATen operators per step (the launches a GPU pays) and process CPU time per "
         f"step as ratios to (a), measured {data['date'][:10]} on the CPU (torch "
         f"{data['torch']}). (f) is (c) shrunk in place, as `fisherprune.shrink(model, "
-        "inplace=True, optimizer=...)` leaves a run once pruning is over.",
+        "inplace=True, optimizer=...)` leaves a run once pruning is over; (g) is the "
+        "trainer's loop (`PruningOptimizer.minimize`, a prune every 10th step), CPU time per "
+        "step over rounds of 10 steps, and its H200 figure is one over that loop's throughput "
+        "ratio.",
         "",
         "| variant | ops/step | ops ratio | CPU ms | CPU ratio | H200 BERT-base ratio |",
         "|---|---|---|---|---|---|",
