@@ -45,7 +45,10 @@ the increment of the joint Fisher loss of its group's lowest channels), ``fisher
 (the defaults with ``FisherMean``, ``fisher_mean.py``: the Fisher signal of replacing each
 channel by its calibration mean, as the repair's refit bias does), ``fisher_joint_mean``
 (``FisherJointMean``, ``fisher_joint_mean.py``: ``fisher_joint_own``'s increments of
-``fisher_mean``'s mean-replaced gradients), ``fisher_no_norms``
+``fisher_mean``'s mean-replaced gradients), ``fisher_coupled`` (``FisherCoupled``,
+``fisher_coupled.py``: ``fisher_joint_own``'s increments on masks read by more than one layer,
+the plain signal elsewhere), ``fisher_coupled_mean`` (``FisherCoupledMean``: the same with
+``fisher_mean``'s signal), ``fisher_no_norms``
 (``recalibrate_norms=False``: every round's signals measured with the dense batch-norm
 statistics, the default before), ``fisher_label_free`` (``loss_fn=None``: the Fisher of
 labels sampled from the model, not the data's), ``fisher_expected``
@@ -94,6 +97,7 @@ from fisherprune.train.models import BasicBlock  # the trainer's own block, same
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import machine_info, write_json
+from fisher_coupled import FisherCoupled, FisherCoupledMean
 from fisher_joint import FisherJoint
 from fisher_joint_mean import FisherJointMean
 from fisher_mean import FisherMean
@@ -356,6 +360,8 @@ METHODS: dict[str, Callable[[int], dict[str, Any]]] = {
     "fisher_joint": lambda seed: {"criterion": FisherJoint()},
     "fisher_joint_own": lambda seed: {"criterion": FisherJoint(at_least_own=True)},
     "fisher_mean": lambda seed: {"criterion": FisherMean()},
+    "fisher_coupled": lambda seed: {"criterion": FisherCoupled()},
+    "fisher_coupled_mean": lambda seed: {"criterion": FisherCoupledMean()},
     "fisher_joint_mean": lambda seed: {"criterion": FisherJointMean()},
     "fisher_no_norms": lambda seed: {"recalibrate_norms": False},
     "fisher_label_free": lambda seed: {"loss_fn": None, "seed": seed},
@@ -383,6 +389,8 @@ TEXT_METHODS = (
     "fisher_joint",
     "fisher_joint_own",
     "fisher_mean",
+    "fisher_coupled",
+    "fisher_coupled_mean",
     "fisher_joint_mean",
     "l1",
     "taylor",
