@@ -290,6 +290,7 @@ def repair_consumers(
         *order, sequence = stages(model, fits, data[0][0])
     for fit in fits.values():
         fit.residual = fit.residual and sequential and residual
+        fit.cross_if_smaller()
     report.residual = [n for n, fit in fits.items() if fit.residual]
     if budget is not None and sequential:
         examples = sum(batch_size(inputs) for inputs, _ in data)

@@ -34,6 +34,7 @@ the width times the vocabulary, twice its float32 weight.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -41,7 +42,17 @@ from torch import Tensor, nn
 from fisherprune.calibrate.repair_residual import ResidualWatch
 from fisherprune.calibrate.repair_rows import linear_rows, out_in_weight, rows_reader
 
-__all__ = ["BLOCK_ELEMENTS", "RIDGES", "LayerFit", "Solution", "Sums", "widened"]
+__all__ = [
+    "BLOCK_ELEMENTS",
+    "RIDGES",
+    "CrossSums",
+    "DenseRows",
+    "Gram",
+    "LayerFit",
+    "Solution",
+    "Sums",
+    "widened",
+]
 
 #: the ridge values ``ridge=None`` chooses from, by the held-out rows' error
 RIDGES = (1e-4, 1e-3, 1e-2, 0.1, 1.0, 10.0)
@@ -83,15 +94,35 @@ class Solution:
             yield block, self.columns(block)
 
 
-class Sums:
+class Gram:
+    """``X^T X``, ``Y^T Y`` and the row count of a least-squares problem, streamed, and its
+    error from them and ``rhs`` (``X^T Y``'s columns, given by the subclass)."""
+
+    def __init__(self) -> None:
+        self.xtx = torch.empty(0, dtype=torch.float64)
+        self.yty = 0.0
+        self.count = 0
+
+    def rhs(self, block: slice) -> Tensor:
+        """Columns ``block`` of ``X^T Y`` in float64."""
+        raise NotImplementedError
+
+    def error(self, coef: Solution) -> float:
+        """``||Y - X coef||^2 / ||Y||^2``, a block of ``coef``'s columns at a time."""
+        sq = self.yty
+        for block, c in coef.blocks():
+            sq += float((c * (self.xtx @ c - 2 * self.rhs(block))).sum())
+        return max(sq, 0.0) / max(self.yty, 1e-300)
+
+
+class Sums(Gram):
     """``X^T X``, ``X^T Y``, ``Y^T Y`` and the row count of a least-squares problem, streamed:
     each batch's products in float32 at least (half-precision rows widened), summed in float64
     but ``X^T Y`` (``rhs`` reads it in float64), summed in the products' dtype."""
 
     def __init__(self) -> None:
-        self.xtx = self.xty = torch.empty(0, dtype=torch.float64)
-        self.yty = 0.0
-        self.count = 0
+        super().__init__()
+        self.xty = torch.empty(0, dtype=torch.float64)
 
     def add(self, x: Tensor, y: Tensor) -> None:
         """Add the rows ``x`` (rows, features) with targets ``y`` (rows, outputs); ``X^T Y``
@@ -107,16 +138,47 @@ class Sums:
             self.yty += float(y[:, block].double().square().sum())
         self.count += x.shape[0]
 
-    def rhs(self, block: slice | int) -> Tensor:
+    def rhs(self, block: slice) -> Tensor:
         """Columns ``block`` of ``X^T Y`` in float64."""
         return self.xty[:, block].double()
 
-    def error(self, coef: Solution) -> float:
-        """``||Y - X coef||^2 / ||Y||^2``, a block of ``coef``'s columns at a time."""
-        sq = self.yty
-        for block, c in coef.blocks():
-            sq += float((c * (self.xtx @ c - 2 * self.rhs(block))).sum())
-        return max(sq, 0.0) / max(self.yty, 1e-300)
+
+class CrossSums(Gram):
+    """The sums of a problem whose targets are a linear layer's own outputs of other rows,
+    ``Y = X_d W^T`` (``X_d``: its dense inputs, with a ones column when it has a bias, which
+    ``W`` then holds): ``X^T Y = (X^T X_d) W^T`` is read a block of columns at a time
+    (``rhs``) from the cross-Gram ``X^T X_d`` (features x dense features, summed in float64)
+    and the weight, so no (features x outputs) matrix is held: an LM head's outputs are the
+    vocabulary, its dense features the width. ``Y^T Y`` is summed from each row's sum of
+    squares, given with the rows.
+
+    Args:
+        weight: ``W^T``'s columns of a slice of the outputs, (dense features, len(slice)) in
+            float64, as the layer holds them when ``rhs`` reads them: the fit is solved
+            before the weight changes.
+    """
+
+    def __init__(self, weight: Callable[[slice], Tensor]) -> None:
+        super().__init__()
+        self.weight = weight
+        self.cross = torch.empty(0, dtype=torch.float64)
+
+    def add_dense(self, x: Tensor, dense: Tensor, squares: Tensor) -> None:
+        """Add the rows ``x`` (rows, features) whose targets are the layer's outputs of the
+        rows ``dense`` (rows, dense features), with those targets' sums of squares
+        ``squares`` (rows,)."""
+        x, dense = widened(x), widened(dense)
+        if self.count == 0:
+            self.xtx = x.new_zeros(x.shape[1], x.shape[1], dtype=torch.float64)
+            self.cross = x.new_zeros(x.shape[1], dense.shape[1], dtype=torch.float64)
+        self.xtx += (x.T @ x).double()
+        self.cross += (x.T @ dense).double()
+        self.yty += float(squares.sum())
+        self.count += x.shape[0]
+
+    def rhs(self, block: slice) -> Tensor:
+        """Columns ``block`` of ``X^T Y`` in float64, made from the weight's columns."""
+        return self.cross @ self.weight(block)
 
 
 def _finite_rows(t: Tensor) -> Tensor:
@@ -129,6 +191,27 @@ def _finite_rows(t: Tensor) -> Tensor:
     if suspect.numel():
         finite[suspect] = t[suspect].isfinite().all(1)
     return finite
+
+
+def _row_squares(y: Tensor, columns: Tensor | None) -> Tensor:
+    """Each row's sum of squares of ``y`` (..., outputs) over ``columns`` (None: all), in
+    float64, (..., 1): a block of columns widened at a time."""
+    flat = y.reshape(-1, y.shape[-1])
+    total = flat.new_zeros(flat.shape[0], dtype=torch.float64)
+    n = y.shape[-1] if columns is None else columns.numel()
+    for block in column_blocks(flat.shape[0], n):
+        part = flat[:, block] if columns is None else flat[:, columns[block]]
+        total += part.double().square().sum(1)
+    return total.view(*y.shape[:-1], 1)
+
+
+class DenseRows(NamedTuple):
+    """What ``CrossSums`` fits one call's rows to, kept in place of the dense output: the
+    dense call's input rows on every feature (with a ones column for the bias) and each row's
+    sum of squares of the fitted outputs, (rows, 1) in float64."""
+
+    inputs: Tensor
+    squares: Tensor
 
 
 def widened(t: Tensor) -> Tensor:
@@ -158,8 +241,9 @@ class LayerFit:
         self.held = False
         #: fit on the dense pass's own inputs (the one-pass repair)
         self.dense_inputs = False
-        #: dense outputs of the current batch's calls, waiting for the pruned pass's inputs
-        self.targets: list[Tensor] = []
+        #: dense outputs (``DenseRows`` with ``CrossSums``) of the current batch's calls,
+        #: waiting for the pruned pass's inputs
+        self.targets: list[Tensor | DenseRows] = []
         #: the forward running is the pruned model's
         self.pruned = False
         #: indices of the outputs the pruned model keeps (None: all): the others are removed
@@ -183,12 +267,12 @@ class LayerFit:
         output (dense) or the input (pruned) waits for ``residual_seen``."""
         x = args[0].detach()
         if self.dense_inputs:
-            self.add(x, out.detach())
+            self.add(x, self._target(x, out))
         elif self.watch is not None:
             self.pending.append(x if self.pruned else out.detach())
             self.watch.watch(self, out)
         elif not self.pruned:
-            self.targets.append(out.detach())
+            self.targets.append(self._target(x, out))
         elif self.targets:
             self.add(x, self.targets.pop(0))
         else:
@@ -216,23 +300,56 @@ class LayerFit:
             self.invalid = "its output was not added to the same residual in every call"
             self.pending.clear()
 
-    def add(self, x: Tensor, y: Tensor) -> None:
-        """Add one call's rows (input ``x``, target output ``y``) to the sums; rows holding
-        NaN or inf are left out and counted in ``nonfinite``."""
+    def cross_if_smaller(self) -> None:
+        """Fit on ``CrossSums`` (``X^T Y`` read off the cross-Gram of the inputs and the dense
+        inputs, and the weight) when the target is the layer's own dense output (an
+        ``nn.Linear``'s forward, not added to a residual) and that cross-Gram (features x
+        dense inputs, float64) is smaller than ``X^T Y`` (features x fitted outputs, float32):
+        an LM head's. Changes ``sums`` and ``held_sums``: call before the pass, after
+        ``residual`` and ``outputs`` are set."""
+        dense = out_in_weight(self.mod).shape[1] + (self.mod.bias is not None)
+        linear = type(self.mod).forward is nn.Linear.forward
+        if linear and not self.residual and 2 * dense < self.out_rows.numel():
+            self.sums = CrossSums(self.dense_columns)
+            self.held_sums = CrossSums(self.dense_columns)
+
+    def _target(self, x: Tensor, out: Tensor) -> Tensor | DenseRows:
+        """What this dense call's rows are fitted to: its output, or with ``CrossSums`` its
+        input's rows (``DenseRows``; an LM head's are the width, its outputs the vocabulary)."""
+        if not isinstance(self.sums, CrossSums):
+            return out.detach()
+        every = torch.arange(x.shape[-1], device=x.device)
+        squares = _row_squares(out.detach(), self.outputs)
+        inputs, squares = self.rows(self.mod, x, squares, every, self.sample, self.tokens)
+        return DenseRows(self._with_ones(inputs), squares)
+
+    def _with_ones(self, x: Tensor) -> Tensor:
+        """Rows ``x`` with a ones column when the layer has a bias (its feature)."""
+        return x if self.mod.bias is None else torch.cat([x, x.new_ones(x.shape[0], 1)], 1)
+
+    def add(self, x: Tensor, y: Tensor | DenseRows) -> None:
+        """Add one call's rows (input ``x``, target output ``y``, or the dense call's
+        ``DenseRows`` with ``CrossSums``) to the sums; rows holding NaN or inf are left out
+        and counted in ``nonfinite``."""
         if self.rows is linear_rows and self.dim != x.dim() - 1:
             self.invalid = "the mask is not on the features (last) dim"
         if self.invalid is not None:
             return
-        x, y = self.rows(self.mod, x, y, self.kept, self.sample, self.tokens)
-        if self.outputs is not None:
-            y = y[:, self.outputs]
-        if self.mod.bias is not None:
-            x = torch.cat([x, x.new_ones(x.shape[0], 1)], 1)
-        finite = _finite_rows(x) & _finite_rows(y)
+        if isinstance(y, DenseRows):  # its rows were read in the dense pass: x's alone here
+            x = self.rows(self.mod, x, x[..., :1], self.kept, self.sample, self.tokens)[0]
+            targets = list(y)
+        else:
+            x, y = self.rows(self.mod, x, y, self.kept, self.sample, self.tokens)
+            targets = [y if self.outputs is None else y[:, self.outputs]]
+        x = self._with_ones(x)
+        finite = _finite_rows(x)
+        for t in targets:
+            finite &= _finite_rows(t)
         if not bool(finite.all()):  # one NaN would make every sum NaN: its rows are left out
             self.nonfinite += int(finite.logical_not().sum())
-            x, y = x[finite], y[finite]
-        (self.held_sums if self.held else self.sums).add(x, y)
+            x, targets = x[finite], [t[finite] for t in targets]
+        sums = self.held_sums if self.held else self.sums
+        (sums.add_dense if isinstance(sums, CrossSums) else sums.add)(x, *targets)
 
     @property
     def count(self) -> int:
@@ -252,9 +369,18 @@ class LayerFit:
     def current_columns(self, block: slice) -> Tensor:
         """The layer's weights of the fit's output columns ``block`` as its unknowns:
         (features, len(block)) in float64. Only these rows' kept columns are widened."""
+        return self._columns(block, self.kept)
+
+    def dense_columns(self, block: slice) -> Tensor:
+        """The layer's weights of the fit's output columns ``block`` on every input (and the
+        bias): (dense inputs, len(block)) in float64, as ``CrossSums`` reads them."""
+        return self._columns(block, None)
+
+    def _columns(self, block: slice, inputs: Tensor | None) -> Tensor:
         rows = self.out_rows[block]
         w = out_in_weight(self.mod).detach()
-        cols = w[rows[:, None], self.kept].reshape(rows.numel(), -1).double()
+        w = w[rows] if inputs is None else w[rows[:, None], inputs]
+        cols = w.reshape(rows.numel(), -1).double()
         if self.mod.bias is not None:
             cols = torch.cat([cols, self.mod.bias.detach()[rows].double()[:, None]], 1)
         return cols.T
@@ -285,7 +411,7 @@ class LayerFit:
     def weights_coef(self, ridge: float) -> Solution:
         """Every kept weight (and the bias) refitted: (features, out)."""
         sums = self.sums
-        b = Solution(sums.rhs, sums.xty.shape[0], sums.xty.shape[1])
+        b = Solution(sums.rhs, self.features, self.out_rows.numel())
         return self._solve(sums.xtx, b, ridge, self.current())
 
     def scales_coef(self, ridge: float) -> Solution:
@@ -353,20 +479,21 @@ class LayerFit:
         w, bias = out_in_weight(self.mod), self.mod.bias
         n_w, rows = self.kept.numel() * self.kernel, self.out_rows
         with torch.no_grad():
-            removed = torch.ones(w.shape[1], dtype=torch.bool, device=w.device)
-            removed[self.kept] = False
-            w[:, removed] = 0  # removed columns stay zero, as the mask has them
-            # each block's columns read only its own rows of the weight, written after
+            # each block's columns read only its own rows of the weight (every column of them
+            # with ``CrossSums``), written after
             for block, c in coef.blocks():
                 new = c[:n_w].T.reshape(rows[block].numel(), self.kept.numel(), *w.shape[2:])
                 w[rows[block][:, None], self.kept] = new.to(w.dtype)
                 if bias is not None:
                     bias[rows[block]] = c[n_w].to(bias.dtype)
+            removed = torch.ones(w.shape[1], dtype=torch.bool, device=w.device)
+            removed[self.kept] = False
+            w[:, removed] = 0  # removed columns stay zero, as the mask has them
         return mode, before, after, ridge
 
 
 def _conservative(
-    solve: Callable[[float], Solution], held: Sums, unrepaired: float
+    solve: Callable[[float], Solution], held: Gram, unrepaired: float
 ) -> tuple[float, Solution]:
     """The largest ridge of ``RIDGES`` (the fit closest to the unrepaired layer) whose held-out
     error keeps ``1 - GAIN_SLACK`` of the best ridge's gain over ``unrepaired``, and its fit:
