@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import fisherprune as fp
-from fisherprune.calibrate import label_free, repair_consumers, repair_fit
+from fisherprune.calibrate import label_free, repair_consumers, repair_fit, repair_sums
 from fisherprune.export.shrink import shrink_dry_run
 
 
@@ -259,7 +259,8 @@ def test_ridge_choice_keeps_one_solution_alive_and_chooses_as_before() -> None:
     ``GAIN_SLACK`` of the best held-out gain, its solution bit for bit."""
     import weakref
 
-    from fisherprune.calibrate.repair_fit import GAIN_SLACK, RIDGES, Solution, Sums, _conservative
+    from fisherprune.calibrate.repair_fit import GAIN_SLACK, RIDGES, _conservative
+    from fisherprune.calibrate.repair_sums import Solution, Sums
 
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(200, 12, generator=g), torch.randn(12, 5, generator=g)
@@ -317,7 +318,7 @@ def test_solve_of_a_wide_output_layer_makes_one_block_of_columns_at_a_time(
     the vocabulary) makes no float64 tensor larger than one block of ``BLOCK_ELEMENTS`` (the
     whole (features, outputs) solution, its prior and its errors were each made at once), and
     writes the whole-matrix ridge solution."""
-    monkeypatch.setattr(repair_fit, "BLOCK_ELEMENTS", 5 * 64)  # 64 of the 400 columns a block
+    monkeypatch.setattr(repair_sums, "BLOCK_ELEMENTS", 5 * 64)  # 64 of the 400 columns a block
     g = torch.Generator().manual_seed(0)
     layer = nn.Linear(6, 400)
     kept = torch.tensor([0, 2, 3, 5])
@@ -366,7 +367,7 @@ def test_fit_rows_of_a_wide_output_layer_are_checked_finite_without_a_copy_of_th
     vocabulary) makes no tensor a quarter of the targets' size (``isfinite`` made one as large
     and three a quarter of it), a row whose sum overflows included; and rows holding NaN or
     inf are left out exactly where a per-element check finds them."""
-    monkeypatch.setattr(repair_fit, "BLOCK_ELEMENTS", 5 * 16)  # a few columns of X^T Y a block
+    monkeypatch.setattr(repair_sums, "BLOCK_ELEMENTS", 5 * 16)  # a few columns of X^T Y a block
     g = torch.Generator().manual_seed(0)
     layer = nn.Linear(6, 400)
     kept = torch.tensor([0, 2, 3, 5])
@@ -472,7 +473,7 @@ def test_streamed_xty_of_float32_rows_is_held_in_float32_within_its_rounding() -
     LM head's, the width times the vocabulary, was twice its float32 weight in float64 for each
     of the fitting and held-out sums) and equals the float64 product of all rows to float32
     rounding; ``X^T X`` stays float64."""
-    from fisherprune.calibrate.repair_fit import Sums
+    from fisherprune.calibrate.repair_sums import Sums
 
     g = torch.Generator().manual_seed(0)
     xs = [torch.randn(64, 12, generator=g) for _ in range(40)]

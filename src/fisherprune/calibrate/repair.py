@@ -69,7 +69,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten
 
-from fisherprune.calibrate.repair_fit import LayerFit, widened
+from fisherprune.calibrate.repair_fit import LayerFit
 from fisherprune.calibrate.repair_plan import (
     Stop,
     forward_until,
@@ -81,6 +81,7 @@ from fisherprune.calibrate.repair_plan import (
 from fisherprune.calibrate.repair_residual import ResidualWatch
 from fisherprune.calibrate.repair_rows import REPAIRABLE
 from fisherprune.calibrate.repair_store import LayerStore
+from fisherprune.calibrate.repair_sums import widened
 from fisherprune.inputs import as_pair, batch_size, call_model
 from fisherprune.masks import MaskLayer
 from fisherprune.masks.points import no_fold
@@ -290,6 +291,7 @@ def repair_consumers(
         *order, sequence = stages(model, fits, data[0][0])
     for fit in fits.values():
         fit.residual = fit.residual and sequential and residual
+        fit.cross_if_smaller()
     report.residual = [n for n, fit in fits.items() if fit.residual]
     if budget is not None and sequential:
         examples = sum(batch_size(inputs) for inputs, _ in data)

@@ -1,14 +1,9 @@
-"""One layer's least-squares repair: the streamed sums and the solve (``LayerFit``).
+"""One layer's least-squares repair: its sums over the passes and the solve (``LayerFit``).
 
 With ``k`` kept input features (kept channels x kernel size for a conv, +1 for the bias), a
-pass streams ``X^T X`` (k x k) and ``X^T Y`` (k x kept outputs) over the batches, each batch's
-products in float32 (or float64 for a float64 layer; a bf16 / fp16 layer's rows are widened
-first, one batch at a time: half-precision sums of thousands of rows lose the fit or overflow),
-``X^T X`` summed in float64 (memory ``8 k^2`` bytes) and ``X^T Y`` in the products' dtype
-(an output layer's is the width times the vocabulary: in float64, twice its float32 weight for
-each of the two sums; the sum of a few dozen float32 products rounds no worse than each
-product already does), separately
-for the fitting rows and the held-out rows (``Sums``). Then, from those sums alone, by
+pass streams ``X^T X`` (k x k) and ``X^T Y`` (k x kept outputs) over the batches, for the
+fitting rows and the held-out rows (``calibrate.repair_sums``: an LM head's ``X^T Y`` is read
+off a cross-Gram instead). Then, from those sums alone, by
 ``torch.linalg.solve`` in float64 with ``lambda = ridge * mean diagonal`` pulling towards the
 unrepaired layer rather than towards 0:
 
@@ -26,114 +21,35 @@ text: the held-out rows choose 0.1-1, and the embeddings of other text come out 
 dense ones.
 
 Memory: a solution, its errors and its write into the weight are computed a block of output
-columns at a time (``Solution``, ``BLOCK_ELEMENTS``), from one factorisation of the system, so
-no (features x outputs) float64 tensor is held beside the sums' ``X^T Y``: an output layer's is
-the width times the vocabulary, twice its float32 weight.
+columns at a time (``repair_sums.Solution``), from one factorisation of the system.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
 
 from fisherprune.calibrate.repair_residual import ResidualWatch
 from fisherprune.calibrate.repair_rows import linear_rows, out_in_weight, rows_reader
+from fisherprune.calibrate.repair_sums import (
+    CrossSums,
+    DenseRows,
+    Gram,
+    Solution,
+    Sums,
+    finite_rows,
+    row_squares,
+    widened,
+)
 
-__all__ = ["BLOCK_ELEMENTS", "RIDGES", "LayerFit", "Solution", "Sums", "widened"]
+__all__ = ["RIDGES", "LayerFit"]
 
 #: the ridge values ``ridge=None`` chooses from, by the held-out rows' error
 RIDGES = (1e-4, 1e-3, 1e-2, 0.1, 1.0, 10.0)
 #: ``ridge=None`` gives up at most this share of the best held-out gain for a larger ridge
 GAIN_SLACK = 0.1
-#: the most float64 elements of one block of output columns (8 MiB) that the sums' products,
-#: a solution and its errors are computed in (at least one column)
-BLOCK_ELEMENTS = 2**20
-
-
-def column_blocks(features: int, outputs: int) -> list[slice]:
-    """``outputs`` columns in consecutive slices of at most ``BLOCK_ELEMENTS`` elements of
-    ``features`` rows each (at least one column a slice)."""
-    step = max(1, BLOCK_ELEMENTS // max(features, 1))
-    return [slice(i, min(i + step, outputs)) for i in range(0, outputs, step)]
-
-
-class Solution:
-    """A fit's (features, outputs) coefficients, never held whole: ``columns(block)`` gives
-    the float64 columns of one slice of the outputs.
-
-    Args:
-        columns: the coefficients of a slice of the output columns, (features, len(slice)).
-        features: the rows of the coefficients.
-        outputs: the columns of the coefficients.
-    """
-
-    def __init__(self, columns: Callable[[slice], Tensor], features: int, outputs: int) -> None:
-        self.columns, self.features, self.outputs = columns, features, outputs
-
-    @classmethod
-    def of(cls, coef: Tensor) -> Solution:
-        """A solution held whole already, (features, outputs)."""
-        return cls(lambda block: coef[:, block], coef.shape[0], coef.shape[1])
-
-    def blocks(self) -> Iterator[tuple[slice, Tensor]]:
-        """Each slice of the output columns with its coefficients, one at a time."""
-        for block in column_blocks(self.features, self.outputs):
-            yield block, self.columns(block)
-
-
-class Sums:
-    """``X^T X``, ``X^T Y``, ``Y^T Y`` and the row count of a least-squares problem, streamed:
-    each batch's products in float32 at least (half-precision rows widened), summed in float64
-    but ``X^T Y`` (``rhs`` reads it in float64), summed in the products' dtype."""
-
-    def __init__(self) -> None:
-        self.xtx = self.xty = torch.empty(0, dtype=torch.float64)
-        self.yty = 0.0
-        self.count = 0
-
-    def add(self, x: Tensor, y: Tensor) -> None:
-        """Add the rows ``x`` (rows, features) with targets ``y`` (rows, outputs); ``X^T Y``
-        and ``Y^T Y`` a block of output columns at a time (``column_blocks``)."""
-        # float64 matmuls are several times slower on CPU: one batch's in float32 (or float64)
-        x, y = widened(x), widened(y)
-        if self.count == 0:
-            self.xtx = x.new_zeros(x.shape[1], x.shape[1], dtype=torch.float64)
-            self.xty = x.new_zeros(x.shape[1], y.shape[1])  # (the products' dtype)
-        self.xtx += (x.T @ x).double()
-        for block in column_blocks(max(x.shape), y.shape[1]):  # (rows or features) x block
-            self.xty[:, block] += x.T @ y[:, block]
-            self.yty += float(y[:, block].double().square().sum())
-        self.count += x.shape[0]
-
-    def rhs(self, block: slice | int) -> Tensor:
-        """Columns ``block`` of ``X^T Y`` in float64."""
-        return self.xty[:, block].double()
-
-    def error(self, coef: Solution) -> float:
-        """``||Y - X coef||^2 / ||Y||^2``, a block of ``coef``'s columns at a time."""
-        sq = self.yty
-        for block, c in coef.blocks():
-            sq += float((c * (self.xtx @ c - 2 * self.rhs(block))).sum())
-        return max(sq, 0.0) / max(self.yty, 1e-300)
-
-
-def _finite_rows(t: Tensor) -> Tensor:
-    """Which rows of ``t`` (rows, columns) hold no NaN or inf. A row whose sum is finite holds
-    none, so only the rows whose sum is not (one holding them, or a sum that overflowed) are
-    checked element by element: finite data make no temporary of ``t``'s size (``isfinite``
-    makes four, a float and three booleans: 55 MiB for an LM head's 256 x 32000 targets)."""
-    finite = t.sum(1).isfinite()
-    suspect = finite.logical_not().nonzero().squeeze(1)
-    if suspect.numel():
-        finite[suspect] = t[suspect].isfinite().all(1)
-    return finite
-
-
-def widened(t: Tensor) -> Tensor:
-    """``t`` in float32 unless it is float32 or float64 already."""
-    return t if t.dtype in (torch.float32, torch.float64) else t.float()
 
 
 class LayerFit:
@@ -158,8 +74,9 @@ class LayerFit:
         self.held = False
         #: fit on the dense pass's own inputs (the one-pass repair)
         self.dense_inputs = False
-        #: dense outputs of the current batch's calls, waiting for the pruned pass's inputs
-        self.targets: list[Tensor] = []
+        #: dense outputs (``DenseRows`` with ``CrossSums``) of the current batch's calls,
+        #: waiting for the pruned pass's inputs
+        self.targets: list[Tensor | DenseRows] = []
         #: the forward running is the pruned model's
         self.pruned = False
         #: indices of the outputs the pruned model keeps (None: all): the others are removed
@@ -183,12 +100,12 @@ class LayerFit:
         output (dense) or the input (pruned) waits for ``residual_seen``."""
         x = args[0].detach()
         if self.dense_inputs:
-            self.add(x, out.detach())
+            self.add(x, self._target(x, out))
         elif self.watch is not None:
             self.pending.append(x if self.pruned else out.detach())
             self.watch.watch(self, out)
         elif not self.pruned:
-            self.targets.append(out.detach())
+            self.targets.append(self._target(x, out))
         elif self.targets:
             self.add(x, self.targets.pop(0))
         else:
@@ -216,23 +133,56 @@ class LayerFit:
             self.invalid = "its output was not added to the same residual in every call"
             self.pending.clear()
 
-    def add(self, x: Tensor, y: Tensor) -> None:
-        """Add one call's rows (input ``x``, target output ``y``) to the sums; rows holding
-        NaN or inf are left out and counted in ``nonfinite``."""
+    def cross_if_smaller(self) -> None:
+        """Fit on ``CrossSums`` (``X^T Y`` read off the cross-Gram of the inputs and the dense
+        inputs, and the weight) when the target is the layer's own dense output (an
+        ``nn.Linear``'s forward, not added to a residual) and that cross-Gram (features x
+        dense inputs, float64) is smaller than ``X^T Y`` (features x fitted outputs, float32):
+        an LM head's. Changes ``sums`` and ``held_sums``: call before the pass, after
+        ``residual`` and ``outputs`` are set."""
+        dense = out_in_weight(self.mod).shape[1] + (self.mod.bias is not None)
+        linear = type(self.mod).forward is nn.Linear.forward
+        if linear and not self.residual and 2 * dense < self.out_rows.numel():
+            self.sums = CrossSums(self.dense_columns)
+            self.held_sums = CrossSums(self.dense_columns)
+
+    def _target(self, x: Tensor, out: Tensor) -> Tensor | DenseRows:
+        """What this dense call's rows are fitted to: its output, or with ``CrossSums`` its
+        input's rows (``DenseRows``; an LM head's are the width, its outputs the vocabulary)."""
+        if not isinstance(self.sums, CrossSums):
+            return out.detach()
+        every = torch.arange(x.shape[-1], device=x.device)
+        squares = row_squares(out.detach(), self.outputs)
+        inputs, squares = self.rows(self.mod, x, squares, every, self.sample, self.tokens)
+        return DenseRows(self._with_ones(inputs), squares)
+
+    def _with_ones(self, x: Tensor) -> Tensor:
+        """Rows ``x`` with a ones column when the layer has a bias (its feature)."""
+        return x if self.mod.bias is None else torch.cat([x, x.new_ones(x.shape[0], 1)], 1)
+
+    def add(self, x: Tensor, y: Tensor | DenseRows) -> None:
+        """Add one call's rows (input ``x``, target output ``y``, or the dense call's
+        ``DenseRows`` with ``CrossSums``) to the sums; rows holding NaN or inf are left out
+        and counted in ``nonfinite``."""
         if self.rows is linear_rows and self.dim != x.dim() - 1:
             self.invalid = "the mask is not on the features (last) dim"
         if self.invalid is not None:
             return
-        x, y = self.rows(self.mod, x, y, self.kept, self.sample, self.tokens)
-        if self.outputs is not None:
-            y = y[:, self.outputs]
-        if self.mod.bias is not None:
-            x = torch.cat([x, x.new_ones(x.shape[0], 1)], 1)
-        finite = _finite_rows(x) & _finite_rows(y)
+        if isinstance(y, DenseRows):  # its rows were read in the dense pass: x's alone here
+            x = self.rows(self.mod, x, x[..., :1], self.kept, self.sample, self.tokens)[0]
+            targets = list(y)
+        else:
+            x, y = self.rows(self.mod, x, y, self.kept, self.sample, self.tokens)
+            targets = [y if self.outputs is None else y[:, self.outputs]]
+        x = self._with_ones(x)
+        finite = finite_rows(x)
+        for t in targets:
+            finite &= finite_rows(t)
         if not bool(finite.all()):  # one NaN would make every sum NaN: its rows are left out
             self.nonfinite += int(finite.logical_not().sum())
-            x, y = x[finite], y[finite]
-        (self.held_sums if self.held else self.sums).add(x, y)
+            x, targets = x[finite], [t[finite] for t in targets]
+        sums = self.held_sums if self.held else self.sums
+        (sums.add_dense if isinstance(sums, CrossSums) else sums.add)(x, *targets)
 
     @property
     def count(self) -> int:
@@ -252,9 +202,18 @@ class LayerFit:
     def current_columns(self, block: slice) -> Tensor:
         """The layer's weights of the fit's output columns ``block`` as its unknowns:
         (features, len(block)) in float64. Only these rows' kept columns are widened."""
+        return self._columns(block, self.kept)
+
+    def dense_columns(self, block: slice) -> Tensor:
+        """The layer's weights of the fit's output columns ``block`` on every input (and the
+        bias): (dense inputs, len(block)) in float64, as ``CrossSums`` reads them."""
+        return self._columns(block, None)
+
+    def _columns(self, block: slice, inputs: Tensor | None) -> Tensor:
         rows = self.out_rows[block]
         w = out_in_weight(self.mod).detach()
-        cols = w[rows[:, None], self.kept].reshape(rows.numel(), -1).double()
+        w = w[rows] if inputs is None else w[rows[:, None], inputs]
+        cols = w.reshape(rows.numel(), -1).double()
         if self.mod.bias is not None:
             cols = torch.cat([cols, self.mod.bias.detach()[rows].double()[:, None]], 1)
         return cols.T
@@ -285,7 +244,7 @@ class LayerFit:
     def weights_coef(self, ridge: float) -> Solution:
         """Every kept weight (and the bias) refitted: (features, out)."""
         sums = self.sums
-        b = Solution(sums.rhs, sums.xty.shape[0], sums.xty.shape[1])
+        b = Solution(sums.rhs, self.features, self.out_rows.numel())
         return self._solve(sums.xtx, b, ridge, self.current())
 
     def scales_coef(self, ridge: float) -> Solution:
@@ -353,20 +312,21 @@ class LayerFit:
         w, bias = out_in_weight(self.mod), self.mod.bias
         n_w, rows = self.kept.numel() * self.kernel, self.out_rows
         with torch.no_grad():
-            removed = torch.ones(w.shape[1], dtype=torch.bool, device=w.device)
-            removed[self.kept] = False
-            w[:, removed] = 0  # removed columns stay zero, as the mask has them
-            # each block's columns read only its own rows of the weight, written after
+            # each block's columns read only its own rows of the weight (every column of them
+            # with ``CrossSums``), written after
             for block, c in coef.blocks():
                 new = c[:n_w].T.reshape(rows[block].numel(), self.kept.numel(), *w.shape[2:])
                 w[rows[block][:, None], self.kept] = new.to(w.dtype)
                 if bias is not None:
                     bias[rows[block]] = c[n_w].to(bias.dtype)
+            removed = torch.ones(w.shape[1], dtype=torch.bool, device=w.device)
+            removed[self.kept] = False
+            w[:, removed] = 0  # removed columns stay zero, as the mask has them
         return mode, before, after, ridge
 
 
 def _conservative(
-    solve: Callable[[float], Solution], held: Sums, unrepaired: float
+    solve: Callable[[float], Solution], held: Gram, unrepaired: float
 ) -> tuple[float, Solution]:
     """The largest ridge of ``RIDGES`` (the fit closest to the unrepaired layer) whose held-out
     error keeps ``1 - GAIN_SLACK`` of the best ridge's gain over ``unrepaired``, and its fit:
