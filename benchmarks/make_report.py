@@ -1047,9 +1047,10 @@ def build(out: Path, results: Path = RESULTS) -> str:
     llm_memory = _load(results / "llm_memory.json")
     if llm_memory is not None:
         lines += llm_memory_section(llm_memory)
-    lm = _load(results / "lm_quality.json")
-    if lm is not None:
-        lines += lm_quality_section(lm, results / "lm_quality.md")
+    for name in ("lm_quality_12m", "lm_quality"):
+        lm = _load(results / f"{name}.json")
+        if lm is not None:
+            lines += lm_quality_section(lm, results / f"{name}.md")
     predicted = _load(results / "latency_prediction.json")
     if predicted is not None:
         lines += latency_prediction_section(predicted)
@@ -1228,9 +1229,10 @@ def architectures_2026_section(data: dict[str, Any], prose: Path) -> list[str]:
 
 
 def lm_quality_section(data: dict[str, Any], prose: Path) -> list[str]:
-    """One-shot pruning of a decoder LM trained here (issue 33 point 5): the written analysis
-    (``prose``, beside the JSON; its ``<!-- table -->`` line takes the per-target table of
-    ``lm_quality.pivot``) and the run line."""
+    """One-shot pruning of a decoder LM trained here (issue 33 point 5), one section for each
+    preset of ``lm_quality.py``: the written analysis (``prose``, beside the JSON; its
+    ``<!-- table -->`` line takes the per-target table of ``lm_quality.pivot``) and the run
+    line."""
     from lm_quality import pivot  # (imports transformers: only when the JSON is there)
 
     text = prose.read_text().replace("<!-- table -->", pivot(data["cells"]))
