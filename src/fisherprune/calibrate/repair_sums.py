@@ -92,6 +92,14 @@ class Gram:
         """Columns ``block`` of ``X^T Y`` in float64."""
         raise NotImplementedError
 
+    def _add_gram(self, x: Tensor) -> None:
+        """Add the rows ``x`` (rows, features; float32 or float64) to ``X^T X`` (made at the
+        first rows, summed in float64) and to the row count."""
+        if self.count == 0:
+            self.xtx = x.new_zeros(x.shape[1], x.shape[1], dtype=torch.float64)
+        self.xtx += (x.T @ x).double()
+        self.count += x.shape[0]
+
     def error(self, coef: Solution) -> float:
         """``||Y - X coef||^2 / ||Y||^2``, a block of ``coef``'s columns at a time."""
         sq = self.yty
@@ -115,13 +123,11 @@ class Sums(Gram):
         # float64 matmuls are several times slower on CPU: one batch's in float32 (or float64)
         x, y = widened(x), widened(y)
         if self.count == 0:
-            self.xtx = x.new_zeros(x.shape[1], x.shape[1], dtype=torch.float64)
             self.xty = x.new_zeros(x.shape[1], y.shape[1])  # (the products' dtype)
-        self.xtx += (x.T @ x).double()
+        self._add_gram(x)
         for block in column_blocks(max(x.shape), y.shape[1]):  # (rows or features) x block
             self.xty[:, block] += x.T @ y[:, block]
             self.yty += float(y[:, block].double().square().sum())
-        self.count += x.shape[0]
 
     def rhs(self, block: slice) -> Tensor:
         """Columns ``block`` of ``X^T Y`` in float64."""
@@ -154,12 +160,10 @@ class CrossSums(Gram):
         ``squares`` (rows,)."""
         x, dense = widened(x), widened(dense)
         if self.count == 0:
-            self.xtx = x.new_zeros(x.shape[1], x.shape[1], dtype=torch.float64)
             self.cross = x.new_zeros(x.shape[1], dense.shape[1], dtype=torch.float64)
-        self.xtx += (x.T @ x).double()
+        self._add_gram(x)
         self.cross += (x.T @ dense).double()
         self.yty += float(squares.sum())
-        self.count += x.shape[0]
 
     def rhs(self, block: slice) -> Tensor:
         """Columns ``block`` of ``X^T Y`` in float64, made from the weight's columns."""
