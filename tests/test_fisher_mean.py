@@ -1,16 +1,19 @@
-"""benchmarks/fisher_mean.py's FisherMean (a candidate default, issue 31): the Fisher signal of
-replacing each hidden unit by its mean, against a float64 loop over examples."""
+"""``fisherprune.criteria.FisherMean`` (prune_to_target's default criterion when it repairs,
+issue 31): the Fisher signal of replacing each channel by its mean, and the joint increments on
+masks several layers read, against float64 loops over examples."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import pytest
 import torch
 import torch.nn.functional as F
-from counted import benchmark_module
 from torch import Tensor, nn
 
 import fisherprune as fp
-
-FisherMean = benchmark_module("fisher_mean").FisherMean
+from fisherprune.calibrate.to_target import estimate_signals
+from fisherprune.criteria import FisherMean
 
 
 def shifted(head: nn.Linear, h: Tensor, keep: Tensor, y: Tensor, abar: Tensor) -> Tensor:
@@ -30,7 +33,20 @@ def reference(head: nn.Linear, h: Tensor, keep: Tensor, y: Tensor, abar: Tensor)
     return 0.5 * (shifted(head, h, keep, y, abar) ** 2).mean(0)
 
 
-def calibrated(crit: fp.criteria.Fisher) -> tuple[nn.Sequential, dict, Tensor, Tensor, Tensor]:
+def joint_reference(g: Tensor, own: Tensor, alive: list[int]) -> Tensor:
+    """Plain loops: kept channels in ascending ``own`` order score the increment of
+    1/2 mean_n (sum of g[n, k] over the channels up to them)^2, made non-decreasing, at least
+    ``own``; the others keep ``own``."""
+    want, total, floor, before = own.clone(), torch.zeros(g.shape[0], dtype=g.dtype), 0.0, 0.0
+    for k in sorted(alive, key=lambda k: float(own[k])):
+        total = total + g[:, k]
+        joint = float(0.5 * (total**2).mean())
+        floor = max(floor, joint - before, 0.0)
+        want[k], before = max(floor, float(own[k])), joint
+    return want
+
+
+def calibrated(crit: FisherMean) -> tuple[nn.Sequential, dict, Tensor, Tensor, Tensor]:
     """A float64 Linear(5, 6)-ReLU-Linear(6, 3) with its hidden units masked and unit 2 pruned,
     two mean-reduced batches (4 and 5 examples) passed under ``crit.observing``, then
     ``crit.update(decay=0)``: the net, its masks, the hidden activations h (9, 6), the mask
@@ -62,3 +78,183 @@ def test_mean_replacement_signal_matches_a_float64_loop_over_examples() -> None:
     torch.testing.assert_close(mask.signal.double(), want, rtol=1e-6, atol=0.0)  # float32 buffer
     plain = reference(net[2], h, keep, y, torch.zeros(6, dtype=torch.float64))  # Fisher
     assert not torch.allclose(want, plain)  # the mean changed something
+
+
+def test_joint_all_scores_increments_of_mean_replaced_gradients() -> None:
+    """``joint="all"`` on the same net: each kept unit, in the order of its mean-replaced
+    signal, scores the increment of 1/2 mean_n (sum of g'[n,k] over the lowest units up to
+    it)^2, made non-decreasing and at least its own signal; the pruned unit keeps its own."""
+    crit = FisherMean(joint="all")
+    net, masks, h, keep, y = calibrated(crit)
+    (got,) = crit.importance(masks, net).values()
+    abar = (h * keep).mean(0)
+    own = reference(net[2], h, keep, y, abar)
+    want = joint_reference(shifted(net[2], h, keep, y, abar), own, [0, 1, 3, 4, 5])
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0.0)
+    assert not torch.allclose(want[[0, 1, 3, 4, 5]], own[[0, 1, 3, 4, 5]])  # cross terms count
+
+
+class _Block(nn.Module):
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.a, self.b = nn.Conv2d(c, 5, 3, padding=1), nn.Conv2d(5, c, 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + self.b(torch.relu(self.a(x)))
+
+
+class _Residual(nn.Module):
+    """A residual stream of 4 channels read by both blocks' first convolution and the head
+    (coupled), each block's inner width of 5 read by its second convolution alone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(2, 4, 3, padding=1)
+        self.blocks = nn.ModuleList([_Block(4), _Block(4)])
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.tanh(self.stem(x))
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h.mean((2, 3)))
+
+
+#: the modules reading each mask of ``_Residual``, by the mask's name
+READERS = {
+    "fisherprune_masks.stem:out": ("blocks.0.a", "blocks.1.a", "head"),
+    "fisherprune_masks.blocks_0_a:out": ("blocks.0.b",),
+    "fisherprune_masks.blocks_1_a:out": ("blocks.1.b",),
+}
+
+
+def _residual_data() -> tuple[_Residual, Tensor, Tensor, list[tuple[Tensor, Tensor]]]:
+    torch.manual_seed(5)
+    net = _Residual().double().eval()
+    x, y = torch.randn(11, 2, 5, 5, dtype=torch.float64), torch.randint(0, 3, (11,))
+    return net, x, y, [(x[:4], y[:4]), (x[4:8], y[4:8]), (x[8:], y[8:])]
+
+
+def _consumer_inputs(net: nn.Module, x: Tensor, y: Tensor) -> dict[str, tuple[Tensor, Tensor]]:
+    """Each reading module's input z (N, C, ...) and every example's own dL_n/dz, one example
+    at a time in float64, on the net without masks."""
+    names = {n for readers in READERS.values() for n in readers}
+    modules = dict(net.named_modules())
+    z: dict[str, list[Tensor]] = {n: [] for n in names}
+    dz: dict[str, list[Tensor]] = {n: [] for n in names}
+
+    def capture(name: str, leaves: dict[str, Tensor]) -> Callable[[nn.Module, tuple], tuple]:
+        def hook(module: nn.Module, args: tuple) -> tuple:
+            # a copy this module alone reads, still in the graph: its gradient is the loss's
+            # through this module only (the input itself also feeds a residual add)
+            leaves[name] = args[0].clone()
+            return (leaves[name],)
+
+        return hook
+
+    for i in range(x.shape[0]):
+        leaves: dict[str, Tensor] = {}
+        handles = [modules[n].register_forward_pre_hook(capture(n, leaves)) for n in names]
+        loss = F.cross_entropy(net(x[i : i + 1]), y[i : i + 1])
+        for h in handles:
+            h.remove()
+        for n, g in zip(leaves, torch.autograd.grad(loss, list(leaves.values())), strict=True):
+            z[n].append(leaves[n].detach())
+            dz[n].append(g)
+    return {n: (torch.cat(z[n]), torch.cat(dz[n])) for n in names}
+
+
+def _shifted_by_places(inputs: dict[str, tuple[Tensor, Tensor]], readers: tuple) -> Tensor:
+    """g'[n, k] = sum over the reading modules p, over positions, of
+    (z_p[n, k, pos] - abar_pk) * dL_n/dz_p[n, k, pos], abar_pk z_p's mean over examples and
+    positions: (N, C)."""
+    total = None
+    for p in readers:
+        z, dz = inputs[p]
+        dims = [0, *range(2, z.dim())]
+        abar = z.mean(dims, keepdim=True)
+        part = ((z - abar) * dz).sum(list(range(2, z.dim()))) if z.dim() > 2 else (z - abar) * dz
+        total = part if total is None else total + part
+    assert total is not None
+    return total
+
+
+def test_coupled_stream_scores_joint_increments_and_each_reader_its_own_mean() -> None:
+    """A residual CNN, three mean-reduced batches (4, 4, 3): every mask's signal is
+    1/2 mean_n g'^2 with g' summed over its reading modules, each with its own mean over the
+    calibration set and positions (float64 loop over examples, the net without masks); the
+    stream (three readers) scores the joint increments of g', the inner widths their signal."""
+    net, x, y, batches = _residual_data()
+    inputs = _consumer_inputs(net, x, y)
+    crit = FisherMean()
+    masks = dict(fp.apply_masks(net, x[:1]))
+    with crit.observing(net, masks):
+        estimate_signals(net, masks, batches, F.cross_entropy, crit)
+    got = crit.importance(masks, net)
+    assert set(masks) == set(READERS)
+    for name, readers in READERS.items():
+        g = _shifted_by_places(inputs, readers)
+        own = 0.5 * (g**2).mean(0)
+        torch.testing.assert_close(masks[name].signal.double(), own, rtol=1e-5, atol=1e-12)
+        c = g.shape[1]
+        want = joint_reference(g, own, list(range(c))) if len(readers) > 1 else own
+        torch.testing.assert_close(got[name], want, rtol=1e-5, atol=1e-12)
+    stream = "fisherprune_masks.stem:out"
+    assert not torch.allclose(got[stream], masks[stream].signal.double())  # not vacuous
+
+
+def test_checkpointed_blocks_give_the_same_signals() -> None:
+    """With the blocks checkpointed for the pass (their forwards recomputed in backward), no
+    statistic is counted twice: the signals and scores equal the plain pass's."""
+    out = []
+    for blocks in (False, True):
+        net, x, _, batches = _residual_data()
+        crit = FisherMean()
+        masks = dict(fp.apply_masks(net, x[:1]))
+        with crit.observing(net, masks):
+            estimate_signals(net, masks, batches, F.cross_entropy, crit,
+                             blocks=net.blocks if blocks else None)  # fmt: skip
+        out.append(crit.scores(masks, net))
+    for name in out[0]:
+        torch.testing.assert_close(out[1][name], out[0][name], rtol=1e-12, atol=0.0)
+
+
+def test_uncoupled_masks_keep_no_per_example_state() -> None:
+    """On the MLP (no mask with two readers), what the criterion keeps between passes does not
+    grow with the number of calibration passes: per-channel sums only."""
+
+    def kept_elements(passes: int) -> int:
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(5, 6), nn.ReLU(), nn.Linear(6, 3))
+        x, y = torch.randn(8 * passes, 5), torch.randint(0, 3, (8 * passes,))
+        crit = FisherMean()
+        masks = fp.apply_masks(net, x[:2])
+        for m in masks.values():
+            m.collecting = True
+        with crit.observing(net, masks):
+            for i in range(passes):
+                F.cross_entropy(net(x[8 * i : 8 * i + 8]), y[8 * i : 8 * i + 8]).backward()
+            net(x[:1])  # the next pass pairs the last one
+            records = crit._records.values()
+            return sum(
+                t.numel()
+                for r in records
+                for t in [*(v for pair in r.sums.values() for v in pair), *r.shifts.values()]
+            )
+
+    assert kept_elements(2) == kept_elements(6) > 0
+
+
+def test_pruning_optimizer_refuses_it() -> None:
+    """Training runs no ``observing`` block: ``PruningOptimizer`` says to use prune_to_target."""
+    net = nn.Sequential(nn.Linear(5, 6), nn.ReLU(), nn.Linear(6, 3))
+    x = torch.randn(2, 5)
+    fp.apply_masks(net, x)
+    with pytest.raises(ValueError, match="prune_to_target"):
+        fp.PruningOptimizer(net, x, torch.optim.SGD(net.parameters(), lr=0.1),
+                            criterion="fisher_mean")  # fmt: skip
+
+
+def test_unknown_joint_is_refused() -> None:
+    with pytest.raises(ValueError, match="joint must be one of"):
+        FisherMean(joint="some")

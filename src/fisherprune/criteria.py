@@ -16,6 +16,7 @@ from fisherprune.signals.criteria import (
     register_criterion,
     resolve_criterion,
 )
+from fisherprune.signals.fisher_mean import FisherMean, coupled_masks
 
 __all__ = [
     "CRITERIA",
@@ -24,9 +25,11 @@ __all__ = [
     "Activation",
     "Criterion",
     "Fisher",
+    "FisherMean",
     "GradientCriterion",
     "Random",
     "Taylor",
+    "coupled_masks",
     "groups_of",
     "register_criterion",
     "resolve_criterion",

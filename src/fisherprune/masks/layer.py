@@ -417,6 +417,14 @@ class MaskLayer(nn.Module):
         if self._gathered.backward_seen and not recompute.recomputing():
             self._gathered.commit()
 
+    def closed_passes(self) -> list[Tensor]:
+        """Close the current pass (as the next forward would) and return the per-example
+        gradients (N, C) of every pass closed since the statistics were last taken, oldest
+        first: the layer's own list, to read and not to change (``take_statistics`` empties
+        it). For a criterion that pairs each pass's gradients with statistics of its own."""
+        self._gathered.commit()
+        return self._gathered.passes
+
     def accumulate(self, g: Tensor, index: Tensor | None) -> None:
         """Add one place's per-example gradient (N, C_place) to the current pass."""
         if index is not None:

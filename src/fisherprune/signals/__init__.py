@@ -13,6 +13,7 @@ from fisherprune.signals.criteria import (
     resolve_criterion,
 )
 from fisherprune.signals.fisher import update_pruning_signals
+from fisherprune.signals.fisher_mean import FisherMean
 
 __all__ = [
     "L1",
@@ -21,6 +22,7 @@ __all__ = [
     "Activation",
     "Criterion",
     "Fisher",
+    "FisherMean",
     "GradientCriterion",
     "Random",
     "Taylor",

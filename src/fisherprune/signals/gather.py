@@ -12,7 +12,7 @@ summed and divided by there, and the skip verdicts reach the host without being 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, TypeAlias
 
 import torch
@@ -21,7 +21,7 @@ from torch import Tensor
 
 from fisherprune.masks import MaskLayer, MaskSet, as_mask_dict
 
-__all__ = ["fold_statistics"]
+__all__ = ["fold_statistics", "fold_totals"]
 
 
 class PendingFlags:
@@ -104,6 +104,32 @@ def fold_statistics(
     """
     md = as_mask_dict(masks)
     taken = {name: m.take_statistics(loss_reduction, statistic, degree) for name, m in md.items()}
+    return fold_totals(md, taken, decay, factor=factor, process_group=process_group, stacklevel=5)
+
+
+#: what ``MaskLayer.take_statistics`` returns: ``(total, scale, count)``, or None
+Taken: TypeAlias = tuple[Tensor, float, int] | None
+
+
+def fold_totals(
+    masks: MaskSet,
+    taken: Mapping[str, Taken],
+    decay: float,
+    *,
+    factor: float,
+    process_group: dist.ProcessGroup | None = None,
+    stacklevel: int = 4,
+) -> Tensor | None:
+    """The second half of ``fold_statistics``, for a criterion that took the masks'
+    statistics itself (and changed them: ``FisherMean`` subtracts its mean-replacement
+    correction): all-reduce ``taken`` over ranks when ``torch.distributed`` is initialised and
+    fold ``factor * total * scale / count`` into each mask's signal, as ``fold_statistics``.
+
+    Changes: the signals of the masks in ``taken`` (in place); returns the skipped count.
+    ``stacklevel`` places the not-finite warning (4: the caller of the ``update`` that called
+    this).
+    """
+    md = as_mask_dict(masks)
     ready: list[Ready] = []
     if dist.is_available() and dist.is_initialized():
         for name, (total, count) in _all_reduce(taken, md, process_group).items():
@@ -116,12 +142,12 @@ def fold_statistics(
                 total, scale, count = stats
                 ready.append((name, md[name], total, factor * scale / count, None))
     skipped = _fold_into_signals(ready, float(decay))
-    _warn_skipped(stacklevel=4)
+    _warn_skipped(stacklevel)
     return skipped
 
 
 def _all_reduce(
-    taken: dict[str, tuple[Tensor, float, int] | None],
+    taken: Mapping[str, Taken],
     md: dict[str, MaskLayer],
     group: dist.ProcessGroup | None,
 ) -> dict[str, tuple[Tensor, Tensor]]:
