@@ -12,34 +12,20 @@ This candidate applies the joint increments only where no single refit can absor
 mode: on a mask whose channels are read by more than one consuming module (a residual
 stream: every block's first layer, the shortcut, the head; a transformer's hidden width).
 A mask read by one module (a block's inner width, an FFN's units, a head's values) keeps the
-plain Fisher signal (``FisherCoupled``), or ``FisherMean``'s signal of replacing the channel
-by its mean (``FisherCoupledMean``, the joint increments then summed over the mean-replaced
-gradients as in ``fisher_joint_mean``). "Read by" counts the modules ``apply_masks`` placed
-a mask point on (``MaskHolder.points``); norms are not consumers here.
+plain Fisher signal. "Read by" counts the modules ``apply_masks`` placed a mask point on
+(``fisherprune.criteria.coupled_masks``); norms are not consumers here. The same with the
+mean-replaced signal is the library's ``FisherMean()``, ``prune_to_target``'s default.
 """
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Mapping
 
 from fisher_joint import FisherJoint
-from fisher_joint_mean import FisherJointMean
 from torch import Tensor, nn
 
+from fisherprune.criteria import coupled_masks
 from fisherprune.masks import MaskLayer
-from fisherprune.masks.points import find_holder
-
-
-def coupled_masks(model: nn.Module) -> set[int]:
-    """The ids of the masks ``apply_masks`` placed at the input of more than one module."""
-    found = find_holder(model)
-    if found is None:
-        return set()
-    readers: Counter[int] = Counter()
-    for point in found[1].points:
-        readers.update({id(m) for m, _, _ in point.parts})
-    return {m for m, n in readers.items() if n > 1}
 
 
 class _CoupledOnly:
@@ -60,8 +46,3 @@ class FisherCoupled(_CoupledOnly, FisherJoint):
 
     def __init__(self) -> None:
         super().__init__(at_least_own=True)
-
-
-class FisherCoupledMean(_CoupledOnly, FisherJointMean):
-    """``FisherJointMean`` on coupled masks, ``FisherMean``'s signal elsewhere (the Fisher of
-    replacing a channel by its mean, which fixed the digits MLP at 50%)."""

@@ -1,5 +1,5 @@
-"""benchmarks/fisher_coupled.py (a candidate default, issue 31): which masks count as coupled,
-and that the joint increments are taken on those only."""
+"""Which masks count as coupled (``fisherprune.criteria.coupled_masks``), and that
+benchmarks/fisher_coupled.py's candidate takes the joint increments on those only."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ def test_a_width_read_by_two_layers_is_coupled_and_one_read_by_one_is_not() -> N
     net, masks, _, _ = _masked()
     by_width = {m.num_channels: m for m in masks.values()}
     assert set(by_width) == {6, 4}
-    assert coupled.coupled_masks(net) == {id(by_width[6])}
+    assert fp.criteria.coupled_masks(net) == {id(by_width[6])}
 
 
 def test_joint_increments_on_coupled_masks_and_own_signals_elsewhere() -> None:

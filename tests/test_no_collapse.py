@@ -27,7 +27,7 @@ from fisherprune.modes import eval_mode
 from tests.test_cli import run_cli
 from tests.test_cli_prune import _data_and_weights
 
-ONE_SCORING = {"rounds": 1, "round_cap": 1.0}  # the defaults before issue 31
+ONE_SCORING = {"criterion": "fisher", "rounds": 1, "round_cap": 1.0}  # before issue 31
 
 
 def _digits() -> tuple[Tensor, Tensor, Tensor, Tensor]:

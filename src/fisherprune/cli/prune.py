@@ -146,7 +146,13 @@ def prune_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPar
         default=ROUND_CAP,
         help="the largest share of a group's kept channels one round may remove (1: no cap)",
     )
-    p.add_argument("--criterion", default="fisher", choices=sorted(CRITERIA))
+    p.add_argument(
+        "--criterion",
+        default="auto",
+        choices=["auto", *sorted(CRITERIA)],
+        help="how channels are ranked; auto: fisher_mean with the repair (the Fisher of "
+        "replacing a channel by its mean, as the repair does), fisher without it",
+    )
     p.add_argument(
         "--label_free",
         action="store_true",
@@ -696,7 +702,7 @@ def _prune(args: argparse.Namespace, bars: bool) -> int:
         report = {
             "model": args.model,
             "target": args.target,
-            "criterion": args.criterion,
+            "criterion": result.criterion,
             "label_free": job.loss_fn is None,
             "reconstruct": args.reconstruct,
             "recalibrate_norms": args.recalibrate_norms,
