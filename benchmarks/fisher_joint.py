@@ -33,6 +33,7 @@ from torch import Tensor, nn
 
 from fisherprune.criteria import Fisher
 from fisherprune.masks import MaskLayer, MaskSet, as_mask_dict
+from fisherprune.signals.fisher_mean import joint_increments
 
 
 class FisherJoint(Fisher):
@@ -95,14 +96,11 @@ class FisherJoint(Fisher):
     def importance(self, masks: Mapping[str, MaskLayer], model: nn.Module) -> dict[str, Tensor]:
         out: dict[str, Tensor] = {}
         for name, m in masks.items():
-            score = m.signal.detach().double().cpu().clone()
             g = self._grads.get(name)
-            kept = torch.nonzero(m.mask.detach().cpu() > 0.5).flatten()
-            if g is not None and len(kept):
-                order = kept[torch.argsort(score[kept], stable=True)]  # lowest signal first
-                joint = 0.5 * g[:, order].cumsum(1).square().mean(0)  # J_1 .. J_K
-                steps = torch.diff(joint, prepend=joint.new_zeros(1))
-                steps = steps.cummax(0).values.clamp_min(0.0)
-                score[order] = steps.maximum(score[order]) if self.at_least_own else steps
-            out[name] = score
+            score = m.signal.detach().double().cpu()
+            out[name] = (
+                joint_increments(score, g, m.mask, at_least_own=self.at_least_own)
+                if g is not None
+                else score.clone()
+            )
         return out

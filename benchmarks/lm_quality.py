@@ -30,11 +30,15 @@ target (20%, 35% and 50% fewer parameters: ``target`` 0.8, 0.65 and 0.5 with
 dense model, on 32 calibration windows of 64 tokens (the context) with next-token labels:
 
 * ``fisher``, ``l1``, ``activation`` (structured Wanda / FLAP: ``fisherprune.criteria.
-  Activation``), ``taylor``, ``random``: width only (channels, heads, hidden width);
+  Activation``), ``taylor``, ``random``: width only (channels, heads, hidden width); ``fisher``
+  is ``criterion="auto"``, ``FisherMean`` with the repair (issue 31);
+* ``fisher_plain``: the seed's Fisher signal (``criterion="fisher"``, the default before);
 * ``activation_mean``: ``Activation(normalize="mean")`` (each group's importances scaled to
   mean 1, as ``L1`` does: an ablation, not a rival);
 * ``fisher_depth``: ``blocks="only"`` (whole decoder layers, channels left whole);
-* ``fisher_both``: ``blocks=True`` (layers and channels ranked in one budget).
+* ``fisher_both``: ``blocks=True`` (layers and channels ranked in one budget), with the
+  seed's signal as it was measured (``fisher_depth`` scores only block gates, which no layer
+  reads through a mask: ``FisherMean`` gives them the seed's signal).
 
 Each cell records the held-out test perplexity (``fisherprune.calibrate.perplexity`` over
 non-overlapping context-long windows of the test text) and its wall time. ``fisher`` (width only,
@@ -83,13 +87,14 @@ TARGETS = (0.8, 0.65, 0.5)
 CALIBRATION_WINDOWS, CALIBRATION_BATCH = 32, 8
 METHODS: dict[str, Any] = {
     "fisher": lambda seed: {},
+    "fisher_plain": lambda seed: {"criterion": "fisher"},
     "l1": lambda seed: {"criterion": "l1"},
     "activation": lambda seed: {"criterion": "activation"},
     "activation_mean": lambda seed: {"criterion": Activation(normalize="mean")},
     "taylor": lambda seed: {"criterion": "taylor"},
     "random": lambda seed: {"criterion": Random(seed)},
     "fisher_depth": lambda seed: {"blocks": "only"},
-    "fisher_both": lambda seed: {"blocks": True},
+    "fisher_both": lambda seed: {"criterion": "fisher", "blocks": True},
 }
 #: the methods ``fisher`` is ranked among, width only and with ``_depth`` / ``_both``
 RIVALS = ("fisher", "l1", "activation", "taylor", "random")

@@ -1333,11 +1333,22 @@ def one_shot_section(r: dict[str, Any], out: Path) -> list[str]:
         "## One-shot defaults: no layer collapse (`benchmarks/one_shot_defaults.py`)",
         "",
         "`fisherprune.prune_to_target` with every argument at its default (`fisher`: "
+        '`criterion="auto"`, which with the repair is `fisher_mean`: the Fisher signal of '
+        "replacing each channel by its calibration mean, as the repair's refit bias does, with "
+        "the joint increments of its group on widths more than one layer reads; "
         '`rounds="auto"`, `round_cap=0.25`, repair on) on networks trained here for nothing '
         "else, one-shot from "
         f"{r['calibration']} calibration examples, no fine-tuning: test accuracy, mean ± sd over "
         f"{r['seeds']} seeds (each trains its own network), and in brackets the wall seconds of "
         "one cell (the whole `prune_to_target` call: signals, selection, repair). "
+        '`fisher_plain` is the same with the seed\'s Fisher signal (`criterion="fisher"`, the '
+        "default before), and every `fisher_*` ablation of the settings below kept that signal, "
+        'as it was measured with it; `fisher_mean` `FisherMean(joint="none")` (the '
+        'mean-replaced signal alone), `fisher_joint_mean` `FisherMean(joint="all")` (joint '
+        "increments on every group), `fisher_coupled` the joint increments of the plain signal "
+        "on widths several layers read, `fisher_coupled_mean` the default's criterion (measured "
+        "with the benchmark's first version of it, whose scores equal the library's to about "
+        "1e-7). "
         "`fisher_cap_pace` and `taylor_cap_pace` `round_cap=1 - sqrt(0.8)` (0.106: the pace "
         "of thinning every group alike to one round's goal; a candidate default, not adopted); "
         "`fisher_rescore` `rescore_at_cap=True` (a round ends when its first group reaches "
@@ -1392,7 +1403,8 @@ def one_shot_section(r: dict[str, Any], out: Path) -> list[str]:
         "ablation ahead of fisher by an interval wholly on its side is named. "
         "Smallest kept share: the least share of its channels any group kept, over the seeds. "
         "A cell over more seeds than the header's says how many. "
-        "Text rows (`benchmarks/one_shot_text.py`; fisher, fisher_expected (decoder_lm "
+        "Text rows (`benchmarks/one_shot_text.py`; fisher, fisher_plain, fisher_expected "
+        "(decoder_lm "
         "only), fisher_cap_pace, fisher_rescore, "
         "fisher_rescore_floor, fisher_rescore_min25, "
         "fisher_root, fisher_pow67 (decoder_lm only), fisher_joint, fisher_joint_own, l1, "

@@ -62,7 +62,7 @@ from fisherprune.signals.activation import hook_points
 from fisherprune.signals.criteria import GradientCriterion, register_criterion
 from fisherprune.signals.gather import fold_totals
 
-__all__ = ["FisherMean", "coupled_masks"]
+__all__ = ["FisherMean", "coupled_masks", "joint_increments"]
 
 
 def coupled_masks(model: nn.Module) -> set[int]:
@@ -74,6 +74,33 @@ def coupled_masks(model: nn.Module) -> set[int]:
     for point in found[1].points:
         readers.update({id(m) for m, _, _ in point.parts})
     return {m for m, n in readers.items() if n > 1}
+
+
+def joint_increments(
+    score: Tensor, g: Tensor, mask: Tensor, *, at_least_own: bool = True
+) -> Tensor:
+    """Each kept channel's increment of the joint loss of its group (module docstring).
+
+    Args:
+        score: (C,) each channel's own signal; it orders the kept channels, lowest first.
+        g: (N, C) per-example gradients (float64; a mean-reduced loss's 1/N undone).
+        mask: (C,) the mask; channels at 0 keep ``score``.
+        at_least_own: never score a channel below its own signal.
+
+    Returns:
+        A new (C,) float64 tensor: ``J_m - J_(m-1)`` at the channel of rank ``m``, with
+        ``J_m = 1/2 mean_n (sum of g over the m lowest kept channels)^2``, made non-decreasing
+        along the order and non-negative.
+    """
+    out = score.detach().double().cpu().clone()
+    kept = torch.nonzero(mask.detach().cpu() > 0.5).flatten()
+    if len(kept):
+        order = kept[torch.argsort(out[kept], stable=True)]  # lowest signal first
+        joint = 0.5 * g.cpu()[:, order].cumsum(1).square().mean(0)  # J_1 .. J_K
+        steps = torch.diff(joint, prepend=joint.new_zeros(1))
+        steps = steps.cummax(0).values.clamp_min(0.0)
+        out[order] = steps.maximum(out[order]) if at_least_own else steps
+    return out
 
 
 class _Place:
@@ -354,16 +381,9 @@ class FisherMean(GradientCriterion):
         below its signal) in the order of the signal. Pruned channels keep their signal."""
         out: dict[str, Tensor] = {}
         for name, m in masks.items():
-            score = m.signal.detach().double().cpu().clone()
+            score = m.signal.detach().double().cpu()
             g = self._corrected.get(name)
-            kept = torch.nonzero(m.mask.detach().cpu() > 0.5).flatten()
-            if g is not None and len(kept):
-                order = kept[torch.argsort(score[kept], stable=True)]  # lowest signal first
-                joint = 0.5 * g[:, order].cumsum(1).square().mean(0)  # J_1 .. J_K
-                steps = torch.diff(joint, prepend=joint.new_zeros(1))
-                steps = steps.cummax(0).values.clamp_min(0.0)
-                score[order] = steps.maximum(score[order])
-            out[name] = score
+            out[name] = joint_increments(score, g, m.mask) if g is not None else score.clone()
         return out
 
     def settings(self) -> dict[str, Any]:
