@@ -4,6 +4,8 @@ masks several layers read, against float64 loops over examples."""
 
 from __future__ import annotations
 
+import gc
+import weakref
 from collections.abc import Callable
 
 import pytest
@@ -258,3 +260,21 @@ def test_pruning_optimizer_refuses_it() -> None:
 def test_unknown_joint_is_refused() -> None:
     with pytest.raises(ValueError, match="joint must be one of"):
         FisherMean(joint="some")
+
+
+def test_a_pass_holds_no_activation_after_its_backward() -> None:
+    """Under ``observing``, once a pass's backward is done the masked inputs the criterion
+    read are freed (what it keeps are sums): a checkpointed decoder's activations are not
+    held across the pass."""
+    net, x, y, _ = _residual_data()
+    crit = FisherMean()
+    masks = dict(fp.apply_masks(net, x[:1]))
+    seen: list[weakref.ref] = []
+    handle = net.blocks[1].b.register_forward_pre_hook(lambda m, a: seen.append(weakref.ref(a[0])))
+    with crit.observing(net, masks):
+        for m in masks.values():
+            m.collecting = True
+        F.cross_entropy(net(x[:4]), y[:4]).backward()
+        gc.collect()
+        assert seen and all(r() is None for r in seen)
+    handle.remove()

@@ -44,6 +44,7 @@ One process only: the sums of other ranks are not gathered.
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -108,7 +109,7 @@ class _Place:
     dim over every pass (for ``abar``), and this pass's per-example sum of its gradient per
     position (``shift``, ``s``)."""
 
-    def __init__(self, point: MaskPoint, hooked: dict[int, Tensor]) -> None:
+    def __init__(self, point: MaskPoint, hooked: dict[int, weakref.ref[Tensor]]) -> None:
         self.point, self.hooked = point, hooked
         self.sum: Tensor | None = None  # (size,) float64
         self.rows = 0
@@ -121,10 +122,12 @@ class _Place:
             or not torch.is_grad_enabled()
             or not isinstance(x, Tensor)
             or not x.requires_grad
-            or id(x) in self.hooked
+            or self._seen(x)
         ):
             return
-        self.hooked[id(x)] = x  # an input several consumers share counts once
+        # an input several consumers share counts once; a weak reference, so that the pass's
+        # activations are not held beyond what autograd holds (a checkpointed block's are not)
+        self.hooked[id(x)] = weakref.ref(x)
         d = self.point.dim % x.dim()
         others = [i for i in range(x.dim()) if i != d]
         part = x.detach().sum(others, dtype=torch.float64) if others else x.detach().double()
@@ -132,6 +135,10 @@ class _Place:
         self.rows += x.numel() // self.point.size
         reduce = to_examples(self.point.rows.kind, x, self.point.probe, self.point.scope)
         x.register_hook(self._gradient_hook(reduce or None))
+
+    def _seen(self, x: Tensor) -> bool:
+        ref = self.hooked.get(id(x))
+        return ref is not None and ref() is x
 
     def _gradient_hook(self, reduce: Callable[[Tensor], Tensor] | None) -> Any:
         def hook(grad: Tensor) -> None:
@@ -282,7 +289,7 @@ class FisherMean(GradientCriterion):
         removed on exit, and one gradient hook per masked input; outputs and gradients are
         unchanged.
         """
-        hooked: dict[int, Tensor] = {}
+        hooked: dict[int, weakref.ref[Tensor]] = {}
         self._places, handles = hook_points(model, lambda p: _Place(p, hooked), "fisher_mean")
         terms: dict[int, list[_Term]] = {}
         for place in self._places:
