@@ -241,7 +241,10 @@ def test_uncoupled_masks_keep_no_per_example_state() -> None:
             return sum(
                 t.numel()
                 for r in records
-                for t in [*(v for pair in r.sums.values() for v in pair), *r.shifts.values()]
+                for t in [
+                    *(v for pair in r.sums.values() for v in pair),
+                    *(v for pair in r.shifts.values() for v in pair),
+                ]
             )
 
     assert kept_elements(2) == kept_elements(6) > 0

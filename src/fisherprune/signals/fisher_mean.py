@@ -196,7 +196,8 @@ class _MaskRecord:
         self.seen = 0  # passes of the mask paired so far
         #: per pass size n: (sum_n g s_p (P, C), sum_n s_p s_q (P, P, C)), float64
         self.sums: dict[int, tuple[Tensor, Tensor]] = {}
-        self.shifts: dict[int, Tensor] = {}  # coupled only: pass index -> (P, N, C)
+        #: coupled only: pass index -> (the terms that saw a gradient, their s: (P', N, C))
+        self.shifts: dict[int, tuple[Tensor, Tensor]] = {}
 
     def pair(self, name: str) -> None:
         """Pair the pass that just ended with the mask's gradient of that pass: add to the
@@ -213,21 +214,27 @@ class _MaskRecord:
             )
         g = passes[-1].double()
         n, c = g.shape
-        s_all = g.new_zeros(len(self.terms), n, c)
+        # a coupled mask keeps the rows of the terms that saw a gradient (an input several
+        # modules share is hooked at one of them); the others' sums cover every term
+        rows = [j for j, s in enumerate(shifts) if s is not None] if self.coupled else None
+        s_all = g.new_zeros(len(rows) if rows is not None else len(self.terms), n, c)
         for j, (term, s) in enumerate(zip(self.terms, shifts, strict=True)):
-            if s is not None:
-                if s.shape[0] != n:
-                    raise ValueError(
-                        f"fisher_mean: mask {name!r} has {n} examples in its gradient but "
-                        f"{s.shape[0]} at its input of {term.place.point.module_name!r}"
-                    )
-                s_all[j][:, term.idx.to(g.device)] = s[:, term.pos.to(s.device)].to(g.device)
+            if s is None:
+                continue
+            if s.shape[0] != n:
+                raise ValueError(
+                    f"fisher_mean: mask {name!r} has {n} examples in its gradient but "
+                    f"{s.shape[0]} at its input of {term.place.point.module_name!r}"
+                )
+            at = rows.index(j) if rows is not None else j
+            s_all[at][:, term.idx.to(g.device)] = s[:, term.pos.to(s.device)].to(g.device)
+        if rows is not None:
+            self.shifts[self.seen - 1] = (torch.tensor(rows, dtype=torch.long), s_all)
+            return
         gs, ss = self.sums.get(n, (None, None))
         new_gs = torch.einsum("pnc,nc->pc", s_all, g)
         new_ss = torch.einsum("pnc,qnc->pqc", s_all, s_all)
         self.sums[n] = (new_gs, new_ss) if gs is None else (gs + new_gs, ss + new_ss)
-        if self.coupled:
-            self.shifts[self.seen - 1] = s_all
 
     def means(self) -> Tensor:
         """``abar`` of each term at its channels, (P, C) float64 (0 elsewhere)."""
@@ -374,9 +381,10 @@ class FisherMean(GradientCriterion):
 
         def statistic(g: Tensor) -> Tensor:
             g = g.double()
-            s_all = record.shifts.pop(next(at), None)
-            if s_all is not None:
-                g = g - torch.einsum("pc,pnc->nc", abar.to(g.device), s_all)
+            shift = record.shifts.pop(next(at), None)
+            if shift is not None:
+                rows, s_all = shift
+                g = g - torch.einsum("pc,pnc->nc", abar[rows].to(g.device), s_all)
             kept.append((g * (g.shape[0] if mean else 1)).cpu())
             return torch.linalg.vecdot(g, g, dim=0)
 
