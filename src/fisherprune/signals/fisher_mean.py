@@ -3,16 +3,19 @@ default criterion when it repairs (issue 31).
 
 ``criteria.Fisher`` scores channel ``k`` by ``F_k = 1/2 mean_n g[n,k]^2``, the second-order
 loss of setting the channel to 0 (Theis et al. 2018). The repair then refits each consumer of
-a removed channel with its bias, so the channel is in effect replaced by its mean activation
-``abar_k`` (as that consumer reads it), not by 0. To first order, example ``n``'s loss then
-changes by
+a removed channel with its bias, so where the consumer has a bias the channel is in effect
+replaced by its mean activation ``abar_k`` (as that consumer reads it), not by 0; where it has
+none (the projections of Llama-style decoders, a convolution before a batch norm) the repair
+cannot shift its output and the channel still reads 0 there. To first order, example ``n``'s
+loss then changes by
 
     g'[n, k] = sum over positions of (x[n, k, pos] - abar_k) * dL/dx[n, k, pos]
              = g[n, k] - sum over the places p reading k of abar_pk * s_p[n, k],
 
 with ``s_p[n, k]`` the per-example sum over positions of the loss gradient w.r.t. the masked
 input at place ``p`` (the gradient of an additive shift of the channel there; each consumer
-gets its own bias, so each place its own mean). The signal is ``1/2 mean_n g'[n,k]^2``.
+gets its own bias, so each place its own mean), over the places whose module has a bias. The
+signal is ``1/2 mean_n g'[n,k]^2``; a mask no biased module reads gets the seed's signal.
 
 On a mask that more than one module reads (a residual stream: every block's first layer, the
 shortcut, the head; a transformer's hidden width), no single refit absorbs what its channels
@@ -109,8 +112,13 @@ class _Place:
     dim over every pass (for ``abar``), and this pass's per-example sum of its gradient per
     position (``shift``, ``s``)."""
 
-    def __init__(self, point: MaskPoint, hooked: dict[int, weakref.ref[Tensor]]) -> None:
+    def __init__(
+        self, point: MaskPoint, hooked: dict[int, weakref.ref[Tensor]], biased: bool
+    ) -> None:
         self.point, self.hooked = point, hooked
+        #: whether the reading module has a bias, which the repair refits to absorb the mean
+        #: (without one, a removed channel reads 0 after the repair too: no correction here)
+        self.biased = biased
         self.sum: Tensor | None = None  # (size,) float64
         self.rows = 0
         self.shift: Tensor | None = None  # (N, size) float64, this pass
@@ -118,7 +126,8 @@ class _Place:
     def __call__(self, module: nn.Module, args: tuple) -> None:
         x = args[self.point.arg]
         if (
-            recomputing()
+            not self.biased
+            or recomputing()
             or not torch.is_grad_enabled()
             or not isinstance(x, Tensor)
             or not x.requires_grad
@@ -297,17 +306,23 @@ class FisherMean(GradientCriterion):
         unchanged.
         """
         hooked: dict[int, weakref.ref[Tensor]] = {}
-        self._places, handles = hook_points(model, lambda p: _Place(p, hooked), "fisher_mean")
+        modules = dict(model.named_modules())
+
+        def place(p: MaskPoint) -> _Place:
+            biased = isinstance(getattr(modules[p.module_name], "bias", None), Tensor)
+            return _Place(p, hooked, biased)
+
+        self._places, handles = hook_points(model, place, "fisher_mean")
         terms: dict[int, list[_Term]] = {}
-        for place in self._places:
-            for m, pos, idx in place.point.parts:
-                terms.setdefault(id(m), []).extend(_Term.split(place, pos, idx))
+        for at in self._places:
+            for m, pos, idx in at.point.parts if at.biased else ():
+                terms.setdefault(id(m), []).extend(_Term.split(at, pos, idx))
         every = self.joint == "all"
         coupled = coupled_masks(model) if self.joint == "coupled" else set()
         self._records = {
             name: _MaskRecord(m, terms.get(id(m), []), every or id(m) in coupled)
             for name, m in masks.items()
-            if every or id(m) in terms
+            if every or id(m) in terms or id(m) in coupled
         }
         for r in self._records.values():
             r.seen = len(r.mask.closed_passes())
