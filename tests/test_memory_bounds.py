@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import math
+import weakref
 from collections.abc import Callable
 
 import pytest
@@ -523,3 +524,48 @@ def test_cost_reports_hold_memory_that_does_not_grow_with_the_prune_steps() -> N
         assert torch.equal(report.marginal[name], fresh.marginal[name])
     per_step = (held[1] - held[0]) / 100
     assert per_step < 4 * 1024, f"{per_step:.0f} bytes more per step"
+
+
+class _LiveSquares(TorchDispatchMode):
+    """Records the most (n, n) float64 storages, other than ``given``'s, that aten ops return
+    inside the mode and that are alive at once (by weak reference: each counts until its last
+    tensor goes)."""
+
+    def __init__(self, n: int, given: Tensor) -> None:
+        super().__init__()
+        self.n, self.given, self.most = n, given.untyped_storage().data_ptr(), 0
+        self.alive: dict[int, weakref.ref[Tensor]] = {}
+
+    def __torch_dispatch__(
+        self, func: Callable, types: object, args: tuple = (), kwargs: dict | None = None
+    ) -> object:
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, Tensor) and t.dtype == torch.float64 and t.shape == (self.n,) * 2:
+                ptr = t.untyped_storage().data_ptr()
+                if ptr != self.given:
+                    self.alive.setdefault(ptr, weakref.ref(t))
+        self.alive = {p: r for p, r in self.alive.items() if r() is not None}
+        self.most = max(self.most, len(self.alive))
+        return out
+
+
+def test_a_scales_solve_makes_at_most_two_squares_of_its_channels_at_once() -> None:
+    """Solving one layer's refit in ``"scales"`` mode (40 kept inputs, no bias, too few rows
+    for every weight) holds at most two float64 (channels x channels) squares beside its
+    sums' Gram at any time: ``W W^T`` with a block's product, then their product with the
+    Gram made in ``W W^T``'s place and given up to the solve for its ridge, with its factors.
+    The solve kept ``W W^T`` and the product apart and ridged a copy made by
+    ``a + lam * eye``: four at once (63 MiB each for a 1B Llama's down_proj at half its MLP
+    width); the refit it writes is the same bit for bit (small Llama and Qwen2)."""
+    g = torch.Generator().manual_seed(0)
+    layer = nn.Linear(48, 30, bias=False)
+    x = torch.randn(100, 48, generator=g)
+    fit = repair_fit.LayerFit(layer, torch.arange(40), dim=1, positions=1)
+    fit.add(x, x @ torch.randn(48, 30, generator=g))
+    spy = _LiveSquares(40, fit.sums.xtx)
+    with spy:
+        mode, before, after, _ = fit.solve_and_set(0.1, rows_per_weight=20.0)
+    assert mode == "scales"  # 100 rows for 40 features
+    assert after < before  # the refit was kept (and written)
+    assert spy.most == 2
