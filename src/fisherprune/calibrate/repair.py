@@ -69,6 +69,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten
 
+from fisherprune.allocator import trim_freed_memory
 from fisherprune.calibrate.repair_fit import LayerFit
 from fisherprune.calibrate.repair_plan import (
     Stop,
@@ -350,7 +351,9 @@ def repair_consumers(
             best = start = held_error() if held else 0.0
             for group in progress(groups) if progress else groups:
                 names = [n for st in group for n in st]
+                trim_freed_memory()  # what the last pass and solves freed (``allocator``)
                 _fit_group(names, fits, fitting, held, sequence, sequential, two_forwards)
+                trim_freed_memory()
                 for name in names:
                     _solve(name, fits[name], ridge, rows_per_weight, report)
                     refitted[name] = layers[name]
