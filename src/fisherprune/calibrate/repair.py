@@ -55,6 +55,11 @@ its own). A layer-wise fit can lower every layer's own error while the model's o
 (MiniLM, before the residual target: the FFN output layers fitted their dense outputs and the
 sentence embeddings got worse), and this check is what notices: it costs one forward of the
 held-out batches per group, plus one per stage of a group that raised the error.
+
+Memory: one group's sums and one micro-batch's activations at a time, the original weights on
+disk (``repair_store``); before each pass and before its solves, the free pages of glibc's
+heaps go back to the OS (``fisherprune.allocator.trim_freed_memory``), or else what the passes
+free below a live block stays resident, pass after pass.
 """
 
 from __future__ import annotations
