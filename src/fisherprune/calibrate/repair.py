@@ -55,6 +55,11 @@ its own). A layer-wise fit can lower every layer's own error while the model's o
 (MiniLM, before the residual target: the FFN output layers fitted their dense outputs and the
 sentence embeddings got worse), and this check is what notices: it costs one forward of the
 held-out batches per group, plus one per stage of a group that raised the error.
+
+Memory: one group's sums and one micro-batch's activations at a time, the original weights on
+disk (``repair_store``); before each pass and before its solves, the free pages of glibc's
+heaps go back to the OS (``fisherprune.allocator.trim_freed_memory``), or else what the passes
+free below a live block stays resident, pass after pass.
 """
 
 from __future__ import annotations
@@ -69,6 +74,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten
 
+from fisherprune.allocator import trim_freed_memory
 from fisherprune.calibrate.repair_fit import LayerFit
 from fisherprune.calibrate.repair_plan import (
     Stop,
@@ -350,7 +356,9 @@ def repair_consumers(
             best = start = held_error() if held else 0.0
             for group in progress(groups) if progress else groups:
                 names = [n for st in group for n in st]
+                trim_freed_memory()  # what the last pass and solves freed (``allocator``)
                 _fit_group(names, fits, fitting, held, sequence, sequential, two_forwards)
+                trim_freed_memory()
                 for name in names:
                     _solve(name, fits[name], ridge, rows_per_weight, report)
                     refitted[name] = layers[name]

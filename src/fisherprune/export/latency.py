@@ -7,7 +7,6 @@ import logging
 import math
 import os
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -15,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fisherprune.allocator import glibc as _glibc
 from fisherprune.export.files import traced
 from fisherprune.export.latency_stats import LatencyComparison, LatencyDistribution
 from fisherprune.export.layout import serving_copy, to_channels_last
@@ -38,19 +38,6 @@ _M_MMAP_MAX = -4
 RETAIN_BYTES = 1 << 30
 #: the limits ``retain_freed_memory`` applied in this process, in order (empty: never)
 _retained: list[int] = []
-
-
-def _glibc() -> ctypes.CDLL | None:
-    """The process's C library if it is glibc (it has ``gnu_get_libc_version``), else None."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL(None)  # the symbols already loaded into this process: its libc
-    except OSError:
-        return None
-    if not (hasattr(libc, "mallopt") and hasattr(libc, "gnu_get_libc_version")):
-        return None
-    return libc
 
 
 def retain_freed_memory(limit_bytes: int = RETAIN_BYTES) -> bool:
