@@ -300,3 +300,37 @@ def test_a_reader_without_bias_gets_the_seed_signal() -> None:
         h = torch.relu(net[0](x))
     want = reference(net[2], h, torch.ones(6, dtype=torch.float64), y, torch.zeros(6).double())
     torch.testing.assert_close(mask.signal.double(), want, rtol=1e-6, atol=0.0)
+
+
+class _NormedTwoReaders(nn.Module):
+    """A width of 6 under a LayerNorm, read by two layers: coupled, but normalised across."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.norm = nn.Linear(5, 6), nn.LayerNorm(6)
+        self.a, self.b = nn.Linear(6, 3), nn.Linear(6, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.norm(torch.tanh(self.inp(x)))
+        return self.a(h) + self.b(torch.relu(h))
+
+
+def test_a_width_normalised_across_keeps_its_own_signal() -> None:
+    """A width two layers read but a LayerNorm normalises across (a transformer's hidden
+    width) is scored by its own signal, not by joint increments (``joint="all"`` scores the
+    same width jointly: the check is not vacuous)."""
+    torch.manual_seed(4)
+    x, y = torch.randn(12, 5, dtype=torch.float64), torch.randint(0, 3, (12,))
+    net = _NormedTwoReaders().double()
+    masks = dict(fp.apply_masks(net, x[:1]))
+    (name,) = [n for n, m in masks.items() if m.num_channels == 6]
+    assert id(masks[name]) in fp.criteria.coupled_masks(net)
+    crit = FisherMean()
+    with crit.observing(net, masks):
+        estimate_signals(net, masks, [(x, y)], F.cross_entropy, crit)
+    got = crit.importance(masks, net)[name]
+    torch.testing.assert_close(got, masks[name].signal.double(), rtol=0, atol=0)
+    joint = FisherMean(joint="all")
+    with joint.observing(net, masks):
+        estimate_signals(net, masks, [(x, y)], F.cross_entropy, joint)
+    assert not torch.equal(joint.importance(masks, net)[name], masks[name].signal.double())
