@@ -283,25 +283,6 @@ def test_a_pass_holds_no_activation_after_its_backward() -> None:
     handle.remove()
 
 
-def test_a_reader_without_bias_gets_the_seed_signal() -> None:
-    """Where the layer reading a mask has no bias, the repair cannot replace a removed channel
-    by its mean (it reads 0 there too): the signal is the seed's ``1/2 mean_n g^2``, the float64
-    loop with abar = 0."""
-    torch.manual_seed(3)
-    net = nn.Sequential(nn.Linear(5, 6), nn.ReLU(), nn.Linear(6, 3, bias=False)).double()
-    x, y = torch.randn(9, 5, dtype=torch.float64), torch.randint(0, 3, (9,))
-    masks = fp.apply_masks(net, x[:2])
-    (mask,) = masks.values()
-    crit = FisherMean()
-    with crit.observing(net, masks):
-        estimate_signals(net, dict(masks), [(x[:4], y[:4]), (x[4:], y[4:])], F.cross_entropy,
-                         crit)  # fmt: skip
-    with torch.no_grad():
-        h = torch.relu(net[0](x))
-    want = reference(net[2], h, torch.ones(6, dtype=torch.float64), y, torch.zeros(6).double())
-    torch.testing.assert_close(mask.signal.double(), want, rtol=1e-6, atol=0.0)
-
-
 class _NormedTwoReaders(nn.Module):
     """A width of 6 under a LayerNorm, read by two layers: coupled, but normalised across."""
 

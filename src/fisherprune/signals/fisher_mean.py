@@ -3,19 +3,20 @@ default criterion when it repairs (issue 31).
 
 ``criteria.Fisher`` scores channel ``k`` by ``F_k = 1/2 mean_n g[n,k]^2``, the second-order
 loss of setting the channel to 0 (Theis et al. 2018). The repair then refits each consumer of
-a removed channel with its bias, so where the consumer has a bias the channel is in effect
-replaced by its mean activation ``abar_k`` (as that consumer reads it), not by 0; where it has
-none (the projections of Llama-style decoders, a convolution before a batch norm) the repair
-cannot shift its output and the channel still reads 0 there. To first order, example ``n``'s
-loss then changes by
+a removed channel by least squares, with its bias, so the channel is in effect replaced by its
+mean activation ``abar_k`` (as that consumer reads it), not by 0. A consumer without a bias
+absorbs the mean only through its other inputs' means (the positive means of ReLU outputs);
+the correction is made there too, which measured better on the digits CNNs, whose
+convolutions have none (ResNet-18 at 30% of its FLOPs 0.947 against 0.933 with the correction
+left out where the reader has no bias, 8 seeds). To first order, example ``n``'s loss then
+changes by
 
     g'[n, k] = sum over positions of (x[n, k, pos] - abar_k) * dL/dx[n, k, pos]
              = g[n, k] - sum over the places p reading k of abar_pk * s_p[n, k],
 
 with ``s_p[n, k]`` the per-example sum over positions of the loss gradient w.r.t. the masked
 input at place ``p`` (the gradient of an additive shift of the channel there; each consumer
-gets its own bias, so each place its own mean), over the places whose module has a bias. The
-signal is ``1/2 mean_n g'[n,k]^2``; a mask no biased module reads gets the seed's signal.
+gets its own bias, so each place its own mean). The signal is ``1/2 mean_n g'[n,k]^2``.
 
 On a mask that more than one module reads (a residual stream: every block's first layer, the
 shortcut, the head; a transformer's hidden width), no single refit absorbs what its channels
@@ -127,13 +128,8 @@ class _Place:
     dim over every pass (for ``abar``), and this pass's per-example sum of its gradient per
     position (``shift``, ``s``)."""
 
-    def __init__(
-        self, point: MaskPoint, hooked: dict[int, weakref.ref[Tensor]], biased: bool
-    ) -> None:
+    def __init__(self, point: MaskPoint, hooked: dict[int, weakref.ref[Tensor]]) -> None:
         self.point, self.hooked = point, hooked
-        #: whether the reading module has a bias, which the repair refits to absorb the mean
-        #: (without one, a removed channel reads 0 after the repair too: no correction here)
-        self.biased = biased
         self.sum: Tensor | None = None  # (size,) float64
         self.rows = 0
         self.shift: Tensor | None = None  # (N, size) float64, this pass
@@ -141,8 +137,7 @@ class _Place:
     def __call__(self, module: nn.Module, args: tuple) -> None:
         x = args[self.point.arg]
         if (
-            not self.biased
-            or recomputing()
+            recomputing()
             or not torch.is_grad_enabled()
             or not isinstance(x, Tensor)
             or not x.requires_grad
@@ -321,16 +316,10 @@ class FisherMean(GradientCriterion):
         unchanged.
         """
         hooked: dict[int, weakref.ref[Tensor]] = {}
-        modules = dict(model.named_modules())
-
-        def place(p: MaskPoint) -> _Place:
-            biased = isinstance(getattr(modules[p.module_name], "bias", None), Tensor)
-            return _Place(p, hooked, biased)
-
-        self._places, handles = hook_points(model, place, "fisher_mean")
+        self._places, handles = hook_points(model, lambda p: _Place(p, hooked), "fisher_mean")
         terms: dict[int, list[_Term]] = {}
         for at in self._places:
-            for m, pos, idx in at.point.parts if at.biased else ():
+            for m, pos, idx in at.point.parts:
                 terms.setdefault(id(m), []).extend(_Term.split(at, pos, idx))
         every = self.joint == "all"
         coupled = set()
