@@ -1334,9 +1334,9 @@ def one_shot_section(r: dict[str, Any], out: Path) -> list[str]:
         "",
         "`fisherprune.prune_to_target` with every argument at its default (`fisher`: "
         '`criterion="auto"`, which with the repair is `fisher_mean`: the Fisher signal of '
-        "replacing each channel by its calibration mean where the layer reading it has a bias, "
-        "as the repair's refit bias does, with the joint increments of its group on widths "
-        "more than one layer reads and no norm normalises across; "
+        "replacing each channel by its calibration mean, as the repair's refit bias does, with "
+        "the joint increments of its group on widths more than one layer reads and no norm "
+        "normalises across; "
         '`rounds="auto"`, `round_cap=0.25`, repair on) on networks trained here for nothing '
         "else, one-shot from "
         f"{r['calibration']} calibration examples, no fine-tuning: test accuracy, mean ± sd over "

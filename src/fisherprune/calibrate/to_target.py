@@ -110,8 +110,8 @@ ROUND_CAP = 0.25
 COLLAPSE_SHARE = 0.5
 
 #: ``criterion="auto"``: by ``reconstruct``. With the repair, ``fisher_mean`` (the Fisher of
-#: replacing a channel by its mean where its reader has a bias, joint increments on widths
-#: several layers read and no norm normalises across) is first
+#: replacing a channel by its mean, joint increments on widths several layers read and no
+#: norm normalises across) is first
 #: or within noise of first against l1, taylor and random on every row of
 #: benchmarks/one_shot_defaults.py, where the seed's signal fell behind taylor on the digits
 #: ResNet-18 at 30% and the digits MLP at 50%; without the repair a removed channel reads 0,
