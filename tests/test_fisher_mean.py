@@ -4,6 +4,7 @@ masks several layers read, against float64 loops over examples."""
 
 from __future__ import annotations
 
+import copy
 import gc
 import weakref
 from collections.abc import Callable
@@ -137,10 +138,12 @@ def _residual_data() -> tuple[_Residual, Tensor, Tensor, list[tuple[Tensor, Tens
     return net, x, y, [(x[:4], y[:4]), (x[4:8], y[4:8]), (x[8:], y[8:])]
 
 
-def _consumer_inputs(net: nn.Module, x: Tensor, y: Tensor) -> dict[str, tuple[Tensor, Tensor]]:
+def _consumer_inputs(
+    net: nn.Module, x: Tensor, y: Tensor, readers: dict[str, tuple[str, ...]] = READERS
+) -> dict[str, tuple[Tensor, Tensor]]:
     """Each reading module's input z (N, C, ...) and every example's own dL_n/dz, one example
     at a time in float64, on the net without masks."""
-    names = {n for readers in READERS.values() for n in readers}
+    names = {n for by in readers.values() for n in by}
     modules = dict(net.named_modules())
     z: dict[str, list[Tensor]] = {n: [] for n in names}
     dz: dict[str, list[Tensor]] = {n: [] for n in names}
@@ -296,6 +299,13 @@ class _NormedTwoReaders(nn.Module):
         return self.a(h) + self.b(torch.relu(h))
 
 
+def _plain(net: nn.Module) -> nn.Module:
+    """A copy of ``net`` without its masks (the reference loops run on the plain model)."""
+    plain = copy.deepcopy(net)
+    fp.remove_masks(plain)
+    return plain
+
+
 def test_a_width_normalised_across_keeps_its_own_signal() -> None:
     """A width two layers read but a LayerNorm normalises across (a transformer's hidden
     width) is scored by its own signal, not by joint increments (``joint="all"`` scores the
@@ -311,6 +321,8 @@ def test_a_width_normalised_across_keeps_its_own_signal() -> None:
         estimate_signals(net, masks, [(x, y)], F.cross_entropy, crit)
     got = crit.importance(masks, net)[name]
     torch.testing.assert_close(got, masks[name].signal.double(), rtol=0, atol=0)
+    g = _shifted_by_places(_consumer_inputs(_plain(net), x, y, {name: ("a", "b")}), ("a", "b"))
+    torch.testing.assert_close(got, 0.5 * (g**2).mean(0), rtol=1e-5, atol=1e-12)
     joint = FisherMean(joint="all")
     with joint.observing(net, masks):
         estimate_signals(net, masks, [(x, y)], F.cross_entropy, joint)

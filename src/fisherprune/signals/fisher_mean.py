@@ -213,7 +213,11 @@ class _MaskRecord:
     def __init__(self, mask: MaskLayer, terms: list[_Term], coupled: bool) -> None:
         self.mask, self.terms, self.coupled = mask, terms, coupled
         self.seen = 0  # passes of the mask paired so far
-        #: per pass size n: (sum_n g s_p (P, C), sum_n s_p s_q (P, P, C)), float64
+        #: the terms that have seen a gradient, in the order their rows of ``sums`` take
+        #: (an input several modules share is hooked at one of them: the others never do)
+        self.slots: dict[int, int] = {}
+        #: per pass size n: (sum_n g s_p (P', C), sum_n s_p s_q (P', P', C)), float64, over
+        #: the terms of ``slots``
         self.sums: dict[int, tuple[Tensor, Tensor]] = {}
         #: coupled only: pass index -> (the terms that saw a gradient, their s: (P', N, C))
         self.shifts: dict[int, tuple[Tensor, Tensor]] = {}
@@ -233,27 +237,33 @@ class _MaskRecord:
             )
         g = passes[-1].double()
         n, c = g.shape
-        # a coupled mask keeps the rows of the terms that saw a gradient (an input several
-        # modules share is hooked at one of them); the others' sums cover every term
-        rows = [j for j, s in enumerate(shifts) if s is not None] if self.coupled else None
-        s_all = g.new_zeros(len(rows) if rows is not None else len(self.terms), n, c)
-        for j, (term, s) in enumerate(zip(self.terms, shifts, strict=True)):
-            if s is None:
-                continue
+        rows = [j for j, s in enumerate(shifts) if s is not None]
+        s_all = g.new_zeros(len(rows), n, c)
+        for at, j in enumerate(rows):
+            term, s = self.terms[j], shifts[j]
+            assert s is not None
             if s.shape[0] != n:
                 raise ValueError(
                     f"fisher_mean: mask {name!r} has {n} examples in its gradient but "
                     f"{s.shape[0]} at its input of {term.place.point.module_name!r}"
                 )
-            at = rows.index(j) if rows is not None else j
             s_all[at][:, term.idx.to(g.device)] = s[:, term.pos.to(s.device)].to(g.device)
-        if rows is not None:
+        if self.coupled:
             self.shifts[self.seen - 1] = (torch.tensor(rows, dtype=torch.long), s_all)
             return
-        gs, ss = self.sums.get(n, (None, None))
-        new_gs = torch.einsum("pnc,nc->pc", s_all, g)
-        new_ss = torch.einsum("pnc,qnc->pqc", s_all, s_all)
-        self.sums[n] = (new_gs, new_ss) if gs is None else (gs + new_gs, ss + new_ss)
+        for j in rows:
+            self.slots.setdefault(j, len(self.slots))
+        at = torch.tensor([self.slots[j] for j in rows], dtype=torch.long, device=g.device)
+        size = len(self.slots)
+        gs, ss = self.sums.get(n, (g.new_zeros(0, c), g.new_zeros(0, 0, c)))
+        if gs.shape[0] < size:  # a term seen for the first time: room for its rows
+            gs = torch.cat([gs, g.new_zeros(size - gs.shape[0], c)])
+            grown = g.new_zeros(size, size, c)
+            grown[: ss.shape[0], : ss.shape[1]] = ss
+            ss = grown
+        gs[at] += torch.einsum("pnc,nc->pc", s_all, g)
+        ss[at[:, None], at[None, :]] += torch.einsum("pnc,qnc->pqc", s_all, s_all)
+        self.sums[n] = (gs, ss)
 
     def means(self) -> Tensor:
         """``abar`` of each term at its channels, (P, C) float64 (0 elsewhere)."""
@@ -265,8 +275,9 @@ class _MaskRecord:
     def correction(self, abar: Tensor, factor: Callable[[int], float]) -> Tensor | None:
         """``sum over passes of factor(n) * sum_n (g'^2 - g^2)``, (C,) float64, or None."""
         total = None
+        terms = list(self.slots)  # slot order
         for n, (gs, ss) in self.sums.items():
-            a = abar.to(gs.device)
+            a = abar[terms[: gs.shape[0]]].to(gs.device)
             part = (torch.einsum("pc,pqc,qc->c", a, ss, a) - 2 * (a * gs).sum(0)) * factor(n)
             total = part if total is None else total + part
         return total
@@ -390,7 +401,7 @@ class FisherMean(GradientCriterion):
             if kept:
                 self._corrected[name] = torch.cat(kept)
             taken[name] = got
-            record.sums, record.shifts, record.seen = {}, {}, 0
+            record.sums, record.shifts, record.slots, record.seen = {}, {}, {}, 0
         return fold_totals(masks, taken, decay, factor=self.factor, process_group=process_group)
 
     def _keeping(
