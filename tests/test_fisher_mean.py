@@ -7,7 +7,7 @@ from __future__ import annotations
 import copy
 import gc
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -327,3 +327,46 @@ def test_a_width_normalised_across_keeps_its_own_signal() -> None:
     with joint.observing(net, masks):
         estimate_signals(net, masks, [(x, y)], F.cross_entropy, joint)
     assert not torch.equal(joint.importance(masks, net)[name], masks[name].signal.double())
+
+
+class _SometimesTwoReaders(_NormedTwoReaders):
+    """``_NormedTwoReaders`` whose readers of the width are those named in ``reading``."""
+
+    reading: tuple[str, ...] = ("a", "b")
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.norm(torch.tanh(self.inp(x)))
+        outs = {"a": lambda: self.a(h), "b": lambda: self.b(torch.relu(h))}
+        return sum((outs[r]() for r in self.reading), torch.zeros(()))
+
+
+def test_a_reader_absent_from_a_pass_adds_nothing_to_it() -> None:
+    """Two passes of 6 examples, ``a`` reading the width in the first only, ``b`` in both:
+    the signal is 1/2 mean_n g'^2 with g' summed over the readers of each example's pass,
+    each reader's mean over the examples it read (float64 loop on the net without masks)."""
+    torch.manual_seed(6)
+    x, y = torch.randn(12, 5, dtype=torch.float64), torch.randint(0, 3, (12,))
+    net = _SometimesTwoReaders().double()
+    masks = dict(fp.apply_masks(net, x[:1]))
+    (name,) = [n for n, m in masks.items() if m.num_channels == 6]
+    passes = ((slice(0, 6), ("a", "b")), (slice(6, 12), ("b",)))
+
+    def batches(model: _SometimesTwoReaders) -> Iterator[tuple[Tensor, Tensor]]:
+        for part, reading in passes:
+            model.reading = reading
+            yield x[part], y[part]
+
+    crit = FisherMean()
+    with crit.observing(net, masks):
+        estimate_signals(net, masks, batches(net), F.cross_entropy, crit)
+    plain = _plain(net)
+    seen = []
+    for part, reading in passes:
+        plain.reading = reading
+        seen.append(_consumer_inputs(plain, x[part], y[part], {name: reading}))
+    zb, dzb = (torch.cat([seen[0]["b"][i], seen[1]["b"][i]]) for i in (0, 1))
+    za, dza = seen[0]["a"]
+    g = (zb - zb.mean(0)) * dzb
+    g[:6] += (za - za.mean(0)) * dza
+    torch.testing.assert_close(masks[name].signal.double(), 0.5 * (g**2).mean(0),
+                               rtol=1e-5, atol=1e-12)  # fmt: skip

@@ -53,6 +53,45 @@ def test_layers_reading_one_tensor_share_one_reduction(monkeypatch: pytest.Monke
     assert len(calls) == 5  # (q, k, v) once; out, fc1, fc2, head
 
 
+def test_frozen_layers_reading_one_tensor_share_one_reduction(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With every weight frozen (``prune_to_target``'s signal passes), no layer saves its input
+    for the backward, yet q, k and v still share one product and one reduction in backward."""
+    model, _ = _masked_transformer()
+    model.requires_grad_(False)
+    calls: list[tuple[int, ...]] = []
+    reduce = mask_layer._per_example_channel_dot
+
+    def counting(g: Tensor, x: Tensor, dim: int, batch_dim: int = 0) -> Tensor:
+        calls.append(tuple(x.shape))
+        return reduce(g, x, dim, batch_dim)
+
+    monkeypatch.setattr(mask_layer, "_per_example_channel_dot", counting)
+    x, y = token_input(4).double(), torch.arange(4) % 5
+    _step(model, x, y)
+    assert len(calls) == 5  # (q, k, v) once; out, fc1, fc2, head
+
+
+def test_a_forward_without_backward_leaves_no_product_alive() -> None:
+    """A shared product is held only until the model call ends: a forward with gradients
+    whose output is dropped without a backward frees the last one made (the head's input) and
+    the graph it holds."""
+    model, masks = _masked_transformer()
+    for m in masks.values():
+        m.collecting = True
+    seen: list[weakref.ref] = []
+    handle = model.get_submodule("head").register_forward_pre_hook(
+        lambda mod, args: seen.append(weakref.ref(args[0]))
+    )
+    out = model(token_input(2).double())
+    handle.remove()
+    assert seen and seen[0]() is not None  # held by the output's graph
+    del out
+    gc.collect()
+    assert seen[0]() is None
+
+
 def test_signal_unchanged_by_sharing() -> None:
     """The shared product gives q, k and v's gradients summed, as the chain rule for one mask
     says: the signal equals the float64 per-example loop over d loss_n / d mask."""

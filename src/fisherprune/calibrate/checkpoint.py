@@ -27,6 +27,7 @@ from torch.utils.checkpoint import checkpoint
 from fisherprune.masks import MaskLayer, recompute
 from fisherprune.masks.blocks import BlockGate, find_block_list
 from fisherprune.masks.experts import ExpertGate
+from fisherprune.masks.points import SharedProduct
 
 __all__ = ["AUTO_MIN_BYTES", "check_checkpoint", "checkpointed_blocks", "resolve_block_list"]
 
@@ -39,7 +40,18 @@ AUTO_MIN_BYTES = 32 * 2**20
 def _contexts() -> tuple[contextlib.AbstractContextManager[None], Any]:
     """``context_fn`` of ``checkpoint``: nothing around the first forward, the recomputing flag
     around the second."""
-    return contextlib.nullcontext(), recompute.recomputing_on()
+    return contextlib.nullcontext(), _recomputing()
+
+
+@contextlib.contextmanager
+def _recomputing() -> Iterator[None]:
+    """The recomputing flag for a block's second forward; on exit, the strong hold on its
+    latest mask product is dropped (``SharedProduct``: the recomputed graph is not kept)."""
+    try:
+        with recompute.recomputing_on():
+            yield
+    finally:
+        SharedProduct.release()
 
 
 class _Checkpointed(nn.Module):

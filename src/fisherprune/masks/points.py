@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -51,11 +52,15 @@ class SharedProduct:
     block all read the hidden width) share one: when a second of them is handed the very
     tensor the first multiplied, unchanged, it returns the same product, so the per-example
     reduction runs once per tensor rather than once per consumer (autograd sums the
-    consumers' gradients before the product's backward). Only weak references are held: the
-    cache keeps nothing alive beyond the step.
+    consumers' gradients before the product's backward). The input is held by weak reference;
+    the product of the latest ``put`` on this thread (over every ``SharedProduct``) is held
+    strongly until the next one, because a layer whose weight is frozen saves no input for
+    its backward, and a product held only weakly would die before the next consumer asks for
+    it: so at most one product beyond what the step holds is kept alive.
     """
 
     __slots__ = ("_key", "_out", "_x")
+    _latest = threading.local()  # .out: the product of this thread's latest put
 
     def __init__(self) -> None:
         self._x: weakref.ref[Tensor] | None = None
@@ -73,10 +78,17 @@ class SharedProduct:
 
     def put(self, x: Tensor, key: tuple[Any, ...], out: Tensor) -> Tensor:
         """Remember ``out`` as the product of ``x`` under ``key`` (not for an inference-mode
-        ``x``); returns ``out``."""
+        ``x``); returns ``out``. Changes: this thread's strongly held product is now ``out``
+        (the one it replaces is held weakly only)."""
         if not x.is_inference():
             self._x, self._out, self._key = weakref.ref(x), weakref.ref(out), (x._version, *key)
+            SharedProduct._latest.out = out
         return out
+
+    @staticmethod
+    def release() -> None:
+        """Drop this thread's strong hold on the latest product (the end of a pass)."""
+        SharedProduct._latest.out = None
 
 
 def _to_device(t: Tensor, device: torch.device) -> Tensor:
@@ -487,6 +499,7 @@ def install_mask_points(
         layouts = list(rows) or [RowLayout()] * len(points)
         out_layouts = list(output_rows) or [RowLayout()] * len(outputs)
         probe = BatchProbe()
+        holder.handles.append(model.register_forward_hook(_release_product, always_call=True))
         if any(r.kind != BATCH for r in (*layouts, *out_layouts)):
             holder.handles.extend(probe.install(model))
         scopes = _row_scopes(holder, modules, layouts, probe)
@@ -524,6 +537,12 @@ def install_mask_points(
     found = find_holder(model)
     assert found is not None
     return found[0]
+
+
+def _release_product(_module: nn.Module, _args: tuple, _out: Any) -> None:
+    """A model call ended: drop the strong hold on its latest product (``SharedProduct``), so
+    that a forward without a backward leaves nothing of its graph alive."""
+    SharedProduct.release()
 
 
 def _row_scopes(

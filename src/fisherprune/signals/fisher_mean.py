@@ -216,7 +216,7 @@ class _MaskRecord:
         #: the terms that have seen a gradient, in the order their rows of ``sums`` take
         #: (an input several modules share is hooked at one of them: the others never do)
         self.slots: dict[int, int] = {}
-        #: per pass size n: (sum_n g s_p (P', C), sum_n s_p s_q (P', P', C)), float64, over
+        #: per pass size n: (sum_n g s_p (P', C), sum_n s_p s_q (C, P', P')), float64, over
         #: the terms of ``slots``
         self.sums: dict[int, tuple[Tensor, Tensor]] = {}
         #: coupled only: pass index -> (the terms that saw a gradient, their s: (P', N, C))
@@ -253,16 +253,20 @@ class _MaskRecord:
             return
         for j in rows:
             self.slots.setdefault(j, len(self.slots))
-        at = torch.tensor([self.slots[j] for j in rows], dtype=torch.long, device=g.device)
         size = len(self.slots)
-        gs, ss = self.sums.get(n, (g.new_zeros(0, c), g.new_zeros(0, 0, c)))
+        gs, ss = self.sums.get(n, (g.new_zeros(0, c), g.new_zeros(c, 0, 0)))
         if gs.shape[0] < size:  # a term seen for the first time: room for its rows
             gs = torch.cat([gs, g.new_zeros(size - gs.shape[0], c)])
-            grown = g.new_zeros(size, size, c)
-            grown[: ss.shape[0], : ss.shape[1]] = ss
+            grown = g.new_zeros(c, size, size)
+            grown[:, : ss.shape[1], : ss.shape[2]] = ss
             ss = grown
-        gs[at] += torch.einsum("pnc,nc->pc", s_all, g)
-        ss[at[:, None], at[None, :]] += torch.einsum("pnc,qnc->pqc", s_all, s_all)
+        if len(rows) < size or any(self.slots[j] != at for at, j in enumerate(rows)):
+            in_slots = g.new_zeros(size, n, c)  # this pass's rows at their slots, 0 elsewhere
+            in_slots[torch.tensor([self.slots[j] for j in rows], device=g.device)] = s_all
+            s_all = in_slots
+        gs += torch.einsum("pnc,nc->pc", s_all, g)
+        by_channel = s_all.permute(2, 0, 1)  # (C, P, N)
+        ss.baddbmm_(by_channel, by_channel.transpose(1, 2))  # in place: no (C, P, P) temporary
         self.sums[n] = (gs, ss)
 
     def means(self) -> Tensor:
@@ -278,7 +282,7 @@ class _MaskRecord:
         terms = list(self.slots)  # slot order
         for n, (gs, ss) in self.sums.items():
             a = abar[terms[: gs.shape[0]]].to(gs.device)
-            part = (torch.einsum("pc,pqc,qc->c", a, ss, a) - 2 * (a * gs).sum(0)) * factor(n)
+            part = (torch.einsum("pc,cpq,qc->c", a, ss, a) - 2 * (a * gs).sum(0)) * factor(n)
             total = part if total is None else total + part
         return total
 
