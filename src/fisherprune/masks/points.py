@@ -499,7 +499,6 @@ def install_mask_points(
         layouts = list(rows) or [RowLayout()] * len(points)
         out_layouts = list(output_rows) or [RowLayout()] * len(outputs)
         probe = BatchProbe()
-        holder.handles.append(model.register_forward_hook(_release_product, always_call=True))
         if any(r.kind != BATCH for r in (*layouts, *out_layouts)):
             holder.handles.extend(probe.install(model))
         scopes = _row_scopes(holder, modules, layouts, probe)
@@ -531,6 +530,8 @@ def install_mask_points(
                 [(p, mp.dim, mp.size, mp.apply) for p, mps in holder.outputs.items() for mp in mps]
             )
             holder.handles.append(model.register_forward_hook(hook))
+        # last: after the output masks' products too
+        holder.handles.append(model.register_forward_hook(_release_product, always_call=True))
     except Exception:
         remove_mask_points(model)
         raise
