@@ -18,11 +18,12 @@ whole, and every operator's time is scaled by the whole over the sum of the oper
 (``CostModel.latency_scale``), so that totals and targets (``"12ms"``, ``"50%"`` of the
 measured latency) are those of the whole forward pass. That part does not shrink in
 proportion with the operators everywhere: ``fisherprune.calibrate.fit_latency_line`` (run by
-``prune_to_target`` and both commands unless ``LatencySpec.line_at`` is None) times a shrunk
-copy whole too and fits ``slope x operators + offset`` through both sizes, keeping the dense
-total. Neither a scale alone nor an offset alone fits every network: an offset would have
-been as large as the sum itself on a small network at batch 1, where a forward pass costs
-several times its operators timed alone and shrinks with them (the MobileNetV3 of
+``prune_to_target`` and both commands unless ``LatencySpec.line_at`` is None) times shrunk
+copies whole too and prices a state on the piecewise-linear curve of its operators through
+every size (one copy: ``slope x operators + offset``), keeping the dense total. Neither a
+scale alone nor an offset alone fits every network: an offset would have been as large as
+the sum itself on a small network at batch 1, where a forward pass costs several times its
+operators timed alone and shrinks with them (the MobileNetV3 of
 ``benchmarks/latency_prediction.py``), while BERT-base pruned to a quarter of its operators'
 time ran at a third of the dense model.
 

@@ -505,7 +505,7 @@ class CostModel:
     def set_latency_line(self, slope: float, offset: float) -> None:
         """``latency`` only: price a mask state at ``slope`` times its operators' summed
         times alone plus ``offset`` microseconds (``fisherprune.calibrate.fit_latency_line``
-        fits both to the model timed whole at two sizes). Changes: ``latency_scale``,
+        fits both to the model timed whole at two sizes or more). Changes: ``latency_scale``,
         ``latency_offset`` and every timed operator's scale; marginal costs scale with
         ``slope``; a curve set before is dropped (the line prices every state).
 
