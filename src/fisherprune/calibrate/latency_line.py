@@ -187,8 +187,8 @@ def fit_latency_line(cost_model: CostModel, model: nn.Module, example_inputs: An
             break
     smalls = [c.small for c in copies if c.small is not None]  # the copies before any not
     timed = copies[: len(smalls)]
-    for c, mu in zip(timed, _timed_shares(model, smalls, inputs, spec) if smalls else [],
-                     strict=True):  # fmt: skip
+    measured = _timed_shares(model, smalls, inputs, spec) if smalls else []
+    for c, mu in zip(timed, measured, strict=True):
         c.measured_share = mu
     line.points = [c.point() for c in copies]
     knots = [(s_dense, whole), *((c.operators, float(c.measured_share) * whole) for c in timed)]

@@ -192,8 +192,8 @@ class CostModel:
         #: ``latency``: microseconds per forward pass added to the operators' scaled sum (the
         #: offset of ``set_latency_line``; 0 else)
         self.latency_offset = 0.0
-        #: ``latency``: the curve a state's operators are priced on (``set_latency_curve``),
-        #: the line above its widest segment; None: on the line
+        #: ``latency``: the curve a state's operators are priced on (``set_latency_curve``;
+        #: the line is then its widest segment); None: priced on the line
         self.latency_curve: LatencyCurve | None = None
         self._table_key: str | None = None  # ``latency``: the key of the table it was timed in
         if self.latency is not None and self.latency.batch is not None:
@@ -473,7 +473,7 @@ class CostModel:
         """Cost per example for mask entry values ``entries`` (default: the current masks;
         block and expert gate entries missing from ``entries`` count as kept); ``latency``:
         on the curve when there is one."""
-        return self._on_curve(self._on_line(entries))
+        return float(self._on_curve(self._on_line(entries)))
 
     def _on_line(self, entries: np.ndarray | None) -> float:
         """``total`` with ``latency``'s operators priced on the line alone."""
