@@ -198,3 +198,12 @@ def test_line_at_shares_are_kept_widest_first():
     assert LatencySpec(line_at=[0.25, 0.5]).line_at == (0.5, 0.25)
     assert LatencySpec(line_at=0.5).line_shares == (0.5,)
     assert LatencySpec().line_shares == (0.5, 0.25)
+
+
+def test_line_at_does_not_change_the_tables_file(tmp_path):
+    """The table is per operator and the curve per prune: every ``line_at`` opens the same
+    table file."""
+    files = {
+        lat.LatencyTable.open(_spec(tmp_path, line_at=a)).path for a in (None, 0.5, (0.5, 0.25))
+    }
+    assert len(files) == 1
