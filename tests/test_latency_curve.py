@@ -128,6 +128,28 @@ def test_copies_that_do_not_get_faster_keep_the_line_with_a_warning(tmp_path, mo
     assert (line.slope, line.offset) == pytest.approx((ref_line.slope, ref_line.offset))
 
 
+def test_a_narrowest_segment_below_0_gives_way_to_the_proportion(tmp_path, monkeypatch):
+    """The quarter copy timed so fast that the segment through it, extended, would price no
+    operators below 0: below the quarter copy states are priced in proportion to it."""
+
+    def fast_quarter(model, example_inputs, spec, clock=None):
+        widths = [m.out_channels for m in model.modules() if isinstance(m, nn.Conv2d)]
+        s = _ops(model, example_inputs)
+        return 0.3 * s if widths == [4, 6] else s + 0.3 * _ops(_net(), example_inputs)
+
+    install_clock(monkeypatch, fast_quarter)
+    net, x = _net(), torch.randn(2, 3, 8, 8)
+    fp.apply_masks(net, x)
+    cm = CostModel(net, x, "latency", latency=_spec(tmp_path))
+    assert fit_latency_line(cm, net, x).curve
+    quarter = cm.latency_curve.operators[1], cm.latency_curve.prices[1]
+    assert (cm.latency_curve.operators[0], cm.latency_curve.prices[0]) == (0.0, 0.0)
+    first, second = fp.find_masks(net).values()
+    first.mask[2:] = 0.0  # fewer operators than the quarter copy (4 and 6)
+    second.mask[3:] = 0.0
+    assert cm.total() == pytest.approx(cm.operators() * quarter[1] / quarter[0], rel=1e-12)
+
+
 def test_marginal_costs_are_exact_on_the_curve(tmp_path, convex_clock):
     """Each channel's marginal cost is the price now less the price without it (brute
     force, per channel), at a state just above the half copy's knot, which removing a
@@ -177,7 +199,7 @@ def test_the_curve_interpolates_and_extends_its_end_segments():
 
 @pytest.mark.parametrize(
     "knots",
-    [[(1.0, 2.0)], [(1.0, 2.0), (2.0, 2.0)], [(1.0, 3.0), (2.0, 2.0)], [(1.0, 0.0), (2.0, 1.0)]],
+    [[(1.0, 2.0)], [(1.0, 2.0), (2.0, 2.0)], [(1.0, 3.0), (2.0, 2.0)], [(-1.0, 1.0), (2.0, 3.0)]],
 )
 def test_a_curve_that_does_not_rise_is_refused(knots):
     with pytest.raises(ValueError, match="latency curve"):

@@ -22,8 +22,9 @@ share of the dense total is ``1 - (1 - mu) (S_dense - S) / (S_dense - S_copy)``.
 The line through the dense model and the widest copy must have a positive slope and offset
 (a copy that is relatively faster than its operators keeps the proportional scale, as does a
 model whose copy cannot be shrunk: a warning says why); the narrower copies must each run
-faster than the one before, and the narrowest segment, extended, must price no operators at
-0 or more: else a warning says so and that line prices every state, as with one share.
+faster than the one before, else a warning says so and that line prices every state, as
+with one share. Where the narrowest segment, extended, would price no operators below 0,
+the states below the narrowest copy are priced in proportion to it instead.
 """
 
 from __future__ import annotations
@@ -224,13 +225,14 @@ def _fit_first(cost_model: CostModel, line: LatencyLine, knots: list[tuple[float
 
 def _fit_curve(cost_model: CostModel, line: LatencyLine, knots: list[tuple[float, float]]) -> None:
     """Price ``cost_model`` on the curve through ``knots`` (the dense model, then the copies
-    widest first) when each copy has fewer operators and runs faster than the one before and
-    the narrowest segment, extended, prices no operators at 0 or more; else warn and keep the
-    line (``line.reason`` says why)."""
+    widest first) when each copy has fewer operators and runs faster than the one before;
+    else warn and keep the line (``line.reason`` says why). Where the narrowest segment,
+    extended, would price no operators below 0, the curve goes to 0 at no operators instead
+    (below the narrowest copy, the operators in proportion to it)."""
     (x1, y1), (x0, y0) = knots[-2], knots[-1]
-    falling = all(a[0] > b[0] and a[1] > b[1] for a, b in itertools.pairwise(knots))
-    if falling and y0 - x0 * (y1 - y0) / (x1 - x0) >= 0:
-        cost_model.set_latency_curve(LatencyCurve.through(knots))
+    if all(a[0] > b[0] and a[1] > b[1] for a, b in itertools.pairwise(knots)):
+        ends = [(0.0, 0.0)] if y0 - x0 * (y1 - y0) / (x1 - x0) < 0 else []
+        cost_model.set_latency_curve(LatencyCurve.through(knots + ends))
         line.curve = True
         return
     timed = ", ".join(
@@ -239,8 +241,8 @@ def _fit_curve(cost_model: CostModel, line: LatencyLine, knots: list[tuple[float
     )
     line.reason = (
         f"the copies timed whole (kept share, measured share for the operators' share: "
-        f"{timed}) do not get faster with fewer operators down to a time of 0 or more at none; "
-        "priced on the line through the dense model and the widest copy"
+        f"{timed}) do not get faster with fewer operators; priced on the line through the "
+        "dense model and the widest copy"
     )
     warnings.warn(f"latency curve not fitted: {line.reason}", stacklevel=3)
 

@@ -32,16 +32,16 @@ class LatencyCurve:
         """The curve through ``knots`` (``(operators, price)`` pairs, in any order).
 
         Raises:
-            ValueError: fewer than two knots, a value that is not finite, a price not above
-                0, or knots whose prices do not rise strictly with their operators (the
-                message names them).
+            ValueError: fewer than two knots, a value that is not finite, an operators' sum or
+                price below 0, or knots whose prices do not rise strictly with their
+                operators (the message names them).
         """
         pts = sorted((float(s), float(p)) for s, p in knots)
         if len(pts) < 2:
             raise ValueError(f"a latency curve needs two knots or more, got {len(pts)}")
         arr = np.asarray(pts)
-        if not np.isfinite(arr).all() or not (arr[:, 1] > 0).all():
-            raise ValueError(f"a latency curve's knots must be finite, priced above 0: {pts}")
+        if not np.isfinite(arr).all() or not (arr >= 0).all():
+            raise ValueError(f"a latency curve's knots must be finite, not below 0: {pts}")
         if not ((np.diff(arr[:, 0]) > 0) & (np.diff(arr[:, 1]) > 0)).all():
             raise ValueError(
                 f"a latency curve's prices must rise strictly with the operators, got {pts}"
