@@ -12,9 +12,10 @@ config at 128 tokens; random weights: latency does not depend on them):
 2. ``prune_to_target`` to 50% and to 25% of the predicted dense latency, by the weights' L1
    norm (no calibration gradients needed: the selection does not matter here, the prediction
    does), no repair; the predicted latency is the ``PruneResult``'s ``cost_after``, priced on
-   the line ``fit_latency_line`` fits through the dense model and a copy with half of every
-   width, both timed whole (recorded per cell: ``line``; ``--no-line`` for the operators
-   scaled in proportion only, as before).
+   the curve ``fit_latency_line`` fits through the dense model and copies with ``--line_at``
+   of every width (0.5 and 0.25; one share: the line through that copy, as before the
+   curve), all timed whole (recorded per cell: ``line``, with every copy's point;
+   ``--no-line`` for the operators scaled in proportion only).
 3. ``fisherprune.shrink`` on a copy, and the dense and shrunk networks timed whole, in eval
    and inference mode, interleaved over ``--rounds`` rounds, the fastest block of each kept
    (other load only adds time); the error is predicted / measured - 1. On a shared VM the
@@ -149,7 +150,7 @@ def run_model(name: str, args: argparse.Namespace, cache: Path) -> dict[str, Any
     model, example = MODELS[name](args.batch)
     fp.apply_masks(model, example)
     spec = LatencySpec(threads=args.threads, cache=cache, step=args.round_to, points=args.points,
-                       line_at=None if args.no_line else 0.5, form=args.form,
+                       line_at=None if args.no_line else tuple(args.line_at), form=args.form,
                        checks=args.checks)  # fmt: skip
     t0 = time.perf_counter()
     CostModel(model, example, "latency", latency=spec)
@@ -200,6 +201,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--targets", nargs="+", default=["50%", "25%"])
     parser.add_argument("--no-line", action="store_true", help="operators in proportion only")
+    parser.add_argument(
+        "--line_at",
+        nargs="+",
+        type=float,
+        default=[0.5, 0.25],
+        help="LatencySpec.line_at: the shares of every width kept in the copies timed whole",
+    )
     parser.add_argument(
         "--checks", type=int, default=2, help="LatencySpec.checks: states timed on the way"
     )

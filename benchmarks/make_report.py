@@ -1064,6 +1064,16 @@ def build(out: Path, results: Path = RESULTS) -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
+def _copies(line: dict[str, Any]) -> str:
+    """The copies a latency line was fitted through (``LatencyLine.points``): ``; 0.5: 37.6%,
+    0.25: 24.1% (curve)``; empty for a result written before the curve."""
+    points = [p for p in line.get("points", []) if p["measured_share"] is not None]
+    if not points:
+        return ""
+    shares = ", ".join(f"{p['kept_share']:g}: {p['measured_share']:.1%}" for p in points)
+    return f"; {shares}{' (curve)' if line.get('curve') else ''}"
+
+
 def latency_prediction_section(data: dict[str, Any]) -> list[str]:
     """The ``latency`` convention's predictions against the shrunk networks timed whole
     (issue 32): absolute, and as a share of the dense network (timed side by side)."""
@@ -1073,9 +1083,11 @@ def latency_prediction_section(data: dict[str, Any]) -> list[str]:
         "",
         f'Each network pruned by weight L1 with `convention="latency"` to a share of its '
         f"timed latency (`round_to={st['round_to']}`, batch {st['batch']}, {st['threads']} "
-        "threads, eager, float32, random weights), its cost on the line `fit_latency_line` "
-        "fits through the dense network and a copy with half of every width, both timed whole "
-        f"({'off: operators in proportion' if st.get('no_line') else 'on'}), shrunk, and "
+        "threads, eager, float32, random weights), its cost on the curve `fit_latency_line` "
+        "fits through the dense network and copies keeping "
+        f"{' and '.join(f'{a:g}' for a in st.get('line_at', [0.5]))} of every width, all timed "
+        f"whole ({'off: operators in proportion' if st.get('no_line') else 'on'}; one copy: "
+        "the line through it), shrunk, and "
         f"timed whole beside the dense network over {st['rounds']} rounds, one after the "
         "other. Table: the seconds to time every operator, and to build the cost again from "
         "the saved table. Error: predicted over measured (fastest block), less 1. Share: "
@@ -1089,7 +1101,8 @@ def latency_prediction_section(data: dict[str, Any]) -> list[str]:
         "and timed in the same rounds (its share and target errors).",
         "",
         "| model | table (s) | again (s) | target | predicted (ms) | measured (ms) | error "
-        "| predicted share | measured share | share error | line: slope, offset (ms) "
+        "| predicted share | measured share | share error | line: slope, offset (ms); "
+        "copies: kept share: measured share (on the curve) "
         "| target error | checks (s) | copy's line alone: share, target error |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -1100,7 +1113,7 @@ def latency_prediction_section(data: dict[str, Any]) -> list[str]:
             spread = f" ({iqr[0]:.1%}-{iqr[1]:.1%})" if iqr else ""
             line = c.get("line") or {}
             fit = (
-                f"{line['slope']:.2f}, {line['offset'] / 1e3:.1f}"
+                f"{line['slope']:.2f}, {line['offset'] / 1e3:.1f}{_copies(line)}"
                 if line.get("fitted")
                 else "not fitted"
                 if line

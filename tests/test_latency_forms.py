@@ -76,8 +76,8 @@ def test_dense_prediction_is_the_torchscript_time(tmp_path, eager_operators, mon
 
 
 def test_line_is_fitted_on_both_sizes_served_once_each(tmp_path, eager_operators, monkeypatch):
-    """fit_latency_line in form torchscript traces the dense model and the shrunk copy once
-    each, and times every round on those two, keeping the dense total."""
+    """fit_latency_line in form torchscript traces the dense model and each shrunk copy
+    (two by default) once, and times every round on those, keeping the dense total."""
     net, x = _masked_cnn()
     spec = LatencySpec(cache=tmp_path, threads=1, blocks=1, form="torchscript")
     cm = CostModel(net, x, "latency", latency=spec)
@@ -85,8 +85,9 @@ def test_line_is_fitted_on_both_sizes_served_once_each(tmp_path, eager_operators
     traced = _count_builds(monkeypatch, "frozen_for_serving")
     eager_operators.clear()
     fit_latency_line(cm, net, x)
-    assert traced[0] == 2
-    assert [f for f, _ in eager_operators] == ["torchscript"] * 2 * line_module.ROUNDS
+    sizes = 1 + len(spec.line_shares)
+    assert traced[0] == sizes == 3
+    assert [f for f, _ in eager_operators] == ["torchscript"] * sizes * line_module.ROUNDS
     assert cm.dense_total() == pytest.approx(dense, rel=1e-9)
 
 

@@ -1,28 +1,35 @@
-"""Latency as a line through two sizes of the model, each timed whole.
+"""Latency as a curve through several sizes of the model, each timed whole.
 
 The ``latency`` convention prices every operator timed alone and scales their sum to the
 dense model timed whole. What lies between the operators (Python, the allocator, a lone
 operator's warm caches) does not shrink in proportion with them: BERT-base at batch 1 on two
 CPU threads, pruned to 24.8% of its predicted latency, ran at 33.9% of the dense model, and
-ViT-B/16 at 29.4% for 24.4% (``benchmarks/latency_prediction.py``, before this module).
+ViT-B/16 at 29.4% for 24.4% (``benchmarks/latency_prediction.py``, before the line).
 
-``fit_latency_line`` therefore times a second size: a copy of the model with ``line_at`` (a
-share, ``LatencySpec.line_at``) of every mask's channels kept, shrunk, timed whole beside the
-dense model (one after the other, ``ROUNDS`` times; ``mu`` is the median of the rounds'
-ratios, so that a drift of the machine's speed cancels out of it); both are timed in the
-``LatencySpec.form`` that serves them, so the line maps the eager operators' sum to that
-form's time. With ``S`` the operators'
-summed times alone and ``W`` the dense total the table already predicts, the cost becomes
-``slope * S + offset``, the line through ``(S_dense, W)`` and ``(S_copy, mu * W)``. The dense
-total, and with it every target given as a share, is unchanged, and a state's share of it,
-``1 - (1 - mu) (S_dense - S) / (S_dense - S_copy)``, depends on ``mu`` and the operators
-only; narrower states cost more than in proportion when the offset is positive. A copy that
-is relatively faster than its operators (offset below 0) keeps the proportional scale, as
-does a model whose copy cannot be shrunk (a warning says why).
+``fit_latency_line`` therefore times more sizes: for each share of ``LatencySpec.line_at``
+(0.5 and 0.25 by default), a copy of the model with that share of every mask's channels kept,
+shrunk, timed whole beside the dense model (one after the other, ``ROUNDS`` times; ``mu`` is
+the median of the rounds' ratios, so that a drift of the machine's speed cancels out of it);
+all are timed in the ``LatencySpec.form`` that serves them, so the curve maps the eager
+operators' sum to that form's time. With ``S`` the operators' summed times alone and ``W``
+the dense total the table already predicts, a state is priced on the piecewise-linear curve
+through ``(S_dense, W)`` and every ``(S_copy, mu * W)`` (``LatencyCurve``): a target between
+two sizes is interpolated, and only below the narrowest copy is the last segment extended.
+The dense total, and with it every target given as a share, is unchanged. With one share, the
+curve is the line ``slope * S + offset`` through the dense model and the copy: a state's
+share of the dense total is ``1 - (1 - mu) (S_dense - S) / (S_dense - S_copy)``.
+
+The line through the dense model and the widest copy must have a positive slope and offset
+(a copy that is relatively faster than its operators keeps the proportional scale, as does a
+model whose copy cannot be shrunk: a warning says why); the narrower copies must each run
+faster than the one before, else a warning says so and that line prices every state, as
+with one share. Where the narrowest segment, extended, would price no operators below 0,
+the states below the narrowest copy are priced in proportion to it instead.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 import warnings
@@ -35,8 +42,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from fisherprune.cost import CostModel, LatencySpec
-from fisherprune.cost.latency import served_pair, timing_threads, whole_model_seconds, with_batch
+from fisherprune.cost import CostModel, LatencyCurve, LatencySpec
+from fisherprune.cost.latency import served, timing_threads, whole_model_seconds, with_batch
 from fisherprune.export.shrink import shrink
 from fisherprune.inputs import Inputs
 from fisherprune.masks import find_masks
@@ -53,13 +60,18 @@ class LatencyLine:
     """What ``fit_latency_line`` found.
 
     Attributes:
-        fitted: whether the cost model now prices states on the fitted line.
-        slope: what the operators' summed times alone are multiplied by.
-        offset: microseconds per forward pass added to them.
-        operators_share: the copy's operators summed, over the dense model's.
-        measured_share: the copy timed whole, over the dense model timed beside it.
-        kept_share: the share of every mask's channels the copy kept (``line_at``).
+        fitted: whether the cost model now prices states on the fitted line or curve.
+        slope: what the operators' summed times alone are multiplied by on the line through
+            the dense model and the widest copy (the curve's widest segment).
+        offset: microseconds per forward pass added to them on that line.
+        operators_share: the widest copy's operators summed, over the dense model's.
+        measured_share: the widest copy timed whole, over the dense model timed beside it.
+        kept_share: the share of every mask's channels the widest copy kept.
         reason: why the line was not fitted, or what was kept instead ("" when fitted).
+        points: every copy timed, widest first: ``kept_share``, ``operators_share`` and
+            ``measured_share`` (None when it was not timed).
+        curve: whether states are priced on the curve through the dense model and every
+            point (``CostModel.latency_curve``), not on the line alone.
     """
 
     fitted: bool
@@ -69,6 +81,8 @@ class LatencyLine:
     measured_share: float | None = None
     kept_share: float | None = None
     reason: str = ""
+    points: list[dict[str, float | None]] = field(default_factory=list)
+    curve: bool = False
 
     def as_dict(self) -> dict[str, Any]:
         """Plain JSON-able fields (reports)."""
@@ -106,17 +120,22 @@ def _masks_kept(model: nn.Module, kept: dict[str, int]) -> Iterator[None]:
                 m.mask.copy_(saved[name])
 
 
-def _timed_share(model: nn.Module, small: nn.Module, inputs: Any, spec: LatencySpec) -> float:
-    """``small`` timed whole over ``model`` with every mask at one, one after the other in
-    ``spec.form``, ``ROUNDS`` times: the median of the rounds' ratios (a drift of the
-    machine's speed cancels out of each). The masks are given back after."""
-    ratios = []
+def _timed_shares(
+    model: nn.Module, smalls: list[nn.Module], inputs: Any, spec: LatencySpec
+) -> list[float]:
+    """Each of ``smalls`` timed whole over ``model`` with every mask at one, in ``spec.form``
+    (each built once): ``ROUNDS`` rounds of the dense model, then every small one, one after
+    the other; per small one the median of the rounds' ratios (a drift of the machine's
+    speed cancels out of each). The masks are given back after."""
+    ratios: list[list[float]] = [[] for _ in smalls]
     with timing_threads(spec), _masks_kept(model, {}):  # the model itself, dense
-        timed_dense, timed_small = served_pair(model, small, inputs, spec)  # in spec.form
+        timed_dense = served(model, inputs, spec)
+        timed = [served(s, inputs, spec) for s in smalls]
         for _ in range(ROUNDS):
             dense = whole_model_seconds(timed_dense, inputs, spec)
-            ratios.append(whole_model_seconds(timed_small, inputs, spec) / dense)
-    return float(np.median(ratios))
+            for r, small in zip(ratios, timed, strict=True):
+                r.append(whole_model_seconds(small, inputs, spec) / dense)
+    return [float(np.median(r)) for r in ratios]
 
 
 def _line_through(
@@ -129,10 +148,17 @@ def _line_through(
 
 
 def fit_latency_line(cost_model: CostModel, model: nn.Module, example_inputs: Any) -> LatencyLine:
-    """Fit ``cost_model``'s latency to the model timed whole at two sizes (module docstring).
+    """Fit ``cost_model``'s latency to the model timed whole at several sizes (module
+    docstring): the line through the dense model and the widest copy of
+    ``LatencySpec.line_at``, then the curve through every copy.
 
-    Changes: ``cost_model``'s slope and offset (``CostModel.set_latency_line``) when fitted;
-    the model comes back as it was (its masks are set and given back; the copy is dropped).
+    Changes: ``cost_model``'s line (``CostModel.set_latency_line``) when fitted, and its curve
+    (``CostModel.set_latency_curve``) when more than one copy was timed and the curve holds;
+    the model comes back as it was (its masks are set and given back; the copies are
+    dropped). The copies are shrunk, then timed in ``ROUNDS`` rounds of the dense model and
+    every copy, one after the other: every share past the first adds one shrink (and, in a
+    compiled form, one build) and ``ROUNDS`` whole forward passes of its copy timed (with
+    their warm-up); the dense model's passes are shared.
 
     Args:
         cost_model: a ``CostModel`` of the ``latency`` convention, built on ``model``.
@@ -148,40 +174,129 @@ def fit_latency_line(cost_model: CostModel, model: nn.Module, example_inputs: An
             f"fit_latency_line needs a latency cost model, not {cost_model.convention!r}"
         )
     scale, offset = cost_model.latency_scale, cost_model.latency_offset
-    if spec.line_at is None:
+    shares = spec.line_shares
+    if not shares:
         return LatencyLine(False, scale, offset, reason="line_at=None: operators in proportion")
-    entries, kept = _cut_entries(cost_model, spec.line_at)
     whole = cost_model.dense_total()
-    s_dense = (whole - offset) / scale
-    s_copy = (cost_model.total(entries) - offset) / scale
-    line = LatencyLine(False, scale, offset, s_copy / s_dense if s_dense > 0 else None,
-                       kept_share=spec.line_at)  # fmt: skip
-    if not s_dense > s_copy > 0:
-        line.reason = "the copy's operators cost what the dense model's do: nothing to fit"
-        return line
+    s_dense = cost_model.operators(np.ones(cost_model.n_entries))
     inputs = with_batch(example_inputs, spec.batch or Inputs.of(example_inputs).batch_size)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            with _masks_kept(model, kept):
-                small = shrink(model, inputs, check=False)
-    except Exception as e:  # any model shrink refuses at these widths keeps the proportion
-        line.reason = f"the copy with {spec.line_at:g} of every width was not shrunk ({e})"
-        warnings.warn(f"latency line not fitted: {line.reason}; operators in proportion",
-                      stacklevel=2)  # fmt: skip
+    line = LatencyLine(False, scale, offset, kept_share=shares[0])
+    copies: list[_Copy] = []
+    for share in shares:  # shrunk until one is not (the narrower ones are not tried)
+        copies.append(_shrunk_copy(cost_model, model, inputs, share, s_dense, len(copies)))
+        if copies[-1].small is None:
+            break
+    smalls = [c.small for c in copies if c.small is not None]  # the copies before any not
+    timed = copies[: len(smalls)]
+    measured = _timed_shares(model, smalls, inputs, spec) if smalls else []
+    for c, mu in zip(timed, measured, strict=True):
+        c.measured_share = mu
+    line.points = [c.point() for c in copies]
+    knots = [(s_dense, whole), *((c.operators, float(c.measured_share) * whole) for c in timed)]
+    if len(knots) == 1:
+        line.reason = f"{copies[0].reason}; operators in proportion"
         return line
-    mu = _timed_share(model, small, inputs, spec)
-    line.measured_share = mu
-    slope, fitted_offset = _line_through(whole, s_dense, s_copy, mu)
-    if not (slope > 0 and fitted_offset >= 0):
+    if _fit_first(cost_model, line, knots[:2]):
+        if copies[-1].reason:
+            line.reason = f"{copies[-1].reason}; priced on the widest copy's line"
+        elif len(knots) > 2:
+            _fit_curve(cost_model, line, knots)
+    return line
+
+
+def _fit_first(cost_model: CostModel, line: LatencyLine, knots: list[tuple[float, float]]) -> bool:
+    """Price ``cost_model`` on the line through the dense model and the widest copy (the
+    first two ``knots``) when its slope is positive and its offset not negative; record it
+    in ``line``. Returns whether it was set."""
+    (s_dense, whole), (s_copy, price) = knots
+    mu = price / whole
+    line.operators_share, line.measured_share = s_copy / s_dense, mu
+    slope, offset = _line_through(whole, s_dense, s_copy, mu)
+    if not (slope > 0 and offset >= 0):
         line.reason = (
             f"the copy ran at {mu:.1%} of the dense model for {s_copy / s_dense:.1%} of its "
             "operators: no line with a positive slope and offset; operators in proportion"
         )
-        return line
-    cost_model.set_latency_line(slope, fitted_offset)
-    line.fitted, line.slope, line.offset = True, slope, fitted_offset
-    return line
+        return False
+    cost_model.set_latency_line(slope, offset)
+    line.fitted, line.slope, line.offset = True, slope, offset
+    return True
+
+
+def _fit_curve(cost_model: CostModel, line: LatencyLine, knots: list[tuple[float, float]]) -> None:
+    """Price ``cost_model`` on the curve through ``knots`` (the dense model, then the copies
+    widest first) when each copy has fewer operators and runs faster than the one before;
+    else warn and keep the line (``line.reason`` says why). Where the narrowest segment,
+    extended, would price no operators below 0, the curve goes to 0 at no operators instead
+    (below the narrowest copy, the operators in proportion to it)."""
+    (x1, y1), (x0, y0) = knots[-2], knots[-1]
+    if all(a[0] > b[0] and a[1] > b[1] for a, b in itertools.pairwise(knots)):
+        ends = [(0.0, 0.0)] if y0 - x0 * (y1 - y0) / (x1 - x0) < 0 else []
+        cost_model.set_latency_curve(LatencyCurve.through(knots + ends))
+        line.curve = True
+        return
+    timed = ", ".join(
+        f"{p['kept_share']:g} ran at {p['measured_share']:.1%} for {p['operators_share']:.1%}"
+        for p in line.points
+    )
+    line.reason = (
+        f"the copies timed whole (kept share, measured share for the operators' share: "
+        f"{timed}) do not get faster with fewer operators; priced on the line through the "
+        "dense model and the widest copy"
+    )
+    warnings.warn(f"latency curve not fitted: {line.reason}", stacklevel=3)
+
+
+@dataclass
+class _Copy:
+    """A copy of the model keeping ``kept_share`` of every width: its ``operators`` summed
+    alone (microseconds) and their ``operators_share`` of the dense model's, the copy shrunk
+    (``small``; None: it was not, ``reason`` says why) and its ``measured_share`` timed
+    whole (None until it is)."""
+
+    kept_share: float
+    operators: float
+    operators_share: float | None
+    small: nn.Module | None = None
+    measured_share: float | None = None
+    reason: str = ""
+
+    def point(self) -> dict[str, float | None]:
+        """What ``LatencyLine.points`` keeps of it."""
+        return {
+            "kept_share": self.kept_share,
+            "operators_share": self.operators_share,
+            "measured_share": self.measured_share,
+        }
+
+
+def _shrunk_copy(
+    cost_model: CostModel,
+    model: nn.Module,
+    inputs: Any,
+    share: float,
+    s_dense: float,
+    before: int,
+) -> _Copy:
+    """The copy of ``model`` with ``share`` of every mask's channels, shrunk (``before``:
+    how many wider copies were shrunk before it). A copy that cannot be shrunk warns that the
+    line (the widest copy) or the curve (a narrower one) is not fitted."""
+    entries, kept = _cut_entries(cost_model, share)
+    s_copy = cost_model.operators(entries)
+    copy = _Copy(share, s_copy, s_copy / s_dense if s_dense > 0 else None)
+    if not s_dense > s_copy > 0:
+        copy.reason = f"the copy at {share:g} costs what the dense model does: nothing to fit"
+        return copy
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with _masks_kept(model, kept):
+                copy.small = shrink(model, inputs, check=False)
+    except Exception as e:  # any model shrink refuses at these widths is not timed
+        copy.reason = f"the copy with {share:g} of every width was not shrunk ({e})"
+        fitting = "curve" if before else "line"
+        warnings.warn(f"latency {fitting} not fitted: {copy.reason}", stacklevel=3)
+    return copy
 
 
 #: a state timed further than this (a share of its price on the line) from its price is taken
@@ -256,10 +371,8 @@ def check_latency(
     if spec is None:
         raise ValueError(f"check_latency needs a latency cost model, not {cost_model.convention!r}")
     start = time.perf_counter()
-    scale, offset = cost_model.latency_scale, cost_model.latency_offset
-    ops_dense = (cost_model.dense_total() - offset) / scale
-    price = cost_model.total()
-    check = LatencyCheck(goal, (price - offset) / scale / ops_dense, price / dense)
+    ops_dense = cost_model.operators(np.ones(cost_model.n_entries))
+    check = LatencyCheck(goal, cost_model.operators() / ops_dense, cost_model.total() / dense)
     inputs = with_batch(example_inputs, spec.batch or Inputs.of(example_inputs).batch_size)
     try:
         with warnings.catch_warnings():
@@ -268,7 +381,7 @@ def check_latency(
     except Exception as e:  # a state shrink refuses is not timed; the line stays
         check.reason = f"the state was not shrunk ({e})"
     else:
-        check.measured_share = _timed_share(model, small, inputs, spec)
+        (check.measured_share,) = _timed_shares(model, [small], inputs, spec)
     check.seconds = time.perf_counter() - start
     return check
 
@@ -290,7 +403,10 @@ class LatencyLoop:
     target given as a share keeps its meaning. Not refitted (the check's ``reason`` says
     why): a state timed more than ``CHECK_TOLERANCE`` from its price (other load while
     timing), a secant that does not fall, and a line that would price the target at fewer
-    than ``CHECK_FLOOR`` of the operators the line before it did, or the dense model at 0.
+    than ``CHECK_FLOOR`` of the operators the line (or curve) before it did, or the dense
+    model at 0. A refitted line replaces the copies' curve (``fit_latency_line``) for the
+    rest of the prune: it goes through the prune's own states, where the curve went through
+    uniform copies.
 
     States are checked after each goal in ``at``, then after the last, which is reached once
     more (on the line refitted through its state) when that state timed more than
@@ -339,7 +455,7 @@ class LatencyLoop:
     def reached(self, goal: int) -> bool:
         """After goal ``goal`` is reached: check the state when planned, and refit the line
         through it; True when the last goal must be reached again. Changes: the cost model's
-        slope and offset when refitted."""
+        slope and offset when refitted (and its curve is dropped)."""
         if goal != self.goals and goal not in self.at:
             return False
         check = check_latency(self.cost_model, self.model, self.example_inputs, self.dense, goal)
@@ -372,10 +488,8 @@ class LatencyLoop:
         cm, share = self.cost_model, self.target / self.dense
         a = (y0 - y) / (x0 - x)  # in shares: y = a x + b
         b = y - a * x
-        ops_dense = (cm.dense_total() - cm.latency_offset) / cm.latency_scale
-        aimed = (share - cm.latency_offset / self.dense) / (
-            cm.latency_scale * ops_dense / self.dense
-        )
+        ops_dense = cm.operators(np.ones(cm.n_entries))
+        aimed = cm.operators_at(self.target) / ops_dense  # on the line, or curve, before it
         now = (share - b) / a
         if not (now >= CHECK_FLOOR * aimed and a + b > 0):
             check.reason = (

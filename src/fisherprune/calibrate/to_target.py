@@ -285,8 +285,9 @@ class PruneResult:
         kept: per mask, the channels it keeps and the channels it had.
         at_floor: the masks pruned down to their floor (``min_channels``, ``round_to``):
             the selection stopped there, not the scores.
-        latency_line: with ``convention="latency"``, the line the cost was first fitted to
-            (``fit_latency_line``: the dense model and a shrunk copy timed whole), else None.
+        latency_line: with ``convention="latency"``, the line or curve the cost was first
+            fitted to (``fit_latency_line``: the dense model and shrunk copies timed whole),
+            else None.
         latency_checks: with ``convention="latency"``, the states the rounds reached, timed
             whole, that the line was refitted through (``LatencyLoop``; the last is the state
             at the end, ``cost_after`` priced on the line through it when refitted).

@@ -7,12 +7,14 @@ from fisherprune.cost.conventions import (
     unregister_cost_formula,
 )
 from fisherprune.cost.latency import LatencySpec
+from fisherprune.cost.latency_curve import LatencyCurve
 from fisherprune.cost.model import CostModel, CostReport, MarginalCosts, computational_cost
 
 __all__ = [
     "CONVENTIONS",
     "CostModel",
     "CostReport",
+    "LatencyCurve",
     "LatencySpec",
     "MarginalCosts",
     "computational_cost",

@@ -18,11 +18,12 @@ whole, and every operator's time is scaled by the whole over the sum of the oper
 (``CostModel.latency_scale``), so that totals and targets (``"12ms"``, ``"50%"`` of the
 measured latency) are those of the whole forward pass. That part does not shrink in
 proportion with the operators everywhere: ``fisherprune.calibrate.fit_latency_line`` (run by
-``prune_to_target`` and both commands unless ``LatencySpec.line_at`` is None) times a shrunk
-copy whole too and fits ``slope x operators + offset`` through both sizes, keeping the dense
-total. Neither a scale alone nor an offset alone fits every network: an offset would have
-been as large as the sum itself on a small network at batch 1, where a forward pass costs
-several times its operators timed alone and shrinks with them (the MobileNetV3 of
+``prune_to_target`` and both commands unless ``LatencySpec.line_at`` is None) times shrunk
+copies whole too and prices a state on the piecewise-linear curve of its operators through
+every size (one copy: ``slope x operators + offset``), keeping the dense total. Neither a
+scale alone nor an offset alone fits every network: an offset would have been as large as
+the sum itself on a small network at batch 1, where a forward pass costs several times its
+operators timed alone and shrinks with them (the MobileNetV3 of
 ``benchmarks/latency_prediction.py``), while BERT-base pruned to a quarter of its operators'
 time ran at a third of the dense model.
 
@@ -69,6 +70,7 @@ __all__ = [
     "default_cache_dir",
     "prediction_check",
     "prediction_text",
+    "served",
     "served_pair",
     "spec_for",
     "timing_threads",
@@ -120,10 +122,14 @@ class LatencySpec:
             adds time); each lasts at least ``BLOCK_SECONDS``.
         cache: a folder for the table files, or one ``.json`` file; None: the folder
             ``$FISHERPRUNE_CACHE/latency`` (default ``~/.cache/fisherprune/latency``).
-        line_at: the share of every prunable width kept in a copy of the model that
+        line_at: the shares of every prunable width kept in copies of the model that
             ``fisherprune.calibrate.fit_latency_line`` shrinks and times whole beside the dense
-            model, to fit latency = slope x operators + offset through both (``prune_to_target``
-            and the commands do it); None: the operators scaled in proportion only.
+            model (``prune_to_target`` and the commands do it): a state is priced on the
+            piecewise-linear curve of its operators' sum through the dense model and every
+            copy, so a target between two sizes is interpolated; a single share (``0.5``) fits
+            the line latency = slope x operators + offset through the dense model and that
+            copy; None: the operators scaled in proportion only. Kept as a tuple, widest
+            first. Not part of the table's key (the table is per operator).
         checks: states of a ``prune_to_target`` shrunk and timed whole beside the dense model
             before its last goal, the line refitted through each
             (``fisherprune.calibrate.LatencyLoop``), and then the state at the last goal;
@@ -142,7 +148,7 @@ class LatencySpec:
     points: int = 16
     blocks: int = 5
     cache: str | os.PathLike[str] | None = None
-    line_at: float | None = 0.5
+    line_at: float | tuple[float, ...] | None = (0.5, 0.25)
     checks: int = 0
 
     def __post_init__(self) -> None:
@@ -165,14 +171,8 @@ class LatencySpec:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
                 raise ValueError(f"LatencySpec.{name} must be an int >= {low}, got {v!r}")
-        if self.line_at is not None and (
-            isinstance(self.line_at, bool)
-            or not isinstance(self.line_at, (int, float))
-            or not 0 < self.line_at < 1
-        ):
-            raise ValueError(
-                f"LatencySpec.line_at must be a share in (0, 1) or None, got {self.line_at!r}"
-            )
+        if self.line_at is not None:
+            object.__setattr__(self, "line_at", _line_shares(self.line_at))
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(
                 f"LatencySpec.dtype must be one of {', '.join(DTYPES)} or None, got {self.dtype!r}"
@@ -188,7 +188,7 @@ class LatencySpec:
             )
         if self.form != "eager" and self.line_at is None:
             raise ValueError(
-                f"LatencySpec.form {self.form!r} needs line_at (a share in (0, 1)): the eager "
+                f"LatencySpec.form {self.form!r} needs line_at (shares in (0, 1)): the eager "
                 "operators' table alone cannot predict a fused form; the line through two "
                 "sizes of the model timed in that form maps one to the other"
             )
@@ -196,6 +196,41 @@ class LatencySpec:
     @property
     def torch_device(self) -> torch.device:
         return torch.device(self.device)
+
+    @property
+    def line_shares(self) -> tuple[float, ...]:
+        """``line_at`` as a tuple of shares, widest first (empty when None)."""
+        if self.line_at is None:
+            return ()
+        return self.line_at if isinstance(self.line_at, tuple) else (self.line_at,)
+
+
+def _line_shares(line_at: Any) -> float | tuple[float, ...]:
+    """``line_at`` checked: a share in (0, 1) as given, or a tuple (or list) of distinct ones
+    sorted widest first.
+
+    Raises:
+        ValueError: not a share or a sequence of them, an empty sequence, a share outside
+            (0, 1), or one given twice (the message names the value).
+    """
+    many = isinstance(line_at, (tuple, list))
+    shares = tuple(line_at) if many else (line_at,)
+    for v in shares:
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < 1:
+            raise ValueError(
+                "LatencySpec.line_at must be a share in (0, 1), a tuple of them, or None; "
+                f"got {line_at!r} ({v!r} is not a share in (0, 1))"
+            )
+    if not shares:
+        raise ValueError(
+            "LatencySpec.line_at is an empty tuple: give one share or more in (0, 1), or None "
+            "to scale the operators in proportion only"
+        )
+    if len(set(shares)) != len(shares):
+        raise ValueError(
+            f"LatencySpec.line_at {line_at!r} names a share twice: each copy is timed once"
+        )
+    return tuple(sorted((float(v) for v in shares), reverse=True)) if many else line_at
 
 
 def spec_for(conventions: tuple[str | None, ...], what: str, **fields: Any) -> LatencySpec | None:
@@ -808,9 +843,13 @@ def served_pair(
 ) -> tuple[Any, Any]:
     """``dense`` and ``small`` as ``whole_model_seconds`` times them again and again: the
     modules themselves in eager, else each built once in ``spec.form`` (``ServedForm``)."""
-    if spec.form == "eager":
-        return dense, small
-    return _serve(dense, example_inputs, spec), _serve(small, example_inputs, spec)
+    return served(dense, example_inputs, spec), served(small, example_inputs, spec)
+
+
+def served(module: torch.nn.Module, example_inputs: Any, spec: LatencySpec) -> Any:
+    """``module`` as ``whole_model_seconds`` times it again and again: the module itself in
+    eager, else built once in ``spec.form`` (``ServedForm``)."""
+    return module if spec.form == "eager" else _serve(module, example_inputs, spec)
 
 
 def prediction_check(

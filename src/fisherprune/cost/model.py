@@ -38,6 +38,7 @@ from fisherprune.cost.latency import (
     whole_model_seconds,
     with_batch,
 )
+from fisherprune.cost.latency_curve import LatencyCurve
 from fisherprune.graph.channels import ChannelGraph
 from fisherprune.graph.trace import Trace, trace_model
 from fisherprune.graph.types import OpRecord, Slot
@@ -191,6 +192,9 @@ class CostModel:
         #: ``latency``: microseconds per forward pass added to the operators' scaled sum (the
         #: offset of ``set_latency_line``; 0 else)
         self.latency_offset = 0.0
+        #: ``latency``: the curve a state's operators are priced on (``set_latency_curve``;
+        #: the line is then its widest segment); None: priced on the line
+        self.latency_curve: LatencyCurve | None = None
         self._table_key: str | None = None  # ``latency``: the key of the table it was timed in
         if self.latency is not None and self.latency.batch is not None:
             example_inputs = with_batch(example_inputs, self.latency.batch)
@@ -296,6 +300,8 @@ class CostModel:
         """``latency_scale`` and ``latency_offset`` from the calibration ``cal`` (not timed);
         a table of another key, or operators timed afresh, are said in one line each."""
         self.latency_scale, self.latency_offset = float(cal["slope"]), float(cal["offset"])
+        if cal.get("curve") is not None:
+            self.latency_curve = LatencyCurve.through(cal["curve"])
         if cal.get("table") != table.key:
             log.warning(
                 "latency: the calibration given was measured with table %s, not %s as now: "
@@ -313,13 +319,15 @@ class CostModel:
     @property
     def latency_calibration(self) -> dict[str, Any] | None:
         """``latency`` only: what prices its operators, to build the same cost model again
-        without timing (``latency_calibration=``): ``slope``, ``offset`` (microseconds) and
-        the ``table`` key (``LatencyTable.key``); None for another convention."""
+        without timing (``latency_calibration=``): ``slope``, ``offset`` (microseconds), the
+        ``curve``'s knots (``LatencyCurve.as_list``, or None) and the ``table`` key
+        (``LatencyTable.key``); None for another convention."""
         if self.latency is None:
             return None
         return {
             "slope": self.latency_scale,
             "offset": self.latency_offset,
+            "curve": None if self.latency_curve is None else self.latency_curve.as_list(),
             "table": self._table_key,
         }
 
@@ -463,19 +471,43 @@ class CostModel:
 
     def total(self, entries: np.ndarray | None = None) -> float:
         """Cost per example for mask entry values ``entries`` (default: the current masks;
-        block and expert gate entries missing from ``entries`` count as kept)."""
+        block and expert gate entries missing from ``entries`` count as kept); ``latency``:
+        on the curve when there is one."""
+        return float(self._on_curve(self._on_line(entries)))
+
+    def _on_line(self, entries: np.ndarray | None) -> float:
+        """``total`` with ``latency``'s operators priced on the line alone."""
         e = self.entries() if entries is None else self._full(entries)
         removed = self.removed(e)
         live = self._gates.live_terms(e)
         tot = sum(self._term_now(t, removed) for t, on in zip(self._terms, live, strict=True) if on)
         return tot / self._counting.divisor(self.trace.batch_size) + self.latency_offset
 
+    def _on_curve(self, on_line: float | np.ndarray) -> float | np.ndarray:
+        """Prices on the line (one or an array) moved onto ``latency_curve`` (unchanged
+        without one)."""
+        if self.latency_curve is None:
+            return on_line
+        return self.latency_curve((on_line - self.latency_offset) / self.latency_scale)
+
+    def operators(self, entries: np.ndarray | None = None) -> float:
+        """``latency`` only: the operators of mask entry values ``entries`` (default: the
+        current masks) summed alone, in microseconds, unscaled."""
+        return (self._on_line(entries) - self.latency_offset) / self.latency_scale
+
+    def operators_at(self, price: float) -> float:
+        """``latency`` only: the operators' sum (microseconds, unscaled) that the line, or the
+        curve, prices at ``price``."""
+        if self.latency_curve is not None:
+            return self.latency_curve.operators_at(price)
+        return (price - self.latency_offset) / self.latency_scale
+
     def set_latency_line(self, slope: float, offset: float) -> None:
         """``latency`` only: price a mask state at ``slope`` times its operators' summed
         times alone plus ``offset`` microseconds (``fisherprune.calibrate.fit_latency_line``
-        fits both to the model timed whole at two sizes). Changes: ``latency_scale``,
+        fits both to the model timed whole at two sizes or more). Changes: ``latency_scale``,
         ``latency_offset`` and every timed operator's scale; marginal costs scale with
-        ``slope``.
+        ``slope``; a curve set before is dropped (the line prices every state).
 
         The offset may be negative (``fisherprune.calibrate.check_latency`` fits one where a
         pruned state ran relatively faster than its operators) as long as the dense model is
@@ -501,8 +533,29 @@ class CostModel:
         for t in self._terms:
             t.formula.scale = slope
         self.latency_scale, self.latency_offset = float(slope), float(offset)
+        self.latency_curve = None
         for cache in (self._evals, self._margins, self._nows):
             cache.clear()
+
+    def set_latency_curve(self, curve: LatencyCurve) -> None:
+        """``latency`` only: price a mask state on ``curve`` of its operators' summed times
+        alone (``fisherprune.calibrate.fit_latency_line`` fits one through the model timed
+        whole at several sizes). Changes: the line (``set_latency_line``) becomes the curve's
+        widest segment, extended, and ``latency_curve`` is ``curve``. A marginal cost is then
+        exact on the curve: the price now less the price without that channel, so a channel
+        whose removal crosses a knot is priced by both segments' slopes (within one segment,
+        the slope is one factor on every channel and ranks them as the line did).
+        ``CostReport.by_module`` stays on the line.
+
+        Raises:
+            ValueError: another convention, or a widest segment that is not a line
+                ``set_latency_line`` takes.
+        """
+        top = len(curve.operators) - 2
+        xs, ys = curve.operators[top:], curve.prices[top:]
+        slope = (ys[1] - ys[0]) / (xs[1] - xs[0])
+        self.set_latency_line(slope, ys[1] - slope * xs[1])
+        self.latency_curve = curve
 
     def dense_total(self) -> float:
         """Cost per example with every mask entry set to 1."""
@@ -527,6 +580,9 @@ class CostModel:
                 marginal[gate] += now  # removing the block removes this term as it is now
             marginal[ents] += saved
         per = self._counting.divisor(self.trace.batch_size)
+        on_line = total / per + self.latency_offset
+        if self.latency_curve is not None:  # exact on the curve: the price less it without
+            marginal = per * (self._on_curve(on_line) - self._on_curve(on_line - marginal / per))
         values = {
             n: torch.from_numpy(marginal[start : start + self.masks[n].num_channels] / per)
             for n, start in self._entry_start.items()
@@ -534,7 +590,7 @@ class CostModel:
         for n, m in self.masks.items():
             values.setdefault(n, torch.zeros(m.num_channels, dtype=torch.float64))
         return CostReport(
-            total / per + self.latency_offset,
+            float(self._on_curve(on_line)),
             MarginalCosts(values, self._names),
             self.convention,
             {k: v / per for k, v in by_module.items()},

@@ -217,14 +217,20 @@ def _predicted_latency(run: FinishedRun, dense: nn.Module, small: nn.Module) -> 
     """With the ``latency`` convention: ``{"prediction": ..., "line": ...}``, the table's
     latency of the dense and the pruned model beside both timed whole in the run's
     ``LatencySpec`` (``prediction_check``), and the slope and offset (microseconds) that priced
-    the operators (``fit_latency_line``; offset 0: in proportion); else nothing."""
+    the operators (``fit_latency_line``; offset 0: in proportion; the curve's widest segment
+    when there is one) and the curve's knots (operators, price; microseconds) or None; else
+    nothing."""
     cm = run.popt.cost_model
     if cm.latency is None:
         return {}
     check = prediction_check(run.popt.start_cost, cm.total(), dense, small, run.example, cm.latency)
     return {
         "prediction": check,
-        "line": {"slope": cm.latency_scale, "offset_us": cm.latency_offset},
+        "line": {
+            "slope": cm.latency_scale,
+            "offset_us": cm.latency_offset,
+            "curve_us": None if cm.latency_curve is None else cm.latency_curve.as_list(),
+        },
     }
 
 

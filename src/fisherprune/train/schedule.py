@@ -79,7 +79,7 @@ def build_optimizer(
     """The run's ``PruningOptimizer`` over ``model``'s trainable parameters: the inner
     optimizer of ``config.optimizer`` with ``weight_decay``, a prune every ``pruning_iter``
     steps after ``burn_in``. With the ``latency`` convention its cost is fitted to the model
-    timed whole at two sizes (``fit_latency_line``), unless ``latency_calibration`` (a
+    timed whole at several sizes (``fit_latency_line``), unless ``latency_calibration`` (a
     resumed checkpoint's, ``PruningOptimizer.latency_calibration``) gives the fit: then
     nothing is timed whole."""
     params = [p for p in model.parameters() if p.requires_grad]
