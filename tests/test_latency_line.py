@@ -105,8 +105,10 @@ def test_without_the_line_the_prediction_misses_the_overhead(tmp_path, overhead_
 
 
 def test_a_copy_faster_than_its_operators_keeps_the_proportion(tmp_path, monkeypatch):
-    """A whole time that falls faster than the operators (here: their square, scaled to the
-    dense) would need a negative offset: the proportional scale is kept, and said why."""
+    """With one copy (``line_at=0.5``), a whole time that falls faster than the operators
+    (here: their square, scaled to the dense) would need a negative offset: the proportional
+    scale is kept, and said why (with narrower copies the curve prices such states:
+    ``test_latency_curve``)."""
     net, x = _net(), torch.randn(2, 3, 8, 8)
     fp.apply_masks(net, x)
     dense_ops = _fake_whole(net, x, None, _flops_seconds)
@@ -117,7 +119,7 @@ def test_a_copy_faster_than_its_operators_keeps_the_proportion(tmp_path, monkeyp
     monkeypatch.setattr(lat.OpTimer, "seconds", _flops_seconds)
     monkeypatch.setattr(model_module, "whole_model_seconds", superlinear)
     monkeypatch.setattr(line_module, "whole_model_seconds", superlinear)
-    cm = CostModel(net, x, "latency", latency=_spec(tmp_path))
+    cm = CostModel(net, x, "latency", latency=_spec(tmp_path, line_at=0.5))
     scale = cm.latency_scale
     line = fit_latency_line(cm, net, x)
     assert not line.fitted and "no line" in line.reason

@@ -19,12 +19,14 @@ The dense total, and with it every target given as a share, is unchanged. With o
 curve is the line ``slope * S + offset`` through the dense model and the copy: a state's
 share of the dense total is ``1 - (1 - mu) (S_dense - S) / (S_dense - S_copy)``.
 
-The line through the dense model and the widest copy must have a positive slope and offset
-(a copy that is relatively faster than its operators keeps the proportional scale, as does a
-model whose copy cannot be shrunk: a warning says why); the narrower copies must each run
-faster than the one before, else a warning says so and that line prices every state, as
-with one share. Where the narrowest segment, extended, would price no operators below 0,
-the states below the narrowest copy are priced in proportion to it instead.
+The line through the dense model and the widest copy must have a positive slope, and with
+one copy a positive offset (a copy that is relatively faster than its operators keeps the
+proportional scale then, as does a model whose copy cannot be shrunk: a warning says why;
+with narrower copies the curve through them prices the states below it). The narrower
+copies must each run faster than the one before, else a warning says so and that line
+prices every state, as with one share (in proportion, where its offset is negative). Where
+the narrowest segment, extended, would price no operators below 0, the states below the
+narrowest copy are priced in proportion to it instead.
 """
 
 from __future__ import annotations
@@ -196,23 +198,36 @@ def fit_latency_line(cost_model: CostModel, model: nn.Module, example_inputs: An
     if len(knots) == 1:
         line.reason = f"{copies[0].reason}; operators in proportion"
         return line
-    if _fit_first(cost_model, line, knots[:2]):
+    curve_next = len(knots) > 2 and not copies[-1].reason
+    if _fit_first(cost_model, line, knots[:2], negative_ok=curve_next):
         if copies[-1].reason:
             line.reason = f"{copies[-1].reason}; priced on the widest copy's line"
-        elif len(knots) > 2:
+        elif curve_next:
             _fit_curve(cost_model, line, knots)
+            if not line.curve and line.offset < 0:  # the line alone would price narrow
+                cost_model.set_latency_line(scale, offset)  # states below 0: proportion
+                line.fitted, line.slope, line.offset = False, scale, offset
+                line.reason += "; that line's offset is negative: operators in proportion"
     return line
 
 
-def _fit_first(cost_model: CostModel, line: LatencyLine, knots: list[tuple[float, float]]) -> bool:
+def _fit_first(
+    cost_model: CostModel,
+    line: LatencyLine,
+    knots: list[tuple[float, float]],
+    negative_ok: bool = False,
+) -> bool:
     """Price ``cost_model`` on the line through the dense model and the widest copy (the
-    first two ``knots``) when its slope is positive and its offset not negative; record it
-    in ``line``. Returns whether it was set."""
+    first two ``knots``) when its slope is positive and its offset not negative, or negative
+    with ``negative_ok`` (a curve through narrower copies is fitted next, and prices the
+    states below the widest copy: a copy that runs relatively faster than its operators, as
+    MobileNetV3's half copy at batch 1, is then priced by the copies, not in proportion);
+    record it in ``line``. Returns whether it was set."""
     (s_dense, whole), (s_copy, price) = knots
     mu = price / whole
     line.operators_share, line.measured_share = s_copy / s_dense, mu
     slope, offset = _line_through(whole, s_dense, s_copy, mu)
-    if not (slope > 0 and offset >= 0):
+    if not (slope > 0 and (offset >= 0 or negative_ok)):
         line.reason = (
             f"the copy ran at {mu:.1%} of the dense model for {s_copy / s_dense:.1%} of its "
             "operators: no line with a positive slope and offset; operators in proportion"
