@@ -32,10 +32,8 @@ def _step(model: nn.Module, x: Tensor, y: Tensor) -> None:
     F.cross_entropy(model(x), y).backward()
 
 
-def test_layers_reading_one_tensor_share_one_reduction(monkeypatch: pytest.MonkeyPatch) -> None:
-    """q, k and v read the same normalised tensor: the hidden-width mask multiplies it once
-    and reduces it once in backward (one call per masked tensor, not per consumer)."""
-    model, _ = _masked_transformer()
+def _reductions_of_a_step(monkeypatch: pytest.MonkeyPatch, model: nn.Module) -> int:
+    """How many per-example reductions one training step of ``model`` runs in backward."""
     calls: list[tuple[int, ...]] = []
     reduce = mask_layer._per_example_channel_dot
 
@@ -46,11 +44,19 @@ def test_layers_reading_one_tensor_share_one_reduction(monkeypatch: pytest.Monke
     monkeypatch.setattr(mask_layer, "_per_example_channel_dot", counting)
     x, y = token_input(4).double(), torch.arange(4) % 5
     _step(model, x, y)
+    return len(calls)
+
+
+def test_layers_reading_one_tensor_share_one_reduction(monkeypatch: pytest.MonkeyPatch) -> None:
+    """q, k and v read the same normalised tensor: the hidden-width mask multiplies it once
+    and reduces it once in backward (one call per masked tensor, not per consumer)."""
+    model, _ = _masked_transformer()
+    calls = _reductions_of_a_step(monkeypatch, model)
     found = find_holder(model)
     assert found is not None
     consumers = sorted(mp.module_name for mp in found[1].points)
     assert consumers == ["attn.k", "attn.out", "attn.q", "attn.v", "head", "mlp.fc1", "mlp.fc2"]
-    assert len(calls) == 5  # (q, k, v) once; out, fc1, fc2, head
+    assert calls == 5  # (q, k, v) once; out, fc1, fc2, head
 
 
 def test_frozen_layers_reading_one_tensor_share_one_reduction(
@@ -60,17 +66,7 @@ def test_frozen_layers_reading_one_tensor_share_one_reduction(
     for the backward, yet q, k and v still share one product and one reduction in backward."""
     model, _ = _masked_transformer()
     model.requires_grad_(False)
-    calls: list[tuple[int, ...]] = []
-    reduce = mask_layer._per_example_channel_dot
-
-    def counting(g: Tensor, x: Tensor, dim: int, batch_dim: int = 0) -> Tensor:
-        calls.append(tuple(x.shape))
-        return reduce(g, x, dim, batch_dim)
-
-    monkeypatch.setattr(mask_layer, "_per_example_channel_dot", counting)
-    x, y = token_input(4).double(), torch.arange(4) % 5
-    _step(model, x, y)
-    assert len(calls) == 5  # (q, k, v) once; out, fc1, fc2, head
+    assert _reductions_of_a_step(monkeypatch, model) == 5  # (q, k, v) once; out, fc1, fc2, head
 
 
 def test_a_forward_without_backward_leaves_no_product_alive() -> None:
