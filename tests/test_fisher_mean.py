@@ -17,6 +17,7 @@ from torch import Tensor, nn
 import fisherprune as fp
 from fisherprune.calibrate.to_target import estimate_signals
 from fisherprune.criteria import FisherMean
+from fisherprune.masks.points import SharedProduct
 
 
 def shifted(head: nn.Linear, h: Tensor, keep: Tensor, y: Tensor, abar: Tensor) -> Tensor:
@@ -222,6 +223,18 @@ def test_checkpointed_blocks_give_the_same_signals() -> None:
         out.append(crit.scores(masks, net))
     for name in out[0]:
         torch.testing.assert_close(out[1][name], out[0][name], rtol=1e-12, atol=0.0)
+
+
+def test_a_checkpointed_pass_holds_no_product_after_its_backward() -> None:
+    """The blocks' forwards recomputed in backward make mask products again; once the
+    backward is done none of them is still held (``SharedProduct``: the recomputation's end
+    drops its hold, as the model call's end does for the first forward)."""
+    net, x, _, batches = _residual_data()
+    crit = FisherMean()
+    masks = dict(fp.apply_masks(net, x[:1]))
+    with crit.observing(net, masks):
+        estimate_signals(net, masks, batches, F.cross_entropy, crit, blocks=net.blocks)
+    assert getattr(SharedProduct._latest, "out", None) is None
 
 
 def test_uncoupled_masks_keep_no_per_example_state() -> None:
