@@ -21,7 +21,11 @@ holds: the issue's goal is about 1.3 plus one micro-batch's activations), and ``
 the highest mark less ``base``. Each row also gives the process CPU seconds of each of
 ``prune_to_target``'s phases (steadier than wall time on a shared machine) and its
 ``checkpoint`` (``--checkpoint off``: the signal passes hold every decoder layer's
-activations, as before 2026-11-29, to measure what checkpointing saves and costs).
+activations, as before 2026-11-29, to measure what checkpointing saves and costs). Rows from
+2026-11-29 evening on also give the issue's allowance, measured: ``activation_mib``, the
+resident set's mark over the built model in a fresh process during one plain forward and
+backward of a micro-batch (weights frozen), ``allowance_mib`` = 0.3 W + that, and
+``extra_mib``, the whole call's highest mark less ``base``, to compare with it.
 
 Run::
 
@@ -131,6 +135,22 @@ class _Phases:
         setattr(owner, attr, wrapped)
 
 
+def activations(args: dict[str, Any]) -> float:
+    """One micro-batch's activations (MiB) in this process: the resident set's mark over the
+    built model during a plain forward and backward of ``micro`` x ``seq`` random tokens
+    (the causal-LM loss, every weight frozen, the gradient taken to the input embeddings), the
+    "plus one micro-batch's activations" of the issue's 1.3 W allowance."""
+    torch.set_num_threads(args["threads"])
+    model = build(args["family"], args["size"], args["dtype"], args["seq"])
+    model.requires_grad_(False)
+    model.get_input_embeddings().register_forward_hook(lambda m, i, o: o.requires_grad_())
+    ids = torch.randint(0, VOCAB, (args["micro"], args["seq"]), generator=torch.Generator())
+    base = _status("VmRSS")
+    _reset_peak()
+    model(input_ids=ids, labels=ids).loss.backward()
+    return _status("VmHWM") - base
+
+
 def child(args: dict[str, Any]) -> dict[str, Any]:
     """One cell in this process: the row of the table."""
     import fisherprune as fp
@@ -188,6 +208,22 @@ def child(args: dict[str, Any]) -> dict[str, Any]:
     } | ({"run": args["label"]} if args.get("label") else {})
 
 
+def _allowance(row: dict[str, Any], cell: dict[str, Any]) -> dict[str, Any]:
+    """The cell's allowance, 0.3 W plus one micro-batch's activations (measured in a fresh
+    process), and the whole call's extra over the built model against it (MiB)."""
+    cmd = [sys.executable, __file__, "--child", json.dumps(cell)]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    act = float(done.stdout.strip().splitlines()[-1])
+    allowance = 0.3 * row["weight_mib"] + act
+    extra = max(row["phase_peak_mib"].values()) - row["base_mib"]
+    return {
+        "activation_mib": round(act),
+        "allowance_mib": round(allowance),
+        "extra_mib": round(extra),
+        "over_allowance_mib": round(extra - allowance),
+    }
+
+
 def _table(rows: list[dict[str, Any]]) -> None:
     head = f"{'model':<12} {'dtype':<8} {'params':>7} {'W MiB':>7} {'tokens':>6} {'sec':>6}"
     head += "".join(f" {p[:6]:>6}" for p in PHASES) + f" {'peak/W':>6} {'extra/W':>7}  peak MiB"
@@ -200,7 +236,8 @@ def _table(rows: list[dict[str, Any]]) -> None:
         )
         line += "".join(f" {ph.get(p, 0):>6.1f}" for p in PHASES)
         peaks = "/".join(str(r["phase_peak_mib"][p]) for p in PHASES)
-        print(f"{line} {r['peak_over_w']:>6.2f} {r['extra_over_w']:>7.2f}  {peaks}")
+        allowed = f"  extra {r['extra_mib']} of {r['allowance_mib']}" if "extra_mib" in r else ""
+        print(f"{line} {r['peak_over_w']:>6.2f} {r['extra_over_w']:>7.2f}  {peaks}{allowed}")
 
 
 def _cell(r: dict[str, Any]) -> str:
@@ -294,7 +331,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        print(json.dumps(child(json.loads(args.child))))
+        cell = json.loads(args.child)
+        print(json.dumps(activations(cell) if cell.get("activations") else child(cell)))
         return 0
     if args.replot:
         saved = json.loads(args.out.read_text())
@@ -318,7 +356,8 @@ def main(argv: list[str] | None = None) -> int:
                     if done.returncode != 0:
                         print(done.stderr[-2000:], file=sys.stderr)
                         continue
-                    rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
+                    row = json.loads(done.stdout.strip().splitlines()[-1])
+                    rows.append(row | _allowance(row, cell | {"activations": True}))
                     _table(rows[-1:])
     print()
     _table(rows)
