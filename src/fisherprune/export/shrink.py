@@ -15,14 +15,13 @@ from fisherprune.cost import CostModel
 from fisherprune.export.carry import OptimizerCarry, inner_optimizer
 from fisherprune.export.modules import has_shrink_rule
 from fisherprune.export.plan import PruningPlan
+from fisherprune.export.widen import HALF, float32_outputs, is_half_precision
 from fisherprune.inputs import Inputs, eval_outputs
 from fisherprune.masks import MaskLayer
 from fisherprune.masks.points import find_holder, no_fold, remembered_inputs
 from fisherprune.tolerance import output_rtol
 
 __all__ = ["ShrinkError", "shrink", "shrink_dry_run"]
-
-_HALF = (torch.float16, torch.bfloat16)
 
 
 class ShrinkError(RuntimeError):
@@ -189,7 +188,7 @@ def _check(
             ) from e
     if ref is None:
         return
-    if _half_precision(small):
+    if is_half_precision(small):
         out = _comparable_outputs(small, example_inputs)
     if len(out) != len(ref):
         raise ShrinkError("the shrunk model returns a different number of tensors")
@@ -234,43 +233,19 @@ def _open_forwards(model: nn.Module) -> Iterator[list[str]]:
             h.remove()
 
 
-def _half_precision(model: nn.Module) -> bool:
-    return any(t.dtype in _HALF for t in [*model.parameters(), *model.buffers()])
-
-
 def _comparable_outputs(model: nn.Module, example_inputs: Any) -> list[Tensor]:
     """The outputs the shrunk and the masked model are compared by: their own, or for a model
-    held in fp16 / bf16 those of a float32 copy on float32 inputs. Slicing changes no weight's
-    value, so in float32 the two agree to float32 rounding, whatever the depth; in half
-    precision their different sums round apart by more than any fixed tolerance, and a width
-    would be refused for rounding, not for a wrong plan (issue 36)."""
-    if not _half_precision(model):
+    held in fp16 / bf16 its outputs in float32 on float32 inputs (``float32_outputs``, which
+    widens one call's weights at a time). Slicing changes no weight's value, so in float32
+    the two agree to float32 rounding, whatever the depth; in half precision their different
+    sums round apart by more than any fixed tolerance, and a width would be refused for
+    rounding, not for a wrong plan (issue 36)."""
+    if not is_half_precision(model):
         return eval_outputs(model, example_inputs)
     inputs = Inputs.of(example_inputs).map_leaves(
-        lambda x, _b: x.float() if isinstance(x, Tensor) and x.dtype in _HALF else x
+        lambda x, _b: x.float() if isinstance(x, Tensor) and x.dtype in HALF else x
     )
-    with _widened(model):
-        return eval_outputs(model, inputs.value())
-
-
-@contextmanager
-def _widened(model: nn.Module) -> Iterator[None]:
-    """``model``'s fp16 / bf16 parameters and buffers hold float32 values for the block, in
-    place (the same ``Parameter`` objects), and their own dtype again after it: exact, since
-    float32 holds every half-precision value. In place rather than on a widened copy, which
-    would hold the weights three times over (the model, and the copy at twice the bytes)."""
-    half = [t for t in {id(t): t for t in [*model.parameters(), *model.buffers()]}.values()
-            if t.dtype in _HALF]  # fmt: skip
-    dtypes = [t.dtype for t in half]
-    try:
-        with torch.no_grad():
-            for t in half:
-                t.data = t.data.float()
-        yield
-    finally:
-        with torch.no_grad():
-            for t, dtype in zip(half, dtypes, strict=True):
-                t.data = t.data.to(dtype)
+    return float32_outputs(model, inputs.value())
 
 
 def _unruled(small: nn.Module, sliced: list[str]) -> str:
