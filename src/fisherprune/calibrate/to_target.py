@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from fisherprune.allocator import trim_freed_memory
 from fisherprune.calibrate.checkpoint import (
     check_checkpoint,
     checkpointed_blocks,
@@ -689,6 +690,9 @@ def prune_to_target(
         while not stuck and g <= goals:
             r = result.rounds + 1
             with clock("signals"):
+                # what tracing, the last round's selection and its cost reports freed goes back
+                # to the OS before the passes' activations are made (``allocator``)
+                trim_freed_memory()
                 if norms is not None and r > 1:
                     norms.reestimate(data)
                 bar = _bar(progress, f"signals, round {r} (goal {g}/{goals})")

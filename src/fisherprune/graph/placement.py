@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from fisherprune.allocator import trim_freed_memory
 from fisherprune.graph.channels import ChannelGraph
 from fisherprune.graph.groups import ChannelGroup, MaskPointSpec, Skipped, find_groups
 from fisherprune.graph.module_forwards import ModuleForward, module_forward, share_inputs_hooks
@@ -346,6 +347,7 @@ def _failing_groups(
             for m, (values, ones) in zip(masks, saved, strict=True):
                 m.mask.copy_(values)
                 m.record_values(ones)
+        trim_freed_memory()  # what the trials' forwards freed (``allocator``)
 
 
 def _modules(group: ChannelGroup) -> set[str]:
