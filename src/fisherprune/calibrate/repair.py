@@ -349,6 +349,7 @@ def repair_consumers(
 
     with eval_mode(model), torch.no_grad(), no_fold(model), store:
         try:
+            trim_freed_memory()  # what the selection and its cost reports freed
             store.put(ORIGINAL, layers)
             set_masks(dense_masks)
             held, norm = _store_references(dense, held, store)
