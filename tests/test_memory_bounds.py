@@ -591,12 +591,15 @@ def test_trim_freed_memory_gives_freed_heap_pages_below_a_live_block_back() -> N
     gives at least 80 MiB of them back."""
     torch.ones(1 << 20)  # a 4 MiB mapped block freed: glibc's mmap threshold rises past 256 KiB
     blocks = [torch.ones(64 * 1024) for _ in range(400)]
-    pin = torch.ones(16)  # allocated after them, alive through the trim
+    # allocated after them, alive through the trim, and of their size, so that it comes from
+    # the heap's top above them (a small one may come from a free list elsewhere, and the
+    # blocks then sit at the top, where free() itself gives them back)
+    pin = torch.ones(64 * 1024)
     del blocks
     before = _resident_mib()
     assert trim_freed_memory()
     assert before - _resident_mib() > 80, "the freed blocks stayed resident"
-    assert pin.sum() == 16
+    assert pin.sum() == 64 * 1024
 
 
 def _resident_mib() -> float:
