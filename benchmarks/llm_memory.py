@@ -272,16 +272,18 @@ def _growth(
 
 def _plot(rows: list[dict[str, Any]], baseline: list[dict[str, Any]], path: Path) -> None:
     """Peak/W and seconds against parameters (tokens fixed) and against tokens (size fixed),
-    and peak/W per cell before (``baseline``) and now."""
+    and peak/W per cell before (``baseline``) and now: each cell's newest row (the table
+    keeps every run)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    latest = list({_cell(r): r for r in rows}.values())  # each cell's newest row only
     series: dict[tuple[str, str, int], list[dict[str, Any]]] = {}
     by_tokens: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
-    for r in rows:
+    for r in latest:
         if r.get("checkpoint") is False:  # (its own bar only)
             continue
         series.setdefault((r["family"], r["dtype"], r["tokens"]), []).append(r)
@@ -290,6 +292,7 @@ def _plot(rows: list[dict[str, Any]], baseline: list[dict[str, Any]], path: Path
     _growth(axes[1], by_tokens, "tokens", 1.0, "calibration tokens", "")
     ax = axes[2]
     before = {_cell(r): r["peak_over_w"] for r in baseline}
+    rows = latest
     cells = [_cell(r) for r in rows]
     ax.barh([i + 0.2 for i in range(len(cells))], [r["peak_over_w"] for r in rows], 0.4,
             label="now")  # fmt: skip
