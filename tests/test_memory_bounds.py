@@ -563,14 +563,14 @@ class _LiveSquares(TorchDispatchMode):
         return out
 
 
-def test_a_scales_solve_makes_at_most_two_squares_of_its_channels_at_once() -> None:
+def test_a_scales_solve_makes_one_square_of_its_channels_at_a_time() -> None:
     """Solving one layer's refit in ``"scales"`` mode (40 kept inputs, no bias, too few rows
-    for every weight) holds at most two float64 (channels x channels) squares beside its
-    sums' Gram at any time: ``W W^T`` with a block's product, then their product with the
-    Gram made in ``W W^T``'s place and given up to the solve for its ridge, with its factors.
-    The solve kept ``W W^T`` and the product apart and ridged a copy made by
-    ``a + lam * eye``: four at once (63 MiB each for a 1B Llama's down_proj at half its MLP
-    width); the refit it writes is the same bit for bit (small Llama and Qwen2)."""
+    for every weight) holds one float64 (channels x channels) square beside its sums' Gram at
+    any time: ``W W^T``, then its product with the Gram made in its place, given up to the
+    solve for its ridge and factorised in place. The solve kept ``W W^T`` and the product
+    apart and ridged a copy made by ``a + lam * eye``: four at once; then two (the system
+    and its factors: 242 MiB each for a 1B Llama's first down_proj, the bf16 1B decoder's
+    peak); the refit it writes is the same."""
     g = torch.Generator().manual_seed(0)
     layer = nn.Linear(48, 30, bias=False)
     x = torch.randn(100, 48, generator=g)
@@ -581,7 +581,37 @@ def test_a_scales_solve_makes_at_most_two_squares_of_its_channels_at_once() -> N
         mode, before, after, _ = fit.solve_and_set(0.1, rows_per_weight=20.0)
     assert mode == "scales"  # 100 rows for 40 features
     assert after < before  # the refit was kept (and written)
-    assert spy.most == 2
+    assert spy.most == 1
+
+
+@pytest.mark.parametrize("own", [False, True])
+def test_a_singular_system_factorised_in_place_gives_its_minimum_norm_solution(
+    own: bool,
+) -> None:
+    """With ridge 0 and a dead input (a zero row and column), the factorisation in place
+    reports the system singular and the solve returns the system's minimum-norm
+    least-squares solution (float64 ``lstsq`` of the ridged system), whether the system was
+    the caller's to keep (made again from it) or given up (multiplied back from its
+    factors); a regular system's solution is ``torch.linalg.solve``'s."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(30, 6, dtype=torch.float64, generator=g)
+    x[:, 2] = 0.0  # a dead input
+    a, b = x.T @ x, torch.randn(6, 3, dtype=torch.float64, generator=g)
+    fit = repair_fit.LayerFit(nn.Linear(6, 3), torch.arange(6), dim=1, positions=1)
+    prior = repair_sums.Solution.of(torch.zeros(6, 3, dtype=torch.float64))
+    for ridge in (0.0, 0.5):
+        system = a.clone()
+        system.diagonal().add_(ridge * float(a.diagonal().mean()))
+        given = a.clone()
+        got = fit._solve(given, repair_sums.Solution.of(b), ridge, prior, own=own)
+        got = got.columns(slice(None))
+        if ridge == 0.0:
+            want = torch.linalg.lstsq(system, b, driver="gelsd").solution
+        else:
+            want = torch.linalg.solve(system, b)
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
+        if not own:
+            assert torch.equal(given, a)  # the caller's system is left as it was
 
 
 @pytest.mark.skipif(glibc() is None, reason="malloc_trim is glibc's")

@@ -231,15 +231,21 @@ class LayerFit:
         a``: the least-squares solution pulled towards ``prior`` (the unrepaired layer). ``a``
         is factorised once here; each block of columns is solved when it is read. Memory: the
         ridge goes onto ``a``'s diagonal in place when the caller gives ``a`` up (``own``),
-        else onto one copy, and only the factors stay (the system too when it is singular):
-        (features)^2 float64 each, 63 MiB for a 1B Llama's down_proj at half its MLP width."""
+        else onto one copy, and that square is factorised in place (``lu_factor_ex`` with
+        ``out`` the system itself), so one (features)^2 float64 square is held, not the
+        system and its factors (242 MiB each for a 1B Llama's down_proj at its whole MLP
+        width); a singular system (a dead input with ridge 0) is made again for its
+        minimum-norm solution."""
         lam = ridge * float(torch.diagonal(a).mean())
-        a = a if own else a.clone()
-        a.diagonal().add_(lam)
-        lu, pivots, info = torch.linalg.lu_factor_ex(a)
-        # a dead input with ridge 0: the minimum-norm solution, from the system itself
-        system = a if int(info) != 0 else None
-        del a
+        work = a if own else a.clone()
+        work.diagonal().add_(lam)
+        pivots = torch.empty(work.shape[0], dtype=torch.int32, device=work.device)
+        info = torch.empty((), dtype=torch.int32, device=work.device)
+        lu, pivots, info = torch.linalg.lu_factor_ex(work, out=(work, pivots, info))
+        system = None
+        if int(info) != 0:  # a dead input with ridge 0: the minimum-norm solution
+            system = _system_again(a, work, lu, pivots, lam, own)
+        del work
 
         def columns(block: slice) -> Tensor:
             rhs = b.columns(block) + lam * prior.columns(block)
@@ -276,9 +282,9 @@ class LayerFit:
             w, xty = c[:n_w], sums.rhs(block)
             if bias:
                 xty = xty[:n_w] - torch.outer(mu, xty[n_w])  # n * outer(mu, nu)
-            wwt += w @ w.T
+            wwt.addmm_(w, w.T)  # no square of the block beside it
             rhs += (xty * w).sum(1)
-        # the (n_w, n_w) float64 squares: the product made in ``wwt``'s place, the centred
+        # one (n_w, n_w) float64 square at a time: the product made in ``wwt``'s place, the centred
         # copy let go, and the system given up to ``_solve`` for its ridge
         gram = wwt.mul_(xtx)
         del wwt, xtx
@@ -352,3 +358,19 @@ def _conservative(
     bar = best + GAIN_SLACK * max(unrepaired - best, 0.0)
     ridge = max(r for r, e in zip(RIDGES, errors, strict=True) if e <= bar)
     return ridge, solve(ridge)  # solved again rather than six (features x outputs) kept
+
+
+def _system_again(
+    a: Tensor, work: Tensor, lu: Tensor, pivots: Tensor, lam: float, own: bool
+) -> Tensor:
+    """The ridged system ``a + lam I`` that ``work`` held before it was factorised: ``work``
+    itself where the factorisation did not happen in place, else made from ``a`` where the
+    caller kept it, else multiplied back from the factors (``P L U``, to rounding)."""
+    if lu.data_ptr() != work.data_ptr():
+        return work
+    if not own:
+        system = a.clone()
+        system.diagonal().add_(lam)
+        return system
+    p, lower, upper = torch.lu_unpack(lu, pivots)
+    return p @ (lower @ upper)
