@@ -584,15 +584,26 @@ def test_a_scales_solve_makes_one_square_of_its_channels_at_a_time() -> None:
     assert spy.most == 1
 
 
+@pytest.mark.parametrize("aliased_out", [True, False])
 @pytest.mark.parametrize("own", [False, True])
 def test_a_singular_system_factorised_in_place_gives_its_minimum_norm_solution(
-    own: bool,
+    own: bool, aliased_out: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """With ridge 0 and a dead input (a zero row and column), the factorisation in place
     reports the system singular and the solve returns the system's minimum-norm
     least-squares solution (float64 ``lstsq`` of the ridged system), whether the system was
     the caller's to keep (made again from it) or given up (multiplied back from its
-    factors); a regular system's solution is ``torch.linalg.solve``'s."""
+    factors); a regular system's solution is ``torch.linalg.solve``'s. The same where the
+    backend refuses an ``out`` that aliases the input (the factors are then made apart)."""
+    if not aliased_out:
+        factor = torch.linalg.lu_factor_ex
+
+        def refuse_aliased(a: Tensor, **kwargs: object) -> object:
+            if "out" in kwargs:
+                raise RuntimeError("unsupported operation: out aliases the input")
+            return factor(a, **kwargs)
+
+        monkeypatch.setattr(torch.linalg, "lu_factor_ex", refuse_aliased)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(30, 6, dtype=torch.float64, generator=g)
     x[:, 2] = 0.0  # a dead input

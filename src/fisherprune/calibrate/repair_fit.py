@@ -241,7 +241,10 @@ class LayerFit:
         work.diagonal().add_(lam)
         pivots = torch.empty(work.shape[0], dtype=torch.int32, device=work.device)
         info = torch.empty((), dtype=torch.int32, device=work.device)
-        lu, pivots, info = torch.linalg.lu_factor_ex(work, out=(work, pivots, info))
+        try:
+            lu, pivots, info = torch.linalg.lu_factor_ex(work, out=(work, pivots, info))
+        except RuntimeError:  # a backend that refuses the aliased out: the factors apart
+            lu, pivots, info = torch.linalg.lu_factor_ex(work)
         system = None
         if int(info) != 0:  # a dead input with ridge 0: the minimum-norm solution
             system = _system_again(a, work, lu, pivots, lam, own)
