@@ -644,8 +644,7 @@ def test_trim_freed_memory_gives_freed_heap_pages_below_a_live_block_back() -> N
 
 
 def _resident_mib() -> float:
-    text = Path("/proc/self/status").read_text()
-    return int(re.search(r"^VmRSS:\s+(\d+) kB", text, re.MULTILINE).group(1)) / 1024
+    return _status_mib("VmRSS")
 
 
 def test_repair_trims_the_heap_before_each_pass_and_before_its_solves(
@@ -685,3 +684,34 @@ def test_tracing_trials_and_signal_rounds_give_their_freed_heap_back(
         reconstruct=False, rounds=3,
     )  # fmt: skip
     assert calls.count("signals") == result.rounds >= 3
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="Linux's peak RSS")
+def test_a_symmetric_system_is_factorised_over_its_own_memory() -> None:
+    """``factor_in_place`` writes the LU factors of a row-major symmetric system over it
+    through its transpose, the column-major layout LAPACK factorises in place: the resident
+    set rises by under a tenth of the system's bytes while it runs (a row-major ``out``
+    made a column-major copy of the whole square: +73 MiB for a 69 MiB system), and the
+    factors solve the system as ``torch.linalg.solve`` does."""
+    g = torch.Generator().manual_seed(0)
+    n = 2000
+    x = torch.randn(n + 10, n, dtype=torch.float64, generator=g)
+    a = x.T @ x
+    del x
+    b = torch.randn(n, 3, dtype=torch.float64, generator=g)
+    work = a.clone()
+    gc.collect()
+    before = _status_mib("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")
+    lu, pivots, info = repair_fit.factor_in_place(work)
+    rise = _status_mib("VmHWM") - before
+    assert int(info) == 0
+    assert lu.untyped_storage().data_ptr() == work.untyped_storage().data_ptr()
+    assert rise < 0.1 * n * n * 8 / 2**20, f"the factorisation held {rise:.0f} MiB more"
+    want = torch.linalg.solve(a, b)
+    torch.testing.assert_close(torch.linalg.lu_solve(lu, pivots, b), want, rtol=1e-6, atol=1e-6)
+
+
+def _status_mib(field: str) -> float:
+    text = Path("/proc/self/status").read_text()
+    return int(re.search(rf"^{field}:\s+(\d+) kB", text, re.MULTILINE).group(1)) / 1024

@@ -44,7 +44,7 @@ from fisherprune.calibrate.repair_sums import (
     widened,
 )
 
-__all__ = ["RIDGES", "LayerFit"]
+__all__ = ["RIDGES", "LayerFit", "factor_in_place"]
 
 #: the ridge values ``ridge=None`` chooses from, by the held-out rows' error
 RIDGES = (1e-4, 1e-3, 1e-2, 0.1, 1.0, 10.0)
@@ -239,12 +239,7 @@ class LayerFit:
         lam = ridge * float(torch.diagonal(a).mean())
         work = a if own else a.clone()
         work.diagonal().add_(lam)
-        pivots = torch.empty(work.shape[0], dtype=torch.int32, device=work.device)
-        info = torch.empty((), dtype=torch.int32, device=work.device)
-        try:
-            lu, pivots, info = torch.linalg.lu_factor_ex(work, out=(work, pivots, info))
-        except RuntimeError:  # a backend that refuses the aliased out: the factors apart
-            lu, pivots, info = torch.linalg.lu_factor_ex(work)
+        lu, pivots, info = factor_in_place(work)
         system = None
         if int(info) != 0:  # a dead input with ridge 0: the minimum-norm solution
             system = _system_again(a, work, lu, pivots, lam, own)
@@ -363,17 +358,32 @@ def _conservative(
     return ridge, solve(ridge)  # solved again rather than six (features x outputs) kept
 
 
+def factor_in_place(a: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``torch.linalg.lu_factor_ex`` of the symmetric square ``a`` (row-major), its factors
+    written over it: LAPACK factorises a column-major matrix in place, and ``a``'s transpose
+    is that layout of the same memory and the same matrix (to the rounding by which a
+    computed Gram is not exactly symmetric). A backend that refuses an ``out`` aliasing the
+    input gets the factors made apart. Returns ``(LU, pivots, info)``."""
+    col = a.mT
+    pivots = torch.empty(a.shape[0], dtype=torch.int32, device=a.device)
+    info = torch.empty((), dtype=torch.int32, device=a.device)
+    try:
+        return torch.linalg.lu_factor_ex(col, out=(col, pivots, info))
+    except RuntimeError:  # the factors apart
+        return torch.linalg.lu_factor_ex(col)
+
+
 def _system_again(
     a: Tensor, work: Tensor, lu: Tensor, pivots: Tensor, lam: float, own: bool
 ) -> Tensor:
     """The ridged system ``a + lam I`` that ``work`` held before it was factorised: ``work``
     itself where the factorisation did not happen in place, else made from ``a`` where the
     caller kept it, else multiplied back from the factors (``P L U``, to rounding)."""
-    if lu.data_ptr() != work.data_ptr():
+    if lu.untyped_storage().data_ptr() != work.untyped_storage().data_ptr():
         return work
     if not own:
         system = a.clone()
         system.diagonal().add_(lam)
         return system
     p, lower, upper = torch.lu_unpack(lu, pivots)
-    return p @ (lower @ upper)
+    return (p @ (lower @ upper)).mT  # the factors are the transpose's
