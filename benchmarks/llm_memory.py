@@ -212,7 +212,10 @@ def _allowance(row: dict[str, Any], cell: dict[str, Any]) -> dict[str, Any]:
     """The cell's allowance, 0.3 W plus one micro-batch's activations (measured in a fresh
     process), and the whole call's extra over the built model against it (MiB)."""
     cmd = [sys.executable, __file__, "--child", json.dumps(cell)]
-    done = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:  # the row stands without its allowance, as a failed cell is left out
+        print(f"the micro-batch's activations failed:\n{done.stderr[-2000:]}", file=sys.stderr)
+        return {}
     act = float(done.stdout.strip().splitlines()[-1])
     allowance = 0.3 * row["weight_mib"] + act
     extra = max(row["phase_peak_mib"].values()) - row["base_mib"]

@@ -231,11 +231,10 @@ class LayerFit:
         a``: the least-squares solution pulled towards ``prior`` (the unrepaired layer). ``a``
         is factorised once here; each block of columns is solved when it is read. Memory: the
         ridge goes onto ``a``'s diagonal in place when the caller gives ``a`` up (``own``),
-        else onto one copy, and that square is factorised in place (``lu_factor_ex`` with
-        ``out`` the system itself), so one (features)^2 float64 square is held, not the
-        system and its factors (242 MiB each for a 1B Llama's down_proj at its whole MLP
-        width); a singular system (a dead input with ridge 0) is made again for its
-        minimum-norm solution."""
+        else onto one copy, and that square is factorised over itself (``factor_in_place``),
+        so one (features)^2 float64 square is held, not the system and its factors (204 MiB
+        each for the 5175 kept inputs of a 1B Llama's first down_proj); a singular system
+        (a dead input with ridge 0) is made again for its minimum-norm solution."""
         lam = ridge * float(torch.diagonal(a).mean())
         work = a if own else a.clone()
         work.diagonal().add_(lam)
