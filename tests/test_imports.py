@@ -67,3 +67,22 @@ def test_no_import_cycle_no_hidden_import_no_private_import() -> None:
         ready = {m for m in graph if m not in done and graph[m] <= done}
         assert ready, f"import cycle among {sorted(set(graph) - done)}"
         done |= ready
+
+
+def test_starting_the_command_line_leaves_the_slow_distributed_modules_unimported() -> None:
+    """Loading the CLI (what ``fisherprune --version`` does) imports neither
+    ``torch.distributed.checkpoint`` nor FSDP: they cost ~0.7 s and only sharded recovery
+    uses them, so ``fisherprune.recover`` imports them where it calls them."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys, fisherprune.cli.main, fisherprune.recover\n"
+        "slow = ('torch.distributed.checkpoint', 'torch.distributed.fsdp', "
+        "'torch.distributed.tensor')\n"
+        "print(sorted(m for m in sys.modules if m.startswith(slow)))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True
+    ).stdout
+    assert out.strip() == "[]", out

@@ -29,9 +29,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from fisherprune._errors import first_line
 from fisherprune.export.storage import atomic_directory, atomic_write_bytes, file_sha256
@@ -86,6 +84,9 @@ class ShardedCheckpoints:
         path = self.directory / f"step-{position.step:08d}"
         rank, world = dist.get_rank(), dist.get_world_size()
         with _shared_directory(path) as tmp:
+            import torch.distributed.checkpoint as dcp  # slow to import: only when used
+            from torch.distributed.checkpoint.state_dict import get_state_dict
+
             model_state, optim_state = get_state_dict(model, optimizer)
             dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp)
             torch.save(_rng(), tmp / f"rng-{rank}.pt")
@@ -200,6 +201,9 @@ def _load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> tup
     """Load a verified checkpoint into ``model`` and ``optimizer``; restore this rank's
     random state when the world size is the one it was saved at. Returns its position and
     the world size it was saved at."""
+    import torch.distributed.checkpoint as dcp  # slow to import: only when used
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
     manifest = json.loads((path / MANIFEST).read_text())
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optim": optim_state}

@@ -8,8 +8,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from torch.distributed.fsdp import FSDPModule
 
 from fisherprune.export.storage import atomic_directory
 
@@ -19,6 +17,11 @@ __all__ = ["full_state_dict", "save_pretrained_gathered"]
 def full_state_dict(model: nn.Module) -> dict[str, Tensor]:
     """Every parameter and persistent buffer of the sharded ``model``, whole and on the CPU,
     on rank 0 (an empty dict on the other ranks). A collective; changes nothing."""
+    from torch.distributed.checkpoint.state_dict import (  # slow to import: only when used
+        StateDictOptions,
+        get_model_state_dict,
+    )
+
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     return get_model_state_dict(model, options=options)
 
@@ -34,6 +37,8 @@ def save_pretrained_gathered(model: nn.Module, folder: Path | str) -> Path | Non
         TypeError: ``model`` is not a Hugging Face model (no ``config`` and
             ``save_pretrained``); save ``full_state_dict(model)`` yourself instead.
     """
+    from torch.distributed.fsdp import FSDPModule  # slow to import: only when used
+
     plain_class = next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))
     if not (hasattr(model, "config") and hasattr(plain_class, "save_pretrained")):
         raise TypeError(

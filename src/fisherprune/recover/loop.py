@@ -19,12 +19,11 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.device_mesh import DeviceMesh
 
 from fisherprune.distill import LossFn, distill_loss
 from fisherprune.inputs import Inputs, as_pair, call_model
@@ -33,6 +32,9 @@ from fisherprune.recover.checkpoints import Position, ShardedCheckpoints
 from fisherprune.recover.rank0 import agreed_blocks, fill_from_rank0, held_on_meta
 from fisherprune.recover.sharding import data_parallel_mesh, device_of, shard_model
 from fisherprune.train.interrupts import Interrupted, StopGuard, loss_read_every
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["Recovery", "distill_sharded"]
 

@@ -19,7 +19,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 from fisherprune.recover.sharding import find_blocks
 
@@ -136,6 +135,11 @@ def fill_from_rank0(
     elif not sharded:
         model.to(device)
     if sharded:
+        from torch.distributed.checkpoint.state_dict import (  # slow to import: only here
+            StateDictOptions,
+            set_model_state_dict,
+        )
+
         options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
         state = whole if dist.get_rank() == 0 and whole is not None else {}
         set_model_state_dict(model, state, options=options)

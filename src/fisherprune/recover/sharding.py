@@ -10,15 +10,16 @@ GPT-2 ``transformer.h``), or given by their classes.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import fully_shard
 
 from fisherprune.masks.blocks import find_block_list
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["data_parallel_mesh", "device_of", "find_blocks", "shard_model"]
 
@@ -36,6 +37,8 @@ def data_parallel_mesh() -> DeviceMesh:
             "sharded training needs a process group: start it with torchrun and call "
             "torch.distributed.init_process_group (gloo on CPUs, nccl on GPUs) first"
         )
+    from torch.distributed.device_mesh import init_device_mesh  # slow to import: only here
+
     kind = "cuda" if dist.get_backend() == "nccl" else "cpu"
     return init_device_mesh(kind, (dist.get_world_size(),))
 
@@ -79,6 +82,8 @@ def shard_model(model: nn.Module, blocks: Sequence[nn.Module], mesh: DeviceMesh)
     Changes: every parameter of ``model`` becomes a ``DTensor`` holding this rank's shard
     (dim 0), on the mesh's device; ``model``'s class becomes FSDP2's subclass of it.
     """
+    from torch.distributed.fsdp import fully_shard  # slow to import: only when used
+
     for block in blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
