@@ -289,6 +289,7 @@ def repair_consumers(
     if missing:
         raise ValueError(f"dense_masks has no values for mask(s) {missing}")
     report = RepairReport()
+    trim_freed_memory()  # what the selection and its cost reports freed, before the plan's trace
     fits = layer_fits(model, positions, max_features, report.skipped)
     if not fits:
         return report
@@ -349,7 +350,7 @@ def repair_consumers(
 
     with eval_mode(model), torch.no_grad(), no_fold(model), store:
         try:
-            trim_freed_memory()  # what the selection and its cost reports freed
+            trim_freed_memory()  # what the plan's trace and the stages' forward freed
             store.put(ORIGINAL, layers)
             set_masks(dense_masks)
             held, norm = _store_references(dense, held, store)

@@ -164,11 +164,21 @@ def stages(model: nn.Module, fits: dict[str, LayerFit], inputs: Any) -> list[lis
     """The fitted layers in the order one forward of ``inputs`` calls them (each by its first
     call), consecutive ones reading the same input tensor grouped into a stage. Marks the fits
     whose output the forward adds to a residual (``LayerFit.residual``)."""
-    order: list[tuple[str, Tensor]] = []
+    sequence: list[str] = []
+    seen: set[str] = set()
+    stages: list[list[str]] = []
+    prev: list[Tensor] = []  # the input of the layer last called first: the only one held
     watch = ResidualWatch(lambda name, other: setattr(fits[name], "residual", True))
 
     def record(name: str, args: tuple, out: Any) -> None:
-        order.append((name, args[0]))
+        if name not in seen:  # grouped on its first call, while its input is alive
+            seen.add(name)
+            if stages and prev and args[0] is prev[0]:
+                stages[-1].append(name)
+            else:
+                stages.append([name])
+            prev[:] = [args[0]]
+        sequence.append(name)
         if isinstance(out, Tensor):
             watch.watch(name, out)
 
@@ -182,18 +192,7 @@ def stages(model: nn.Module, fits: dict[str, LayerFit], inputs: Any) -> list[lis
     finally:
         for h in handles:
             h.remove()
-    stages: list[list[str]] = []
-    seen: set[str] = set()
-    prev: Tensor | None = None
-    for name, x in order:
-        if name not in seen:
-            seen.add(name)
-            if stages and x is prev:
-                stages[-1].append(name)
-            else:
-                stages.append([name])
-            prev = x
-    stages.append([n for n, _ in order])  # the call sequence, for the stop points
+    stages.append(sequence)  # the call sequence, for the stop points
     return stages
 
 

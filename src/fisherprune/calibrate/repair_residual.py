@@ -13,6 +13,7 @@ unchanged; an add with ``alpha``, a subtraction or a product is not a residual a
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -36,11 +37,15 @@ class ResidualWatch(TorchFunctionMode):
     def __init__(self, seen: Callable[[Any, Tensor], None]) -> None:
         super().__init__()
         self.seen = seen
-        self.watched: list[tuple[Any, Tensor]] = []
+        #: (key, weak reference to the output): an output no add takes (a query projection's,
+        #: a language model's logits) is freed when the forward lets go of it, not held to the
+        #: end of the pass (``stages`` watches every fitted layer of a whole forward)
+        self.watched: list[tuple[Any, weakref.ref[Tensor]]] = []
 
     def watch(self, key: Any, out: Tensor) -> None:
-        """Report the next add that takes ``out`` (a reference is held until then)."""
-        self.watched.append((key, out))
+        """Report the next add that takes ``out`` (held by weak reference: an add that takes it
+        holds it alive itself)."""
+        self.watched.append((key, weakref.ref(out)))
 
     def __torch_function__(
         self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
@@ -51,9 +56,11 @@ class ResidualWatch(TorchFunctionMode):
         return func(*args, **kwargs)
 
     def _check(self, a: Any, b: Any) -> None:
-        for i, (key, out) in enumerate(self.watched):
+        self.watched = [(key, ref) for key, ref in self.watched if ref() is not None]
+        for i, (key, ref) in enumerate(self.watched):
+            out = ref()
             other = b if a is out else a if b is out else None
-            if isinstance(other, Tensor) and other.shape == out.shape:
+            if out is not None and isinstance(other, Tensor) and other.shape == out.shape:
                 del self.watched[i]
                 self.seen(key, other)
                 return
