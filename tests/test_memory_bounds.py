@@ -4,6 +4,7 @@ each layer runs, and whether weights require grad while signals are collected.""
 
 from __future__ import annotations
 
+import copy
 import gc
 import math
 import re
@@ -740,3 +741,46 @@ def test_ordering_the_repair_stages_frees_each_layers_input_and_output_as_the_fo
         *order, sequence = stages(net, fits, x)
     assert len(refs) == 2 * (len(linears) - 3) and alive_at_last == [0]
     assert sequence == [n for st in order for n in st] and len(sequence) >= len(linears) - 1
+
+
+def test_prune_to_target_s_repair_reads_its_plan_off_the_selection_s_cost_model(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``prune_to_target``'s repair builds no cost model of its own (a second one beside the
+    selection's held ~100 MiB more on a 500M decoder): it reads the outputs each layer keeps
+    off the selection's, and repairs exactly as a repair that traces the model afresh."""
+    from fisherprune.cost.model import CostModel
+    from fisherprune.export import plan as plan_module
+
+    built: list[str] = []
+
+    class Counted(CostModel):
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            built.append("built")
+            super().__init__(*args, **kwargs)
+
+    inner = to_target.repair_consumers
+
+    def repair_spy(*args: object, **kwargs: object) -> object:
+        built.append("repair starts")
+        return inner(*args, **kwargs)
+
+    monkeypatch.setattr(plan_module, "CostModel", Counted)
+    monkeypatch.setattr(to_target, "repair_consumers", repair_spy)
+    net = _mlp()
+    x = torch.randn(32, 8, generator=torch.Generator().manual_seed(2))
+    y = torch.randint(0, 3, (32,), generator=torch.Generator().manual_seed(3))
+    fp.apply_masks(net, x[:2])
+    twin = copy.deepcopy(net)
+    result = fp.prune_to_target(net, x[:2], [(x, y)], "50%", loss_fn=nn.functional.cross_entropy)
+    assert result.repair is not None and result.repair.layers
+    assert built[-1] == "repair starts"  # nothing built from there on
+    masks = fp.find_masks(net)
+    dense = {n: torch.ones_like(m.mask) for n, m in masks.items()}
+    with torch.no_grad():  # the twin: the chosen masks, the weights before the repair
+        for name, m in fp.find_masks(twin).items():
+            m.mask.copy_(masks[name].mask)
+    report = repair_consumers(twin, [(x, y)], dense)
+    assert set(report.layers) == set(result.repair.layers)
+    for (a, pa), (b, pb) in zip(net.named_parameters(), twin.named_parameters(), strict=True):
+        assert a == b and torch.equal(pa, pb), a

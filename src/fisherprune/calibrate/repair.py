@@ -88,6 +88,7 @@ from fisherprune.calibrate.repair_residual import ResidualWatch
 from fisherprune.calibrate.repair_rows import REPAIRABLE
 from fisherprune.calibrate.repair_store import LayerStore
 from fisherprune.calibrate.repair_sums import widened
+from fisherprune.cost.model import CostModel
 from fisherprune.inputs import as_pair, batch_size, call_model
 from fisherprune.masks import MaskLayer
 from fisherprune.masks.points import no_fold
@@ -225,6 +226,7 @@ def repair_consumers(
     max_examples: int | None = None,
     budget: float | None = None,
     progress: Callable[[Iterable[Any]], Iterable[Any]] | None = None,
+    cost_model: CostModel | None = None,
 ) -> RepairReport:
     """Refit every layer that reads a removed channel so that, on the calibration inputs, its
     output matches the dense model's (module docstring: what is solved, in which order, how
@@ -269,6 +271,8 @@ def repair_consumers(
             are grouped into fewer passes, down to ``MIN_PASSES``, and then fewer examples are
             read (``RepairReport.passes`` and ``examples`` say what ran); None: no limit.
         progress: wraps the passes (a progress bar), or None.
+        cost_model: a cost model built on ``model`` (``prune_to_target`` passes its own): the
+            outputs each layer keeps are read off its trace; None: the model is traced again.
 
     Returns:
         The ``RepairReport``.
@@ -290,7 +294,7 @@ def repair_consumers(
         raise ValueError(f"dense_masks has no values for mask(s) {missing}")
     report = RepairReport()
     trim_freed_memory()  # what the selection and its cost reports freed, before the plan's trace
-    fits = layer_fits(model, positions, max_features, report.skipped)
+    fits = layer_fits(model, positions, max_features, report.skipped, cost_model)
     if not fits:
         return report
     data = _first(batches, max_examples)

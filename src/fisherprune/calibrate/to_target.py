@@ -742,6 +742,7 @@ def prune_to_target(
                 max_examples=repair_examples,
                 budget=None if repair_budget is None else repair_budget / max(dense_flops, 1.0),
                 progress=_bar(progress, "repair"),
+                cost_model=cost_model,
             )
         result.examples = result.examples or result.repair.examples
     result.phase_seconds, result.phase_cpu_seconds = clock.wall, clock.cpu
