@@ -104,15 +104,21 @@ def _batches(example: Any) -> list[tuple[Any, Any]]:
 
 def _prune(
     model: nn.Module, example: Any, target: str, spec: LatencySpec, args: argparse.Namespace
-) -> tuple[Any, nn.Module]:
-    """``prune_to_target`` on a copy of ``model`` by L1 (no repair) and the shrunk result."""
+) -> tuple[Any, nn.Module] | str:
+    """``prune_to_target`` on a copy of ``model`` by L1 (no repair) and the shrunk result, or
+    the refusal of a target below the network's floor (every mask at ``min_channels``)."""
     pruned = copy.deepcopy(model)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        result = fp.prune_to_target(
-            pruned, example, _batches(example), target, criterion="l1",
-            convention="latency", latency=spec, reconstruct=False, round_to=args.round_to,
-        )  # fmt: skip
+        try:
+            result = fp.prune_to_target(
+                pruned, example, _batches(example), target, criterion="l1",
+                convention="latency", latency=spec, reconstruct=False, round_to=args.round_to,
+            )  # fmt: skip
+        except ValueError as e:
+            if "out of reach" not in str(e):
+                raise
+            return str(e)
         return result, fp.shrink(pruned)
 
 
@@ -166,7 +172,13 @@ def run_model(name: str, args: argparse.Namespace, cache: Path) -> dict[str, Any
     if args.compare:  # the copy's line alone, pruned and timed beside the loop's prune
         variants["copy_line"] = dataclasses.replace(spec, checks=0)
     for target in args.targets:
-        pruned = {k: _prune(model, example, target, v, args) for k, v in variants.items()}
+        tried = {k: _prune(model, example, target, v, args) for k, v in variants.items()}
+        refused = next((r for r in tried.values() if isinstance(r, str)), None)
+        if refused is not None:  # the same floor for every variant: no model to time
+            row[target] = {"target": target, "out_of_reach": refused}
+            print(f"  {target}: {refused}", flush=True)
+            continue
+        pruned = {k: r for k, r in tried.items() if not isinstance(r, str)}
         dense_s: list[float] = []
         small_s: dict[str, list[float]] = {k: [] for k in variants}
         served = {k: served_pair(model, small, example, spec) for k, (_, small) in pruned.items()}
@@ -236,6 +248,9 @@ def main() -> None:
     for r in rows:
         for t in args.targets:
             c = r[t]
+            if "out_of_reach" in c:
+                print(f"| {r['model']} | {t} | refused: out of reach | - | - | - | - | - |")
+                continue
             alone = c.get("copy_line")
             other = f"{alone['share_error']:+.1%}, {alone['target_error']:+.1%}" if alone else "-"
             print(

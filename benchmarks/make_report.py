@@ -1109,6 +1109,13 @@ def latency_prediction_section(data: dict[str, Any]) -> list[str]:
     for r in data["rows"]:
         for t in st["targets"]:
             c = r[t]
+            if "out_of_reach" in c:
+                reach = c["out_of_reach"].split(": ", 1)[-1].split(", every mask")[0]
+                lines.append(
+                    f"| {r['model']} | {r['table_seconds']:.0f} | {r['cached_seconds']:.1f} | "
+                    f"{t} | refused: {reach} | - | - | - | - | - | - | - | - | - |"
+                )
+                continue
             iqr = c.get("measured_share_iqr")
             spread = f" ({iqr[0]:.1%}-{iqr[1]:.1%})" if iqr else ""
             line = c.get("line") or {}

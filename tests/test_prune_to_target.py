@@ -275,3 +275,53 @@ def test_bad_repair_settings_are_refused_before_anything_changes(kw: dict, match
     with pytest.raises(ValueError, match=match):
         fp.prune_to_target(net, x[:1], _batches(x, y), "50%", **kw)
     assert not fp.find_masks(net)
+
+
+def _mlp(hidden: int) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(12, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, 3)
+    )
+
+
+def _mlp_floor_share() -> float:
+    """FLOPs of the MLP with both hidden layers at one unit over the dense one's, counted by
+    PyTorch's FlopCounterMode on models built at those widths (not by the cost model)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    def flops(model: nn.Module) -> int:
+        with FlopCounterMode(display=False) as counter:
+            model(torch.randn(1, 12))
+        return counter.get_total_flops()
+
+    return flops(_mlp(1)) / flops(_mlp(32))
+
+
+def test_an_unreachable_target_is_refused_before_anything_changes() -> None:
+    """A target below the FLOPs of the model with every hidden layer at one unit is refused
+    without uniform=True too (it used to prune every layer to one unit, then warn): the error
+    names the floor as a share, and no mask, signal or weight changed."""
+    net = _mlp(32)
+    x = torch.randn(32, 12, generator=torch.Generator().manual_seed(1))
+    y = torch.randint(0, 3, (32,), generator=torch.Generator().manual_seed(2))
+    fp.apply_masks(net, x[:1])
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    floor = _mlp_floor_share()
+    target = f"{floor * 100 - 1:.1f}%"
+    with pytest.raises(ValueError, match="out of reach") as caught:
+        fp.prune_to_target(net, x[:1], [(x, y)], target, loss_fn=F.cross_entropy)
+    assert f"its floor is {floor:.1%}" in str(caught.value), (floor, str(caught.value))
+    assert "nothing was changed" in str(caught.value)
+    after = net.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_a_target_at_the_named_floor_is_reached() -> None:
+    """Two-sided: just above the floor the refusal names, the prune runs and meets it."""
+    net = _mlp(32)
+    x = torch.randn(32, 12, generator=torch.Generator().manual_seed(1))
+    y = torch.randint(0, 3, (32,), generator=torch.Generator().manual_seed(2))
+    target = f"{_mlp_floor_share() * 100 + 0.5:.1f}%"
+    with pytest.warns(UserWarning, match="floor"):
+        result = fp.prune_to_target(net, x[:1], [(x, y)], target, loss_fn=F.cross_entropy)
+    assert result.cost_after <= result.target

@@ -151,22 +151,24 @@ def _stuck_message(
     )
 
 
-def _check_uniform_reach(
+def _check_reach(
     cost_model: CostModel,
     masks: dict[str, MaskLayer],
     whole: dict[str, str],
     goal: float,
     target: Any,
     floors: tuple[int | float, int],
+    uniform: bool,
 ) -> None:
-    """Refuse, before any signal is estimated, a ``uniform=True`` target below the cost of the
-    model with every mask it may prune (all but ``whole``) at its floor (``floors``:
-    ``min_channels``, ``round_to``); which channels go does not change the cost. The masks are
+    """Refuse, before any signal is estimated or any weight changes, a target below the cost
+    of the model with every mask it may prune (all but ``whole``) at its floor (``floors``:
+    ``min_channels``, ``round_to``): no selection reaches it, and pruning towards it would
+    leave every layer at its floor. Which channels go does not change that cost. The masks are
     put back as they were.
 
     Raises:
         ValueError: naming the reachable floor (a share and a cost), the masks kept whole with
-            the first reason, and what to do instead.
+            the first reason (``uniform=True``, ``blocks="only"``), and what to do instead.
     """
     min_channels, round_to = floors
     start = cost_model.total()
@@ -188,17 +190,37 @@ def _check_uniform_reach(
                 masks[n].record_values(ones)
     if goal >= floor:
         return
-    kept = ""
-    if whole:
-        name, reason = next(iter(whole.items()))
-        kept = f" It keeps {len(whole)} mask(s) whole, e.g. {name}: {reason}."
+    unit = "per forward pass" if cost_model.latency is not None else "per example"
+    wanted = f"target {target!r} ({goal / start:.1%} of the cost, {goal:.6g} {unit})"
+    at_least = f"a target of at least {math.ceil(floor / start * 1000) / 10:g}%"
+    floor_text = f"(min_channels={min_channels}, round_to={round_to})"
+    reach = f"its floor is {floor / start:.1%} ({floor:.6g})"
+    if uniform:
+        kept = ""
+        if whole:
+            name, reason = next(iter(whole.items()))
+            kept = f" It keeps {len(whole)} mask(s) whole, e.g. {name}: {reason}."
+        raise ValueError(
+            f"{wanted} is out of reach with uniform=True: {reach}, every mask it may prune at "
+            f"its floor {floor_text}.{kept} Prune without uniform (--uniform) for an uneven "
+            "prune, whose Hugging Face folder loads with trust_remote_code=True, or choose "
+            f"{at_least}"
+        )
+    if whole:  # blocks="only": every channel is kept
+        raise ValueError(
+            f"{wanted} is out of reach with blocks='only': {reach}, every block gate at its "
+            f"floor {floor_text}. Prune with blocks=True to narrow channels too, or choose "
+            f"{at_least}"
+        )
+    lower = (
+        "the rest is what removing channels does not change"
+        if (min_channels, round_to) == (1, 1)
+        else "lower min_channels or round_to"
+    )
     raise ValueError(
-        f"target {target!r} ({goal / start:.1%} of the cost, {goal:.6g} per example) is out of "
-        f"reach with uniform=True: its floor is {floor / start:.1%} ({floor:.6g}), every mask "
-        f"it may prune at its floor (min_channels={min_channels}, round_to={round_to}).{kept} "
-        "Prune without uniform (--uniform) for an uneven prune, whose Hugging Face folder "
-        "loads with trust_remote_code=True, or choose a target of at least "
-        f"{math.ceil(floor / start * 1000) / 10:g}%"
+        f"{wanted} is out of reach: {reach}, every mask at its floor {floor_text}, so pruning "
+        f"towards it would leave every layer that thin and still miss it ({lower}). Choose "
+        f"{at_least}; nothing was changed"
     )
 
 
@@ -541,8 +563,9 @@ def prune_to_target(
             as at ``min_channels``. None: no such floor.
         min_channels, round_to, uniform, flops_weight, convention, score_convention, latency:
             as in ``PruningOptimizer`` (with ``uniform``, the masks a config cannot describe
-            are left whole, listed in ``PruneResult.kept_whole``, and a target below the cost
-            with every other mask at its floor is refused up front; a target met only with a
+            are left whole, listed in ``PruneResult.kept_whole``; a target below the cost with
+            every mask that may be pruned at its floor is refused up front, whatever
+            ``uniform``, before anything changes; a target met only with a
             mask at its floor, such as an MLP of one unit, is met and warned about
             (``at_floor``): raise ``min_channels`` to keep layers wider; with
             ``convention="latency"`` ``target`` may be a time, ``"12ms"``, or a share of the
@@ -587,8 +610,8 @@ def prune_to_target(
 
     Raises:
         ValueError: a bad setting, no batches, a target not below the starting cost, a
-            ``uniform=True`` target below its reachable floor (named, before any signal is
-            estimated), a mask the loss does not reach, or a signal (importance) that is not
+            target below its reachable floor (named, before any signal is estimated or any
+            weight changes), a mask the loss does not reach, or a signal (importance) that is not
             finite: no channel is pruned on it; ``apply_masks``' errors.
 
     Example:
@@ -666,8 +689,7 @@ def prune_to_target(
     if blocks == "only":
         depth_only = "blocks='only' prunes whole blocks alone"  # (``_stuck_message`` reads it)
         whole.update({n: depth_only for n, m in masks.items() if not isinstance(m, BlockGate)})
-    if uniform:
-        _check_uniform_reach(cost_model, masks, whole, goal, target, (min_channels, round_to))
+    _check_reach(cost_model, masks, whole, goal, target, (min_channels, round_to), uniform)
     selection = _Selection(
         crit,
         cost_model,
