@@ -174,7 +174,8 @@ def run_model(name: str, args: argparse.Namespace, cache: Path) -> dict[str, Any
     for target in args.targets:
         tried = {k: _prune(model, example, target, v, args) for k, v in variants.items()}
         refused = next((r for r in tried.values() if isinstance(r, str)), None)
-        if refused is not None:  # the same floor for every variant: no model to time
+        if refused is not None:  # (each variant prices its floor on its own curve): nothing
+            # to compare side by side
             row[target] = {"target": target, "out_of_reach": refused}
             print(f"  {target}: {refused}", flush=True)
             continue

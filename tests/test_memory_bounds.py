@@ -784,3 +784,16 @@ def test_prune_to_target_s_repair_reads_its_plan_off_the_selection_s_cost_model(
     assert set(report.layers) == set(result.repair.layers)
     for (a, pa), (b, pb) in zip(net.named_parameters(), twin.named_parameters(), strict=True):
         assert a == b and torch.equal(pa, pb), a
+
+
+def test_a_repair_refuses_the_cost_model_of_another_model() -> None:
+    """``repair_consumers(cost_model=)`` reads which outputs each layer keeps off the cost
+    model's masks: one built on a copy (other masks, other channels kept) is refused, not
+    read."""
+    from fisherprune.cost.model import CostModel
+
+    net, x, masks = _first_channels_pruned(16, lambda n: n // 2, depth=4)
+    other = copy.deepcopy(net)
+    dense = {n: torch.ones_like(m.mask) for n, m in masks.items()}
+    with pytest.raises(ValueError, match="built on another model"):
+        repair_consumers(net, [(x, None)], dense, cost_model=CostModel(other, x[:1], "flops"))

@@ -325,3 +325,18 @@ def test_a_target_at_the_named_floor_is_reached() -> None:
     with pytest.warns(UserWarning, match="floor"):
         result = fp.prune_to_target(net, x[:1], [(x, y)], target, loss_fn=F.cross_entropy)
     assert result.cost_after <= result.target
+
+
+def test_a_refused_target_leaves_an_unmasked_model_without_masks() -> None:
+    """prune_to_target masks a model that has none before it prices the floor; when it then
+    refuses the target, it takes those masks off again: the state_dict has the same keys and
+    values as before the call, and no mask is left."""
+    net = _mlp(32)
+    x = torch.randn(32, 12, generator=torch.Generator().manual_seed(1))
+    y = torch.randint(0, 3, (32,), generator=torch.Generator().manual_seed(2))
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    with pytest.raises(ValueError, match="nothing was changed"):
+        fp.prune_to_target(net, x[:1], [(x, y)], "1%", loss_fn=F.cross_entropy)
+    after = net.state_dict()
+    assert not fp.find_masks(net) and list(after) == list(before)
+    assert all(torch.equal(before[k], after[k]) for k in before)

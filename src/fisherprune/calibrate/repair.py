@@ -273,13 +273,15 @@ def repair_consumers(
         progress: wraps the passes (a progress bar), or None.
         cost_model: a cost model built on ``model`` (``prune_to_target`` passes its own): the
             outputs each layer keeps are read off its trace; None: the model is traced again.
+            One built on another model (a copy) is refused.
 
     Returns:
         The ``RepairReport``.
 
     Raises:
         ValueError: ``ridge`` < 0, ``positions`` < 1, ``passes`` or ``max_examples`` < 1,
-            ``budget`` <= 0, ``holdout`` outside [0, 1), or masks missing from ``dense_masks``.
+            ``budget`` <= 0, ``holdout`` outside [0, 1), masks missing from ``dense_masks``, or
+            a ``cost_model`` of another model.
     """
     if ridge is not None and not ridge >= 0:
         raise ValueError(f"ridge must be >= 0, got {ridge!r}")

@@ -18,6 +18,7 @@ from fisherprune.calibrate.repair_rows import linear_rows, out_in_weight, rows_r
 from fisherprune.cost.model import CostModel
 from fisherprune.export.plan import PruningPlan
 from fisherprune.inputs import call_model
+from fisherprune.masks import find_masks
 from fisherprune.masks.points import MaskPoint, find_holder, remembered_inputs
 
 __all__ = [
@@ -84,6 +85,13 @@ def _kept_outputs(model: nn.Module, cost_model: CostModel | None) -> dict[str, l
     has no plan: every output is then fitted (correct for the masked model, only less tight),
     as ``shrink`` will say why. With ``cost_model``, its trace is read (a second cost model of
     a 24-layer decoder beside the selection's held ~100 MiB more)."""
+    if cost_model is not None and any(
+        cost_model.masks.get(n) is not m for n, m in find_masks(model).items()
+    ):
+        raise ValueError(
+            "repair_consumers' cost_model was built on another model (its masks are not this "
+            "model's): pass the cost model of the model being repaired, or none"
+        )
     try:
         inputs = None if cost_model is not None else remembered_inputs(model, None)
         modules = PruningPlan.from_model(model, inputs, cost_model=cost_model).modules

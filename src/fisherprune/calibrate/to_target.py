@@ -49,7 +49,7 @@ from fisherprune.calibrate.latency_line import (
 from fisherprune.calibrate.norm_stats import NormStats
 from fisherprune.calibrate.repair import RepairReport, check_passes, repair_consumers
 from fisherprune.cost import CONVENTIONS, CostModel, LatencySpec
-from fisherprune.graph import apply_masks
+from fisherprune.graph import apply_masks, remove_masks
 from fisherprune.inputs import batch_size, calibration_pairs, call_model
 from fisherprune.masks import MaskLayer, find_masks
 from fisherprune.masks.blocks import BlockGate
@@ -611,8 +611,10 @@ def prune_to_target(
     Raises:
         ValueError: a bad setting, no batches, a target not below the starting cost, a
             target below its reachable floor (named, before any signal is estimated or any
-            weight changes), a mask the loss does not reach, or a signal (importance) that is not
-            finite: no channel is pruned on it; ``apply_masks``' errors.
+            weight changes; masks this call added are removed again; not with
+            ``LatencySpec.checks``, whose prune refits its prices as it goes), a mask the loss
+            does not reach, or a signal (importance) that is not finite: no channel is pruned
+            on it; ``apply_masks``' errors.
 
     Example:
         >>> result = fisherprune.prune_to_target(net, x[:1], loader, "50%", loss_fn=F.cross_entropy)
@@ -644,7 +646,8 @@ def prune_to_target(
     loss = loss_fn if loss_fn is not None else LabelFreeLoss(task, seed)
     data = calibration_pairs(batches)
     masks = find_masks(model)
-    if not masks:
+    masked_here = not masks
+    if masked_here:
         apply_masks(model, example_inputs, blocks=bool(blocks), experts=experts)
         masks = find_masks(model)
     for wanted, kind, what in ((blocks, BlockGate, "blocks"), (experts, ExpertGate, "experts")):
@@ -689,7 +692,13 @@ def prune_to_target(
     if blocks == "only":
         depth_only = "blocks='only' prunes whole blocks alone"  # (``_stuck_message`` reads it)
         whole.update({n: depth_only for n, m in masks.items() if not isinstance(m, BlockGate)})
-    _check_reach(cost_model, masks, whole, goal, target, (min_channels, round_to), uniform)
+    if not (cost_model.latency is not None and cost_model.latency.checks):
+        try:  # (with checks, the prune refits its curve on its own states: it prices its floor)
+            _check_reach(cost_model, masks, whole, goal, target, (min_channels, round_to), uniform)
+        except ValueError:
+            if masked_here:  # the model goes back as it came: the refusal says nothing changed
+                remove_masks(model)
+            raise
     selection = _Selection(
         crit,
         cost_model,
