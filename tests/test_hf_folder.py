@@ -1,4 +1,4 @@
-"""The Hugging Face folder ``fisherprune prune`` writes (``cli.hf_folder.write_hf_folder``):
+"""The Hugging Face folder ``fisherprune prune`` writes (``export.hf_folder.write_hf_folder``):
 it reloads with no fisherprune code to the shrunk model's outputs, a returned width that lost
 units comes back narrower (said in a note), and a sentence-transformers model keeps its
 pipeline files with the pooling's width rewritten, or is told why not."""
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import fisherprune as fp
-from fisherprune.cli.hf_folder import write_hf_folder
+from fisherprune.export.hf_folder import write_hf_folder
 
 transformers = pytest.importorskip("transformers")
 

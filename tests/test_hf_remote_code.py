@@ -17,7 +17,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import fisherprune as fp  # noqa: E402
-from fisherprune.cli.hf_folder import write_hf_folder  # noqa: E402
+from fisherprune.export.hf_folder import write_hf_folder  # noqa: E402
 from tests.test_cli import run_cli  # noqa: E402
 from tests.test_cli_prune import _bert_folder  # noqa: E402
 from tests.test_hf_integration import _models  # noqa: E402

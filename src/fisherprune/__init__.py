@@ -12,6 +12,7 @@ Public API (see README.md and docs/usage.md):
     PruningOptimizer                  SGD (or any optimizer) + signals + pruning schedule
     prune_to_target, PruneResult      prune a trained model from calibration data, no training
     shrink, PruningPlan, export_model the physically smaller network and its files
+    save_hf_folder                    a shrunk transformers model as a from_pretrained folder
 """
 
 from fisherprune import criteria
@@ -37,6 +38,7 @@ from fisherprune.export import (
     shrink,
     unregister_shrink_rule,
 )
+from fisherprune.export.hf_folder import save_hf_folder
 from fisherprune.graph import (
     AppliedMasks,
     apply_masks,
@@ -78,6 +80,7 @@ __all__ = [
     "register_norm",
     "register_shrink_rule",
     "remove_masks",
+    "save_hf_folder",
     "score",
     "set_grouped_query_units",
     "shrink",

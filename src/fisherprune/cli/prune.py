@@ -35,7 +35,6 @@ from fisherprune.calibrate import PruneResult, output_tensor, prune_to_target
 from fisherprune.calibrate.to_target import ROUND_CAP
 from fisherprune.cli.help import DefaultsFormatter
 from fisherprune.cli.hf_check import check_hf_folder
-from fisherprune.cli.hf_folder import HFFolder
 from fisherprune.cli.prune_latency import add_latency_arguments, latency_spec
 from fisherprune.cli.prune_length import (
     LengthCost,
@@ -57,6 +56,7 @@ from fisherprune.cli.prune_phases import FinetuneProgress, PhaseClock, bars_on_t
 from fisherprune.cost import CONVENTIONS
 from fisherprune.cost.latency import prediction_check, prediction_text
 from fisherprune.distill import finetune, frozen_teacher
+from fisherprune.export.hf_folder import HFFolder
 from fisherprune.export.latency import compare_latency, retain_freed_memory
 from fisherprune.export.safe_load import load_plain
 from fisherprune.export.storage import atomic_directory, atomic_path, remove_stale_directories

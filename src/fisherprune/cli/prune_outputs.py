@@ -20,8 +20,8 @@ import torch
 from torch import nn
 
 from fisherprune.calibrate import output_tensor
-from fisherprune.cli.hf_folder import HFFolder, write_hf_folder
 from fisherprune.export import export_model, load_state_dict_export
+from fisherprune.export.hf_folder import HFFolder, write_hf_folder
 from fisherprune.export.safe_load import load_plain
 from fisherprune.export.storage import atomic_path
 from fisherprune.inputs import call_model

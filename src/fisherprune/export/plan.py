@@ -276,7 +276,9 @@ class PruningPlan:
         problem = update_config(model)
         if problem:
             warnings.warn(
-                f"the model's Hugging Face config still describes the dense model: {problem}",
+                f"the model's Hugging Face config still describes the dense model: {problem}; "
+                "fisherprune.save_hf_folder saves it as a folder with modelling code of its own "
+                "(from_pretrained with trust_remote_code=True)",
                 stacklevel=2,
             )
         return model

@@ -1,6 +1,7 @@
-"""The Hugging Face folder ``fisherprune prune`` writes beside ``model.pt``: the shrunk model by
-``save_pretrained``, its tokenizer, and a sentence-transformers model's own files, loadable with
-no fisherprune code (``from_pretrained``, ``SentenceTransformer``).
+"""A shrunk Hugging Face model as a folder that loads with no fisherprune code: what
+``fisherprune prune`` writes beside ``model.pt`` (``write_hf_folder``: the model by
+``save_pretrained``, its tokenizer, and a sentence-transformers model's own files), and what a
+library user calls on a model they shrank (``save_hf_folder``), uniform or not.
 
 Two kinds: when the model's config can describe the shrunk model (every block the same
 widths: ``uniform=True``), a standard folder with the new widths in its config; otherwise
@@ -27,8 +28,8 @@ import torch
 from torch import nn
 
 from fisherprune._errors import first_line
-from fisherprune.calibrate import output_tensor
-from fisherprune.export.hf_config import update_config
+from fisherprune.calibrate.label_free import output_tensor
+from fisherprune.export.hf_config import is_hf_model, update_config
 from fisherprune.export.hf_remote import RemoteCode, remote_code, write_remote_code
 from fisherprune.export.output_fill import output_fill
 from fisherprune.export.storage import atomic_directory
@@ -36,7 +37,7 @@ from fisherprune.inputs import call_model
 from fisherprune.modes import eval_mode
 from fisherprune.tolerance import output_rtol
 
-__all__ = ["HFFolder", "write_hf_folder"]
+__all__ = ["HFFolder", "save_hf_folder", "write_hf_folder"]
 
 #: sentence-transformers modules that hold no weights of the pruned width: copied, the pooling's
 #: width rewritten (a Dense module after the pooling reads that width: copied only if unchanged)
@@ -67,17 +68,61 @@ class _NotWritten(Exception):
     """The folder was abandoned (its temporary copy removed)."""
 
 
+def save_hf_folder(
+    small: nn.Module, folder: str | Path, example_inputs: Any, tokenizer: Any = None
+) -> HFFolder:
+    """Save the shrunk Hugging Face model ``small`` to ``folder`` so that ``from_pretrained``
+    loads it with no fisherprune code: a standard folder when its config can describe it
+    (every block the same widths: ``uniform=True``), else a folder with a modelling file of its
+    own, loaded with ``trust_remote_code=True`` by the Auto class of its task (blocks of
+    different widths: ``AutoModelForCausalLM.from_pretrained(folder,
+    trust_remote_code=True)``). The folder is written only once a reload of it gives
+    ``small``'s outputs on ``example_inputs`` back, and whole or not at all.
+
+    Args:
+        small: the model ``fisherprune.shrink`` returned (a transformers model).
+        folder: where to write it (replaced whole).
+        example_inputs: inputs of ``small`` (a tensor, a tuple or a dict of keyword
+            arguments) that the reload check runs.
+        tokenizer: anything with ``save_pretrained(folder)`` (its tokenizer), or None.
+
+    Returns:
+        The ``HFFolder`` written: ``remote_code`` says whether it needs
+        ``trust_remote_code=True``; ``notes`` what it returns or lacks.
+
+    Changes: ``folder``; ``small.config``'s widths where one config describes them.
+
+    Raises:
+        ValueError: ``small`` is not a transformers model, or no folder reloads as it (the
+            reason is named; no folder is left).
+        OSError: the folder could not be written.
+    """
+    if not (is_hf_model(small) and hasattr(small, "save_pretrained")):
+        raise ValueError(
+            f"save_hf_folder saves transformers models; {type(small).__name__} has no config "
+            "and save_pretrained: keep its PruningPlan (fisherprune.export_model) instead"
+        )
+    save = (lambda path: None) if tokenizer is None else tokenizer.save_pretrained
+    done = write_hf_folder(small, Path(folder), example_inputs, None, save)
+    if not done.written:
+        raise ValueError(
+            f"no Hugging Face folder was written for {type(small).__name__}: {done.missing}; "
+            "keep its PruningPlan (fisherprune.export_model) instead"
+        )
+    return done
+
+
 def write_hf_folder(
     small: nn.Module,
     folder: Path,
     batch: Any,
-    source: Path,
+    source: Path | None,
     save_tokenizer: Callable[[Path], Any],
 ) -> HFFolder:
     """Write ``small`` (shrunk, with a Hugging Face config) to ``folder`` with
     ``save_pretrained``, ``save_tokenizer(folder)`` and the sentence-transformers files of the
-    ``source`` folder: a standard folder when its config can describe it, else a remote-code
-    folder (``export.hf_remote``); written when the reload gives ``small``'s outputs on
+    ``source`` folder (None: none): a standard folder when its config can describe it, else a
+    remote-code folder (``export.hf_remote``); written when the reload gives ``small``'s outputs on
     ``batch`` back (``type(small).from_pretrained``, or the Auto class of its task with
     ``trust_remote_code=True``).
 
@@ -104,7 +149,8 @@ def write_hf_folder(
                 why, width = _reload(_from_pretrained(small, tmp, code), small, batch)
                 if why is not None:
                     raise _NotWritten
-                st_note = _copy_sentence_transformers(source, tmp, width)
+                if source is not None:
+                    st_note = _copy_sentence_transformers(source, tmp, width)
         except _NotWritten:
             pass
         except Exception as e:  # a class that cannot save or reload itself: no folder
