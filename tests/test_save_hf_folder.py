@@ -66,3 +66,18 @@ def test_a_model_without_a_transformers_config_is_refused_and_nothing_written(
     with pytest.raises(ValueError, match="PruningPlan"):
         fp.save_hf_folder(net, tmp_path / "hf", torch.randn(2, 4))
     assert not (tmp_path / "hf").exists()
+
+
+def test_an_existing_folder_with_files_is_refused_and_kept(tmp_path: Path) -> None:
+    """The folder is written whole, so one that already holds files is refused before any
+    work, its files untouched (a failed save would otherwise have removed it)."""
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "notes.txt").write_text("mine")
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, intermediate_size=32,
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(config).eval()
+    with pytest.raises(ValueError, match="not an empty folder"):
+        fp.save_hf_folder(model, tmp_path / "hf", {"input_ids": IDS})
+    assert (tmp_path / "hf" / "notes.txt").read_text() == "mine"

@@ -81,7 +81,8 @@ def save_hf_folder(
 
     Args:
         small: the model ``fisherprune.shrink`` returned (a transformers model).
-        folder: where to write it (replaced whole).
+        folder: where to write it: a new path or an empty folder (an existing file or
+            folder with files is refused, never replaced).
         example_inputs: inputs of ``small`` (a tensor, a tuple or a dict of keyword
             arguments) that the reload check runs.
         tokenizer: anything with ``save_pretrained(folder)`` (its tokenizer), or None.
@@ -93,8 +94,8 @@ def save_hf_folder(
     Changes: ``folder``; ``small.config``'s widths where one config describes them.
 
     Raises:
-        ValueError: ``small`` is not a transformers model, or no folder reloads as it (the
-            reason is named; no folder is left).
+        ValueError: ``small`` is not a transformers model, ``folder`` holds something
+            already, or no folder reloads as it (the reason is named; no folder is left).
         OSError: the folder could not be written.
     """
     if not (is_hf_model(small) and hasattr(small, "save_pretrained")):
@@ -102,8 +103,14 @@ def save_hf_folder(
             f"save_hf_folder saves transformers models; {type(small).__name__} has no config "
             "and save_pretrained: keep its PruningPlan (fisherprune.export_model) instead"
         )
+    folder = Path(folder)
+    if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
+        raise ValueError(
+            f"{folder} exists and is not an empty folder: save_hf_folder writes a folder whole "
+            "and would replace it; choose a new path, or remove it first"
+        )
     save = (lambda path: None) if tokenizer is None else tokenizer.save_pretrained
-    done = write_hf_folder(small, Path(folder), example_inputs, None, save)
+    done = write_hf_folder(small, folder, example_inputs, None, save)
     if not done.written:
         raise ValueError(
             f"no Hugging Face folder was written for {type(small).__name__}: {done.missing}; "
