@@ -6,8 +6,11 @@
 #   2. the README's main job on the GPU (digits, built-in CNN, bf16), beside 1;
 #   3. a CPU smoke subset of the suite on this machine's torch (the declared floor is tested);
 #   4. benchmarks/gpu_profile.py: where a masked step's time goes (bert_base, resnet50);
-#   5. benchmarks/gpu.py per standard network: overhead, memory, host syncs, throughput, latency.
-# GPU_SPECS="model:seconds:compile flag:tag ..." chooses the gpu.py runs; T_* the other limits.
+#   5. benchmarks/gpu.py per standard network: overhead, memory, host syncs, throughput, latency;
+#   6. benchmarks/latency_prediction.py on the GPU (issue 32, point 3): the latency table's
+#      prediction against the shrunk model timed whole, bf16, batch 32, eager then CUDA graphs.
+# GPU_SPECS="model:seconds:compile flag:tag ..." chooses the gpu.py runs; LATENCY_MODELS the
+# latency_prediction ones (empty: skipped); T_* the other limits.
 set -u
 cd "${1:-.}" || exit 1
 OUT=${OUT:-benchmarks/results/gpu_check}; mkdir -p "$OUT"
@@ -43,4 +46,12 @@ for spec in ${GPU_SPECS-"bert_base:120:--no-compile:bert"}; do
   IFS=: read -r m t c tag <<<"$spec"; t0=$SECONDS
   timeout "$t" python3 benchmarks/gpu.py --models "$m" $c --device cuda --out "$OUT/gpu_$tag.json" >"$OUT/gpu_$tag.log" 2>&1
   say "== $tag rc=$? $((SECONDS - t0))s"; tail -n 30 "$OUT/gpu_$tag.log" | tee -a "$log"
+done
+for form in ${LATENCY_FORMS-eager cuda_graphs}; do
+  [ -n "${LATENCY_MODELS-bert_base}" ] || break
+  t0=$SECONDS
+  timeout "${T_LATENCY:-120}" python3 benchmarks/latency_prediction.py --models ${LATENCY_MODELS-bert_base} \
+    --device cuda:0 --dtype bfloat16 --batch 32 --checks 0 --rounds 5 --form "$form" \
+    --out "$OUT/latency_prediction_$form.json" >"$OUT/latency_prediction_$form.log" 2>&1
+  say "== latency_prediction $form rc=$? $((SECONDS - t0))s"; tail -n 8 "$OUT/latency_prediction_$form.log" | tee -a "$log"
 done

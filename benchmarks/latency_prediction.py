@@ -155,7 +155,8 @@ def run_model(name: str, args: argparse.Namespace, cache: Path) -> dict[str, Any
     torch.manual_seed(0)
     model, example = MODELS[name](args.batch)
     fp.apply_masks(model, example)
-    spec = LatencySpec(threads=args.threads, cache=cache, step=args.round_to, points=args.points,
+    spec = LatencySpec(device=args.device, dtype=args.dtype, threads=args.threads, cache=cache,
+                       step=args.round_to, points=args.points,
                        line_at=None if args.no_line else tuple(args.line_at), form=args.form,
                        checks=args.checks)  # fmt: skip
     t0 = time.perf_counter()
@@ -209,6 +210,15 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--device", default="cpu", help="LatencySpec.device: where it is timed (cpu, cuda:N)"
+    )
+    parser.add_argument(
+        "--dtype",
+        default=None,
+        choices=["float32", "bfloat16", "float16"],
+        help="LatencySpec.dtype: the dtype it is timed in (default: the model's)",
+    )
     parser.add_argument("--round_to", type=int, default=8)
     parser.add_argument("--points", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=9)
