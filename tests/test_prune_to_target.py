@@ -340,3 +340,35 @@ def test_a_refused_target_leaves_an_unmasked_model_without_masks() -> None:
     after = net.state_dict()
     assert not fp.find_masks(net) and list(after) == list(before)
     assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+@pytest.mark.parametrize(
+    ("target", "kw", "match"),
+    [("150%", {}, "must lie between"), ("50%", {"convention": "nope"}, "convention"),
+     ("50%", {"latency": fp.LatencySpec()}, "latency= describes")],
+)  # fmt: skip
+def test_any_error_before_the_first_removal_takes_the_masks_it_added_off(
+    target: str, kw: dict, match: str
+) -> None:
+    """An unmasked model given to prune_to_target, which masks it, comes back as it was
+    (no mask, the same state_dict keys) when the call fails before it prunes anything."""
+    net = _mlp(16)
+    x = torch.randn(16, 12, generator=torch.Generator().manual_seed(1))
+    y = torch.randint(0, 3, (16,), generator=torch.Generator().manual_seed(2))
+    keys = list(net.state_dict())
+    with pytest.raises(ValueError, match=match):
+        fp.prune_to_target(net, x[:1], [(x, y)], target, loss_fn=F.cross_entropy, **kw)
+    assert not fp.find_masks(net) and list(net.state_dict()) == keys
+
+
+def test_a_latency_spec_with_computed_conventions_is_refused_not_ignored() -> None:
+    """latency= with the default FLOPs convention used to be dropped silently (the prune then
+    priced FLOPs); prune_to_target and PruningOptimizer refuse it, naming what to pass."""
+    net = _mlp(16)
+    x = torch.randn(16, 12, generator=torch.Generator().manual_seed(1))
+    y = torch.randint(0, 3, (16,), generator=torch.Generator().manual_seed(2))
+    with pytest.raises(ValueError, match="convention='latency'"):
+        fp.prune_to_target(net, x[:1], [(x, y)], "50%", latency=fp.LatencySpec())
+    fp.apply_masks(net, x[:1])
+    with pytest.raises(ValueError, match="convention='latency'"):
+        fp.PruningOptimizer(net, x[:1], flops_target="50%", latency=fp.LatencySpec())

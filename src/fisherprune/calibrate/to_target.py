@@ -48,7 +48,8 @@ from fisherprune.calibrate.latency_line import (
 )
 from fisherprune.calibrate.norm_stats import NormStats
 from fisherprune.calibrate.repair import RepairReport, check_passes, repair_consumers
-from fisherprune.cost import CONVENTIONS, CostModel, LatencySpec
+from fisherprune.cost import CostModel, LatencySpec
+from fisherprune.cost.conventions import check_conventions
 from fisherprune.graph import apply_masks, remove_masks
 from fisherprune.inputs import batch_size, calibration_pairs, call_model
 from fisherprune.masks import MaskLayer, find_masks
@@ -635,11 +636,7 @@ def prune_to_target(
     crit = resolve_criterion(
         AUTO_CRITERION[bool(reconstruct)] if criterion == "auto" else criterion
     )
-    if score_convention is not None and score_convention not in CONVENTIONS:
-        raise ValueError(
-            f"score_convention must be one of {', '.join(CONVENTIONS)} or None, "
-            f"got {score_convention!r}"
-        )
+    check_conventions(convention, score_convention, latency)
     check_checkpoint(checkpoint)
     if blocks not in (True, False, "only"):
         raise ValueError(f'blocks must be True, False or "only", got {blocks!r}')
@@ -650,68 +647,72 @@ def prune_to_target(
     if masked_here:
         apply_masks(model, example_inputs, blocks=bool(blocks), experts=experts)
         masks = find_masks(model)
-    for wanted, kind, what in ((blocks, BlockGate, "blocks"), (experts, ExpertGate, "experts")):
-        if wanted and not any(isinstance(m, kind) for m in masks.values()):
-            raise ValueError(
-                f"{what}=True gates whole {what}, but the model already has masks without a "
-                f"{kind.__name__}: remove_masks(model) first, or "
-                f"apply_masks(model, x, {what}=True)"
-            )
-    recompute = (
-        resolve_block_list(model, example_inputs, masks, checkpoint)
-        if crit.uses_gradients
-        else None
-    )
-    timed = {c: latency if c == "latency" else None for c in (convention, score_convention)}
-    cost_model = CostModel(model, example_inputs, convention, latency=timed[convention])
-    score_model = cost_model
-    if score_convention not in (None, convention):
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            score_model = CostModel(
-                model, example_inputs, score_convention, latency=timed[score_convention]
-            )
-    line = fit_latency_line(cost_model, model, example_inputs) if convention == "latency" else None
-    start = cost_model.total()
-    goal = resolve_target(target, start, convention)
-    if not 0 < goal < start:
-        unit = "per forward pass" if convention == "latency" else "per example"
-        raise ValueError(
-            f"target {target!r} ({goal:.6g} {unit}) must lie between 0 and the starting "
-            f"cost {start:.6g}"
+    try:  # until the first removal, an error gives the model back as it came
+        for wanted, kind, what in ((blocks, BlockGate, "blocks"), (experts, ExpertGate, "experts")):
+            if wanted and not any(isinstance(m, kind) for m in masks.values()):
+                raise ValueError(
+                    f"{what}=True gates whole {what}, but the model already has masks without a "
+                    f"{kind.__name__}: remove_masks(model) first, or "
+                    f"apply_masks(model, x, {what}=True)"
+                )
+        recompute = (
+            resolve_block_list(model, example_inputs, masks, checkpoint)
+            if crit.uses_gradients
+            else None
         )
-    goals = _auto_rounds(start, goal) if rounds == "auto" else rounds
-    loop = LatencyLoop.planned(cost_model, model, example_inputs, goal, goals)
-    dense = {n: m.mask.detach().clone() for n, m in masks.items()}
-    share = 0.0 if floor_power is None else (goal / start) ** floor_power
-    width_floors = {n: math.ceil(m.kept * share - 1e-9) for n, m in masks.items()}
-    dense_flops = start  # a forward of the masked model costs the dense model's FLOPs
-    if reconstruct and repair_budget is not None and convention != "flops":
-        dense_flops = CostModel(model, example_inputs, "flops").total()
-    classes, whole = plan_uniform(model, example_inputs, masks, round_to) if uniform else ([], {})
-    if blocks == "only":
-        depth_only = "blocks='only' prunes whole blocks alone"  # (``_stuck_message`` reads it)
-        whole.update({n: depth_only for n, m in masks.items() if not isinstance(m, BlockGate)})
-    if not (cost_model.latency is not None and cost_model.latency.checks):
-        try:  # (with checks, the prune refits its curve on its own states: it prices its floor)
+        timed = {c: latency if c == "latency" else None for c in (convention, score_convention)}
+        cost_model = CostModel(model, example_inputs, convention, latency=timed[convention])
+        score_model = cost_model
+        if score_convention not in (None, convention):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                score_model = CostModel(
+                    model, example_inputs, score_convention, latency=timed[score_convention]
+                )
+        latency_run = convention == "latency"
+        line = fit_latency_line(cost_model, model, example_inputs) if latency_run else None
+        start = cost_model.total()
+        goal = resolve_target(target, start, convention)
+        if not 0 < goal < start:
+            unit = "per forward pass" if convention == "latency" else "per example"
+            raise ValueError(
+                f"target {target!r} ({goal:.6g} {unit}) must lie between 0 and the starting "
+                f"cost {start:.6g}"
+            )
+        goals = _auto_rounds(start, goal) if rounds == "auto" else rounds
+        loop = LatencyLoop.planned(cost_model, model, example_inputs, goal, goals)
+        dense = {n: m.mask.detach().clone() for n, m in masks.items()}
+        share = 0.0 if floor_power is None else (goal / start) ** floor_power
+        width_floors = {n: math.ceil(m.kept * share - 1e-9) for n, m in masks.items()}
+        dense_flops = start  # a forward of the masked model costs the dense model's FLOPs
+        if reconstruct and repair_budget is not None and convention != "flops":
+            dense_flops = CostModel(model, example_inputs, "flops").total()
+        classes, whole = (
+            plan_uniform(model, example_inputs, masks, round_to) if uniform else ([], {})
+        )
+        if blocks == "only":
+            depth_only = "blocks='only' prunes whole blocks alone"  # (``_stuck_message`` reads it)
+            whole.update({n: depth_only for n, m in masks.items() if not isinstance(m, BlockGate)})
+        if not (cost_model.latency is not None and cost_model.latency.checks):
+            # (with checks, the prune refits its curve on its own states: it prices its floor)
             _check_reach(cost_model, masks, whole, goal, target, (min_channels, round_to), uniform)
-        except ValueError:
-            if masked_here:  # the model goes back as it came: the refusal says nothing changed
-                remove_masks(model)
-            raise
-    selection = _Selection(
-        crit,
-        cost_model,
-        score_model,
-        min_channels,
-        round_to,
-        flops_weight,
-        classes,
-        set(whole),
-        round_cap,
-        rescore_at_cap,
-        width_floors,
-    )
+        selection = _Selection(
+            crit,
+            cost_model,
+            score_model,
+            min_channels,
+            round_to,
+            flops_weight,
+            classes,
+            set(whole),
+            round_cap,
+            rescore_at_cap,
+            width_floors,
+        )
+    except BaseException:
+        if masked_here:  # the masks this call added (a refusal says nothing changed)
+            remove_masks(model)
+        raise
     result = PruneResult(start, start, goal, convention=convention, kept_whole=whole,
                          latency_line=line, criterion=crit.name)  # fmt: skip
     clock = _PhaseClock()

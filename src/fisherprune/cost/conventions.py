@@ -55,6 +55,7 @@ from fisherprune.cost.formulas import (
 __all__ = [
     "CONVENTIONS",
     "Convention",
+    "check_conventions",
     "cost_unit",
     "formula_for",
     "get_convention",
@@ -172,6 +173,27 @@ def get_convention(name: str) -> Convention:
         raise ValueError(
             f"unknown cost convention {name!r}; choose one of {', '.join(CONVENTIONS)}"
         ) from None
+
+
+def check_conventions(convention: str, score_convention: str | None, latency: Any) -> None:
+    """Refuse a ``score_convention`` that is no convention, and a ``latency`` spec given to a
+    prune whose conventions are both computed (it would be ignored, and the prune would price
+    FLOPs while the caller asked for a measured latency).
+
+    Raises:
+        ValueError: naming the setting and what to pass instead.
+    """
+    if score_convention is not None and score_convention not in CONVENTIONS:
+        raise ValueError(
+            f"score_convention must be one of {', '.join(CONVENTIONS)} or None, "
+            f"got {score_convention!r}"
+        )
+    if latency is not None and "latency" not in (convention, score_convention):
+        raise ValueError(
+            f"latency= describes how convention='latency' times the model, but this prune's "
+            f"convention is {convention!r} (score_convention {score_convention!r}): pass "
+            "convention='latency' (or score_convention='latency'), or drop latency="
+        )
 
 
 def cost_unit(convention: str) -> str:

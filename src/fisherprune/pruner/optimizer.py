@@ -13,7 +13,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from fisherprune.cost import CONVENTIONS, CostModel, CostReport, LatencySpec
+from fisherprune.cost import CostModel, CostReport, LatencySpec
+from fisherprune.cost.conventions import check_conventions
 from fisherprune.masks import MaskLayer, find_masks
 from fisherprune.pruner.prune import PruneEvent, lowest_kept, mask_floor, prune, rounding
 from fisherprune.pruner.scoring import FlopsWeight, score_all
@@ -260,11 +261,7 @@ class PruningOptimizer:
                 f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
             )
         self.optimizer = optimizer
-        if score_convention is not None and score_convention not in CONVENTIONS:
-            raise ValueError(
-                f"score_convention must be one of {', '.join(CONVENTIONS)} or None, "
-                f"got {score_convention!r}"
-            )
+        check_conventions(convention, score_convention, latency)
         self.convention = convention
         self.score_convention = score_convention or convention
         given = latency_calibration or {}
