@@ -372,3 +372,32 @@ def test_a_latency_spec_with_computed_conventions_is_refused_not_ignored() -> No
     fp.apply_masks(net, x[:1])
     with pytest.raises(ValueError, match="convention='latency'"):
         fp.PruningOptimizer(net, x[:1], flops_target="50%", latency=fp.LatencySpec())
+
+
+def test_a_depth_only_target_below_one_block_is_refused_naming_that_floor() -> None:
+    """blocks="only" on a 3-layer Llama by parameters: with every channel kept its floor is one
+    layer, so 20% is refused naming blocks='only' and that floor, which is the parameter share
+    of the same model built with one layer (counted by PyTorch, not the cost model)."""
+    transformers = pytest.importorskip("transformers")
+
+    def llama(layers: int) -> nn.Module:
+        config = transformers.LlamaConfig(
+            vocab_size=64, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4,
+            num_key_value_heads=2, intermediate_size=64,
+        )  # fmt: skip
+        torch.manual_seed(0)
+        return transformers.LlamaForCausalLM(config).eval()
+
+    def params(model: nn.Module) -> int:
+        return sum(p.numel() for p in model.parameters())
+
+    floor = params(llama(1)) / params(llama(3))
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    model = llama(3)
+    with pytest.raises(ValueError, match="out of reach with blocks='only'") as caught:
+        fp.prune_to_target(
+            model, {"input_ids": ids[:1]}, [{"input_ids": ids}], "20%", blocks="only",
+            convention="params",
+        )  # fmt: skip
+    assert f"its floor is {floor:.1%}" in str(caught.value), (floor, str(caught.value))
+    assert not fp.find_masks(model)

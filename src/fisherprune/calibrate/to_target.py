@@ -201,28 +201,30 @@ def _check_reach(
         if whole:
             name, reason = next(iter(whole.items()))
             kept = f" It keeps {len(whole)} mask(s) whole, e.g. {name}: {reason}."
-        raise ValueError(
-            f"{wanted} is out of reach with uniform=True: {reach}, every mask it may prune at "
-            f"its floor {floor_text}.{kept} Prune without uniform (--uniform) for an uneven "
-            "prune, whose Hugging Face folder loads with trust_remote_code=True, or choose "
-            f"{at_least}"
+        where = " with uniform=True"
+        advice = (
+            f"every mask it may prune at its floor {floor_text}.{kept} Prune without uniform "
+            "(--uniform) for an uneven prune, whose Hugging Face folder loads with "
+            f"trust_remote_code=True, or choose {at_least}"
         )
-    if whole:  # blocks="only": every channel is kept
-        raise ValueError(
-            f"{wanted} is out of reach with blocks='only': {reach}, every block gate at its "
-            f"floor {floor_text}. Prune with blocks=True to narrow channels too, or choose "
-            f"{at_least}"
+    elif whole:  # blocks="only": every channel is kept
+        where = " with blocks='only'"
+        advice = (
+            f"every block gate at its floor {floor_text}. Prune with blocks=True to narrow "
+            f"channels too, or choose {at_least}"
         )
-    lower = (
-        "the rest is what removing channels does not change"
-        if (min_channels, round_to) == (1, 1)
-        else "lower min_channels or round_to"
-    )
-    raise ValueError(
-        f"{wanted} is out of reach: {reach}, every mask at its floor {floor_text}, so pruning "
-        f"towards it would leave every layer that thin and still miss it ({lower}). Choose "
-        f"{at_least}; nothing was changed"
-    )
+    else:
+        lower = (
+            "the rest is what removing channels does not change"
+            if (min_channels, round_to) == (1, 1)
+            else "lower min_channels or round_to"
+        )
+        where = ""
+        advice = (
+            f"every mask at its floor {floor_text}, so pruning towards it would leave every "
+            f"layer that thin and still miss it ({lower}). Choose {at_least}"
+        )
+    raise ValueError(f"{wanted} is out of reach{where}: {reach}, {advice}; nothing was changed")
 
 
 def _floor_message(
