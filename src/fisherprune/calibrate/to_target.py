@@ -192,10 +192,12 @@ def _check_reach(
     if goal >= floor:
         return
     unit = "per forward pass" if cost_model.latency is not None else "per example"
-    wanted = f"target {target!r} ({goal / start:.1%} of the cost, {goal:.6g} {unit})"
-    at_least = f"a target of at least {math.ceil(floor / start * 1000) / 10:g}%"
+    digits = 1 if f"{goal / start:.1%}" != f"{floor / start:.1%}" else 2  # never "0.5% < 0.5%"
+    wanted = f"target {target!r} ({goal / start:.{digits}%} of the cost, {goal:.6g} {unit})"
+    scale = 10 ** (digits + 2)
+    at_least = f"a target of at least {math.ceil(floor / start * scale) / scale * 100:g}%"
     floor_text = f"(min_channels={min_channels}, round_to={round_to})"
-    reach = f"its floor is {floor / start:.1%} ({floor:.6g})"
+    reach = f"its floor is {floor / start:.{digits}%} ({floor:.6g})"
     if uniform:
         kept = ""
         if whole:
