@@ -19,15 +19,20 @@ transformers = pytest.importorskip("transformers")
 IDS = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
 
 
-def _pruned_llama(uniform: bool) -> nn.Module:
-    """A LlamaForCausalLM from a small config, pruned to 60% of its FLOPs on random tokens
-    (without uniform, its blocks keep different widths) and shrunk."""
+def _llama() -> nn.Module:
+    """A LlamaForCausalLM from a small config (2 layers, 4 query heads over 2 key/value)."""
     config = transformers.LlamaConfig(
         vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, intermediate_size=64, head_dim=8,
     )  # fmt: skip
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).eval()
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def _pruned_llama(uniform: bool) -> nn.Module:
+    """``_llama()`` pruned to 60% of its FLOPs on random tokens (without uniform, its blocks
+    keep different widths) and shrunk."""
+    model = _llama()
     g = torch.Generator().manual_seed(1)
     batches = [{"input_ids": torch.randint(0, 64, (4, 12), generator=g)} for _ in range(2)]
     with warnings.catch_warnings():
@@ -73,11 +78,7 @@ def test_an_existing_folder_with_files_is_refused_and_kept(tmp_path: Path) -> No
     work, its files untouched (a failed save would otherwise have removed it)."""
     (tmp_path / "hf").mkdir()
     (tmp_path / "hf" / "notes.txt").write_text("mine")
-    config = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1, intermediate_size=32,
-    )  # fmt: skip
-    model = transformers.LlamaForCausalLM(config).eval()
+    model = _llama()
     with pytest.raises(ValueError, match="not an empty folder"):
         fp.save_hf_folder(model, tmp_path / "hf", {"input_ids": IDS})
     assert (tmp_path / "hf" / "notes.txt").read_text() == "mine"
