@@ -129,3 +129,82 @@ def test_a_state_timed_far_from_its_price_is_taken_for_other_load(tmp_path, monk
 def test_bad_checks_are_refused(bad):
     with pytest.raises(ValueError, match="checks"):
         LatencySpec(checks=bad)
+
+
+def _as_it_came(net: nn.Module) -> bool:
+    """Whether ``net`` is ``_net()`` as built: no masks, every tensor bitwise equal."""
+    ref = _net().state_dict()
+    state = net.state_dict()
+    return (
+        not fp.find_masks(net)
+        and state.keys() == ref.keys()
+        and all(torch.equal(state[k], ref[k]) for k in ref)
+    )
+
+
+def _half() -> nn.Module:
+    """``_net()`` with every width halved: every mask at ``min_channels=0.5``."""
+    return nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 24, 3, padding=1), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(24, 5),
+    )  # fmt: skip
+
+
+@pytest.fixture
+def floor_spy(monkeypatch):
+    """The bent clock, and every state ``check_latency`` times, in order."""
+    install_clock(monkeypatch, _bent)
+    checked = []
+    real = line_module.check_latency
+
+    def spy(*args, **kwargs):
+        checked.append(real(*args, **kwargs))
+        return checked[-1]
+
+    monkeypatch.setattr(line_module, "check_latency", spy)
+    return checked
+
+
+def test_a_target_below_the_floor_its_checks_time_is_refused_and_given_back(tmp_path, floor_spy):
+    """With checks the floor is not priced up front on the copies' curve. At
+    ``min_channels=0.5`` every mask's floor is the half network (27% of the dense model's
+    time on this clock), which the first refitted line prices above 25%: that floor is timed
+    whole, found above 25%, and the target refused naming it, before the prune drains any
+    mask; the model comes back as it came (before: pruned to every floor, with a warning)."""
+    net, x = _net(), torch.randn(2, 3, 8, 8)
+    with pytest.raises(ValueError, match="out of reach") as caught:
+        _prune(tmp_path, net, "25%", min_channels=0.5)
+    text = str(caught.value)
+    floor = _bent(_half(), x, None) / _bent(_net(), x, None)
+    assert f"its floor is {floor:.1%}" in text and "timed whole" in text, (floor, text)
+    assert "nothing was changed" in text
+    assert [c.floor for c in floor_spy] == [False, True], floor_spy
+    assert _as_it_came(net)
+
+
+def test_a_floor_its_line_prices_too_high_is_timed_and_the_target_met(tmp_path, floor_spy):
+    """30%, above the half network's 27%: the first refitted line prices the floor above it
+    (an extrapolation), the floor is timed once, the line refitted through it, and the prune
+    lands within 5% of the target (it lands 2.7% below: a channel is a large step on a
+    network this small) instead of being refused."""
+    result, share = _prune(tmp_path, _net(), "30%", min_channels=0.5)
+    assert sum(c.floor for c in result.latency_checks) == 1, result.latency_checks
+    assert next(c for c in result.latency_checks if c.floor).refitted
+    assert abs(share / 0.3 - 1) < 0.05, share
+
+
+def test_a_prune_left_at_every_floor_is_refused_and_given_back(tmp_path, monkeypatch):
+    """No check refits (every state is timed 1.6x slow, taken for other load): the prune
+    reaches every mask's floor above 1%, and is refused then, the model given back as it
+    came, not left at its floors with a warning."""
+
+    def loaded(model, example_inputs, spec, clock=None):
+        widths = [m.out_channels for m in model.modules() if isinstance(m, nn.Conv2d)]
+        burst = 1.0 if widths in ([32, 48], [16, 24]) else 1.6
+        return _bent(model, example_inputs, spec) * burst
+
+    install_clock(monkeypatch, loaded)
+    net = _net()
+    with pytest.raises(ValueError, match="out of reach: every mask is at its floor"):
+        _prune(tmp_path, net, "1%")
+    assert _as_it_came(net)

@@ -159,16 +159,33 @@ def test_floor_power_keeps_its_share_of_every_mask(trained: nn.Module, kw: dict)
     assert result.cost_after <= result.target and not result.at_floor
 
 
-def test_a_floor_power_that_cannot_meet_the_target_stops_and_says_so(trained: nn.Module) -> None:
+def test_a_floor_power_that_cannot_meet_the_target_is_refused_up_front(trained: nn.Module) -> None:
     """A floor that keeps nearly every channel (``floor_power=0.05`` at 50%: 97% of each
-    mask) leaves the cost above the target: the call stops (no endless rounds) with a
-    warning naming ``floor_power``, every mask at that floor."""
+    mask, so the convolutions keep 8, 16 and 31 channels) cannot meet the target: refused
+    before anything changes, naming ``floor_power`` and that floor's share of the FLOPs,
+    counted by ``FlopCounterMode`` on the network built at those widths (before: pruned to
+    that floor, with a warning)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    def flops(width: int) -> int:
+        net = nn.Sequential(
+            nn.Conv2d(1, 8, 3, padding=1), nn.Conv2d(8, 16, 3, padding=1), nn.MaxPool2d(2),
+            nn.Conv2d(16, width, 3, padding=1), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+            nn.Linear(width, 10),
+        )  # fmt: skip
+        with FlopCounterMode(display=False) as counter:
+            net(torch.zeros(1, 1, 8, 8))
+        return counter.get_total_flops()
+
     net = copy.deepcopy(trained)
-    result, caught = _prune(net, reconstruct=False, floor_power=0.05)
-    share = 0.5**0.05
-    assert result.cost_after > result.target
-    assert all(k == math.ceil(w * share - 1e-9) for k, w in result.kept.values()), result.kept
-    assert any("floor_power=0.05" in w for w in caught), caught
+    before = copy.deepcopy(net.state_dict())
+    with pytest.raises(ValueError, match="out of reach") as caught:
+        _prune(net, reconstruct=False, floor_power=0.05)
+    text = str(caught.value)
+    assert "floor_power=0.05" in text and "lower floor_power" in text, text
+    assert f"its floor is {flops(31) / flops(32):.1%}" in text, (flops(31) / flops(32), text)
+    assert not fp.find_masks(net)
+    assert all(torch.equal(v, before[k]) for k, v in net.state_dict().items())
 
 
 @pytest.mark.parametrize(

@@ -35,8 +35,8 @@ import itertools
 import math
 import time
 import warnings
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -348,6 +348,8 @@ class LatencyCheck:
         refitted: whether the line now goes through this state (``LatencyLoop``).
         reason: why it was not refitted ("" when it was).
         seconds: wall time of the check (the shrink and the timing).
+        floor: whether the state timed was not the prune's but every mask at its floor
+            (``LatencyLoop.time_floor``).
     """
 
     goal: int
@@ -357,6 +359,7 @@ class LatencyCheck:
     refitted: bool = False
     reason: str = ""
     seconds: float = 0.0
+    floor: bool = False
 
     def as_dict(self) -> dict[str, Any]:
         """Plain JSON-able fields (reports)."""
@@ -484,6 +487,23 @@ class LatencyLoop:
             check.measured_share > self.target / self.dense * (1 + CHECK_SLACK)
         )
         return check.refitted and slow
+
+    def time_floor(self, at_floor: Callable[[], AbstractContextManager[Any]]) -> LatencyCheck:
+        """Time whole the state of every mask at its floor (``at_floor()`` sets it and puts
+        the masks back on exit), as a check after the last goal reached, and refit the line
+        through it and the prune's last state: where a secant along the prune's path prices
+        the floor above the target, this measures whether it is. Changes: the cost model's
+        line when refitted; the masks only inside ``at_floor``."""
+        goal = self.checks[-1].goal if self.checks else 0
+        with at_floor():
+            check = check_latency(
+                self.cost_model, self.model, self.example_inputs, self.dense, goal
+            )
+        check.floor = True
+        self.checks.append(check)
+        if check.measured_share is not None:
+            self._refit(check)
+        return check
 
     def _refit(self, check: LatencyCheck) -> None:
         """The line through ``check``'s state and the path's last point ``CHECK_SPAN`` wider,

@@ -152,53 +152,125 @@ def _stuck_message(
     )
 
 
-def _check_reach(
-    cost_model: CostModel,
+@contextmanager
+def _at_floor(
     masks: dict[str, MaskLayer],
     whole: dict[str, str],
-    goal: float,
-    target: Any,
     floors: tuple[int | float, int],
-    uniform: bool,
-) -> None:
-    """Refuse, before any signal is estimated or any weight changes, a target below the cost
-    of the model with every mask it may prune (all but ``whole``) at its floor (``floors``:
-    ``min_channels``, ``round_to``): no selection reaches it, and pruning towards it would
-    leave every layer at its floor. Which channels go does not change that cost. The masks are
-    put back as they were.
-
-    Raises:
-        ValueError: naming the reachable floor (a share and a cost), the masks kept whole with
-            the first reason (``uniform=True``, ``blocks="only"``), and what to do instead.
-    """
+    width_floors: dict[str, int],
+) -> Iterator[None]:
+    """Inside: every mask it may prune (all but ``whole``) thinned, from where it is now, to
+    its floor (``floors``: ``min_channels``, ``round_to``; above that, ``width_floors``:
+    ``floor_power``'s), as the selection's own floor counts it (which channels go does not
+    change a cost). On exit the masks are put back as they were."""
     min_channels, round_to = floors
-    start = cost_model.total()
     saved = {n: (m.mask.detach().clone(), m.is_all_ones()) for n, m in masks.items()}
     try:
         with torch.no_grad():
             for n, m in masks.items():
                 alive = torch.nonzero(saved[n][0] > 0.5).flatten()
-                keep = lowest_kept(
-                    alive.numel(), mask_floor(min_channels, m), rounding(m, round_to)
-                )
+                least = max(mask_floor(min_channels, m), width_floors.get(n, 0))
+                keep = lowest_kept(alive.numel(), least, rounding(m, round_to))
                 if n not in whole and keep < alive.numel():
                     m.mask[alive[: alive.numel() - keep]] = 0.0
-        floor = cost_model.total()
+        yield
     finally:
         with torch.no_grad():
             for n, (mask, ones) in saved.items():
                 masks[n].mask.copy_(mask)
                 masks[n].record_values(ones)
-    if goal >= floor:
+
+
+@dataclass(frozen=True)
+class _Reach:
+    """What a prune may reach: the settings that bound it and the cost it starts from."""
+
+    target: Any  # as the caller gave it
+    start: float  # the starting cost (a share is of it)
+    floors: tuple[int | float, int]  # min_channels, round_to
+    floor_power: float | None
+    uniform: bool
+
+
+def _check_reach(
+    cost_model: CostModel,
+    masks: dict[str, MaskLayer],
+    whole: dict[str, str],
+    goal: float,
+    reach: _Reach,
+    width_floors: dict[str, int],
+) -> None:
+    """Refuse, before any signal is estimated or any weight changes, a target below the cost
+    of the model with every mask it may prune at its floor (``_at_floor``): no selection
+    reaches it, and pruning towards it would leave every layer at its floor. Changes nothing.
+
+    Raises:
+        ValueError: ``_refuse``'s.
+    """
+    with _at_floor(masks, whole, reach.floors, width_floors):
+        floor = cost_model.total()
+    if goal < floor:
+        _refuse(goal, floor, reach, whole, cost_model.latency is not None)
+
+
+def _check_timed_reach(
+    loop: LatencyLoop,
+    cost_model: CostModel,
+    masks: dict[str, MaskLayer],
+    whole: dict[str, str],
+    goal: float,
+    reach: _Reach,
+    width_floors: dict[str, int],
+) -> None:
+    """After a latency check refitted the line: where the line prices every mask at its floor
+    above ``goal``, time that floor whole (once a prune, ``LatencyLoop.time_floor``, which
+    refits through it), and refuse the target if the floor is timed above it. The caller
+    gives the model back as it came.
+
+    Raises:
+        ValueError: ``_refuse``'s, naming the floor as timed.
+    """
+    if not (loop.checks and loop.checks[-1].refitted) or any(c.floor for c in loop.checks):
         return
-    unit = "per forward pass" if cost_model.latency is not None else "per example"
+    at_floor = lambda: _at_floor(masks, whole, reach.floors, width_floors)  # noqa: E731
+    with at_floor():
+        floor = cost_model.total()
+    if floor <= goal:
+        return
+    check = loop.time_floor(at_floor)
+    if check.measured_share is not None and check.measured_share * loop.dense > goal:
+        how = "as timed whole (LatencySpec.checks)"
+        _refuse(goal, check.measured_share * loop.dense, reach, whole, True, how)
+
+
+def _refuse(
+    goal: float,
+    floor: float,
+    reach: _Reach,
+    whole: dict[str, str],
+    latency: bool,
+    how: str = "",
+) -> None:
+    """Raise the refusal of ``goal``, below the ``floor`` the settings allow (``how``: where
+    that floor comes from, when it was measured).
+
+    Raises:
+        ValueError: naming the reachable floor (a share of ``reach.start`` and a cost), the
+            masks kept whole with the first reason (``uniform=True``, ``blocks="only"``),
+            ``floor_power`` where it is set, and what to do instead.
+    """
+    min_channels, round_to = reach.floors
+    start = reach.start
+    unit = "per forward pass" if latency else "per example"
     digits = 1 if f"{goal / start:.1%}" != f"{floor / start:.1%}" else 2  # never "0.5% < 0.5%"
-    wanted = f"target {target!r} ({goal / start:.{digits}%} of the cost, {goal:.6g} {unit})"
+    wanted = f"target {reach.target!r} ({goal / start:.{digits}%} of the cost, {goal:.6g} {unit})"
     scale = 10 ** (digits + 2)
     at_least = f"a target of at least {math.ceil(floor / start * scale) / scale * 100:g}%"
-    floor_text = f"(min_channels={min_channels}, round_to={round_to})"
-    reach = f"its floor is {floor / start:.{digits}%} ({floor:.6g})"
-    if uniform:
+    power = "" if reach.floor_power is None else f", floor_power={reach.floor_power}"
+    floor_text = f"(min_channels={min_channels}, round_to={round_to}{power})"
+    found = f" {how}" if how else ""
+    reach_text = f"its floor is {floor / start:.{digits}%} ({floor:.6g}){found}"
+    if reach.uniform:
         kept = ""
         if whole:
             name, reason = next(iter(whole.items()))
@@ -216,17 +288,37 @@ def _check_reach(
             f"channels too, or choose {at_least}"
         )
     else:
-        lower = (
-            "the rest is what removing channels does not change"
-            if (min_channels, round_to) == (1, 1)
-            else "lower min_channels or round_to"
-        )
+        if reach.floor_power is not None:
+            lower = "lower floor_power or unset it"
+        elif (min_channels, round_to) == (1, 1):
+            lower = "the rest is what removing channels does not change"
+        else:
+            lower = "lower min_channels or round_to"
         where = ""
         advice = (
             f"every mask at its floor {floor_text}, so pruning towards it would leave every "
             f"layer that thin and still miss it ({lower}). Choose {at_least}"
         )
-    raise ValueError(f"{wanted} is out of reach{where}: {reach}, {advice}; nothing was changed")
+    raise ValueError(
+        f"{wanted} is out of reach{where}: {reach_text}, {advice}; nothing was changed"
+    )
+
+
+def _give_back(
+    model: nn.Module,
+    masks: dict[str, MaskLayer],
+    dense: dict[str, Tensor],
+    ones: dict[str, bool],
+    masked_here: bool,
+) -> None:
+    """Put every mask back as the call found it (``dense``, and whether it was all ones),
+    and remove the masks the call added (``masked_here``). Changes: the masks."""
+    with torch.no_grad():
+        for n, m in masks.items():
+            m.mask.copy_(dense[n])
+            m.record_values(ones[n])
+    if masked_here:
+        remove_masks(model)
 
 
 def _floor_message(
@@ -569,8 +661,11 @@ def prune_to_target(
         min_channels, round_to, uniform, flops_weight, convention, score_convention, latency:
             as in ``PruningOptimizer`` (with ``uniform``, the masks a config cannot describe
             are left whole, listed in ``PruneResult.kept_whole``; a target below the cost with
-            every mask that may be pruned at its floor is refused up front, whatever
-            ``uniform``, before anything changes; a target met only with a
+            every mask that may be pruned at its floor, ``floor_power``'s included, is
+            refused up front, whatever ``uniform``, before anything changes (with
+            ``LatencySpec.checks``, once a check's refitted line prices that floor above the
+            target and the floor, timed whole, is too: the model is given back); a target
+            met only with a
             mask at its floor, such as an MLP of one unit, is met and warned about
             (``at_floor``): raise ``min_channels`` to keep layers wider; with
             ``convention="latency"`` ``target`` may be a time, ``"12ms"``, or a share of the
@@ -616,10 +711,11 @@ def prune_to_target(
     Raises:
         ValueError: a bad setting, no batches, a target not below the starting cost, a
             target below its reachable floor (named, before any signal is estimated or any
-            weight changes; masks this call added are removed again; not with
-            ``LatencySpec.checks``, whose prune refits its prices as it goes), a mask the loss
-            does not reach, or a signal (importance) that is not finite: no channel is pruned
-            on it; ``apply_masks``' errors.
+            weight changes; with ``LatencySpec.checks``, when a check's refitted line and
+            then the floor timed whole say so), a prune that ends with every mask at its
+            floor above the target, a mask the loss does not reach, or a signal
+            (importance) that is not finite; ``apply_masks``' errors. Any error before the
+            repair gives the model back as it came (masks this call added are removed).
 
     Example:
         >>> result = fisherprune.prune_to_target(net, x[:1], loader, "50%", loss_fn=F.cross_entropy)
@@ -686,6 +782,7 @@ def prune_to_target(
         goals = _auto_rounds(start, goal) if rounds == "auto" else rounds
         loop = LatencyLoop.planned(cost_model, model, example_inputs, goal, goals)
         dense = {n: m.mask.detach().clone() for n, m in masks.items()}
+        ones = {n: m.is_all_ones() for n, m in masks.items()}
         share = 0.0 if floor_power is None else (goal / start) ** floor_power
         width_floors = {n: math.ceil(m.kept * share - 1e-9) for n, m in masks.items()}
         dense_flops = start  # a forward of the masked model costs the dense model's FLOPs
@@ -697,9 +794,9 @@ def prune_to_target(
         if blocks == "only":
             depth_only = "blocks='only' prunes whole blocks alone"  # (``_stuck_message`` reads it)
             whole.update({n: depth_only for n, m in masks.items() if not isinstance(m, BlockGate)})
-        if not (cost_model.latency is not None and cost_model.latency.checks):
-            # (with checks, the prune refits its curve on its own states: it prices its floor)
-            _check_reach(cost_model, masks, whole, goal, target, (min_channels, round_to), uniform)
+        reach = _Reach(target, start, (min_channels, round_to), floor_power, uniform)
+        if loop is None:  # (with checks, its floor is priced on the prune's own timed states)
+            _check_reach(cost_model, masks, whole, goal, reach, width_floors)
         selection = _Selection(
             crit,
             cost_model,
@@ -722,7 +819,7 @@ def prune_to_target(
     clock = _PhaseClock()
     norms = NormStats(model) if recalibrate_norms else None
     g, stuck = 1, False
-    try:
+    try:  # until the repair, an error (a refusal too) gives the model back as it came
         while not stuck and g <= goals:
             r = result.rounds + 1
             with clock("signals"):
@@ -751,21 +848,27 @@ def prune_to_target(
             if loop is not None and reached:
                 with clock("selection"):
                     g -= loop.reached(g - 1)  # the last goal again, on the refitted line
+                    _check_timed_reach(loop, cost_model, masks, whole, goal, reach, width_floors)
+        result.cost_after = cost_model.total()
+        if stuck:
+            raise ValueError(
+                f"target {target!r} is out of reach: "
+                f"{_stuck_message(result, goal, min_channels, round_to, floor_power)}; "
+                "nothing was changed"
+            )
+    except BaseException:
+        _give_back(model, masks, dense, ones, masked_here)
+        raise
     finally:
         if norms is not None:
             norms.restore()
-    for m in masks.values():
-        m.collecting = False
-        m.reset_statistics()
-    result.cost_after = cost_model.total()
+        for m in masks.values():
+            m.collecting = False
+            m.reset_statistics()
     result.latency_checks = loop.checks if loop is not None else []
     result.kept = {n: (m.kept, m.num_channels) for n, m in masks.items()}
     result.at_floor = selection.at_floor(masks)
-    if stuck:
-        warnings.warn(
-            _stuck_message(result, goal, min_channels, round_to, floor_power), stacklevel=2
-        )
-    elif result.at_floor:
+    if result.at_floor:
         warnings.warn(_floor_message(result, masks, min_channels, round_to), stacklevel=2)
     if reconstruct:
         with clock("repair"):
