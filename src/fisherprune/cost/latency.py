@@ -841,15 +841,17 @@ def whole_model_seconds(model: Any, example_inputs: Any, spec: LatencySpec) -> f
 def served_pair(
     dense: torch.nn.Module, small: torch.nn.Module, example_inputs: Any, spec: LatencySpec
 ) -> tuple[Any, Any]:
-    """``dense`` and ``small`` as ``whole_model_seconds`` times them again and again: the
-    modules themselves in eager, else each built once in ``spec.form`` (``ServedForm``)."""
+    """``dense`` and ``small`` as ``whole_model_seconds`` times them again and again, each
+    built once in ``spec.form`` (``served``)."""
     return served(dense, example_inputs, spec), served(small, example_inputs, spec)
 
 
 def served(module: torch.nn.Module, example_inputs: Any, spec: LatencySpec) -> Any:
-    """``module`` as ``whole_model_seconds`` times it again and again: the module itself in
-    eager, else built once in ``spec.form`` (``ServedForm``)."""
-    return module if spec.form == "eager" else _serve(module, example_inputs, spec)
+    """``module`` as ``whole_model_seconds`` times it again and again: in eager the module
+    itself, or a copy shrunk at its masks where it has any (a mask's hook is not served);
+    else built once in ``spec.form`` (``ServedForm``)."""
+    form = _serve(module, example_inputs, spec)
+    return form.module if spec.form == "eager" else form
 
 
 def prediction_check(
