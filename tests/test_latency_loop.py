@@ -16,6 +16,7 @@ from torch import nn
 
 import fisherprune as fp
 import fisherprune.calibrate.latency_line as line_module
+import fisherprune.calibrate.to_target as to_target_module
 import fisherprune.cost.model as model_module
 from fisherprune.calibrate import fit_latency_line
 from fisherprune.cost import CostModel, LatencySpec
@@ -208,3 +209,42 @@ def test_a_prune_left_at_every_floor_is_refused_and_given_back(tmp_path, monkeyp
     with pytest.raises(ValueError, match="out of reach: every mask is at its floor"):
         _prune(tmp_path, net, "1%")
     assert _as_it_came(net)
+
+
+def _widths(k1: int, k2: int) -> nn.Module:
+    """``_net()``'s layout with ``k1`` and ``k2`` channels."""
+    return nn.Sequential(
+        nn.Conv2d(3, k1, 3, padding=1), nn.ReLU(), nn.Conv2d(k1, k2, 3, padding=1), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(k2, 5),
+    )  # fmt: skip
+
+
+def _cliff(model, example_inputs, spec, clock=None):
+    """Whole seconds: the operators, the overhead, and 30% of the dense operators' time that
+    every copy (kept 1, 0.5, 0.25) pays whole and that falls in proportion to the operators
+    below the quarter copy's: the narrowest segment, extended, prices the floor far above its
+    time."""
+    x = torch.zeros(2, 3, 8, 8)
+    ops = _fake_whole(model, example_inputs, spec, _flops_seconds)
+    dense, quarter = (
+        _fake_whole(_widths(*k), x, None, _flops_seconds) for k in ((32, 48), (8, 12))
+    )
+    return ops + OVERHEAD + 0.3 * dense * min(1.0, ops / quarter)
+
+
+def test_a_target_below_the_narrowest_copy_is_priced_on_the_floor_timed(tmp_path, monkeypatch):
+    """No checks: 25%, below the quarter copy (29%) and far above the floor's time (2%),
+    which the narrowest segment, extended, prices at 28%: refused so when the floor is not
+    timed. The floor is timed (its knot is its time on this clock) and priced as the curve's
+    last knot, and the prune reaches the target."""
+    install_clock(monkeypatch, _cliff)
+    x = torch.randn(2, 3, 8, 8)
+    floor = _cliff(_widths(1, 1), x, None) / _cliff(_net(), x, None)
+    result, share = _prune(tmp_path, _net(), "25%", checks=0)
+    knot = result.latency_line.points[-1]
+    assert knot["kept_share"] == 0.0
+    assert knot["measured_share"] == pytest.approx(floor, rel=1e-9)
+    assert result.cost_after <= result.target and share <= 0.25, share
+    monkeypatch.setattr(to_target_module, "add_floor_knot", lambda *a, **k: None)
+    with pytest.raises(ValueError, match="out of reach"):
+        _prune(tmp_path, _net(), "25%", checks=0)

@@ -44,6 +44,7 @@ from fisherprune.calibrate.latency_line import (
     LatencyCheck,
     LatencyLine,
     LatencyLoop,
+    add_floor_knot,
     fit_latency_line,
 )
 from fisherprune.calibrate.norm_stats import NormStats
@@ -179,6 +180,13 @@ def _at_floor(
             for n, (mask, ones) in saved.items():
                 masks[n].mask.copy_(mask)
                 masks[n].record_values(ones)
+
+
+def _narrowest_copy(line: LatencyLine, start: float) -> float:
+    """The price of the narrowest copy ``fit_latency_line`` timed and priced on (``start``:
+    the dense price; 0 when the line was not fitted: nothing is extrapolated then)."""
+    timed = [p["measured_share"] for p in line.points if p.get("measured_share") is not None]
+    return min(timed) * start if line.fitted and timed else 0.0
 
 
 @dataclass(frozen=True)
@@ -796,6 +804,9 @@ def prune_to_target(
             whole.update({n: depth_only for n, m in masks.items() if not isinstance(m, BlockGate)})
         reach = _Reach(target, start, (min_channels, round_to), floor_power, uniform)
         if loop is None:  # (with checks, its floor is priced on the prune's own timed states)
+            if line is not None and goal < _narrowest_copy(line, start):
+                at_floor = lambda: _at_floor(masks, whole, reach.floors, width_floors)  # noqa: E731
+                add_floor_knot(cost_model, model, example_inputs, at_floor, line)
             _check_reach(cost_model, masks, whole, goal, reach, width_floors)
         selection = _Selection(
             crit,
