@@ -556,11 +556,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name in args.models:
         t0 = time.perf_counter()
         results["steps"][name] = step_figures(specs[name], args)
+        write_json(args.out, {"partial": True, **results})  # what a timeout leaves stays
         results["throughput"][name] = throughput(specs[name], args)
+        write_json(args.out, {"partial": True, **results})
         print(f"{name}: training steps {time.perf_counter() - t0:.0f} s", flush=True)
         if name in tl.ENCODERS:
             t0 = time.perf_counter()
             results["latency"][name] = encoder_latency(name, args)
+            write_json(args.out, {"partial": True, **results})
             print(f"{name}: latency {time.perf_counter() - t0:.0f} s", flush=True)
     results["trainer_sync"] = trainer_sync_check(args)
     print_tables(results)

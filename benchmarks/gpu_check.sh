@@ -10,48 +10,68 @@
 #   6. benchmarks/latency_prediction.py on the GPU (issue 32, point 3): the latency table's
 #      prediction against the shrunk model timed whole, bf16, batch 32, eager then CUDA graphs.
 # GPU_SPECS="model:seconds:compile flag:tag ..." chooses the gpu.py runs; LATENCY_MODELS the
-# latency_prediction ones (empty: skipped); T_* the other limits.
+# latency_prediction ones (empty: skipped); T_* the other limits. T_ALL (default 570 s) bounds
+# the whole script, so that it fits one 600 s device command: a part gets what is left of it
+# when that is less than its own limit, and is skipped with under 30 s left.
+# $OUT holds all.log, logs.tgz (every part's own log, packed after each part: a device
+# command brings back at most 8 files) and each part's JSON.
 set -u
 cd "${1:-.}" || exit 1
 OUT=${OUT:-benchmarks/results/gpu_check}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD/src:$PWD/benchmarks:$PWD PYTHONUNBUFFERED=1 MPLBACKEND=Agg
 log=$OUT/all.log
+logs=$(mktemp -d)
+start=$SECONDS
 say() { echo "$@" | tee -a "$log"; }
+pack() { tar -czf "$OUT/logs.tgz.part" -C "$logs" . && mv -f "$OUT/logs.tgz.part" "$OUT/logs.tgz"; }
+# the part's limit $1, cut to what is left of T_ALL (10 s kept for packing the logs)
+limit() {
+  local t=$1 left=$(( ${T_ALL:-570} - (SECONDS - start) - 10 ))
+  [ "$left" -lt "$t" ] && t=$left
+  echo "$t"
+}
+enough() { [ "$1" -ge 30 ] || { say "skipped $2: $1 s left of T_ALL"; false; }; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$log"
 python3 -c "import sys, torch, transformers; print(sys.version.split()[0], torch.__version__, torch.version.cuda, transformers.__version__)" | tee -a "$log"
 run=$(mktemp -d)
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
   t0=$SECONDS  # the main job runs beside the CUDA tests (both small: correctness, not timing)
-  (cd "$run" && timeout "${T_MAIN:-150}" python3 -m fisherprune train --precision bf16 --save_dir main >"$OUT/main_job.log" 2>&1; echo "main job rc=$? $((SECONDS - t0))s" >>"$OUT/main_job.log") &
-  timeout "${T_TESTS:-100}" python3 -m pytest -q -m cuda -p no:cacheprovider tests/test_cuda.py >"$OUT/cuda_tests.log" 2>&1
-  say "pytest -m cuda rc=$? $((SECONDS - t0))s"; tail -n 25 "$OUT/cuda_tests.log" | tee -a "$log"
-  if [ "${SKIP_SMOKE:-0}" != 1 ]; then
+  tm=$(limit "${T_MAIN:-150}")
+  (cd "$run" && timeout "$tm" python3 -m fisherprune train --precision bf16 --save_dir main >"$logs/main_job.log" 2>&1; echo "main job rc=$? $((SECONDS - t0))s" >>"$logs/main_job.log") &
+  timeout "$(limit "${T_TESTS:-100}")" python3 -m pytest -q -m cuda -p no:cacheprovider tests/test_cuda.py >"$logs/cuda_tests.log" 2>&1
+  say "pytest -m cuda rc=$? $((SECONDS - t0))s"; tail -n 25 "$logs/cuda_tests.log" | tee -a "$log"; pack
+  if [ "${SKIP_SMOKE:-0}" != 1 ] && t=$(limit "${T_SMOKE:-100}") && enough "$t" "the CPU smoke subset"; then
     t0=$SECONDS
-    CUDA_VISIBLE_DEVICES= timeout "${T_SMOKE:-80}" python3 -m pytest -q -x -p no:cacheprovider -n 8 \
+    CUDA_VISIBLE_DEVICES= timeout "$t" python3 -m pytest -q -x -p no:cacheprovider -n 8 \
       tests/test_signals.py tests/test_masks.py tests/test_apply_masks.py tests/test_cost.py \
       tests/test_device_independence.py tests/test_cuda.py tests/test_prune.py tests/test_optimizer.py \
-      >"$OUT/smoke_cpu.log" 2>&1
+      >"$logs/smoke_cpu.log" 2>&1
     rc=$?; say "CPU smoke subset on $(python3 -c 'import torch; print(torch.__version__)') rc=$rc $((SECONDS - t0))s"
-    tail -n 4 "$OUT/smoke_cpu.log" | tee -a "$log"
+    tail -n 4 "$logs/smoke_cpu.log" | tee -a "$log"
   fi
   wait
-  say "$(tail -n 1 "$OUT/main_job.log")"; grep -iE "warning|^dense|^pruned|error|step 700|^fisherprune train: digits" "$OUT/main_job.log" | head -8 | cut -c1-400 | tee -a "$log"
+  say "$(tail -n 1 "$logs/main_job.log")"; grep -iE "warning|^dense|^pruned|error|step 700|^fisherprune train: digits" "$logs/main_job.log" | head -8 | cut -c1-400 | tee -a "$log"
+  pack
 fi
-if [ -n "${PROFILE_MODELS-bert_base resnet50}" ]; then
+if [ -n "${PROFILE_MODELS-bert_base resnet50}" ] && t=$(limit "${T_PROFILE:-150}") && enough "$t" profile; then
   t0=$SECONDS
-  timeout "${T_PROFILE:-90}" python3 benchmarks/gpu_profile.py --models ${PROFILE_MODELS-bert_base resnet50} --out "$OUT/gpu_profile.json" >"$OUT/gpu_profile.log" 2>&1
-  say "== profile rc=$? $((SECONDS - t0))s"; cat "$OUT/gpu_profile.log" | tee -a "$log"
+  timeout "$t" python3 benchmarks/gpu_profile.py --models ${PROFILE_MODELS-bert_base resnet50} --out "$OUT/gpu_profile.json" >"$logs/gpu_profile.log" 2>&1
+  say "== profile rc=$? $((SECONDS - t0))s"; tee -a "$log" <"$logs/gpu_profile.log"; pack
 fi
-for spec in ${GPU_SPECS-"bert_base:120:--no-compile:bert"}; do
+for spec in ${GPU_SPECS-"bert_base:200:--no-compile:bert"}; do
   IFS=: read -r m t c tag <<<"$spec"; t0=$SECONDS
-  timeout "$t" python3 benchmarks/gpu.py --models "$m" $c --device cuda --out "$OUT/gpu_$tag.json" >"$OUT/gpu_$tag.log" 2>&1
-  say "== $tag rc=$? $((SECONDS - t0))s"; tail -n 30 "$OUT/gpu_$tag.log" | tee -a "$log"
+  t=$(limit "$t"); enough "$t" "gpu.py $tag" || continue
+  timeout "$t" python3 benchmarks/gpu.py --models "$m" $c --device cuda --out "$OUT/gpu_$tag.json" >"$logs/gpu_$tag.log" 2>&1
+  say "== $tag rc=$? $((SECONDS - t0))s"; tail -n 30 "$logs/gpu_$tag.log" | tee -a "$log"; pack
 done
 for form in ${LATENCY_FORMS-eager cuda_graphs}; do
   [ -n "${LATENCY_MODELS-bert_base}" ] || break
-  t0=$SECONDS
-  timeout "${T_LATENCY:-120}" python3 benchmarks/latency_prediction.py --models ${LATENCY_MODELS-bert_base} \
+  t=$(limit "${T_LATENCY:-150}"); enough "$t" "latency_prediction $form" || continue
+  t0=$SECONDS  # --threads: the trace and the shrinks run on the CPU at batch 32 (no CPU timing here)
+  timeout "$t" python3 benchmarks/latency_prediction.py --models ${LATENCY_MODELS-bert_base} \
     --device cuda:0 --dtype bfloat16 --batch 32 --checks 0 --rounds 5 --form "$form" \
-    --out "$OUT/latency_prediction_$form.json" >"$OUT/latency_prediction_$form.log" 2>&1
-  say "== latency_prediction $form rc=$? $((SECONDS - t0))s"; tail -n 8 "$OUT/latency_prediction_$form.log" | tee -a "$log"
+    --threads "${LATENCY_THREADS:-$(nproc)}" \
+    --out "$OUT/latency_prediction_$form.json" >"$logs/latency_prediction_$form.log" 2>&1
+  say "== latency_prediction $form rc=$? $((SECONDS - t0))s"; tail -n 8 "$logs/latency_prediction_$form.log" | tee -a "$log"; pack
 done
+say "gpu_check done in $((SECONDS - start))s"

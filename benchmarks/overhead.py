@@ -395,7 +395,10 @@ def _shrunk(spec: ModelSpec, decay: float, make_step: StepBuilder = make_step) -
         for m in fisherprune.find_masks(model).values():
             m.mask[: m.num_channels // 2] = 0.0
             m.collecting = False
-    example = make_batches(spec, 1, 1)[0][0]
+    # on the model's device: shrink runs the masked and the shrunk model on it (gpu.py builds
+    # the variants on a GPU, where a CPU example fails the first layer)
+    device = next(model.parameters()).device
+    example = make_batches(spec, 1, 1)[0][0].to(device)
     fisherprune.shrink(model, example, inplace=True)
     return make_step(model)
 

@@ -24,6 +24,7 @@ from torch import nn
 import fisherprune as fp
 from fisherprune.cost import CostModel, LatencySpec, computational_cost, formula_for
 from fisherprune.cost import latency as lat
+from fisherprune.graph.trace import trace_model
 from fisherprune.graph.types import Slot
 from fisherprune.pruner import resolve_target
 
@@ -542,3 +543,30 @@ def test_times_the_whole_model_contradicts_are_not_saved(tmp_path, monkeypatch, 
     CostModel(net, x, "latency", latency=spec)
     assert calls[0] >= first  # timed again, not read from a file
     assert len(list((tmp_path / "latency").glob("*.json"))) == 1
+
+
+def test_cpu_only_attention_is_timed_as_the_devices_attention(tmp_path, monkeypatch):
+    """The CPU trace records attention as ``_scaled_dot_product_flash_attention_for_cpu``,
+    which a GPU has no kernel for (every such operator was priced 0 there): off the CPU it is
+    timed as the public attention on the same arguments, whose output is the CPU kernel's
+    first. ``meta`` stands for the GPU here."""
+    cpu_op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    q, k, v = (torch.randn(2, 3, 5, 4) for _ in range(3))
+    twin = lat.DEVICE_TWINS[cpu_op]
+    want = cpu_op(q, k, v, 0.0, True, scale=0.3)[0]
+    torch.testing.assert_close(twin((q, k, v, 0.0, True), {"scale": 0.3}), want)
+
+    class Attention(nn.Module):
+        def forward(self, x):
+            return F.scaled_dot_product_attention(x, x, x)
+
+    trace = trace_model(Attention(), torch.randn(2, 3, 5, 4))
+    (rec,) = [r for r in trace.ops if r.op is cpu_op]
+    dense = [tuple(s.shape) for s in rec.slots]
+    called = []
+    monkeypatch.setitem(lat.DEVICE_TWINS, cpu_op, lambda a, kw: called.append(1) or twin(a, kw))
+    monkeypatch.setattr(lat, "_measure", lambda run, sync, blocks: (run(), 1e-5)[1])
+    timer = lat.OpTimer(_spec(tmp_path, blocks=1), lat.LatencyTable.open(_spec(tmp_path)))
+    timer.device = torch.device("meta")
+    assert timer.seconds(rec, dense, dense) == 1e-5
+    assert called

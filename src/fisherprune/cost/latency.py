@@ -547,6 +547,24 @@ def _shapes_at(
     return [tuple(s) for s in shapes]
 
 
+def _sdpa_for_cpu(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
+    """``aten._scaled_dot_product_flash_attention_for_cpu``'s call as the public attention,
+    which a GPU dispatches to its own kernels (flash, memory-efficient, cuDNN)."""
+    q, k, v, *rest = args
+    return torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=kwargs.get("attn_mask"), dropout_p=rest[0] if rest else 0.0,
+        is_causal=rest[1] if len(rest) > 1 else False, scale=kwargs.get("scale"),
+    )  # fmt: skip
+
+
+#: operators a CPU trace records (the tracer always runs on the CPU) that have no kernel on
+#: another device, each with the call that stands for it there (its first output only)
+_SDPA_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+DEVICE_TWINS: dict[Any, Callable[[tuple[Any, ...], dict[str, Any]], Any]] = (
+    {_SDPA_CPU.default: _sdpa_for_cpu} if _SDPA_CPU is not None else {}
+)
+
+
 class OpTimer:
     """Times traced operators at given slot shapes on ``spec``'s device, through ``table``."""
 
@@ -582,14 +600,17 @@ class OpTimer:
         try:
             ins = [self._tensor(s, t) for s, t in zip(shapes[:n_in], dtypes[:n_in], strict=True)]
             args, kwargs = _arguments(rec, ins, sizes)
+            want = [tuple(s) for s in shapes[n_in:]]
+            twin = DEVICE_TWINS.get(rec.op) if self.device.type != "cpu" else None
+            call: Callable[[], Any] = lambda: rec.op(*args, **kwargs)  # noqa: E731
+            if twin is not None:  # a CPU-only kernel: timed as this device runs the same call
+                call, want = (lambda: twin(args, kwargs)), want[:1]
             with torch.inference_mode():
-                out = rec.op(*args, **kwargs)
+                out = call()
                 got = [tuple(o.shape) for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
-                if got != [tuple(s) for s in shapes[n_in:]]:
-                    raise ValueError(f"outputs {got}, expected {shapes[n_in:]}")
-                return self.table.time(
-                    key, lambda: rec.op(*args, **kwargs), self.sync, self.spec.blocks
-                )
+                if got != want:
+                    raise ValueError(f"outputs {got}, expected {want}")
+                return self.table.time(key, call, self.sync, self.spec.blocks)
         except Exception as e:  # any operator that cannot run alone at these shapes
             log.debug("latency: %s not timed at %s: %s", rec.op, shapes, e)
             self.table.entries[key] = -1.0  # remembered: not timed again
