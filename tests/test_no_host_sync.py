@@ -27,6 +27,7 @@ import fisherprune.train.phases as phases
 import fisherprune.train.trainer as trainer_module
 from fisherprune.distill import finetune, frozen_teacher
 from fisherprune.integrations.hf import FisherPruningCallback
+from fisherprune.masks.blocks import BlockGate
 from fisherprune.train import PruningTrainer, TrainConfig
 from tests import ddp_step_driver as driver
 from tests.host_reads import HostReads, spied_tensor_reads
@@ -257,3 +258,21 @@ def test_ddp_signal_is_the_signal_of_the_whole_batch(ddp_records: list[dict[str,
         for name, m in masks.items():
             assert m.signal.abs().max() > 0
             torch.testing.assert_close(torch.tensor(rank["signals"][name]), m.signal)
+
+
+def test_block_gated_steps_read_nothing_back() -> None:
+    """The tiny BERT with its layers gated as blocks too (``apply_masks(blocks=True)``): no
+    host read in any step (each gate's forward read its entry back, a GPU synchronisation per
+    block per step)."""
+    model, inputs = _tiny_bert()
+    labels = torch.tensor([0, 1, 2, 0])
+    fp.apply_masks(model, inputs, blocks=True)
+    assert any(isinstance(m, BlockGate) for m in fp.find_masks(model).values())
+    popt = fp.PruningOptimizer(model, inputs, lr=0.01, prune_every=2, decay=0.5)
+
+    def loss(i: int) -> Tensor:
+        return model(**inputs, labels=labels).loss
+
+    with spied_tensor_reads() as reads:
+        outside, pruning = _steps(popt, reads, loss, 4)
+    _assert_clean(popt, outside, pruning)

@@ -60,6 +60,28 @@ class BlockGate(MaskLayer):
         super().__init__(num_blocks, dim=1)
         #: qualified name of the ModuleList whose entries the gate scales
         self.list_path = list_path
+        # every block kept: known without reading the new mask back
+        self._kept_known: tuple[Tensor, int, list[bool]] | None = (
+            self.mask,
+            self.mask._version,
+            [True] * num_blocks,
+        )
+
+    def record_values(self, all_ones: bool) -> None:
+        """As ``MaskLayer.record_values``, and read which blocks are kept now, in the caller
+        that has just written the gate (a prune), not in the next forward."""
+        super().record_values(all_ones)
+        self.kept_blocks()
+
+    def kept_blocks(self) -> list[bool]:
+        """Whether each block is kept (its entry above 0.5), read from the mask on the host
+        once per write to it: a forward makes no host read (a GPU no synchronisation) unless
+        the gate changed since the last (a prune, a load)."""
+        known = self._kept_known
+        if known is None or known[0] is not self.mask or known[1] != self.mask._version:
+            known = (self.mask, self.mask._version, (self.mask > 0.5).tolist())
+            self._kept_known = known
+        return known[2]
 
     def block_names(self) -> list[str]:
         """Qualified module name of each gated block, in order."""
@@ -111,13 +133,13 @@ class BlockGatePoint:
             )
         gate = self.gate
         collect = gate.collecting and torch.is_grad_enabled()
-        kept = bool(gate.mask[self.index] > 0.5)
+        kept = gate.kept_blocks()[self.index]
         if not collect:
             return None if kept else rebuild(x)
         gate.start_pass()
         delta = (y - x).reshape(y.shape[0], 1, -1)  # (N, 1, positions x width)
         mult = gate.mask[self.index : self.index + 1].to(delta.dtype).view(1, 1, 1)
-        index = torch.tensor([self.index], device=delta.device)
+        index = torch.full((1,), self.index, device=delta.device)  # a fill, not a copy
         gated = gather_through(delta, mult, gate, index, 1, False)
         return rebuild(x + gated.reshape(y.shape))
 
