@@ -2,9 +2,10 @@
 
 What is measured (issue 32, points 3 and 5)
 -------------------------------------------
-For each network (ResNet-50 and ViT-B/16 at 224x224 from ``standard_nets``, the MobileNetV3
-layout of ``one_shot_defaults`` at 112x112, and Hugging Face's BERT-base built from its
-config at 128 tokens; random weights: latency does not depend on them):
+For each network (ResNet-50, MobileNetV3-Large and ViT-B/16 at 224x224 from
+``standard_nets``, the small MobileNetV3 layout of ``one_shot_defaults`` at 112x112, and
+Hugging Face's BERT-base built from its config at 128 tokens; random weights: latency does
+not depend on them):
 
 1. ``fisherprune.apply_masks``, then a ``CostModel(convention="latency")`` built with a fresh
    table: the seconds that takes (every operator timed along its axes), then built again from
@@ -62,7 +63,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import machine_info, write_json
 from one_shot_defaults import MobileNetV3
-from standard_nets import build_resnet50, build_vit_b16
+from standard_nets import build_mobilenet_v3_large, build_resnet50, build_vit_b16
 
 import fisherprune as fp
 from fisherprune.cost import CostModel, LatencySpec
@@ -81,6 +82,10 @@ def _mobilenet(batch: int) -> tuple[nn.Module, Any]:
     return MobileNetV3().eval(), torch.randn(batch, 1, 112, 112)
 
 
+def _mobilenet_large(batch: int) -> tuple[nn.Module, Any]:
+    return build_mobilenet_v3_large().eval(), torch.randn(batch, 3, 224, 224)
+
+
 def _vit(batch: int) -> tuple[nn.Module, Any]:
     return build_vit_b16().eval(), torch.randn(batch, 3, 224, 224)
 
@@ -94,7 +99,13 @@ def _bert(batch: int, length: int = 128) -> tuple[nn.Module, Any]:
     return model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
 
 
-MODELS = {"resnet50": _resnet50, "mobilenet_v3": _mobilenet, "vit_b16": _vit, "bert_base": _bert}
+MODELS = {
+    "resnet50": _resnet50,
+    "mobilenet_v3": _mobilenet,
+    "mobilenet_v3_large": _mobilenet_large,
+    "vit_b16": _vit,
+    "bert_base": _bert,
+}
 
 
 def _batches(example: Any) -> list[tuple[Any, Any]]:

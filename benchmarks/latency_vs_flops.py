@@ -286,7 +286,17 @@ def run_seed(name: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
     grid, their latency timed together, and one row per latency target. Returns
     ``{"rows": [...], "run": {...}}`` (the run: the grid's points and the timing)."""
     s = Subject.load(name, seed, args.threads, args.batch or NET_BATCH[name])
-    by_latency = [s.prune(target, "latency") for target in args.targets]
+    by_latency, refused = [], []
+    for target in args.targets:
+        try:
+            by_latency.append(s.prune(target, "latency"))
+        except ValueError as e:  # below the floor the prune can reach: refused, nothing pruned
+            if "out of reach" not in str(e):
+                raise
+            refused.append({"net": name, "seed": seed, "target": target,
+                            "metric": metric_of(name)[0], "refused": str(e), "difference": None,
+                            "latency_seconds": 0.0})  # fmt: skip
+            print(f"{name} s{seed} latency {target:.0%}: {e}", flush=True)
     by_flops = [s.prune(target, "flops") for target in args.flops_grid]
     shares, timing = s.shares(by_latency + by_flops)
     grid = [GridPoint(p.target, shares[p.label].median, p.quality) for p in by_flops]
@@ -302,6 +312,7 @@ def run_seed(name: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
             f"FLOPs-targeted at that share {found} {row['note']}",
             flush=True,
         )
+    rows += [{**r, "flops_seconds": flops_seconds} for r in refused]
     monotone = all(a.share >= b.share for a, b in itertools.pairwise(grid))
     if not monotone:
         print(f"{name} s{seed}: the grid's measured shares do not fall with its FLOPs targets "
@@ -355,7 +366,14 @@ def summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "flops_seconds": statistics.mean(r["flops_seconds"] for r in rs),
         }
         if not inside:
-            cells.append({**c, "verdict": "not compared: every measured share outside the grid"})
+            floors = [r["refused"].split("out of reach: ")[-1].split(", every")[0] for r in rs
+                      if "refused" in r]  # fmt: skip
+            why = (
+                f"refused on {len(floors)} of {len(rs)} seeds ({'; '.join(floors)})"
+                if floors
+                else "every measured share outside the grid"
+            )
+            cells.append({**c, "verdict": f"not compared: {why}"})
             continue
         for key in ("measured_share", "quality", "flops_quality", "difference"):
             c[key], c[f"{key}_sd"] = _mean_sd([r[key] for r in inside])

@@ -5,7 +5,11 @@
 * ``bert_base``: a BERT-base-sized encoder (12 post-LN blocks, hidden 768, 12 heads of 64, MLP
   3072, token + position embeddings, a classifier on the first token), input token ids (N, 128);
 * ``vit_b16``: a ViT-B/16-sized encoder (16x16 patches of a 224x224 image -> 196 tokens plus a
-  class token, 12 pre-LN blocks, hidden 768, 12 heads, MLP 3072), input (N, 3, 224, 224).
+  class token, 12 pre-LN blocks, hidden 768, 12 heads, MLP 3072), input (N, 3, 224, 224);
+* ``mobilenet_v3_large``: MobileNetV3-Large (Howard et al. 2019, table 1: a 3x3/2 stem of 16,
+  15 inverted residuals with 3x3 or 5x5 depthwise convolutions, squeeze-and-excitation and
+  hard-swish where the table has them, a 1x1 conv to 960, average pool, 1280 hidden units),
+  input (N, 3, 224, 224).
 
 The attention is written as users write it: q / k / v ``nn.Linear`` layers, heads split by
 ``view``, ``F.scaled_dot_product_attention``, an output ``nn.Linear``. ``apply_masks`` finds
@@ -18,7 +22,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["Encoder", "ResNet50", "build_bert_base", "build_resnet50", "build_vit_b16"]
+__all__ = [
+    "Encoder",
+    "MobileNetV3Large",
+    "ResNet50",
+    "build_bert_base",
+    "build_mobilenet_v3_large",
+    "build_resnet50",
+    "build_vit_b16",
+]
 
 NUM_CLASSES = 10
 
@@ -168,3 +180,101 @@ def build_bert_base(seed: int = 0, length: int = 128, layers: int = 12) -> Encod
 def build_vit_b16(seed: int = 0, layers: int = 12) -> Encoder:
     torch.manual_seed(seed)
     return Encoder(vocab=None, length=197, layers=layers)
+
+
+# ------------------------------------------------------------------ MobileNetV3-Large
+#: (kernel, expansion, output, squeeze-and-excitation, hard-swish, stride): the paper's table 1
+MOBILENET_V3_LARGE = (
+    (3, 16, 16, False, False, 1),
+    (3, 64, 24, False, False, 2),
+    (3, 72, 24, False, False, 1),
+    (5, 72, 40, True, False, 2),
+    (5, 120, 40, True, False, 1),
+    (5, 120, 40, True, False, 1),
+    (3, 240, 80, False, True, 2),
+    (3, 200, 80, False, True, 1),
+    (3, 184, 80, False, True, 1),
+    (3, 184, 80, False, True, 1),
+    (3, 480, 112, True, True, 1),
+    (3, 672, 112, True, True, 1),
+    (5, 672, 160, True, True, 2),
+    (5, 960, 160, True, True, 1),
+    (5, 960, 160, True, True, 1),
+)
+
+
+def _divisible(c: float, by: int = 8) -> int:
+    """``c`` rounded to a multiple of ``by``, never below 90% of it (the paper's widths)."""
+    rounded = max(by, int(c + by / 2) // by * by)
+    return rounded + by if rounded < 0.9 * c else rounded
+
+
+class SqueezeExcitation(nn.Module):
+    """Average pool, 1x1 to a quarter of the width (ReLU), 1x1 back, hard sigmoid, scale."""
+
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.reduce = nn.Conv2d(c, _divisible(c / 4), 1)
+        self.expand = nn.Conv2d(_divisible(c / 4), c, 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        scale = self.expand(F.relu(self.reduce(F.adaptive_avg_pool2d(x, 1))))
+        return x * F.hardsigmoid(scale)
+
+
+class InvertedResidual(nn.Module):
+    """1x1 expansion (when wider), kxk depthwise (stride), squeeze-and-excitation, 1x1
+    projection; the input added back where the shape is kept."""
+
+    def __init__(self, cin: int, spec: tuple[int, int, int, bool, bool, int]) -> None:
+        super().__init__()
+        k, hidden, cout, se, hs, stride = spec
+        act = nn.Hardswish if hs else nn.ReLU
+        layers: list[nn.Module] = []
+        if hidden != cin:
+            layers += [nn.Conv2d(cin, hidden, 1, bias=False), nn.BatchNorm2d(hidden), act()]
+        layers += [
+            nn.Conv2d(hidden, hidden, k, stride, k // 2, groups=hidden, bias=False),
+            nn.BatchNorm2d(hidden),
+            act(),
+        ]
+        if se:
+            layers.append(SqueezeExcitation(hidden))
+        layers += [nn.Conv2d(hidden, cout, 1, bias=False), nn.BatchNorm2d(cout)]
+        self.block = nn.Sequential(*layers)
+        self.residual = stride == 1 and cin == cout
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = self.block(x)
+        return x + out if self.residual else out
+
+
+class MobileNetV3Large(nn.Module):
+    """Stem, ``MOBILENET_V3_LARGE``'s blocks, 1x1 conv to 960, pool, 1280 hidden, classes."""
+
+    def __init__(self, num_classes: int = NUM_CLASSES) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(
+            nn.Conv2d(3, 16, 3, 2, 1, bias=False), nn.BatchNorm2d(16), nn.Hardswish()
+        )
+        blocks: list[nn.Module] = []
+        cin = 16
+        for spec in MOBILENET_V3_LARGE:
+            blocks.append(InvertedResidual(cin, spec))
+            cin = spec[2]
+        self.blocks = nn.Sequential(*blocks)
+        self.head = nn.Sequential(
+            nn.Conv2d(cin, 960, 1, bias=False), nn.BatchNorm2d(960), nn.Hardswish()
+        )
+        self.classifier = nn.Sequential(
+            nn.Linear(960, 1280), nn.Hardswish(), nn.Linear(1280, num_classes)
+        )
+
+    def forward(self, x: Tensor) -> Tensor:  # (N, 3, 224, 224)
+        x = self.head(self.blocks(self.stem(x)))  # (N, 960, 7, 7)
+        return self.classifier(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
+
+
+def build_mobilenet_v3_large(seed: int = 0) -> MobileNetV3Large:
+    torch.manual_seed(seed)
+    return MobileNetV3Large()
