@@ -106,6 +106,7 @@ from fisher_joint import FisherJoint
 from fisher_repair import FisherRepair
 from one_shot_text import TEXT_NETS, cache_dir, log_cell, result_fields, text_rows
 from paired import paired
+from standard_nets import InvertedResidual
 
 ROOT = Path(__file__).resolve().parent.parent
 TARGETS = (0.7, 0.5, 0.3)
@@ -143,32 +144,6 @@ class SqueezeExcite(nn.Module):
         return x * s
 
 
-class InvertedResidual(nn.Module):
-    """MobileNetV3's block: 1x1 expansion, depthwise kxk, optional SE, 1x1 projection."""
-
-    def __init__(self, cin: int, hidden: int, cout: int, se: bool, hs: bool, stride: int) -> None:
-        super().__init__()
-        act = nn.Hardswish if hs else nn.ReLU
-        layers: list[nn.Module] = []
-        if hidden != cin:
-            layers += [nn.Conv2d(cin, hidden, 1, bias=False), nn.BatchNorm2d(hidden), act()]
-        layers += [
-            nn.Conv2d(hidden, hidden, 3, stride, 1, groups=hidden, bias=False),
-            nn.BatchNorm2d(hidden),
-            act(),
-        ]
-        if se:
-            layers.append(SqueezeExcite(hidden))
-        layers += [nn.Conv2d(hidden, cout, 1, bias=False), nn.BatchNorm2d(cout)]
-        self.block = nn.Sequential(*layers)
-        self.residual = stride == 1 and cin == cout
-
-    def forward(self, x: Tensor) -> Tensor:
-        out = self.block(x)
-        return x + out if self.residual else out
-
-
-#: MobileNetV3-Small's blocks at half width: (hidden, out, SE, hardswish, stride)
 MOBILENET_BLOCKS = (
     (16, 16, True, False, 2),
     (36, 24, False, False, 2),
@@ -187,7 +162,7 @@ class MobileNetV3(nn.Module):
         )
         blocks, cin = [], 16
         for hidden, cout, se, hs, stride in MOBILENET_BLOCKS:
-            blocks.append(InvertedResidual(cin, hidden, cout, se, hs, stride))
+            blocks.append(InvertedResidual(cin, (3, hidden, cout, se, hs, stride), SqueezeExcite))
             cin = cout
         self.blocks = nn.Sequential(*blocks)
         self.head = nn.Sequential(

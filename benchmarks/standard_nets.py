@@ -18,6 +18,8 @@ on the encoders the heads of every block, the MLP units of every block and the h
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -223,10 +225,15 @@ class SqueezeExcitation(nn.Module):
 
 
 class InvertedResidual(nn.Module):
-    """1x1 expansion (when wider), kxk depthwise (stride), squeeze-and-excitation, 1x1
-    projection; the input added back where the shape is kept."""
+    """1x1 expansion (when wider), kxk depthwise (stride), squeeze-and-excitation
+    (``squeeze(width)``), 1x1 projection; the input added back where the shape is kept."""
 
-    def __init__(self, cin: int, spec: tuple[int, int, int, bool, bool, int]) -> None:
+    def __init__(
+        self,
+        cin: int,
+        spec: tuple[int, int, int, bool, bool, int],
+        squeeze: Callable[[int], nn.Module] = SqueezeExcitation,
+    ) -> None:
         super().__init__()
         k, hidden, cout, se, hs, stride = spec
         act = nn.Hardswish if hs else nn.ReLU
@@ -239,7 +246,7 @@ class InvertedResidual(nn.Module):
             act(),
         ]
         if se:
-            layers.append(SqueezeExcitation(hidden))
+            layers.append(squeeze(hidden))
         layers += [nn.Conv2d(hidden, cout, 1, bias=False), nn.BatchNorm2d(cout)]
         self.block = nn.Sequential(*layers)
         self.residual = stride == 1 and cin == cout

@@ -26,7 +26,7 @@ import math
 import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -198,15 +198,16 @@ class _Reach:
     floors: tuple[int | float, int]  # min_channels, round_to
     floor_power: float | None
     uniform: bool
+    whole: dict[str, str]  # masks left whole, with why (``uniform``, ``blocks="only"``)
+    width_floors: dict[str, int]  # ``floor_power``'s floor per mask (0: none)
+
+    def at_floor(self, masks: dict[str, MaskLayer]) -> AbstractContextManager[None]:
+        """``_at_floor`` of ``masks`` under these settings."""
+        return _at_floor(masks, self.whole, self.floors, self.width_floors)
 
 
 def _check_reach(
-    cost_model: CostModel,
-    masks: dict[str, MaskLayer],
-    whole: dict[str, str],
-    goal: float,
-    reach: _Reach,
-    width_floors: dict[str, int],
+    cost_model: CostModel, masks: dict[str, MaskLayer], goal: float, reach: _Reach
 ) -> None:
     """Refuse, before any signal is estimated or any weight changes, a target below the cost
     of the model with every mask it may prune at its floor (``_at_floor``): no selection
@@ -215,20 +216,18 @@ def _check_reach(
     Raises:
         ValueError: ``_refuse``'s.
     """
-    with _at_floor(masks, whole, reach.floors, width_floors):
+    with reach.at_floor(masks):
         floor = cost_model.total()
     if goal < floor:
-        _refuse(goal, floor, reach, whole, cost_model.latency is not None)
+        _refuse(goal, floor, reach, cost_model.latency is not None)
 
 
 def _check_timed_reach(
     loop: LatencyLoop,
     cost_model: CostModel,
     masks: dict[str, MaskLayer],
-    whole: dict[str, str],
     goal: float,
     reach: _Reach,
-    width_floors: dict[str, int],
 ) -> None:
     """After a latency check refitted the line: where the line prices every mask at its floor
     above ``goal``, time that floor whole (once a prune, ``LatencyLoop.time_floor``, which
@@ -240,25 +239,17 @@ def _check_timed_reach(
     """
     if not (loop.checks and loop.checks[-1].refitted) or any(c.floor for c in loop.checks):
         return
-    at_floor = lambda: _at_floor(masks, whole, reach.floors, width_floors)  # noqa: E731
-    with at_floor():
+    with reach.at_floor(masks):
         floor = cost_model.total()
     if floor <= goal:
         return
-    check = loop.time_floor(at_floor)
+    check = loop.time_floor(lambda: reach.at_floor(masks))
     if check.measured_share is not None and check.measured_share * loop.dense > goal:
         how = "as timed whole (LatencySpec.checks)"
-        _refuse(goal, check.measured_share * loop.dense, reach, whole, True, how)
+        _refuse(goal, check.measured_share * loop.dense, reach, True, how)
 
 
-def _refuse(
-    goal: float,
-    floor: float,
-    reach: _Reach,
-    whole: dict[str, str],
-    latency: bool,
-    how: str = "",
-) -> None:
+def _refuse(goal: float, floor: float, reach: _Reach, latency: bool, how: str = "") -> None:
     """Raise the refusal of ``goal``, below the ``floor`` the settings allow (``how``: where
     that floor comes from, when it was measured).
 
@@ -268,7 +259,7 @@ def _refuse(
             ``floor_power`` where it is set, and what to do instead.
     """
     min_channels, round_to = reach.floors
-    start = reach.start
+    start, whole = reach.start, reach.whole
     unit = "per forward pass" if latency else "per example"
     digits = 1 if f"{goal / start:.1%}" != f"{floor / start:.1%}" else 2  # never "0.5% < 0.5%"
     wanted = f"target {reach.target!r} ({goal / start:.{digits}%} of the cost, {goal:.6g} {unit})"
@@ -802,12 +793,14 @@ def prune_to_target(
         if blocks == "only":
             depth_only = "blocks='only' prunes whole blocks alone"  # (``_stuck_message`` reads it)
             whole.update({n: depth_only for n, m in masks.items() if not isinstance(m, BlockGate)})
-        reach = _Reach(target, start, (min_channels, round_to), floor_power, uniform)
+        reach = _Reach(
+            target, start, (min_channels, round_to), floor_power, uniform, whole, width_floors
+        )
         if loop is None:  # (with checks, its floor is priced on the prune's own timed states)
             if line is not None and goal < _narrowest_copy(line, start):
-                at_floor = lambda: _at_floor(masks, whole, reach.floors, width_floors)  # noqa: E731
+                at_floor = lambda: reach.at_floor(masks)  # noqa: E731
                 add_floor_knot(cost_model, model, example_inputs, at_floor, line)
-            _check_reach(cost_model, masks, whole, goal, reach, width_floors)
+            _check_reach(cost_model, masks, goal, reach)
         selection = _Selection(
             crit,
             cost_model,
@@ -859,7 +852,7 @@ def prune_to_target(
             if loop is not None and reached:
                 with clock("selection"):
                     g -= loop.reached(g - 1)  # the last goal again, on the refitted line
-                    _check_timed_reach(loop, cost_model, masks, whole, goal, reach, width_floors)
+                    _check_timed_reach(loop, cost_model, masks, goal, reach)
         result.cost_after = cost_model.total()
         if stuck:
             raise ValueError(
