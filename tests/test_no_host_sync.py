@@ -262,4 +262,3 @@ def test_ddp_signal_is_the_signal_of_the_whole_batch(ddp_records: list[dict[str,
         for name, m in masks.items():
             assert m.signal.abs().max() > 0
             torch.testing.assert_close(torch.tensor(rank["signals"][name]), m.signal)
-
