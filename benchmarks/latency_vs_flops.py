@@ -362,7 +362,9 @@ def summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "metric": rs[0]["metric"],
             "seeds": len(rs),
             "compared": len(inside),
-            "latency_seconds": statistics.mean(r["latency_seconds"] for r in rs),
+            "latency_seconds": statistics.mean(
+                [r["latency_seconds"] for r in rs if "refused" not in r] or [0.0]
+            ),
             "flops_seconds": statistics.mean(r["flops_seconds"] for r in rs),
         }
         if not inside:
@@ -379,7 +381,7 @@ def summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             c[key], c[f"{key}_sd"] = _mean_sd([r[key] for r in inside])
         binomial = 0.0
         if c["metric"] == ACCURACY:
-            p, n = c["quality"], rs[0]["test_examples"]
+            p, n = c["quality"], inside[0]["test_examples"]
             binomial = (p * (1 - p) / n) ** 0.5
         c["noise"] = max(c["quality_sd"], c["flops_quality_sd"], binomial)
         c["verdict"] = "equal or better" if c["difference"] + c["noise"] >= 0 else "worse"

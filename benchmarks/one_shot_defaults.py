@@ -144,6 +144,7 @@ class SqueezeExcite(nn.Module):
         return x * s
 
 
+#: MobileNetV3-Small's blocks at half width: (hidden, out, SE, hardswish, stride)
 MOBILENET_BLOCKS = (
     (16, 16, True, False, 2),
     (36, 24, False, False, 2),

@@ -279,3 +279,39 @@ def test_a_masked_model_is_timed_in_eager_as_served_without_its_masks(monkeypatc
     with torch.no_grad():
         torch.testing.assert_close(timed(x), expected, rtol=1e-5, atol=1e-6)
     assert fp.find_masks(net), "the model timed keeps its masks"
+
+
+def test_a_partly_pruned_masked_model_is_priced_on_its_dense_time(tmp_path, monkeypatch):
+    """The dense total a latency cost model is scaled to is the model with every mask at 1,
+    whatever its masks hold when it is built: the whole model is timed by the FLOPs of what
+    is actually run (``FlopCounterMode``), and a model with half of every mask at 0 gets the
+    latency scale and dense total of the same model unpruned (timed shrunk at its masks, it
+    got about a quarter of them)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from tests.test_latency_line import _flops_seconds
+
+    def counted(run, sync, blocks):
+        with FlopCounterMode(display=False) as counter:
+            run()
+        return counter.get_total_flops() * 1e-9
+
+    monkeypatch.setattr(lat.OpTimer, "seconds", _flops_seconds)
+    monkeypatch.setattr(lat, "_measure", counted)
+    x = torch.randn(2, 3, 8, 8)
+    priced = []
+    for zeroed in (False, True):
+        torch.manual_seed(0)
+        net = nn.Sequential(
+            nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.Conv2d(32, 48, 3, padding=1),
+            nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(48, 5),
+        ).eval()  # fmt: skip
+        fp.apply_masks(net, x)
+        if zeroed:
+            with torch.no_grad():
+                for m in fp.find_masks(net).values():
+                    m.mask[m.num_channels // 2 :] = 0.0
+        spec = LatencySpec(cache=tmp_path / "latency", threads=1, line_at=None)
+        cm = CostModel(net, x, "latency", latency=spec)
+        priced.append((cm.latency_scale, cm.dense_total()))
+    assert priced[1] == pytest.approx(priced[0], rel=1e-9), priced

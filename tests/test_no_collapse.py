@@ -182,7 +182,7 @@ def test_a_floor_power_that_cannot_meet_the_target_is_refused_up_front(trained: 
     with pytest.raises(ValueError, match="out of reach") as caught:
         _prune(net, reconstruct=False, floor_power=0.05)
     text = str(caught.value)
-    assert "floor_power=0.05" in text and "lower floor_power" in text, text
+    assert "floor_power=0.05" in text and "raise floor_power" in text, text
     assert f"its floor is {flops(31) / flops(32):.1%}" in text, (flops(31) / flops(32), text)
     assert not fp.find_masks(net)
     assert all(torch.equal(v, before[k]) for k, v in net.state_dict().items())

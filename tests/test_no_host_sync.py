@@ -8,6 +8,7 @@ its losses only every few steps on an accelerator."""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import socket
@@ -262,3 +263,24 @@ def test_ddp_signal_is_the_signal_of_the_whole_batch(ddp_records: list[dict[str,
         for name, m in masks.items():
             assert m.signal.abs().max() > 0
             torch.testing.assert_close(torch.tensor(rank["signals"][name]), m.signal)
+
+
+def test_a_copied_block_gate_reads_its_own_kept_flags() -> None:
+    """A deep copy's gate starts its mask's version again: the flags it reads are its own
+    after a prune's write (``record_values``) and after a write it was not told of, never the
+    original's cached ones."""
+    gate = BlockGate("blocks", 4)
+    for i in (0, 1):
+        with torch.no_grad():
+            gate.mask[i] = 0.0
+        gate.record_values(False)
+    twin = copy.deepcopy(gate)
+    with torch.no_grad():
+        twin.mask[2] = 0.0
+    twin.record_values(False)
+    assert twin.kept_blocks() == [False, False, False, True]
+    other = copy.deepcopy(gate)
+    with torch.no_grad():
+        other.mask[3] = 0.0
+    assert other.kept_blocks() == [False, False, True, False]
+    assert gate.kept_blocks() == [False, False, True, True]

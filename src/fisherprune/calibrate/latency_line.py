@@ -36,20 +36,19 @@ import logging
 import math
 import time
 import warnings
-from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
-import torch
 from torch import nn
 
 from fisherprune.cost import CostModel, LatencyCurve, LatencySpec
 from fisherprune.cost.latency import served, timing_threads, whole_model_seconds, with_batch
 from fisherprune.export.shrink import shrink
 from fisherprune.inputs import Inputs
-from fisherprune.masks import find_masks
+from fisherprune.masks import masks_kept
 
 log = logging.getLogger("fisherprune")
 
@@ -106,25 +105,6 @@ def _cut_entries(cost_model: CostModel, share: float) -> tuple[np.ndarray, dict[
     return entries, kept
 
 
-@contextmanager
-def _masks_kept(model: nn.Module, kept: dict[str, int]) -> Iterator[None]:
-    """For the block, every mask of ``model`` at one except those named in ``kept``, which keep
-    their first ``kept[name]`` channels; the masks are given back after, also on an error."""
-    masks = find_masks(model)
-    saved = {n: m.mask.detach().clone() for n, m in masks.items()}
-    try:
-        with torch.no_grad():
-            for name, m in masks.items():
-                m.mask.fill_(1.0)
-                if name in kept:
-                    m.mask[kept[name] :] = 0.0
-        yield
-    finally:
-        with torch.no_grad():
-            for name, m in masks.items():
-                m.mask.copy_(saved[name])
-
-
 def _timed_shares(
     model: nn.Module, smalls: list[nn.Module], inputs: Any, spec: LatencySpec
 ) -> list[float]:
@@ -133,7 +113,7 @@ def _timed_shares(
     the other; per small one the median of the rounds' ratios (a drift of the machine's
     speed cancels out of each). The masks are given back after."""
     ratios: list[list[float]] = [[] for _ in smalls]
-    with timing_threads(spec), _masks_kept(model, {}):  # the model itself, dense
+    with timing_threads(spec), masks_kept(model, {}):  # the model itself, dense
         timed_dense = served(model, inputs, spec)
         timed = [served(s, inputs, spec) for s in smalls]
         for _ in range(ROUNDS):
@@ -308,7 +288,7 @@ def _shrunk_copy(
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            with _masks_kept(model, kept):
+            with masks_kept(model, kept):
                 copy.small = shrink(model, inputs, check=False)
     except Exception as e:  # any model shrink refuses at these widths is not timed
         copy.reason = f"the copy with {share:g} of every width was not shrunk ({e})"

@@ -134,7 +134,11 @@ def _stuck_message(
     """Why the cost stays above the target: every prunable mask at its floor (``floor_power``'s
     named where it is set), and the masks ``uniform=True`` or ``blocks="only"`` keeps whole
     (with the first reason) when there are any."""
-    power = "" if floor_power is None else f", floor_power={floor_power}: lower it or unset it"
+    power = (
+        ""
+        if floor_power is None
+        else f", floor_power={floor_power}: raise it (a higher power lowers the floor) or unset it"
+    )
     floor = f"(min_channels={min_channels}, round_to={round_to}{power})"
     gap = f"the cost {result.cost_after:.6g} stays above the target {goal:.6g}"
     if not result.kept_whole:
@@ -244,7 +248,8 @@ def _check_timed_reach(
     if floor <= goal:
         return
     check = loop.time_floor(lambda: reach.at_floor(masks))
-    if check.measured_share is not None and check.measured_share * loop.dense > goal:
+    load = check.measured_share is None or (not check.refitted and "load" in check.reason)
+    if not load and check.measured_share * loop.dense > goal:  # (a burst of load: go on)
         how = "as timed whole (LatencySpec.checks)"
         _refuse(goal, check.measured_share * loop.dense, reach, True, how)
 
@@ -288,7 +293,7 @@ def _refuse(goal: float, floor: float, reach: _Reach, latency: bool, how: str = 
         )
     else:
         if reach.floor_power is not None:
-            lower = "lower floor_power or unset it"
+            lower = "raise floor_power, a higher power lowers the floor, or unset it"
         elif (min_channels, round_to) == (1, 1):
             lower = "the rest is what removing channels does not change"
         else:
@@ -296,7 +301,9 @@ def _refuse(goal: float, floor: float, reach: _Reach, latency: bool, how: str = 
         where = ""
         advice = (
             f"every mask at its floor {floor_text}, so pruning towards it would leave every "
-            f"layer that thin and still miss it ({lower}). Choose {at_least}"
+            f"layer that thin and still miss it ({lower})"
+            # (floor_power's floor moves with the target: no target is named)
+            + ("" if reach.floor_power is not None else f". Choose {at_least}")
         )
     raise ValueError(
         f"{wanted} is out of reach{where}: {reach_text}, {advice}; nothing was changed"
@@ -306,15 +313,17 @@ def _refuse(goal: float, floor: float, reach: _Reach, latency: bool, how: str = 
 def _give_back(
     model: nn.Module,
     masks: dict[str, MaskLayer],
-    dense: dict[str, Tensor],
-    ones: dict[str, bool],
+    found: tuple[dict[str, Tensor], dict[str, bool], dict[str, Tensor]],
     masked_here: bool,
 ) -> None:
-    """Put every mask back as the call found it (``dense``, and whether it was all ones),
-    and remove the masks the call added (``masked_here``). Changes: the masks."""
+    """Put every mask back as the call found it (``found``: its values, whether they were all
+    ones, its ``signal`` buffer), and remove the masks the call added (``masked_here``).
+    Changes: the masks."""
+    dense, ones, signals = found
     with torch.no_grad():
         for n, m in masks.items():
             m.mask.copy_(dense[n])
+            m.signal.copy_(signals[n])
             m.record_values(ones[n])
     if masked_here:
         remove_masks(model)
@@ -782,6 +791,7 @@ def prune_to_target(
         loop = LatencyLoop.planned(cost_model, model, example_inputs, goal, goals)
         dense = {n: m.mask.detach().clone() for n, m in masks.items()}
         ones = {n: m.is_all_ones() for n, m in masks.items()}
+        signals = {n: m.signal.detach().clone() for n, m in masks.items()}
         share = 0.0 if floor_power is None else (goal / start) ** floor_power
         width_floors = {n: math.ceil(m.kept * share - 1e-9) for n, m in masks.items()}
         dense_flops = start  # a forward of the masked model costs the dense model's FLOPs
@@ -797,7 +807,7 @@ def prune_to_target(
             target, start, (min_channels, round_to), floor_power, uniform, whole, width_floors
         )
         if loop is None:  # (with checks, its floor is priced on the prune's own timed states)
-            if line is not None and goal < _narrowest_copy(line, start):
+            if line is not None and goal < _narrowest_copy(line, cost_model.dense_total()):
                 at_floor = lambda: reach.at_floor(masks)  # noqa: E731
                 add_floor_knot(cost_model, model, example_inputs, at_floor, line)
             _check_reach(cost_model, masks, goal, reach)
@@ -852,7 +862,8 @@ def prune_to_target(
             if loop is not None and reached:
                 with clock("selection"):
                     g -= loop.reached(g - 1)  # the last goal again, on the refitted line
-                    _check_timed_reach(loop, cost_model, masks, goal, reach)
+                    if g <= goals:  # (a finished prune's end state is its last check)
+                        _check_timed_reach(loop, cost_model, masks, goal, reach)
         result.cost_after = cost_model.total()
         if stuck:
             raise ValueError(
@@ -861,7 +872,7 @@ def prune_to_target(
                 "nothing was changed"
             )
     except BaseException:
-        _give_back(model, masks, dense, ones, masked_here)
+        _give_back(model, masks, (dense, ones, signals), masked_here)
         raise
     finally:
         if norms is not None:

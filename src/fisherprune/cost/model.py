@@ -43,7 +43,7 @@ from fisherprune.graph.channels import ChannelGraph
 from fisherprune.graph.trace import Trace, trace_model
 from fisherprune.graph.types import OpRecord, Slot
 from fisherprune.inputs import batch_size
-from fisherprune.masks import MaskLayer, find_masks
+from fisherprune.masks import MaskLayer, find_masks, masks_kept
 
 __all__ = ["CostModel", "CostReport", "MarginalCosts", "computational_cost"]
 
@@ -285,11 +285,12 @@ class CostModel:
         operators' sum ``summed``; the table is saved when its operators are plausible beside
         the model timed whole in eager (a compiled form may well run faster than its eager
         operators)."""
-        whole = whole_model_seconds(model, example_inputs, spec) / UNIT
-        eager = whole
-        if spec.form != "eager":
-            eager_spec = dataclasses.replace(spec, form="eager")
-            eager = whole_model_seconds(model, example_inputs, eager_spec) / UNIT
+        with masks_kept(model, {}):  # the dense model, whatever the masks hold now
+            whole = whole_model_seconds(model, example_inputs, spec) / UNIT
+            eager = whole
+            if spec.form != "eager":
+                eager_spec = dataclasses.replace(spec, form="eager")
+                eager = whole_model_seconds(model, example_inputs, eager_spec) / UNIT
         table.save_if_plausible(summed, eager)
         # what the operators alone miss (the Python between them, caches a lone operator
         # keeps warm) is spread over them in proportion

@@ -9,7 +9,8 @@ to the served form's time. ``serve`` builds that form once; ``whole_model_second
 
 Forms, built with the project's own exporters:
 
-* ``eager``: the module itself (a copy only where it lives on another device or dtype);
+* ``eager``: the module itself, or a copy shrunk at its masks where it has any (and a copy
+  where it lives on another device or dtype);
 * ``torchscript``: traced and frozen (``frozen_for_serving``, what
   ``export_model(format="torchscript", freeze=True)`` writes), on the CPU or a GPU;
 * ``aoti``: an AOTInductor package (``export_model(format="aoti")``, loaded back), CPU only;

@@ -61,9 +61,10 @@ class BlockGate(MaskLayer):
         #: qualified name of the ModuleList whose entries the gate scales
         self.list_path = list_path
         # every block kept: known without reading the new mask back
-        self._kept_known: tuple[Tensor, int, list[bool]] | None = (
+        self._kept_known: tuple[Tensor, int, int, list[bool]] = (
             self.mask,
             self.mask._version,
+            self.mask.data_ptr(),
             [True] * num_blocks,
         )
 
@@ -71,17 +72,22 @@ class BlockGate(MaskLayer):
         """As ``MaskLayer.record_values``, and read which blocks are kept now, in the caller
         that has just written the gate (a prune), not in the next forward."""
         super().record_values(all_ones)
-        self.kept_blocks()
+        self._kept_known = self._read_kept()
 
     def kept_blocks(self) -> list[bool]:
         """Whether each block is kept (its entry above 0.5), read from the mask on the host
         once per write to it: a forward makes no host read (a GPU no synchronisation) unless
         the gate changed since the last (a prune, a load)."""
-        known = self._kept_known
-        if known is None or known[0] is not self.mask or known[1] != self.mask._version:
-            known = (self.mask, self.mask._version, (self.mask > 0.5).tolist())
-            self._kept_known = known
-        return known[2]
+        known, mask = self._kept_known, self.mask
+        if known[0] is not mask or known[1] != mask._version or known[2] != mask.data_ptr():
+            known = self._kept_known = self._read_kept()
+        return known[3]
+
+    def _read_kept(self) -> tuple[Tensor, int, int, list[bool]]:
+        """The kept flags read back now, keyed by the mask, its version and its storage (a
+        copy's mask starts its version again, in storage of its own)."""
+        mask = self.mask
+        return (mask, mask._version, mask.data_ptr(), (mask > 0.5).tolist())
 
     def block_names(self) -> list[str]:
         """Qualified module name of each gated block, in order."""

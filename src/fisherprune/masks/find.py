@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 
+import torch
 from torch import nn
 
 from fisherprune.masks.layer import MaskLayer
 
-__all__ = ["MaskSet", "as_mask_dict", "find_masks"]
+__all__ = ["MaskSet", "as_mask_dict", "find_masks", "masks_kept"]
 
 MaskSet = Mapping[str, MaskLayer] | Iterable[MaskLayer]
 
@@ -16,6 +18,26 @@ MaskSet = Mapping[str, MaskLayer] | Iterable[MaskLayer]
 def find_masks(model: nn.Module) -> dict[str, MaskLayer]:
     """Return every MaskLayer of ``model`` keyed by its qualified name, in module order."""
     return {name: m for name, m in model.named_modules() if isinstance(m, MaskLayer)}
+
+
+@contextmanager
+def masks_kept(model: nn.Module, kept: Mapping[str, int]) -> Iterator[None]:
+    """For the block, every mask of ``model`` at one except those named in ``kept``, which keep
+    their first ``kept[name]`` channels (``{}``: the dense model); the masks are given back
+    after, also on an error."""
+    masks = find_masks(model)
+    saved = {n: m.mask.detach().clone() for n, m in masks.items()}
+    try:
+        with torch.no_grad():
+            for name, m in masks.items():
+                m.mask.fill_(1.0)
+                if name in kept:
+                    m.mask[kept[name] :] = 0.0
+        yield
+    finally:
+        with torch.no_grad():
+            for name, m in masks.items():
+                m.mask.copy_(saved[name])
 
 
 def as_mask_dict(masks: MaskSet) -> dict[str, MaskLayer]:
