@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
 import fisherprune as fp
+from fisherprune.masks.blocks import BlockGate
 
 transformers = pytest.importorskip("transformers")
 
@@ -45,3 +48,49 @@ def test_blocks_bad_value_is_refused() -> None:
     model, x = _llama()
     with pytest.raises(ValueError, match="only"):
         fp.prune_to_target(model, x, [(x, None)], "50%", blocks="depth")
+
+
+class _Residual(torch.nn.Module):
+    """x + down(relu(up(x))), hidden width ``h``."""
+
+    def __init__(self, h: int) -> None:
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(32, h), torch.nn.Linear(h, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class _Widths(torch.nn.Module):
+    """Residual MLP blocks of one class but of hidden widths ``hidden``."""
+
+    def __init__(self, hidden: list[int]) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(16, 32)
+        self.layers = torch.nn.ModuleList(_Residual(h) for h in hidden)
+        self.out = torch.nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for block in self.layers:
+            x = block(x)
+        return self.out(x)
+
+
+@pytest.mark.parametrize("hidden", [[512, 8, 8, 8], [8, 8, 8, 512]])
+def test_the_floor_keeps_the_cheapest_blocks_wherever_they_are(hidden: list[int]) -> None:
+    """blocks='only' to 20% of the FLOPs: reachable by keeping one 8-wide block, wherever the
+    512-wide block sits (the floor priced by gating off the first blocks refused it when the
+    wide one came last), and met with the wide block gated off."""
+    torch.manual_seed(0)
+    net, x = _Widths(hidden), torch.randn(8, 16)
+    labels = torch.randint(0, 4, (8,))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = fp.prune_to_target(
+            net, x[:1], [(x, labels)], 0.2, loss_fn=torch.nn.functional.cross_entropy,
+            blocks="only", reconstruct=False,
+        )  # fmt: skip
+    assert result.cost_after <= result.target
+    gate = next(m for m in fp.find_masks(net).values() if isinstance(m, BlockGate))
+    assert gate.kept_blocks()[hidden.index(512)] is False

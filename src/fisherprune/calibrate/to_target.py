@@ -25,7 +25,7 @@ import logging
 import math
 import time
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -163,11 +163,14 @@ def _at_floor(
     whole: dict[str, str],
     floors: tuple[int | float, int],
     width_floors: dict[str, int],
+    marginal: Mapping[str, Tensor],
 ) -> Iterator[None]:
     """Inside: every mask it may prune (all but ``whole``) thinned, from where it is now, to
     its floor (``floors``: ``min_channels``, ``round_to``; above that, ``width_floors``:
-    ``floor_power``'s), as the selection's own floor counts it (which channels go does not
-    change a cost). On exit the masks are put back as they were."""
+    ``floor_power``'s), as the selection's own floor counts it, keeping the channels whose
+    ``marginal`` cost now is lowest (the blocks of one list may differ in width, the channels
+    of one mask in what a user pruned around them). On exit the masks are put back as they
+    were."""
     min_channels, round_to = floors
     saved = {n: (m.mask.detach().clone(), m.is_all_ones()) for n, m in masks.items()}
     try:
@@ -177,7 +180,9 @@ def _at_floor(
                 least = max(mask_floor(min_channels, m), width_floors.get(n, 0))
                 keep = lowest_kept(alive.numel(), least, rounding(m, round_to))
                 if n not in whole and keep < alive.numel():
-                    m.mask[alive[: alive.numel() - keep]] = 0.0
+                    cost = marginal[n].to(alive.device)[alive]
+                    dearest = alive[torch.argsort(cost, descending=True, stable=True)]
+                    m.mask[dearest[: alive.numel() - keep]] = 0.0
         yield
     finally:
         with torch.no_grad():
@@ -205,9 +210,12 @@ class _Reach:
     whole: dict[str, str]  # masks left whole, with why (``uniform``, ``blocks="only"``)
     width_floors: dict[str, int]  # ``floor_power``'s floor per mask (0: none)
 
-    def at_floor(self, masks: dict[str, MaskLayer]) -> AbstractContextManager[None]:
+    def at_floor(
+        self, masks: dict[str, MaskLayer], cost_model: CostModel
+    ) -> AbstractContextManager[None]:
         """``_at_floor`` of ``masks`` under these settings."""
-        return _at_floor(masks, self.whole, self.floors, self.width_floors)
+        marginal = cost_model.report().marginal
+        return _at_floor(masks, self.whole, self.floors, self.width_floors, marginal)
 
 
 def _check_reach(
@@ -220,7 +228,7 @@ def _check_reach(
     Raises:
         ValueError: ``_refuse``'s.
     """
-    with reach.at_floor(masks):
+    with reach.at_floor(masks, cost_model):
         floor = cost_model.total()
     if goal < floor:
         _refuse(goal, floor, reach, cost_model.latency is not None)
@@ -243,11 +251,11 @@ def _check_timed_reach(
     """
     if not (loop.checks and loop.checks[-1].refitted) or any(c.floor for c in loop.checks):
         return
-    with reach.at_floor(masks):
+    with reach.at_floor(masks, cost_model):
         floor = cost_model.total()
     if floor <= goal:
         return
-    check = loop.time_floor(lambda: reach.at_floor(masks))
+    check = loop.time_floor(lambda: reach.at_floor(masks, cost_model))
     load = check.measured_share is None or (not check.refitted and "load" in check.reason)
     if not load and check.measured_share * loop.dense > goal:  # (a burst of load: go on)
         how = "as timed whole (LatencySpec.checks)"
@@ -808,7 +816,7 @@ def prune_to_target(
         )
         if loop is None:  # (with checks, its floor is priced on the prune's own timed states)
             if line is not None and goal < _narrowest_copy(line, cost_model.dense_total()):
-                at_floor = lambda: reach.at_floor(masks)  # noqa: E731
+                at_floor = lambda: reach.at_floor(masks, cost_model)  # noqa: E731
                 add_floor_knot(cost_model, model, example_inputs, at_floor, line)
             _check_reach(cost_model, masks, goal, reach)
         selection = _Selection(
