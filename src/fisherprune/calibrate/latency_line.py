@@ -392,6 +392,19 @@ class LatencyCheck:
         """Plain JSON-able fields (reports)."""
         return asdict(self)
 
+    @property
+    def off(self) -> float | None:
+        """Measured over predicted share, less 1 (None: not timed)."""
+        return (
+            None if self.measured_share is None else self.measured_share / self.predicted_share - 1
+        )
+
+    @property
+    def trusted(self) -> bool:
+        """Timed, and within ``CHECK_TOLERANCE`` of its price (further: taken for other load
+        while timing, not for the line's error)."""
+        return self.off is not None and abs(self.off) <= CHECK_TOLERANCE
+
 
 def check_latency(
     cost_model: CostModel, model: nn.Module, example_inputs: Any, dense: float, goal: int = 0
@@ -536,11 +549,11 @@ class LatencyLoop:
         """The line through ``check``'s state and the path's last point ``CHECK_SPAN`` wider,
         unless a guard says no (``check.reason``)."""
         x, y = check.operators_share, float(check.measured_share)
-        off = y / check.predicted_share - 1
-        if abs(off) > CHECK_TOLERANCE:
+        if not check.trusted:
             check.reason = (
                 f"timed at {y:.1%} of the dense model where the line prices it at "
-                f"{check.predicted_share:.1%} ({off:+.0%}): taken for other load while timing"
+                f"{check.predicted_share:.1%} ({check.off:+.0%}): taken for other load while "
+                "timing"
             )
             return
         x0, y0 = next((p for p in reversed(self.path) if p[0] - x >= CHECK_SPAN), (x, y))

@@ -256,8 +256,7 @@ def _check_timed_reach(
     if floor <= goal:
         return
     check = loop.time_floor(lambda: reach.at_floor(masks, cost_model))
-    load = check.measured_share is None or (not check.refitted and "load" in check.reason)
-    if not load and check.measured_share * loop.dense > goal:  # (a burst of load: go on)
+    if check.trusted and check.measured_share * loop.dense > goal:  # (load while timing: go on)
         how = "as timed whole (LatencySpec.checks)"
         _refuse(goal, check.measured_share * loop.dense, reach, True, how)
 

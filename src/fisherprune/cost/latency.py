@@ -415,9 +415,10 @@ class LatencyTable:
         self, key: str, run: Callable[[], Any], sync: Callable[[], None], blocks: int
     ) -> float:
         """Seconds per call of ``run``: from the table, else measured (one warm-up call, then
-        ``blocks`` blocks of at least ``BLOCK_SECONDS``; the fastest) and added."""
+        ``blocks`` blocks of at least ``BLOCK_SECONDS``; the fastest) and added. A key the
+        table holds as not timed (-1) is measured: the caller has just run it."""
         got = self.entries.get(key)
-        if got is None:
+        if got is None or got < 0:
             self.warn_if_loaded()
             got = self.entries[key] = _measure(run, sync, blocks)
             self.measured += 1
