@@ -21,6 +21,7 @@ from torch import Tensor, nn
 
 import fisherprune as fp
 from fisherprune.cost import CostModel
+from fisherprune.cost.latency import LatencySpec, served
 from fisherprune.masks import layer as mask_layer
 from fisherprune.train.models import build_model
 from tests.test_device_independence import structure
@@ -212,3 +213,33 @@ def test_fused_per_example_dot_runs_on_cuda(dtype: torch.dtype) -> None:
     assert got.dtype == torch.float32
     want = (g.double() * x.double()).sum((2, 3))
     torch.testing.assert_close(got.double(), want, **DOT_TOLERANCE[dtype])
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="torch sees no CUDA device")
+def test_a_zero_filled_output_is_served_as_a_cuda_graph() -> None:
+    """A shrunk base model whose returned width lost channels (zero-filled back by its
+    ``OutputFill`` hook) is captured and replayed as a CUDA graph, giving the masked model's
+    outputs (the CPU twin: ``test_output_width``'s index copied to a device once)."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.BertConfig(
+        vocab_size=100,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        max_position_embeddings=40,
+    )
+    model = transformers.BertModel(cfg).eval().cuda()
+    ids = torch.randint(3, 100, (2, 12), device="cuda")
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    masks = fp.apply_masks(model, inputs)
+    with torch.no_grad():
+        masks["fisherprune_masks.embeddings_word_embeddings:dim1"].mask[::3] = 0.0
+        want = model(**inputs).last_hidden_state
+    form = served(model, inputs, LatencySpec(device="cuda", form="cuda_graphs"))
+    with torch.inference_mode():
+        form.run()
+    torch.cuda.synchronize()
+    got = form.keep[-1].last_hidden_state
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)

@@ -301,3 +301,45 @@ def test_a_uniform_base_model_loads_back_from_pretrained_with_its_kept_channels(
         got = back(**TEXT).last_hidden_state
     assert got.shape == (B, IDS.shape[1], small.config.d_model)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+
+def test_the_fill_copies_its_index_to_a_device_once(monkeypatch) -> None:
+    """The zero-fill hook copies its kept positions to the output's device on the first call
+    only: a copy from the host in every call would wait for a GPU and cannot be captured in a
+    CUDA graph (the H200's ``cuda_graphs`` serving form failed on it). A pickled model carries
+    no device copies."""
+    build, inputs = MODELS["bert"]
+    torch.manual_seed(0)
+    model = build().eval()
+    masks = fp.apply_masks(model, inputs)
+    with torch.no_grad():
+        masks["fisherprune_masks.embeddings_word_embeddings:dim1"].mask[::3] = 0.0
+    small = fp.shrink(model, inputs)
+    fill = output_fill(small)
+    assert fill is not None
+    with torch.no_grad():
+        first = small(**inputs)  # the hook has run once: its index is on the device
+        narrow = first.last_hidden_state[..., fill.outputs[0].kept]
+        copies: list[Tensor] = []
+        real_to = Tensor.to
+
+        def spy(self: Tensor, *args, **kwargs):
+            copies.append(self)
+            return real_to(self, *args, **kwargs)
+
+        monkeypatch.setattr(Tensor, "to", spy)
+        again = fill(small, (), type(first)(last_hidden_state=narrow))
+        monkeypatch.undo()
+    assert copies == []
+    torch.testing.assert_close(again.last_hidden_state, first.last_hidden_state, rtol=0, atol=0)
+    saved = io.BytesIO()
+    torch.save(small, saved)
+    saved.seek(0)
+    back = output_fill(torch.load(saved, weights_only=False))
+    assert (
+        back is not None
+        and back._on_device == {}
+        and back.index(next(iter(back._index)), torch.device("cpu")).equal(
+            fill.index(next(iter(fill._index)), torch.device("cpu"))
+        )
+    )

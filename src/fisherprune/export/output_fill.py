@@ -47,6 +47,21 @@ class OutputFill:
         self._index = {
             o.path + f"/{o.dim}": torch.tensor(o.kept, dtype=torch.long) for o in self.outputs
         }
+        #: ``_index`` copied to each device it was used on, once: a copy from the host in every
+        #: call would make each call wait for a GPU, and cannot be captured in a CUDA graph
+        self._on_device: dict[tuple[str, torch.device], Tensor] = {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled (``torch.save`` of the whole module) without the device copies."""
+        return {**self.__dict__, "_on_device": {}}
+
+    def index(self, key: str, device: torch.device) -> Tensor:
+        """The kept positions of output ``key`` (``path/dim``) as a long tensor on ``device``,
+        copied there on the first call for that device and reused after."""
+        got = self._on_device.get((key, device))
+        if got is None:
+            got = self._on_device[(key, device)] = self._index[key].to(device)
+        return got
 
     def _fill(self, path: str):
         def go(t: Tensor) -> Tensor:
@@ -61,7 +76,7 @@ class OutputFill:
                     )
                 shape = list(t.shape)
                 shape[o.dim] = o.size
-                idx = self._index[o.path + f"/{o.dim}"].to(t.device)
+                idx = self.index(o.path + f"/{o.dim}", t.device)
                 t = t.new_zeros(shape).index_copy(o.dim, idx, t)
             return t
 
@@ -78,7 +93,7 @@ class OutputFill:
             def go(t: Tensor) -> Tensor:
                 for o in self.outputs:
                     if o.path == path and t.dim() > o.dim and t.shape[o.dim] == o.size:
-                        idx = self._index[o.path + f"/{o.dim}"].to(t.device)
+                        idx = self.index(o.path + f"/{o.dim}", t.device)
                         t = t.index_select(o.dim, idx)
                 return t
 
