@@ -10,9 +10,11 @@
 #   6. benchmarks/latency_prediction.py on the GPU (issue 32, point 3): the latency table's
 #      prediction against the shrunk model timed whole, bf16, batch 32, eager then CUDA graphs.
 # GPU_SPECS="model:seconds:compile flag:tag ..." chooses the gpu.py runs; LATENCY_MODELS the
-# latency_prediction ones (empty: skipped); T_* the other limits. T_ALL (default 570 s) bounds
-# the whole script, so that it fits one 600 s device command: a part gets what is left of it
-# when that is less than its own limit, and is skipped with under 30 s left.
+# latency_prediction ones (empty: skipped), LATENCY_FORMS / LATENCY_TARGETS / LATENCY_BATCH its
+# forms, targets and batch; PROFILE_MODELS the profiled ones (empty: skipped); T_* the limits.
+# T_ALL (default 570 s) bounds the whole script, so that it fits one 600 s device command: a
+# part gets what is left of it when that is less than its own limit, and is skipped with under
+# 30 s left.
 # $OUT holds all.log, logs.tgz (every part's own log, packed after each part: a device
 # command brings back at most 8 files) and each part's JSON.
 set -u
@@ -69,7 +71,8 @@ for form in ${LATENCY_FORMS-eager cuda_graphs}; do
   t=$(limit "${T_LATENCY:-150}"); enough "$t" "latency_prediction $form" || continue
   t0=$SECONDS  # --threads: the trace and the shrinks run on the CPU at batch 32 (no CPU timing here)
   timeout "$t" python3 benchmarks/latency_prediction.py --models ${LATENCY_MODELS-bert_base} \
-    --device cuda:0 --dtype bfloat16 --batch 32 --checks 0 --rounds 5 --form "$form" \
+    --device cuda:0 --dtype bfloat16 --batch "${LATENCY_BATCH:-32}" --checks 0 --rounds 5 \
+    --form "$form" --targets ${LATENCY_TARGETS:-50% 25%} \
     --threads "${LATENCY_THREADS:-$(nproc)}" \
     --out "$OUT/latency_prediction_$form.json" >"$logs/latency_prediction_$form.log" 2>&1
   say "== latency_prediction $form rc=$? $((SECONDS - t0))s"; tail -n 8 "$logs/latency_prediction_$form.log" | tee -a "$log"; pack
