@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -25,7 +25,7 @@ from torch import Tensor, nn
 
 from fisherprune.masks import recompute, tracing
 
-__all__ = ["MaskLayer", "all_ones", "gather_through", "log_input_changed"]
+__all__ = ["MaskLayer", "all_ones", "buffers_key", "gather_through", "log_input_changed"]
 
 log = logging.getLogger("fisherprune")
 
@@ -130,14 +130,15 @@ class _MaskMultiply(torch.autograd.Function):
     the examples; ``to_examples`` (or None where the rows of that dim are the examples) maps
     the per-row gradients to per-example ones before they are handed over (rows that are
     tokens, or rows selected by data: ``fisherprune.masks.row_tracker``).
+
+    The arguments other than ``x`` and ``mult`` come as one tuple, ``spec``: ``(owner, index,
+    dim, identity, to_examples, batch_dim)`` (``Function.apply`` pays per argument).
     """
 
     @staticmethod
-    def forward(ctx, x, mult, owner, index, dim, identity, to_examples, batch_dim):  # type: ignore[override]
-        ctx.owner, ctx.index, ctx.dim, ctx.identity = owner, index, dim, identity
-        ctx.batch_dim = batch_dim
-        ctx.to_examples = to_examples
-        if identity:
+    def forward(ctx, x, mult, spec):  # type: ignore[override]
+        ctx.spec = spec
+        if spec[3]:  # identity
             # kept off save_for_backward: its version check would turn a legal in-place
             # op downstream into an error; the version is compared in backward instead
             ctx.x, ctx.version = x, x._version
@@ -147,7 +148,8 @@ class _MaskMultiply(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        if ctx.identity:
+        owner, index, dim, identity, to_examples, batch_dim = ctx.spec
+        if identity:
             # freed here, not kept with the graph: an attribute of ctx (unlike a saved tensor)
             # would hold every masked activation until the whole backward ends
             x, mult, ctx.x = ctx.x, None, None
@@ -155,17 +157,17 @@ class _MaskMultiply(torch.autograd.Function):
         else:
             (x, mult), changed = ctx.saved_tensors, False
         if changed:
-            ctx.owner.input_changed_in_place()
+            owner.input_changed_in_place()
         else:
             g = grad.detach() if grad.requires_grad else grad  # create_graph: keep no graph
-            dot = _per_example_channel_dot(g, x, ctx.dim, ctx.batch_dim)  # (rows, C)
-            if ctx.to_examples is not None:
-                dot = ctx.to_examples(dot)  # (N, C), before anything is squared
-            ctx.owner.accumulate(dot, ctx.index)
+            dot = _per_example_channel_dot(g, x, dim, batch_dim)  # (rows, C)
+            if to_examples is not None:
+                dot = to_examples(dot)  # (N, C), before anything is squared
+            owner.accumulate(dot, index)
         grad_x = None
         if ctx.needs_input_grad[0]:
             grad_x = grad if mult is None else grad * mult
-        return grad_x, None, None, None, None, None, None, None
+        return grad_x, None, None
 
 
 def gather_through(
@@ -188,12 +190,22 @@ def gather_through(
         # then the multiplier requires grad, so that backward still reaches the mask
         # (a mask on the model input, or after frozen layers)
         mult = mult.detach().requires_grad_()
-    return _MaskMultiply.apply(x, mult, owner, index, dim, identity, to_examples, batch_dim)
+    return _MaskMultiply.apply(x, mult, (owner, index, dim, identity, to_examples, batch_dim))
 
 
-def all_ones(masks: list[MaskLayer], cache: dict[str, Any]) -> bool:
-    """Whether every mask is all ones, recomputed only when a mask buffer changed."""
-    key = tuple((id(m.mask), m.mask._version) for m in masks)
+def buffers_key(buffers: Sequence[Tensor]) -> tuple[int, ...]:
+    """The id, then the version, of each mask buffer: the same on two calls exactly when none
+    was replaced or written in place in between (what the caches of a mask's users key on)."""
+    return (*map(id, buffers), *[b._version for b in buffers])
+
+
+def all_ones(
+    masks: list[MaskLayer], cache: dict[str, Any], key: tuple[int, ...] | None = None
+) -> bool:
+    """Whether every mask is all ones, recomputed only when a mask buffer changed. ``key``:
+    ``buffers_key`` of the masks' buffers, where the caller has it already."""
+    if key is None:
+        key = buffers_key([m.mask for m in masks])
     if cache.get("key") != key:
         cache["key"] = key
         cache["tensors"] = [m.mask for m in masks]  # alive, so that their ids stay theirs

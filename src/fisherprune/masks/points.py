@@ -22,7 +22,13 @@ import torch
 from torch import Tensor, nn
 
 from fisherprune.masks import recompute, tracing
-from fisherprune.masks.layer import MaskLayer, all_ones, gather_through, log_input_changed
+from fisherprune.masks.layer import (
+    MaskLayer,
+    all_ones,
+    buffers_key,
+    gather_through,
+    log_input_changed,
+)
 from fisherprune.masks.norm_points import NormPoint
 from fisherprune.masks.output_points import OutputMasks
 from fisherprune.masks.row_tracker import BatchProbe, RowScope, to_examples
@@ -59,20 +65,21 @@ class SharedProduct:
     it: so at most one product beyond what the step holds is kept alive.
     """
 
-    __slots__ = ("_key", "_out", "_x")
+    __slots__ = ("_key", "_out", "_version", "_x")
     _latest = threading.local()  # .out: the product of this thread's latest put
 
     def __init__(self) -> None:
         self._x: weakref.ref[Tensor] | None = None
         self._out: weakref.ref[Tensor] | None = None
         self._key: tuple[Any, ...] = ()
+        self._version = -1  # of ``_x`` when its product was made
 
     def get(self, x: Tensor, key: tuple[Any, ...]) -> Tensor | None:
         """The product made from ``x`` under the same ``key``, if it is still alive (never for
         an inference-mode tensor, which has no version counter to tell a change)."""
         if x.is_inference() or self._x is None or self._x() is not x:
             return None
-        if self._key != (x._version, *key):
+        if self._version != x._version or self._key != key:
             return None
         return self._out() if self._out is not None else None
 
@@ -81,7 +88,8 @@ class SharedProduct:
         ``x``); returns ``out``. Changes: this thread's strongly held product is now ``out``
         (the one it replaces is held weakly only)."""
         if not x.is_inference():
-            self._x, self._out, self._key = weakref.ref(x), weakref.ref(out), (x._version, *key)
+            self._x, self._out, self._key = weakref.ref(x), weakref.ref(out), key
+            self._version = x._version
             SharedProduct._latest.out = out
         return out
 
@@ -154,7 +162,7 @@ class MaskPoint:
         self._ones_cache: dict[str, Any] = {}
         #: whether the channels may be removed in the layer's weight once pruning is over
         self.foldable = foldable
-        self._fold_versions: tuple[int, ...] | None = None
+        self._fold_key: tuple[int, ...] | None = None  # ``buffers_key`` when ``_keep`` was made
         self._keep: Tensor  # (set by _fold) 1 for a kept input column of the weight, else 0
         self._zeroed: tuple[int, int] | None = None  # (id, version) of the weight last zeroed
         self._grad_hook: Any = None
@@ -170,12 +178,17 @@ class MaskPoint:
             self._parts_on[device] = got
         return got
 
-    def _vector(self, dtype: torch.dtype, device: torch.device) -> Tensor:
-        """The multiplier of each position of the masked dim, shape (size,); made again only
-        when a mask changed (a step of a pruned model makes no small kernels for it)."""
-        differentiated = any(m.mask.requires_grad for m in self._masks)  # (torch.func)
-        key = (dtype, device, *(id(m.mask) for m in self._masks))
-        key += tuple(m.mask._version for m in self._masks)
+    def _buffers(self) -> list[Tensor]:
+        """The masks' buffers as they are now: read once per call and handed on (an
+        ``nn.Module`` buffer lookup is slow enough to count on this path)."""
+        return [m.mask for m in self._masks]
+
+    def _vector(self, dtype: torch.dtype, device: torch.device, bufs: list[Tensor]) -> Tensor:
+        """The multiplier of each position of the masked dim, shape (size,), for the mask
+        buffers ``bufs``; made again only when a mask changed (a step of a pruned model makes
+        no small kernels for it)."""
+        differentiated = any(b.requires_grad for b in bufs)  # (torch.func)
+        key = (dtype, device, *buffers_key(bufs))
         cached = self._vector_cache
         if not differentiated and cached is not None and cached[0] == key:
             return cached[1]
@@ -189,14 +202,14 @@ class MaskPoint:
             self._vector_cache = (key, mult)
         return mult
 
-    def multiplier(self, x: Tensor) -> Tensor:
-        """The (broadcastable) multiplier for input ``x``."""
+    def multiplier(self, x: Tensor, bufs: list[Tensor] | None = None) -> Tensor:
+        """The (broadcastable) multiplier for input ``x``; ``bufs``: the masks' buffers, where
+        the caller has them already."""
         shape = [1] * x.dim()
         shape[self.dim] = self.size
-        return self._vector(x.dtype, x.device).view(shape)
-
-    def _nothing_pruned(self) -> bool:
-        return all_ones(self._masks, self._ones_cache)
+        return self._vector(x.dtype, x.device, self._buffers() if bufs is None else bufs).view(
+            shape
+        )
 
     def __call__(self, module: nn.Module, args: tuple) -> tuple | None:
         if len(args) <= self.arg or not isinstance(args[self.arg], Tensor):
@@ -211,28 +224,32 @@ class MaskPoint:
                 f"no dim {self.dim} of size {self.size}, as traced; call apply_masks again"
             )
         linear_last = not isinstance(module, nn.Linear) or self.dim == x.dim() - 1
-        if self.foldable and linear_last and self._fold(module):
+        bufs = self._buffers()
+        if self.foldable and linear_last and self._fold(module, bufs):
             return None  # the pruned channels are zeroed in the layer's weight instead
-        return (*args[: self.arg], self.apply(x), *args[self.arg + 1 :])
+        return (*args[: self.arg], self.apply(x, bufs), *args[self.arg + 1 :])
 
-    def _fold(self, module: nn.Module) -> bool:
+    def _fold(self, module: nn.Module, bufs: list[Tensor]) -> bool:
         """Once pruning is over, zero the weight columns that read pruned channels instead of
         multiplying the input (the same output and gradients): the columns are written again
         only when the weight was written since (its version moved), so a step costs no
-        activation-sized product, no read-back and no host sync. Returns whether it did so."""
-        if tracing.active() is not None or any(
-            m.collecting or m.mask.requires_grad for m in self._masks
+        activation-sized product, no read-back and no host sync. ``bufs``: the masks' buffers.
+        Returns whether it did so."""
+        if (
+            any(m.collecting for m in self._masks)
+            or any(b.requires_grad for b in bufs)
+            or tracing.active() is not None
         ):
             return False  # (masks that require grad, as under torch.func, stay in the graph)
-        if self._nothing_pruned():
+        key = buffers_key(bufs)
+        if all_ones(self._masks, self._ones_cache, key):
             return True
         w = module.weight
-        versions = tuple(m.mask._version for m in self._masks)
-        if versions != self._fold_versions:
+        if key != self._fold_key:
             shape = [1] * w.dim()
             shape[1] = self.size
-            self._keep = (self._vector(w.dtype, w.device) > 0.5).to(w.dtype).view(shape)
-            self._fold_versions = versions
+            self._keep = (self._vector(w.dtype, w.device, bufs) > 0.5).to(w.dtype).view(shape)
+            self._fold_key = key
             self._zeroed = None
         if (id(w), w._version) != self._zeroed:  # written since (an optimizer step, a load)
             with torch.no_grad():
@@ -260,33 +277,34 @@ class MaskPoint:
             self._grad_hook.remove()
             self._grad_hook = None
 
-    def apply(self, x: Tensor) -> Tensor:
-        """Return ``x`` times the masks; gathers per-example gradients while collecting."""
+    def apply(self, x: Tensor, bufs: list[Tensor] | None = None) -> Tensor:
+        """Return ``x`` times the masks; gathers per-example gradients while collecting.
+        ``bufs``: the masks' buffers, where the caller has them already."""
+        if bufs is None:
+            bufs = self._buffers()
         tracer = tracing.active()
         if tracer is not None:
             with tracer.suspended():
-                out = x * self.multiplier(x)
+                out = x * self.multiplier(x, bufs)
             tracer.record_mask(x, out, self.dim, self._np_parts)
             return out
         grad = torch.is_grad_enabled()
         collect = grad and any(m.collecting for m in self._masks)
-        if (
-            not collect
-            and self._nothing_pruned()
-            and not any(m.mask.requires_grad for m in self._masks)
-        ):
+        state = buffers_key(bufs)
+        ones = all_ones(self._masks, self._ones_cache, state)
+        if not collect and ones and not any(b.requires_grad for b in bufs):
             return x  # (masks that require grad, as under torch.func, stay in the graph)
-        key = (grad, collect, *(m.mask._version for m in self._masks))
+        key = (grad, collect, *state)
         out = self.shared.get(x, key)
         if out is not None:
             return out
         if not collect:
-            return self.shared.put(x, key, x * self.multiplier(x))
+            return self.shared.put(x, key, x * self.multiplier(x, bufs))
         for m in self._masks:
             m.start_pass()
-        ident = self._alias_ok and self._nothing_pruned() and not recompute.checkpointing()
+        ident = ones and self._alias_ok and not recompute.checkpointing()
         # an aliasing product needs no multiplier (unless it must carry the gradient)
-        mult = None if ident and x.requires_grad else self.multiplier(x)
+        mult = None if ident and x.requires_grad else self.multiplier(x, bufs)
         reduce = self._to_examples(x)
         out = gather_through(x, mult, self, None, self.dim, ident, reduce, self.rows.dim)
         return self.shared.put(x, key, out)
