@@ -93,9 +93,10 @@ def _per_example_channel_dot(grad: Tensor, x: Tensor, dim: int, batch_dim: int =
         d = dim % x.dim()
         grad, x = grad.movedim(batch_dim, 0), x.movedim(batch_dim, 0)
         dim = d + 1 if d < batch_dim else d
-    low = grad.dtype in _LOW_PRECISION or x.dtype in _LOW_PRECISION
-    if grad.dtype != x.dtype:  # (autocast can hand a float32 gradient for a bf16 input)
-        grad = grad.to(x.dtype)
+    gtype, xtype = grad.dtype, x.dtype
+    low = gtype in _LOW_PRECISION or xtype in _LOW_PRECISION
+    if gtype != xtype:  # (autocast can hand a float32 gradient for a bf16 input)
+        grad = grad.to(xtype)
     if (
         dim == 1
         and x.dim() >= 3
@@ -107,11 +108,17 @@ def _per_example_channel_dot(grad: Tensor, x: Tensor, dim: int, batch_dim: int =
         dot = _fused_channel_dot(grad, x)
         if dot is not None:
             return dot
-    others = tuple(d for d in range(x.dim()) if d not in (0, dim))
+    others = _other_dims(x.dim(), dim)
     prod = grad * x
     if not others:
         return prod.float() if low else prod  # (N, C): batch then channel
     return prod.sum(dim=others, dtype=torch.float32 if low else None)
+
+
+@functools.lru_cache(maxsize=64)
+def _other_dims(ndim: int, dim: int) -> tuple[int, ...]:
+    """The dims of an ``ndim``-d tensor other than the batch (0) and ``dim``."""
+    return tuple(d for d in range(ndim) if d not in (0, dim))
 
 
 class _MaskMultiply(torch.autograd.Function):

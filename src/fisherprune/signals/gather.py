@@ -196,14 +196,16 @@ def _fold_into_signals(ready: list[Ready], decay: float) -> Tensor | None:
     Each group is folded as one concatenated vector: about ten kernels for all its masks
     rather than four per mask (on a GPU a step is often bound by how many kernels it launches).
     """
-    groups: dict[tuple[torch.dtype, torch.device], list[Ready]] = {}
+    # (name, signal, total, factor, present) per dtype and device of the signals
+    groups: dict[tuple[torch.dtype, torch.device], list[tuple[Any, ...]]] = {}
     skipped: Tensor | None = None
     for name, m, total, factor, present in ready:
-        key = (m.signal.dtype, m.signal.device)
-        groups.setdefault(key, []).append((name, m, total.to(m.signal), factor, present))
+        signal = m.signal  # (a module buffer: looked up once)
+        key = (signal.dtype, signal.device)
+        groups.setdefault(key, []).append((name, signal, total.to(signal), factor, present))
     with torch.no_grad():
         for (_, device), entries in groups.items():
-            signals = [e[1].signal for e in entries]
+            signals = [e[1] for e in entries]
             totals, factors = [e[2] for e in entries], [e[3] for e in entries]
             ok = torch.stack(torch._foreach_norm(totals, 1)).isfinite()
             if all(isinstance(f, float) for f in factors):
