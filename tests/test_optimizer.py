@@ -18,6 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import fisherprune as fp
+from tests.host_reads import spied_tensor_reads
+from tests.zoo import build_resnet_basic, image_input
 
 # tolerances
 PARAM_RTOL = 1e-6  # same arithmetic in the same order: parameters agree to float32 rounding
@@ -704,3 +706,26 @@ def test_state_dict_round_trip_keeps_history_as_events():
     assert opt2.history == opt.history
     assert masks_of(fresh).keys() == masks_of(model).keys()
     assert all(torch.equal(masks_of(fresh)[n], m) for n, m in masks_of(model).items())
+
+
+def test_a_prune_decision_copies_only_what_changed_to_the_host() -> None:
+    """Each copy to the host waits for a GPU: a prune decision copies the signals in one copy,
+    and only the masks that the last prune changed (every mask was read before, and is kept
+    on the host until it is written)."""
+    model = build_resnet_basic()
+    x, y = image_input(8), torch.arange(8) % 5
+    fp.apply_masks(model, x[:1])
+    popt = fp.PruningOptimizer(model, x[:1], lr=0.01, momentum=0.9, prune_every=2, decay=0.5)
+    copies = []
+    with spied_tensor_reads() as reads:
+        for _ in range(6):
+            with reads.watching():
+                popt.minimize(F.cross_entropy(model(x), y))
+            if reads.prune_time:
+                masks = [r for r in reads.prune_time if r.startswith("cpu at masks/layer.py")]
+                signals = [r for r in reads.prune_time if r.startswith("cpu at signals/")]
+                copies.append((len(masks), len(signals)))
+    changed = [1 + len(e.also) for e in popt.history]
+    assert len(copies) == len(changed) == 3
+    assert copies[0][0] <= len(popt.masks)
+    assert copies[1:] == [(n, 1) for n in changed[:-1]] and copies[0][1] == 1

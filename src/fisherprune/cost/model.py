@@ -405,7 +405,7 @@ class CostModel:
         gate entry and every expert gate entry."""
         vals = np.ones(self.n_entries)
         for n, start in self._entry_start.items():
-            m = self.masks[n].mask.detach().cpu().double().numpy()
+            m = self.masks[n].host_mask().double().numpy()
             vals[start : start + m.size] = m
         return vals
 

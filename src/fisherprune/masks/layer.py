@@ -325,6 +325,8 @@ class MaskLayer(nn.Module):
         self._ones_cache: dict[str, Any] = {}
         #: (mask buffer, its version, whether all ones then): known without a read-back
         self._ones_known: tuple[Tensor, int, bool] = (self.mask, self.mask._version, True)
+        #: (mask buffer, its version, its storage, its host copy then): see ``host_mask``
+        self._host_known: tuple[Tensor, int, int, Tensor] | None = None
         self._mult_cache: tuple[Tensor, tuple[Any, ...], Tensor] | None = None
         #: False once an in-place op downstream was seen changing the input (see _MaskMultiply)
         self._alias_ok = True
@@ -412,6 +414,23 @@ class MaskLayer(nn.Module):
             known = (self.mask, self.mask._version, bool((self.mask > 0.5).all()))
             self._ones_known = known
         return known[2]
+
+    def host_mask(self) -> Tensor:
+        """The mask on the host (detached, on the CPU; to read, not to write), copied from the
+        mask's device only when the buffer was replaced or written since the last call: a
+        prune decision reads every mask several times (scores, cost, selection), and on a GPU
+        each read waits for the device, while a prune changes only the masks it prunes.
+        Changes nothing but that remembered copy."""
+        mask, known = self.mask, self._host_known
+        if (
+            known is None
+            or known[0] is not mask
+            or known[1] != mask._version
+            or known[2] != mask.data_ptr()  # (a copy's mask starts its version again)
+        ):
+            known = (mask, mask._version, mask.data_ptr(), mask.detach().cpu())
+            self._host_known = known
+        return known[3]
 
     def record_values(self, all_ones: bool) -> None:
         """Record whether the mask is all ones, for a caller that has just written it in place

@@ -411,7 +411,7 @@ def _common_count(md: Mapping[str, Any], members: list[str]) -> int:
     Raises:
         ValueError: copies that keep different counts.
     """
-    alive_counts = {n: int((md[n].mask.detach() > 0.5).sum()) for n in members}
+    alive_counts = {n: int((md[n].host_mask() > 0.5).sum()) for n in members}
     n_alive = alive_counts[members[0]]
     if any(c != n_alive for c in alive_counts.values()):
         raise ValueError(
@@ -476,14 +476,14 @@ def _scores_by_name(
                 f"{what} for mask {name!r}: {s.numel()} entries, the mask has "
                 f"{m.num_channels} channels"
             )
-        _check_finite(name, s, m.mask.detach().cpu() > 0.5, what.removesuffix("s"))
+        _check_finite(name, s, m.host_mask() > 0.5, what.removesuffix("s"))
         out[name] = s
     return out
 
 
 def _lowest_alive(m: Any, s: Tensor, r: int) -> list[int]:
     """The ``r`` alive channels of mask ``m`` with the lowest scores ``s`` (ties: lower index)."""
-    idx = torch.nonzero(m.mask.detach().cpu() > 0.5).flatten()  # ascending: stable ties
+    idx = torch.nonzero(m.host_mask() > 0.5).flatten()  # ascending: stable ties
     return idx[torch.sort(s[idx], stable=True).indices[:r]].tolist()
 
 

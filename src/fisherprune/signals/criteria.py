@@ -150,17 +150,18 @@ class Criterion:
     def scores(self, masks: Mapping[str, MaskLayer], model: nn.Module) -> dict[str, Tensor]:
         """``importance`` as float64 CPU tensors, normalised per group over kept channels."""
         raw = self.importance(masks, model)
-        out: dict[str, Tensor] = {}
-        for name, m in masks.items():
+        for name in masks:
             if name not in raw:
                 raise ValueError(f"{type(self).__name__}.importance gave no values for {name!r}")
-            v = raw[name].detach().double().cpu().flatten()
+        host = _float64_on_host([raw[name] for name in masks])
+        out: dict[str, Tensor] = {}
+        for (name, m), v in zip(masks.items(), host, strict=True):
             if v.numel() != m.num_channels:
                 raise ValueError(
                     f"{type(self).__name__}.importance gave {v.numel()} values for mask "
                     f"{name!r} of {m.num_channels} channels"
                 )
-            out[name] = self._normalized(v, m.mask.detach().cpu() > 0.5)
+            out[name] = self._normalized(v, m.host_mask() > 0.5)
         return out
 
     def _normalized(self, v: Tensor, alive: Tensor) -> Tensor:
@@ -184,6 +185,20 @@ class Criterion:
     def __repr__(self) -> str:
         extra = "" if self.normalize == "none" else f"normalize={self.normalize!r}"
         return f"{type(self).__name__}({extra})"
+
+
+def _float64_on_host(tensors: list[Tensor]) -> list[Tensor]:
+    """Each of ``tensors`` detached, flattened, as float64 on the CPU, with one copy from each
+    device for all of them rather than one each (a prune decision reads every mask's signal,
+    and on a GPU each copy waits for the device)."""
+    by_device: dict[torch.device, list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_device.setdefault(t.device, []).append(i)
+    out: dict[int, Tensor] = {}
+    for idx in by_device.values():
+        flat = torch.cat([tensors[i].detach().double().flatten() for i in idx]).cpu()
+        out.update(zip(idx, flat.split([tensors[i].numel() for i in idx]), strict=True))
+    return [out[i] for i in range(len(tensors))]
 
 
 class GradientCriterion(Criterion):
@@ -403,7 +418,7 @@ def alive_along(
     """For each parameter dim a group touches: whether each index along it is still kept."""
     out: dict[tuple[str, int], Tensor] = {}
     for name, mask in as_mask_dict(masks).items():
-        alive = torch.cat([mask.mask.detach().cpu() > 0.5, torch.ones(1, dtype=torch.bool)])
+        alive = torch.cat([mask.host_mask() > 0.5, torch.ones(1, dtype=torch.bool)])
         for key, channel in groups[name].members.items():
             idx = torch.as_tensor(channel, dtype=torch.long)  # -1: another group's -> True
             here = alive[idx]
