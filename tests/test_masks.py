@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -173,3 +175,28 @@ def test_num_channels_not_a_positive_int_raises(n) -> None:
     """num_channels must be an int >= 1; the message names the requirement and the bad value."""
     with pytest.raises(ValueError, match=rf"num_channels >= 1, got {n!r}"):
         MaskLayer(n)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_deep_copy_written_as_often_as_its_original_masks_what_it_holds(
+    dtype: torch.dtype,
+) -> None:
+    """A deep copy's mask buffer starts its version count again: written as many times as
+    the original had been when the layer last looked, it must still be read for what it
+    holds, not taken for the original's all-ones (the forward would skip the mask). The
+    reference: the input times the mask, computed by hand."""
+    layer = MaskLayer(4, dim=1)
+    layer.collecting = False
+    for _ in range(3):
+        layer.mask.fill_(1.0)
+    x = torch.randn(2, 4, dtype=dtype)
+    torch.testing.assert_close(layer(x), x)  # the layer has seen the original all ones
+    twin = copy.deepcopy(layer)
+    with torch.no_grad():
+        twin.mask.fill_(1.0)
+        twin.mask[0] = 0.0
+    while twin.mask._version < layer.mask._version:
+        twin.mask.mul_(1.0)
+    assert twin.mask._version == layer.mask._version
+    assert not twin.is_all_ones()
+    torch.testing.assert_close(twin(x), x * twin.mask.to(dtype), rtol=0, atol=0)

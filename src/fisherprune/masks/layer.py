@@ -200,6 +200,17 @@ def gather_through(
     return _MaskMultiply.apply(x, mult, (owner, index, dim, identity, to_examples, batch_dim))
 
 
+def _state(buffer: Tensor) -> tuple[int, int]:
+    """A mask buffer's version and storage: what a cache of what the buffer holds is keyed on
+    (beside the buffer itself). The storage too, since a deep copy's buffer starts its version
+    count again: a copy written as often as the original since would match on the version."""
+    try:
+        storage = buffer.data_ptr()
+    except RuntimeError:  # a torch.func wrapper has no storage: keyed on itself and its version
+        storage = -1
+    return buffer._version, storage
+
+
 def buffers_key(buffers: Sequence[Tensor]) -> tuple[int, ...]:
     """The id, then the version, of each mask buffer: the same on two calls exactly when none
     was replaced or written in place in between (what the caches of a mask's users key on)."""
@@ -323,10 +334,15 @@ class MaskLayer(nn.Module):
         self.collecting = True
         self._gathered = _Gathered()
         self._ones_cache: dict[str, Any] = {}
-        #: (mask buffer, its version, whether all ones then): known without a read-back
-        self._ones_known: tuple[Tensor, int, bool] = (self.mask, self.mask._version, True)
+        #: (mask buffer, its version, its storage, whether all ones then): known without a
+        #: read-back (the storage too: a deep copy's mask starts its version again)
+        self._ones_known: tuple[Tensor, tuple[int, int], bool] = (
+            self.mask,
+            _state(self.mask),
+            True,
+        )
         #: (mask buffer, its version, its storage, its host copy then): see ``host_mask``
-        self._host_known: tuple[Tensor, int, int, Tensor] | None = None
+        self._host_known: tuple[Tensor, tuple[int, int], Tensor] | None = None
         self._mult_cache: tuple[Tensor, tuple[Any, ...], Tensor] | None = None
         #: False once an in-place op downstream was seen changing the input (see _MaskMultiply)
         self._alias_ok = True
@@ -387,7 +403,7 @@ class MaskLayer(nn.Module):
 
     def _multiplier(self, x: Tensor, dim: int, index: Tensor | None) -> Tensor:
         """The mask as a broadcastable multiplier for ``x`` (cached until the mask changes)."""
-        key = (self.mask._version, x.dtype, x.device, x.dim(), dim)
+        key = (_state(self.mask), x.dtype, x.device, x.dim(), dim)
         cached = self._mult_cache
         if index is None and cached is not None and cached[0] is self.mask and cached[1] == key:
             return cached[2]
@@ -410,8 +426,8 @@ class MaskLayer(nn.Module):
         the buffer changed in a way this layer was not told of (``record_values``): the forward
         of a training step asks, and on a GPU a read-back would wait for the device."""
         known = self._ones_known
-        if known[0] is not self.mask or known[1] != self.mask._version:
-            known = (self.mask, self.mask._version, bool((self.mask > 0.5).all()))
+        if known[0] is not self.mask or known[1] != _state(self.mask):
+            known = (self.mask, _state(self.mask), bool((self.mask > 0.5).all()))
             self._ones_known = known
         return known[2]
 
@@ -422,21 +438,16 @@ class MaskLayer(nn.Module):
         each read waits for the device, while a prune changes only the masks it prunes.
         Changes nothing but that remembered copy."""
         mask, known = self.mask, self._host_known
-        if (
-            known is None
-            or known[0] is not mask
-            or known[1] != mask._version
-            or known[2] != mask.data_ptr()  # (a copy's mask starts its version again)
-        ):
-            known = (mask, mask._version, mask.data_ptr(), mask.detach().cpu())
+        if known is None or known[0] is not mask or known[1] != _state(mask):
+            known = (mask, _state(mask), mask.detach().cpu())
             self._host_known = known
-        return known[3]
+        return known[2]
 
     def record_values(self, all_ones: bool) -> None:
         """Record whether the mask is all ones, for a caller that has just written it in place
         and knows (a prune zeroed entries; a dry run restored the values it saved), so that the
         next forward need not read it back. Changes nothing else."""
-        self._ones_known = (self.mask, self.mask._version, all_ones)
+        self._ones_known = (self.mask, _state(self.mask), all_ones)
 
     # ---------------------------------------------------------------- signals
     @property
