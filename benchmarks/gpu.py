@@ -123,9 +123,12 @@ def on_device(spec: ov.ModelSpec, device: torch.device) -> ov.ModelSpec:
     return dataclasses.replace(spec, build=lambda masked: spec.build(masked).to(device))
 
 
-def amp_step_builder(device: torch.device, dtype: torch.dtype) -> Callable[..., ov.StepFn]:
+def amp_step_builder(
+    device: torch.device, dtype: torch.dtype, compiled: bool = False
+) -> Callable[..., ov.StepFn]:
     """A drop-in for ``overhead.make_step``: forward and loss under ``torch.autocast(dtype)``
-    (fp32 weights), backward and SGD step outside it, a ``GradScaler`` for float16."""
+    (fp32 weights), backward and SGD step outside it, a ``GradScaler`` for float16;
+    ``compiled``: the model's forward under ``torch.compile``."""
 
     def make_step(
         model: nn.Module,
@@ -137,11 +140,12 @@ def amp_step_builder(device: torch.device, dtype: torch.dtype) -> Callable[..., 
         opt = torch.optim.SGD(model.parameters(), lr=ov.LR, momentum=ov.MOMENTUM)
         scaler = torch.amp.GradScaler(device.type) if dtype is torch.float16 else None
         model.train()
+        forward = torch.compile(model) if compiled else model
 
         def step(x: Tensor, y: Tensor) -> None:
             opt.zero_grad(set_to_none=True)
             with torch.autocast(device.type, dtype=dtype, enabled=dtype is not torch.float32):
-                loss = F.cross_entropy(model(x), y)
+                loss = F.cross_entropy(forward(x), y)
             if scaler is None:
                 loss.backward()
                 opt.step()
@@ -157,9 +161,13 @@ def amp_step_builder(device: torch.device, dtype: torch.dtype) -> Callable[..., 
     return make_step
 
 
-def variant_step(spec: ov.ModelSpec, v: str, device: torch.device, dtype: torch.dtype) -> ov.StepFn:
-    """``overhead.VARIANT_STEPS[v]`` on ``device`` in mixed precision."""
-    return ov.VARIANT_STEPS[v](on_device(spec, device), ov.DECAY, amp_step_builder(device, dtype))
+def variant_step(
+    spec: ov.ModelSpec, v: str, device: torch.device, dtype: torch.dtype, compiled: bool = False
+) -> ov.StepFn:
+    """``overhead.VARIANT_STEPS[v]`` on ``device`` in mixed precision (``compiled``: the
+    forward under ``torch.compile``)."""
+    build = amp_step_builder(device, dtype, compiled)
+    return ov.VARIANT_STEPS[v](on_device(spec, device), ov.DECAY, build)
 
 
 def device_batches(
@@ -174,10 +182,14 @@ def cycling(step: ov.StepFn, batches: Sequence[tuple[Tensor, Tensor]]) -> Fn:
     return lambda: step(*next(it))
 
 
-def variant_fns(spec: ov.ModelSpec, args: argparse.Namespace, keys: Sequence[str]) -> dict[str, Fn]:
+def variant_fns(
+    spec: ov.ModelSpec, args: argparse.Namespace, keys: Sequence[str], compiled: bool = False
+) -> dict[str, Fn]:
     """The steps of the variants ``keys`` on the device, each cycling through the same batches."""
     batches = device_batches(spec, args.batch, args.device)
-    return {v: cycling(variant_step(spec, v, args.device, args.dtype), batches) for v in keys}
+    return {
+        v: cycling(variant_step(spec, v, args.device, args.dtype, compiled), batches) for v in keys
+    }
 
 
 # ------------------------------------------------------------------ timing
@@ -369,7 +381,7 @@ def step_figures(spec: ov.ModelSpec, args: argparse.Namespace) -> dict[str, Any]
     fns = variant_fns(spec, args, STEP_VARIANTS)
     times = interleaved(fns, args.rounds, args.steps, args.warmup, args.device)
     masks = fp.find_masks(ov.make_model(spec, masked=True))
-    return {
+    out = {
         "architecture": spec.description,
         "masks": len(masks),
         "mask_channels": sum(m.num_channels for m in masks.values()),
@@ -377,6 +389,13 @@ def step_figures(spec: ov.ModelSpec, args: argparse.Namespace) -> dict[str, Any]
         "memory": memory,
         "sync_check": syncs,
     }
+    if args.compiled_steps:  # (a) and (b) with the forward compiled, as ratios to compiled (a)
+        fns = variant_fns(spec, args, ("a", "b"), compiled=True)
+        times = interleaved(fns, args.rounds, args.steps, max(args.warmup, 3), args.device)
+        out["compiled_variants"] = {
+            v: {"label": f"{ov.VARIANTS[v]}, compiled", **r} for v, r in ratios(times, "a").items()
+        }
+    return out
 
 
 def throughput(spec: ov.ModelSpec, args: argparse.Namespace) -> dict[str, Any]:
@@ -496,6 +515,11 @@ def print_tables(results: dict[str, Any]) -> None:
                 f"{r['paired_ratio']:7.3f} {mem['peak_bytes'] / 2**20:9.0f} {mem['ratio']:5.2f}  "
                 f"{str(res['sync_check'].get(v, '-'))[:60]}"
             )
+        for v, r in res.get("compiled_variants", {}).items():
+            print(
+                f"{name:<10} {f'({v}+) ' + r['label']:<36} {r['median_ms']:9.2f} "
+                f"{r['ratio']:6.3f} {r['paired_ratio']:7.3f}"
+            )
         print(
             f"{name:<10} PruningOptimizer loop: {res['sync_check'].get('pruning_optimizer', '-')}"
         )
@@ -529,6 +553,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         action=argparse.BooleanOptionalAction,
         default=None,
         help="also time torch.compile'd encoders (default: on, off with --quick)",
+    )
+    p.add_argument(
+        "--compiled-steps",
+        action="store_true",
+        help="also time (a) and (b) with the forward under torch.compile (masks.compiled)",
     )
     p.add_argument("--models", nargs="+", choices=list(ov.STANDARD), default=list(ov.STANDARD))
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON output path")

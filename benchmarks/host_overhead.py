@@ -20,8 +20,10 @@ For each: the ATen operators one step dispatches (forward, backward and SGD step
 the extra ones listed), and the process CPU time of a step (median of ``--rounds`` interleaved
 rounds of 10 steps, as a ratio to ``a``'s from the same rounds: the host time, less sensitive
 than wall time to other processes on this shared machine). For comparison, the H200 measured
-``b`` 1.44x and ``c`` 1.43x ``a`` on BERT-base, and the trainer's loop at 0.368x a plain
-step's throughput (2.72x its time; ``docs/gpu.md``).
+``b`` 1.37x and ``c`` 1.51x ``a`` on BERT-base, and the trainer's loop at 0.663x a plain
+step's throughput (1.51x its time; ``docs/gpu.md``, 2026-11-30). With ``--compiled``, ``a+``
+and ``b+`` run the model's forward under ``torch.compile`` (inductor; ``b+`` as a ratio to
+``a+``): masks inside a compiled graph (``fisherprune.masks.compiled``).
 
 Run ``python benchmarks/host_overhead.py`` (about two minutes); the table is printed and the JSON
 written to ``--out`` (default ``benchmarks/results/host_overhead.json``).
@@ -55,13 +57,17 @@ VARIANTS = {
     "f": "pruned 50%, shrunk in place",
     "g": "PruningOptimizer loop, prunes every 10 steps",
 }
+#: with ``--compiled``: the model's forward under ``torch.compile`` (inductor), plain and
+#: collecting (``fisherprune.masks.compiled``; the first steps make its leaves and compile)
+COMPILED = {"a+": "plain, compiled", "b+": "masks, collecting, compiled"}
 #: steps per timed round: ``g`` prunes once in each (the H200's trainer-loop figure is the
 #: throughput of such blocks)
 ROUND_STEPS = 10
 SHAPE = {"vocab": 1000, "length": 16, "d": 96, "heads": 12, "hidden": 192, "layers": 12}
 BATCH = 2
-#: docs/gpu.md, BERT-base, bf16, batch 32 (g: 1 / the trainer loop's throughput ratio, 0.368)
-GPU_H200 = {"b": 1.444, "c": 1.431, "g": 2.716}
+#: docs/gpu.md, BERT-base, bf16, batch 32, 2026-11-30 (g: 1 / the trainer loop's throughput
+#: ratio, 0.663)
+GPU_H200 = {"b": 1.367, "c": 1.506, "f": 1.067, "g": 1.508}
 
 
 class OpCount(TorchDispatchMode):
@@ -77,7 +83,10 @@ class OpCount(TorchDispatchMode):
 
 
 def make_step(variant: str) -> Callable[[], None]:
-    """One training step of ``variant`` on fixed data (the same weights for every variant)."""
+    """One training step of ``variant`` on fixed data (the same weights for every variant;
+    a variant ending in ``+`` runs the model's forward compiled)."""
+    compiled = variant.endswith("+")
+    variant = variant.rstrip("+")
     torch.manual_seed(0)
     model = sn.Encoder(**SHAPE)
     gen = torch.Generator().manual_seed(1)
@@ -105,10 +114,11 @@ def make_step(variant: str) -> Callable[[], None]:
 
         return loop_step
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    forward = torch.compile(model) if compiled else model
 
     def step() -> None:
         opt.zero_grad(set_to_none=True)
-        F.cross_entropy(model(x), y).backward()
+        F.cross_entropy(forward(x), y).backward()
         opt.step()
         if variant == "b":
             fp.update_pruning_signals(masks, 0.96)
@@ -116,38 +126,43 @@ def make_step(variant: str) -> Callable[[], None]:
     return step
 
 
-def measure(rounds: int) -> dict[str, Any]:
-    steps = {v: make_step(v) for v in VARIANTS}
+def measure(rounds: int, compiled: bool = False) -> dict[str, Any]:
+    labels = {**VARIANTS, **(COMPILED if compiled else {})}
+    steps = {v: make_step(v) for v in labels}
     ops: dict[str, collections.Counter[str]] = {}
     for v, step in steps.items():
         for _ in range(ROUND_STEPS - 1):  # warm-up: caches made, the folded weights zeroed
             step()
+        if v in COMPILED:  # (its kernels are generated code, not ATen operators)
+            continue
         with OpCount() as count:  # g: one round, its prune among them
             for _ in range(ROUND_STEPS):
                 step()
         ops[v] = collections.Counter({k: n // ROUND_STEPS for k, n in count.ops.items()})
-    times: dict[str, list[float]] = {v: [] for v in VARIANTS}
-    order = list(VARIANTS)
+    times: dict[str, list[float]] = {v: [] for v in labels}
+    order = list(labels)
     for r in range(rounds):
         for v in order[r % len(order) :] + order[: r % len(order)]:
             t = time.process_time()
             for _ in range(ROUND_STEPS):
                 steps[v]()
             times[v].append((time.process_time() - t) / ROUND_STEPS * 1e3)
-    plain = statistics.median(times["a"])
     out: dict[str, Any] = {}
-    for v, label in VARIANTS.items():
-        extra = ops[v] - ops["a"]
-        paired = [t / p for t, p in zip(times[v], times["a"], strict=True)]
+    for v, label in labels.items():
+        base = "a+" if v in COMPILED else "a"  # (a compiled step beside the compiled plain one)
+        paired = [t / p for t, p in zip(times[v], times[base], strict=True)]
         out[v] = {
             "label": label,
-            "ops_per_step": sum(ops[v].values()),
-            "ops_ratio": sum(ops[v].values()) / sum(ops["a"].values()),
-            "extra_ops": dict(extra.most_common(12)),
             "cpu_ms_per_step": statistics.median(times[v]),
-            "cpu_ratio": statistics.median(times[v]) / plain,
+            "cpu_ratio": statistics.median(times[v]) / statistics.median(times[base]),
             "paired_ratio": statistics.median(paired),
         }
+        if v in ops:
+            out[v].update(
+                ops_per_step=sum(ops[v].values()),
+                ops_ratio=sum(ops[v].values()) / sum(ops["a"].values()),
+                extra_ops=dict((ops[v] - ops["a"]).most_common(12)),
+            )
     return out
 
 
@@ -155,9 +170,10 @@ def print_table(res: dict[str, Any]) -> None:
     print(f"{'variant':44} {'ops/step':>9} {'ops x':>6} {'cpu ms':>8} {'cpu x':>6} {'H200 x':>7}")
     for v, r in res.items():
         gpu = f"{GPU_H200[v]:.3f}" if v in GPU_H200 else ""
+        ops = f"{r['ops_per_step']:>9} {r['ops_ratio']:>6.3f}" if "ops_per_step" in r else " " * 16
         print(
-            f"({v}) {r['label']:40} {r['ops_per_step']:>9} {r['ops_ratio']:>6.3f} "
-            f"{r['cpu_ms_per_step']:>8.2f} {r['cpu_ratio']:>6.3f} {gpu:>7}"
+            f"({v}) {r['label']:40} {ops} {r['cpu_ms_per_step']:>8.2f} {r['cpu_ratio']:>6.3f} "
+            f"{gpu:>7}"
         )
     for v in ("b", "c", "g"):
         print(f"({v}) extra operators: {res[v]['extra_ops']}")
@@ -167,6 +183,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=21, help="interleaved rounds (default 21)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON output path")
+    p.add_argument(
+        "--compiled",
+        action="store_true",
+        help="also (a) and (b) with the forward under torch.compile, as ratios to compiled (a)",
+    )
     args = p.parse_args(argv)
     if args.rounds < 1:
         p.error("--rounds must be >= 1")
@@ -176,7 +197,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(1)
-    res = measure(args.rounds)
+    res = measure(args.rounds, args.compiled)
     print(
         f"fisherprune {fp.__version__}, torch {torch.__version__}, 1 thread; encoder {SHAPE}, "
         f"batch {BATCH}; cpu = process CPU time per step, median of {args.rounds} rounds"

@@ -27,6 +27,7 @@ __all__ = [
     "detect_norms",
     "norm_spec",
     "normalise_kept",
+    "normalise_masked",
     "register_norm",
     "unregister_norm",
 ]
@@ -241,6 +242,51 @@ def normalise_kept(module: nn.Module, spec: NormSpec, x: Tensor, dim: int, idx: 
     if idx.numel() == x.shape[dim]:
         return y  # every position kept
     return y.new_zeros(x.shape).index_copy_(dim, idx, y)
+
+
+def normalise_masked(
+    module: nn.Module, spec: NormSpec, x: Tensor, dim: int, keep: Tensor
+) -> Tensor:
+    """``normalise_kept`` in a form a compiler fuses whole: the statistics are sums weighted
+    by ``keep`` (1 for a kept position of ``dim``, 0 for a pruned one; shape
+    ``(x.shape[dim],)``) rather than taken over gathered positions, so no index is computed
+    from the mask's values and no shape depends on them. The pruned positions are zeros, the
+    kept ones what the shrunk norm gives (equal to ``normalise_kept`` up to rounding)."""
+    k = spec.trailing(module)
+    nd = x.dim()
+    d = dim % nd
+    dims = tuple(range(nd - k, nd))
+    shape = [1] * nd
+    shape[d] = x.shape[d]
+    weight = getattr(module, spec.weight, None)
+    bias = getattr(module, spec.bias, None)
+    weight = weight + spec.weight_offset if weight is not None and spec.weight_offset else weight
+    width = keep.sum()
+    for i in dims:
+        width = width * (x.shape[i] if i != d else 1)
+    if spec.kind == "layer":
+        eps = getattr(module, spec.eps, None)
+        eps = 1e-5 if eps is None else float(eps)
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))
+        kf = keep.to(xf.dtype).view(shape)
+        mean = (xf * kf).sum(dims, keepdim=True) / width
+        centred = (xf - mean) * kf
+        var = (centred * centred).sum(dims, keepdim=True) / width
+        y = centred * torch.rsqrt(var + eps)
+        y = y * weight if isinstance(weight, Tensor) else y
+        y = y + bias * kf if isinstance(bias, Tensor) else y
+        return y.to(x.dtype)
+    xf = x.to(spec.dtype) if spec.dtype is not None else x
+    kf = keep.to(xf.dtype).view(shape)
+    eps = getattr(module, spec.eps, None)
+    eps = torch.finfo(xf.dtype).eps if eps is None else float(eps)
+    y = xf * kf * torch.rsqrt((xf * xf * kf).sum(dims, keepdim=True) / width + eps)
+    w = weight if isinstance(weight, Tensor) else None
+    if spec.scale_in_dtype and w is not None:
+        y, w = y * w.to(y.dtype), None
+    y = y.to(x.dtype)
+    y = y * w if w is not None else y
+    return y + bias * keep.to(y.dtype).view(shape) if isinstance(bias, Tensor) else y
 
 
 def _check_key(key: object) -> None:

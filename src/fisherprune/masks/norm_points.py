@@ -20,8 +20,9 @@ import torch
 from torch import Tensor, nn
 
 from fisherprune.masks import tracing
+from fisherprune.masks.compiled import compiling, covers_in_order
 from fisherprune.masks.layer import MaskLayer, all_ones
-from fisherprune.norms import norm_spec, normalise_kept
+from fisherprune.norms import norm_spec, normalise_kept, normalise_masked
 
 __all__ = ["NormPoint"]
 
@@ -52,6 +53,9 @@ class NormPoint:
             for m, p, i in parts
         ]
         self._masks = list(dict.fromkeys(m for m, _, _ in self.parts))
+        #: one mask covering the dim in order: under ``torch.compile`` its values alone say
+        #: which positions are kept (``fisherprune.masks.compiled``)
+        self._direct = covers_in_order(self.parts, size)
         self._ones_cache: dict[str, Any] = {}
         self._kept: tuple[tuple[Any, ...], Tensor] | None = None
         self._before: Callable[..., Any] | None = module.__dict__.get("forward")
@@ -78,6 +82,12 @@ class NormPoint:
         return kept
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if compiling() and self._direct and len(args) == 1 and not kwargs:
+            spec = norm_spec(self.module)
+            if spec is not None and isinstance(args[0], Tensor):
+                # (no version read, no index from the mask's values: see masks.compiled)
+                keep = (self.parts[0][0].mask > 0.5).to(args[0].dtype)
+                return normalise_masked(self.module, spec, args[0], self.dim, keep)
         if tracing.active() is not None or all_ones(self._masks, self._ones_cache):
             if self._before is not None:
                 return self._before(*args, **kwargs)

@@ -22,6 +22,11 @@ import torch
 from torch import Tensor, nn
 
 from fisherprune.masks import recompute, tracing
+from fisherprune.masks.compiled import (
+    compiled_product,
+    compiling,
+    covers_in_order,
+)
 from fisherprune.masks.layer import (
     MaskLayer,
     all_ones,
@@ -146,14 +151,7 @@ class MaskPoint:
         self._np_parts = [(m, np.asarray(p), np.asarray(i)) for m, p, i in parts]
         self._parts_on: dict[torch.device, list[tuple[MaskLayer, Tensor, Tensor]]] = {}
         self._vector_cache: tuple[tuple[Any, ...], Tensor] | None = None
-        m0, p0, i0 = self.parts[0]
-        self._direct = (
-            len(self.parts) == 1
-            and p0.numel() == size
-            and i0.numel() == m0.num_channels
-            and bool((p0 == torch.arange(size)).all())
-            and bool((i0 == torch.arange(m0.num_channels)).all())
-        )
+        self._direct = covers_in_order(self.parts, size)
         #: channels per mask entry when one mask covers the dim in order, each entry a run of
         #: as many consecutive channels (an attention head's): its gradient is then a view
         #: summed, not a gather and a scatter; else None
@@ -168,6 +166,23 @@ class MaskPoint:
         self._grad_hook: Any = None
         #: False once an in-place op downstream was seen changing the input (see _MaskMultiply)
         self._alias_ok = True
+        #: the float32 leaves whose gradients carry the per-example signal under
+        #: ``torch.compile``, by (examples, device) (``fisherprune.masks.compiled``)
+        self._sinks: dict[tuple[int, torch.device, torch.dtype], Tensor] = {}
+        #: the (examples, device) of leaves a compiled call lacked, made outside the graph
+        self._wanted: list[tuple[int, torch.device, torch.dtype]] = []
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Copied and pickled without the compiled path's leaves (their hooks are this
+        point's; a copy makes its own)."""
+        return {**self.__dict__, "_sinks": {}, "_wanted": []}
+
+    def drain_sink(self, sink: Tensor) -> None:
+        """Hand the gradient just accumulated into ``sink`` (the per-example dot of the
+        compiled path) to the masks, and clear it. Changes: the masks' gathered gradients."""
+        g, sink.grad = sink.grad, None
+        if g is not None:
+            self.accumulate(g, None)
 
     def parts_on(self, device: torch.device) -> list[tuple[MaskLayer, Tensor, Tensor]]:
         """``parts`` with the position and index tensors on ``device``, copied there once: a
@@ -223,6 +238,10 @@ class MaskPoint:
                 f"fisherprune mask on {self.module_name!r}: input of shape {tuple(x.shape)} has "
                 f"no dim {self.dim} of size {self.size}, as traced; call apply_masks again"
             )
+        if compiling():
+            out = compiled_product(self, x)
+            if out is not None:
+                return (*args[: self.arg], out, *args[self.arg + 1 :])
         linear_last = not isinstance(module, nn.Linear) or self.dim == x.dim() - 1
         bufs = self._buffers()
         if self.foldable and linear_last and self._fold(module, bufs):

@@ -1,0 +1,199 @@
+"""Masks inside ``torch.compile`` (``fisherprune.masks.compiled``): a compiled step of a
+masked model breaks no graph once its leaves are made, and gives what eager gives. References:
+the eager masked model in float64 (its signal is checked against per-example float64 loops
+in ``test_signals``), the shrunk model's outputs, and torch's own graph-break counters.
+
+The compiled path's norm (weighted sums over the kept positions) is also checked alone against
+the eager one for every norm form.
+
+Compiled with the ``aot_eager`` backend: dynamo and AOTAutograd trace as for any backend,
+without generating code (seconds, not minutes, per model)."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch._dynamo.utils import counters
+
+import fisherprune as fp
+from fisherprune.norms import _FORMS, norm_spec, normalise_kept, normalise_masked
+from tests.zoo import ARCHS
+
+#: zoo networks whose every mask point is served by the compiled path (one mask over each
+#: masked dim, rows that are the examples): a CNN with residual sums, a transformer with heads
+NETS = ["resnet_bottleneck", "transformer_sdpa"]
+
+
+def _masked(name: str, dtype: torch.dtype = torch.float64) -> tuple[nn.Module, Tensor, Tensor]:
+    arch = ARCHS[name]
+    model = arch.build().to(dtype)
+    x = arch.example_input(4)
+    x = x.to(dtype) if x.is_floating_point() else x
+    y = torch.arange(4) % 5
+    fp.apply_masks(model, x[:1])
+    return model, x, y
+
+
+def _signals(model: nn.Module, run: nn.Module, x: Tensor, y: Tensor) -> dict[str, Tensor]:
+    """One collecting step of ``run`` (the model or its compiled form): the signals it gives
+    from zero, with decay 0."""
+    masks = fp.find_masks(model)
+    for m in masks.values():
+        m.reset_statistics()
+    model.zero_grad(set_to_none=True)
+    F.cross_entropy(run(x).double(), y).backward()
+    fp.update_pruning_signals(masks, decay=0.0)
+    return {n: m.signal.clone() for n, m in masks.items()}
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("name", NETS)
+def test_a_compiled_collecting_step_breaks_no_graph(name: str) -> None:
+    """After the first step at a batch size (whose leaves are made outside the graph), a
+    compiled collecting step is one graph: no break, nothing compiled again."""
+    model, x, y = _masked(name)
+    run = torch.compile(model, backend="aot_eager")
+    for _ in range(2):  # the first makes the leaves, the second compiles again, whole
+        _signals(model, run, x, y)
+    breaks, graphs = sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"]
+    _signals(model, run, x, y)
+    assert sum(counters["graph_break"].values()) == breaks
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert not any(counters["graph_break"]), dict(counters["graph_break"])
+
+
+@pytest.mark.parametrize("name", NETS)
+def test_a_compiled_step_gathers_the_eager_signal(name: str) -> None:
+    """The signal of a compiled collecting step equals the eager step's on the same batch in
+    float64 (masks part pruned, so the multiplier is not all ones)."""
+    model, x, y = _masked(name)
+    with torch.no_grad():
+        for m in fp.find_masks(model).values():
+            if m.num_channels > 2:
+                m.mask[1] = 0.0
+    twin = copy.deepcopy(model)
+    want = _signals(model, model, x, y)
+    run = torch.compile(twin, backend="aot_eager")
+    first = _signals(twin, run, x, y)
+    assert all(float(s.abs().sum()) == 0.0 for s in first.values())  # (no leaves yet)
+    got = _signals(twin, run, x, y)
+    assert set(got) == set(want)
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=1e-9, atol=1e-12, msg=n)
+        assert float(want[n].abs().sum()) > 0.0
+
+
+@pytest.mark.parametrize("name", NETS)
+def test_a_compiled_pruned_model_gives_the_shrunk_outputs(name: str) -> None:
+    """A compiled forward of a part-pruned masked model (not collecting; norms over kept
+    channels by weighted sums) equals the shrunk model's, in float64."""
+    model, x, _ = _masked(name)
+    with torch.no_grad():
+        for m in fp.find_masks(model).values():
+            m.collecting = False
+            if m.num_channels > 2:
+                m.mask[: m.num_channels // 2] = 0.0
+    model.eval()
+    small = fp.shrink(model, x[:1])
+    run = torch.compile(model, backend="aot_eager")
+    with torch.no_grad():
+        torch.testing.assert_close(run(x), small(x), rtol=1e-9, atol=1e-10)
+    assert not any(counters["graph_break"]), dict(counters["graph_break"])
+
+
+def test_a_compiled_collecting_step_keeps_activation_dtypes_under_autocast() -> None:
+    """Under bf16 autocast, a compiled collecting step gives each masked module's input in
+    the dtype it has without masks (the product is taken in float32 and cast back)."""
+    arch = ARCHS["transformer_sdpa"]
+    plain, x = arch.build(), arch.example_input(4)
+    seen: dict[str, dict[str, torch.dtype]] = {"plain": {}, "masked": {}}
+
+    def spy(tag: str):
+        def hook(mod: nn.Module, args: tuple) -> None:
+            seen[tag][mod._fp_name] = args[0].dtype  # type: ignore[attr-defined]
+
+        return hook
+
+    masked = copy.deepcopy(plain)
+    fp.apply_masks(masked, x[:1])
+    for tag, model in (("plain", plain), ("masked", masked)):
+        for name, mod in model.named_modules():
+            if isinstance(mod, nn.Linear):
+                mod._fp_name = name  # type: ignore[attr-defined]
+                mod.register_forward_pre_hook(spy(tag))
+        run = torch.compile(model, backend="aot_eager")
+        for _ in range(2):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = run(x)
+            F.cross_entropy(out.float(), torch.arange(4) % 5).backward()
+            if tag == "masked":
+                fp.update_pruning_signals(fp.find_masks(model), decay=0.0)
+    assert seen["masked"] == seen["plain"] and seen["plain"]
+
+
+def test_points_the_compiled_path_does_not_serve_still_gather_the_eager_signal() -> None:
+    """DenseNet's concatenations put several masks on one dim: those points take the eager
+    path inside the compiled model (breaking its graph there) and the signal is still the
+    eager one, from the step after the first."""
+    model, x, y = _masked("densenet")
+    twin = copy.deepcopy(model)
+    want = _signals(model, model, x, y)
+    run = torch.compile(twin, backend="aot_eager")
+    _signals(twin, run, x, y)
+    got = _signals(twin, run, x, y)
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=1e-9, atol=1e-12, msg=n)
+
+
+class _RMS(nn.Module):
+    """An RMS norm of someone else's writing (the forms ``detect_norms`` matches)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(width, dtype=torch.float64))
+        self.eps = 1e-6
+
+
+@pytest.mark.parametrize("form", range(len(_FORMS)))
+def test_weighted_statistics_give_the_kept_channels_norm(form: int) -> None:
+    """``normalise_masked`` (the compiled path's norm: sums weighted by the kept positions)
+    equals ``normalise_kept`` (the eager one, over the gathered kept positions), for each
+    form a norm is matched against, in float64 (float32 where the form computes in it)."""
+    gen = torch.Generator().manual_seed(form)
+    spec = replace(_FORMS[form], eps="eps")
+    module: nn.Module = _RMS(8) if spec.kind == "rms" else nn.LayerNorm(8, eps=1e-6).double()
+    if spec.kind == "layer":
+        nn.init.normal_(module.weight)
+        nn.init.normal_(module.bias)
+    x = torch.randn(3, 5, 8, dtype=torch.float64, generator=gen)
+    keep = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 1.0, 0.0, 1.0], dtype=torch.float64)
+    want = normalise_kept(module, spec, x, -1, keep.nonzero().flatten())
+    tol = 1e-6 if spec.dtype == torch.float32 else 1e-12
+    torch.testing.assert_close(
+        normalise_masked(module, spec, x, -1, keep), want, rtol=tol, atol=tol
+    )
+
+
+def test_weighted_statistics_over_two_normalised_dims() -> None:
+    """A ``LayerNorm`` over the last two dims, its first one masked: the same equality."""
+    module = nn.LayerNorm((5, 8)).double()
+    nn.init.normal_(module.weight)
+    nn.init.normal_(module.bias)
+    x = torch.randn(3, 5, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
+    keep = torch.tensor([1.0, 0.0, 1.0, 0.0, 1.0], dtype=torch.float64)
+    spec = norm_spec(module)
+    want = normalise_kept(module, spec, x, 1, keep.nonzero().flatten())
+    torch.testing.assert_close(
+        normalise_masked(module, spec, x, 1, keep), want, rtol=1e-12, atol=1e-12
+    )
