@@ -53,9 +53,12 @@ def _signals(model: nn.Module, run: nn.Module, x: Tensor, y: Tensor) -> dict[str
 
 @pytest.fixture(autouse=True)
 def _fresh_dynamo():
+    """Each test compiles afresh and counts its own graph breaks."""
     torch._dynamo.reset()
+    counters.clear()
     yield
     torch._dynamo.reset()
+    counters.clear()
 
 
 @pytest.mark.parametrize("name", NETS)
@@ -197,3 +200,73 @@ def test_weighted_statistics_over_two_normalised_dims() -> None:
     torch.testing.assert_close(
         normalise_masked(module, spec, x, 1, keep), want, rtol=1e-12, atol=1e-12
     )
+
+
+def _hf(name: str) -> tuple[nn.Module, dict[str, Tensor]]:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    size = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4}
+    size |= {"intermediate_size": 128, "num_labels": 3, "max_position_embeddings": 40}
+    if name == "bert":  # (no dropout: eager and compiled draw different masks)
+        cfg = transformers.BertConfig(
+            vocab_size=100, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, **size
+        )
+        model = transformers.BertForSequenceClassification(cfg)
+    else:
+        cfg = transformers.LlamaConfig(
+            vocab_size=100, num_key_value_heads=2, pad_token_id=0, **size
+        )
+        model = transformers.LlamaForSequenceClassification(cfg)
+    ids = torch.randint(3, 100, (4, 12), generator=torch.Generator().manual_seed(1))
+    return model.double(), {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+
+@pytest.mark.parametrize("name", ["bert", "llama"])
+def test_hugging_face_models_compile_with_their_masks_whole(name: str) -> None:
+    """BERT and Llama (GQA, RMS norms) as Hugging Face builds them from a config: compiled
+    with every mask, part pruned, a collecting step after the first is one graph and gathers
+    the eager signal (Llama's norm computes in float32, as its own code does: to that
+    precision)."""
+    model, inputs = _hf(name)
+    y = torch.arange(4) % 3
+    masks = fp.apply_masks(model, {k: v[:1] for k, v in inputs.items()})
+    with torch.no_grad():
+        for m in masks.values():
+            if m.num_channels > 2:
+                m.mask[1] = 0.0
+    twin = copy.deepcopy(model)
+
+    def step(run: nn.Module, owner: nn.Module) -> dict[str, Tensor]:
+        return _signals(owner, lambda _x: run(**inputs).logits, inputs, y)
+
+    want = step(model, model)
+    run = torch.compile(twin, backend="aot_eager")
+    step(run, twin)
+    got = step(run, twin)
+    assert not any(counters["graph_break"]), dict(counters["graph_break"])
+    tol = 1e-9 if name == "bert" else 1e-4
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=tol, atol=1e-12, msg=n)
+
+
+def test_a_mask_layer_called_as_a_module_compiles_whole() -> None:
+    """The seed's form, a ``MaskLayer`` placed in the network by hand: compiled, a collecting
+    step after the first is one graph and gathers the eager signal; a deep copy carries no
+    leaf of the original's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), fp.MaskLayer(8), nn.ReLU(), nn.Flatten(), nn.Linear(512, 5)
+    ).double()
+    x = torch.randn(4, 3, 8, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    y = torch.arange(4) % 5
+    with torch.no_grad():
+        model[1].mask[2] = 0.0
+    twin = copy.deepcopy(model)
+    want = _signals(model, model, x, y)
+    run = torch.compile(twin, backend="aot_eager")
+    _signals(twin, run, x, y)
+    got = _signals(twin, run, x, y)
+    assert not any(counters["graph_break"]), dict(counters["graph_break"])
+    assert twin[1]._sinks and not copy.deepcopy(twin)[1]._sinks
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=1e-9, atol=1e-12, msg=n)

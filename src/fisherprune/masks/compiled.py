@@ -45,14 +45,16 @@ from torch import Tensor
 
 from fisherprune.masks.rows import BATCH
 
-#: the points whose compiled calls lacked a leaf (``MaskPoint._wanted``), to be made outside
+#: the owners whose compiled calls lacked a leaf (``SinkOwner._wanted``), to be made outside
 _PENDING: list[Any] = []
 
 __all__ = [
+    "SinkOwner",
     "compiled_product",
     "compiling",
     "covers_in_order",
     "make_pending_sinks",
+    "masked_product",
     "position_multiplier",
 ]
 
@@ -87,6 +89,34 @@ def position_multiplier(point: Any) -> Tensor | None:
     return None
 
 
+class SinkOwner:
+    """What owns compiled-path leaves (a ``MaskPoint``, or a ``MaskLayer`` called as a
+    module): the leaves by (examples, device, dtype), the ones a compiled call lacked, and
+    where their gradients go (``accumulate(g, None)``, which the owner defines)."""
+
+    _sinks: dict[tuple[int, torch.device, torch.dtype], Tensor]
+    _wanted: list[tuple[tuple[int, torch.device, torch.dtype], int]]
+
+    def init_sinks(self) -> None:
+        """Start with no leaves. Changes: the two attributes."""
+        self._sinks, self._wanted = {}, []
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Copied and pickled without the leaves (their hooks are this owner's; a copy makes
+        its own)."""
+        base = getattr(super(), "__getstate__", None)  # (nn.Module's drops its own caches)
+        state = base() if base is not None else None
+        state = dict(state) if isinstance(state, dict) else dict(self.__dict__)
+        return {**state, "_sinks": {}, "_wanted": []}
+
+    def drain_sink(self, sink: Tensor) -> None:
+        """Hand the gradient just accumulated into ``sink`` (the per-example dot) to the
+        masks, and clear it. Changes: the masks' gathered gradients."""
+        g, sink.grad = sink.grad, None
+        if g is not None:
+            self.accumulate(g, None)  # type: ignore[attr-defined]
+
+
 def compiled_product(point: Any, x: Tensor) -> Tensor | None:
     """``x`` times the masks of ``point`` (a ``MaskPoint``) as the compiled graph computes it
     (see the module), or None where this point takes the eager path."""
@@ -95,25 +125,32 @@ def compiled_product(point: Any, x: Tensor) -> Tensor | None:
     mult = position_multiplier(point)
     if mult is None:
         return None
+    return masked_product(point, x, mult, point._masks, point.dim, point.rows.dim)
+
+
+def masked_product(
+    owner: SinkOwner, x: Tensor, mult: Tensor, masks: Sequence[Any], dim: int, batch: int
+) -> Tensor:
+    """``x`` times ``mult`` (one entry per position of ``dim``), the examples along ``batch``;
+    while any of ``masks`` collects, through ``owner``'s leaf, whose gradient is then the
+    per-example dot (see the module)."""
     shape = [1] * x.dim()
-    shape[point.dim] = point.size
-    collect = torch.is_grad_enabled() and any(m.collecting for m in point._masks)
-    if not collect:
+    shape[dim] = mult.numel()
+    if not (torch.is_grad_enabled() and any(m.collecting for m in masks)):
         return x * mult.to(x.dtype).view(shape)
-    batch = point.rows.dim
     wide = torch.promote_types(x.dtype, torch.float32)
     key = (x.shape[batch], x.device, wide)
-    sink = point._sinks.get(key)
+    sink = owner._sinks.get(key)
     if sink is None:  # made after this step (make_pending_sinks); this call gathers nothing
-        point._wanted.append(key)
-        _PENDING.append(point)
-        for m in point._masks:
+        owner._wanted.append((key, mult.numel()))
+        _PENDING.append(owner)
+        for m in masks:
             m.mark_received()  # (the loss reaches them: the first step's check holds)
         return x * mult.to(x.dtype).view(shape)
-    for m in point._masks:
+    for m in masks:
         m.start_pass()
     full = mult.to(sink.dtype) + sink  # (examples, positions)
-    if batch > point.dim % x.dim():
+    if batch > dim % x.dim():
         full = full.t()
     shape[batch] = key[0]
     return (x.to(wide) * full.reshape(shape)).to(x.dtype)
@@ -122,14 +159,14 @@ def compiled_product(point: Any, x: Tensor) -> Tensor | None:
 def make_pending_sinks() -> None:
     """Make every leaf a compiled call lacked (``_PENDING``), outside any compiled graph:
     a leaf that requires grad cannot be made inside one. The next compiled call finds them
-    (its guards on the points' leaves fail, so it is traced again, whole). Called where the
+    (its guards on the owners' leaves fail, so it is traced again, whole). Called where the
     signals are folded (``update_pruning_signals``), which never runs compiled. Changes: the
-    pending points' leaves."""
+    pending owners' leaves."""
     while _PENDING:
-        point = _PENDING.pop()
-        for key in point._wanted:
+        owner = _PENDING.pop()
+        for key, width in owner._wanted:
             n, device, dtype = key
-            sink = torch.zeros(n, point.size, dtype=dtype, device=device, requires_grad=True)
-            sink.register_post_accumulate_grad_hook(point.drain_sink)
-            point._sinks[key] = sink
-        point._wanted.clear()
+            sink = torch.zeros(n, width, dtype=dtype, device=device, requires_grad=True)
+            sink.register_post_accumulate_grad_hook(owner.drain_sink)
+            owner._sinks[key] = sink
+        owner._wanted.clear()

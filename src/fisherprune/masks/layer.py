@@ -24,6 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from fisherprune.masks import recompute, tracing
+from fisherprune.masks.compiled import SinkOwner, compiling, masked_product
 
 __all__ = ["MaskLayer", "all_ones", "buffers_key", "gather_through", "log_input_changed"]
 
@@ -281,7 +282,7 @@ class _Gathered:
         return passes
 
 
-class MaskLayer(nn.Module):
+class MaskLayer(SinkOwner, nn.Module):
     """A binary mask over ``num_channels`` channels of dimension ``dim`` of its input.
 
     Buffers (saved in ``state_dict``):
@@ -346,6 +347,8 @@ class MaskLayer(nn.Module):
         self._mult_cache: tuple[Tensor, tuple[Any, ...], Tensor] | None = None
         #: False once an in-place op downstream was seen changing the input (see _MaskMultiply)
         self._alias_ok = True
+        #: the leaves of the compiled path, when called as a module (masks.compiled)
+        self.init_sinks()
 
     def extra_repr(self) -> str:
         kept = int(self.mask.sum().item())
@@ -383,6 +386,8 @@ class MaskLayer(nn.Module):
         each channel of ``x`` uses; it lets one mask act at several places with
         different channel layouts (concatenation, grouped channels).
         """
+        if compiling() and index is None and not self.mask.requires_grad:
+            return masked_product(self, x, self.mask, [self], dim, 0)
         tracer = tracing.active()
         if tracer is not None:
             with tracer.suspended():

@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from fisherprune.masks import recompute, tracing
 from fisherprune.masks.compiled import (
+    SinkOwner,
     compiled_product,
     compiling,
     covers_in_order,
@@ -112,7 +113,7 @@ def _to_device(t: Tensor, device: torch.device) -> Tensor:
     return t.to(device)
 
 
-class MaskPoint:
+class MaskPoint(SinkOwner):
     """Multiplies positional input ``arg`` of a module, along ``dim``, by one or more masks.
 
     ``parts``: for each mask, the positions of ``dim`` it covers and which of
@@ -166,23 +167,9 @@ class MaskPoint:
         self._grad_hook: Any = None
         #: False once an in-place op downstream was seen changing the input (see _MaskMultiply)
         self._alias_ok = True
-        #: the float32 leaves whose gradients carry the per-example signal under
-        #: ``torch.compile``, by (examples, device) (``fisherprune.masks.compiled``)
-        self._sinks: dict[tuple[int, torch.device, torch.dtype], Tensor] = {}
-        #: the (examples, device) of leaves a compiled call lacked, made outside the graph
-        self._wanted: list[tuple[int, torch.device, torch.dtype]] = []
-
-    def __getstate__(self) -> dict[str, Any]:
-        """Copied and pickled without the compiled path's leaves (their hooks are this
-        point's; a copy makes its own)."""
-        return {**self.__dict__, "_sinks": {}, "_wanted": []}
-
-    def drain_sink(self, sink: Tensor) -> None:
-        """Hand the gradient just accumulated into ``sink`` (the per-example dot of the
-        compiled path) to the masks, and clear it. Changes: the masks' gathered gradients."""
-        g, sink.grad = sink.grad, None
-        if g is not None:
-            self.accumulate(g, None)
+        #: the leaves whose gradients carry the per-example signal under ``torch.compile``
+        #: (``fisherprune.masks.compiled``)
+        self.init_sinks()
 
     def parts_on(self, device: torch.device) -> list[tuple[MaskLayer, Tensor, Tensor]]:
         """``parts`` with the position and index tensors on ``device``, copied there once: a
