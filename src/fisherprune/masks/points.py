@@ -233,7 +233,8 @@ class MaskPoint(SinkOwner):
         bufs = self._buffers()
         if self.foldable and linear_last and self._fold(module, bufs):
             return None  # the pruned channels are zeroed in the layer's weight instead
-        return (*args[: self.arg], self.apply(x, bufs), *args[self.arg + 1 :])
+        low = _cast_by_autocast(module, x)
+        return (*args[: self.arg], self.apply(x, bufs, low), *args[self.arg + 1 :])
 
     def _fold(self, module: nn.Module, bufs: list[Tensor]) -> bool:
         """Once pruning is over, zero the weight columns that read pruned channels instead of
@@ -283,9 +284,16 @@ class MaskPoint(SinkOwner):
             self._grad_hook.remove()
             self._grad_hook = None
 
-    def apply(self, x: Tensor, bufs: list[Tensor] | None = None) -> Tensor:
+    def apply(
+        self, x: Tensor, bufs: list[Tensor] | None = None, low: torch.dtype | None = None
+    ) -> Tensor:
         """Return ``x`` times the masks; gathers per-example gradients while collecting.
-        ``bufs``: the masks' buffers, where the caller has them already."""
+        ``bufs``: the masks' buffers, where the caller has them already; ``low``: the dtype
+        autocast would cast ``x`` to first thing in the consuming layer, or None. ``x`` is
+        cast to it before the product, then (the layer's own cast is a no-op on it): a float32
+        ``x`` that the product or its backward kept would otherwise stay alive beside the
+        half-precision copy the layer saves (on a GPU a LayerNorm's float32 output before
+        each q, k, v and MLP input: +11% peak memory on BERT-base)."""
         if bufs is None:
             bufs = self._buffers()
         tracer = tracing.active()
@@ -300,12 +308,15 @@ class MaskPoint(SinkOwner):
         ones = all_ones(self._masks, self._ones_cache, state)
         if not collect and ones and not any(b.requires_grad for b in bufs):
             return x  # (masks that require grad, as under torch.func, stay in the graph)
-        key = (grad, collect, *state)
+        key = (grad, collect, low, *state)
         out = self.shared.get(x, key)
         if out is not None:
             return out
+        given = x
+        if low is not None:
+            x = x.to(low)
         if not collect:
-            return self.shared.put(x, key, x * self.multiplier(x, bufs))
+            return self.shared.put(given, key, x * self.multiplier(x, bufs))
         for m in self._masks:
             m.start_pass()
         ident = ones and self._alias_ok and not recompute.checkpointing()
@@ -313,7 +324,7 @@ class MaskPoint(SinkOwner):
         mult = None if ident and x.requires_grad else self.multiplier(x, bufs)
         reduce = self._to_examples(x)
         out = gather_through(x, mult, self, None, self.dim, ident, reduce, self.rows.dim)
-        return self.shared.put(x, key, out)
+        return self.shared.put(given, key, out)
 
     def _to_examples(self, x: Tensor) -> Any:
         """The reduction of this call's per-row gradients to per-example ones (None: rows are
@@ -357,6 +368,22 @@ class MaskPoint(SinkOwner):
         for m, pos, idx in self.parts_on(g.device):
             if m.collecting:
                 m.accumulate(g[:, pos], idx)
+
+
+#: layers whose input autocast casts to its lower precision (``torch.autocast``'s list)
+_LOW_PRECISION_LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
+
+
+def _cast_by_autocast(module: nn.Module, x: Tensor) -> torch.dtype | None:
+    """The half-precision dtype autocast casts ``module``'s float32 input ``x`` to, or None
+    (not such a layer, not float32, autocast off on ``x``'s device)."""
+    if x.dtype != torch.float32 or type(module) not in _LOW_PRECISION_LAYERS:
+        return None
+    kind = x.device.type
+    if not torch.is_autocast_enabled(kind):
+        return None
+    low = torch.get_autocast_dtype(kind)
+    return low if low in (torch.float16, torch.bfloat16) else None
 
 
 def _block_width(parts: Sequence[tuple[MaskLayer, Tensor, Tensor]], size: int) -> int | None:
