@@ -29,12 +29,14 @@ from tests.zoo import ARCHS
 NETS = ["resnet_bottleneck", "transformer_sdpa"]
 
 
-def _masked(name: str, dtype: torch.dtype = torch.float64) -> tuple[nn.Module, Tensor, Tensor]:
+def _masked(
+    name: str, dtype: torch.dtype = torch.float64, batch: int = 4
+) -> tuple[nn.Module, Tensor, Tensor]:
     arch = ARCHS[name]
     model = arch.build().to(dtype)
-    x = arch.example_input(4)
+    x = arch.example_input(batch)
     x = x.to(dtype) if x.is_floating_point() else x
-    y = torch.arange(4) % 5
+    y = torch.arange(batch) % 5
     fp.apply_masks(model, x[:1])
     return model, x, y
 
@@ -268,5 +270,34 @@ def test_a_mask_layer_called_as_a_module_compiles_whole() -> None:
     got = _signals(twin, run, x, y)
     assert not any(counters["graph_break"]), dict(counters["graph_break"])
     assert twin[1]._sinks and not copy.deepcopy(twin)[1]._sinks
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=1e-9, atol=1e-12, msg=n)
+
+
+def test_gradient_accumulation_traces_no_graph_per_micro_batch() -> None:
+    """Four micro-batches (forward and backward each) per signal update, compiled: the graph
+    is traced once without leaves (however many micro-batches that first step has), once with
+    them, and never again per micro-batch (each would be a guard on the gathered passes,
+    and past torch's limit of traces the model would run eager); each micro-batch's gradients
+    are squared apart, as eager's, in float64."""
+    model, x, y = _masked("transformer_sdpa", batch=8)
+    with torch.no_grad():
+        for m in fp.find_masks(model).values():
+            if m.num_channels > 2:
+                m.mask[1] = 0.0
+    twin = copy.deepcopy(model)
+
+    def step(owner: nn.Module, run: nn.Module) -> dict[str, Tensor]:
+        masks = fp.find_masks(owner)
+        for i in range(0, 8, 2):
+            F.cross_entropy(run(x[i : i + 2]).double(), y[i : i + 2]).backward()
+        fp.update_pruning_signals(masks, decay=0.0)
+        return {n: m.signal.clone() for n, m in masks.items()}
+
+    want = step(model, model)
+    run = torch.compile(twin, backend="aot_eager")
+    for _ in range(3):
+        got = step(twin, run)
+    assert counters["stats"]["unique_graphs"] == 3
     for n in want:
         torch.testing.assert_close(got[n], want[n], rtol=1e-9, atol=1e-12, msg=n)

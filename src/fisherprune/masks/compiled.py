@@ -95,11 +95,12 @@ class SinkOwner:
     where their gradients go (``accumulate(g, None)``, which the owner defines)."""
 
     _sinks: dict[tuple[int, torch.device, torch.dtype], Tensor]
-    _wanted: list[tuple[tuple[int, torch.device, torch.dtype], int]]
+    #: the width of each leaf a compiled call lacked, by its key (each recorded once)
+    _wanted: dict[tuple[int, torch.device, torch.dtype], int]
 
     def init_sinks(self) -> None:
         """Start with no leaves. Changes: the two attributes."""
-        self._sinks, self._wanted = {}, []
+        self._sinks, self._wanted = {}, {}
 
     def __getstate__(self) -> dict[str, Any]:
         """Copied and pickled without the leaves (their hooks are this owner's; a copy makes
@@ -107,7 +108,7 @@ class SinkOwner:
         base = getattr(super(), "__getstate__", None)  # (nn.Module's drops its own caches)
         state = base() if base is not None else None
         state = dict(state) if isinstance(state, dict) else dict(self.__dict__)
-        return {**state, "_sinks": {}, "_wanted": []}
+        return {**state, "_sinks": {}, "_wanted": {}}
 
     def drain_sink(self, sink: Tensor) -> None:
         """Hand the gradient just accumulated into ``sink`` (the per-example dot) to the
@@ -142,13 +143,14 @@ def masked_product(
     key = (x.shape[batch], x.device, wide)
     sink = owner._sinks.get(key)
     if sink is None:  # made after this step (make_pending_sinks); this call gathers nothing
-        owner._wanted.append((key, mult.numel()))
-        _PENDING.append(owner)
+        if key not in owner._wanted:  # (once: each append would be a guard, a trace again)
+            owner._wanted[key] = mult.numel()
+            _PENDING.append(owner)
         for m in masks:
             m.mark_received()  # (the loss reaches them: the first step's check holds)
         return x * mult.to(x.dtype).view(shape)
     for m in masks:
-        m.start_pass()
+        m.open_pass()
     full = mult.to(sink.dtype) + sink  # (examples, positions)
     if batch > dim % x.dim():
         full = full.t()
@@ -164,7 +166,7 @@ def make_pending_sinks() -> None:
     pending owners' leaves."""
     while _PENDING:
         owner = _PENDING.pop()
-        for key, width in owner._wanted:
+        for key, width in owner._wanted.items():
             n, device, dtype = key
             sink = torch.zeros(n, width, dtype=dtype, device=device, requires_grad=True)
             sink.register_post_accumulate_grad_hook(owner.drain_sink)

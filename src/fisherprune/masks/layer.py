@@ -248,17 +248,20 @@ class _Gathered:
     enough to matter on this path, which runs at every forward and backward.
     """
 
-    __slots__ = ("backward_seen", "current", "passes", "received")
+    __slots__ = ("backward_seen", "current", "opened", "passes", "received")
 
     def __init__(self) -> None:
         self.current: Tensor | None = None  # (N, C) sum of g over the places of this pass
         self.backward_seen = False
         self.passes: list[Tensor] = []  # (N, C) summed g of each closed pass
         self.received = False  # a gradient arrived since the last update
+        self.opened = False  # a compiled forward used the mask since the last add (open_pass)
 
     def add(self, g: Tensor) -> None:
-        """Add one place's (N, C) gradient to the current pass."""
-        if self.current is not None and self.current.shape != g.shape:
+        """Add one place's (N, C) gradient to the current pass (after closing it, if it has a
+        different shape or a compiled forward came since its last gradient)."""
+        if self.opened or (self.current is not None and self.current.shape != g.shape):
+            self.opened = False
             self.commit()
         self.current = g if self.current is None else self.current + g
         self.backward_seen = self.received = True
@@ -470,6 +473,13 @@ class MaskLayer(SinkOwner, nn.Module):
         forward recomputed within the backward, ``masks.recompute``)."""
         if self._gathered.backward_seen and not recompute.recomputing():
             self._gathered.commit()
+
+    def open_pass(self) -> None:
+        """Called at each forward use inside a compiled graph: the next gradient added closes
+        the last pass first, as ``start_pass`` would have at this forward. It only writes: a
+        compiled forward that read the state (as ``start_pass`` does) would be guarded on it
+        and traced again at every pass of a step. Changes: that flag alone."""
+        self._gathered.opened = True
 
     def closed_passes(self) -> list[Tensor]:
         """Close the current pass (as the next forward would) and return the per-example
