@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch._dynamo.utils import counters
+from torch.utils.checkpoint import checkpoint
 
 import fisherprune as fp
 from fisherprune.norms import _FORMS, norm_spec, normalise_kept, normalise_masked
@@ -301,3 +302,58 @@ def test_gradient_accumulation_traces_no_graph_per_micro_batch() -> None:
     assert counters["stats"]["unique_graphs"] == 3
     for n in want:
         torch.testing.assert_close(got[n], want[n], rtol=1e-9, atol=1e-12, msg=n)
+
+
+class _Block(nn.Module):
+    """A pre-norm MLP block whose residual width is masked by a mask every block shares."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.ln, self.fc1, self.fc2 = (
+            nn.LayerNorm(width),
+            nn.Linear(width, 32),
+            nn.Linear(32, width),
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + self.fc2(F.gelu(self.fc1(self.ln(x))))
+
+
+class _CheckpointedNet(nn.Module):
+    """Two blocks, each run under ``torch.utils.checkpoint`` by the model's own code."""
+
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.reentrant = reentrant
+        self.inp, self.out = nn.Linear(8, 16), nn.Linear(16, 5)
+        self.blocks = nn.ModuleList([_Block(16) for _ in range(2)])
+
+    def forward(self, x: Tensor, checkpointed: bool = True) -> Tensor:
+        h = self.inp(x)
+        for b in self.blocks:
+            h = checkpoint(b, h, use_reentrant=self.reentrant) if checkpointed else b(h)
+        return self.out(h.mean(1))
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_blocks_the_model_checkpoints_itself_gather_the_plain_signal(reentrant: bool) -> None:
+    """Blocks the model's own code checkpoints, the model compiled (its checkpointed blocks
+    then run eager: the masks' effects are more than a checkpoint region may have): the signal
+    of the mask every block shares equals that of the model run without checkpoints, in
+    float64 (a block recomputed in the backward had closed the pass in its middle)."""
+    torch.manual_seed(0)
+    model = _CheckpointedNet(reentrant).double()
+    x = torch.randn(4, 6, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    y = torch.arange(4) % 5
+    fp.apply_masks(model, (x[:1], False))
+    with torch.no_grad():
+        for m in fp.find_masks(model).values():
+            m.mask[1] = 0.0
+    twin = copy.deepcopy(model)
+    want = _signals(model, lambda v: model(v, False), x, y)
+    run = torch.compile(twin, backend="aot_eager")
+    _signals(twin, run, x, y)
+    got = _signals(twin, run, x, y)
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=1e-9, atol=1e-12, msg=n)
+        assert float(want[n].abs().sum()) > 0.0

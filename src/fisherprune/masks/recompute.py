@@ -5,7 +5,10 @@ checkpointed, so no mask may alias its input (an aliasing product holds its inpu
 backward outside the saved tensors that checkpointing drops and recomputes).
 ``recomputing()``: a block's forward is being run again in backward to rebuild its saved
 tensors; the masks inside it then change no state (no pass is closed, nothing is warned about),
-so that nothing is counted twice.
+so that nothing is counted twice. Any forward the autograd engine runs within a backward counts
+too: the recomputation of a block the model's own code checkpoints (``torch.utils.checkpoint``;
+a ``torch.compile`` of such a model runs those blocks eager, their masks' effects being more
+than a checkpoint region may have).
 
 The backward, and so the recomputation, may run on another thread than the forward: CUDA's
 autograd engine runs it on a thread of the device. ``recomputing_on`` therefore raises both
@@ -19,6 +22,8 @@ import contextlib
 import threading
 from collections.abc import Iterator
 
+import torch
+
 __all__ = ["checkpointing", "checkpointing_on", "recomputing", "recomputing_on"]
 
 _state = threading.local()
@@ -30,8 +35,9 @@ def checkpointing() -> bool:
 
 
 def recomputing() -> bool:
-    """Whether a checkpointed block's forward is being recomputed on this thread."""
-    return getattr(_state, "recomputing", 0) > 0
+    """Whether a checkpointed block's forward is being recomputed on this thread: inside
+    ``recomputing_on``, or run by the autograd engine within a backward."""
+    return getattr(_state, "recomputing", 0) > 0 or torch._C._current_graph_task_id() != -1
 
 
 @contextlib.contextmanager
