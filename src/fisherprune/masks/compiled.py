@@ -23,11 +23,20 @@ this path instead:
   exactly the per-example dot the eager backward computes (the sum over every other dim of
   the output gradient times the input), in float32, computed by the compiled backward; a
   hook run after it is accumulated hands it to the point (``MaskPoint.accumulate``) and
-  clears it. The product is taken in float32 and cast back (one fused kernel): activations
-  keep their dtype, the statistics are float32.
+  clears it. The forward reads nothing of what was gathered (each read would be a guard,
+  failing at the next micro-batch): it marks its masks (``MaskLayer.open_pass``), and the next
+  gradient added closes the pass before it, as the eager forward's ``start_pass`` does. The
+  product is taken in float32 and cast back (one fused kernel): activations keep their dtype,
+  the statistics are float32.
 
 A norm point normalises with sums weighted by the kept positions
 (``fisherprune.norms.normalise_masked``), with no index computed from the mask.
+
+A backward that asks for some gradients only (``torch.autograd.grad(loss, params)``,
+``loss.backward(inputs=...)``) does not reach the leaves, which no asked-for gradient depends
+on: such steps gather no signal while compiled (eager ones do). And the masks' writes to Python
+state are more than a ``torch.utils.checkpoint`` region may make: ``torch.compile`` runs the
+function that checkpoints a masked block eager (its signal is the eager one).
 
 Other points (several masks on one dim, rows that are tokens or chosen by data, masks that
 require grad as under ``torch.func``) take the eager path, breaking the graph there as before.
