@@ -357,3 +357,26 @@ def test_blocks_the_model_checkpoints_itself_gather_the_plain_signal(reentrant: 
     for n in want:
         torch.testing.assert_close(got[n], want[n], rtol=1e-9, atol=1e-12, msg=n)
         assert float(want[n].abs().sum()) > 0.0
+
+
+def test_a_compiled_model_under_the_pruning_optimizer_prunes_as_eager() -> None:
+    """``PruningOptimizer`` training a compiled model (decay 0, pruning from the second step,
+    the first compiled step gathering nothing): it prunes the channels the eager twin prunes,
+    step for step, so the compiled graph reads each prune's mask values; then the compiled
+    outputs equal the shrunk model's, in float64."""
+    model, x, y = _masked("transformer_sdpa", batch=8)
+    twin = copy.deepcopy(model)
+    run = torch.compile(twin, backend="aot_eager")
+    opts = [
+        fp.PruningOptimizer(m, x[:1], lr=0.05, prune_every=1, burn_in=1, decay=0.0)
+        for m in (model, twin)
+    ]
+    for i in range(6):
+        xb, yb = x[i % 2 * 4 : i % 2 * 4 + 4], y[i % 2 * 4 : i % 2 * 4 + 4]
+        opts[0].minimize(F.cross_entropy(model(xb), yb))
+        opts[1].minimize(F.cross_entropy(run(xb), yb))
+    eager, compiled = ([(e.step, e.removed) for e in o.history] for o in opts)
+    assert len(eager) == 5 and compiled == eager
+    twin.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(run(x), fp.shrink(twin, x[:1])(x), rtol=1e-9, atol=1e-10)
