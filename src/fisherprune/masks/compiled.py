@@ -16,10 +16,10 @@ this path instead:
   neighbours; no version is read);
 * collecting: the input times ``mask + sink``, ``sink`` a leaf of zeros (float32, or the
   input's dtype where wider), shape (examples, positions), kept on the point per batch size,
-  device and dtype. A leaf that requires
-  grad cannot be made inside a compiled graph: the first call at a batch size multiplies
-  without collecting, and the leaf is made where the signals are next folded, outside the
-  graph (so the first compiled step at each batch size gathers no signal). Its gradient is then
+  device and dtype. A leaf that requires grad cannot be made inside a compiled graph: the
+  first call at a batch size multiplies without collecting, and the leaf is made where the
+  signals are next folded, outside the graph (so the first compiled step at each batch size
+  gathers no signal). Its gradient is then
   exactly the per-example dot the eager backward computes (the sum over every other dim of
   the output gradient times the input), in float32, computed by the compiled backward; a
   hook run after it is accumulated hands it to the point (``MaskPoint.accumulate``) and
@@ -36,7 +36,10 @@ A backward that asks for some gradients only (``torch.autograd.grad(loss, params
 ``loss.backward(inputs=...)``) does not reach the leaves, which no asked-for gradient depends
 on: such steps gather no signal while compiled (eager ones do). And the masks' writes to Python
 state are more than a ``torch.utils.checkpoint`` region may make: ``torch.compile`` runs the
-function that checkpoints a masked block eager (its signal is the eager one).
+function that checkpoints a masked block eager (its signal is the eager one). The leaves are
+looked up by batch size, which fixes it: ``torch._dynamo.mark_dynamic`` on the batch dim of a
+collecting model is refused by the compiler (``dynamic=True`` and the automatic dynamic shapes
+after a batch size changes are not: one graph per size).
 
 Other points (several masks on one dim, rows that are tokens or chosen by data, masks that
 require grad as under ``torch.func``) take the eager path, breaking the graph there as before.

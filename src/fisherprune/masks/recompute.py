@@ -27,6 +27,9 @@ import torch
 __all__ = ["checkpointing", "checkpointing_on", "recomputing", "recomputing_on"]
 
 _state = threading.local()
+#: the id of the backward the autograd engine runs on this thread, -1 outside one (the call
+#: ``torch.utils.checkpoint`` makes; where a torch lacks it, only ``recomputing_on`` counts)
+_graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 
 
 def checkpointing() -> bool:
@@ -37,7 +40,7 @@ def checkpointing() -> bool:
 def recomputing() -> bool:
     """Whether a checkpointed block's forward is being recomputed on this thread: inside
     ``recomputing_on``, or run by the autograd engine within a backward."""
-    return getattr(_state, "recomputing", 0) > 0 or torch._C._current_graph_task_id() != -1
+    return getattr(_state, "recomputing", 0) > 0 or _graph_task_id() != -1
 
 
 @contextlib.contextmanager
