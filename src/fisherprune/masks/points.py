@@ -80,6 +80,11 @@ class SharedProduct:
         self._key: tuple[Any, ...] = ()
         self._version = -1  # of ``_x`` when its product was made
 
+    def __reduce__(self) -> tuple[type[SharedProduct], tuple[()]]:
+        """Pickled (``torch.save`` of the whole model) and copied empty: what it remembers
+        is one step's, held by weak reference, which cannot be pickled."""
+        return SharedProduct, ()
+
     def get(self, x: Tensor, key: tuple[Any, ...]) -> Tensor | None:
         """The product made from ``x`` under the same ``key``, if it is still alive (never for
         an inference-mode tensor, which has no version counter to tell a change)."""
