@@ -23,6 +23,7 @@ from torch.utils.checkpoint import checkpoint
 
 import fisherprune as fp
 from fisherprune.norms import _FORMS, norm_spec, normalise_kept, normalise_masked
+from tests import tiny_hf
 from tests.zoo import ARCHS
 
 #: zoo networks whose every mask point is served by the compiled path (one mask over each
@@ -206,22 +207,21 @@ def test_weighted_statistics_over_two_normalised_dims() -> None:
 
 
 def _hf(name: str) -> tuple[nn.Module, dict[str, Tensor]]:
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    size = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4}
-    size |= {"intermediate_size": 128, "num_labels": 3, "max_position_embeddings": 40}
     if name == "bert":  # (no dropout: eager and compiled draw different masks)
-        cfg = transformers.BertConfig(
-            vocab_size=100, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, **size
+        model = tiny_hf.bert(
+            "BertForSequenceClassification",
+            num_labels=3,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
         )
-        model = transformers.BertForSequenceClassification(cfg)
     else:
+        transformers = pytest.importorskip("transformers")
+        torch.manual_seed(0)
         cfg = transformers.LlamaConfig(
-            vocab_size=100, num_key_value_heads=2, pad_token_id=0, **size
+            vocab_size=100, num_key_value_heads=2, pad_token_id=0, num_labels=3, **tiny_hf.SIZE
         )
         model = transformers.LlamaForSequenceClassification(cfg)
-    ids = torch.randint(3, 100, (4, 12), generator=torch.Generator().manual_seed(1))
-    return model.double(), {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    return model.double(), tiny_hf.token_inputs(batch=4)
 
 
 @pytest.mark.parametrize("name", ["bert", "llama"])

@@ -24,6 +24,7 @@ from fisherprune.cost import CostModel
 from fisherprune.cost.latency import LatencySpec, served
 from fisherprune.masks import layer as mask_layer
 from fisherprune.train.models import build_model
+from tests import tiny_hf
 from tests.test_device_independence import structure
 from tests.test_signals import DOT_TOLERANCE
 from tests.zoo import ARCHS
@@ -221,18 +222,8 @@ def test_a_zero_filled_output_is_served_as_a_cuda_graph() -> None:
     """A shrunk base model whose returned width lost channels (zero-filled back by its
     ``OutputFill`` hook) is captured and replayed as a CUDA graph, giving the masked model's
     outputs (the CPU twin: ``test_output_width``'s index copied to a device once)."""
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.BertConfig(
-        vocab_size=100,
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=128,
-        max_position_embeddings=40,
-    )
-    model = transformers.BertModel(cfg).eval().cuda()
-    ids = torch.randint(3, 100, (2, 12), device="cuda")
-    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    model = tiny_hf.bert().eval().cuda()
+    inputs = tiny_hf.token_inputs(device="cuda")
     masks = fp.apply_masks(model, inputs)
     with torch.no_grad():
         masks["fisherprune_masks.embeddings_word_embeddings:dim1"].mask[::3] = 0.0

@@ -21,6 +21,7 @@ from fisherprune.masks import find_masks
 from fisherprune.pruner import PruningOptimizer
 from fisherprune.train.devices import Precision, process_group_backend, resolve_device
 from fisherprune.train.models import build_model
+from tests import tiny_hf
 
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
 QUICK = [
@@ -208,21 +209,8 @@ def test_a_scaled_step_does_not_read_the_scale_back_to_the_host(monkeypatch) -> 
 
 
 def _bert(masked: bool) -> tuple[nn.Module, dict[str, torch.Tensor]]:
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    cfg = transformers.BertConfig(
-        vocab_size=100,
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=128,
-        max_position_embeddings=40,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-    )
-    model = transformers.BertModel(cfg)
-    ids = torch.randint(3, 100, (2, 12), generator=torch.Generator().manual_seed(1))
-    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    model = tiny_hf.bert(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    inputs = tiny_hf.token_inputs()
     if masked:
         fp.apply_masks(model, inputs)
     return model, inputs
