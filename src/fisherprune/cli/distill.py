@@ -16,7 +16,7 @@ from torch import Tensor
 from fisherprune.cli.help import DefaultsFormatter
 from fisherprune.recover import distill_sharded, save_pretrained_gathered
 from fisherprune.train.devices import process_group_backend, resolve_device
-from fisherprune.train.interrupts import init_distributed
+from fisherprune.train.interrupts import init_distributed, leave_process_group
 
 __all__ = ["distill_command", "distill_parser", "text_batches"]
 
@@ -127,7 +127,7 @@ def distill_command(args: argparse.Namespace) -> int:
         if not Path(getattr(args, flag)).exists():
             raise FileNotFoundError(f"--{flag} {getattr(args, flag)}: no such file or folder")
     tokenizer = transformers.AutoTokenizer.from_pretrained(args.student)
-    made = _join(args.dist_timeout)
+    made, ok = _join(args.dist_timeout), False
     try:
         world = dist.get_world_size()
         if args.batch_size % world:
@@ -151,7 +151,10 @@ def distill_command(args: argparse.Namespace) -> int:
             last = f"{done.losses[-1]:.4g}" if done.losses else "none (no step left to run)"
             print(f"distilled steps {done.start_step}..{args.steps}: last loss {last}; "
                   f"wrote {out}")  # fmt: skip
+        ok = True
     finally:
-        if made:
+        if made and ok:
+            leave_process_group(args.dist_timeout)
+        elif made:
             dist.destroy_process_group()
     return 0

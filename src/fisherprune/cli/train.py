@@ -7,7 +7,10 @@ import dataclasses
 import typing
 from typing import Any
 
+import torch.distributed as dist
+
 from fisherprune.train.config import ALIASES, HELP, TrainConfig
+from fisherprune.train.interrupts import leave_process_group
 from fisherprune.train.trainer import PruningTrainer
 
 __all__ = ["train_command", "train_parser"]
@@ -95,6 +98,9 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 
 def train_command(args: argparse.Namespace) -> int:
-
-    PruningTrainer(config_from_args(args)).run()
+    config = config_from_args(args)
+    joined = dist.is_available() and dist.is_initialized()
+    PruningTrainer(config).run()
+    if not joined:  # the run joined torchrun's group: leave it in order (rank 0 last)
+        leave_process_group(config.dist_timeout)
     return 0

@@ -6,6 +6,7 @@ answering ends the job after ``dist_timeout`` seconds.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import signal
 import threading
@@ -25,6 +26,7 @@ __all__ = [
     "PeerTimeoutError",
     "StopGuard",
     "init_distributed",
+    "leave_process_group",
     "loss_read_every",
     "monitored_barrier",
     "peer_timeout",
@@ -68,6 +70,27 @@ def init_distributed(timeout_s: float, backend: str = "gloo") -> None:
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
     if backend == "gloo":
         monitored_barrier(timeout_s, "start")
+
+
+def leave_process_group(timeout_s: float) -> None:
+    """Destroy the process group at the end of a run that went well, rank 0 last: it hosts
+    the TCP store, and a rank still tearing its group down after rank 0 had torn down the
+    store aborted under load ("terminate called without an active exception", exit -6, which
+    torchrun reports as a failed job). Every other rank destroys its group, then says so in
+    the store; rank 0 waits up to ``timeout_s`` seconds for all of them, then destroys its
+    own. Does nothing outside a process group. Changes: ends the process group."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    rank, world = dist.get_rank(), dist.get_world_size()
+    store = dist.distributed_c10d._get_default_store()  # (kept: it outlives the group)
+    if rank != 0:
+        dist.destroy_process_group()
+        store.set(f"fisherprune/left/{rank}", "1")
+        return
+    left = [f"fisherprune/left/{r}" for r in range(1, world)]
+    with contextlib.suppress(RuntimeError):  # (a rank silent past the timeout: end it anyway)
+        store.wait(left, timedelta(seconds=timeout_s))
+    dist.destroy_process_group()
 
 
 def monitored_barrier(timeout_s: float, where: str) -> None:
