@@ -15,10 +15,11 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from fisherprune.cli.main import main, resume_command
 from fisherprune.train.checkpoint import CheckpointManager
-from fisherprune.train.interrupts import StopGuard
+from fisherprune.train.interrupts import StopGuard, leave_process_group
 
 TIMEOUT = 120
 
@@ -172,3 +173,20 @@ def test_torchrun_with_a_frozen_rank_ends_with_a_clear_error_within_dist_timeout
     assert "another rank did not answer within 5 s" in ours[0]
     assert "[rank0]: Traceback" not in done.stderr
     assert time.monotonic() - start < TIMEOUT
+
+
+@pytest.mark.parametrize("store_call", [True, False])
+def test_leaving_the_process_group_ends_it(monkeypatch, store_call: bool) -> None:
+    """``leave_process_group`` (the end of a run that went well) ends the group, whether the
+    ranks order their teardown through the store or (a torch without the call for it) all
+    leave at once; outside a group it does nothing."""
+    if not store_call:
+        monkeypatch.delattr(dist.distributed_c10d, "_get_default_store")
+    leave_process_group(5.0)  # (no group: nothing to do)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        leave_process_group(5.0)
+        assert not dist.is_initialized()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -214,9 +214,8 @@ class MaskPoint(SinkOwner):
         the caller has them already."""
         shape = [1] * x.dim()
         shape[self.dim] = self.size
-        return self._vector(x.dtype, x.device, self._buffers() if bufs is None else bufs).view(
-            shape
-        )
+        bufs = self._buffers() if bufs is None else bufs
+        return self._vector(x.dtype, x.device, bufs).view(shape)
 
     def __call__(self, module: nn.Module, args: tuple) -> tuple | None:
         if len(args) <= self.arg or not isinstance(args[self.arg], Tensor):

@@ -82,7 +82,11 @@ def leave_process_group(timeout_s: float) -> None:
     if not (dist.is_available() and dist.is_initialized()):
         return
     rank, world = dist.get_rank(), dist.get_world_size()
-    store = dist.distributed_c10d._get_default_store()  # (kept: it outlives the group)
+    default_store = getattr(dist.distributed_c10d, "_get_default_store", None)
+    if default_store is None:  # (a torch without it: every rank ends the group at once)
+        dist.destroy_process_group()
+        return
+    store = default_store()  # (kept: it outlives the group)
     if rank != 0:
         dist.destroy_process_group()
         store.set(f"fisherprune/left/{rank}", "1")
