@@ -275,22 +275,24 @@ def peak_memory(spec: ov.ModelSpec, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def popt_loop(
-    spec: ov.ModelSpec, args: argparse.Namespace, prune_every: int
+    spec: ov.ModelSpec, args: argparse.Namespace, prune_every: int, compiled: bool = False
 ) -> tuple[Fn, fp.PruningOptimizer, Precision]:
     """One call: one step of the trainer's loop (``Precision.autocast`` forward and loss,
     ``Precision.minimize``) on the masked model with a ``PruningOptimizer`` that prunes every
-    ``prune_every`` steps towards 50% of the FLOPs."""
+    ``prune_every`` steps towards 50% of the FLOPs (``compiled``: the forward under
+    ``torch.compile``, as ``fisherprune train --compile`` runs it)."""
     model = ov.make_model(on_device(spec, args.device), masked=True)
     batches = itertools.cycle(device_batches(spec, args.batch, args.device))
     example = ov.make_batches(spec, 1, 1)[0][0].to(args.device)
     popt = fp.PruningOptimizer(model, example, prune_every=prune_every, **POPT)
     precision = Precision(PRECISION_NAMES[args.dtype], args.device)
     model.train()
+    forward = torch.compile(model) if compiled else model
 
     def step() -> None:
         x, y = next(batches)
         with precision.autocast():
-            loss = F.cross_entropy(model(x).float(), y)
+            loss = F.cross_entropy(forward(x).float(), y)
         precision.minimize(popt, loss)
 
     return step, popt, precision
@@ -398,13 +400,16 @@ def step_figures(spec: ov.ModelSpec, args: argparse.Namespace) -> dict[str, Any]
     return out
 
 
-def throughput(spec: ov.ModelSpec, args: argparse.Namespace) -> dict[str, Any]:
-    """Examples/s of the trainer's loop with pruning against a plain step, interleaved."""
+def throughput(
+    spec: ov.ModelSpec, args: argparse.Namespace, compiled: bool = False
+) -> dict[str, Any]:
+    """Examples/s of the trainer's loop with pruning against a plain step, interleaved
+    (``compiled``: both forwards under ``torch.compile``)."""
     try:
-        on, popt, _ = popt_loop(spec, args, PRUNE_EVERY)
+        on, popt, _ = popt_loop(spec, args, PRUNE_EVERY, compiled)
     except ValueError as exc:  # e.g. fp16 on a CPU: the trainer refuses it too
         return {"skipped": str(exc)}
-    off = variant_fns(spec, args, "a")["a"]
+    off = variant_fns(spec, args, "a", compiled)["a"]
     times = interleaved({"off": off, "on": on}, args.rounds, args.steps, args.warmup, args.device)
     per_s = {k: args.batch * 1e3 / statistics.median(ts) for k, ts in times.items()}
     return {
@@ -537,10 +542,12 @@ def print_tables(results: dict[str, Any]) -> None:
     trainer = results.get("trainer_sync", {})
     print(f"\nPruningTrainer steps reading no loss: {trainer.get('result', trainer)}")
     print(f"\n{'model':<10} {'ex/s off':>10} {'ex/s on':>10} {'on/off':>7}  prunes")
-    for name, res in results["throughput"].items():
+    loops = [(n, "", r) for n, r in results["throughput"].items()]
+    loops += [(n, " compiled", r) for n, r in results.get("compiled_throughput", {}).items()]
+    for name, form, res in loops:
         e = res.get("examples_per_s", {"off": float("nan"), "on": float("nan")})
         ratio, prunes = res.get("on_over_off", float("nan")), res.get("prunes", res.get("skipped"))
-        print(f"{name:<10} {e['off']:10.1f} {e['on']:10.1f} {ratio:7.3f}  {prunes}")
+        print(f"{name:<10} {e['off']:10.1f} {e['on']:10.1f} {ratio:7.3f}  {prunes}{form}")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -557,7 +564,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--compiled-steps",
         action="store_true",
-        help="also time (a) and (b) with the forward under torch.compile (masks.compiled)",
+        help="also time (a) and (b), and the trainer's loop, with the forward under "
+        "torch.compile (masks.compiled)",
     )
     p.add_argument("--models", nargs="+", choices=list(ov.STANDARD), default=list(ov.STANDARD))
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON output path")
@@ -587,6 +595,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         results["steps"][name] = step_figures(specs[name], args)
         write_json(args.out, {"partial": True, **results})  # what a timeout leaves stays
         results["throughput"][name] = throughput(specs[name], args)
+        if args.compiled_steps:
+            results.setdefault("compiled_throughput", {})[name] = throughput(
+                specs[name], args, compiled=True
+            )
         write_json(args.out, {"partial": True, **results})
         print(f"{name}: training steps {time.perf_counter() - t0:.0f} s", flush=True)
         if name in tl.ENCODERS:

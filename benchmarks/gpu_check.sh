@@ -3,7 +3,8 @@
 # (or give the root as $1); logs and JSON go to $OUT (default benchmarks/results/gpu_check/).
 # Each part has its own timeout, so what finished comes back:
 #   1. pytest -m cuda (CUDA tests; each has a CPU twin in the normal suite);
-#   2. the README's main job on the GPU (digits, built-in CNN, bf16), beside 1;
+#   2. the README's main job on the GPU (digits, built-in CNN, bf16), beside 1, eager and
+#      with --compile (the steps under torch.compile, inductor);
 #   3. a CPU smoke subset of the suite on this machine's torch (the declared floor is tested);
 #   4. benchmarks/latency_prediction.py on the GPU (issue 32, point 3): the latency table's
 #      prediction against the shrunk model timed whole, bf16, batch 32, as CUDA graphs (eager
@@ -42,6 +43,8 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
   t0=$SECONDS  # the main job runs beside the CUDA tests (both small: correctness, not timing)
   tm=$(limit "${T_MAIN:-150}")
   (cd "$run" && timeout "$tm" python3 -m fisherprune train --precision bf16 --save_dir main >"$logs/main_job.log" 2>&1; echo "main job rc=$? $((SECONDS - t0))s" >>"$logs/main_job.log") &
+  tc=$(limit "${T_MAIN_COMPILED:-180}")
+  (cd "$run" && timeout "$tc" python3 -m fisherprune train --precision bf16 --compile --save_dir main_compiled >"$logs/main_job_compiled.log" 2>&1; echo "main job --compile rc=$? $((SECONDS - t0))s" >>"$logs/main_job_compiled.log") &
   timeout "$(limit "${T_TESTS:-100}")" python3 -m pytest -q -m cuda -p no:cacheprovider tests/test_cuda.py >"$logs/cuda_tests.log" 2>&1
   say "pytest -m cuda rc=$? $((SECONDS - t0))s"; tail -n 25 "$logs/cuda_tests.log" | tee -a "$log"; pack
   if [ "${SKIP_SMOKE:-0}" != 1 ] && t=$(limit "${T_SMOKE:-100}") && enough "$t" "the CPU smoke subset"; then
@@ -54,7 +57,9 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
     tail -n 4 "$logs/smoke_cpu.log" | tee -a "$log"
   fi
   wait
-  say "$(tail -n 1 "$logs/main_job.log")"; grep -iE "warning|^dense|^pruned|error|step 700|^fisherprune train: digits" "$logs/main_job.log" | head -8 | cut -c1-400 | tee -a "$log"
+  for job in main_job main_job_compiled; do
+    say "$(tail -n 1 "$logs/$job.log")"; grep -iE "warning|^dense|^pruned|error|step 700|^fisherprune train: digits" "$logs/$job.log" | head -8 | cut -c1-400 | tee -a "$log"
+  done
   pack
 fi
 for form in ${LATENCY_FORMS-cuda_graphs}; do

@@ -73,6 +73,13 @@ def step_table(runs: list[dict[str, Any]], before: dict[str, dict[str, Any]]) ->
                 f"{t['on_over_off']:.3f} | ≥ {TARGETS['throughput']} | {was_cell} | | "
                 f"{res['sync_check'].get('pruning_optimizer', '-')} (no prune due) |"
             )
+            t = run.get("compiled_throughput", {}).get(name)
+            if t and "examples_per_s" in t:
+                lines.append(
+                    f"| {name} | trainer's loop, compiled (ratio to (a+)), examples/s | "
+                    f"{t['examples_per_s']['on']:.0f} vs {t['examples_per_s']['off']:.0f} | "
+                    f"{t['on_over_off']:.3f} | ≥ {TARGETS['throughput']} | | | |"
+                )
     return lines
 
 

@@ -21,9 +21,10 @@ the extra ones listed), and the process CPU time of a step (median of ``--rounds
 rounds of 10 steps, as a ratio to ``a``'s from the same rounds: the host time, less sensitive
 than wall time to other processes on this shared machine). For comparison, the H200 measured
 ``b`` 1.37x and ``c`` 1.51x ``a`` on BERT-base, and the trainer's loop at 0.663x a plain
-step's throughput (1.51x its time; ``docs/gpu.md``, 2026-11-30). With ``--compiled``, ``a+``
-and ``b+`` run the model's forward under ``torch.compile`` (inductor; ``b+`` as a ratio to
-``a+``): masks inside a compiled graph (``fisherprune.masks.compiled``).
+step's throughput (1.51x its time; ``docs/gpu.md``, 2026-11-30). With ``--compiled``, ``a+``,
+``b+`` and ``g+`` run the model's forward under ``torch.compile`` (inductor; ``b+`` and ``g+``
+as ratios to ``a+``): masks inside a compiled graph (``fisherprune.masks.compiled``); ``g+`` is
+the step ``fisherprune train --compile`` runs.
 
 Run ``python benchmarks/host_overhead.py`` (about two minutes); the table is printed and the JSON
 written to ``--out`` (default ``benchmarks/results/host_overhead.json``).
@@ -59,7 +60,11 @@ VARIANTS = {
 }
 #: with ``--compiled``: the model's forward under ``torch.compile`` (inductor), plain and
 #: collecting (``fisherprune.masks.compiled``; the first steps make its leaves and compile)
-COMPILED = {"a+": "plain, compiled", "b+": "masks, collecting, compiled"}
+COMPILED = {
+    "a+": "plain, compiled",
+    "b+": "masks, collecting, compiled",
+    "g+": "PruningOptimizer loop, compiled (train --compile)",
+}
 #: steps per timed round: ``g`` prunes once in each (the H200's trainer-loop figure is the
 #: throughput of such blocks)
 ROUND_STEPS = 10
@@ -103,6 +108,7 @@ def make_step(variant: str) -> Callable[[], None]:
         fp.shrink(model, x[:1], inplace=True)
     masks = fp.find_masks(model)
     model.train()
+    forward = torch.compile(model) if compiled else model
     if variant == "g":  # the trainer's loop: gpu.py's PruningOptimizer settings
         popt = fp.PruningOptimizer(
             model, x[:1], prune_every=ROUND_STEPS, lr=0.01, momentum=0.9, decay=0.96,
@@ -110,11 +116,10 @@ def make_step(variant: str) -> Callable[[], None]:
         )  # fmt: skip
 
         def loop_step() -> None:
-            popt.minimize(F.cross_entropy(model(x), y))
+            popt.minimize(F.cross_entropy(forward(x), y))
 
         return loop_step
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    forward = torch.compile(model) if compiled else model
 
     def step() -> None:
         opt.zero_grad(set_to_none=True)
@@ -186,7 +191,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--compiled",
         action="store_true",
-        help="also (a) and (b) with the forward under torch.compile, as ratios to compiled (a)",
+        help="also (a), (b) and (g) with the forward under torch.compile, as ratios to "
+        "compiled (a)",
     )
     args = p.parse_args(argv)
     if args.rounds < 1:

@@ -32,6 +32,7 @@ from fisherprune.settings import (
     parse_flops_weight,
 )
 from fisherprune.signals.criteria import CRITERIA
+from fisherprune.train.compiling import check_compile_settings
 
 __all__ = ["ALIASES", "HELP", "TrainConfig"]
 
@@ -191,6 +192,12 @@ HELP: dict[str, str] = {
     "device": "auto, cpu, cuda, cuda:N or mps",
     "precision": "fp32, bf16 or fp16 (autocast; fp16 needs a GPU); pruning statistics stay fp32",
     "log": "comma-separated extra metric logs besides metrics.jsonl: tensorboard",
+    "compile": "run the training steps through torch.compile, masks inside the graph (the "
+    "first collecting step at each batch size gathers no signal; evaluation and export run "
+    "eager)",
+    "compile_backend": "torch.compile backend: inductor, or aot_eager (builds no kernels, needs "
+    "no C++ compiler)",
+    "compile_mode": "torch.compile mode: default or max-autotune-no-cudagraphs",
 }
 
 
@@ -273,6 +280,9 @@ class TrainConfig:
         waits for the others under torchrun before the job ends with an error.
         device: "auto", "cpu", "cuda", "cuda:N" or "mps"; precision: "fp32", "bf16", "fp16";
         log: metric logs besides ``metrics.jsonl`` (``"tensorboard"``).
+        compile: run the training steps' forward and backward through ``torch.compile`` with
+            ``compile_backend`` and ``compile_mode`` (``fisherprune.train.compiling``); a
+            resumed run must keep them.
     """
 
     data: str = "digits"
@@ -346,6 +356,9 @@ class TrainConfig:
     precision: str = "fp32"
     log: list[str] = field(default_factory=list)
     dist_timeout: float = 120.0
+    compile: bool = False
+    compile_backend: str = "inductor"
+    compile_mode: str = "default"
 
     def __post_init__(self) -> None:
         self.validate()
@@ -427,6 +440,8 @@ class TrainConfig:
             if v is not None and v not in CONVENTIONS:
                 raise ValueError(f"{name} must be one of {', '.join(CONVENTIONS)}, got {v!r}")
         self.latency_spec()  # a bad device, batch or thread count is refused now
+        if self.compile:
+            check_compile_settings(self.compile_backend, self.compile_mode)
 
     def latency_spec(self) -> LatencySpec | None:
         """The ``LatencySpec`` of the run's ``latency`` convention, or None when neither

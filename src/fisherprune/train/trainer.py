@@ -24,6 +24,7 @@ from fisherprune.masks import find_masks
 from fisherprune.modes import eval_mode
 from fisherprune.pruner import PruningOptimizer
 from fisherprune.train.checkpoint import CheckpointManager, DamagedCheckpointError, rng_state
+from fisherprune.train.compiling import check_compiler, compiled
 from fisherprune.train.config import TrainConfig
 from fisherprune.train.data import Dataset, DataSpec, StreamingDataset, data_card, load_data
 from fisherprune.train.devices import Precision, process_group_backend, resolve_device
@@ -110,6 +111,8 @@ class PruningTrainer:
         if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
             init_distributed(cfg.dist_timeout, process_group_backend(self.device))
         self.rank, self.world = _dist_info()
+        if cfg.compile:  # a backend that cannot build kernels here is refused before training
+            check_compiler(cfg.compile_backend, cfg.compile_mode, self.device)
         random.seed(cfg.seed)
         np.random.seed(cfg.seed)
         torch.manual_seed(cfg.seed)
@@ -340,11 +343,14 @@ class PruningTrainer:
 
     def _wrap(self, model: nn.Module) -> nn.Module:
         """What the steps train: ``model`` in DistributedDataParallel under torchrun (built
-        again after the shrink, whose parameters are new objects), else ``model`` itself."""
-        if self.world == 1:
-            return model
-        ids = [self.device.index] if self.device.type == "cuda" else None
-        return nn.parallel.DistributedDataParallel(model, device_ids=ids)
+        again after the shrink, whose parameters are new objects), else ``model`` itself;
+        under ``torch.compile`` with ``config.compile``."""
+        net = model
+        if self.world > 1:
+            ids = [self.device.index] if self.device.type == "cuda" else None
+            net = nn.parallel.DistributedDataParallel(model, device_ids=ids)
+        cfg = self.config
+        return compiled(net, cfg.compile_backend, cfg.compile_mode) if cfg.compile else net
 
     def _export_dense(self) -> None:
         """Write the model as it stands, unpruned, to ``export_dir/DENSE_FILE`` in
