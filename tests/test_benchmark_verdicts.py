@@ -134,3 +134,36 @@ def test_verdict_first_pairs_unequal_seed_sets(bench: ModuleType) -> None:
     (line,) = bench.verdicts(cells)
     assert ", first; vs taylor +0.01 ± 0 (3 seeds)" in line
     assert "below dense" not in line
+
+
+def _with_loss(cell: dict[str, Any], losses: list[float], dense: float) -> dict[str, Any]:
+    """``cell`` with the test cross-entropy by seed that ``summary`` adds where rows have it."""
+    by_seed = {str(s): v for s, v in enumerate(losses)}
+    dense_by_seed = {s: dense for s in by_seed}
+    extra = {"test_loss": sum(losses) / len(losses), "loss_by_seed": by_seed}
+    return {**cell, **extra, "dense_loss_by_seed": dense_by_seed}
+
+
+def test_verdict_on_test_loss_separates_what_accuracy_ties(bench: ModuleType) -> None:
+    """Accuracy equal seed by seed (fisher within noise of random), but random's cross-entropy
+    is higher on every seed by 0.020-0.022: on the loss fisher is ahead of random (lower is
+    better), and random measurably above dense there."""
+    acc = [0.97, 0.98, 0.99]
+    cells = [
+        _with_loss(_cell("fisher", acc), [0.10, 0.11, 0.12], dense=0.09),
+        _with_loss(_cell("random", acc), [0.12, 0.131, 0.142], dense=0.09),
+    ]
+    (line,) = bench.verdicts(cells)
+    on_accuracy, on_loss = line.split(". On test cross-entropy ")
+    assert "NOT ahead of random (within noise)" in on_accuracy
+    assert on_loss.startswith("0.11: first; ahead of random (+0.021 ± 0.0025 (3 seeds))")
+    assert "above dense" not in on_loss
+
+
+def test_no_loss_verdict_without_a_rival_that_recorded_it(bench: ModuleType) -> None:
+    cells = [
+        _with_loss(_cell("fisher", [0.9, 0.91, 0.92]), [0.1, 0.1, 0.1], dense=0.1),
+        _cell("random", [0.8, 0.81, 0.82]),
+    ]
+    (line,) = bench.verdicts(cells)
+    assert "cross-entropy" not in line
