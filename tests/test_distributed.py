@@ -163,7 +163,12 @@ class TorchrunRun:
 def torchrun(tmp_path_factory: pytest.TempPathFactory) -> TorchrunRun:
     """`torchrun --nproc_per_node=2` of `fisherprune train` on a 200-row CSV, each rank in its
     own working directory with the relative --save_dir `out`."""
-    root = tmp_path_factory.mktemp("torchrun")
+    return _torchrun(tmp_path_factory.mktemp("torchrun"))
+
+
+def _torchrun(root: Path, *extra: str) -> TorchrunRun:
+    """`torchrun --nproc_per_node=2` of the driver and `fisherprune train ... *extra` in
+    ``root``, and what each rank recorded."""
     for r in (0, 1):
         (root / f"rank{r}").mkdir()
     data = _write_table(root / "t.csv")
@@ -176,7 +181,7 @@ def torchrun(tmp_path_factory: pytest.TempPathFactory) -> TorchrunRun:
         "--train.steps", "30", "--pruning.burn_in", "5", "--pruning_iter", "2",
         "--eval_every", "10", "--fine_tune_steps", "5", "--checkpoint_every", "10",
         "--export_formats", "state_dict", "--threads", "1", "--progress", "plain",
-        "--save_dir", "out",
+        "--save_dir", "out", *extra,
     ]  # fmt: skip
     done = subprocess.run(
         cmd, capture_output=True, text=True, timeout=TIMEOUT, env=subprocess_env(), cwd=root
@@ -233,6 +238,18 @@ def test_torchrun_prints_the_summary_once(torchrun: TorchrunRun) -> None:
     assert torchrun.done.returncode == 0, torchrun.done.stderr[-3000:]
     assert out.count("\npruned: accuracy") == 1, out
     assert out.count("world size 2") == 1, out
+
+
+def test_torchrun_compiled_steps_prune_as_the_eager_run(
+    torchrun: TorchrunRun, tmp_path: Path
+) -> None:
+    """With ``--compile`` (``aot_eager``: traced and partitioned, no kernels built) the
+    steps of both ranks run compiled around DistributedDataParallel, before and after the
+    shrink, and every rank holds after every step the masks the eager run held."""
+    compiled = _torchrun(tmp_path, "--compile", "--compile_backend", "aot_eager")
+    assert compiled.done.returncode == 0, compiled.done.stderr[-3000:]
+    eager = torchrun.records[0]["masks"]
+    assert eager and [r["masks"] for r in compiled.records] == [eager, eager]
 
 
 # ============================================================ library under mp.spawn and DDP
