@@ -201,6 +201,37 @@ def test_steps_that_do_not_prune_never_synchronise(name: str, precision: torch.d
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="torch sees no CUDA device")
+@pytest.mark.parametrize("name", ["resnet_bottleneck", "transformer_sdpa"])
+def test_compiled_steps_that_do_not_prune_never_synchronise(name: str) -> None:
+    """The same under ``torch.compile`` (``fisherprune train --compile``; ``aot_eager``, as the
+    CPU twin ``test_trainer_steps_read_nothing_back_between_loss_reads[True]``), bf16, once
+    the masks' leaves exist (the first two steps)."""
+    arch = ARCHS[name]
+    model, x = arch.build().cuda(), arch.example_input(8).cuda()
+    y = torch.arange(8, device="cuda") % 5
+    fp.apply_masks(model, x[:1])
+    popt = fp.PruningOptimizer(model, x[:1], lr=0.01, prune_every=10**6, burn_in=0)
+    forward = torch.compile(model, backend="aot_eager")
+
+    def step() -> None:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = F.cross_entropy(forward(x).float(), y)
+        popt.minimize(loss)
+
+    step()
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert all(float(m.signal.sum()) > 0 for m in fp.find_masks(model).values())
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="torch sees no CUDA device")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_fused_per_example_dot_runs_on_cuda(dtype: torch.dtype) -> None:
     """On CUDA the fused per-example dot is taken (not refused) and equals a float64 dot of the

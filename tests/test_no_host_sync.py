@@ -168,13 +168,15 @@ def test_trainer_callback_steps_read_nothing_back(tmp_path: Path) -> None:
     _assert_clean(prune.pruner, watch.outside, watch.pruning)
 
 
+@pytest.mark.parametrize("compiled", [False, True])
 def test_trainer_steps_read_nothing_back_between_loss_reads(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, compiled: bool
 ) -> None:
     """``PruningTrainer`` as it runs on a GPU (its losses kept on the device and read every 5
     steps): every step that does not read them (no prune, eval or checkpoint due) makes no host
     read at all, across the dense, pruning and fine-tuning phases (it read ``float(loss)`` in
-    every step)."""
+    every step); with ``compiled``, the steps under ``torch.compile`` (``--compile``, here
+    ``aot_eager``) as well."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(200, 4, generator=g)
     rows = [",".join(f"{v:.5f}" for v in r) + f",{int(r[0] > 0)}" for r in x.tolist()]
@@ -192,7 +194,7 @@ def test_trainer_steps_read_nothing_back_between_loss_reads(
         data=str(tmp_path / "t.csv"), label="label", model="mlp", width=16, depth=2, steps=60,
         pruning_burn_in=10, pruning_iter=7, eval_every=25, fine_tune_steps=5,
         save_dir=str(tmp_path / "run"), export_formats=["state_dict"], progress="none",
-        weight_decay=5e-4,
+        weight_decay=5e-4, compile=compiled, compile_backend="aot_eager",
     )  # fmt: skip
     with spied_tensor_reads() as reads:
         trainer = PruningTrainer(cfg)
