@@ -128,7 +128,6 @@ class SignalOwner:
         self.init_owner()
 
 
-@torch.library.custom_op("fisherprune::hand_over", mutates_args=())
 def _hand_over(dot: Tensor, key: int) -> None:
     """Hand ``dot`` (examples, positions) to the owner with ``key`` (``accumulate``), if it is
     alive. Changes: that owner's gathered gradients. Called by the compiled backward, never
@@ -139,11 +138,16 @@ def _hand_over(dot: Tensor, key: int) -> None:
         owner.accumulate(g, None)  # type: ignore[attr-defined]
 
 
-@_hand_over.register_fake
 def _hand_over_fake(dot: Tensor, key: int) -> None:
     """Nothing to compute while tracing."""
 
 
+# defined by ``Library`` rather than ``torch.library.custom_op``, whose Python wrapper costs
+# 5x more per call (8 against 1.6 us, torch 2.13 CPU), paid once per point in each backward
+_LIB = torch.library.Library("fisherprune", "DEF")
+_LIB.define("hand_over(Tensor dot, int key) -> ()")
+_LIB.impl("hand_over", _hand_over, "CompositeExplicitAutograd")
+torch.library.register_fake("fisherprune::hand_over", _hand_over_fake, lib=_LIB)
 # it returns nothing: without this, the compiler drops it from the backward as dead code
 torch.fx.node.has_side_effect(torch.ops.fisherprune.hand_over.default)
 
