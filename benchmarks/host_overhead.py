@@ -59,7 +59,7 @@ VARIANTS = {
     "g": "PruningOptimizer loop, prunes every 10 steps",
 }
 #: with ``--compiled``: the model's forward under ``torch.compile`` (inductor), plain and
-#: collecting (``fisherprune.masks.compiled``; the first steps make its leaves and compile)
+#: collecting (``fisherprune.masks.compiled``; the first step compiles)
 COMPILED = {
     "a+": "plain, compiled",
     "b+": "masks, collecting, compiled",

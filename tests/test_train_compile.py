@@ -47,7 +47,7 @@ def test_a_compiled_run_traces_whole_graphs(tmp_path: Path) -> None:
     code, _, err = run_cli("train", *DIGITS, *COMPILED, "--save_dir", tmp_path)
     assert code == 0, err
     assert not counters["graph_break"], dict(counters["graph_break"])
-    # dense, collecting before its leaves exist, collecting, the shrunk model (and the probe)
+    # the probe, dense, collecting, not collecting, the shrunk model
     assert counters["stats"]["unique_graphs"] <= 5
 
 

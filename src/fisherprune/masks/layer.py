@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from fisherprune.masks import recompute, tracing
-from fisherprune.masks.compiled import SinkOwner, compiling, masked_product
+from fisherprune.masks.compiled import SignalOwner, compiling, masked_product
 
 __all__ = ["MaskLayer", "all_ones", "buffers_key", "gather_through", "log_input_changed"]
 
@@ -285,7 +285,7 @@ class _Gathered:
         return passes
 
 
-class MaskLayer(SinkOwner, nn.Module):
+class MaskLayer(SignalOwner, nn.Module):
     """A binary mask over ``num_channels`` channels of dimension ``dim`` of its input.
 
     Buffers (saved in ``state_dict``):
@@ -350,8 +350,9 @@ class MaskLayer(SinkOwner, nn.Module):
         self._mult_cache: tuple[Tensor, tuple[Any, ...], Tensor] | None = None
         #: False once an in-place op downstream was seen changing the input (see _MaskMultiply)
         self._alias_ok = True
-        #: the leaves of the compiled path, when called as a module (masks.compiled)
-        self.init_sinks()
+        #: the key the compiled path hands this layer's signal by, when called as a module
+        #: (masks.compiled)
+        self.init_owner()
 
     def extra_repr(self) -> str:
         kept = int(self.mask.sum().item())
@@ -390,7 +391,9 @@ class MaskLayer(SinkOwner, nn.Module):
         different channel layouts (concatenation, grouped channels).
         """
         if compiling() and index is None and not self.mask.requires_grad:
-            return masked_product(self, x, self.mask, [self], dim, 0)
+            out = masked_product(self, x, self.mask, [self], dim, 0)
+            if out is not None:
+                return out
         tracer = tracing.active()
         if tracer is not None:
             with tracer.suspended():

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from fisherprune.masks import recompute, tracing
 from fisherprune.masks.compiled import (
-    SinkOwner,
+    SignalOwner,
     compiled_product,
     compiling,
     covers_in_order,
@@ -118,7 +118,7 @@ def _to_device(t: Tensor, device: torch.device) -> Tensor:
     return t.to(device)
 
 
-class MaskPoint(SinkOwner):
+class MaskPoint(SignalOwner):
     """Multiplies positional input ``arg`` of a module, along ``dim``, by one or more masks.
 
     ``parts``: for each mask, the positions of ``dim`` it covers and which of
@@ -172,9 +172,9 @@ class MaskPoint(SinkOwner):
         self._grad_hook: Any = None
         #: False once an in-place op downstream was seen changing the input (see _MaskMultiply)
         self._alias_ok = True
-        #: the leaves whose gradients carry the per-example signal under ``torch.compile``
+        #: the key the compiled backward hands the per-example signal by
         #: (``fisherprune.masks.compiled``)
-        self.init_sinks()
+        self.init_owner()
 
     def parts_on(self, device: torch.device) -> list[tuple[MaskLayer, Tensor, Tensor]]:
         """``parts`` with the position and index tensors on ``device``, copied there once: a

@@ -20,7 +20,6 @@ import torch.distributed as dist
 from torch import Tensor
 
 from fisherprune.masks import MaskLayer, MaskSet, as_mask_dict
-from fisherprune.masks.compiled import make_pending_sinks
 
 __all__ = ["fold_statistics", "fold_totals"]
 
@@ -130,7 +129,6 @@ def fold_totals(
     ``stacklevel`` places the not-finite warning (4: the caller of the ``update`` that called
     this).
     """
-    make_pending_sinks()  # (leaves a compiled step lacked: made here, outside its graph)
     md = as_mask_dict(masks)
     ready: list[Ready] = []
     if dist.is_available() and dist.is_initialized():

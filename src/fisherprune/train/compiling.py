@@ -5,9 +5,6 @@ The masks keep collecting inside the compiled graph (``fisherprune.masks.compile
 collecting step is one graph, with no break at each mask, and its per-example signal is the
 eager one. What compiling changes for a run:
 
-* the first compiled collecting step at each batch size gathers no signal (the masks' leaves
-  are made after it, outside the graph); a run's batch size is fixed, so that is one step
-  when the collection starts, one after a resume, and one after the model is shrunk;
 * the graph is traced again when the collection starts and stops, and once more for the
   shrunk model (new parameters, new shapes);
 * evaluation, the teacher's forward and the export run eager, on the same weights.
@@ -27,8 +24,9 @@ from fisherprune._errors import first_line
 __all__ = ["COMPILE_MODES", "check_compile_settings", "check_compiler", "compiled"]
 
 #: ``--compile_mode`` values; the CUDA-graph modes (``reduce-overhead``, ``max-autotune``) are
-#: left out: a step that prunes changes the masks the graphs would have captured as constants
-#: of a replay, and the masks' leaves are made between steps
+#: left out: a step that prunes writes the masks a replay reads, and the compiled backward
+#: hands each pass's per-example dots to Python (``fisherprune::hand_over``), which a replay
+#: would skip
 COMPILE_MODES: tuple[str, ...] = ("default", "max-autotune-no-cudagraphs")
 
 

@@ -192,9 +192,8 @@ HELP: dict[str, str] = {
     "device": "auto, cpu, cuda, cuda:N or mps",
     "precision": "fp32, bf16 or fp16 (autocast; fp16 needs a GPU); pruning statistics stay fp32",
     "log": "comma-separated extra metric logs besides metrics.jsonl: tensorboard",
-    "compile": "run the training steps through torch.compile, masks inside the graph (the "
-    "first collecting step at each batch size gathers no signal; evaluation and export run "
-    "eager)",
+    "compile": "run the training steps through torch.compile, masks and their signal inside "
+    "the graph (evaluation and export run eager)",
     "compile_backend": "torch.compile backend: inductor, or aot_eager (builds no kernels, needs "
     "no C++ compiler)",
     "compile_mode": "torch.compile mode: default or max-autotune-no-cudagraphs",
