@@ -135,11 +135,14 @@ def host_section(path: Path) -> list[str]:
         "step over rounds of 10 steps, and its H200 figure is one over that loop's throughput "
         "ratio. The CPU ratio is the ratio of the medians; in brackets the median of the "
         "rounds' paired ratios. Runs of the same code a few minutes apart differ by up to 0.1 "
-        "in either. (a+) and (b+) run the model's forward under `torch.compile` (inductor), "
-        "(b+) as a ratio to (a+): masks inside a compiled graph (`fisherprune.masks.compiled`; "
-        "their kernels are generated code, not counted as operators). Before that path, the "
-        "compiled collecting step broke into a graph per mask point and ran 4.3x the compiled "
-        "plain one (2-block encoder, 2026-11-30).",
+        "in either. (a+), (b+) and (g+) run the model's forward under `torch.compile` "
+        "(inductor), (b+) and (g+) as ratios to (a+): masks inside a compiled graph "
+        "(`fisherprune.masks.compiled`; their kernels are generated code, not counted as "
+        "operators); (g+) is the step `fisherprune train --compile` runs. Before that path, "
+        "the compiled collecting step broke into a graph per mask point and ran 4.3x the "
+        "compiled plain one (2-block encoder, 2026-11-30); with per-example leaves in place of "
+        "the hand-over op (until 2026-11-30), 1.32-1.42x, and its first step at each batch "
+        "size gathered nothing.",
         "",
         "| variant | ops/step | ops ratio | CPU ms | CPU ratio (paired) | H200 BERT-base ratio |",
         "|---|---|---|---|---|---|",
