@@ -75,6 +75,9 @@ def torch_flops(key: Any) -> Formula | None:
     """PyTorch's FLOP formula of operator packet ``key`` in our calling convention, or None
     (``SAME_AS_TORCH`` fills the ops PyTorch's counter leaves out)."""
     f = flop_registry.get(key)
+    raw = getattr(f, "__wrapped__", None)  # the formula on shapes, under torch's shape_wrapper
+    if raw is not None:  # (the cost model passes shapes: the wrapper's tree_map is host time)
+        return lambda *args, out_shape=None, **kw: raw(*args, out_shape=out_shape, **kw)
     if f is not None:
         return lambda *args, out_shape=None, **kw: f(*args, out_val=out_shape, **kw)
     raw = SAME_AS_TORCH.get(key)
