@@ -702,6 +702,13 @@ def _counts_per_entry(
 ) -> tuple[np.ndarray, np.ndarray]:
     """From ``(dim j, killing entry of each channel of dim j)``: the entries that kill any
     channel (ascending) and, per entry, how many channels of each dim it kills."""
+    first = found[0][1]
+    if all(np.array_equal(k, first) for _j, k in found[1:]):  # dims of the same channels
+        ents, counts = np.unique(first, return_counts=True)
+        out = np.zeros((ents.size, n_dims), dtype=np.int64)
+        for j, _k in found:
+            out[:, j] = counts
+        return ents, out
     keys = np.concatenate([k * n_dims + j for j, k in found])
     uniq, counts = np.unique(keys, return_counts=True)
     ents, row = np.unique(uniq // n_dims, return_inverse=True)
@@ -713,6 +720,8 @@ def _counts_per_entry(
 def _unique_rows(m: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``np.unique(m, axis=0, return_inverse=True)`` for a small non-negative int matrix,
     through one integer code per row (a 1-d sort; the axis form sorts void records, slowly)."""
+    if (m == m[0]).all():  # (every entry takes as many channels of each dim: one row)
+        return m[:1], np.zeros(len(m), dtype=np.int64)
     base = int(m.max()) + 1
     if base ** m.shape[1] >= 2**62:
         rows, inv = np.unique(m, axis=0, return_inverse=True)
