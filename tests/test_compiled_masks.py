@@ -481,3 +481,29 @@ def test_a_dropped_compiled_model_is_freed() -> None:
     torch._dynamo.reset()
     gc.collect()
     assert all(r() is None for r in refs)
+
+
+def test_the_backward_that_hands_the_signal_over_is_never_a_cuda_graph() -> None:
+    """The compiled backward of a collecting step calls ``fisherprune::hand_over``, which a
+    CUDA graph's replay would skip: torch's CUDA-graph modes (``mode="reduce-overhead"``, the
+    ``cudagraphs`` backend) find it unsafe to capture and run that graph uncaptured."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._inductor.utils import get_first_incompatible_cudagraph_node
+
+    graphs: dict[str, torch.fx.GraphModule] = {}
+
+    def keep(name: str):
+        def compiler(gm: torch.fx.GraphModule, _inputs: list) -> torch.fx.GraphModule:
+            graphs[name] = gm
+            return gm
+
+        return compiler
+
+    model = _mlp()
+    x = torch.randn(4, 6, dtype=torch.float64)
+    fp.apply_masks(model, x[:1])
+    run = torch.compile(model, backend=aot_autograd(fw_compiler=keep("fw"), bw_compiler=keep("bw")))
+    F.cross_entropy(run(x), torch.arange(4) % 5).backward()
+    assert get_first_incompatible_cudagraph_node(graphs["fw"]) is None
+    node = get_first_incompatible_cudagraph_node(graphs["bw"])
+    assert node is not None and node.target is torch.ops.fisherprune.hand_over.default

@@ -205,7 +205,7 @@ def test_steps_that_do_not_prune_never_synchronise(name: str, precision: torch.d
 def test_compiled_steps_that_do_not_prune_never_synchronise(name: str) -> None:
     """The same under ``torch.compile`` (``fisherprune train --compile``; ``aot_eager``, as the
     CPU twin ``test_trainer_steps_read_nothing_back_between_loss_reads[True]``), bf16, once
-    the masks' leaves exist (the first two steps)."""
+    compiled (the first two steps)."""
     arch = ARCHS[name]
     model, x = arch.build().cuda(), arch.example_input(8).cuda()
     y = torch.arange(8, device="cuda") % 5

@@ -66,7 +66,13 @@ def test_a_backend_that_cannot_build_kernels_is_refused_before_training(
 
 
 @pytest.mark.parametrize(
-    ("field", "value"), [("compile_backend", "nonesuch"), ("compile_mode", "reduce-overhead")]
+    ("field", "value"),
+    [
+        ("compile_backend", "nonesuch"),
+        ("compile_mode", "reduce-overhead"),
+        # a torch.compile backend, but one that replays the backward's hand-over as a CUDA graph
+        ("compile_backend", "cudagraphs"),
+    ],
 )
 def test_a_compile_setting_torch_does_not_take_is_refused(field: str, value: str) -> None:
     with pytest.raises(ValueError, match=field):

@@ -21,7 +21,9 @@ this path instead:
   float32, or float64 for a float64 input) and passes the dot, shape (examples, positions),
   to ``fisherprune::hand_over``: a custom operator the compiled backward calls, not traces,
   which hands it to the point (``MaskPoint.accumulate``) by the point's key (an int, a
-  constant of the graph; the points are held weakly). So the first compiled step gathers
+  constant of the graph; the points are held weakly; the operator is tagged
+  ``cudagraph_unsafe``: a CUDA graph's replay would skip it, so torch's CUDA-graph modes leave
+  the backward uncaptured). So the first compiled step gathers
   its signal, any batch size does (``torch._dynamo.mark_dynamic`` and ``dynamic=True``
   too: nothing is kept per size), and so does a backward that asks for some gradients only
   (``torch.autograd.grad(loss, params)``), wherever the input's gradient is needed, as in
@@ -147,7 +149,9 @@ def _hand_over_fake(dot: Tensor, key: int) -> None:
 # defined by ``Library`` rather than ``torch.library.custom_op``, whose Python wrapper costs
 # 5x more per call (8 against 1.6 us, torch 2.13 CPU), paid once per point in each backward
 _LIB = torch.library.Library("fisherprune", "DEF")
-_LIB.define("hand_over(Tensor dot, int key) -> ()")
+# cudagraph_unsafe: a CUDA graph's replay would skip it (the signal lost after the capture), so
+# torch.compile's CUDA-graph modes leave a graph that calls it uncaptured
+_LIB.define("hand_over(Tensor dot, int key) -> ()", tags=(torch.Tag.cudagraph_unsafe,))
 _LIB.impl("hand_over", _hand_over, "CompositeExplicitAutograd")
 torch.library.register_fake("fisherprune::hand_over", _hand_over_fake, lib=_LIB)
 # it returns nothing: without this, the compiler drops it from the backward as dead code

@@ -21,13 +21,22 @@ from torch import nn
 
 from fisherprune._errors import first_line
 
-__all__ = ["COMPILE_MODES", "check_compile_settings", "check_compiler", "compiled"]
+__all__ = [
+    "COMPILE_MODES",
+    "REFUSED_BACKENDS",
+    "check_compile_settings",
+    "check_compiler",
+    "compiled",
+]
 
 #: ``--compile_mode`` values; the CUDA-graph modes (``reduce-overhead``, ``max-autotune``) are
 #: left out: a step that prunes writes the masks a replay reads, and the compiled backward
 #: hands each pass's per-example dots to Python (``fisherprune::hand_over``), which a replay
 #: would skip
 COMPILE_MODES: tuple[str, ...] = ("default", "max-autotune-no-cudagraphs")
+#: backends refused for the same reason: ``cudagraphs`` replays every graph it captured, the
+#: backward's hand-over included, as a CUDA graph
+REFUSED_BACKENDS: tuple[str, ...] = ("cudagraphs",)
 
 
 def _backends() -> list[str]:
@@ -37,13 +46,22 @@ def _backends() -> list[str]:
 
 
 def check_compile_settings(backend: str, mode: str) -> None:
-    """Refuse a backend ``torch.compile`` does not know or a mode not in ``COMPILE_MODES``.
+    """Refuse a backend ``torch.compile`` does not know or one in ``REFUSED_BACKENDS``, or a
+    mode not in ``COMPILE_MODES``.
 
     Raises:
         ValueError: naming the setting and what it may be.
     """
     if mode not in COMPILE_MODES:
-        raise ValueError(f"compile_mode must be one of {', '.join(COMPILE_MODES)}, got {mode!r}")
+        raise ValueError(
+            f"compile_mode must be one of {', '.join(COMPILE_MODES)}, got {mode!r} (a CUDA "
+            "graph's replay would skip the masks' hand-over of their signal)"
+        )
+    if backend in REFUSED_BACKENDS:
+        raise ValueError(
+            f"compile_backend {backend!r} replays CUDA graphs, which would skip the masks' "
+            "hand-over of their signal; use inductor, or aot_eager"
+        )
     known = _backends()
     if backend not in known:
         raise ValueError(
