@@ -22,8 +22,8 @@ rounds of 10 steps, as a ratio to ``a``'s from the same rounds: the host time, l
 than wall time to other processes on this shared machine). For comparison, the H200 measured
 ``b`` 1.37x and ``c`` 1.51x ``a`` on BERT-base, and the trainer's loop at 0.663x a plain
 step's throughput (1.51x its time; ``docs/gpu.md``, 2026-11-30). With ``--compiled``, ``a+``,
-``b+`` and ``g+`` run the model's forward under ``torch.compile`` (inductor; ``b+`` and ``g+``
-as ratios to ``a+``): masks inside a compiled graph (``fisherprune.masks.compiled``); ``g+`` is
+``b+``, ``c+`` and ``g+`` run the model's forward under ``torch.compile`` (inductor; as ratios
+to ``a+``): masks inside a compiled graph (``fisherprune.masks.compiled``); ``g+`` is
 the step ``fisherprune train --compile`` runs.
 
 Run ``python benchmarks/host_overhead.py`` (about two minutes); the table is printed and the JSON
@@ -63,6 +63,7 @@ VARIANTS = {
 COMPILED = {
     "a+": "plain, compiled",
     "b+": "masks, collecting, compiled",
+    "c+": "masks, pruned 50%, not collecting, compiled",
     "g+": "PruningOptimizer loop, compiled (train --compile)",
 }
 #: steps per timed round: ``g`` prunes once in each (the H200's trainer-loop figure is the
@@ -191,7 +192,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--compiled",
         action="store_true",
-        help="also (a), (b) and (g) with the forward under torch.compile, as ratios to "
+        help="also (a), (b), (c) and (g) with the forward under torch.compile, as ratios to "
         "compiled (a)",
     )
     args = p.parse_args(argv)
