@@ -78,7 +78,7 @@ if [ -n "${PROFILE_MODELS-}" ] && t=$(limit "${T_PROFILE:-150}") && enough "$t" 
   timeout "$t" python3 benchmarks/gpu_profile.py --models ${PROFILE_MODELS-} --out "$OUT/gpu_profile.json" >"$logs/gpu_profile.log" 2>&1
   say "== profile rc=$? $((SECONDS - t0))s"; tee -a "$log" <"$logs/gpu_profile.log"; pack
 fi
-for spec in ${GPU_SPECS-bert_base:230:--no-compile,--compiled-steps:bert resnet50:120:--no-compile,--compiled-steps:resnet50}; do
+for spec in ${GPU_SPECS-bert_base:260:--no-compile,--compiled-steps:bert resnet50:120:--no-compile,--compiled-steps:resnet50}; do
   IFS=: read -r m t c tag <<<"$spec"; t0=$SECONDS; c=${c//,/ }
   t=$(limit "$t"); enough "$t" "gpu.py $tag" || continue
   # shellcheck disable=SC2086  # $c: the flags, split
