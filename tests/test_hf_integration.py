@@ -206,7 +206,23 @@ def test_trainer_callback_prunes_to_the_target_inside_trainer_train(tmp_path):
     assert fp.computational_cost(small, x).total == pytest.approx(pruner.cost().total)
 
 
-def _train_with_callback(tmp_path, shrink_when_finished: bool):
+def test_trainer_callback_under_torch_compile_prunes_as_eager(tmp_path):
+    """The Trainer's own ``torch_compile=True`` (``aot_eager``: traced, no kernels built)
+    around a masked Hugging Face BERT: the callback prunes the channels, at the steps, that it
+    prunes in eager (the masks' signal is gathered inside the compiled graph)."""
+    runs = [
+        _train_with_callback(tmp_path / "eager", False)[1],
+        _train_with_callback(
+            tmp_path / "compiled", False, torch_compile=True, torch_compile_backend="aot_eager"
+        )[1],
+    ]
+    eager, compiled = ([(e.step, e.mask, e.channels) for e in p.history] for p in runs)
+    assert eager and compiled == eager
+
+
+def _train_with_callback(tmp_path, shrink_when_finished: bool, **more_args):
+    """A tiny BERT classifier trained 24 Trainer steps with ``FisherPruningCallback``
+    (``more_args``: more ``TrainingArguments``); the model, the pruner and the example."""
     t = transformers
     torch.manual_seed(0)
     model = t.BertForSequenceClassification(
@@ -228,7 +244,7 @@ def _train_with_callback(tmp_path, shrink_when_finished: bool):
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path), max_steps=24, per_device_train_batch_size=8,
         learning_rate=1e-3, report_to=[], use_cpu=True, save_strategy="no",
-        logging_strategy="no", disable_tqdm=True,
+        logging_strategy="no", disable_tqdm=True, **more_args,
     )  # fmt: skip
     transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=[callback]).train()
     return model, callback.pruner, x
