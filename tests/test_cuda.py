@@ -175,51 +175,28 @@ def test_masks_keep_every_activations_dtype_under_autocast(name: str, device: st
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="torch sees no CUDA device")
 @pytest.mark.parametrize("name", ["resnet_bottleneck", "transformer_sdpa"])
 @pytest.mark.parametrize("precision", [torch.float32, torch.bfloat16])
-def test_steps_that_do_not_prune_never_synchronise(name: str, precision: torch.dtype) -> None:
-    """Collecting steps of ``PruningOptimizer`` on CUDA, after the first, run under
-    ``set_sync_debug_mode("error")`` (the CPU twin: ``test_no_host_sync``'s spy)."""
+@pytest.mark.parametrize("compiled", [False, True])
+def test_steps_that_do_not_prune_never_synchronise(
+    name: str, precision: torch.dtype, compiled: bool
+) -> None:
+    """Collecting steps of ``PruningOptimizer`` on CUDA, after the first (with ``compiled``,
+    the forward under ``torch.compile`` as ``fisherprune train --compile`` runs it, here
+    ``aot_eager``: after the first two), run under ``set_sync_debug_mode("error")`` and
+    gather a signal (the CPU twins: ``test_no_host_sync``'s spy, eager and compiled)."""
     arch = ARCHS[name]
     model, x = arch.build().cuda(), arch.example_input(8).cuda()
     y = torch.arange(8, device="cuda") % 5
     fp.apply_masks(model, x[:1])
     popt = fp.PruningOptimizer(model, x[:1], lr=0.01, prune_every=10**6, burn_in=0)
+    forward = torch.compile(model, backend="aot_eager") if compiled else model
 
     def step() -> None:
         with torch.autocast("cuda", dtype=precision, enabled=precision != torch.float32):
-            loss = F.cross_entropy(model(x).float(), y)
-        popt.minimize(loss)
-
-    step()  # the first step checks that every mask received a gradient
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for _ in range(3):
-            step()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-
-
-@pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="torch sees no CUDA device")
-@pytest.mark.parametrize("name", ["resnet_bottleneck", "transformer_sdpa"])
-def test_compiled_steps_that_do_not_prune_never_synchronise(name: str) -> None:
-    """The same under ``torch.compile`` (``fisherprune train --compile``; ``aot_eager``, as the
-    CPU twin ``test_trainer_steps_read_nothing_back_between_loss_reads[True]``), bf16, once
-    compiled (the first two steps)."""
-    arch = ARCHS[name]
-    model, x = arch.build().cuda(), arch.example_input(8).cuda()
-    y = torch.arange(8, device="cuda") % 5
-    fp.apply_masks(model, x[:1])
-    popt = fp.PruningOptimizer(model, x[:1], lr=0.01, prune_every=10**6, burn_in=0)
-    forward = torch.compile(model, backend="aot_eager")
-
-    def step() -> None:
-        with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = F.cross_entropy(forward(x).float(), y)
         popt.minimize(loss)
 
-    step()
-    step()
+    for _ in range(2 if compiled else 1):
+        step()  # the first step checks that every mask received a gradient
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
