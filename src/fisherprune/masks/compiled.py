@@ -41,15 +41,16 @@ Python.
 A norm point normalises with sums weighted by the kept positions
 (``fisherprune.norms.normalise_masked``), with no index computed from the mask.
 
-A point whose input requires no grad (a mask on the model input, or after frozen layers)
-takes the eager path while collecting, which gives its multiplier a gradient to carry. The
-masks' writes to Python state are more than a ``torch.utils.checkpoint`` region may make:
-``torch.compile`` runs the function that checkpoints a masked block eager (its signal is the
-eager one). Other points (several masks on one dim, rows that are tokens or chosen by data,
-masks that require grad as under ``torch.func``) take the eager path, breaking the graph
-there as before. The product saves the point's input for the backward: one more activation
-per masked point than eager's aliasing identity while nothing is pruned (inductor's
-partitioner keeps it too, measured on torch 2.13).
+A point whose input requires no grad (a mask on the model input, or after frozen layers) gives
+``_Product`` a leaf that requires grad besides (``_ANCHOR``, which never receives one), so
+that the loss's gradient still reaches it, inside the graph. The masks' writes to Python state
+are more than a ``torch.utils.checkpoint`` region may make: ``torch.compile`` runs the
+function that checkpoints a masked block eager (its signal is the eager one). Other points
+(several masks on one dim, rows that are tokens or chosen by data, masks that require grad as
+under ``torch.func``) take the eager path, breaking the graph there as before. The product
+saves the point's input for the backward: one more activation per masked point than eager's
+aliasing identity while nothing is pruned (inductor's partitioner keeps it too, measured on
+torch 2.13).
 """
 
 from __future__ import annotations
@@ -168,12 +169,20 @@ def _examples_dot(g: Tensor, x: Tensor, dim: int, batch: int) -> Tensor:
     return dot.t() if batch > dim else dot
 
 
+#: a leaf that requires grad, given to ``_Product`` beside an input that requires none (a mask
+#: after frozen layers), so that its output requires grad and its backward runs: the loss's
+#: gradient reaches the mask as in eager. It never receives a gradient (the backward returns
+#: None for it). Made once, outside any graph
+_ANCHOR = torch.zeros((), requires_grad=True)
+
+
 class _Product(torch.autograd.Function):
     """``x * mult`` whose backward also hands the per-example dot along ``batch`` and ``dim``
-    (non-negative) to the owner with ``key`` (see the module). Traced by the compiler."""
+    (non-negative) to the owner with ``key`` (see the module); ``anchor``, when given, only
+    makes the output require grad. Traced by the compiler."""
 
     @staticmethod
-    def forward(ctx, x, mult, key, dim, batch):  # type: ignore[override]
+    def forward(ctx, x, mult, key, dim, batch, anchor=None):  # type: ignore[override]
         ctx.save_for_backward(x, mult)
         ctx.key, ctx.dim, ctx.batch = key, dim, batch
         return x * mult
@@ -184,7 +193,7 @@ class _Product(torch.autograd.Function):
         d = g.detach()  # (create_graph: the dot keeps no graph)
         d = d if d.dtype == x.dtype else d.to(x.dtype)
         torch.ops.fisherprune.hand_over(_examples_dot(d, x.detach(), ctx.dim, ctx.batch), ctx.key)
-        return g * mult, None, None, None, None
+        return g * mult, None, None, None, None, None
 
 
 def compiled_product(point: Any, x: Tensor) -> Tensor | None:
@@ -200,19 +209,17 @@ def compiled_product(point: Any, x: Tensor) -> Tensor | None:
 
 def masked_product(
     owner: SignalOwner, x: Tensor, mult: Tensor, masks: Sequence[Any], dim: int, batch: int
-) -> Tensor | None:
+) -> Tensor:
     """``x`` times ``mult`` (one entry per position of ``dim``), the examples along ``batch``;
     while any of ``masks`` collects, through ``_Product``, whose backward hands ``owner`` the
-    per-example dot (see the module), after marking the masks (``open_pass``). None where the
-    eager path must serve the call: collecting, and ``x`` requires no grad."""
+    per-example dot (see the module), after marking the masks (``open_pass``)."""
     dim, batch = dim % x.dim(), batch % x.dim()
     shape = [1] * x.dim()
     shape[dim] = mult.numel()
     mult = mult.to(x.dtype).view(shape)
     if not (torch.is_grad_enabled() and any(m.collecting for m in masks)):
         return x * mult
-    if not x.requires_grad:
-        return None
     for m in masks:
         m.open_pass()
-    return _Product.apply(x, mult, owner._owner_key, dim, batch)
+    anchor = None if x.requires_grad else _ANCHOR
+    return _Product.apply(x, mult, owner._owner_key, dim, batch, anchor)

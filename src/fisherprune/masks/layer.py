@@ -391,9 +391,7 @@ class MaskLayer(SignalOwner, nn.Module):
         different channel layouts (concatenation, grouped channels).
         """
         if compiling() and index is None and not self.mask.requires_grad:
-            out = masked_product(self, x, self.mask, [self], dim, 0)
-            if out is not None:
-                return out
+            return masked_product(self, x, self.mask, [self], dim, 0)
         tracer = tracing.active()
         if tracer is not None:
             with tracer.suspended():
