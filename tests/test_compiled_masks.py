@@ -15,6 +15,7 @@ import copy
 import gc
 import weakref
 from dataclasses import replace
+from typing import Any
 
 import pytest
 import torch
@@ -509,3 +510,41 @@ def test_the_backward_that_hands_the_signal_over_is_never_a_cuda_graph() -> None
     assert get_first_incompatible_cudagraph_node(graphs["fw"]) is None
     node = get_first_incompatible_cudagraph_node(graphs["bw"])
     assert node is not None and node.target is torch.ops.fisherprune.hand_over.default
+
+
+class _Float32Reader(nn.Module):
+    """fc2 reads a float32 input under autocast (as q, k and v read a LayerNorm's output on a
+    GPU), which autocast casts to its lower precision first thing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(6, 16), nn.Linear(16, 5)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc2(torch.relu(self.fc1(x)).float())
+
+
+def test_a_compiled_mask_on_a_float32_input_under_autocast_gathers_the_eager_signal() -> None:
+    """Under bf16 autocast, a mask on a Linear's float32 input takes the input in the dtype the
+    layer casts it to before the product, compiled as in eager: the signals are equal (with the
+    float32 input the dot differed by about 3e-3 relative, and kept the float32 copy alive)."""
+    torch.manual_seed(0)
+    model = _Float32Reader()
+    x = torch.randn(8, 6, generator=torch.Generator().manual_seed(1))
+    y = torch.arange(8) % 5
+    fp.apply_masks(model, x[:1])
+    twin = copy.deepcopy(model)
+
+    def signals(m: nn.Module, run: Any) -> dict[str, Tensor]:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = run(x)
+        F.cross_entropy(out.float(), y).backward()
+        masks = fp.find_masks(m)
+        fp.update_pruning_signals(masks, decay=0.0)
+        return {n: k.signal.clone() for n, k in masks.items()}
+
+    want = signals(model, model)
+    got = signals(twin, torch.compile(twin, backend="aot_eager"))
+    assert want and all(float(v.abs().sum()) > 0 for v in want.values())
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=0, atol=0, msg=n)

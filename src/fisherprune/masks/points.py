@@ -229,15 +229,15 @@ class MaskPoint(SignalOwner):
                 f"fisherprune mask on {self.module_name!r}: input of shape {tuple(x.shape)} has "
                 f"no dim {self.dim} of size {self.size}, as traced; call apply_masks again"
             )
-        if compiling():
-            out = compiled_product(self, x)
+        low = _cast_by_autocast(module, x)
+        if compiling():  # (x in the layer's autocast dtype first, as ``apply`` takes it)
+            out = compiled_product(self, x if low is None else x.to(low))
             if out is not None:
                 return (*args[: self.arg], out, *args[self.arg + 1 :])
         linear_last = not isinstance(module, nn.Linear) or self.dim == x.dim() - 1
         bufs = self._buffers()
         if self.foldable and linear_last and self._fold(module, bufs):
             return None  # the pruned channels are zeroed in the layer's weight instead
-        low = _cast_by_autocast(module, x)
         return (*args[: self.arg], self.apply(x, bufs, low), *args[self.arg + 1 :])
 
     def _fold(self, module: nn.Module, bufs: list[Tensor]) -> bool:
