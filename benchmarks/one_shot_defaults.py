@@ -288,13 +288,22 @@ def accuracy(model: nn.Module, split: Split) -> float:
 
 
 @torch.no_grad()
-def test_errors(model: nn.Module, split: Split) -> dict[str, Any]:
+def test_errors(model: nn.Module, split: Split, dense: Tensor | None = None) -> dict[str, Any]:
     """The test rows ``model`` gets wrong (their indices, to compare two models' rows side by
-    side) and its mean test cross-entropy."""
+    side), its mean test cross-entropy and, given the ``dense`` network's test logits, the
+    mean KL divergence of ``model``'s predicted class distribution from the dense one's
+    (``test_kl``, nats per test row: how far the prune moved the function, whatever the
+    labels say)."""
     model.eval()
     logits = model(split.x_test)
     wrong = torch.nonzero(logits.argmax(1) != split.y_test).flatten()
-    return {"wrong": wrong.tolist(), "test_loss": float(F.cross_entropy(logits, split.y_test))}
+    out = {"wrong": wrong.tolist(), "test_loss": float(F.cross_entropy(logits, split.y_test))}
+    if dense is not None:
+        kl = F.kl_div(
+            logits.log_softmax(1), dense.log_softmax(1), reduction="batchmean", log_target=True
+        )
+        out["test_kl"] = float(kl)
+    return out
 
 
 # ------------------------------------------------------------------------------ methods
@@ -442,6 +451,8 @@ def cell(
     trained: nn.Module, split: Split, batches: list, target: float, settings: dict[str, Any]
 ) -> dict[str, Any]:
     """Prune a copy of ``trained`` to ``target`` with ``settings``; accuracy, widths, time."""
+    with torch.no_grad():
+        dense = trained.eval()(split.x_test)
     model = copy.deepcopy(trained)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -456,7 +467,7 @@ def cell(
         "quality": acc,
         "metric": ACCURACY,
         "higher_is_better": True,
-        **test_errors(model, split),
+        **test_errors(model, split, dense),
         **result_fields(result, caught),
     }
 
@@ -545,16 +556,18 @@ def summary(
 
 def _errors(rs: list[dict[str, Any]]) -> dict[str, Any]:
     """The mean test cross-entropy of a cell's ``rs``, its value by seed and the dense
-    network's by seed, when every row has them (rows measured before they were recorded have
-    not; each row keeps its wrong test rows)."""
-    if not all("test_loss" in r for r in rs):
-        return {}
+    network's by seed, and the mean KL divergence from the dense network and its value by
+    seed, each when every row has it (rows measured before it was recorded have not; each row
+    keeps its wrong test rows)."""
+    out: dict[str, Any] = {}
+    for key, by_seed in (("test_loss", "loss_by_seed"), ("test_kl", "kl_by_seed")):
+        if all(key in r for r in rs):
+            out[key] = statistics.mean(r[key] for r in rs)
+            out[by_seed] = {str(r["seed"]): r[key] for r in rs}
     dense = {str(r["seed"]): r["dense_test_loss"] for r in rs if "dense_test_loss" in r}
-    return {
-        "test_loss": statistics.mean(r["test_loss"] for r in rs),
-        "loss_by_seed": {str(r["seed"]): r["test_loss"] for r in rs},
-        **({"dense_loss_by_seed": dense} if len(dense) == len(rs) else {}),
-    }
+    if "test_loss" in out and len(dense) == len(rs):
+        out["dense_loss_by_seed"] = dense
+    return out
 
 
 def _standing(vs: dict[str, Paired], rivals: Sequence[str]) -> str:
@@ -573,22 +586,35 @@ def _standing(vs: dict[str, Paired], rivals: Sequence[str]) -> str:
     return text
 
 
-def _on_test_loss(every: dict[str, dict[str, Any]], rivals: Sequence[str]) -> str:
-    """The same standing on the test cross-entropy (lower is better) where fisher and its
-    rivals recorded it by seed: a continuous quality, which tells apart what the accuracy of a
-    few hundred test rows (steps of 1/171 on mlp_cancer) cannot; "" where they did not."""
-    f = every["fisher"].get("loss_by_seed")
-    others = {m: every[m]["loss_by_seed"] for m in rivals
-              if m != "fisher" and "loss_by_seed" in every.get(m, {})}  # fmt: skip
-    if f is None or not others:
-        return ""
-    vs = {m: paired(f, b, higher_is_better=False) for m, b in others.items()}
-    text = f". On test cross-entropy {every['fisher']['test_loss']:.4g}: {_standing(vs, rivals)}"
-    random = every.get("random", {})
-    if "dense_loss_by_seed" in random:
-        loss = paired(random["loss_by_seed"], random["dense_loss_by_seed"], False)
-        if loss.verdict != "behind":
-            text += f"; random not measurably above dense ({loss})"
+#: the continuous qualities (lower is better) a verdict also ranks on where fisher and a rival
+#: recorded them by seed: (``summary``'s key of the values by seed, of their mean, their name)
+CONTINUOUS = (
+    ("loss_by_seed", "test_loss", "test cross-entropy"),
+    ("kl_by_seed", "test_kl", "KL divergence from the dense network"),
+)
+
+
+def _on_continuous(every: dict[str, dict[str, Any]], rivals: Sequence[str]) -> str:
+    """The same standing on each of ``CONTINUOUS`` where fisher and its rivals recorded it by
+    seed: qualities that tell apart what the accuracy of a few hundred test rows (steps of
+    1/171 on mlp_cancer) cannot, the KL divergence even where no method lost any accuracy or
+    loss against the dense network (it measures how far each prune moved the function); ""
+    where they did not. On the cross-entropy the line says when random is not measurably
+    above the dense network's."""
+    text = ""
+    for by_seed, mean, name in CONTINUOUS:
+        f = every["fisher"].get(by_seed)
+        others = {m: every[m][by_seed] for m in rivals
+                  if m != "fisher" and by_seed in every.get(m, {})}  # fmt: skip
+        if f is None or not others:
+            continue
+        vs = {m: paired(f, b, higher_is_better=False) for m, b in others.items()}
+        text += f". On {name} {every['fisher'][mean]:.4g}: {_standing(vs, rivals)}"
+        random = every.get("random", {})
+        if by_seed == "loss_by_seed" and "dense_loss_by_seed" in random:
+            loss = paired(random["loss_by_seed"], random["dense_loss_by_seed"], False)
+            if loss.verdict != "behind":
+                text += f"; random not measurably above dense ({loss})"
     return text
 
 
@@ -603,7 +629,8 @@ def verdicts(cells: list[dict[str, Any]], rivals: Sequence[str] = RIVALS) -> lis
     ahead of random when that interval lies above 0, else within noise of random or behind it;
     when random itself is not behind the dense network (paired the same way), the line says
     so: no method has lost anything there for fisher to be ahead of random by. Where the cells
-    recorded the test cross-entropy by seed (the MLPs), the line gives the same standing on it.
+    recorded the test cross-entropy or the KL divergence from the dense network by seed (the
+    MLPs), the line gives the same standing on each (``_on_continuous``).
     Fisher's ablations (``fisher_*``, ``optimizer_one_shot``) are not rivals: of those ahead
     of ``fisher`` by an interval that lies wholly on their side, the furthest is named."""
     rows: dict[tuple[str, float], dict[str, dict[str, Any]]] = {}
@@ -626,7 +653,7 @@ def verdicts(cells: list[dict[str, Any]], rivals: Sequence[str] = RIVALS) -> lis
         if ablations:
             best = min(ablations, key=lambda m: vs[m].mean)
             line += f" (ablation {best} is ahead of fisher: fisher vs it {vs[best]})"
-        line += _on_test_loss(every, rivals)
+        line += _on_continuous(every, rivals)
         lines.append(line)
     return lines
 

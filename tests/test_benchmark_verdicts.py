@@ -167,3 +167,42 @@ def test_no_loss_verdict_without_a_rival_that_recorded_it(bench: ModuleType) -> 
     ]
     (line,) = bench.verdicts(cells)
     assert "cross-entropy" not in line
+
+
+def test_verdict_on_kl_from_dense_where_loss_ties(bench: ModuleType) -> None:
+    """Accuracy and cross-entropy equal seed by seed (random lost nothing against dense), but
+    random moved the predictions further from the dense network's on every seed (KL 0.030-0.032
+    against 0.010-0.012): on the KL divergence fisher is ahead of random. Differences 0.020,
+    0.0205, 0.020: mean 0.020167, sd 0.000289, half-width 4.303 * 0.000289 / sqrt(3) = 0.00072."""
+    acc, losses = [0.97, 0.98, 0.99], [0.10, 0.11, 0.12]
+    kl = {"fisher": [0.010, 0.011, 0.012], "random": [0.030, 0.0315, 0.032]}
+    cells = [
+        {
+            **_with_loss(_cell(m, acc), losses, dense=0.10),
+            "test_kl": sum(kl[m]) / 3,
+            "kl_by_seed": {str(s): v for s, v in enumerate(kl[m])},
+        }
+        for m in ("fisher", "random")
+    ]
+    (line,) = bench.verdicts(cells)
+    _, on_loss, on_kl = line.split(". On ")
+    assert "NOT ahead of random (within noise)" in on_loss
+    assert on_kl.startswith("KL divergence from the dense network 0.011: first; ahead of random")
+    assert on_kl.endswith("(+0.02017 ± 0.00072 (3 seeds))")
+
+
+def test_kl_from_dense_is_the_mean_over_rows_of_the_class_divergence(bench: ModuleType) -> None:
+    """``test_errors``' KL against a float64 loop over test rows: sum_c p_c log(p_c / q_c)
+    with p the dense network's softmax and q the pruned one's, averaged over rows."""
+    torch = pytest.importorskip("torch")
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(7, 4, generator=g), torch.randint(0, 3, (7,), generator=g)
+    split = bench.Split(x, y, x, y)
+    model, dense = torch.nn.Linear(4, 3), torch.randn(7, 3, generator=g)
+    got = bench.test_errors(model, split, dense)["test_kl"]
+    with torch.no_grad():
+        q = model(x).double().softmax(1)
+    p = dense.double().softmax(1)
+    want = sum(float((p[i] * (p[i] / q[i]).log()).sum()) for i in range(7)) / 7
+    assert got == pytest.approx(want, rel=1e-5)
+    assert "test_kl" not in bench.test_errors(model, split)
