@@ -3,6 +3,8 @@ counts of a physically smaller network built by hand."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -12,6 +14,7 @@ from torch.utils.flop_counter import FlopCounterMode
 import fisherprune as fp
 from fisherprune import MaskLayer
 from fisherprune.cost.formulas import SAME_AS_TORCH
+from tests import tiny_hf, zoo
 
 # Costs are integers far below 2**53 in every convention tested here: compare exactly.
 COST_ABS_TOL = 0.0
@@ -267,13 +270,62 @@ def test_one_cost_model_reports_each_state_as_a_fresh_one() -> None:
         else:
             for m in masks:
                 _zero_random(m, gen, 1)
-        got, fresh = kept.report(), fp.computational_cost(net, x, "flops")
-        assert got.total == fresh.total and kept.total() == fresh.total
-        assert got.by_module == fresh.by_module
-        for name in fresh.marginal:
-            assert torch.equal(got.marginal[name], fresh.marginal[name]), (i, name)
-        states.append(got.total)
+        states.append(_assert_reports_as_fresh(kept, net, x))
     assert len(set(states)) > 2  # the states differ: the check is not vacuous
+
+
+def _assert_reports_as_fresh(kept: fp.CostModel, net: nn.Module, x: object) -> float:
+    """``kept`` reports what a cost model traced afresh does for ``net`` as masked now (the
+    flops convention); returns the total."""
+    got, fresh = kept.report(), fp.computational_cost(net, x, "flops")
+    assert got.total == fresh.total and kept.total() == fresh.total
+    assert got.by_module == fresh.by_module
+    for name in fresh.marginal:
+        assert torch.equal(got.marginal[name], fresh.marginal[name]), name
+    return got.total
+
+
+def _masked_bert() -> tuple[nn.Module, object]:
+    net, x = tiny_hf.bert(), tiny_hf.token_inputs()
+    fp.apply_masks(net, x)
+    return net, x
+
+
+def _masked_resnet() -> tuple[nn.Module, object]:
+    net, x = zoo.build_resnet_bottleneck(), zoo.image_input(2)
+    fp.apply_masks(net, x)
+    return net, x
+
+
+@pytest.mark.parametrize("build", [_masked_bert, _masked_resnet], ids=["bert", "resnet"])
+def test_kept_cost_model_after_single_removals_reports_as_fresh(
+    build: Callable[[], tuple[nn.Module, object]],
+) -> None:
+    """One channel removed at a time, as a pruning run does, from each mask in turn (on BERT:
+    the hidden width, heads and MLP units; a torchvision-shaped bottleneck ResNet): the kept
+    CostModel, which recomputes only the terms whose channels changed, reports what a fresh
+    one does, and every marginal cost is the total saved by zeroing that entry alone."""
+    net, x = build()
+    kept = fp.CostModel(net, x, "flops")
+    masks = fp.find_masks(net)
+    order = list(masks.values())
+    gen = torch.Generator().manual_seed(0)
+    for step in range(2 * len(order)):
+        mask = order[step % len(order)]
+        live = torch.nonzero(mask.mask > 0.5).flatten()
+        with torch.no_grad():
+            mask.mask[live[torch.randint(live.numel(), (1,), generator=gen)]] = 0.0
+        total = _assert_reports_as_fresh(kept, net, x)
+        marginal = kept.report().marginal
+        e = kept.entries()
+        for name, start in kept.entry_start.items():
+            want = torch.zeros(masks[name].num_channels, dtype=torch.float64)
+            for k in range(want.numel()):
+                alone = e.copy()
+                alone[start + k] = 0.0
+                want[k] = total - kept.total(alone)
+            assert torch.equal(marginal[name], want), (step, name)
+    assert all(m.kept < m.num_channels for m in order)  # every mask lost channels
 
 
 # ----------------------------------------------------- (c) other conventions

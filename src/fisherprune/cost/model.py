@@ -111,13 +111,42 @@ class CostReport:
 class _Term:
     """One priced part of the model: an operator's formula on its slots' shapes (``op``), or
     a function of one shape (``op`` None): a parameter's, or a timed operator's kept widths
-    per axis (``dims`` then index that one shape: (0, axis, its roots))."""
+    per axis (``dims`` then index that one shape: (0, axis, its roots)).
+
+    Dims that index the same channels (a Linear's input and its weight's input dim) lose
+    channels together, so the channels are counted per distinct set: ``sets``, and per dim
+    ``set_of`` its set's index; ``roots`` holds every set's channels, concatenated."""
 
     formula: Formula
     op: OpRecord | None  # None for a parameter term or a timed operator
     dims: list[tuple[int, int, np.ndarray]]  # (slot, dim, roots of its indices)
     shapes: list[tuple[int, ...]]
     module: str
+    sets: list[np.ndarray] = field(init=False)
+    set_of: list[int] = field(init=False)
+    roots: np.ndarray = field(init=False)
+
+    def __post_init__(self) -> None:
+        """Sets ``sets``, ``set_of`` and ``roots`` from ``dims``."""
+        self.sets, self.set_of = [], []
+        for _s, _d, r in self.dims:
+            same = (i for i, c in enumerate(self.sets) if np.array_equal(c, r))
+            i = next(same, len(self.sets))
+            if i == len(self.sets):
+                self.sets.append(r)
+            self.set_of.append(i)
+        self.roots = np.concatenate(self.sets) if self.sets else _NO_ENTRIES
+
+    def removed_per_set(self, removed: np.ndarray) -> list[int]:
+        """How many channels of each set ``removed`` (per root) removes."""
+        return [int(removed[r].sum()) for r in self.sets]
+
+    def shapes_less(self, gone: list[int]) -> list[tuple[int, ...]]:
+        """``shapes`` with ``gone[i]`` channels fewer in every dim of set ``i``."""
+        shapes = [list(s) for s in self.shapes]
+        for (s, d, _r), i in zip(self.dims, self.set_of, strict=True):
+            shapes[s][d] -= gone[i]
+        return [tuple(s) for s in shapes]
 
 
 class CostModel:
@@ -225,10 +254,9 @@ class CostModel:
         self._gates.assign([t.module for t in self._terms])
         self._evals: dict[tuple[int, tuple[tuple[int, ...], ...]], float] = {}
         #: ``_term_margin``'s and ``_term_now``'s latest result per term (by ``id``), with the
-        #: channel state it holds for; and each term's roots
+        #: channel state it holds for
         self._margins: dict[int, tuple[tuple[bytes, bytes], Margin]] = {}
         self._nows: dict[int, tuple[bytes, float]] = {}
-        self._roots_of: dict[int, np.ndarray] = {}
         self._warn_ineffective()
 
     @property
@@ -451,12 +479,6 @@ class CostModel:
             got = self._evals[key] = self._eval(term, shapes)
         return got
 
-    def _pruned_shapes(self, term: _Term, removed: np.ndarray) -> list[tuple[int, ...]]:
-        shapes = [list(s) for s in term.shapes]
-        for s, d, r in term.dims:
-            shapes[s][d] -= int(removed[r].sum())
-        return [tuple(s) for s in shapes]
-
     def _full(self, entries: np.ndarray) -> np.ndarray:
         """``entries`` with the gate entries (block, then expert) appended as kept when it
         stops at the traced ones or at the block gates' (callers that know no such gates)."""
@@ -597,23 +619,15 @@ class CostModel:
             {k: v / per for k, v in by_module.items()},
         )
 
-    def _roots(self, t: _Term) -> np.ndarray:
-        """The channels (roots) of every labelled dim of term ``t``, concatenated."""
-        roots = self._roots_of.get(id(t))
-        if roots is None:
-            parts = [r for _s, _d, r in t.dims]
-            roots = self._roots_of[id(t)] = np.concatenate(parts) if parts else _NO_ENTRIES
-        return roots
-
     def _term_now(self, t: _Term, removed: np.ndarray) -> float:
         """Term ``t``'s cost with channels ``removed``: for the state of the term's own
         channels it was last asked for, without building its shapes again (one state per term
         kept, as ``_term_margin`` keeps them)."""
-        state = removed[self._roots(t)].tobytes()
+        state = removed[t.roots].tobytes()
         kept = self._nows.get(id(t))
         if kept is not None and kept[0] == state:
             return kept[1]
-        got = self._cached_eval(t, self._pruned_shapes(t, removed))
+        got = self._cached_eval(t, t.shapes_less(t.removed_per_set(removed)))
         self._nows[id(t)] = (state, got)
         return got
 
@@ -627,32 +641,27 @@ class CostModel:
         prune step kept (a key of 9 bytes per channel of the term, and its entries and
         savings, 16 more) were what ``prune_to_target`` held at its repair: 166 MiB on a
         16-layer Llama of width 512, growing with the depth and the width."""
-        roots = self._roots(t)
-        state = (killer[roots].tobytes(), removed[roots].tobytes())
+        state = (killer[t.roots].tobytes(), removed[t.roots].tobytes())
         kept = self._margins.get(id(t))
         if kept is not None and kept[0] == state:
             return kept[1]
-        now_shapes = self._pruned_shapes(t, removed)
-        now = self._cached_eval(t, now_shapes)
-        ents, saved = _NO_ENTRIES, _NO_SAVINGS
-        # which entry would remove each live channel of each labelled dim: per killing
-        # entry, how many channels of each dim it takes (one row per entry)
-        found = [(j, _live_killers(killer, removed, r)) for j, (_s, _d, r) in enumerate(t.dims)]
-        found = [(j, k) for j, k in found if k.size]
-        if found:
-            ents, counts = _counts_per_entry(found, len(t.dims))
+        gone = t.removed_per_set(removed)
+        now = self._cached_eval(t, t.shapes_less(gone))
+        # which entry would remove each live channel of each set: per killing entry, how
+        # many channels of each set it takes (one row per entry)
+        ents, counts = _counts_per_entry([_live_killers(killer, removed, r) for r in t.sets])
+        saved = _NO_SAVINGS
+        if ents.size:
             # entries that take the same channels save the same cost: evaluate each once
             rows, row_of = _unique_rows(counts)
             per_row = np.empty(len(rows))
             for i, vec in enumerate(rows.tolist()):
-                shapes = [list(s) for s in now_shapes]
-                for (s, d, _r), c in zip(t.dims, vec, strict=True):
-                    shapes[s][d] -= c
+                shapes = t.shapes_less([g + c for g, c in zip(gone, vec, strict=True)])
                 try:
-                    per_row[i] = now - self._cached_eval(t, [tuple(s) for s in shapes])
+                    per_row[i] = now - self._cached_eval(t, shapes)
                 except (AssertionError, RuntimeError, ValueError) as e:  # torch asserts shapes
-                    raise self._refusal(t, ents[row_of.reshape(-1) == i], e) from e
-            saved = per_row[row_of.reshape(-1)]
+                    raise self._refusal(t, ents[row_of == i], e) from e
+            saved = per_row[row_of]
         got = (now, ents, saved)
         self._margins[id(t)] = (state, got)
         return got
@@ -697,38 +706,48 @@ def _live_killers(killer: np.ndarray, removed: np.ndarray, roots: np.ndarray) ->
     return k[k >= 0]
 
 
-def _counts_per_entry(
-    found: list[tuple[int, np.ndarray]], n_dims: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """From ``(dim j, killing entry of each channel of dim j)``: the entries that kill any
-    channel (ascending) and, per entry, how many channels of each dim it kills."""
-    first = found[0][1]
-    if all(np.array_equal(k, first) for _j, k in found[1:]):  # dims of the same channels
-        ents, counts = np.unique(first, return_counts=True)
-        out = np.zeros((ents.size, n_dims), dtype=np.int64)
-        for j, _k in found:
-            out[:, j] = counts
-        return ents, out
-    keys = np.concatenate([k * n_dims + j for j, k in found])
-    uniq, counts = np.unique(keys, return_counts=True)
-    ents, row = np.unique(uniq // n_dims, return_inverse=True)
-    out = np.zeros((ents.size, n_dims), dtype=np.int64)
-    out[row.reshape(-1), uniq % n_dims] = counts
+def _counts_per_entry(found: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """From the killing entry of each channel of each set (``found[j]`` for set j): the
+    entries that kill any channel (ascending) and, per entry, how many channels of each set
+    it kills."""
+    n = len(found)
+    keys = np.concatenate([k * n + j for j, k in enumerate(found)] or [_NO_ENTRIES])
+    if not keys.size:
+        return _NO_ENTRIES, np.zeros((0, n), dtype=np.int64)
+    # stable: a set's killers mostly ascend with its channels, and a stable sort (timsort)
+    # merges such runs in linear time where quicksort sorts them anew (that was most of a
+    # prune decision on BERT-base after a hidden-width prune, which changes every Linear)
+    keys.sort(kind="stable")
+    pairs, pair_of = _runs(keys)  # distinct (entry, set), as entry * n + set
+    ents, row = _runs(pairs // n)
+    out = np.zeros((ents.size, n), dtype=np.int64)
+    out[row, pairs % n] = np.bincount(pair_of)
     return ents, out
 
 
 def _unique_rows(m: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``np.unique(m, axis=0, return_inverse=True)`` for a small non-negative int matrix,
     through one integer code per row (a 1-d sort; the axis form sorts void records, slowly)."""
-    if (m == m[0]).all():  # (every entry takes as many channels of each dim: one row)
-        return m[:1], np.zeros(len(m), dtype=np.int64)
     base = int(m.max()) + 1
     if base ** m.shape[1] >= 2**62:
         rows, inv = np.unique(m, axis=0, return_inverse=True)
         return rows, inv.reshape(-1)
-    codes = m @ (base ** np.arange(m.shape[1], dtype=np.int64))
-    _, first, inv = np.unique(codes, return_index=True, return_inverse=True)
-    return m[first], inv.reshape(-1)
+    powers = base ** np.arange(m.shape[1], dtype=np.int64)
+    codes = m @ powers
+    order = np.argsort(codes, kind="stable")  # rows of equal counts come in runs, as above
+    distinct, index = _runs(codes[order])
+    inv = np.empty_like(index)
+    inv[order] = index
+    return distinct[:, None] // powers % base, inv
+
+
+def _runs(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct values of the sorted, non-empty 1-d array ``s`` and, per element of
+    ``s``, the index of its value among them."""
+    new = np.empty(s.size, dtype=bool)
+    new[0] = True
+    np.not_equal(s[1:], s[:-1], out=new[1:])
+    return s[new], np.cumsum(new) - 1
 
 
 def computational_cost(

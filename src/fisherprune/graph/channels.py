@@ -45,6 +45,12 @@ class ChannelGraph:
         self.consumers = _Consumers(r, cv, np.arange(r.size) >= n_own)
         self.n_entries = trace.entry_count()
         self._consumed_count = np.bincount(r, minlength=len(self.roots))
+        # the distinct (root, entry) pairs of the consumers, -1 for no entry: a consumer is
+        # live or not by its pair alone, so ``killers`` reads these instead of sorting the
+        # live consumers at every call (host time at every prune decision)
+        width = int(cv.max(initial=-1)) + 2  # entries from -1
+        codes = np.unique(r * width + (cv + 1))
+        self._pair_roots, self._pair_entries = codes // width, codes % width - 1
         #: per root: used only through the channels it follows (``Atoms.follow``): removed with
         #: them, never a channel of a group of its own
         self.followers = (self._consumed_count > 0) & ~own
@@ -79,23 +85,15 @@ class ChannelGraph:
 
     def killers(self, entries: np.ndarray, removed: np.ndarray) -> np.ndarray:
         """Per root: the one mask entry whose zeroing would remove it now, else -1."""
-        c = self.consumers
-        out = np.full(len(self.roots), -1, dtype=np.int64)
-        live = np.ones(c.cover.size, dtype=bool)
-        has = c.cover >= 0
-        live[has] = entries[c.cover[has]] >= 0.5
-        live &= ~removed[c.roots]
-        if not live.any():
-            return out
-        lr, lc = c.roots[live], c.cover[live]
+        roots, ents = self._pair_roots, self._pair_entries
+        covered = ents >= 0
+        live = ~removed[roots]
+        live[covered] &= entries[ents[covered]] >= 0.5
         uncovered = np.zeros(len(self.roots), dtype=bool)
-        uncovered[lr[lc < 0]] = True
-        # distinct (root, entry) pairs, through one integer code per pair (a 1-d sort)
-        width = int(lc.max()) + 2  # entries from -1
-        codes = np.unique(lr.astype(np.int64) * width + (lc + 1))
-        pairs = np.stack([codes // width, codes % width - 1], 1)
-        pairs = pairs[pairs[:, 1] >= 0]
-        n_distinct = np.bincount(pairs[:, 0], minlength=len(self.roots))
-        single = pairs[(n_distinct[pairs[:, 0]] == 1) & ~uncovered[pairs[:, 0]]]
-        out[single[:, 0]] = single[:, 1]
+        uncovered[roots[live & ~covered]] = True
+        live &= covered
+        n_distinct = np.bincount(roots[live], minlength=len(self.roots))
+        single = live & (n_distinct[roots] == 1) & ~uncovered[roots]
+        out = np.full(len(self.roots), -1, dtype=np.int64)
+        out[roots[single]] = ents[single]
         return out
