@@ -49,7 +49,7 @@ class ChannelGraph:
         # live or not by its pair alone, so ``killers`` reads these instead of sorting the
         # live consumers at every call (host time at every prune decision)
         width = int(cv.max(initial=-1)) + 2  # entries from -1
-        codes = np.unique(r * width + (cv + 1))
+        codes = np.unique(r.astype(np.int64) * width + (cv + 1))
         self._pair_roots, self._pair_entries = codes // width, codes % width - 1
         #: per root: used only through the channels it follows (``Atoms.follow``): removed with
         #: them, never a channel of a group of its own
