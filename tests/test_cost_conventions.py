@@ -328,3 +328,24 @@ def test_no_formula_is_left_registered() -> None:
         for op in (aten.relu, aten.tanh, aten.t):
             with pytest.raises(ValueError, match="has no registered"):
                 fp.unregister_cost_formula(convention, op)
+
+
+@pytest.mark.parametrize(
+    ("op", "shapes"),
+    [
+        (torch.ops.aten.addmm, [(7,), (5, 3), (3, 7)]),
+        (torch.ops.aten.baddbmm, [(2, 5, 7), (2, 5, 3), (2, 3, 7)]),
+    ],
+)
+def test_unwrapped_product_formulas_count_as_torchs(op: Any, shapes: list[tuple]) -> None:
+    """The formulas the cost model calls on shapes for ``addmm`` and ``baddbmm`` (PyTorch's
+    count of the product alone, unwrapped) give what PyTorch's registered formula gives on
+    the tensors themselves, as ``FlopCounterMode`` calls it."""
+    from torch.utils.flop_counter import flop_registry
+
+    from fisherprune.cost.formulas import torch_flops
+
+    tensors = [torch.zeros(s) for s in shapes]
+    out = op(*tensors)
+    want = flop_registry[op](*tensors, out_val=out)
+    assert torch_flops(op)(*(torch.Size(s) for s in shapes), out_shape=out.shape) == want

@@ -71,9 +71,26 @@ SAME_AS_TORCH: Mapping[Any, Any] = MappingProxyType(
 )
 
 
+def _on_product(packet: Any) -> Callable[..., int]:
+    """``packet``'s shape formula taking an added term first (``addmm``'s and ``baddbmm``'s
+    ``self``), which PyTorch's formula ignores before it calls ``packet``'s wrapped formula,
+    whose tree_map over the shapes took half of each evaluation: unwrapped here."""
+    product = flop_registry[packet].__wrapped__
+    return lambda _added, a, b, *_, out_shape=None, **__: product(a, b)
+
+
+#: PyTorch formulas that count another op's (its registered formula, wrapped again), called
+#: on that op's unwrapped formula: the same counts, less host time per prune decision
+_UNWRAPPED: dict[Any, Formula] = {aten.addmm: _on_product(aten.mm)}
+if aten.baddbmm in flop_registry:
+    _UNWRAPPED[aten.baddbmm] = _on_product(aten.bmm)
+
+
 def torch_flops(key: Any) -> Formula | None:
     """PyTorch's FLOP formula of operator packet ``key`` in our calling convention, or None
     (``SAME_AS_TORCH`` fills the ops PyTorch's counter leaves out)."""
+    if key in _UNWRAPPED:
+        return _UNWRAPPED[key]
     f = flop_registry.get(key)
     raw = getattr(f, "__wrapped__", None)  # the formula on shapes, under torch's shape_wrapper
     if raw is not None:  # (the cost model passes shapes: the wrapper's tree_map is host time)
