@@ -215,6 +215,9 @@ def _state(buffer: Tensor) -> tuple[int, int]:
 def buffers_key(buffers: Sequence[Tensor]) -> tuple[int, ...]:
     """The id, then the version, of each mask buffer: the same on two calls exactly when none
     was replaced or written in place in between (what the caches of a mask's users key on)."""
+    if len(buffers) == 1:  # (most points: a quarter of the time of the general form)
+        b = buffers[0]
+        return (id(b), b._version)
     return (*map(id, buffers), *[b._version for b in buffers])
 
 
@@ -224,7 +227,7 @@ def all_ones(
     """Whether every mask is all ones, recomputed only when a mask buffer changed. ``key``:
     ``buffers_key`` of the masks' buffers, where the caller has it already."""
     if key is None:
-        key = buffers_key([m.mask for m in masks])
+        key = buffers_key([m._buffers["mask"] for m in masks])  # (not ``nn.Module.__getattr__``)
     if cache.get("key") != key:
         cache["key"] = key
         cache["tensors"] = [m.mask for m in masks]  # alive, so that their ids stay theirs
@@ -401,7 +404,7 @@ class MaskLayer(SignalOwner, nn.Module):
             return out
         collect = self.collecting and torch.is_grad_enabled() and x.dim() >= 2
         ones = all_ones([self], self._ones_cache)
-        if ones and not collect and not self.mask.requires_grad:
+        if ones and not collect and not self._buffers["mask"].requires_grad:
             return x  # (a mask that requires grad, as under torch.func, must stay in the graph)
         mult = self._multiplier(x, dim, index)
         if collect:
@@ -412,16 +415,17 @@ class MaskLayer(SignalOwner, nn.Module):
 
     def _multiplier(self, x: Tensor, dim: int, index: Tensor | None) -> Tensor:
         """The mask as a broadcastable multiplier for ``x`` (cached until the mask changes)."""
-        key = (_state(self.mask), x.dtype, x.device, x.dim(), dim)
+        mask = self._buffers["mask"]  # (read once: ``nn.Module.__getattr__`` is slow)
+        key = (_state(mask), x.dtype, x.device, x.dim(), dim)
         cached = self._mult_cache
-        if index is None and cached is not None and cached[0] is self.mask and cached[1] == key:
+        if index is None and cached is not None and cached[0] is mask and cached[1] == key:
             return cached[2]
-        mult = self.mask if index is None else self.mask[index]
+        mult = mask if index is None else mask[index]
         shape = [1] * x.dim()
         shape[dim] = mult.numel()
         out = mult.to(dtype=x.dtype).view(shape)
-        if index is None and not self.mask.requires_grad:
-            self._mult_cache = (self.mask, key, out)
+        if index is None and not mask.requires_grad:
+            self._mult_cache = (mask, key, out)
         return out
 
     def input_changed_in_place(self) -> None:
@@ -517,7 +521,7 @@ class MaskLayer(SignalOwner, nn.Module):
         passes = self._gathered.take()
         if not passes:
             return None
-        dtype = self.signal.dtype
+        dtype = self._buffers["signal"].dtype  # (not ``nn.Module.__getattr__``: once per step)
 
         def factor(n: int) -> float:
             return float(n**degree) if loss_reduction == "mean" else 1.0

@@ -186,9 +186,9 @@ class MaskPoint(SignalOwner):
         return got
 
     def _buffers(self) -> list[Tensor]:
-        """The masks' buffers as they are now: read once per call and handed on (an
-        ``nn.Module`` buffer lookup is slow enough to count on this path)."""
-        return [m.mask for m in self._masks]
+        """The masks' buffers as they are now: read once per call and handed on, from each
+        mask's buffer dict (``m.mask`` goes through ``nn.Module.__getattr__``: 0.6 us a read)."""
+        return [m._buffers["mask"] for m in self._masks]
 
     def _vector(self, dtype: torch.dtype, device: torch.device, bufs: list[Tensor]) -> Tensor:
         """The multiplier of each position of the masked dim, shape (size,), for the mask

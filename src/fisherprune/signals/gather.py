@@ -200,7 +200,7 @@ def _fold_into_signals(ready: list[Ready], decay: float) -> Tensor | None:
     groups: dict[tuple[torch.dtype, torch.device], list[tuple[Any, ...]]] = {}
     skipped: Tensor | None = None
     for name, m, total, factor, present in ready:
-        signal = m.signal  # (a module buffer: looked up once)
+        signal = m._buffers["signal"]  # (not ``nn.Module.__getattr__``: once per mask and step)
         key = (signal.dtype, signal.device)
         groups.setdefault(key, []).append((name, signal, total.to(signal), factor, present))
     with torch.no_grad():
