@@ -229,16 +229,20 @@ class MaskPoint(SignalOwner):
                 f"fisherprune mask on {self.module_name!r}: input of shape {tuple(x.shape)} has "
                 f"no dim {self.dim} of size {self.size}, as traced; call apply_masks again"
             )
-        low = _cast_by_autocast(module, x)
         if compiling():  # (x in the layer's autocast dtype first, as ``apply`` takes it)
+            low = _cast_by_autocast(module, x)
             out = compiled_product(self, x if low is None else x.to(low))
             if out is not None:
                 return (*args[: self.arg], out, *args[self.arg + 1 :])
-        linear_last = not isinstance(module, nn.Linear) or self.dim == x.dim() - 1
         bufs = self._buffers()
-        if self.foldable and linear_last and self._fold(module, bufs):
+        if (
+            self.foldable
+            and (self.dim == x.dim() - 1 or not isinstance(module, nn.Linear))
+            and self._fold(module, bufs)
+        ):
             return None  # the pruned channels are zeroed in the layer's weight instead
-        return (*args[: self.arg], self.apply(x, bufs, low), *args[self.arg + 1 :])
+        out = self.apply(x, bufs, _cast_by_autocast(module, x))
+        return (*args[: self.arg], out, *args[self.arg + 1 :])
 
     def _fold(self, module: nn.Module, bufs: list[Tensor]) -> bool:
         """Once pruning is over, zero the weight columns that read pruned channels instead of
@@ -378,10 +382,17 @@ class MaskPoint(SignalOwner):
 _LOW_PRECISION_LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
 
+#: whether autocast is on for any device: one call, against three for the device's own
+#: check, at every masked layer's forward (where a torch lacks it, that check alone)
+_any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None)
+
+
 def _cast_by_autocast(module: nn.Module, x: Tensor) -> torch.dtype | None:
     """The half-precision dtype autocast casts ``module``'s float32 input ``x`` to, or None
     (not such a layer, not float32, autocast off on ``x``'s device)."""
     if x.dtype != torch.float32 or type(module) not in _LOW_PRECISION_LAYERS:
+        return None
+    if _any_autocast is not None and not _any_autocast():
         return None
     kind = x.device.type
     if not torch.is_autocast_enabled(kind):
