@@ -110,6 +110,8 @@ def _per_example_channel_dot(grad: Tensor, x: Tensor, dim: int, batch_dim: int =
         if dot is not None:
             return dot
     others = _other_dims(x.dim(), dim)
+    if len(others) == 1 and not low:  # the same product and sum, in one call
+        return torch.linalg.vecdot(grad, x, dim=others[0])
     prod = grad * x
     if not others:
         return prod.float() if low else prod  # (N, C): batch then channel
