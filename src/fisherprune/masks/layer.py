@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -26,7 +27,14 @@ from torch import Tensor, nn
 from fisherprune.masks import recompute, tracing
 from fisherprune.masks.compiled import SignalOwner, compiling, masked_product
 
-__all__ = ["MaskLayer", "all_ones", "buffers_key", "gather_through", "log_input_changed"]
+__all__ = [
+    "IdleCall",
+    "MaskLayer",
+    "all_ones",
+    "buffers_key",
+    "gather_through",
+    "log_input_changed",
+]
 
 log = logging.getLogger("fisherprune")
 
@@ -235,6 +243,19 @@ def all_ones(
         cache["tensors"] = [m.mask for m in masks]  # alive, so that their ids stay theirs
         cache["ones"] = all(m.is_all_ones() for m in masks)
     return bool(cache["ones"])
+
+
+class IdleCall(threading.local):
+    """Whether this thread is inside a call of the whole model that began with every mask
+    idle: all ones, none collecting, none requiring grad, no tracer (``ModelCall`` sets it).
+    The mask points and norm points then leave their inputs as they are without each asking
+    its masks (at every forward of every masked layer: 5% of a step of a small model).
+    Pickled and copied off: it is a thread's state, not the model's."""
+
+    on = False
+
+    def __reduce__(self) -> tuple[type[IdleCall], tuple[()]]:
+        return IdleCall, ()
 
 
 def log_input_changed(where: str) -> None:
