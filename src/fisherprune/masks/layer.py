@@ -28,7 +28,7 @@ from fisherprune.masks import recompute, tracing
 from fisherprune.masks.compiled import SignalOwner, compiling, masked_product
 
 __all__ = [
-    "IdleCall",
+    "CallFlags",
     "MaskLayer",
     "all_ones",
     "buffers_key",
@@ -245,17 +245,19 @@ def all_ones(
     return bool(cache["ones"])
 
 
-class IdleCall(threading.local):
-    """Whether this thread is inside a call of the whole model that began with every mask
-    idle: all ones, none collecting, none requiring grad, no tracer (``ModelCall`` sets it).
-    The mask points and norm points then leave their inputs as they are without each asking
-    its masks (at every forward of every masked layer: 5% of a step of a small model).
-    Pickled and copied off: it is a thread's state, not the model's."""
+class CallFlags(threading.local):
+    """What this thread's current call of the whole model began with (``ModelCall`` sets
+    them): ``ones``, every mask all ones (the norm points run their norms as they are);
+    ``idle``, besides, none collecting or requiring grad and no tracer (the mask points leave
+    their inputs as they are). Each point then skips asking its masks, which at every forward
+    of every masked layer costs about 5% of a step of a small model. Pickled and copied off:
+    they are a thread's state, not the model's."""
 
-    on = False
+    ones = False
+    idle = False
 
-    def __reduce__(self) -> tuple[type[IdleCall], tuple[()]]:
-        return IdleCall, ()
+    def __reduce__(self) -> tuple[type[CallFlags], tuple[()]]:
+        return CallFlags, ()
 
 
 def log_input_changed(where: str) -> None:

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from fisherprune.masks import tracing
 from fisherprune.masks.compiled import compiling, covers_in_order
-from fisherprune.masks.layer import IdleCall, MaskLayer, all_ones
+from fisherprune.masks.layer import CallFlags, MaskLayer, all_ones
 from fisherprune.norms import norm_spec, normalise_kept, normalise_masked
 
 __all__ = ["NormPoint"]
@@ -30,8 +30,8 @@ __all__ = ["NormPoint"]
 class NormPoint:
     """Stands in for the ``forward`` of one registered norm ``module`` whose input dim ``dim``
     (of size ``size``) carries masked channels: ``parts`` holds, for each mask, the positions it
-    covers and the mask entry each uses (positions no mask covers are always kept). ``idle``:
-    the model's ``IdleCall`` (default: one of its own, never on).
+    covers and the mask entry each uses (positions no mask covers are always kept). ``flags``:
+    the model's ``CallFlags`` (default: ones of its own, never set).
 
     Changes: sets ``module.forward`` (an instance attribute) to this point; ``remove`` puts
     back what was there before (the class's forward, or an instance ``forward`` another tool
@@ -45,10 +45,10 @@ class NormPoint:
         dim: int,
         size: int,
         parts: Sequence[tuple[MaskLayer, np.ndarray, np.ndarray]],
-        idle: IdleCall | None = None,
+        flags: CallFlags | None = None,
     ) -> None:
         self.module_name = module_name
-        self.idle = IdleCall() if idle is None else idle
+        self.flags = CallFlags() if flags is None else flags
         self.module = module
         self.dim, self.size = dim, size
         self.parts = [
@@ -93,7 +93,7 @@ class NormPoint:
                 keep = (self.parts[0][0].mask > 0.5).to(args[0].dtype)
                 return normalise_masked(self.module, spec, args[0], self.dim, keep)
         if (
-            (not compiled and self.idle.on)  # (every mask idle in this call of the model)
+            (not compiled and self.flags.ones)  # (every mask all ones in this call of the model)
             or tracing.active() is not None
             or all_ones(self._masks, self._ones_cache)
         ):

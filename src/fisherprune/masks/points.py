@@ -29,7 +29,7 @@ from fisherprune.masks.compiled import (
     covers_in_order,
 )
 from fisherprune.masks.layer import (
-    IdleCall,
+    CallFlags,
     MaskLayer,
     all_ones,
     buffers_key,
@@ -129,8 +129,8 @@ class MaskPoint(SignalOwner):
     ``rows``: how the rows (dim 0, or the dim ``rows.dim``) of the input relate to examples
     (default: row n is example n); ``probe`` and ``scope`` give, at run time, the batch size
     and the rows a module selected by data, for the layouts that need them
-    (``fisherprune.masks.row_tracker``). ``idle``: the model's ``IdleCall`` (default: one of
-    its own, never on).
+    (``fisherprune.masks.row_tracker``). ``flags``: the model's ``CallFlags`` (default: ones
+    of its own, never set).
     """
 
     def __init__(
@@ -145,10 +145,10 @@ class MaskPoint(SignalOwner):
         rows: RowLayout | None = None,
         probe: BatchProbe | None = None,
         scope: RowScope | None = None,
-        idle: IdleCall | None = None,
+        flags: CallFlags | None = None,
     ) -> None:
         self.module_name = module_name
-        self.idle = IdleCall() if idle is None else idle
+        self.flags = CallFlags() if flags is None else flags
         self.rows = RowLayout() if rows is None else rows
         self.probe, self.scope = probe, scope
         self._rows_warned = False
@@ -223,7 +223,7 @@ class MaskPoint(SignalOwner):
 
     def __call__(self, module: nn.Module, args: tuple) -> tuple | None:
         compiled = compiling()
-        if not compiled and self.idle.on:
+        if not compiled and self.flags.idle:
             return None  # every mask idle in this call of the model: a no-op, input unread
         if len(args) <= self.arg or not isinstance(args[self.arg], Tensor):
             raise RuntimeError(
@@ -591,7 +591,7 @@ def install_mask_points(
             masked = [(holder[k], p, i) for k, p, i in parts]
             scope = scopes.get(layout.scope) if layout.scope is not None else None
             mp = MaskPoint(
-                name, arg, dim, size, masked, fold, product, layout, probe, scope, call.idle
+                name, arg, dim, size, masked, fold, product, layout, probe, scope, call.flags
             )
             holder.points.append(mp)
             holder.handles.append(mod.register_forward_pre_hook(mp))
@@ -599,7 +599,7 @@ def install_mask_points(
             holder.handles.extend(scope.install(modules[name]))
         for name, dim, size, parts in norms:
             masked = [(holder[k], p, i) for k, p, i in parts]
-            holder.handles.append(NormPoint(name, modules[name], dim, size, masked, call.idle))
+            holder.handles.append(NormPoint(name, modules[name], dim, size, masked, call.flags))
         for (path, dim, size, parts), layout in zip(outputs, out_layouts, strict=True):
             masked = [(holder[k], p, i) for k, p, i in parts]
             mp = MaskPoint(f"<output>{path}", -1, dim, size, masked, rows=layout, probe=probe)
@@ -625,27 +625,30 @@ class ModelCall:
 
     def __init__(self, masks: list[MaskLayer]) -> None:
         self.masks = masks
-        self.idle = IdleCall()
+        self.flags = CallFlags()
         self._ones_cache: dict[str, Any] = {}
 
     def enter(self, _module: nn.Module, _args: tuple) -> None:
-        """A call begins: whether every mask is idle in it (``IdleCall``), asked once here
-        rather than by each point. Changes: ``idle.on`` on this thread."""
-        if compiling():
-            return  # (the points of a compiled graph take their own path)
+        """A call begins: what its points need to know of every mask (``CallFlags``), asked
+        once here rather than by each point. Changes: ``flags`` on this thread."""
+        if compiling() or tracing.active() is not None:
+            # the points of a compiled graph or of a trace take their own path (and a read of
+            # the masks here would be recorded in the trace)
+            return
         masks = self.masks
-        self.idle.on = (
-            tracing.active() is None
+        ones = all_ones(masks, self._ones_cache)
+        self.flags.ones = ones
+        self.flags.idle = (
+            ones
             and not any(m.collecting for m in masks)
             and not any(m._buffers["mask"].requires_grad for m in masks)
-            and all_ones(masks, self._ones_cache)
         )
 
     def leave(self, _module: nn.Module, _args: tuple, _out: Any) -> None:
-        """A call ended (or raised): ``idle`` off, and the strong hold on its latest product
-        dropped (``SharedProduct``), so that a forward without a backward leaves nothing of its
-        graph alive."""
-        self.idle.on = False
+        """A call ended (or raised): ``flags`` cleared, and the strong hold on its latest
+        product dropped (``SharedProduct``), so that a forward without a backward leaves nothing
+        of its graph alive."""
+        self.flags.ones = self.flags.idle = False
         SharedProduct.release()
 
 
