@@ -79,9 +79,9 @@ _OWNERS: weakref.WeakValueDictionary[int, SignalOwner] = weakref.WeakValueDictio
 _KEYS = itertools.count()
 
 
-def compiling() -> bool:
-    """Whether ``torch.compile`` is tracing the code running now."""
-    return torch.compiler.is_compiling()
+#: whether ``torch.compile`` is tracing the code running now: torch's own function, not a
+#: wrapper of it (asked at every masked layer's forward)
+compiling = torch.compiler.is_compiling
 
 
 def covers_in_order(parts: Sequence[tuple[Any, Tensor, Tensor]], size: int) -> bool:

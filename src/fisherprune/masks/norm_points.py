@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from fisherprune.masks import tracing
 from fisherprune.masks.compiled import compiling, covers_in_order
-from fisherprune.masks.layer import MaskLayer, all_ones
+from fisherprune.masks.layer import CallFlags, MaskLayer, all_ones
 from fisherprune.norms import norm_spec, normalise_kept, normalise_masked
 
 __all__ = ["NormPoint"]
@@ -30,7 +30,8 @@ __all__ = ["NormPoint"]
 class NormPoint:
     """Stands in for the ``forward`` of one registered norm ``module`` whose input dim ``dim``
     (of size ``size``) carries masked channels: ``parts`` holds, for each mask, the positions it
-    covers and the mask entry each uses (positions no mask covers are always kept).
+    covers and the mask entry each uses (positions no mask covers are always kept). ``flags``:
+    the model's ``CallFlags`` (default: ones of its own, never set).
 
     Changes: sets ``module.forward`` (an instance attribute) to this point; ``remove`` puts
     back what was there before (the class's forward, or an instance ``forward`` another tool
@@ -44,8 +45,10 @@ class NormPoint:
         dim: int,
         size: int,
         parts: Sequence[tuple[MaskLayer, np.ndarray, np.ndarray]],
+        flags: CallFlags | None = None,
     ) -> None:
         self.module_name = module_name
+        self.flags = CallFlags() if flags is None else flags
         self.module = module
         self.dim, self.size = dim, size
         self.parts = [
@@ -82,13 +85,18 @@ class NormPoint:
         return kept
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if compiling() and self._direct and len(args) == 1 and not kwargs:
+        compiled = compiling()
+        if compiled and self._direct and len(args) == 1 and not kwargs:
             spec = norm_spec(self.module)
             if spec is not None and isinstance(args[0], Tensor):
                 # (no version read, no index from the mask's values: see masks.compiled)
                 keep = (self.parts[0][0].mask > 0.5).to(args[0].dtype)
                 return normalise_masked(self.module, spec, args[0], self.dim, keep)
-        if tracing.active() is not None or all_ones(self._masks, self._ones_cache):
+        if (
+            (not compiled and self.flags.ones)  # (every mask all ones in this call of the model)
+            or tracing.active() is not None
+            or all_ones(self._masks, self._ones_cache)
+        ):
             if self._before is not None:
                 return self._before(*args, **kwargs)
             return type(self.module).forward(self.module, *args, **kwargs)

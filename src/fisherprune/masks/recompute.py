@@ -26,7 +26,16 @@ import torch
 
 __all__ = ["checkpointing", "checkpointing_on", "recomputing", "recomputing_on"]
 
-_state = threading.local()
+
+class _Flags(threading.local):
+    """This thread's nesting counts (class defaults: no ``getattr`` fallback on each read,
+    which the masks make at every forward)."""
+
+    checkpointing = 0
+    recomputing = 0
+
+
+_state = _Flags()
 #: the id of the backward the autograd engine runs on this thread, -1 outside one (the call
 #: ``torch.utils.checkpoint`` makes; where a torch lacks it, only ``recomputing_on`` counts)
 _graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
@@ -34,18 +43,18 @@ _graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 
 def checkpointing() -> bool:
     """Whether a checkpointed signal pass runs on this thread."""
-    return getattr(_state, "checkpointing", 0) > 0
+    return _state.checkpointing > 0
 
 
 def recomputing() -> bool:
     """Whether a checkpointed block's forward is being recomputed on this thread: inside
     ``recomputing_on``, or run by the autograd engine within a backward."""
-    return getattr(_state, "recomputing", 0) > 0 or _graph_task_id() != -1
+    return _state.recomputing > 0 or _graph_task_id() != -1
 
 
 @contextlib.contextmanager
 def _raised(flag: str) -> Iterator[None]:
-    setattr(_state, flag, getattr(_state, flag, 0) + 1)
+    setattr(_state, flag, getattr(_state, flag) + 1)
     try:
         yield
     finally:

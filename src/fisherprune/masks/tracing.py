@@ -8,12 +8,20 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-_state = threading.local()
+
+class _Active(threading.local):
+    """This thread's tracer (a class default: no ``getattr`` fallback on each read, which
+    every masked layer's forward makes)."""
+
+    tracer: Any = None
+
+
+_state = _Active()
 
 
 def active() -> Any | None:
     """Return the tracer running on this thread, or None."""
-    return getattr(_state, "tracer", None)
+    return _state.tracer
 
 
 def set_active(tracer: Any | None) -> None:

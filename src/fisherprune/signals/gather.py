@@ -200,7 +200,7 @@ def _fold_into_signals(ready: list[Ready], decay: float) -> Tensor | None:
     groups: dict[tuple[torch.dtype, torch.device], list[tuple[Any, ...]]] = {}
     skipped: Tensor | None = None
     for name, m, total, factor, present in ready:
-        signal = m.signal  # (a module buffer: looked up once)
+        signal = m._buffers["signal"]  # (not ``nn.Module.__getattr__``: once per mask and step)
         key = (signal.dtype, signal.device)
         groups.setdefault(key, []).append((name, signal, total.to(signal), factor, present))
     with torch.no_grad():
@@ -208,19 +208,23 @@ def _fold_into_signals(ready: list[Ready], decay: float) -> Tensor | None:
             signals = [e[1] for e in entries]
             totals, factors = [e[2] for e in entries], [e[3] for e in entries]
             ok = torch.stack(torch._foreach_norm(totals, 1)).isfinite()
-            if all(isinstance(f, float) for f in factors):
-                scaled = torch._foreach_mul(totals, factors)
+            if not all(isinstance(f, float) for f in factors):  # (0-d tensors: distributed)
+                scaled = torch.cat([t * f for t, f in zip(totals, factors, strict=True)])
+            elif factors.count(factors[0]) == len(factors):
+                # one factor (one batch size): one product over the concatenation, the same
+                # per element (a foreach product by a list of numbers loops on a CPU)
+                scaled = torch.cat(totals) * factors[0]
             else:
-                scaled = [t * f for t, f in zip(totals, factors, strict=True)]
+                scaled = torch.cat(torch._foreach_mul(totals, factors))
             keep = ok
             if any(e[4] is not None for e in entries):
                 present = [e[4] if e[4] is not None else ok.new_ones(()) for e in entries]
                 keep = ok & torch.stack(present)
             sizes = tuple(t.numel() for t in signals)
             old = torch.cat(signals)
-            moved = torch.lerp(old, torch.cat(scaled), 1.0 - decay)
+            moved = torch.lerp(old, scaled, 1.0 - decay)
             new = torch.where(keep[_segments(device, sizes)], moved, old)
-            torch._foreach_copy_(signals, list(new.split(sizes)))
+            torch._foreach_copy_(signals, new.split_with_sizes(sizes))
             _pending.append(PendingFlags([e[0] for e in entries], ok))
             bad = ok.logical_not().sum()
             skipped = bad if skipped is None else skipped + bad.to(skipped.device)
