@@ -216,13 +216,19 @@ def _bert(masked: bool) -> tuple[nn.Module, dict[str, torch.Tensor]]:
     return model, inputs
 
 
-@pytest.mark.parametrize("masked", [False, True])
-def test_under_autocast_a_mask_keeps_no_float32_activation_alive(masked: bool) -> None:
+@pytest.mark.parametrize(("masked", "any_check"), [(False, True), (True, True), (True, False)])
+def test_under_autocast_a_mask_keeps_no_float32_activation_alive(
+    masked: bool, any_check: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Under bf16 autocast the embeddings' LayerNorm output is float32 and every q, k, v
     layer casts it to bf16 first: without masks the float32 tensor is freed once the forward
     has read it. A collecting mask on those layers' input keeps no reference to it either
     (the product is taken on the cast copy the layers save anyway): the float32 copy alive
-    until the backward was 11% of BERT-base's peak memory on an H200."""
+    until the backward was 11% of BERT-base's peak memory on an H200. ``any_check`` False:
+    as on a torch without ``torch._C._is_any_autocast_enabled``, the device's own check
+    alone decides the cast."""
+    if not any_check:
+        monkeypatch.setattr("fisherprune.masks.points._any_autocast", None)
     model, inputs = _bert(masked)
     seen: list[weakref.ref[torch.Tensor]] = []
     norm = model.embeddings.LayerNorm
