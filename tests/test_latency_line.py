@@ -193,3 +193,39 @@ def test_a_bilinear_clock_is_predicted_exactly_at_every_width(tmp_path, overhead
         small = fp.shrink(net)
         want = _fake_whole(small, x, None, _flops_seconds) / lat.UNIT
         assert cm.total() == pytest.approx(want, rel=1e-9), (k1, k2)
+
+
+def test_a_contended_minority_of_rounds_moves_no_share_and_is_reported(
+    tmp_path, monkeypatch, caplog
+):
+    """Two of the five rounds run in a state that adds the same time to every forward pass
+    (two threads with their second core contended did so on a shared VM): the copies' shares
+    are the median of the rounds' ratios, so exactly those of the quiet state, and the fit
+    records how far the rounds moved (``spread``) and logs it; quiet rounds log nothing."""
+    net, x = _net(), torch.randn(2, 3, 8, 8)
+    fp.apply_masks(net, x)
+    calls = []
+
+    def contended(model, example_inputs, spec, clock=None):
+        calls.append(model)  # per round: the dense model, then the copies (0.5, 0.25)
+        slow = 4 <= len(calls) <= 9  # rounds 2 and 3 of 5
+        return _with_overhead(model, example_inputs, spec) + (5 * OVERHEAD if slow else 0.0)
+
+    install_clock(monkeypatch, _with_overhead)
+    cm = CostModel(net, x, "latency", latency=_spec(tmp_path))
+    with caplog.at_level("WARNING", logger="fisherprune"):
+        quiet_line = fit_latency_line(cm, net, x)
+    assert "moved by" not in caplog.text
+    assert all(p["spread"] == 0.0 for p in quiet_line.points)
+    monkeypatch.setattr(line_module, "whole_model_seconds", contended)
+    with caplog.at_level("WARNING", logger="fisherprune"):
+        line = fit_latency_line(cm, net, x)
+    assert len(calls) == 3 * line_module.ROUNDS
+    dense_s = _with_overhead(net, x, None)
+    for p, n in zip(line.points, (0.5, 0.25), strict=True):
+        _entries, kept = line_module._cut_entries(cm, n)
+        with line_module.masks_kept(net, kept):
+            quiet = _with_overhead(fp.shrink(net), x, None) / dense_s
+        assert p["measured_share"] == pytest.approx(quiet, rel=1e-12)
+        assert p["spread"] > line_module.UNSTEADY
+    assert "moved by" in caplog.text

@@ -9,7 +9,8 @@ ViT-B/16 at 29.4% for 24.4% (``benchmarks/latency_prediction.py``, before the li
 ``fit_latency_line`` therefore times more sizes: for each share of ``LatencySpec.line_at``
 (0.5 and 0.25 by default), a copy of the model with that share of every mask's channels kept,
 shrunk, timed whole beside the dense model (one after the other, ``ROUNDS`` times; ``mu`` is
-the median of the rounds' ratios, so that a drift of the machine's speed cancels out of it);
+the median of the rounds' ratios, so that a drift of the machine's speed cancels out of it;
+``_timed_shares``);
 all are timed in the ``LatencySpec.form`` that serves them, so the curve maps the eager
 operators' sum to that form's time. With ``S`` the operators' summed times alone and ``W``
 the dense total the table already predicts, a state is priced on the piecewise-linear curve
@@ -58,6 +59,11 @@ __all__ = ["LatencyCheck", "LatencyLine", "LatencyLoop", "check_latency", "fit_l
 #: median of the rounds' ratios (a round that a burst of other load slowed stays an outlier)
 ROUNDS = 5
 
+#: a copy whose rounds' ratios to the dense model spread further than this (half their
+#: interquartile range over their median) was timed on a machine whose speed changed under it;
+#: the fit says so in the log and in ``LatencyLine.points`` (``spread``)
+UNSTEADY = 0.05
+
 
 @dataclass
 class LatencyLine:
@@ -72,8 +78,8 @@ class LatencyLine:
         measured_share: the widest copy timed whole, over the dense model timed beside it.
         kept_share: the share of every mask's channels the widest copy kept.
         reason: why the line was not fitted, or what was kept instead ("" when fitted).
-        points: every copy timed, widest first: ``kept_share``, ``operators_share`` and
-            ``measured_share`` (None when it was not timed).
+        points: every copy timed, widest first: ``kept_share``, ``operators_share``,
+            ``measured_share`` and its ``spread`` (``TimedShare``; None when not timed).
         curve: whether states are priced on the curve through the dense model and every
             point (``CostModel.latency_curve``), not on the line alone.
     """
@@ -105,22 +111,59 @@ def _cut_entries(cost_model: CostModel, share: float) -> tuple[np.ndarray, dict[
     return entries, kept
 
 
+@dataclass(frozen=True)
+class TimedShare:
+    """A shrunk model timed whole beside the dense one (``_timed_shares``).
+
+    Attributes:
+        share: the median over the rounds of its time over the dense model's.
+        spread: half the interquartile range of the rounds' ratios over their median: how far
+            the machine's state moved the ratio while it was timed.
+    """
+
+    share: float
+    spread: float
+
+
 def _timed_shares(
     model: nn.Module, smalls: list[nn.Module], inputs: Any, spec: LatencySpec
-) -> list[float]:
-    """Each of ``smalls`` timed whole over ``model`` with every mask at one, in ``spec.form``
-    (each built once): ``ROUNDS`` rounds of the dense model, then every small one, one after
-    the other; per small one the median of the rounds' ratios (a drift of the machine's
-    speed cancels out of each). The masks are given back after."""
-    ratios: list[list[float]] = [[] for _ in smalls]
+) -> list[TimedShare]:
+    """Each of ``smalls`` timed whole against ``model`` with every mask at one, in
+    ``spec.form`` (each built once): ``ROUNDS`` rounds of the dense model, then every small
+    one, one after the other. The masks are given back after.
+
+    The share is the median of the rounds' ratios: a drift of the machine's speed cancels out
+    of each round, and a round a burst of load slowed stays an outlier. What it cannot cancel
+    is load that adds time out of proportion: on this project's 2-vCPU VM, two threads ran for
+    tens of seconds at a time in a state where every operator cost some 25 us more (the second
+    core contended), and a ResNet-50 copy with a quarter of every width then ran at 23% of the
+    dense model, at 17% otherwise (``benchmarks/timing_regimes.py``). The fastest time over
+    the fastest would read the quiet state only where both fastest blocks fell in it (one
+    lucky block of the dense model read BERT-base's half at 62% for 51-55% by round).
+    ``TimedShare.spread`` says how far the ratio moved, and a spread over ``UNSTEADY`` is
+    logged: a state that changes inside the rounds is seen, one that lasts longer is not."""
+    times: list[list[float]] = [[] for _ in smalls]
+    dense: list[float] = []
     with timing_threads(spec), masks_kept(model, {}):  # the model itself, dense
         timed_dense = served(model, inputs, spec)
         timed = [served(s, inputs, spec) for s in smalls]
         for _ in range(ROUNDS):
-            dense = whole_model_seconds(timed_dense, inputs, spec)
-            for r, small in zip(ratios, timed, strict=True):
-                r.append(whole_model_seconds(small, inputs, spec) / dense)
-    return [float(np.median(r)) for r in ratios]
+            dense.append(whole_model_seconds(timed_dense, inputs, spec))
+            for ts, small in zip(times, timed, strict=True):
+                ts.append(whole_model_seconds(small, inputs, spec))
+    shares = []
+    for ts in times:
+        q1, mid, q3 = np.quantile(np.asarray(ts) / np.asarray(dense), [0.25, 0.5, 0.75])
+        shares.append(TimedShare(float(mid), float((q3 - q1) / 2 / mid)))
+        if shares[-1].spread > UNSTEADY:
+            log.warning(
+                "latency: a shrunk model's time over the dense model's moved by +-%.0f%% "
+                "between rounds (other load, or more threads than idle cores): a prediction "
+                "from these times may miss by as much; time on a quiet machine, or with fewer "
+                "threads (LatencySpec.threads)",
+                100 * shares[-1].spread,
+            )
+    return shares
 
 
 def _line_through(
@@ -175,7 +218,7 @@ def fit_latency_line(cost_model: CostModel, model: nn.Module, example_inputs: An
     timed = copies[: len(smalls)]
     measured = _timed_shares(model, smalls, inputs, spec) if smalls else []
     for c, mu in zip(timed, measured, strict=True):
-        c.measured_share = mu
+        c.measured_share, c.spread = mu.share, mu.spread
     line.points = [c.point() for c in copies]
     knots = [(s_dense, whole), *((c.operators, float(c.measured_share) * whole) for c in timed)]
     if len(knots) == 1:
@@ -250,13 +293,14 @@ class _Copy:
     """A copy of the model keeping ``kept_share`` of every width: its ``operators`` summed
     alone (microseconds) and their ``operators_share`` of the dense model's, the copy shrunk
     (``small``; None: it was not, ``reason`` says why) and its ``measured_share`` timed
-    whole (None until it is)."""
+    whole with the ``spread`` of its rounds (``TimedShare``; None until it is)."""
 
     kept_share: float
     operators: float
     operators_share: float | None
     small: nn.Module | None = None
     measured_share: float | None = None
+    spread: float | None = None
     reason: str = ""
 
     def point(self) -> dict[str, float | None]:
@@ -265,6 +309,7 @@ class _Copy:
             "kept_share": self.kept_share,
             "operators_share": self.operators_share,
             "measured_share": self.measured_share,
+            "spread": self.spread,
         }
 
 
@@ -329,9 +374,8 @@ def add_floor_knot(
     with at_floor():
         check = check_latency(cost_model, model, example_inputs, whole)
     x, mu = check.operators_share * s_dense, check.measured_share
-    line.points.append(
-        {"kept_share": 0.0, "operators_share": check.operators_share, "measured_share": mu}
-    )
+    line.points.append({"kept_share": 0.0, "operators_share": check.operators_share,
+                        "measured_share": mu, "spread": check.spread})  # fmt: skip
     narrowest = min(knots)
     if mu is None or not (0 < x < narrowest[0] and mu * whole < narrowest[1]):
         log.info("latency: the floor state (%s) is not priced on a knot of its own",
@@ -370,8 +414,9 @@ class LatencyCheck:
         operators_share: the state's operators summed alone, over the dense model's.
         predicted_share: its price on the line before the check, over the dense model's
             price when the prune started.
-        measured_share: it timed whole, over the dense model timed beside it (None: it was
-            not shrunk).
+        measured_share: it timed whole, over the dense model timed beside it (the median of
+            the rounds' ratios, ``_timed_shares``; None: it was not shrunk).
+        spread: how far the rounds' ratios moved (``TimedShare.spread``; None: not timed).
         refitted: whether the line now goes through this state (``LatencyLoop``).
         reason: why it was not refitted ("" when it was).
         seconds: wall time of the check (the shrink and the timing).
@@ -383,6 +428,7 @@ class LatencyCheck:
     operators_share: float
     predicted_share: float
     measured_share: float | None = None
+    spread: float | None = None
     refitted: bool = False
     reason: str = ""
     seconds: float = 0.0
@@ -410,7 +456,7 @@ def check_latency(
     cost_model: CostModel, model: nn.Module, example_inputs: Any, dense: float, goal: int = 0
 ) -> LatencyCheck:
     """Shrink the state ``model``'s masks are in and time it whole beside the dense model
-    (``ROUNDS`` times, one after the other: the median of the ratios), in ``spec.form``.
+    (``ROUNDS`` times, one after the other: ``_timed_shares``), in ``spec.form``.
 
     Changes nothing: the model comes back as it was (its masks are set and given back; the
     shrunk copy is dropped). A state that cannot be shrunk is not timed (``reason``).
@@ -439,7 +485,8 @@ def check_latency(
     except Exception as e:  # a state shrink refuses is not timed; the line stays
         check.reason = f"the state was not shrunk ({e})"
     else:
-        (check.measured_share,) = _timed_shares(model, [small], inputs, spec)
+        (timed,) = _timed_shares(model, [small], inputs, spec)
+        check.measured_share, check.spread = timed.share, timed.spread
     check.seconds = time.perf_counter() - start
     return check
 
