@@ -435,8 +435,11 @@ class LatencyTable:
         self, key: str, run: Callable[[], Any], sync: Callable[[], None], blocks: int
     ) -> float:
         """Seconds per call of ``run`` measured once more; the table keeps the faster of that
-        and what it held (load only adds time), and returns it."""
+        and what it held (load only adds time), and returns it. The key is then no longer
+        ``fresh``: an operator repeated in the model (a transformer's layers) is timed again
+        once, not once per copy."""
         got = self.entries[key] = min(self.entries[key], _measure(run, sync, blocks))
+        self.fresh.discard(key)
         return got
 
 
