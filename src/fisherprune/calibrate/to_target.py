@@ -1026,15 +1026,17 @@ class _Selection:
                 goal=goal,
                 importance=importances,
             )
-            past = len(chunk) > 1 and self.cost_model.total() < goal * (1 - OVERSHOOT)
-            if past and not one_by_one:  # (the docstring says why; once only: no loop)
-                _put_back(free, undo)
+            exact = self.cost_model.total()
+            if len(chunk) > 1 and exact < goal * (1 - OVERSHOOT) and not one_by_one:
+                _put_back(free, undo)  # (the docstring says why; once only: no loop)
                 one_by_one = True
                 continue
-            events.extend(chunk)
-            self._exact_last(events)
-            if not chunk or chunk[-1].cost_after > until:
-                return events, self.cost_model.total() <= goal
+            if not chunk:
+                return events, exact <= goal
+            events.extend(chunk[:-1])
+            events.append(replace(chunk[-1], cost_after=exact))
+            if exact > until:
+                return events, exact <= goal
 
     def _least(self, m: MaskLayer) -> int:
         """The fewest channels ``m`` may keep after this round: ``round_cap`` of those it
@@ -1068,7 +1070,3 @@ class _Selection:
             for n, m in self._selectable(masks).items()
             if m.kept < m.num_channels and self._floor(m) == m.kept
         ]
-
-    def _exact_last(self, events: list[PruneEvent]) -> None:
-        if events:
-            events[-1] = replace(events[-1], cost_after=self.cost_model.total())
