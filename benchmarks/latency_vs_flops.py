@@ -436,6 +436,39 @@ def table(cells: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def results(
+    args: argparse.Namespace, rows: list[dict[str, Any]], runs: list[dict[str, Any]], seconds: float
+) -> dict[str, Any]:
+    """The JSON of a run so far: its settings, the summary of ``rows`` and every row and run."""
+    cells = summary(rows)
+    return {
+        "benchmark": "latency_vs_flops",
+        "timestamp": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "torch_version": torch.__version__,
+        "fisherprune_version": fp.__version__,
+        "machine": machine_info(),
+        "threads": args.threads,
+        "prune_threads": PRUNE_THREADS,
+        "batch": {n: args.batch or NET_BATCH[n] for n in args.nets},
+        "allocator": allocator_state(),
+        "timing": {
+            "method": "fisherprune.export.compare_latency: the dense model and every shrunk "
+            "copy of one (net, seed) side by side, eval and inference mode, the order reversed "
+            "every other round; a model's measured share is 1 / the median over rounds of "
+            "the dense block over its block of the same round (SpeedUp.median)",
+            **TIMING,
+        },
+        "seeds": args.seeds,
+        "targets": args.targets,
+        "flops_grid": args.flops_grid,
+        "seconds": seconds,
+        "cells": cells,
+        "verdicts": verdicts(cells),
+        "rows": rows,
+        "runs": runs,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     nets = list(NET_BATCH)
@@ -464,6 +497,8 @@ def main(argv: list[str] | None = None) -> int:
               "thread(s) beside other work measure waits for a core")  # fmt: skip
     torch.set_num_threads(PRUNE_THREADS)
     retain_freed_memory()  # before the first forward pass: the table and the comparison alike
+    for name in args.nets:  # a network that cannot load stops the run before any cell
+        task(name, 0)
     started = time.perf_counter()
     rows, runs = [], []
     for name in args.nets:
@@ -471,35 +506,9 @@ def main(argv: list[str] | None = None) -> int:
             part = run_seed(name, seed, args)
             rows += part["rows"]
             runs.append(part["run"])
-    seconds = time.perf_counter() - started
-    cells = summary(rows)
-    data = {
-        "benchmark": "latency_vs_flops",
-        "timestamp": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "torch_version": torch.__version__,
-        "fisherprune_version": fp.__version__,
-        "machine": machine_info(),
-        "threads": args.threads,
-        "prune_threads": PRUNE_THREADS,
-        "batch": {n: args.batch or NET_BATCH[n] for n in args.nets},
-        "allocator": allocator_state(),
-        "timing": {
-            "method": "fisherprune.export.compare_latency: the dense model and every shrunk "
-            "copy of one (net, seed) side by side, eval and inference mode, the order reversed "
-            "every other round; a model's measured share is 1 / the median over rounds of "
-            "the dense block over its block of the same round (SpeedUp.median)",
-            **TIMING,
-        },
-        "seeds": args.seeds,
-        "targets": args.targets,
-        "flops_grid": args.flops_grid,
-        "seconds": seconds,
-        "cells": cells,
-        "verdicts": verdicts(cells),
-        "rows": rows,
-        "runs": runs,
-    }
-    write_json(out, data)
+            data = results(args, rows, runs, time.perf_counter() - started)
+            write_json(out, data)  # after every seed: a run stopped later keeps what it did
+    cells, seconds = data["cells"], data["seconds"]
     print(table(cells))
     print("\n".join(data["verdicts"]))
     print(f"wrote {out} ({seconds:.0f} s)")

@@ -1272,10 +1272,12 @@ def latency_vs_flops_section(runs: list[dict[str, Any]]) -> list[str]:
         "(`benchmarks/latency_vs_flops.py`)",
         "",
         "The trained networks of the one-shot suite, each pruned one-shot (repair on, every "
-        'other argument as there) with `convention="latency"` to 70% and 50% of its timed '
-        "latency, and to a grid of FLOPs targets "
+        'other argument as there) with `convention="latency"` to '
+        + ", ".join(f"{t:.0%}" for t in first["targets"])
+        + " of its timed latency, and to a grid of FLOPs targets "
         f"({', '.join(f'{t:.0%}' for t in first['flops_grid'])}); all shrunk, timed side by "
-        f"side with the dense network (`compare_latency`, {first['threads']} threads, batch "
+        f"side with the dense network (`compare_latency`, {first['threads']} timing "
+        f"thread{'s' if first['threads'] != 1 else ''}, batch "
         + ", ".join(f"{n} {b}" for r in runs for n, b in r["batch"].items())
         + "). The FLOPs-targeted quality is interpolated at the latency-targeted model's "
         "measured share between the two grid models that bracket it (never extrapolated: a "
