@@ -87,7 +87,10 @@ def test_line_is_fitted_on_both_sizes_served_once_each(tmp_path, eager_operators
     fit_latency_line(cm, net, x)
     sizes = 1 + len(spec.line_shares)
     assert traced[0] == sizes == 3
-    assert [f for f, _ in eager_operators] == ["torchscript"] * sizes * line_module.ROUNDS
+    forms = [f for f, _ in eager_operators]
+    rounds = len(forms) // sizes  # a fast model gets more than ROUNDS (STEADY_SECONDS)
+    assert forms == ["torchscript"] * sizes * rounds
+    assert line_module.ROUNDS <= rounds <= line_module.MAX_ROUNDS
     assert cm.dense_total() == pytest.approx(dense, rel=1e-9)
 
 

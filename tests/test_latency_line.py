@@ -212,6 +212,8 @@ def test_a_contended_minority_of_rounds_moves_no_share_and_is_reported(
         return _with_overhead(model, example_inputs, spec) + (5 * OVERHEAD if slow else 0.0)
 
     install_clock(monkeypatch, _with_overhead)
+    # the fake passes take microseconds: five rounds, as a model slower than STEADY_SECONDS gets
+    monkeypatch.setattr(line_module, "STEADY_SECONDS", 0.0)
     cm = CostModel(net, x, "latency", latency=_spec(tmp_path))
     with caplog.at_level("WARNING", logger="fisherprune"):
         quiet_line = fit_latency_line(cm, net, x)
@@ -229,3 +231,31 @@ def test_a_contended_minority_of_rounds_moves_no_share_and_is_reported(
         assert p["measured_share"] == pytest.approx(quiet, rel=1e-12)
         assert p["spread"] > line_module.UNSTEADY
     assert "moved by" in caplog.text
+
+
+@pytest.mark.parametrize(("round_seconds", "rounds"), [(1e-3, 25), (0.036, 9), (0.3, 5)])
+def test_a_fast_model_is_timed_for_more_rounds_until_its_passes_add_up(
+    tmp_path, monkeypatch, round_seconds, rounds
+):
+    """The copies are timed for ROUNDS rounds, and more while the forward passes timed add up
+    to less than STEADY_SECONDS (0.3 s), never past MAX_ROUNDS: a round of the dense model
+    and both copies taking 36 ms gets 9 rounds (0.288 s after 8), one of 1 ms gets 25 (the
+    cap), one of 0.3 s gets 5."""
+    net, x = _net(), torch.randn(2, 3, 8, 8)
+    fp.apply_masks(net, x)
+    install_clock(monkeypatch, _with_overhead)
+    cm = CostModel(net, x, "latency", latency=_spec(tmp_path))
+    sizes = [_with_overhead(net, x, None)]
+    for share in (0.5, 0.25):
+        with line_module.masks_kept(net, line_module._cut_entries(cm, share)[1]):
+            sizes.append(_with_overhead(fp.shrink(net), x, None))
+    scale = round_seconds / sum(sizes)
+    calls = []
+
+    def timed(model, example_inputs, spec, clock=None):
+        calls.append(model)
+        return scale * _with_overhead(model, example_inputs, spec)
+
+    monkeypatch.setattr(line_module, "whole_model_seconds", timed)
+    fit_latency_line(cm, net, x)
+    assert len(calls) == 3 * rounds

@@ -8,9 +8,9 @@ ViT-B/16 at 29.4% for 24.4% (``benchmarks/latency_prediction.py``, before the li
 
 ``fit_latency_line`` therefore times more sizes: for each share of ``LatencySpec.line_at``
 (0.5 and 0.25 by default), a copy of the model with that share of every mask's channels kept,
-shrunk, timed whole beside the dense model (one after the other, ``ROUNDS`` times; ``mu`` is
-the median of the rounds' ratios, so that a drift of the machine's speed cancels out of it;
-``_timed_shares``);
+shrunk, timed whole beside the dense model (one after the other, ``ROUNDS`` times, more for a
+fast model; ``mu`` is the median of the rounds' ratios, so that a drift of the machine's speed
+cancels out of it; ``_timed_shares``);
 all are timed in the ``LatencySpec.form`` that serves them, so the curve maps the eager
 operators' sum to that form's time. With ``S`` the operators' summed times alone and ``W``
 the dense total the table already predicts, a state is priced on the piecewise-linear curve
@@ -58,6 +58,14 @@ __all__ = ["LatencyCheck", "LatencyLine", "LatencyLoop", "check_latency", "fit_l
 #: rounds of the dense model and the shrunk copy timed one after the other; their ratio is the
 #: median of the rounds' ratios (a round that a burst of other load slowed stays an outlier)
 ROUNDS = 5
+
+#: past ``ROUNDS``, rounds go on (up to ``MAX_ROUNDS``) until the forward passes timed add up to
+#: this many seconds: a model of a few milliseconds per pass moves by several percent from
+#: round to round on a shared VM (the one-shot suite's MobileNetV3 at batch 64: +-6-9%), and
+#: five such rounds left its predictions 5-10% apart from one fit to the next; a model whose
+#: five rounds already take this long gets five
+STEADY_SECONDS = 0.3
+MAX_ROUNDS = 25
 
 #: a copy whose rounds' ratios to the dense model spread further than this (half their
 #: interquartile range over their median) was timed on a machine whose speed changed under it;
@@ -129,8 +137,9 @@ def _timed_shares(
     model: nn.Module, smalls: list[nn.Module], inputs: Any, spec: LatencySpec
 ) -> list[TimedShare]:
     """Each of ``smalls`` timed whole against ``model`` with every mask at one, in
-    ``spec.form`` (each built once): ``ROUNDS`` rounds of the dense model, then every small
-    one, one after the other. The masks are given back after.
+    ``spec.form`` (each built once): rounds of the dense model, then every small one, one after
+    the other, ``ROUNDS`` of them and more while the forward passes timed add up to less than
+    ``STEADY_SECONDS`` (at most ``MAX_ROUNDS``). The masks are given back after.
 
     The share is the median of the rounds' ratios: a drift of the machine's speed cancels out
     of each round, and a round a burst of load slowed stays an outlier. What it cannot cancel
@@ -147,10 +156,12 @@ def _timed_shares(
     with timing_threads(spec), masks_kept(model, {}):  # the model itself, dense
         timed_dense = served(model, inputs, spec)
         timed = [served(s, inputs, spec) for s in smalls]
-        for _ in range(ROUNDS):
+        spent = 0.0
+        while len(dense) < ROUNDS or (spent < STEADY_SECONDS and len(dense) < MAX_ROUNDS):
             dense.append(whole_model_seconds(timed_dense, inputs, spec))
             for ts, small in zip(times, timed, strict=True):
                 ts.append(whole_model_seconds(small, inputs, spec))
+            spent += dense[-1] + sum(ts[-1] for ts in times)
     shares = []
     for ts in times:
         q1, mid, q3 = np.quantile(np.asarray(ts) / np.asarray(dense), [0.25, 0.5, 0.75])
@@ -183,10 +194,10 @@ def fit_latency_line(cost_model: CostModel, model: nn.Module, example_inputs: An
     Changes: ``cost_model``'s line (``CostModel.set_latency_line``) when fitted, and its curve
     (``CostModel.set_latency_curve``) when more than one copy was timed and the curve holds;
     the model comes back as it was (its masks are set and given back; the copies are
-    dropped). The copies are shrunk, then timed in ``ROUNDS`` rounds of the dense model and
-    every copy, one after the other: every share past the first adds one shrink (and, in a
-    compiled form, one build) and ``ROUNDS`` whole forward passes of its copy timed (with
-    their warm-up); the dense model's passes are shared.
+    dropped). The copies are shrunk, then timed in rounds of the dense model and every copy, one
+    after the other (``_timed_shares``: ``ROUNDS``, more for a fast model): every share past the
+    first adds one shrink (and, in a compiled form, one build) and a whole forward pass of its
+    copy timed per round (with their warm-up); the dense model's passes are shared.
 
     Args:
         cost_model: a ``CostModel`` of the ``latency`` convention, built on ``model``.
@@ -456,7 +467,7 @@ def check_latency(
     cost_model: CostModel, model: nn.Module, example_inputs: Any, dense: float, goal: int = 0
 ) -> LatencyCheck:
     """Shrink the state ``model``'s masks are in and time it whole beside the dense model
-    (``ROUNDS`` times, one after the other: ``_timed_shares``), in ``spec.form``.
+    (in rounds, one after the other: ``_timed_shares``), in ``spec.form``.
 
     Changes nothing: the model comes back as it was (its masks are set and given back; the
     shrunk copy is dropped). A state that cannot be shrunk is not timed (``reason``).
