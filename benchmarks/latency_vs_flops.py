@@ -13,8 +13,9 @@ calibration batches and quality measures, imported from those files. For each ne
    ``--targets`` share of the dense model's latency (the table's prediction, scaled to the
    dense model timed whole), every other argument as the one-shot benchmark gives it (MiniLM:
    the label-free loss and ``repair_passes=2``), then ``fisherprune.shrink``. ``spec`` is a
-   ``LatencySpec(device="cpu", threads=--threads, batch=<the net's batch>, step=1)`` (step:
-   the pruner's default ``round_to``), its table kept under the benchmark cache
+   ``LatencySpec(device="cpu", threads=--threads, batch=<the net's batch>, step=--round_to)``
+   (default 1, the pruner's default ``round_to``; every prune of the run, latency- or
+   FLOPs-targeted, uses that ``round_to``), its table kept under the benchmark cache
    (``one_shot_text.cache_dir() / "latency"``), not in the repository. Pruning and quality run
    at one thread (``PRUNE_THREADS``, as ``one_shot_defaults`` runs); every timing (the table,
    the whole model) at ``--threads``.
@@ -157,12 +158,14 @@ class Subject:
     dense_flops: float
 
     @classmethod
-    def load(cls, name: str, seed: int, threads: int, batch: int) -> Subject:
+    def load(
+        cls, name: str, seed: int, threads: int, batch: int, round_to: int = ROUND_TO
+    ) -> Subject:
         """Network ``name`` trained (or read from the cache) at ``seed``, with the
         ``LatencySpec`` of ``threads`` and ``batch`` and its dense quality and FLOPs."""
         t = task(name, seed)
         spec = LatencySpec(
-            device="cpu", threads=threads, batch=batch, step=ROUND_TO,
+            device="cpu", threads=threads, batch=batch, step=round_to,
             cache=str(cache_dir() / "latency"),
         )  # fmt: skip
         dense = t.measure(t.dense)[t.metric]
@@ -179,7 +182,7 @@ class Subject:
             warnings.simplefilter("always")
             result = fp.prune_to_target(
                 model, t.example, t.batches, target, loss_fn=t.loss_fn, task=t.task,
-                seed=self.seed, round_to=ROUND_TO, convention=convention, **latency,
+                seed=self.seed, round_to=self.spec.step, convention=convention, **latency,
                 **t.settings,
             )  # fmt: skip
             small = fp.shrink(model, inplace=True)
@@ -289,7 +292,7 @@ def run_seed(name: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
     """Every cell of network ``name`` at ``seed``: the latency-targeted models, the FLOPs
     grid, their latency timed together, and one row per latency target. Returns
     ``{"rows": [...], "run": {...}}`` (the run: the grid's points and the timing)."""
-    s = Subject.load(name, seed, args.threads, args.batch or NET_BATCH[name])
+    s = Subject.load(name, seed, args.threads, args.batch or NET_BATCH[name], args.round_to)
     by_latency, refused = [], []
     for target in args.targets:
         try:
@@ -449,6 +452,7 @@ def results(
         "machine": machine_info(),
         "threads": args.threads,
         "prune_threads": PRUNE_THREADS,
+        "round_to": args.round_to,
         "batch": {n: args.batch or NET_BATCH[n] for n in args.nets},
         "allocator": allocator_state(),
         "timing": {
@@ -482,6 +486,8 @@ def main(argv: list[str] | None = None) -> int:
         "--batch", type=int, help=f"examples per timed forward pass (default: {NET_BATCH})"
     )
     p.add_argument("--threads", type=int, default=1, help="torch threads while timing")
+    p.add_argument("--round_to", type=int, default=ROUND_TO,
+                   help="every prune's round_to and the latency table's step")  # fmt: skip
     p.add_argument("--quick", action="store_true", help=f"{QUICK}")
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
