@@ -491,6 +491,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help=f"{QUICK}")
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
+    for name in ("seeds", "round_to", "threads"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be at least 1, not {getattr(args, name)}")
     if args.quick:
         for key, value in QUICK.items():
             setattr(args, key, value)

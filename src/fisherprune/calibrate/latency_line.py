@@ -59,11 +59,12 @@ __all__ = ["LatencyCheck", "LatencyLine", "LatencyLoop", "check_latency", "fit_l
 #: median of the rounds' ratios (a round that a burst of other load slowed stays an outlier)
 ROUNDS = 5
 
-#: past ``ROUNDS``, rounds go on (up to ``MAX_ROUNDS``) until the forward passes timed add up to
-#: this many seconds: a model of a few milliseconds per pass moves by several percent from
-#: round to round on a shared VM (the one-shot suite's MobileNetV3 at batch 64: +-6-9%), and
-#: five such rounds left its predictions 5-10% apart from one fit to the next; a model whose
-#: five rounds already take this long gets five
+#: past ``ROUNDS``, rounds go on (up to ``MAX_ROUNDS``) until the rounds' passes (each round's
+#: fastest pass of the dense model and of every copy) add up to this many seconds: a model of a
+#: few milliseconds per pass moves by several percent from round to round on a shared VM (the
+#: one-shot suite's MobileNetV3 at batch 64: +-6-9%), and five such rounds left its predictions
+#: 2-5% apart from one fit to the next; a model whose five rounds already take this long gets
+#: five
 STEADY_SECONDS = 0.3
 MAX_ROUNDS = 25
 
@@ -138,8 +139,8 @@ def _timed_shares(
 ) -> list[TimedShare]:
     """Each of ``smalls`` timed whole against ``model`` with every mask at one, in
     ``spec.form`` (each built once): rounds of the dense model, then every small one, one after
-    the other, ``ROUNDS`` of them and more while the forward passes timed add up to less than
-    ``STEADY_SECONDS`` (at most ``MAX_ROUNDS``). The masks are given back after.
+    the other, ``ROUNDS`` of them and more while the rounds' passes (one per model per round)
+    add up to less than ``STEADY_SECONDS`` (at most ``MAX_ROUNDS``). The masks are given back after.
 
     The share is the median of the rounds' ratios: a drift of the machine's speed cancels out
     of each round, and a round a burst of load slowed stays an outlier. What it cannot cancel
