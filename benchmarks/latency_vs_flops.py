@@ -14,8 +14,9 @@ calibration batches and quality measures, imported from those files. For each ne
    dense model timed whole), every other argument as the one-shot benchmark gives it (MiniLM:
    the label-free loss and ``repair_passes=2``), then ``fisherprune.shrink``. ``spec`` is a
    ``LatencySpec(device="cpu", threads=--threads, batch=<the net's batch>, step=--round_to)``
-   (default 1, the pruner's default ``round_to``; every prune of the run, latency- or
-   FLOPs-targeted, uses that ``round_to``), its table kept under the benchmark cache
+   (default 8: what ``round_to`` is under the latency convention when it is not given, the
+   table's ``LatencySpec.step``; every prune of the run, latency- or FLOPs-targeted, uses
+   that ``round_to``), its table kept under the benchmark cache
    (``one_shot_text.cache_dir() / "latency"``), not in the repository. Pruning and quality run
    at one thread (``PRUNE_THREADS``, as ``one_shot_defaults`` runs); every timing (the table,
    the whole model) at ``--threads``.
@@ -96,8 +97,8 @@ TARGETS = (0.9, 0.8, 0.7, 0.5)
 #: down to 5%: the digits ResNet-18 pruned to 50% of its latency at batch 64 kept 6% of its FLOPs
 FLOPS_GRID = (0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1, 0.05)
 QUICK = {"nets": ["resnet18"], "seeds": 1, "targets": [0.7], "flops_grid": [0.5, 0.3, 0.1]}
-#: the pruner's default ``round_to``; the latency table is timed in steps of it
-ROUND_TO = 1
+#: the pruner's ``round_to`` under the latency convention when none is given: the table's step
+ROUND_TO = LatencySpec().step
 #: torch threads while pruning and measuring quality (as ``one_shot_defaults`` runs, so its
 #: cells are these); timing runs at ``--threads``. Two threads pruning on a shared 2-core
 #: machine waited on each other: one FLOPs cell took 242 s instead of 10

@@ -401,6 +401,57 @@ def test_prune_to_target_meets_a_latency_target(tmp_path, fake_clock):
     assert shrunk == pytest.approx(result.cost_after, rel=1e-9)
 
 
+def test_a_latency_prune_reaches_only_widths_its_table_timed(tmp_path, fake_clock):
+    """With ``round_to`` unset, a latency prune keeps every mask at a multiple of the table's
+    step (``LatencySpec.step``, 8) or at its width, and says so; a FLOPs prune of the same
+    model is not rounded."""
+    x, y = torch.randn(16, 3, 8, 8), torch.randint(0, 5, (16,))
+    kw = {"loss_fn": F.cross_entropy, "reconstruct": False}
+    net = _cnn()
+    result = fp.prune_to_target(
+        net, x[:2], [(x, y)], "50%", convention="latency", latency=_spec(tmp_path), **kw
+    )
+    assert result.round_to == 8
+    assert result.kept and all(k % 8 == 0 or k == n for k, n in result.kept.values())
+    assert any(k < n for k, n in result.kept.values())
+    assert fp.prune_to_target(_cnn(), x[:2], [(x, y)], "50%", **kw).round_to == 1
+
+
+@pytest.mark.parametrize(
+    ("round_to", "conventions", "spec", "want"),
+    [
+        (None, ("latency", None), None, 8),
+        (None, ("flops", "latency"), LatencySpec(step=4), 4),
+        (None, ("flops", None), None, 1),
+        (3, ("flops", None), None, 3),
+        (16, ("latency", None), None, 16),
+    ],
+)
+def test_round_to_follows_the_latency_tables_step_unless_given(round_to, conventions, spec, want):
+    """``round_to_for``: a given ``round_to`` as it is; None is the step of the latency
+    table when a convention is timed (the cost's or the score's), else 1."""
+    assert lat.round_to_for(round_to, conventions, spec) == want
+
+
+def test_a_round_to_between_the_tables_steps_is_warned(caplog):
+    """``round_to=1`` with a table timed in steps of 8 is kept, and a warning says widths
+    between are interpolated and what to give instead; a bad value is refused by name."""
+    with caplog.at_level("WARNING", logger="fisherprune"):
+        assert lat.round_to_for(1, ("latency", None), LatencySpec()) == 1
+    assert "round_to=1 reaches widths between the latency table's steps of 8" in caplog.text
+    with pytest.raises(ValueError, match="round_to must be an int >= 1"):
+        lat.round_to_for(0, ("latency", None), None)
+
+
+def test_pruning_optimizer_rounds_to_the_latency_step(tmp_path, fake_clock):
+    """``PruningOptimizer`` with ``round_to`` unset: the latency table's step under the
+    ``latency`` convention, 1 under ``flops``."""
+    net, x = _tiny()
+    timed = fp.PruningOptimizer(net, x, lr=0.1, convention="latency", latency=_spec(tmp_path))
+    assert timed.round_to == 8
+    assert fp.PruningOptimizer(net, x, lr=0.1).round_to == 1
+
+
 def test_pruning_optimizer_takes_a_time_target(tmp_path, fake_clock, monkeypatch):
     """``PruningOptimizer(convention="latency", flops_target="...us")`` resolves the time
     to the convention's microseconds, and the start cost is the model timed whole."""
@@ -475,6 +526,7 @@ def test_prune_cli_reports_predicted_and_measured_latency(tmp_path, fake_clock):
     assert cli.code == 0, cli.err
     report = json.loads((out / "report.json").read_text())
     assert report["convention"] == "latency" and report["cost_ratio"] <= 0.6
+    assert report["round_to"] == 8  # --round_to unset: the table's step
     check = report["latency_prediction"]
     assert check["spec"]["batch"] == 4 and check["spec"]["threads"] == 1
     assert check["pruned_predicted_ms"] == pytest.approx(report["cost_after"] / 1e3)

@@ -74,10 +74,12 @@ def check_min_channels(min_channels: Any, name: str = "min_channels") -> int | f
     raise ValueError(f"{name} must be an int >= 0 or a fraction in (0, 1), got {min_channels!r}")
 
 
-def check_round_to(round_to: Any, name: str = "round_to") -> int:
-    """An int >= 1 (1: no rounding)."""
+def check_round_to(round_to: Any, name: str = "round_to", default: int = 1) -> int:
+    """An int >= 1 (1: no rounding); None stands for ``default``."""
+    if round_to is None:
+        return default
     if isinstance(round_to, bool) or not isinstance(round_to, int) or round_to < 1:
-        raise ValueError(f"{name} must be an int >= 1 (1: no rounding), got {round_to!r}")
+        raise ValueError(f"{name} must be an int >= 1 (1: no rounding) or None, got {round_to!r}")
     return round_to
 
 

@@ -51,6 +51,7 @@ from fisherprune.calibrate.norm_stats import NormStats
 from fisherprune.calibrate.repair import RepairReport, check_passes, repair_consumers
 from fisherprune.cost import CostModel, LatencySpec
 from fisherprune.cost.conventions import check_conventions
+from fisherprune.cost.latency import round_to_for
 from fisherprune.graph import apply_masks, remove_masks
 from fisherprune.inputs import batch_size, calibration_pairs, call_model
 from fisherprune.masks import MaskLayer, find_masks
@@ -69,7 +70,7 @@ from fisherprune.pruner.prune import (
 )
 from fisherprune.pruner.scoring import FlopsWeight, score_all
 from fisherprune.pruner.uniform import plan_uniform
-from fisherprune.settings import check_flops_weight, check_int, check_min_channels, check_round_to
+from fisherprune.settings import check_flops_weight, check_int, check_min_channels
 from fisherprune.signals import Criterion, resolve_criterion
 
 try:
@@ -438,6 +439,8 @@ class PruneResult:
             at the end, ``cost_after`` priced on the line through it when refitted).
         criterion: the name of the criterion that ranked the channels (what ``"auto"``
             chose).
+        round_to: the ``round_to`` the prune kept widths to (what None resolved to:
+            ``round_to_for``).
     """
 
     cost_before: float
@@ -457,6 +460,7 @@ class PruneResult:
     latency_line: LatencyLine | None = None
     latency_checks: list[LatencyCheck] = field(default_factory=list)
     criterion: str = ""
+    round_to: int = 1
 
     @property
     def ratio(self) -> float:
@@ -607,7 +611,7 @@ def prune_to_target(
     rescore_at_cap: bool = False,
     floor_power: float | None = None,
     min_channels: int | float = 1,
-    round_to: int = 1,
+    round_to: int | None = None,
     uniform: bool = False,
     blocks: bool | str = False,
     experts: bool = False,
@@ -756,12 +760,12 @@ def prune_to_target(
     names = ("repair_passes", "repair_examples", "repair_budget")
     check_passes(repair_passes, repair_examples, repair_budget, names)
     min_channels = check_min_channels(min_channels)
-    round_to = check_round_to(round_to)
     flops_weight = check_flops_weight(flops_weight)
     crit = resolve_criterion(
         AUTO_CRITERION[bool(reconstruct)] if criterion == "auto" else criterion
     )
     check_conventions(convention, score_convention, latency)
+    round_to = round_to_for(round_to, (convention, score_convention), latency)
     check_checkpoint(checkpoint)
     if blocks not in (True, False, "only"):
         raise ValueError(f'blocks must be True, False or "only", got {blocks!r}')
@@ -846,7 +850,7 @@ def prune_to_target(
             remove_masks(model)
         raise
     result = PruneResult(start, start, goal, convention=convention, kept_whole=whole,
-                         latency_line=line, criterion=crit.name)  # fmt: skip
+                         latency_line=line, criterion=crit.name, round_to=round_to)  # fmt: skip
     clock = _PhaseClock()
     norms = NormStats(model) if recalibrate_norms else None
     g, stuck = 1, False

@@ -175,8 +175,9 @@ def prune_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPar
     p.add_argument(
         "--round_to",
         type=int,
-        default=1,
-        help="keep multiples of this many weight rows (a head counts head_dim)",
+        default=None,
+        help="keep multiples of this many weight rows (a head counts head_dim; default 1, or "
+        "with --convention latency the step its table is timed in, 8)",
     )
     p.add_argument(
         "--uniform",
@@ -706,7 +707,7 @@ def _prune(args: argparse.Namespace, bars: bool) -> int:
             "label_free": job.loss_fn is None,
             "reconstruct": args.reconstruct,
             "recalibrate_norms": args.recalibrate_norms,
-            "round_to": args.round_to,
+            "round_to": result.round_to,
             "uniform": args.uniform,
             "convention": result.convention,
             "score_convention": args.score_convention or result.convention,

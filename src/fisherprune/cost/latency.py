@@ -67,6 +67,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from fisherprune.graph.types import OpRecord, Slot
 from fisherprune.inputs import Inputs
 from fisherprune.modes import eval_mode
+from fisherprune.settings import check_round_to
 
 __all__ = [
     "LatencySpec",
@@ -74,6 +75,7 @@ __all__ = [
     "default_cache_dir",
     "prediction_check",
     "prediction_text",
+    "round_to_for",
     "served",
     "served_pair",
     "spec_for",
@@ -239,7 +241,8 @@ def _line_shares(line_at: Any) -> float | tuple[float, ...]:
 
 def spec_for(conventions: tuple[str | None, ...], what: str, **fields: Any) -> LatencySpec | None:
     """The ``LatencySpec`` of ``fields`` when one of ``conventions`` is ``latency``, else
-    None (a command's flags or a run's config build it this way).
+    None (a command's flags or a run's config build it this way). A ``step`` of None (no
+    ``round_to`` given) is the spec's default.
 
     Raises:
         ValueError: a bad field, the message starting with ``what`` (the flags' or fields'
@@ -247,10 +250,43 @@ def spec_for(conventions: tuple[str | None, ...], what: str, **fields: Any) -> L
     """
     if "latency" not in conventions:
         return None
+    if fields.get("step", 0) is None:
+        del fields["step"]
     try:
         return LatencySpec(**fields)
     except ValueError as e:
         raise ValueError(f"{what}: {e}") from None
+
+
+def round_to_for(
+    round_to: Any,
+    conventions: tuple[str | None, ...],
+    latency: LatencySpec | None,
+    name: str = "round_to",
+) -> int:
+    """The pruner's ``round_to``: as given, or for None, the step the latency table is timed
+    in (``LatencySpec.step``, 8 by default) when one of ``conventions`` is ``latency``, else
+    1. A prune then reaches only widths the table timed: at one CPU thread a decoder whose
+    residual width went from 64 to 63 channels ran 16% slower than dense, while a table that
+    never times such a width (or smooths its step up away, ``rising``) priced it 1% cheaper
+    (docs/benchmarks.md).
+
+    Logs a warning when a given ``round_to`` reaches widths between the table's steps.
+
+    Raises:
+        ValueError: not an int >= 1 or None (the message names ``name``).
+    """
+    step = (latency or LatencySpec()).step if "latency" in conventions else 1
+    resolved = check_round_to(round_to, name, default=step)
+    if resolved % step:
+        log.warning(
+            "%s=%d reaches widths between the latency table's steps of %d channels "
+            "(LatencySpec.step): they are priced by interpolation, and on a CPU a width off "
+            "the step can run slower than a wider one; leave %s unset (it follows the step) "
+            "or give a multiple of %d",
+            name, resolved, step, name, step,
+        )  # fmt: skip
+    return resolved
 
 
 def default_cache_dir() -> Path:

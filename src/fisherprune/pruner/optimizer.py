@@ -15,6 +15,7 @@ from torch import Tensor, nn
 
 from fisherprune.cost import CostModel, CostReport, LatencySpec
 from fisherprune.cost.conventions import check_conventions
+from fisherprune.cost.latency import round_to_for
 from fisherprune.masks import MaskLayer, find_masks
 from fisherprune.pruner.prune import PruneEvent, lowest_kept, mask_floor, prune, rounding
 from fisherprune.pruner.scoring import FlopsWeight, score_all
@@ -26,7 +27,6 @@ from fisherprune.settings import (
     check_loss_reduction,
     check_method,
     check_min_channels,
-    check_round_to,
 )
 from fisherprune.signals import Criterion, resolve_criterion
 
@@ -139,7 +139,9 @@ class PruningOptimizer:
             GPU kernels work on channels in blocks of 8 or 16, so 9 channels cost about as
             much time as 16: with ``round_to=8`` each prune removes the block of channels that
             brings a mask to the next multiple of 8 (see ``prune``), and the FLOPs saved turn
-            into latency saved (docs/benchmarks.md).
+            into latency saved (docs/benchmarks.md). None (the default): 1, or with a
+            ``latency`` convention the table's ``LatencySpec.step`` (8 unless given), so that
+            every width a prune reaches is one the table timed (``round_to_for``).
         uniform: every repeated block keeps the same widths: the copies of a mask in the
             blocks of a ``ModuleList`` (names equal up to block indices, same width; see
             ``fisherprune.pruner.uniform``) lose channels together, ranked by their mean
@@ -197,7 +199,7 @@ class PruningOptimizer:
         flops_target: float | int | str = 0,
         optimizer: torch.optim.Optimizer | None = None,
         min_channels: int | float = 1,
-        round_to: int = 1,
+        round_to: int | None = None,
         uniform: bool = False,
         convention: str = "flops",
         score_convention: str | None = None,
@@ -211,7 +213,8 @@ class PruningOptimizer:
         self.prune_every = check_int("prune_every", prune_every, 1)
         self.burn_in = check_int("burn_in", burn_in, 0)
         self.min_channels = check_min_channels(min_channels)
-        self.round_to = check_round_to(round_to)
+        check_conventions(convention, score_convention, latency)
+        self.round_to = round_to_for(round_to, (convention, score_convention), latency)
         self.uniform = bool(uniform)
         self.decay = check_decay(decay)
         self.flops_weight = check_flops_weight(flops_weight)
@@ -261,7 +264,6 @@ class PruningOptimizer:
                 f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
             )
         self.optimizer = optimizer
-        check_conventions(convention, score_convention, latency)
         self.convention = convention
         self.score_convention = score_convention or convention
         given = latency_calibration or {}

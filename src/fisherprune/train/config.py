@@ -159,7 +159,7 @@ HELP: dict[str, str] = {
     "pruning_flops_weight": "auto (signal/cost), a number w (signal - w*cost), or 0",
     "pruning_min_channels": "fewest channels any group keeps: a count, or a fraction such as 0.1",
     "pruning_round_to": "every group keeps a multiple of this many weight rows (a head counts "
-    "head_dim; 8: CPU-friendly)",
+    "head_dim; 8: CPU-friendly; default 1, or the latency table's step, 8, with latency)",
     "pruning_uniform": "repeated blocks keep the same widths (a Hugging Face config stays valid)",
     "pruning_criterion": "how channels are ranked: fisher (the seed's), taylor, l1 or random",
     "pruning_convention": "cost of the target: flops, macs, twml, memory, params or latency "
@@ -250,8 +250,8 @@ class TrainConfig:
         pruning_flops_weight: "auto", or a number (0 = plain Fisher).
         pruning_min_channels: fewest channels per group.
         pruning_round_to: every group keeps a multiple of this many weight rows (a head counts
-            its ``head_dim``; 1: any count);
-            see ``PruningOptimizer``.
+            its ``head_dim``; 1: any count; None: 1, or 8 with a ``latency`` convention, the
+            step its table is timed in); see ``PruningOptimizer``.
         pruning_uniform: the copies of a mask in repeated blocks keep the same widths (see
             ``PruningOptimizer``'s ``uniform``); a resumed run must keep it.
         pruning_criterion: how channels are ranked, a name in ``fisherprune.criteria.CRITERIA``
@@ -329,7 +329,7 @@ class TrainConfig:
     pruning_decay: float = 0.95
     pruning_flops_weight: str = "auto"
     pruning_min_channels: int | float = 1
-    pruning_round_to: int = 1
+    pruning_round_to: int | None = None
     pruning_uniform: bool = False
     pruning_criterion: str = "fisher"
     pruning_convention: str = "flops"

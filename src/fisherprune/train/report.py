@@ -79,7 +79,7 @@ def write_report(
         f"Data `{config.data}`, model `{config.model}`, target `{config.pruning_flops_target}` "
         f"({conv}), channels weighed against {popt.score_convention}, flops_weight "
         f"`{config.pruning_flops_weight}`, min_channels {config.pruning_min_channels}, "
-        f"round_to {config.pruning_round_to}, seed {config.seed}.",
+        f"round_to {popt.round_to}, seed {config.seed}.",
         "",
         "| | dense | pruned | ratio |",
         "|---|---:|---:|---:|",
