@@ -21,7 +21,8 @@ calibration batches and quality measures, imported from those files. For each ne
    at one thread (``PRUNE_THREADS``, as ``one_shot_defaults`` runs); every timing (the table,
    the whole model) at ``--threads``.
 2. FLOPs-targeted: the same call with the default ``convention="flops"`` at every
-   ``--flops_grid`` share of the FLOPs, then shrunk.
+   ``--flops_grid`` share of the FLOPs, then shrunk (a share below the floor that
+   ``round_to`` leaves is refused by the prune and left out of the grid).
 3. The dense network and every shrunk copy of that seed are timed side by side with
    ``fisherprune.export.compare_latency`` (eval and inference mode, the order reversed every
    other round, ``TIMING``'s rounds) on the example repeated to the spec's batch, with
@@ -30,9 +31,12 @@ calibration batches and quality measures, imported from those files. For each ne
    block of the same round: the drift of a shared machine's speed cancels out of it.
 4. The FLOPs-targeted quality at the latency-targeted model's measured share is interpolated
    linearly between the two grid points (ordered by measured share) that bracket it; both are
-   recorded. A share outside the grid's is reported as such, never extrapolated. The default
-   grid is 0.1 apart (quality is concave in the share kept, so a coarser grid understates the
-   FLOPs-targeted quality between its points) and goes down to 5% of the FLOPs: on the small
+   recorded. The dense model is the grid's widest point (100% of the FLOPs at exactly the
+   dense latency), so a 90% latency target that lands above the 90% FLOPs model is compared
+   (``--recompare`` redoes this for a run written before, from what it stored). A share
+   outside the grid's is reported as such, never extrapolated. The default grid is 0.1 apart
+   (quality is concave in the share kept, so a coarser grid understates the FLOPs-targeted
+   quality between its points) and goes down to 5% of the FLOPs: on the small
    CNNs at batch 64 the FLOPs-targeted model at 30% of the FLOPs still took ~76% of the dense
    latency, and the latency-targeted one at 50% of the latency kept 6% of its FLOPs.
 
@@ -66,6 +70,7 @@ from __future__ import annotations
 import argparse
 import copy
 import itertools
+import json
 import statistics
 import sys
 import time
@@ -252,19 +257,58 @@ def at_share(grid: list[GridPoint], share: float) -> tuple[float | None, list[Gr
     return None, []
 
 
+def with_dense(grid: list[GridPoint], dense_quality: float) -> list[GridPoint]:
+    """``grid`` with the dense model as its widest point: the FLOPs-targeted prune at 100% of
+    the FLOPs is the dense model, at exactly the dense latency (share 1), so a latency target
+    of 90% that lands above the 90% FLOPs model's share is compared, not left out."""
+    return [GridPoint(1.0, 1.0, dense_quality), *grid]
+
+
+def comparison(grid: list[GridPoint], share: float, quality: float, higher: bool) -> dict[str, Any]:
+    """A latency-targeted model of ``quality`` at measured ``share`` against the FLOPs-targeted
+    quality interpolated on ``grid`` there: ``flops_quality``, ``difference`` (positive when
+    the latency-targeted model is better), the ``bracket`` and a ``note`` when outside."""
+    flops_quality, bracket = at_share(grid, share)
+    difference, note = None, ""
+    if flops_quality is not None:
+        difference = (quality - flops_quality) * (1 if higher else -1)
+    else:
+        lo, hi = min(g.share for g in grid), max(g.share for g in grid)
+        note = f"measured share {share:.3f} outside the FLOPs grid's {lo:.3f}-{hi:.3f}"
+    return {
+        "flops_quality": flops_quality,
+        "difference": difference,
+        "bracket": [asdict(g) for g in bracket],
+        "note": note,
+    }
+
+
+def recompare(data: dict[str, Any]) -> dict[str, Any]:
+    """A written run compared again from what it stored (each seed's grid, measured shares
+    and dense quality), with the dense model in the grid (``with_dense``): the rows'
+    comparisons, the cells and the verdicts; nothing is pruned or timed again."""
+    grids = {
+        (r["net"], r["seed"]): with_dense(
+            [GridPoint(g["flops_target"], g["share"], g["quality"]) for g in r["grid"]],
+            r["dense_quality"],
+        )
+        for r in data["runs"]
+    }
+    for row in data["rows"]:
+        if "refused" not in row:
+            grid = grids[(row["net"], row["seed"])]
+            row.update(comparison(grid, row["measured_share"], row["quality"],
+                                  row["higher_is_better"]))  # fmt: skip
+    cells = summary(data["rows"])
+    return {**data, "dense_in_grid": True, "cells": cells, "verdicts": verdicts(cells)}
+
+
 def compare_row(s: Subject, p: Pruned, measured: Share, grid: list[GridPoint]) -> dict[str, Any]:
     """The row of latency-targeted model ``p`` (``measured`` share of the dense latency): its
     quality beside the FLOPs-targeted quality interpolated on ``grid`` at that share, and
     their difference, positive when ``p`` is better."""
     metric, higher = metric_of(s.name)
     share = measured.median
-    flops_quality, bracket = at_share(grid, share)
-    difference, note = None, ""
-    if flops_quality is not None:
-        difference = (p.quality - flops_quality) * (1 if higher else -1)
-    else:
-        lo, hi = min(g.share for g in grid), max(g.share for g in grid)
-        note = f"measured share {share:.3f} outside the FLOPs grid's {lo:.3f}-{hi:.3f}"
     return {
         "net": s.name,
         "seed": s.seed,
@@ -280,10 +324,7 @@ def compare_row(s: Subject, p: Pruned, measured: Share, grid: list[GridPoint]) -
         "flops_share": p.flops_share,
         "quality": p.quality,
         "measured": p.measured,
-        "flops_quality": flops_quality,
-        "difference": difference,
-        "bracket": [asdict(g) for g in bracket],
-        "note": note,
+        **comparison(grid, share, p.quality, higher),
         "latency_seconds": p.fields["seconds"],
         "fields": p.fields,
     }
@@ -305,13 +346,21 @@ def run_seed(name: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
                             "metric": metric_of(name)[0], "refused": str(e), "difference": None,
                             "latency_seconds": 0.0})  # fmt: skip
             print(f"{name} s{seed} latency {target:.0%}: {e}", flush=True)
-    by_flops = [s.prune(target, "flops") for target in args.flops_grid]
+    by_flops = []
+    for target in args.flops_grid:  # below the FLOPs floor (round_to's blocks): left out
+        try:
+            by_flops.append(s.prune(target, "flops"))
+        except ValueError as e:
+            if "out of reach" not in str(e):
+                raise
+            print(f"{name} s{seed} FLOPs {target:.0%}: {e}", flush=True)
     shares, timing = s.shares(by_latency + by_flops)
     grid = [GridPoint(p.target, shares[p.label].median, p.quality) for p in by_flops]
     flops_seconds = statistics.mean(p.fields["seconds"] for p in by_flops)
     rows = []
     for p in by_latency:
-        row = {**compare_row(s, p, shares[p.label], grid), "flops_seconds": flops_seconds}
+        compared = compare_row(s, p, shares[p.label], with_dense(grid, s.dense_quality))
+        row = {**compared, "flops_seconds": flops_seconds}
         rows.append(row)
         found = "-" if row["flops_quality"] is None else f"{row['flops_quality']:.4g}"
         print(
@@ -467,6 +516,7 @@ def results(
         "targets": args.targets,
         "flops_grid": args.flops_grid,
         "seconds": seconds,
+        "dense_in_grid": True,
         "cells": cells,
         "verdicts": verdicts(cells),
         "rows": rows,
@@ -491,7 +541,16 @@ def main(argv: list[str] | None = None) -> int:
                    help="every prune's round_to and the latency table's step")  # fmt: skip
     p.add_argument("--quick", action="store_true", help=f"{QUICK}")
     p.add_argument("--out", type=Path)
+    p.add_argument("--recompare", type=Path, metavar="JSON",
+                   help="compare a written run again with the dense model in the FLOPs grid "
+                   "(nothing pruned or timed), rewrite it and print its table")  # fmt: skip
     args = p.parse_args(argv)
+    if args.recompare:
+        data = recompare(json.loads(args.recompare.read_text()))
+        write_json(args.recompare, data)
+        print(table(data["cells"]))
+        print("\n".join(data["verdicts"]))
+        return 0
     for name in ("seeds", "round_to", "threads"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be at least 1, not {getattr(args, name)}")
