@@ -185,7 +185,7 @@ def prune(
             keep different counts.
     """
     check_min_channels(min_channels)
-    check_round_to(round_to)
+    round_to = check_round_to(round_to)
     md = as_mask_dict(masks)
     sd = _scores_by_name(md, scores)
     order = {n: i for i, n in enumerate(md)}
@@ -271,7 +271,7 @@ def prune_many(
             checked as the scores (nothing is changed).
     """
     check_min_channels(min_channels)
-    check_round_to(round_to)
+    round_to = check_round_to(round_to)
     if goal is not None and importance is None:
         raise ValueError("prune_many(goal=...) needs the importance each channel's removal loses")
     if goal is not None and until < goal:
