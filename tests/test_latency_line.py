@@ -259,3 +259,55 @@ def test_a_fast_model_is_timed_for_more_rounds_until_its_passes_add_up(
     monkeypatch.setattr(line_module, "whole_model_seconds", timed)
     fit_latency_line(cm, net, x)
     assert len(calls) == 3 * rounds
+
+
+def _remainder_seconds(self, rec, dense, shapes):
+    """An operator's FLOPs in nanoseconds, three times over where its output's last width is
+    not a multiple of 8 (a CPU kernel's vector remainder: at one thread the one-shot decoder
+    ran 16% slower with 63 of its 64 residual channels than with all of them)."""
+    outs = shapes[rec.n_inputs :]
+    off = any(s and s[-1] % 8 for s in outs)
+    return _flops_seconds(self, rec, dense, shapes) * (3.0 if off else 1.0)
+
+
+def _remainder_whole(model, example_inputs, spec, clock=None):
+    return _fake_whole(model, example_inputs, spec, _remainder_seconds)
+
+
+def _mlp40() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(16, 40), nn.ReLU(), nn.Linear(40, 40), nn.ReLU(), nn.Linear(40, 8)
+    ).eval()
+
+
+@pytest.mark.parametrize(
+    ("n", "share", "multiple", "want"),
+    [(40, 0.5, 8, 24), (40, 0.25, 8, 8), (12, 0.5, 8, 8), (6, 0.5, 8, 6), (40, 0.5, 1, 20),
+     (12, 0.25, 1, 3), (4, 0.25, 1, 1)],
+)  # fmt: skip
+def test_copy_widths_are_multiples_of_the_step(n, share, multiple, want):
+    """A copy keeps ``share * n`` rounded up, then to the nearest multiple (half up, at
+    least one multiple), never more than the mask has."""
+    assert line_module.copy_width(n, share, multiple) == want
+
+
+def test_copies_at_the_tables_steps_predict_a_stepped_clock(tmp_path, monkeypatch):
+    """Where widths off multiples of 8 run three times slower, a latency prune (``round_to``
+    following the table's step of 8) predicts the share its shrunk model runs at: its copies
+    are timed at widths a prune reaches. Copies at 20 and 10 of 40 were timed at the slow
+    widths, and the prune was priced at 45% of the latency where it ran at 17.5%."""
+    install_clock(monkeypatch, _remainder_whole)
+    monkeypatch.setattr(lat.OpTimer, "seconds", _remainder_seconds)
+    x = torch.randn(8, 16)
+    net = _mlp40()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = fp.prune_to_target(
+            net, x, [(x, None)], "60%", criterion="l1", convention="latency",
+            latency=_spec(tmp_path), reconstruct=False,
+        )  # fmt: skip
+    assert all(p["kept_share"] in (0.5, 0.25) for p in result.latency_line.points)
+    share = _remainder_whole(fp.shrink(net), x, None) / _remainder_whole(_mlp40(), x, None)
+    assert share < 0.6
+    assert result.cost_after / result.cost_before == pytest.approx(share, rel=1e-9)
