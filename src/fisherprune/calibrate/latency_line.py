@@ -50,7 +50,6 @@ from fisherprune.cost.latency import served, timing_threads, whole_model_seconds
 from fisherprune.export.shrink import shrink
 from fisherprune.inputs import Inputs
 from fisherprune.masks import masks_kept
-from fisherprune.pruner.prune import rounding
 
 log = logging.getLogger("fisherprune")
 
@@ -109,30 +108,14 @@ class LatencyLine:
         return asdict(self)
 
 
-def copy_width(n: int, share: float, multiple: int) -> int:
-    """The channels a copy keeping ``share`` of a mask of ``n`` keeps: ``share * n`` rounded
-    up, then to the nearest multiple of ``multiple`` (the widths a prune in the table's steps
-    reaches; at least one multiple), never more than ``n``. A copy at widths off the step
-    would be timed where the CPU's vector remainder slows it and no prune goes: under a clock
-    where such widths run three times slower, copies at 20 and 10 of a network's 40-wide
-    layers priced a prune at 45% of its latency where it ran at 17.5%."""
-    k = max(1, math.ceil(share * n - 1e-9))
-    if multiple > 1:
-        k = max(multiple, math.floor(k / multiple + 0.5) * multiple)
-    return min(n, k)
-
-
 def _cut_entries(cost_model: CostModel, share: float) -> tuple[np.ndarray, dict[str, int]]:
-    """Mask entries with the first ``copy_width`` of every traced mask's ``n`` kept (in the
-    table's steps, ``LatencySpec.step``, as ``rounding`` counts them for that mask), and
-    those counts by mask name."""
-    step = cost_model.latency.step if cost_model.latency is not None else 1
+    """Mask entries with the first ``ceil(share * n)`` of every traced mask's ``n`` kept
+    (at least one), and those counts by mask name."""
     entries = np.ones(cost_model.graph.n_entries)
     kept: dict[str, int] = {}
     for name, start in cost_model.entry_start.items():
-        mask = cost_model.masks[name]
-        n = mask.num_channels
-        kept[name] = copy_width(n, share, rounding(mask, step))
+        n = cost_model.masks[name].num_channels
+        kept[name] = max(1, math.ceil(share * n - 1e-9))
         entries[start + kept[name] : start + n] = 0.0
     return entries, kept
 
