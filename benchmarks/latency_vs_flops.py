@@ -52,7 +52,10 @@ for the text nets (their calibration batch).
 Run it on an otherwise idle machine, timing at one thread (``--threads``, default 1). At two
 threads this 2-vCPU VM switches for 20-40 s at a time into a state where every operator costs
 some 25 us more (``timing_regimes.py``), so a table or a comparison timed in one state and not
-the other misses by up to 27%; at one thread no such state shows. Beside any other process two
+the other misses by up to 27%; at one thread ``timing_regimes.py`` saw no such state within
+its 90 s on ResNet-50, but across runs an hour apart the decoder's shrunk models (identical
+widths, and the FLOPs grid alike) measured 5-6 points further from the dense model in one run
+than in the other: compare cells within one run only. Beside any other process two
 timing threads also wait for a core: beside two single-thread benchmark processes the dense
 ResNet-18 took 875 ms per forward pass of 64 (21 ms at one thread), and a table timed so stays
 in the cache: delete ``cache_dir() / "latency"`` after such a run.
