@@ -248,7 +248,10 @@ def main() -> None:
         help="LatencySpec.line_at: the shares of every width kept in the copies timed whole",
     )
     parser.add_argument(
-        "--checks", type=int, default=2, help="LatencySpec.checks: states timed on the way"
+        "--checks",
+        type=int,
+        default=0,
+        help="LatencySpec.checks: states timed on the way (default 0, as the library)",
     )
     parser.add_argument(
         "--compare",
