@@ -101,3 +101,21 @@ def test_cli_resume_with_another_seed_or_data_exits_2_listing_them(
     assert len(err.strip().splitlines()) == 1
     assert "seed: 0 in the checkpoint, 7 now" in err and "content of" in err
     assert sorted((tmp_path / "run" / "checkpoints").iterdir()) == before
+
+
+def test_round_to_is_compared_as_the_run_pruned_with(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A run saved with ``--pruning.round_to 1`` resumes without the flag (unset resolves to
+    1 under FLOPs), and one resumed with ``--pruning.round_to 2`` is refused naming both."""
+    data = _csv(tmp_path / "t.csv", 0)
+    base = [
+        "train", "--model", "mlp", "--width", "4", "--depth", "1", "--steps", "8",
+        "--pruning.burn_in", "4", "--progress", "none", "--export_formats", "state_dict",
+        "--save_dir", str(tmp_path / "run"), "--data", str(data),
+    ]  # fmt: skip
+    assert main([*base, "--pruning.round_to", "1"]) == 0
+    assert main([*base, "--resume"]) == 0
+    capsys.readouterr()
+    assert main([*base, "--resume", "--pruning.round_to", "2"]) == 2
+    assert "pruning_round_to: 1 in the checkpoint, 2 now" in capsys.readouterr().err

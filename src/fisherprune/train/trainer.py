@@ -443,10 +443,15 @@ class PruningTrainer:
             self.progress.line(f"--resume: no checkpoint in {ckpts.directory}; starting afresh")
             return RunState()
         path, saved = found
+        # round_to compared as pruned with: None resolves by convention (``round_to_for``)
+        before = dict(saved.get("config", {}))
+        used = saved.get("pruner", {}).get("settings", {}).get("round_to")
+        if used is not None:
+            before["pruning_round_to"] = used
         for line in resume_changes(
-            saved.get("config", {}),
+            before,
             saved.get("data_files"),
-            self.config.to_dict(),
+            {**self.config.to_dict(), "pruning_round_to": popt.round_to},
             self.data_files,
             str(path),
             defaults=TrainConfig().to_dict(),
