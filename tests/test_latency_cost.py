@@ -554,6 +554,23 @@ def test_prune_cli_refuses_a_bad_latency_flag(tmp_path):
     assert not out.exists()
 
 
+def test_prune_cli_names_a_bad_round_to_not_the_latency_flags(tmp_path):
+    """``--round_to 0`` with ``--convention latency`` (it sets the table's step) exits 2 with
+    one line naming ``--round_to``, not ``--latency_*``; nothing written."""
+    from tests.test_cli import run_cli
+    from tests.test_cli_prune import _data_and_weights
+
+    data, weights, _, _ = _data_and_weights(tmp_path)
+    out = tmp_path / "out"
+    cli = run_cli(
+        "prune", "mlp", "--width", "32", "--depth", "2", "--weights", weights, "--data", data,
+        "--convention", "latency", "--round_to", "0", "--out", out,
+    )  # fmt: skip
+    assert cli.code == 2
+    assert "--round_to must be an int >= 1" in cli.err and "--latency_*" not in cli.err
+    assert not out.exists()
+
+
 def _fake_seconds_joint(self, rec, dense, shapes):
     """The fake clock, slower the narrower an operator's narrowest input dimension: a small
     matrix product's lost efficiency, which no product of one-axis sweeps can express."""

@@ -79,7 +79,9 @@ def check_round_to(round_to: Any, name: str = "round_to", default: int = 1) -> i
     if round_to is None:
         return default
     if isinstance(round_to, bool) or not isinstance(round_to, int) or round_to < 1:
-        raise ValueError(f"{name} must be an int >= 1 (1: no rounding) or None, got {round_to!r}")
+        raise ValueError(
+            f"{name} must be an int >= 1 (1: no rounding; unset: the default), got {round_to!r}"
+        )
     return round_to
 
 

@@ -13,6 +13,7 @@ import argparse
 
 from fisherprune.cost import LatencySpec
 from fisherprune.cost.latency import FORMS, spec_for
+from fisherprune.settings import check_round_to
 
 __all__ = ["add_latency_arguments", "latency_spec"]
 
@@ -65,6 +66,7 @@ def latency_spec(args: argparse.Namespace) -> LatencySpec | None:
     Raises:
         ValueError: a bad latency flag (the message names it).
     """
+    check_round_to(args.round_to, "--round_to")  # the table's step: named as the user gave it
     return spec_for(
         (args.convention, args.score_convention),
         "--latency_*",
