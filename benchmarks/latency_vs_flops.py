@@ -349,17 +349,18 @@ def run_seed(name: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
                             "metric": metric_of(name)[0], "refused": str(e), "difference": None,
                             "latency_seconds": 0.0})  # fmt: skip
             print(f"{name} s{seed} latency {target:.0%}: {e}", flush=True)
-    by_flops = []
+    by_flops, flops_refused = [], []
     for target in args.flops_grid:  # below the FLOPs floor (round_to's blocks): left out
         try:
             by_flops.append(s.prune(target, "flops"))
         except ValueError as e:
             if "out of reach" not in str(e):
                 raise
+            flops_refused.append(target)
             print(f"{name} s{seed} FLOPs {target:.0%}: {e}", flush=True)
     shares, timing = s.shares(by_latency + by_flops)
     grid = [GridPoint(p.target, shares[p.label].median, p.quality) for p in by_flops]
-    flops_seconds = statistics.mean(p.fields["seconds"] for p in by_flops)
+    flops_seconds = statistics.mean([p.fields["seconds"] for p in by_flops] or [0.0])
     rows = []
     for p in by_latency:
         compared = compare_row(s, p, shares[p.label], with_dense(grid, s.dense_quality))
@@ -393,6 +394,7 @@ def run_seed(name: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
         "dense_quality": s.dense_quality,
         "latency_spec": asdict(s.spec),
         "grid": points,
+        "flops_refused": flops_refused,
         "grid_monotone": monotone,
         "timing": timing,
     }
@@ -549,6 +551,8 @@ def main(argv: list[str] | None = None) -> int:
                    "(nothing pruned or timed), rewrite it and print its table")  # fmt: skip
     args = p.parse_args(argv)
     if args.recompare:
+        if not args.recompare.is_file():
+            p.error(f"--recompare {args.recompare}: no such file (a latency_vs_flops JSON)")
         data = recompare(json.loads(args.recompare.read_text()))
         write_json(args.recompare, data)
         print(table(data["cells"]))
