@@ -27,6 +27,8 @@ Reads (each optional; a missing file is said so in the page):
   ``latency_vs_flops_t2.json`` and ``latency_vs_flops_minilm_t2.json``)
   (``benchmarks/latency_vs_flops.py``): latency-targeted against FLOPs-targeted pruning at
   equal measured speed;
+* ``benchmarks/results/latency_vs_random.json`` (``benchmarks/latency_vs_random.py``): the
+  latency-targeted prune at the defaults against random channels at the same target;
 * ``benchmarks/results/quality_<name>.json``: supplementary quality runs (other methods or
   settings, ``--note`` says which), shown after the main run; ``*_quick.json`` files are skipped;
 * ``benchmarks/quality_findings.md``: the hand-written discussion of the quality numbers. Its
@@ -1077,7 +1079,36 @@ def build(out: Path, results: Path = RESULTS) -> str:
     ]
     if against:
         lines += latency_vs_flops_section(against)
+    randomly = _load(results / "latency_vs_random.json")
+    if randomly is not None:
+        lines += latency_vs_random_section(randomly)
     return "\n".join(lines).rstrip() + "\n"
+
+
+def latency_vs_random_section(data: dict[str, Any]) -> list[str]:
+    """``latency_vs_random.py``: the latency-targeted prune at the defaults against random
+    channels at the same target, per network and target."""
+    lines = [
+        "### Latency-targeted pruning at the defaults against random channels "
+        "(`benchmarks/latency_vs_random.py`)",
+        "",
+        'Each network pruned one-shot with `convention="latency"` at the library\'s defaults '
+        '(`round_to` following the table\'s step, 8), and again with `criterion="random"`, '
+        f"to the same share of its timed latency ({_environment(data)}; {data['seeds']} "
+        f"seed(s), {data['seconds']:.0f} s). Quality: mean over seeds; the least share of a "
+        "group the default kept shows whether a group collapsed.",
+        "",
+        "| net | latency target | metric | default | random | default better on | "
+        "least share of a group kept (default) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for c in data["cells"]:
+        lines.append(
+            f"| {c['net']} | {c['target']:.0%} | {c['metric']} | {c['default']:.4g} | "
+            f"{c['random']:.4g} | {c['default_better_on']}/{c['seeds']} | "
+            f"{c['min_kept_fraction']:.3f} |"
+        )
+    return [*lines, ""]
 
 
 def _copies(line: dict[str, Any]) -> str:
