@@ -443,6 +443,16 @@ def test_a_round_to_between_the_tables_steps_is_warned(caplog):
         lat.round_to_for(0, ("latency", None), None)
 
 
+def test_an_unreachable_latency_target_is_warned_in_its_unit(tmp_path, fake_clock):
+    """A latency target below what the floor allows is warned about in microseconds per
+    forward pass, the latency convention's unit, not "per example"."""
+    net, x = _tiny()
+    with pytest.warns(UserWarning, match=r"allows \(about [\d.e+-]+ us/forward pass\)"):
+        fp.PruningOptimizer(
+            net, x, lr=0.1, flops_target="0.001us", convention="latency", latency=_spec(tmp_path)
+        )
+
+
 def test_pruning_optimizer_rounds_to_the_latency_step(tmp_path, fake_clock):
     """``PruningOptimizer`` with ``round_to`` unset: the latency table's step under the
     ``latency`` convention, 1 under ``flops``."""

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from fisherprune.cost import CostModel, CostReport, LatencySpec
-from fisherprune.cost.conventions import check_conventions
+from fisherprune.cost.conventions import check_conventions, cost_unit
 from fisherprune.cost.latency import round_to_for
 from fisherprune.masks import MaskLayer, find_masks
 from fisherprune.pruner.prune import PruneEvent, lowest_kept, mask_floor, prune, rounding
@@ -306,7 +306,7 @@ class PruningOptimizer:
         if self.target > 0 and self.start_cost <= self.target:
             warnings.warn(
                 f"flops_target {self.target:.6g} is not below the starting cost "
-                f"{self.start_cost:.6g} per example: nothing will be pruned",
+                f"{self.start_cost:.6g} {cost_unit(self.convention)}: nothing will be pruned",
                 stacklevel=2,
             )
             self._finish("the starting cost is already at or below the target")
@@ -410,7 +410,7 @@ class PruningOptimizer:
                 f"every mask is down to min_channels={self.min_channels}"
                 + (f" (round_to={self.round_to})" if self.round_to > 1 else "")
                 + f"; cost "
-                f"{report.total:.6g} per example"
+                f"{report.total:.6g} {cost_unit(self.convention)}"
                 + (f" stays above the target {self.target:.6g}" if self.target > 0 else ""),
                 level=logging.WARNING if self.target > 0 else logging.INFO,
             )
@@ -495,7 +495,8 @@ class PruningOptimizer:
             rounded = f" with round_to={self.round_to}" if self.round_to > 1 else ""
             warnings.warn(
                 f"flops_target {self.target:.6g} is below what min_channels="
-                f"{self.min_channels}{rounded} allows (about {lowest:.6g} per example); "
+                f"{self.min_channels}{rounded} allows (about {lowest:.6g} "
+                f"{cost_unit(self.convention)}); "
                 "pruning will stop at that floor",
                 stacklevel=3,
             )
