@@ -548,3 +548,79 @@ def test_a_compiled_mask_on_a_float32_input_under_autocast_gathers_the_eager_sig
     assert want and all(float(v.abs().sum()) > 0 for v in want.values())
     for n in want:
         torch.testing.assert_close(got[n], want[n], rtol=0, atol=0, msg=n)
+
+
+@pytest.mark.parametrize("name", NETS)
+@pytest.mark.parametrize("first", ["an unmasked twin", "the model itself"])
+def test_a_graph_compiled_without_masks_is_not_reused_for_the_masked_model(
+    name: str, first: str
+) -> None:
+    """A graph compiled for the model's class without masks (an unmasked instance, or the
+    model itself before ``apply_masks``) is not run for the masked model: dynamo does not
+    guard the hooks, so without the instance ``forward`` marks the masked model ran the
+    unmasked graph, its pruned channels kept and no signal gathered. The reference is the
+    eager masked model, one entry of each wider mask pruned."""
+    arch = ARCHS[name]
+    torch.manual_seed(0)
+    model = arch.build().double()
+    x = arch.example_input(4)
+    x = x.double() if x.is_floating_point() else x
+    y = torch.arange(4) % 5
+    plain = copy.deepcopy(model) if first == "an unmasked twin" else model
+    plain_run = torch.compile(plain, backend="aot_eager")
+    plain_out = plain_run(x).detach()
+    fp.apply_masks(model, x[:1])
+    with torch.no_grad():
+        for m in fp.find_masks(model).values():
+            if m.num_channels > 2:
+                m.mask[1] = 0.0
+    twin = copy.deepcopy(model)
+    want, want_signal = twin(x), _signals(twin, twin, x, y)
+    run = plain_run if first == "the model itself" else torch.compile(model, backend="aot_eager")
+    got = run(x)
+    assert not torch.allclose(got, plain_out)
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+    got_signal = _signals(model, run, x, y)
+    for n in want_signal:
+        torch.testing.assert_close(got_signal[n], want_signal[n], rtol=1e-9, atol=1e-12, msg=n)
+
+
+def test_removing_the_masks_of_a_compiled_model_gives_its_unmasked_outputs_and_modules() -> None:
+    """``remove_masks`` after compiled calls leaves no instance ``forward`` behind, and the
+    compiled model then gives the unmasked model's outputs again."""
+    arch = ARCHS["resnet_bottleneck"]
+    torch.manual_seed(0)
+    model = arch.build().double()
+    x = arch.example_input(4).double()
+    plain = copy.deepcopy(model)
+    fp.apply_masks(model, x[:1])
+    with torch.no_grad():
+        for m in fp.find_masks(model).values():
+            m.mask[0] = 0.0
+    run = torch.compile(model, backend="aot_eager")
+    assert not torch.allclose(run(x), plain(x))
+    fp.remove_masks(model)
+    assert not [n for n, m in model.named_modules() if "forward" in m.__dict__]
+    torch.testing.assert_close(run(x), plain(x), rtol=1e-9, atol=1e-12)
+
+
+def test_a_hugging_face_resnet_compiled_after_its_unmasked_twin_gives_the_masked_outputs() -> None:
+    """Hugging Face's ResNet from a config (its masks sit on convs and batch norms, no norm
+    point): compiled after an unmasked copy was, the masked model gives the eager masked
+    outputs, not the copy's (it gave the copy's before the marks)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.ResNetConfig(
+        embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], layer_type="bottleneck"
+    )
+    model = transformers.ResNetForImageClassification(cfg).eval().double()
+    x = torch.randn(2, 3, 32, 32, dtype=torch.float64)
+    plain = torch.compile(copy.deepcopy(model), backend="aot_eager")(pixel_values=x).logits
+    fp.apply_masks(model, {"pixel_values": x[:1]})
+    with torch.no_grad():
+        for m in fp.find_masks(model).values():
+            m.mask[:2] = 0.0
+    want = model(pixel_values=x).logits
+    got = torch.compile(model, backend="aot_eager")(pixel_values=x).logits
+    assert not torch.allclose(want, plain)
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)

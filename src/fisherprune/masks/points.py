@@ -3,9 +3,11 @@
 ``apply_masks`` does not touch the model's class or code: it adds one
 submodule, ``fisherprune_masks`` (a ``ModuleDict`` of MaskLayers, so masks and
 signals are in ``state_dict``), one forward pre-hook per consuming module
-that multiplies the module's input channels by the masks, and on each norm of a
-masked width an instance ``forward`` (``NormPoint``). ``remove_hooks_and_masks``
-removes exactly those, restoring the original model.
+that multiplies the module's input channels by the masks, on each norm of a
+masked width an instance ``forward`` (``NormPoint``), and on each other hooked
+submodule its class's own ``forward`` as an instance attribute (``ForwardMark``:
+``torch.compile`` guards that, not hooks). ``remove_masks`` removes exactly those,
+restoring the original model.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from fisherprune.masks import recompute, tracing
+from fisherprune.masks.compile_guard import ForwardMark
 from fisherprune.masks.compiled import (
     SignalOwner,
     compiled_product,
@@ -430,7 +433,8 @@ class MaskHolder(nn.ModuleDict):
     Attributes:
         points: the ``MaskPoint`` hooked on each consuming module, in install order.
         handles: the forward pre-hook handle of each point, each norm point (which stands in
-            for its norm's ``forward``), the model's ``OutputMasks`` hook and its two
+            for its norm's ``forward``), the ``ForwardMark`` of each other hooked submodule
+            (``fisherprune.masks.compile_guard``), the model's ``OutputMasks`` hook and its two
             ``ModelCall`` hooks; ``remove()`` undoes each.
         outputs: the ``MaskPoint`` of each masked output dim, by the output's key path (they
             act through the model's ``OutputMasks`` forward hook, on no module's input).
@@ -444,7 +448,7 @@ class MaskHolder(nn.ModuleDict):
         super().__init__(masks)
         self.points: list[MaskPoint] = []
         self.outputs: dict[str, list[MaskPoint]] = {}
-        self.handles: list[torch.utils.hooks.RemovableHandle | NormPoint] = []
+        self.handles: list[torch.utils.hooks.RemovableHandle | NormPoint | ForwardMark] = []
         self.example_inputs: Any = None
         self.groups: dict[str, Any] = {}
 
@@ -546,9 +550,11 @@ def install_mask_points(
     when the model is an ``nn.Sequential``, whose forward would call it). Changes: adds one
     submodule, a forward pre-hook and a forward hook on the model (``ModelCall``), one
     forward pre-hook per point, per norm point ``(module, dim, size, parts)`` a
-    ``NormPoint`` as the norm's instance ``forward`` and, when ``outputs`` (``(key path, dim,
-    size, parts)`` of model output tensors) is not empty, one forward hook on the model that
-    multiplies those outputs (``OutputMasks``); on failure everything added is removed.
+    ``NormPoint`` as the norm's instance ``forward``, on every other hooked submodule its
+    class's ``forward`` as its instance ``forward`` (``ForwardMark``) and, when ``outputs``
+    (``(key path, dim, size, parts)`` of model output tensors) is not empty, one forward hook
+    on the model that multiplies those outputs (``OutputMasks``); on failure everything added
+    is removed.
     ``rows`` / ``output_rows`` (aligned with ``points`` / ``outputs``; default: dim 0 is the
     batch) say how each point's input rows relate to examples: where some are tokens or rows
     selected by data, also a ``BatchProbe`` (two hooks on the model) and, per module that
@@ -600,6 +606,12 @@ def install_mask_points(
         for name, dim, size, parts in norms:
             masked = [(holder[k], p, i) for k, p, i in parts]
             holder.handles.append(NormPoint(name, modules[name], dim, size, masked, call.flags))
+        # after the norm points (a norm keeps its NormPoint): every hooked submodule gets an
+        # instance forward, which torch.compile's guards see and its hooks are not
+        hooked = dict.fromkeys(id(modules[n]) for n in (*(p[0] for p in points), *scopes))
+        for mod in model.modules():
+            if id(mod) in hooked and mod is not model:
+                holder.handles.append(ForwardMark(mod))
         for (path, dim, size, parts), layout in zip(outputs, out_layouts, strict=True):
             masked = [(holder[k], p, i) for k, p, i in parts]
             mp = MaskPoint(f"<output>{path}", -1, dim, size, masked, rows=layout, probe=probe)
