@@ -318,3 +318,33 @@ def test_a_partly_pruned_masked_model_is_priced_on_its_dense_time(tmp_path, monk
         cm = CostModel(net, x, "latency", latency=spec)
         priced.append((cm.latency_scale, cm.dense_total()))
     assert priced[1] == pytest.approx(priced[0], rel=1e-9), priced
+
+
+def test_the_compiled_form_compiles_every_width_past_dynamos_recompile_limit():
+    """Twelve widths of one class, each built as the ``compile`` form builds it: each gets a
+    graph of its own (dynamo's limit of 8 graphs per ``forward`` would serve the ninth on
+    eager, timed as compiled), gives the module's outputs, and the limit is restored after."""
+    from torch._dynamo.utils import counters
+
+    class Net(nn.Module):
+        def __init__(self, width: int) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(16, width), nn.Linear(width, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(torch.relu(self.a(x)))
+
+    torch._dynamo.reset()
+    counters.clear()
+    limit = torch._dynamo.config.recompile_limit
+    x = torch.randn(2, 16)
+    try:
+        for width in range(4, 16):
+            net = Net(width).eval()
+            compiled = forms.compile_for_serving(net, lambda f: f(x), backend="eager")
+            with torch.inference_mode():
+                torch.testing.assert_close(compiled(x), net(x))
+        assert counters["stats"]["unique_graphs"] == 12
+        assert torch._dynamo.config.recompile_limit == limit
+    finally:
+        torch._dynamo.reset()

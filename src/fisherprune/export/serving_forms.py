@@ -27,10 +27,11 @@ masks is timed as given.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import tempfile
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +47,7 @@ from fisherprune.export.shrink import shrink
 from fisherprune.inputs import Inputs
 from fisherprune.masks import find_masks
 
-__all__ = ["serve"]
+__all__ = ["compile_for_serving", "serve"]
 
 #: untimed forward passes before a CUDA graph is captured (cuDNN and the allocator settle)
 CAPTURE_WARMUP = 3
@@ -137,10 +138,47 @@ def _aoti(net: nn.Module, inputs: Inputs) -> ServedForm:
     return ServedForm("aoti", lambda: inputs.call(loaded), keep=[folder])
 
 
+#: dynamo's limits on the graphs of one ``forward`` and of all, by their names in the torch
+#: versions the project supports (the first a version has)
+_GRAPH_LIMITS = (
+    ("recompile_limit", "cache_size_limit"),
+    ("accumulated_recompile_limit", "accumulated_cache_size_limit"),
+)
+
+
+@contextlib.contextmanager
+def _graphs_unlimited() -> Iterator[None]:
+    """Dynamo's recompile limits lifted while a model is compiled. Every width of one class
+    is another graph of the same ``forward``: past the limit (8) torch serves the rest eager,
+    with only a log line, and an eager model would be timed as compiled (seen on torch 2.13:
+    the ninth width of a two-layer net ran eager). A timed call finds its graph first (the
+    cache is searched most recent first), so the many graphs cost a timing nothing."""
+    config = torch._dynamo.config
+    limits = {}
+    for names in _GRAPH_LIMITS:
+        name = next((n for n in names if hasattr(config, n)), None)
+        if name is not None:
+            limits[name] = max(int(getattr(config, name)), 1 << 20)
+    with config.patch(limits):
+        yield
+
+
+def compile_for_serving(
+    net: nn.Module, call: Callable[[Any], Any], backend: str = "inductor"
+) -> Any:
+    """``torch.compile(net, backend=backend)`` compiled for the shapes it is timed at
+    (``dynamic=False``: a batch or width seen before in this process does not turn it into a
+    dynamic-shape graph), by one untimed call ``call(compiled)`` in inference mode, whatever
+    graphs the process has compiled before (``_graphs_unlimited``). Changes: dynamo's cache
+    (a graph more)."""
+    compiled = torch.compile(net, backend=backend, dynamic=False)
+    with _graphs_unlimited(), torch.inference_mode():
+        call(compiled)
+    return compiled
+
+
 def _compile(net: nn.Module, inputs: Inputs) -> ServedForm:
-    compiled = torch.compile(net)
-    with torch.inference_mode():
-        inputs.call(compiled)  # compiled here, not in the first timed call
+    compiled = compile_for_serving(net, inputs.call)  # compiled here, not when timed
     return ServedForm("compile", lambda: inputs.call(compiled))
 
 
