@@ -624,3 +624,42 @@ def test_a_hugging_face_resnet_compiled_after_its_unmasked_twin_gives_the_masked
     got = torch.compile(model, backend="aot_eager")(pixel_values=x).logits
     assert not torch.allclose(want, plain)
     torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+
+
+class _Attention(nn.Module):
+    """``nn.MultiheadAttention`` (its heads masked through its registered module forward,
+    not through pre-hooks: it calls its ``out_proj`` weights, not the module) and a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mha = nn.MultiheadAttention(16, 4, batch_first=True)
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        y, _ = self.mha(x, x, x, need_weights=False)
+        return self.head(y.mean(1))
+
+
+def _hooked_nets() -> dict[str, tuple[nn.Module, Any, dict[str, Any]]]:
+    nets: dict[str, tuple[nn.Module, Any, dict[str, Any]]] = {
+        name: (arch.build(), arch.example_input(1), {}) for name, arch in ARCHS.items()
+    }
+    nets["multihead_attention"] = (_Attention(), torch.randn(1, 5, 16), {})
+    nets["hf_bert_block_gates"] = (tiny_hf.bert(), tiny_hf.token_inputs(1), {"blocks": True})
+    return nets
+
+
+def test_every_module_apply_masks_hooks_is_seen_by_the_compilers_guards() -> None:
+    """After ``apply_masks``, every submodule that carries a forward hook or pre-hook has an
+    instance ``forward`` (what a compiled graph's guards check: they skip hooks), on each zoo
+    network, on ``nn.MultiheadAttention`` and on a Hugging Face BERT with block gates;
+    ``remove_masks`` leaves none."""
+    for name, (model, x, options) in _hooked_nets().items():
+        fp.apply_masks(model, x, **options)
+        hooked = [
+            n for n, m in model.named_modules() if n and (m._forward_pre_hooks or m._forward_hooks)
+        ]
+        assert hooked, name
+        assert [n for n in hooked if "forward" not in model.get_submodule(n).__dict__] == [], name
+        fp.remove_masks(model)
+        assert not [n for n, m in model.named_modules() if "forward" in m.__dict__], name

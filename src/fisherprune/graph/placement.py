@@ -23,6 +23,7 @@ from fisherprune.graph.trace import Trace, trace_model
 from fisherprune.inputs import Inputs
 from fisherprune.masks import MaskLayer, find_masks
 from fisherprune.masks.blocks import GATE_KEY, find_block_list, install_block_gate
+from fisherprune.masks.compile_guard import mark_hooked
 from fisherprune.masks.experts import GATE_SUFFIX, find_moe_layers, install_expert_gates
 from fisherprune.masks.points import (
     MaskPoint,
@@ -137,8 +138,11 @@ def apply_masks(
 
     Changes: adds the submodule ``model.fisherprune_masks`` (MaskLayers, in
     ``state_dict``), forward pre-hooks on the consuming modules and, when a returned
-    width is prunable, a forward hook on the model that masks that output. The model's
-    class, ``forward`` and parameters are untouched; ``remove_masks`` undoes it. With
+    width is prunable, a forward hook on the model that masks that output, and on each
+    hooked submodule its class's own ``forward`` as an instance attribute (so that
+    ``torch.compile``, which does not guard hooks, never runs a graph traced without them:
+    ``fisherprune.masks.compile_guard``). The model's class, code and parameters are
+    untouched; ``remove_masks`` undoes it. With
     ``blocks``, also a ``BlockGate`` (key ``blocks`` of the holder) and one forward hook per
     repeated block (``fisherprune.masks.blocks``). With ``experts``, also an ``ExpertGate``
     per mixture-of-experts layer (key ``<layer>:experts``) and hooks on the layer and its
@@ -251,6 +255,7 @@ def apply_masks(
             keys.append(_key(g.layer_path + GATE_SUFFIX, set(holder.keys())))
             holder[keys[-1]] = g
         holder.handles.extend(handles)
+    holder.handles.extend(mark_hooked(model))  # last: after every hook (masks.compile_guard)
     return AppliedMasks({prefix + k: holder[k] for k in keys}, dict(holder.groups), skipped)
 
 

@@ -23,7 +23,7 @@ import types
 
 from torch import nn
 
-__all__ = ["ForwardMark"]
+__all__ = ["ForwardMark", "mark_hooked"]
 
 
 class ForwardMark:
@@ -43,3 +43,18 @@ class ForwardMark:
         if self.bound is not None and self.module.__dict__.get("forward") is self.bound:
             del self.module.forward
         self.bound = None
+
+
+def mark_hooked(model: nn.Module) -> list[ForwardMark]:
+    """A ``ForwardMark`` on every submodule of ``model`` (not the model itself: its hooks run
+    around the compiled frame, not inside it) with a forward hook or pre-hook and no instance
+    ``forward``. Called by ``apply_masks`` after every hook it adds (mask points, registered
+    module forwards, block and expert gates); a module another tool hooked is marked too, which
+    changes nothing it runs. Changes: those modules' ``__dict__``."""
+    return [
+        ForwardMark(mod)
+        for mod in model.modules()
+        if mod is not model
+        and (mod._forward_pre_hooks or mod._forward_hooks)
+        and "forward" not in mod.__dict__
+    ]

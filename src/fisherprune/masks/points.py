@@ -550,11 +550,10 @@ def install_mask_points(
     when the model is an ``nn.Sequential``, whose forward would call it). Changes: adds one
     submodule, a forward pre-hook and a forward hook on the model (``ModelCall``), one
     forward pre-hook per point, per norm point ``(module, dim, size, parts)`` a
-    ``NormPoint`` as the norm's instance ``forward``, on every other hooked submodule its
-    class's ``forward`` as its instance ``forward`` (``ForwardMark``) and, when ``outputs``
-    (``(key path, dim, size, parts)`` of model output tensors) is not empty, one forward hook
-    on the model that multiplies those outputs (``OutputMasks``); on failure everything added
-    is removed.
+    ``NormPoint`` as the norm's instance ``forward`` and, when ``outputs`` (``(key path, dim,
+    size, parts)`` of model output tensors) is not empty, one forward hook on the model that
+    multiplies those outputs (``OutputMasks``); on failure everything added is removed.
+    (``apply_masks`` then marks every hooked submodule: ``ForwardMark``.)
     ``rows`` / ``output_rows`` (aligned with ``points`` / ``outputs``; default: dim 0 is the
     batch) say how each point's input rows relate to examples: where some are tokens or rows
     selected by data, also a ``BatchProbe`` (two hooks on the model) and, per module that
@@ -606,12 +605,6 @@ def install_mask_points(
         for name, dim, size, parts in norms:
             masked = [(holder[k], p, i) for k, p, i in parts]
             holder.handles.append(NormPoint(name, modules[name], dim, size, masked, call.flags))
-        # after the norm points (a norm keeps its NormPoint): every hooked submodule gets an
-        # instance forward, which torch.compile's guards see and its hooks are not
-        hooked = dict.fromkeys(id(modules[n]) for n in (*(p[0] for p in points), *scopes))
-        for mod in model.modules():
-            if id(mod) in hooked and mod is not model:
-                holder.handles.append(ForwardMark(mod))
         for (path, dim, size, parts), layout in zip(outputs, out_layouts, strict=True):
             masked = [(holder[k], p, i) for k, p, i in parts]
             mp = MaskPoint(f"<output>{path}", -1, dim, size, masked, rows=layout, probe=probe)
