@@ -21,7 +21,8 @@ Reads (each optional; a missing file is said so in the page):
   ``latency`` convention's predictions against the shrunk networks timed whole, and under it
   every ``latency_prediction_<name>.json`` (other thread counts or batches; not ``_quick``);
 * ``benchmarks/results/timing_regimes.json`` (``benchmarks/timing_regimes.py``): how steady a
-  shrunk copy's share of the dense time is per thread count, with ``docs/timing_regimes.png``;
+  shrunk copy's share of the dense time is per thread count, with ``docs/timing_regimes.png``
+  (other networks: ``timing_regimes_<model>.json`` and ``.png``);
 * ``benchmarks/results/latency_vs_flops.json`` (the run at ``round_to=1`` before the default
   followed the table's step, ``latency_vs_flops_r1.json``; the two-thread runs before it,
   ``latency_vs_flops_t2.json`` and ``latency_vs_flops_minilm_t2.json``)
@@ -1067,6 +1068,8 @@ def build(out: Path, results: Path = RESULTS) -> str:
     regimes = _load(results / "timing_regimes.json")
     if regimes is not None:
         lines += timing_regimes_section(regimes, out)
+    for extra in sorted(results.glob("timing_regimes_*.json")):
+        lines += timing_regimes_more(json.loads(extra.read_text()), extra, out)
     against = [
         run
         for name in (
@@ -1260,7 +1263,6 @@ def timing_regimes_section(data: dict[str, Any], out: Path) -> list[str]:
     (``benchmarks/timing_regimes.py``): the rounds' shares and what a fit of ``ROUNDS``
     consecutive rounds reads, by either statistic."""
     st = data["settings"]
-    q = lambda xs: " / ".join(f"{v:.3f}" for v in xs)  # noqa: E731
     lines = [
         "### How steady a copy's share is on this VM (`benchmarks/timing_regimes.py`)",
         "",
@@ -1272,6 +1274,19 @@ def timing_regimes_section(data: dict[str, Any], out: Path) -> list[str]:
         "/ quartiles / max): the median of its ratios (what `fit_latency_line` takes) and its "
         "fastest copy over its fastest dense model.",
         "",
+        *_regimes_table(data),
+    ]
+    png = DOCS / "timing_regimes.png"
+    if png.is_file():
+        lines += ["", f"![a copy's share by round]({_rel_any(png, out)})"]
+    if data.get("note"):
+        lines += ["", data["note"]]
+    return [*lines, ""]
+
+
+def _regimes_table(data: dict[str, Any]) -> list[str]:
+    q = lambda xs: " / ".join(f"{v:.3f}" for v in xs)  # noqa: E731
+    lines = [
         "| threads | copy keeps | rounds | share by round | window: median of ratios "
         "| window: fastest over fastest |",
         "|---|---|---|---|---|---|",
@@ -1283,7 +1298,28 @@ def timing_regimes_section(data: dict[str, Any], out: Path) -> list[str]:
                 f"| {r['threads']} | {share} | {r['rounds']} | {q(c['share_quantiles'])} | "
                 f"{q(w['median_of_ratios'])} | {q(w['fastest_over_fastest'])} |"
             )
-    png = DOCS / "timing_regimes.png"
+    return lines
+
+
+def timing_regimes_more(data: dict[str, Any], path: Path, out: Path) -> list[str]:
+    """Another network's run of ``timing_regimes.py --model`` (``path``): the same table,
+    its dense time's quartiles, its plot and its note."""
+    st = data["settings"]
+    ms = lambda xs: " / ".join(  # noqa: E731
+        f"{v * 1e3:.2f}"
+        for v in (min(xs), *statistics.quantiles(xs, n=4, method="inclusive"), max(xs))
+    )
+    lines = [
+        f"#### {st.get('title', st.get('model'))} (`{path.name}`)",
+        "",
+        f"The same rounds, {st['seconds']:.0f} s at each thread count. Dense model, ms per "
+        "forward pass, min / quartiles / max: "
+        + "; ".join(f"{r['threads']} thread(s) {ms(r['dense_s'])}" for r in data["rows"])
+        + ".",
+        "",
+        *_regimes_table(data),
+    ]
+    png = DOCS / f"{path.stem}.png"
     if png.is_file():
         lines += ["", f"![a copy's share by round]({_rel_any(png, out)})"]
     if data.get("note"):
@@ -1385,10 +1421,12 @@ LATENCY_VS_FLOPS_FINDINGS = (
     "/ 0.753 here; the FLOPs grid moved alike (its 90% model 0.914 there, 0.964 here), the "
     "pruned models' own times rose (the 50% FLOPs model 3.8 -> 4.5 ms) while the dense one "
     "stayed at 6.6-7.7 ms: a cost per operator that changes from run to run weighs most on "
-    "the smallest models, at one thread too. The comparison is taken within one run, so both "
-    "sides carry it. The rest is the table: timed alone, one head of four and 88 of 768 FFN "
-    "channels are priced at 10.2% of the latency and saved 5.8% in a check at 14:00 (heads "
-    "alone 3.6% for 3.0%, the FFN cut alone 6.6% for 3.2%). MiniLM "
+    "the smallest models, at one thread too, and it lasts longer than a run: two minutes of "
+    "`timing_regimes.py --model decoder_lm` at one thread (16:10) kept the half copy's share "
+    "at 0.402-0.418 (quartiles) bar single slow rounds. The comparison is taken within one "
+    "run, so both sides carry it. The rest is the table: timed alone, one head of four and "
+    "88 of 768 FFN channels are priced at 10.2% of the latency and saved 5.8% in a check at "
+    "14:00 (heads alone 3.6% for 3.0%, the FFN cut alone 6.6% for 3.2%). MiniLM "
     "gains +0.021 at 90% and loses 0.028-0.029 at 80% and 50% within its seed noise (seed 1 at "
     "80%, -0.086, is the one prune that cut the residual width, 384 to 376). What `round_to=8` "
     "costs: these small CNNs cannot go below 60-70% of their latency with 8 channels a layer "

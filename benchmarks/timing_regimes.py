@@ -14,9 +14,14 @@ the series: the median of the window's ratios (the fit before 2026-11-30) and it
 copy over its fastest dense model (since). A share that moves between states lasting longer
 than a window moves both; the fastest times read the quiet state whenever a window holds any.
 
-Run: ``python benchmarks/timing_regimes.py [--threads 1 2] [--seconds 90]`` on an otherwise
-idle machine; writes ``benchmarks/results/timing_regimes.json`` and, with matplotlib, the
-series to ``--plot`` (default ``docs/timing_regimes.png``).
+With ``--model decoder_lm``: the one-shot text suite's trained character decoder (many small
+operators: 4 layers of width 64, 64 characters) at batch 16, as ``latency_vs_flops.py`` times
+it, where identical prunes measured 5-6 points apart between two runs at one thread.
+
+Run: ``python benchmarks/timing_regimes.py [--model resnet50] [--threads 1 2] [--seconds 90]``
+on an otherwise idle machine; writes ``benchmarks/results/timing_regimes.json`` (for another
+model ``timing_regimes_<model>.json``) and, with matplotlib, the series to ``--plot``
+(default ``docs/timing_regimes.png``, ``docs/timing_regimes_<model>.png``).
 """
 
 from __future__ import annotations
@@ -45,9 +50,35 @@ from fisherprune.export.latency import retain_freed_memory
 from fisherprune.masks import masks_kept
 
 HERE = Path(__file__).resolve().parent
-RESULTS = HERE / "results" / "timing_regimes.json"
-PLOT = HERE.parent / "docs" / "timing_regimes.png"
 SHARES = (0.5, 0.25)
+
+
+def _resnet50() -> tuple[torch.nn.Module, Any, str]:
+    torch.manual_seed(0)
+    return build_resnet50().eval(), torch.randn(1, 3, 224, 224), "ResNet-50, batch 1"
+
+
+def _decoder_lm() -> tuple[torch.nn.Module, Any, str]:
+    from latency_vs_flops import NET_BATCH
+    from one_shot_text import decoder_task
+
+    from fisherprune.cost.latency import with_batch
+
+    task = decoder_task(0)
+    batch = NET_BATCH["decoder_lm"]
+    return task.dense.eval(), with_batch(task.example, batch), f"decoder_lm, batch {batch}"
+
+
+#: the networks, each with its input at the batch it is timed at and a title
+MODELS = {"resnet50": _resnet50, "decoder_lm": _decoder_lm}
+
+
+def _paths(model: str) -> tuple[Path, Path]:
+    """The JSON and the plot of ``model`` (ResNet-50's keep their first names)."""
+    tail = "" if model == "resnet50" else f"_{model}"
+    return HERE / "results" / f"timing_regimes{tail}.json", (
+        HERE.parent / "docs" / f"timing_regimes{tail}.png"
+    )
 
 
 def _copies(model: torch.nn.Module, x: torch.Tensor) -> list[torch.nn.Module]:
@@ -102,7 +133,7 @@ def run(threads: int, seconds: float, model: torch.nn.Module, x: torch.Tensor) -
     return row
 
 
-def _plot(rows: list[dict[str, Any]], path: Path) -> None:
+def _plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     try:
         import matplotlib
 
@@ -118,7 +149,7 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> None:
                     label=f"{r['threads']} thread(s), copy keeping {share}")  # fmt: skip
     ax.set_xlabel("seconds")
     ax.set_ylabel("copy over dense, per round")
-    ax.set_title("ResNet-50, batch 1: a shrunk copy's share of the dense time")
+    ax.set_title(f"{title}: a shrunk copy's share of the dense time")
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -127,15 +158,17 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", choices=sorted(MODELS), default="resnet50")
     parser.add_argument("--threads", nargs="+", type=int, default=[1, 2])
     parser.add_argument("--seconds", type=float, default=90.0)
-    parser.add_argument("--out", type=Path, default=RESULTS)
-    parser.add_argument("--plot", type=Path, default=PLOT)
+    parser.add_argument("--out", type=Path, help="default: results/timing_regimes[_model].json")
+    parser.add_argument("--plot", type=Path, help="default: docs/timing_regimes[_model].png")
     args = parser.parse_args()
+    out, plot = _paths(args.model)
+    args.out, args.plot = args.out or out, args.plot or plot
     retain_freed_memory()
-    torch.manual_seed(0)
-    model, x = build_resnet50().eval(), torch.randn(1, 3, 224, 224)
-    fp.apply_masks(model, x)
+    model, x, title = MODELS[args.model]()
+    fp.apply_masks(model, x[:1])
     rows = [run(t, args.seconds, model, x) for t in args.threads]
     print(f"\nwindows of {ROUNDS} rounds: min / quartiles / max of what a fit reads\n")
     print("| threads | copy | rounds | share by round | median of ratios | fastest over fastest |")
@@ -146,10 +179,11 @@ def main() -> None:
             w = c["windows"]
             print(f"| {r['threads']} | {share} | {r['rounds']} | {fmt(c['share_quantiles'])} | "
                   f"{fmt(w['median_of_ratios'])} | {fmt(w['fastest_over_fastest'])} |")  # fmt: skip
-    write_json(args.out, {"settings": {"threads": args.threads, "seconds": args.seconds,
+    write_json(args.out, {"settings": {"model": args.model, "title": title,
+                                       "threads": args.threads, "seconds": args.seconds,
                                        "rounds_per_fit": ROUNDS, "torch": torch.__version__},
                           "machine": machine_info(), "rows": rows})  # fmt: skip
-    _plot(rows, args.plot)
+    _plot(rows, args.plot, title)
 
 
 if __name__ == "__main__":
