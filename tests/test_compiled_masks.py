@@ -650,15 +650,13 @@ def _hooked_nets() -> dict[str, tuple[nn.Module, Any, dict[str, Any]]]:
 
 
 def test_every_module_apply_masks_hooks_is_seen_by_the_compilers_guards() -> None:
-    """After ``apply_masks``, every submodule that carries a forward hook or pre-hook has an
-    instance ``forward`` (what a compiled graph's guards check: they skip hooks), on each zoo
-    network, on ``nn.MultiheadAttention`` and on a Hugging Face BERT with block gates;
-    ``remove_masks`` leaves none."""
+    """After ``apply_masks``, the model and every submodule that carry a forward hook or
+    pre-hook have an instance ``forward`` (what a compiled graph's guards check: they skip
+    hooks), on each zoo network, on ``nn.MultiheadAttention`` and on a Hugging Face BERT with
+    block gates; ``remove_masks`` leaves none."""
     for name, (model, x, options) in _hooked_nets().items():
         fp.apply_masks(model, x, **options)
-        hooked = [
-            n for n, m in model.named_modules() if n and (m._forward_pre_hooks or m._forward_hooks)
-        ]
+        hooked = [n for n, m in model.named_modules() if m._forward_pre_hooks or m._forward_hooks]
         assert hooked, name
         assert [n for n in hooked if "forward" not in model.get_submodule(n).__dict__] == [], name
         fp.remove_masks(model)

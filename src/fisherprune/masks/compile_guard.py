@@ -46,15 +46,14 @@ class ForwardMark:
 
 
 def mark_hooked(model: nn.Module) -> list[ForwardMark]:
-    """A ``ForwardMark`` on every submodule of ``model`` (not the model itself: its hooks run
-    around the compiled frame, not inside it) with a forward hook or pre-hook and no instance
-    ``forward``. Called by ``apply_masks`` after every hook it adds (mask points, registered
-    module forwards, block and expert gates); a module another tool hooked is marked too, which
+    """A ``ForwardMark`` on ``model`` and every submodule with a forward hook or pre-hook and
+    no instance ``forward``. The model's own hooks run outside a graph compiled from it, but
+    inside one compiled from a wrapper (``DistributedDataParallel``, a pooling head around
+    it). Called by ``apply_masks`` after every hook it adds (mask points, registered module
+    forwards, block and expert gates); a module another tool hooked is marked too, which
     changes nothing it runs. Changes: those modules' ``__dict__``."""
     return [
         ForwardMark(mod)
         for mod in model.modules()
-        if mod is not model
-        and (mod._forward_pre_hooks or mod._forward_hooks)
-        and "forward" not in mod.__dict__
+        if (mod._forward_pre_hooks or mod._forward_hooks) and "forward" not in mod.__dict__
     ]
