@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import types
 import weakref
 from dataclasses import replace
 from typing import Any
@@ -661,3 +662,87 @@ def test_every_module_apply_masks_hooks_is_seen_by_the_compilers_guards() -> Non
         assert [n for n in hooked if "forward" not in model.get_submodule(n).__dict__] == [], name
         fp.remove_masks(model)
         assert not [n for n, m in model.named_modules() if "forward" in m.__dict__], name
+
+
+class _Two(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 8), nn.Linear(8, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.b(torch.relu(self.a(x)))
+
+
+def test_a_forward_another_tool_bound_on_both_twins_does_not_hide_the_masks() -> None:
+    """Both twins' layers carry a ``forward`` another tool bound to them (the class's, as a
+    method) before the masks: compiled after its unmasked twin, the masked model still gives
+    the eager masked outputs (dynamo checks only the function behind a bound method, so the
+    mark must not be one)."""
+    torch.manual_seed(0)
+    plain = _Two().double()
+    model = copy.deepcopy(plain)
+    x = torch.randn(3, 4, dtype=torch.float64)
+    for net in (plain, model):
+        for layer in (net.a, net.b):
+            layer.forward = types.MethodType(nn.Linear.forward, layer)
+    torch.compile(plain, backend="aot_eager")(x)
+    fp.apply_masks(model, x[:1])
+    with torch.no_grad():
+        for m in fp.find_masks(model).values():
+            m.mask[:3] = 0.0
+    got = torch.compile(model, backend="aot_eager")(x)
+    torch.testing.assert_close(got, model(x), rtol=1e-12, atol=1e-12)
+    assert not torch.allclose(got, plain(x))
+
+
+def test_a_patch_of_the_class_forward_after_the_masks_is_run() -> None:
+    """A class's ``forward`` patched after ``apply_masks`` (as kernel libraries patch Hugging
+    Face classes) runs in the masked model, eager and compiled: the marks look it up at each
+    call instead of keeping the one there was."""
+
+    class Scaled(nn.Linear):
+        pass
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = Scaled(4, 8), nn.Linear(8, 2)
+
+        def forward(self, x: Tensor) -> Tensor:
+            return self.b(torch.relu(self.a(x)))
+
+    torch.manual_seed(0)
+    model = Net()
+    x = torch.randn(3, 4)
+    fp.apply_masks(model, x[:1])
+    before = model(x)
+    Scaled.forward = lambda self, inp: 2 * nn.Linear.forward(self, inp)  # type: ignore[method-assign]
+    want = model.b(torch.relu(2 * nn.Linear.forward(model.a, x)))
+    torch.testing.assert_close(model(x), want)
+    torch.testing.assert_close(torch.compile(model, backend="aot_eager")(x), want)
+    assert not torch.allclose(want, before)
+
+
+def test_a_block_gate_written_before_the_first_compiled_call_removes_its_block() -> None:
+    """Hugging Face BERT with block gates: an entry written off before anything read the gate,
+    then the model compiled, gives the eager outputs without that block; another entry written
+    off after the compiled call is seen by the next one (the graph selects by the gate's value,
+    not by a host copy read when it was traced)."""
+    model = tiny_hf.bert().eval()
+    x = tiny_hf.token_inputs(2)
+    fp.apply_masks(model, tiny_hf.token_inputs(1), blocks=True)
+    gate = fp.find_masks(model)["fisherprune_masks.blocks"]
+    run = torch.compile(model, backend="aot_eager")
+    with torch.no_grad():
+        dense = model(**x).last_hidden_state
+        gate.mask[0] = 0.0
+        got = run(**x).last_hidden_state
+        torch.testing.assert_close(got, model(**x).last_hidden_state, rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(got, dense, atol=1e-3)
+        gate.mask[1] = 0.0
+        torch.testing.assert_close(run(**x).last_hidden_state, _embeddings(model, x))
+
+
+def _embeddings(model: nn.Module, inputs: dict[str, Tensor]) -> Tensor:
+    """What a BERT with every block removed returns: its embeddings."""
+    return model.embeddings(input_ids=inputs["input_ids"])

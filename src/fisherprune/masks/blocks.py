@@ -26,6 +26,7 @@ from torch.utils.hooks import RemovableHandle
 
 from fisherprune.inputs import Inputs
 from fisherprune.masks import tracing
+from fisherprune.masks.compiled import compiling
 from fisherprune.masks.layer import MaskLayer, gather_through
 from fisherprune.modes import eval_mode
 
@@ -139,9 +140,14 @@ class BlockGatePoint:
             )
         gate = self.gate
         collect = gate.collecting and torch.is_grad_enabled()
-        kept = gate.kept_blocks()[self.index]
+        if not collect and compiling():
+            # in a graph, chosen by the gate's value itself: the host's copy of which blocks
+            # are kept (``kept_blocks``) would be read once, when traced, and kept in the graph
+            # however the gate changed since (a block written off before the trace ran on)
+            keep = gate.mask[self.index] > 0.5
+            return rebuild(torch.where(keep.to(y.device), y, x))
         if not collect:
-            return None if kept else rebuild(x)
+            return None if gate.kept_blocks()[self.index] else rebuild(x)
         gate.start_pass()
         delta = (y - x).reshape(y.shape[0], 1, -1)  # (N, 1, positions x width)
         mult = gate.mask[self.index : self.index + 1].to(delta.dtype).view(1, 1, 1)

@@ -11,15 +11,23 @@ the unmasked outputs under ``torch.compile``, and ``PruningOptimizer`` stopped a
 with "received no gradient".
 
 Dynamo does guard, for every module a graph calls, that the module has no instance ``forward``
-(``nn.Module.__call__`` looks ``forward`` up on the instance). ``ForwardMark`` sets one, the
-class's own ``forward`` bound to the module, so it runs exactly what ran before; a graph traced
-without masks then fails its guards on the masked model and is traced again, with them. A module
-that already has an instance ``forward`` (a ``NormPoint``, another tool's) is left as it is.
+(``nn.Module.__call__`` looks ``forward`` up on the instance), and what one it has. A
+``ForwardMark`` is such an instance ``forward``: at each call it runs what ran before (an
+instance ``forward`` another tool set, else the class's ``forward``, looked up at the call, so
+that a later patch of the class is seen), so a graph traced without masks fails its guards on
+the masked model and is traced again, with them. A bound method would not do: dynamo checks the
+function behind it, which an unmasked instance given the same method by another tool shares.
+A ``NormPoint`` is a mark too, one that also normalises the kept channels.
+
+A copy that shares the module's ``__dict__`` (``copy.copy``, ``nn.DataParallel``'s replicas)
+shares its marks, hooks and masks with it, so it runs as the original: such copies are not
+supported (``copy.deepcopy`` and ``DistributedDataParallel`` are).
 """
 
 from __future__ import annotations
 
-import types
+from collections.abc import Callable
+from typing import Any
 
 from torch import nn
 
@@ -27,33 +35,41 @@ __all__ = ["ForwardMark", "mark_hooked"]
 
 
 class ForwardMark:
-    """The class's ``forward`` bound to ``module``, set as its instance ``forward`` when it has
-    none. Changes: ``module.__dict__["forward"]``; ``remove`` deletes it again (the holder calls
-    it with the hooks' handles)."""
+    """Stands in for ``module.forward`` (an instance attribute) and, at each call, runs the
+    instance ``forward`` that was there before, else the class's ``forward``.
+
+    Changes: sets ``module.forward`` to this mark; ``remove`` puts back what was there.
+    """
 
     def __init__(self, module: nn.Module) -> None:
         self.module = module
-        self.bound: types.MethodType | None = None
-        if "forward" not in module.__dict__:
-            self.bound = types.MethodType(type(module).forward, module)
-            module.forward = self.bound  # type: ignore[method-assign]
+        self._before: Callable[..., Any] | None = module.__dict__.get("forward")
+        module.forward = self  # type: ignore[method-assign]
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._before is not None:
+            return self._before(*args, **kwargs)
+        return type(self.module).forward(self.module, *args, **kwargs)
 
     def remove(self) -> None:
-        """Give the module back its class's ``forward`` (only if the mark is still there)."""
-        if self.bound is not None and self.module.__dict__.get("forward") is self.bound:
+        """Give the module back its forward (``nn.Module`` hooks' ``remove``, for the holder)."""
+        if self.module.__dict__.get("forward") is self:
             del self.module.forward
-        self.bound = None
+            if self._before is not None:
+                self.module.forward = self._before  # type: ignore[method-assign]
 
 
 def mark_hooked(model: nn.Module) -> list[ForwardMark]:
-    """A ``ForwardMark`` on ``model`` and every submodule with a forward hook or pre-hook and
-    no instance ``forward``. The model's own hooks run outside a graph compiled from it, but
-    inside one compiled from a wrapper (``DistributedDataParallel``, a pooling head around
-    it). Called by ``apply_masks`` after every hook it adds (mask points, registered module
-    forwards, block and expert gates); a module another tool hooked is marked too, which
-    changes nothing it runs. Changes: those modules' ``__dict__``."""
+    """A ``ForwardMark`` on ``model`` and every submodule with a forward hook or pre-hook,
+    unless its ``forward`` is one already (a ``NormPoint``). The model's own hooks run outside
+    a graph compiled from it, but inside one compiled from a wrapper
+    (``DistributedDataParallel``, a pooling head around it). Called by ``apply_masks`` after
+    every hook it adds (mask points, registered module forwards, block and expert gates); a
+    module another tool hooked is marked too, which changes nothing it runs. Changes: those
+    modules' ``__dict__``."""
     return [
         ForwardMark(mod)
         for mod in model.modules()
-        if (mod._forward_pre_hooks or mod._forward_hooks) and "forward" not in mod.__dict__
+        if (mod._forward_pre_hooks or mod._forward_hooks)
+        and not isinstance(mod.__dict__.get("forward"), ForwardMark)
     ]

@@ -12,7 +12,7 @@ The module's hooks run as before (``nn.Module.__call__`` calls whatever ``forwar
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -20,6 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from fisherprune.masks import tracing
+from fisherprune.masks.compile_guard import ForwardMark
 from fisherprune.masks.compiled import compiling, covers_in_order
 from fisherprune.masks.layer import CallFlags, MaskLayer, all_ones
 from fisherprune.norms import norm_spec, normalise_kept, normalise_masked
@@ -27,7 +28,7 @@ from fisherprune.norms import norm_spec, normalise_kept, normalise_masked
 __all__ = ["NormPoint"]
 
 
-class NormPoint:
+class NormPoint(ForwardMark):
     """Stands in for the ``forward`` of one registered norm ``module`` whose input dim ``dim``
     (of size ``size``) carries masked channels: ``parts`` holds, for each mask, the positions it
     covers and the mask entry each uses (positions no mask covers are always kept). ``flags``:
@@ -61,15 +62,7 @@ class NormPoint:
         self._direct = covers_in_order(self.parts, size)
         self._ones_cache: dict[str, Any] = {}
         self._kept: tuple[tuple[Any, ...], Tensor] | None = None
-        self._before: Callable[..., Any] | None = module.__dict__.get("forward")
-        module.forward = self  # type: ignore[method-assign]
-
-    def remove(self) -> None:
-        """Give the module back its forward (``nn.Module`` hooks' ``remove``, for the holder)."""
-        if self.module.__dict__.get("forward") is self:
-            del self.module.forward
-            if self._before is not None:
-                self.module.forward = self._before  # type: ignore[method-assign]
+        super().__init__(module)
 
     def kept(self, device: torch.device) -> Tensor:
         """The kept positions of the normalised dim (long, ascending), recomputed only when a
@@ -97,9 +90,7 @@ class NormPoint:
             or tracing.active() is not None
             or all_ones(self._masks, self._ones_cache)
         ):
-            if self._before is not None:
-                return self._before(*args, **kwargs)
-            return type(self.module).forward(self.module, *args, **kwargs)
+            return super().__call__(*args, **kwargs)
         spec = norm_spec(self.module)
         x = args[0] if len(args) == 1 and not kwargs else None
         if spec is None or not isinstance(x, Tensor):

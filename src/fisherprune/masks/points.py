@@ -5,7 +5,7 @@ submodule, ``fisherprune_masks`` (a ``ModuleDict`` of MaskLayers, so masks and
 signals are in ``state_dict``), one forward pre-hook per consuming module
 that multiplies the module's input channels by the masks, on each norm of a
 masked width an instance ``forward`` (``NormPoint``), and on the model and each
-other hooked submodule its class's own ``forward`` as an instance attribute (``ForwardMark``:
+other hooked submodule an instance ``forward`` that runs the class's (``ForwardMark``:
 ``torch.compile`` guards that, not hooks). ``remove_masks`` removes exactly those,
 restoring the original model.
 """
