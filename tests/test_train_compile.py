@@ -10,8 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 from cli_run import run_cli
+from torch import nn
 from torch._dynamo.utils import counters
 
+import fisherprune as fp
+from fisherprune.compile_regions import ISOLATED
+from fisherprune.train.compiling import compiled
 from fisherprune.train.config import TrainConfig
 
 # the built-in digits CNN, 4 wide: prunes every 2 steps after 5 dense ones, then 6
@@ -77,3 +81,25 @@ def test_a_backend_that_cannot_build_kernels_is_refused_before_training(
 def test_a_compile_setting_torch_does_not_take_is_refused(field: str, value: str) -> None:
     with pytest.raises(ValueError, match=field):
         TrainConfig(compile=True, **{field: value})
+
+
+@pytest.mark.skipif(not ISOLATED, reason="this torch has no torch.compile(isolate_recompiles=)")
+def test_runs_one_after_another_each_get_their_own_graphs_past_the_recompile_limit() -> None:
+    """Ten masked models of one class, each compiled as a run compiles it: each is traced into
+    a graph of its own (torch's limit of 8 graphs per ``forward`` would have run the ninth and
+    tenth eager) and gives its eager outputs."""
+    torch._dynamo.reset()
+    counters.clear()
+    x = torch.randn(4, 6)
+    try:
+        for seed in range(10):
+            torch.manual_seed(seed)
+            model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+            masks = fp.apply_masks(model, x[:1])
+            with torch.no_grad():
+                next(iter(masks.values())).mask[seed % 8] = 0.0
+            run = compiled(model, "aot_eager", "default")
+            torch.testing.assert_close(run(x), model(x))
+        assert counters["stats"]["unique_graphs"] == 10
+    finally:
+        torch._dynamo.reset()

@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from fisherprune._errors import first_line
+from fisherprune.compile_regions import ISOLATED
 from fisherprune.cost.latency import DTYPES, LatencySpec, ServedForm, register_serving
 from fisherprune.export.aoti import load_aoti_export
 from fisherprune.export.files import export_model
@@ -169,9 +170,10 @@ def compile_for_serving(
     """``torch.compile(net, backend=backend)`` compiled for the shapes it is timed at
     (``dynamic=False``: a batch or width seen before in this process does not turn it into a
     dynamic-shape graph), by one untimed call ``call(compiled)`` in inference mode, whatever
-    graphs the process has compiled before (``_graphs_unlimited``). Changes: dynamo's cache
-    (a graph more)."""
-    compiled = torch.compile(net, backend=backend, dynamic=False)
+    graphs the process has compiled before (a count of its own where torch has one,
+    ``fisherprune.compile_regions``, and ``_graphs_unlimited``). Changes: dynamo's cache (a
+    graph more)."""
+    compiled = torch.compile(net, backend=backend, dynamic=False, **ISOLATED)
     with _graphs_unlimited(), torch.inference_mode():
         call(compiled)
     return compiled

@@ -7,7 +7,9 @@ eager one. What compiling changes for a run:
 
 * the graph is traced again when the collection starts and stops, and once more for the
   shrunk model (new parameters, new shapes);
-* evaluation, the teacher's forward and the export run eager, on the same weights.
+* evaluation, the teacher's forward and the export run eager, on the same weights;
+* the run's graphs count apart from other runs' where torch can (``compile_regions``), so a
+  run after seven others in one process is still compiled.
 
 ``check_compiler`` compiles a one-line function with the run's backend on its device before
 anything is trained, so that a backend that cannot build kernels here (inductor on a CPU
@@ -20,6 +22,7 @@ import torch
 from torch import nn
 
 from fisherprune._errors import first_line
+from fisherprune.compile_regions import ISOLATED
 
 __all__ = [
     "COMPILE_MODES",
@@ -95,4 +98,6 @@ def compiled(model: nn.Module, backend: str, mode: str) -> nn.Module:
     and run compiled graphs; its parameters, buffers and masks are ``model``'s own (the
     checkpoints and exports read ``model``). Changes nothing in ``model``."""
     mode_arg = None if mode == "default" else mode
-    return torch.compile(model, backend=backend, mode=mode_arg)  # type: ignore[return-value]
+    # a count of graphs of its own: runs one after another in a process do not use up
+    # torch's recompile limit for the model's forward (``fisherprune.compile_regions``)
+    return torch.compile(model, backend=backend, mode=mode_arg, **ISOLATED)  # type: ignore[return-value]
