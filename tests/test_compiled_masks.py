@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import inspect
 import types
 import weakref
 from dataclasses import replace
@@ -746,3 +747,23 @@ def test_a_block_gate_written_before_the_first_compiled_call_removes_its_block()
 def _embeddings(model: nn.Module, inputs: dict[str, Tensor]) -> Tensor:
     """What a BERT with every block removed returns: its embeddings."""
     return model.embeddings(input_ids=inputs["input_ids"])
+
+
+def test_the_marks_keep_every_forwards_signature_as_hugging_face_reads_it() -> None:
+    """``inspect.signature(module.forward)`` of the model and of every module is what it was
+    before ``apply_masks`` (Hugging Face's ``Trainer`` and ``generate`` pick a model's inputs
+    from it), and a masked Llama generates the tokens the same model without masks does."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=100, num_key_value_heads=2, pad_token_id=0, **tiny_hf.SIZE
+    )
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    ids = tiny_hf.token_inputs(1)
+    before = {n: inspect.signature(m.forward) for n, m in model.named_modules()}
+    want = model.generate(**ids, max_new_tokens=4, do_sample=False)
+    fp.apply_masks(model, ids)
+    after = {n: inspect.signature(m.forward) for n, m in model.named_modules() if n in before}
+    assert after == before
+    got = model.generate(**ids, max_new_tokens=4, do_sample=False)
+    assert torch.equal(got, want)

@@ -26,6 +26,8 @@ supported (``copy.deepcopy`` and ``DistributedDataParallel`` are).
 
 from __future__ import annotations
 
+import inspect
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -50,6 +52,26 @@ class ForwardMark:
         if self._before is not None:
             return self._before(*args, **kwargs)
         return type(self.module).forward(self.module, *args, **kwargs)
+
+    def _target(self) -> Callable[..., Any]:
+        """What a call runs now, as a callable of the call's arguments."""
+        if self._before is not None:
+            return self._before
+        return types.MethodType(type(self.module).forward, self.module)
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        """The signature of what a call runs (``inspect.signature(model.forward)`` is read
+        by Hugging Face's ``Trainer`` and ``generate`` to pick the inputs a model takes)."""
+        return inspect.signature(self._target())
+
+    @property
+    def __wrapped__(self) -> Callable[..., Any]:
+        return self._target()
+
+    @property
+    def __name__(self) -> str:
+        return getattr(self._target(), "__name__", "forward")
 
     def remove(self) -> None:
         """Give the module back its forward (``nn.Module`` hooks' ``remove``, for the holder)."""
