@@ -66,10 +66,6 @@ class ForwardMark:
         return inspect.signature(self._target())
 
     @property
-    def __wrapped__(self) -> Callable[..., Any]:
-        return self._target()
-
-    @property
     def __name__(self) -> str:
         return getattr(self._target(), "__name__", "forward")
 
