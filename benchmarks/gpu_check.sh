@@ -20,13 +20,15 @@
 # 30 s left.
 # $OUT holds all.log, logs.tgz (every part's own log, packed after each part: a device
 # command brings back at most 8 files) and each part's JSON.
-# DRY=1 rehearses it on a machine with no GPU (about 6 minutes on 2 cores): every part runs as
+# DRY=1 rehearses it on a machine with no GPU (about 3 minutes on 2 cores): every part runs as
 # it would on the device, on the CPU at check sizes (gpu.py --quick, latency_prediction on
 # MobileNetV3 in the compile form), into $OUT (default /tmp/gpu_check_dry), so that a part that
 # broke is found before device time is spent on it. PY names the Python (default python3).
 set -u
 cd "${1:-.}" || exit 1
 PY=${PY:-python3}
+# a path as given is made absolute: the main jobs run from a folder of their own
+case $PY in */*) PY=$(cd "$(dirname "$PY")" && pwd)/$(basename "$PY") ;; esac
 if [ "${DRY:-0}" = 1 ]; then
   OUT=${OUT:-/tmp/gpu_check_dry} DEVICE=cpu LATENCY_DEVICE=cpu LATENCY_DTYPE=float32 QUICK=--quick
   LATENCY_FORMS=${LATENCY_FORMS-compile} LATENCY_MODELS=${LATENCY_MODELS-mobilenet_v3}

@@ -652,13 +652,15 @@ def _hooked_nets() -> dict[str, tuple[nn.Module, Any, dict[str, Any]]]:
 
 
 def test_every_module_apply_masks_hooks_is_seen_by_the_compilers_guards() -> None:
-    """After ``apply_masks``, the model and every submodule that carry a forward hook or
-    pre-hook have an instance ``forward`` (what a compiled graph's guards check: they skip
-    hooks), on each zoo network, on ``nn.MultiheadAttention`` and on a Hugging Face BERT with
-    block gates; ``remove_masks`` leaves none."""
+    """After ``apply_masks``, every submodule that carries a forward hook or pre-hook has an
+    instance ``forward`` (what a compiled graph's guards check: they skip hooks), on each zoo
+    network, on ``nn.MultiheadAttention`` and on a Hugging Face BERT with block gates;
+    ``remove_masks`` leaves none."""
     for name, (model, x, options) in _hooked_nets().items():
         fp.apply_masks(model, x, **options)
-        hooked = [n for n, m in model.named_modules() if m._forward_pre_hooks or m._forward_hooks]
+        hooked = [
+            n for n, m in model.named_modules() if n and (m._forward_pre_hooks or m._forward_hooks)
+        ]
         assert hooked, name
         assert [n for n in hooked if "forward" not in model.get_submodule(n).__dict__] == [], name
         fp.remove_masks(model)
@@ -767,3 +769,25 @@ def test_the_marks_keep_every_forwards_signature_as_hugging_face_reads_it() -> N
     assert after == before
     got = model.generate(**ids, max_new_tokens=4, do_sample=False)
     assert torch.equal(got, want)
+
+
+def test_a_masked_model_exports_with_torch_export_and_its_marks_are_bound_methods() -> None:
+    """``torch.export.export`` of a masked model (it reads ``forward.__code__``) gives the
+    masked outputs, and every mark is a method bound to its own module (what tools that rebind
+    a copy's methods, as Accelerate's ``compile_regions`` does, expect)."""
+    arch = ARCHS["resnet_basic"]
+    torch.manual_seed(0)
+    model = arch.build().eval()
+    x = arch.example_input(2)
+    fp.apply_masks(model, x[:1])
+    with torch.no_grad():
+        for m in fp.find_masks(model).values():
+            m.mask[0] = 0.0
+    marks = [
+        (n, m)
+        for n, m in model.named_modules()
+        if isinstance(m.__dict__.get("forward"), types.MethodType)
+    ]
+    assert marks and all(m.forward.__self__ is m for _, m in marks)
+    exported = torch.export.export(model, (x,), strict=False)
+    torch.testing.assert_close(exported.module()(x), model(x))

@@ -138,8 +138,8 @@ def apply_masks(
 
     Changes: adds the submodule ``model.fisherprune_masks`` (MaskLayers, in
     ``state_dict``), forward pre-hooks on the consuming modules and, when a returned
-    width is prunable, a forward hook on the model that masks that output, and on the model
-    and each hooked submodule an instance ``forward`` that runs the class's (so that
+    width is prunable, a forward hook on the model that masks that output, and on each
+    hooked submodule an instance ``forward`` that runs the class's (so that
     ``torch.compile``, which does not guard hooks, never runs a graph traced without them:
     ``fisherprune.masks.compile_guard``). The model's class, code and parameters are
     untouched; ``remove_masks`` undoes it. With

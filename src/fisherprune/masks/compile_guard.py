@@ -11,17 +11,23 @@ the unmasked outputs under ``torch.compile``, and ``PruningOptimizer`` stopped a
 with "received no gradient".
 
 Dynamo does guard, for every module a graph calls, that the module has no instance ``forward``
-(``nn.Module.__call__`` looks ``forward`` up on the instance), and what one it has. A
-``ForwardMark`` is such an instance ``forward``: at each call it runs what ran before (an
-instance ``forward`` another tool set, else the class's ``forward``, looked up at the call, so
-that a later patch of the class is seen), so a graph traced without masks fails its guards on
-the masked model and is traced again, with them. A bound method would not do: dynamo checks the
-function behind it, which an unmasked instance given the same method by another tool shares.
-A ``NormPoint`` is a mark too, one that also normalises the kept channels.
+(``nn.Module.__call__`` looks ``forward`` up on the instance), and which function one it has
+runs. ``ForwardMark`` gives each hooked submodule one: a method bound to the module, of a
+function made for that module, which at each call runs what ran before (an instance
+``forward`` another tool set, else the class's ``forward``, looked up at the call so that a
+later patch of the class is seen). A graph traced without masks then fails its guards on the
+masked model and is traced again, with them. Its function is not the class's (an unmasked
+twin given the class's ``forward`` bound to it by another tool would pass the guard), and it
+carries the class's signature, name and docstring. Being a bound method, it is what tools that
+read ``forward.__func__`` / ``__self__`` / ``__code__`` or rebind a copy's methods expect.
 
-A copy that shares the module's ``__dict__`` (``copy.copy``, ``nn.DataParallel``'s replicas)
-shares its marks, hooks and masks with it, so it runs as the original: such copies are not
-supported (``copy.deepcopy`` and ``DistributedDataParallel`` are).
+The model itself is not marked: its own hooks run outside a graph compiled from it, and
+``torch.export`` and Accelerate read and replace a model's ``forward`` as a function.
+
+A copy that shares the module's ``__dict__`` without rebinding its methods (``copy.copy``,
+``nn.DataParallel``'s replicas) shares its hooks and masks with it, so it runs as the
+original: such copies are not supported (``copy.deepcopy`` and ``DistributedDataParallel``
+are).
 """
 
 from __future__ import annotations
@@ -33,61 +39,68 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["ForwardMark", "mark_hooked"]
+__all__ = ["ForwardMark", "InstanceForward", "mark_hooked"]
 
 
-class ForwardMark:
-    """Stands in for ``module.forward`` (an instance attribute) and, at each call, runs the
-    instance ``forward`` that was there before, else the class's ``forward``.
+class InstanceForward:
+    """Sets ``forward`` (a callable) as ``module``'s instance ``forward``, keeping the one that
+    was there before, if any (``before``). Changes: ``module.__dict__["forward"]``; ``remove``
+    puts back what was there (if ``forward`` is still the module's)."""
 
-    Changes: sets ``module.forward`` to this mark; ``remove`` puts back what was there.
-    """
-
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, module: nn.Module, forward: Callable[..., Any]) -> None:
         self.module = module
-        self._before: Callable[..., Any] | None = module.__dict__.get("forward")
-        module.forward = self  # type: ignore[method-assign]
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self._before is not None:
-            return self._before(*args, **kwargs)
-        return type(self.module).forward(self.module, *args, **kwargs)
-
-    def _target(self) -> Callable[..., Any]:
-        """What a call runs now, as a callable of the call's arguments."""
-        if self._before is not None:
-            return self._before
-        return types.MethodType(type(self.module).forward, self.module)
-
-    @property
-    def __signature__(self) -> inspect.Signature:
-        """The signature of what a call runs (``inspect.signature(model.forward)`` is read
-        by Hugging Face's ``Trainer`` and ``generate`` to pick the inputs a model takes)."""
-        return inspect.signature(self._target())
-
-    @property
-    def __name__(self) -> str:
-        return getattr(self._target(), "__name__", "forward")
+        self.before: Callable[..., Any] | None = module.__dict__.get("forward")
+        self.installed = forward
+        module.forward = forward  # type: ignore[method-assign]
 
     def remove(self) -> None:
         """Give the module back its forward (``nn.Module`` hooks' ``remove``, for the holder)."""
-        if self.module.__dict__.get("forward") is self:
+        if self.module.__dict__.get("forward") is self.installed:
             del self.module.forward
-            if self._before is not None:
-                self.module.forward = self._before  # type: ignore[method-assign]
+            if self.before is not None:
+                self.module.forward = self.before  # type: ignore[method-assign]
+
+
+def _runs(before: Callable[..., Any] | None, cls: type) -> Callable[..., Any]:
+    """A new function of ``(module, *args, **kwargs)`` running ``before`` (a callable of the
+    arguments) or, when there is none, ``type(module).forward``, with ``cls.forward``'s
+    signature, name and docstring."""
+    if before is None:
+
+        def forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            return type(module).forward(module, *args, **kwargs)
+
+    else:
+
+        def forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            return before(*args, **kwargs)
+
+    target = cls.forward if before is None else before
+    forward.__signature__ = inspect.signature(target)  # type: ignore[attr-defined]
+    forward.__name__ = getattr(target, "__name__", "forward")
+    forward.__doc__ = getattr(target, "__doc__", None)
+    return forward
+
+
+class ForwardMark(InstanceForward):
+    """A submodule's instance ``forward`` that runs what ran before: a method bound to it, of
+    a function made for it (``_runs``). Changes: ``module.__dict__["forward"]``."""
+
+    def __init__(self, module: nn.Module) -> None:
+        before = module.__dict__.get("forward")
+        super().__init__(module, types.MethodType(_runs(before, type(module)), module))
 
 
 def mark_hooked(model: nn.Module) -> list[ForwardMark]:
-    """A ``ForwardMark`` on ``model`` and every submodule with a forward hook or pre-hook,
-    unless its ``forward`` is one already (a ``NormPoint``). The model's own hooks run outside
-    a graph compiled from it, but inside one compiled from a wrapper
-    (``DistributedDataParallel``, a pooling head around it). Called by ``apply_masks`` after
-    every hook it adds (mask points, registered module forwards, block and expert gates); a
-    module another tool hooked is marked too, which changes nothing it runs. Changes: those
-    modules' ``__dict__``."""
+    """A ``ForwardMark`` on every submodule of ``model`` (not the model) with a forward hook or
+    pre-hook, unless an ``InstanceForward`` stands in for its ``forward`` already (a
+    ``NormPoint``). Called by ``apply_masks`` after every hook it adds (mask points,
+    registered module forwards, block and expert gates); a module another tool hooked is
+    marked too, which changes nothing it runs. Changes: those modules' ``__dict__``."""
     return [
         ForwardMark(mod)
         for mod in model.modules()
-        if (mod._forward_pre_hooks or mod._forward_hooks)
-        and not isinstance(mod.__dict__.get("forward"), ForwardMark)
+        if mod is not model
+        and (mod._forward_pre_hooks or mod._forward_hooks)
+        and not isinstance(mod.__dict__.get("forward"), InstanceForward)
     ]

@@ -12,6 +12,8 @@ The module's hooks run as before (``nn.Module.__call__`` calls whatever ``forwar
 
 from __future__ import annotations
 
+import inspect
+import types
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,7 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from fisherprune.masks import tracing
-from fisherprune.masks.compile_guard import ForwardMark
+from fisherprune.masks.compile_guard import InstanceForward
 from fisherprune.masks.compiled import compiling, covers_in_order
 from fisherprune.masks.layer import CallFlags, MaskLayer, all_ones
 from fisherprune.norms import norm_spec, normalise_kept, normalise_masked
@@ -28,7 +30,7 @@ from fisherprune.norms import norm_spec, normalise_kept, normalise_masked
 __all__ = ["NormPoint"]
 
 
-class NormPoint(ForwardMark):
+class NormPoint(InstanceForward):
     """Stands in for the ``forward`` of one registered norm ``module`` whose input dim ``dim``
     (of size ``size``) carries masked channels: ``parts`` holds, for each mask, the positions it
     covers and the mask entry each uses (positions no mask covers are always kept). ``flags``:
@@ -62,7 +64,14 @@ class NormPoint(ForwardMark):
         self._direct = covers_in_order(self.parts, size)
         self._ones_cache: dict[str, Any] = {}
         self._kept: tuple[tuple[Any, ...], Tensor] | None = None
-        super().__init__(module)
+        super().__init__(module, self)
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        """The norm's own (``inspect.signature(norm.forward)`` reads what it read unmasked)."""
+        if self.before is not None:
+            return inspect.signature(self.before)
+        return inspect.signature(types.MethodType(type(self.module).forward, self.module))
 
     def kept(self, device: torch.device) -> Tensor:
         """The kept positions of the normalised dim (long, ascending), recomputed only when a
@@ -90,7 +99,9 @@ class NormPoint(ForwardMark):
             or tracing.active() is not None
             or all_ones(self._masks, self._ones_cache)
         ):
-            return super().__call__(*args, **kwargs)
+            if self.before is not None:
+                return self.before(*args, **kwargs)
+            return type(self.module).forward(self.module, *args, **kwargs)
         spec = norm_spec(self.module)
         x = args[0] if len(args) == 1 and not kwargs else None
         if spec is None or not isinstance(x, Tensor):

@@ -4,8 +4,8 @@
 submodule, ``fisherprune_masks`` (a ``ModuleDict`` of MaskLayers, so masks and
 signals are in ``state_dict``), one forward pre-hook per consuming module
 that multiplies the module's input channels by the masks, on each norm of a
-masked width an instance ``forward`` (``NormPoint``), and on the model and each
-other hooked submodule an instance ``forward`` that runs the class's (``ForwardMark``:
+masked width an instance ``forward`` (``NormPoint``), and on each other hooked
+submodule an instance ``forward`` that runs the class's (``ForwardMark``:
 ``torch.compile`` guards that, not hooks). ``remove_masks`` removes exactly those,
 restoring the original model.
 """
@@ -433,7 +433,7 @@ class MaskHolder(nn.ModuleDict):
     Attributes:
         points: the ``MaskPoint`` hooked on each consuming module, in install order.
         handles: the forward pre-hook handle of each point, each norm point (which stands in
-            for its norm's ``forward``), the ``ForwardMark`` of the model and each hooked module
+            for its norm's ``forward``), the ``ForwardMark`` of each other hooked submodule
             (``fisherprune.masks.compile_guard``), the model's ``OutputMasks`` hook and its two
             ``ModelCall`` hooks; ``remove()`` undoes each.
         outputs: the ``MaskPoint`` of each masked output dim, by the output's key path (they
@@ -553,7 +553,7 @@ def install_mask_points(
     ``NormPoint`` as the norm's instance ``forward`` and, when ``outputs`` (``(key path, dim,
     size, parts)`` of model output tensors) is not empty, one forward hook on the model that
     multiplies those outputs (``OutputMasks``); on failure everything added is removed.
-    (``apply_masks`` then marks the model and every hooked module: ``ForwardMark``.)
+    (``apply_masks`` then marks every hooked submodule: ``ForwardMark``.)
     ``rows`` / ``output_rows`` (aligned with ``points`` / ``outputs``; default: dim 0 is the
     batch) say how each point's input rows relate to examples: where some are tokens or rows
     selected by data, also a ``BatchProbe`` (two hooks on the model) and, per module that
