@@ -12,6 +12,7 @@ without generating code (seconds, not minutes, per model)."""
 from __future__ import annotations
 
 import copy
+import functools
 import gc
 import inspect
 import types
@@ -28,6 +29,7 @@ from torch.utils.checkpoint import checkpoint
 
 import fisherprune as fp
 from fisherprune.masks.compiled import _ANCHOR
+from fisherprune.masks.norm_points import NormPoint
 from fisherprune.norms import _FORMS, norm_spec, normalise_kept, normalise_masked
 from tests import tiny_hf
 from tests.zoo import ARCHS
@@ -791,3 +793,29 @@ def test_a_masked_model_exports_with_torch_export_and_its_marks_are_bound_method
     assert marks and all(m.forward.__self__ is m for _, m in marks)
     exported = torch.export.export(model, (x,), strict=False)
     torch.testing.assert_close(exported.module()(x), model(x))
+
+
+def _call(wrapped: Any, *args: Any, **kwargs: Any) -> Any:
+    return wrapped(*args, **kwargs)
+
+
+def test_a_norm_wrapped_by_another_tool_after_the_masks_is_unmasked_by_remove_masks() -> None:
+    """Another tool wraps every module's ``forward`` after ``apply_masks`` and keeps what it
+    wrapped (as Accelerate's hooks keep ``_old_forward``): after ``remove_masks`` the model
+    gives the unmasked model's outputs, its norms normalising every channel again."""
+    arch = ARCHS["transformer"]
+    torch.manual_seed(0)
+    model = arch.build().double().eval()
+    x = arch.example_input(2)
+    x = x.double() if x.is_floating_point() else x
+    dense = model(x)
+    fp.apply_masks(model, x[:1])
+    with torch.no_grad():
+        for m in fp.find_masks(model).values():
+            m.mask[0] = 0.0
+    for m in model.modules():
+        m.forward = functools.partial(_call, m.forward)
+    assert any(isinstance(m.forward.args[0], NormPoint) for m in model.modules())
+    assert not torch.allclose(model(x), dense)
+    fp.remove_masks(model)
+    torch.testing.assert_close(model(x), dense)

@@ -64,6 +64,8 @@ class NormPoint(InstanceForward):
         self._direct = covers_in_order(self.parts, size)
         self._ones_cache: dict[str, Any] = {}
         self._kept: tuple[tuple[Any, ...], Tensor] | None = None
+        #: set by ``remove``: the masks are gone, whoever still calls this point
+        self.removed = False
         super().__init__(module, self)
 
     @property
@@ -86,7 +88,21 @@ class NormPoint(InstanceForward):
         self._kept = (key, kept)
         return kept
 
+    def remove(self) -> None:
+        """As ``InstanceForward.remove``, and the point runs the norm's own forward from now on:
+        a tool that wrapped the norm's ``forward`` after the masks came (Accelerate's hooks keep
+        it as ``_old_forward``) still calls it, and the masks are gone."""
+        self.removed = True
+        super().remove()
+
+    def _own(self, *args: Any, **kwargs: Any) -> Any:
+        if self.before is not None:
+            return self.before(*args, **kwargs)
+        return type(self.module).forward(self.module, *args, **kwargs)
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.removed:
+            return self._own(*args, **kwargs)
         compiled = compiling()
         if compiled and self._direct and len(args) == 1 and not kwargs:
             spec = norm_spec(self.module)
@@ -99,9 +115,7 @@ class NormPoint(InstanceForward):
             or tracing.active() is not None
             or all_ones(self._masks, self._ones_cache)
         ):
-            if self.before is not None:
-                return self.before(*args, **kwargs)
-            return type(self.module).forward(self.module, *args, **kwargs)
+            return self._own(*args, **kwargs)
         spec = norm_spec(self.module)
         x = args[0] if len(args) == 1 and not kwargs else None
         if spec is None or not isinstance(x, Tensor):
