@@ -548,8 +548,20 @@ def test_prune_cli_reports_predicted_and_measured_latency(tmp_path, fake_clock):
     assert last["measured_share"] == pytest.approx(report["cost_ratio"], rel=1e-6)
 
 
-def test_prune_cli_refuses_a_bad_latency_flag(tmp_path):
-    """A bad ``--latency_device`` exits 2 with one line naming the flag; nothing written."""
+@pytest.mark.parametrize(
+    ("flags", "named", "not_named"),
+    [
+        # a bad --latency_device: one line naming the latency flags
+        (["--latency_device", "tpu"], ["--latency_*", "'cpu' or 'cuda"], []),
+        # --round_to 0 (it sets the table's step): named as --round_to, not --latency_*
+        (["--round_to", "0"], ["--round_to must be an int >= 1"], ["--latency_*"]),
+    ],
+)
+def test_prune_cli_refuses_a_bad_latency_setting_naming_its_flag(
+    tmp_path, flags: list[str], named: list[str], not_named: list[str]
+):
+    """A bad latency setting of ``fisherprune prune --convention latency`` exits 2 with one
+    line naming the flag the user gave; nothing written."""
     from tests.test_cli import run_cli
     from tests.test_cli_prune import _data_and_weights
 
@@ -557,27 +569,11 @@ def test_prune_cli_refuses_a_bad_latency_flag(tmp_path):
     out = tmp_path / "out"
     cli = run_cli(
         "prune", "mlp", "--width", "32", "--depth", "2", "--weights", weights, "--data", data,
-        "--convention", "latency", "--latency_device", "tpu", "--out", out,
+        "--convention", "latency", *flags, "--out", out,
     )  # fmt: skip
     assert cli.code == 2
-    assert "--latency_*" in cli.err and "'cpu' or 'cuda" in cli.err
-    assert not out.exists()
-
-
-def test_prune_cli_names_a_bad_round_to_not_the_latency_flags(tmp_path):
-    """``--round_to 0`` with ``--convention latency`` (it sets the table's step) exits 2 with
-    one line naming ``--round_to``, not ``--latency_*``; nothing written."""
-    from tests.test_cli import run_cli
-    from tests.test_cli_prune import _data_and_weights
-
-    data, weights, _, _ = _data_and_weights(tmp_path)
-    out = tmp_path / "out"
-    cli = run_cli(
-        "prune", "mlp", "--width", "32", "--depth", "2", "--weights", weights, "--data", data,
-        "--convention", "latency", "--round_to", "0", "--out", out,
-    )  # fmt: skip
-    assert cli.code == 2
-    assert "--round_to must be an int >= 1" in cli.err and "--latency_*" not in cli.err
+    assert all(text in cli.err for text in named), cli.err
+    assert not any(text in cli.err for text in not_named), cli.err
     assert not out.exists()
 
 

@@ -53,6 +53,19 @@ class InstanceForward:
         self.installed = forward
         module.forward = forward  # type: ignore[method-assign]
 
+    def forward_before(self) -> Callable[..., Any]:
+        """What ran before, as a callable of a call's arguments: the instance ``forward``
+        that was there, else the class's bound to the module."""
+        if self.before is not None:
+            return self.before
+        return types.MethodType(type(self.module).forward, self.module)
+
+    def call_before(self, *args: Any, **kwargs: Any) -> Any:
+        """Run what ran before (``forward_before``, without building a method per call)."""
+        if self.before is not None:
+            return self.before(*args, **kwargs)
+        return type(self.module).forward(self.module, *args, **kwargs)
+
     def remove(self) -> None:
         """Give the module back its forward (``nn.Module`` hooks' ``remove``, for the holder)."""
         if self.module.__dict__.get("forward") is self.installed:

@@ -13,7 +13,6 @@ The module's hooks run as before (``nn.Module.__call__`` calls whatever ``forwar
 from __future__ import annotations
 
 import inspect
-import types
 from collections.abc import Sequence
 from typing import Any
 
@@ -71,9 +70,7 @@ class NormPoint(InstanceForward):
     @property
     def __signature__(self) -> inspect.Signature:
         """The norm's own (``inspect.signature(norm.forward)`` reads what it read unmasked)."""
-        if self.before is not None:
-            return inspect.signature(self.before)
-        return inspect.signature(types.MethodType(type(self.module).forward, self.module))
+        return inspect.signature(self.forward_before())
 
     def kept(self, device: torch.device) -> Tensor:
         """The kept positions of the normalised dim (long, ascending), recomputed only when a
@@ -95,14 +92,9 @@ class NormPoint(InstanceForward):
         self.removed = True
         super().remove()
 
-    def _own(self, *args: Any, **kwargs: Any) -> Any:
-        if self.before is not None:
-            return self.before(*args, **kwargs)
-        return type(self.module).forward(self.module, *args, **kwargs)
-
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.removed:
-            return self._own(*args, **kwargs)
+            return self.call_before(*args, **kwargs)
         compiled = compiling()
         if compiled and self._direct and len(args) == 1 and not kwargs:
             spec = norm_spec(self.module)
@@ -115,7 +107,7 @@ class NormPoint(InstanceForward):
             or tracing.active() is not None
             or all_ones(self._masks, self._ones_cache)
         ):
-            return self._own(*args, **kwargs)
+            return self.call_before(*args, **kwargs)
         spec = norm_spec(self.module)
         x = args[0] if len(args) == 1 and not kwargs else None
         if spec is None or not isinstance(x, Tensor):
