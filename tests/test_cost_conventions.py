@@ -12,11 +12,13 @@ from typing import Any
 import pytest
 import torch
 from torch import Tensor, nn
-from torch.utils.flop_counter import FlopCounterMode
+from torch.nn import functional as F
+from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 import fisherprune as fp
 from fisherprune import MaskLayer
 from fisherprune.cost import CONVENTIONS, formula_for
+from fisherprune.cost.formulas import SAME_AS_TORCH, _grouped_heads, torch_flops
 
 pytestmark = pytest.mark.filterwarnings("error")
 
@@ -349,3 +351,22 @@ def test_unwrapped_product_formulas_count_as_torchs(op: Any, shapes: list[tuple]
     out = op(*tensors)
     want = flop_registry[op](*tensors, out_val=out)
     assert torch_flops(op)(*(torch.Size(s) for s in shapes), out_shape=out.shape) == want
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2, 6])
+def test_attention_with_fewer_key_value_heads_counts_its_heads_broadcast(kv_heads: int) -> None:
+    """Grouped-query attention's FLOPs (torch 2.11's formula refuses its shapes): what
+    FlopCounterMode counts for the same attention with key and value repeated to every query
+    head, both by the wrapper that older torch gets and by the formula this torch uses."""
+    q, k, v = (
+        torch.randn(2, 6, 5, 4),
+        torch.randn(2, kv_heads, 7, 4),
+        torch.randn(2, kv_heads, 7, 3),
+    )
+    rep = 6 // kv_heads
+    with FlopCounterMode(display=False, custom_mapping=SAME_AS_TORCH) as counter:
+        F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1))
+    flash = torch.ops.aten._scaled_dot_product_flash_attention
+    shapes = (q.shape, k.shape, v.shape)
+    assert _grouped_heads(flop_registry[flash].__wrapped__)(*shapes) == counter.get_total_flops()
+    assert torch_flops(flash)(*shapes, out_shape=None) == counter.get_total_flops()

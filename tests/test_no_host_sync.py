@@ -286,3 +286,27 @@ def test_a_copied_block_gate_reads_its_own_kept_flags() -> None:
         other.mask[3] = 0.0
     assert other.kept_blocks() == [False, False, True, False]
     assert gate.kept_blocks() == [False, False, True, True]
+
+
+def test_ddp_built_around_a_masked_model_broadcasts_its_buffers_but_not_the_masks(
+    tmp_path: Path,
+) -> None:
+    """DDP copies rank 0's buffers into every rank's at each forward; the masks are left out
+    of that (every rank prunes alike, and torch 2.11's copy bumped their versions, so each step
+    read every mask back), the BatchNorms' statistics are not, and ``remove_masks`` gives the
+    model back with no ignore list."""
+    import torch.distributed as dist
+
+    model = build_resnet_basic()
+    norms = {n for n, _ in model.named_buffers()}
+    fp.apply_masks(model, image_input(1))
+    dist.init_process_group(
+        "gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1
+    )
+    try:
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        assert set(ddp.named_module_buffers) == norms
+        fp.remove_masks(model)
+        assert not hasattr(model, "_ddp_params_and_buffers_to_ignore")
+    finally:
+        dist.destroy_process_group()

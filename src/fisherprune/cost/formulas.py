@@ -55,6 +55,50 @@ def grouped_mm_flops(a: Any, b: Any, *_: Any, out_shape: Any = None, **__: Any) 
     return 2 * rows_and_k * b[-1]
 
 
+def _counts_grouped_heads() -> bool:
+    """Whether PyTorch's attention formula counts key/value with fewer heads than the query
+    (grouped-query attention, which the kernels broadcast); torch 2.11's refuses them with
+    an AssertionError, whatever kernel ran."""
+    try:
+        flop_registry[aten._scaled_dot_product_flash_attention].__wrapped__(
+            (1, 2, 1, 1), (1, 1, 1, 1), (1, 1, 1, 1)
+        )
+    except AssertionError:
+        return False
+    return True
+
+
+def _grouped_heads(formula: Formula) -> Formula:
+    """``formula`` of an attention op taking (batch, heads, length, dim) query, key and value
+    first, counting a key and value of fewer heads as broadcast to the query's, as the
+    kernels run them (the count torch 2.13's own formula gives)."""
+
+    def counted(q: Any, k: Any, v: Any, *args: Any, **kwargs: Any) -> int:
+        if len(q) == len(k) == len(v) == 4 and k[1] != q[1]:
+            k, v = (k[0], q[1], *k[2:]), (v[0], q[1], *v[2:])
+        return formula(q, k, v, *args, **kwargs)
+
+    return counted
+
+
+#: the attention ops whose formula reads (batch, heads, length, dim) shapes first
+_ATTENTION = tuple(
+    getattr(aten, n)
+    for n in (
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+    )
+    if hasattr(aten, n)
+)
+#: those formulas, counting grouped-query attention where this torch's refuse it
+_GROUPED: dict[Any, Formula] = (
+    {}
+    if _counts_grouped_heads()
+    else {k: _grouped_heads(flop_registry[k].__wrapped__) for k in _ATTENTION}
+)
+
+
 #: ops with no formula in PyTorch's FLOP counter that compute what one with a formula does:
 #: CPU's fused attention kernel is counted as the GPU flash kernel is (its two products,
 #: ``q k^T`` and the weighted sum of ``v``); the grouped matrix product of mixture-of-experts
@@ -63,10 +107,12 @@ def grouped_mm_flops(a: Any, b: Any, *_: Any, out_shape: Any = None, **__: Any) 
 #: ``FlopCounterMode(custom_mapping=SAME_AS_TORCH)``
 SAME_AS_TORCH: Mapping[Any, Any] = MappingProxyType(
     {
-        aten._scaled_dot_product_flash_attention_for_cpu: flop_registry[
-            aten._scaled_dot_product_flash_attention
-        ].__wrapped__,  # the shape formula itself, as custom_mapping takes it
+        aten._scaled_dot_product_flash_attention_for_cpu: _GROUPED.get(
+            aten._scaled_dot_product_flash_attention,
+            flop_registry[aten._scaled_dot_product_flash_attention].__wrapped__,
+        ),  # the shape formula itself, as custom_mapping takes it
         **({aten._grouped_mm: grouped_mm_flops} if hasattr(aten, "_grouped_mm") else {}),
+        **_GROUPED,
     }
 )
 
@@ -91,6 +137,8 @@ def torch_flops(key: Any) -> Formula | None:
     (``SAME_AS_TORCH`` fills the ops PyTorch's counter leaves out)."""
     if key in _UNWRAPPED:
         return _UNWRAPPED[key]
+    if key in _GROUPED:
+        return _GROUPED[key]
     f = flop_registry.get(key)
     raw = getattr(f, "__wrapped__", None)  # the formula on shapes, under torch's shape_wrapper
     if raw is not None:  # (the cost model passes shapes: the wrapper's tree_map is host time)

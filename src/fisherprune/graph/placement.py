@@ -24,6 +24,7 @@ from fisherprune.inputs import Inputs
 from fisherprune.masks import MaskLayer, find_masks
 from fisherprune.masks.blocks import GATE_KEY, find_block_list, install_block_gate
 from fisherprune.masks.compile_guard import mark_hooked
+from fisherprune.masks.ddp_sync import BroadcastExclusion
 from fisherprune.masks.experts import GATE_SUFFIX, find_moe_layers, install_expert_gates
 from fisherprune.masks.points import (
     MaskPoint,
@@ -256,6 +257,7 @@ def apply_masks(
             holder[keys[-1]] = g
         holder.handles.extend(handles)
     holder.handles.extend(mark_hooked(model))  # last: after every hook (masks.compile_guard)
+    holder.handles.append(BroadcastExclusion(model, prefix))  # (masks.ddp_sync)
     return AppliedMasks({prefix + k: holder[k] for k in keys}, dict(holder.groups), skipped)
 
 
