@@ -238,6 +238,13 @@ def interleaved(
     return out
 
 
+def warmup_calls(args: argparse.Namespace, compiled: bool) -> int:
+    """Untimed calls before timing: at least 3 under ``torch.compile``, whose first calls
+    compile (the forward and the backward graphs; a pruned width compiles again), even in
+    ``--quick``, so that a rehearsal's compiled ratios time steps, not the compiler."""
+    return max(args.warmup, 3) if compiled else args.warmup
+
+
 def ratios(times: dict[str, list[float]], ref: str) -> dict[str, dict[str, Any]]:
     """Per key: median ms, per-round ms, ratio of medians to ``ref`` and the per-round ratios."""
     base = statistics.median(times[ref])
@@ -394,7 +401,7 @@ def step_figures(spec: ov.ModelSpec, args: argparse.Namespace) -> dict[str, Any]
     }
     if args.compiled_steps:  # (a) and (b) with the forward compiled, as ratios to compiled (a)
         fns = variant_fns(spec, args, ("a", "b"), compiled=True)
-        times = interleaved(fns, args.rounds, args.steps, max(args.warmup, 3), args.device)
+        times = interleaved(fns, args.rounds, args.steps, warmup_calls(args, True), args.device)
         out["compiled_variants"] = {
             v: {"label": f"{ov.VARIANTS[v]}, compiled", **r} for v, r in ratios(times, "a").items()
         }
@@ -411,7 +418,8 @@ def throughput(
     except ValueError as exc:  # e.g. fp16 on a CPU: the trainer refuses it too
         return {"skipped": str(exc)}
     off = variant_fns(spec, args, "a", compiled)["a"]
-    times = interleaved({"off": off, "on": on}, args.rounds, args.steps, args.warmup, args.device)
+    calls = warmup_calls(args, compiled)
+    times = interleaved({"off": off, "on": on}, args.rounds, args.steps, calls, args.device)
     per_s = {k: args.batch * 1e3 / statistics.median(ts) for k, ts in times.items()}
     return {
         "examples_per_s": per_s,
