@@ -32,6 +32,7 @@ from fisherprune.masks.compiled import _ANCHOR
 from fisherprune.masks.norm_points import NormPoint
 from fisherprune.norms import _FORMS, norm_spec, normalise_kept, normalise_masked
 from tests import tiny_hf
+from tests.counted import hf_moe
 from tests.zoo import ARCHS
 
 #: zoo networks whose every mask point is served by the compiled path (one mask over each
@@ -819,3 +820,26 @@ def test_a_norm_wrapped_by_another_tool_after_the_masks_is_unmasked_by_remove_ma
     assert not torch.allclose(model(x), dense)
     fp.remove_masks(model)
     torch.testing.assert_close(model(x), dense)
+
+
+@pytest.mark.parametrize("experts", [False, True], ids=["channels", "channels+experts"])
+@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral"])
+def test_a_masked_moe_decoder_not_collecting_compiles_whole_to_the_eager_outputs(
+    kind: str, experts: bool
+) -> None:
+    """Qwen3-MoE and Mixtral from their configs, part pruned (and one expert removed), masks
+    not collecting (fine-tuning, evaluation): the compiled forward is one graph and gives the
+    eager masked logits. The experts' inputs are tokens chosen by the router, which the
+    compiled product serves when nothing is gathered; the removed expert's logit is masked from
+    the gate's values (no host read: each read broke the graph, 27 to 30 graphs before)."""
+    model, inputs = hf_moe(kind, "batched_mm")
+    masks = fp.apply_masks(model, inputs, experts=experts)
+    with torch.no_grad():
+        for m in masks.values():
+            m.collecting = False
+            m.mask[0] = 0.0
+        want = model(**inputs).logits
+        got = torch.compile(model, backend="aot_eager")(**inputs).logits
+    # (their RMS norms compute in float32, as Hugging Face's code does: to that precision)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert not any(counters["graph_break"]), dict(counters["graph_break"])

@@ -168,7 +168,11 @@ class Inputs:
         Raises:
             ValueError: no argument has a batch (no tensor of at least one dimension).
         """
-        found = [(n, a) for _, a in self.arguments() if (n := _argument_batch(a)) is not None]
+        found = []  # (a loop: dynamo breaks the graph on a walrus inside a comprehension)
+        for _, a in self.arguments():
+            n = _argument_batch(a)
+            if n is not None:
+                found.append((n, a))
         if found:
             first, arg = found[0]
             if first != 1:

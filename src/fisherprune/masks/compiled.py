@@ -199,8 +199,14 @@ class _Product(torch.autograd.Function):
 def compiled_product(point: Any, x: Tensor) -> Tensor | None:
     """``x`` times the masks of ``point`` (a ``MaskPoint``) as the compiled graph computes it
     (see the module), or None where this point takes the eager path."""
-    if point.rows.kind != BATCH or any(m.mask.requires_grad for m in point._masks):
+    if any(m.mask.requires_grad for m in point._masks):
         return None
+    if (
+        point.rows.kind != BATCH
+        and torch.is_grad_enabled()
+        and any(m.collecting for m in point._masks)
+    ):
+        return None  # rows that are not the examples: the eager path maps them to examples
     mult = position_multiplier(point)
     if mult is None:
         return None

@@ -39,6 +39,7 @@ from torch.utils.hooks import RemovableHandle
 
 from fisherprune.inputs import Inputs
 from fisherprune.masks import tracing
+from fisherprune.masks.compiled import compiling
 from fisherprune.masks.layer import MaskLayer
 from fisherprune.modes import eval_mode
 
@@ -185,9 +186,16 @@ class ExpertGatePoint:
         self.batch = int(x.shape[0]) if x is not None and x.dim() >= 3 else 0
 
     def router_pre(self, _m: nn.Module, _args: tuple) -> None:
-        if tracing.active() is not None or self.gate.is_all_ones():
+        if tracing.active() is not None:
             return
-        self._mode = _LogitMask(self.weight, self._logit_bias())
+        if compiling():  # in a graph: from the mask's values at every call, nothing read back
+            mask = self.gate.mask
+            bias = torch.zeros_like(mask).masked_fill(mask < 0.5, -torch.inf)
+        elif self.gate.is_all_ones():
+            return
+        else:
+            bias = self._logit_bias()
+        self._mode = _LogitMask(self.weight, bias)
         self._mode.__enter__()
 
     def _logit_bias(self) -> Tensor:
