@@ -28,6 +28,7 @@ from torch._dynamo.utils import counters
 from torch.utils.checkpoint import checkpoint
 
 import fisherprune as fp
+from fisherprune.masks.blocks import BlockGate
 from fisherprune.masks.compiled import _ANCHOR
 from fisherprune.masks.norm_points import NormPoint
 from fisherprune.norms import _FORMS, norm_spec, normalise_kept, normalise_masked
@@ -237,15 +238,17 @@ def _hf(name: str) -> tuple[nn.Module, dict[str, Tensor]]:
     return model.double(), tiny_hf.token_inputs(batch=4)
 
 
+@pytest.mark.parametrize("blocks", [False, True], ids=["channels", "channels+blocks"])
 @pytest.mark.parametrize("name", ["bert", "llama"])
-def test_hugging_face_models_compile_with_their_masks_whole(name: str) -> None:
+def test_hugging_face_models_compile_with_their_masks_whole(name: str, blocks: bool) -> None:
     """BERT and Llama (GQA, RMS norms) as Hugging Face builds them from a config: compiled
-    with every mask, part pruned, a collecting step is one graph and gathers the eager signal
-    from the first step (Llama's norm computes in float32, as its own code does: to that
-    precision)."""
+    with every mask (and a gate on their blocks), part pruned, a collecting step is one graph
+    and gathers the eager signal from the first step (Llama's norm computes in float32, as its
+    own code does: to that precision). The block gate's signal went through the eager gather,
+    whose Python backward broke the graph at every block (9 graphs for BERT's 2)."""
     model, inputs = _hf(name)
     y = torch.arange(4) % 3
-    masks = fp.apply_masks(model, {k: v[:1] for k, v in inputs.items()})
+    masks = fp.apply_masks(model, {k: v[:1] for k, v in inputs.items()}, blocks=blocks)
     with torch.no_grad():
         for m in masks.values():
             if m.num_channels > 2:
@@ -262,6 +265,8 @@ def test_hugging_face_models_compile_with_their_masks_whole(name: str) -> None:
     tol = 1e-9 if name == "bert" else 1e-4
     for n in want:
         torch.testing.assert_close(got[n], want[n], rtol=tol, atol=1e-12, msg=n)
+    gates = [n for n, m in masks.items() if isinstance(m, BlockGate)]
+    assert len(gates) == blocks and all(float(want[n].min()) > 0.0 for n in gates)
 
 
 def test_a_mask_layer_called_as_a_module_compiles_whole() -> None:

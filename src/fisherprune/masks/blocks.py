@@ -26,7 +26,7 @@ from torch.utils.hooks import RemovableHandle
 
 from fisherprune.inputs import Inputs
 from fisherprune.masks import tracing
-from fisherprune.masks.compiled import compiling
+from fisherprune.masks.compiled import SignalOwner, compiling, masked_product
 from fisherprune.masks.layer import MaskLayer, gather_through
 from fisherprune.modes import eval_mode
 
@@ -116,17 +116,25 @@ def block_output(out: Any) -> tuple[Tensor | None, Callable[[Tensor], Any]]:
     return None, lambda t: t
 
 
-class BlockGatePoint:
+class BlockGatePoint(SignalOwner):
     """The forward hook (``with_kwargs``) gating block ``index`` by ``gate.mask[index]``.
 
     Changes nothing while a tracer runs (the trace sees the block as it is; the cost model
     prices the gate from the block's operators) or while the gate entry is 1 and no signal is
-    collected; with the entry 0 the block returns its input.
+    collected; with the entry 0 the block returns its input. Under ``torch.compile`` a
+    collecting step gates through ``masked_product``, whose compiled backward hands the
+    per-example dot to this point (``accumulate``), for gate entry ``index``.
     """
 
     def __init__(self, gate: BlockGate, index: int) -> None:
         self.gate = gate
         self.index = index
+        self.init_owner()
+
+    def accumulate(self, g: Tensor, _index: None) -> None:
+        """Hand ``g`` (examples, 1), the compiled backward's per-example dot, to the gate's
+        entry ``index``. Changes: the gate's gathered gradients."""
+        self.gate.accumulate(g, torch.full((1,), self.index, device=g.device))
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict[str, Any], out: Any) -> Any:
         if tracing.active() is not None:
@@ -148,9 +156,12 @@ class BlockGatePoint:
             return rebuild(torch.where(keep.to(y.device), y, x))
         if not collect:
             return None if gate.kept_blocks()[self.index] else rebuild(x)
-        gate.start_pass()
         delta = (y - x).reshape(y.shape[0], 1, -1)  # (N, 1, positions x width)
-        mult = gate.mask[self.index : self.index + 1].to(delta.dtype).view(1, 1, 1)
+        entry = gate.mask[self.index : self.index + 1]
+        if compiling():  # (the eager gather's Python backward would break the graph)
+            return rebuild(x + masked_product(self, delta, entry, [gate], 1, 0).reshape(y.shape))
+        gate.start_pass()
+        mult = entry.to(delta.dtype).view(1, 1, 1)
         index = torch.full((1,), self.index, device=delta.device)  # a fill, not a copy
         gated = gather_through(delta, mult, gate, index, 1, False)
         return rebuild(x + gated.reshape(y.shape))

@@ -45,9 +45,10 @@ A point whose input requires no grad (a mask on the model input, or after frozen
 ``_Product`` a leaf that requires grad besides (``_ANCHOR``, which never receives one), so
 that the loss's gradient still reaches it, inside the graph. The masks' writes to Python state
 are more than a ``torch.utils.checkpoint`` region may make: ``torch.compile`` runs the
-function that checkpoints a masked block eager (its signal is the eager one). Other points
-(several masks on one dim, rows that are tokens or chosen by data, masks that require grad as
-under ``torch.func``) take the eager path, breaking the graph there as before. The product
+function that checkpoints a masked block eager (its signal is the eager one). A block gate
+gathers through ``masked_product`` too (``masks.blocks``). Other points (several masks on one
+dim, masks that require grad as under ``torch.func``, and while collecting, rows that are
+tokens or chosen by data) take the eager path, breaking the graph there as before. The product
 saves the point's input for the backward: one more activation per masked point than eager's
 aliasing identity while nothing is pruned (inductor's partitioner keeps it too, measured on
 torch 2.13).
