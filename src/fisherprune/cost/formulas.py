@@ -74,8 +74,8 @@ def _grouped_heads(formula: Formula) -> Formula:
     kernels run them (the count torch 2.13's own formula gives)."""
 
     def counted(q: Any, k: Any, v: Any, *args: Any, **kwargs: Any) -> int:
-        if len(q) == len(k) == len(v) == 4 and k[1] != q[1]:
-            k, v = (k[0], q[1], *k[2:]), (v[0], q[1], *v[2:])
+        if len(q) == len(k) == len(v) == 4 and k[1] == v[1] < q[1] and q[1] % k[1] == 0:
+            k, v = (k[0], q[1], *k[2:]), (v[0], q[1], *v[2:])  # (else torch's formula refuses)
         return formula(q, k, v, *args, **kwargs)
 
     return counted

@@ -15,7 +15,10 @@ DDP reads the names it leaves alone from the wrapped module's
 ``apply_masks`` adds the masks' buffers to it on the model it was given, so a DDP built
 around that model afterwards leaves them alone; ``remove_masks`` takes them out again. A
 DDP built around a parent of that model, or before ``apply_masks``, broadcasts them as
-before (the latter sees no mask buffer at all, since DDP lists buffers when it is built).
+before (the latter sees no mask buffer at all, since DDP lists buffers when it is built), and
+so are ``MaskLayer``s placed in the model by hand. The list also keeps the masks out of the
+copy from rank 0 that DDP makes once when it is built: ranks must apply (or load) the same
+masks, as ``PruningTrainer``'s do (each rank reads the same checkpoint on ``--resume``).
 """
 
 from __future__ import annotations
