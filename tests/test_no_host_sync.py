@@ -288,25 +288,35 @@ def test_a_copied_block_gate_reads_its_own_kept_flags() -> None:
     assert gate.kept_blocks() == [False, False, True, True]
 
 
+@pytest.mark.parametrize("placed", ["apply_masks", "by hand"])
 def test_ddp_built_around_a_masked_model_broadcasts_its_buffers_but_not_the_masks(
-    tmp_path: Path,
+    tmp_path: Path, placed: str
 ) -> None:
     """DDP copies rank 0's buffers into every rank's at each forward; the masks are left out
     of that (every rank prunes alike, and torch 2.11's copy bumped their versions, so each step
     read every mask back), the BatchNorms' statistics are not, and ``remove_masks`` gives the
-    model back with no ignore list."""
+    model back with no ignore list. Masks placed by hand are left out by the exclusion
+    ``PruningTrainer`` makes before it builds its DDP."""
     import torch.distributed as dist
+
+    from fisherprune.masks.ddp_sync import BroadcastExclusion
 
     model = build_resnet_basic()
     norms = {n for n, _ in model.named_buffers()}
-    fp.apply_masks(model, image_input(1))
+    if placed == "apply_masks":
+        fp.apply_masks(model, image_input(1))
+    else:
+        model = torch.nn.Sequential(model, fp.MaskLayer(5))
+        norms = {f"0.{n}" for n in norms}
+        BroadcastExclusion(model)
     dist.init_process_group(
         "gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1
     )
     try:
         ddp = torch.nn.parallel.DistributedDataParallel(model)
         assert set(ddp.named_module_buffers) == norms
-        fp.remove_masks(model)
-        assert not hasattr(model, "_ddp_params_and_buffers_to_ignore")
+        if placed == "apply_masks":
+            fp.remove_masks(model)
+            assert not hasattr(model, "_ddp_params_and_buffers_to_ignore")
     finally:
         dist.destroy_process_group()

@@ -257,7 +257,7 @@ def apply_masks(
             holder[keys[-1]] = g
         holder.handles.extend(handles)
     holder.handles.extend(mark_hooked(model))  # last: after every hook (masks.compile_guard)
-    holder.handles.append(BroadcastExclusion(model, prefix))  # (masks.ddp_sync)
+    holder.handles.append(BroadcastExclusion(model))  # (masks.ddp_sync)
     return AppliedMasks({prefix + k: holder[k] for k in keys}, dict(holder.groups), skipped)
 
 

@@ -12,35 +12,50 @@ broadcast does not bump them, and also writes unseen by those caches).
 DDP reads the names it leaves alone from the wrapped module's
 ``_ddp_params_and_buffers_to_ignore`` when it is built (the attribute its
 ``_set_params_and_buffers_to_ignore_for_model`` sets; both torch 2.11 and 2.13 read it).
-``apply_masks`` adds the masks' buffers to it on the model it was given, so a DDP built
-around that model afterwards leaves them alone; ``remove_masks`` takes them out again. A
-DDP built around a parent of that model, or before ``apply_masks``, broadcasts them as
-before (the latter sees no mask buffer at all, since DDP lists buffers when it is built), and
-so are ``MaskLayer``s placed in the model by hand. The list also keeps the masks out of the
-copy from rank 0 that DDP makes once when it is built: ranks must apply (or load) the same
-masks, as ``PruningTrainer``'s do (each rank reads the same checkpoint on ``--resume``).
+``apply_masks`` adds the buffers of every ``MaskLayer`` in the model it was given (its own
+and any placed by hand) to it, so a DDP built around that model afterwards leaves them alone;
+``remove_masks`` takes them out again. ``PruningTrainer`` adds them again before it builds
+its DDP (a model whose masks were placed by hand, with no ``apply_masks``). A DDP built
+around a parent of that model broadcasts them as before, and so does one built before
+``apply_masks`` (it sees no mask buffer at all: DDP lists buffers when it is built). The list
+also keeps the masks out of the copy from rank 0 that DDP makes once when it is built: ranks
+must apply (or load) the same masks, as ``PruningTrainer``'s do (each rank reads the same
+checkpoint on ``--resume``).
 """
 
 from __future__ import annotations
 
 from torch import nn
 
-__all__ = ["IGNORE_ATTR", "BroadcastExclusion"]
+from fisherprune.masks.layer import MaskLayer
+
+__all__ = ["IGNORE_ATTR", "BroadcastExclusion", "mask_buffer_names"]
 
 #: the attribute of a module that DDP reads the names of parameters and buffers to leave
 #: alone from
 IGNORE_ATTR = "_ddp_params_and_buffers_to_ignore"
 
 
-class BroadcastExclusion:
-    """Adds ``model``'s buffers under ``prefix`` (the masks' holder, with its dot) to
-    ``model``'s DDP ignore list. Changes: ``model._ddp_params_and_buffers_to_ignore`` (made
-    if absent; names already there kept). ``remove`` takes back the names it added."""
+def mask_buffer_names(model: nn.Module) -> list[str]:
+    """The qualified names of the buffers of every ``MaskLayer`` in ``model`` (its mask and
+    signal, and a gate's)."""
+    return [
+        f"{name}.{b}" if name else b
+        for name, mod in model.named_modules()
+        if isinstance(mod, MaskLayer)
+        for b, _ in mod.named_buffers(recurse=False)
+    ]
 
-    def __init__(self, model: nn.Module, prefix: str) -> None:
+
+class BroadcastExclusion:
+    """Adds the buffers of every ``MaskLayer`` in ``model`` to ``model``'s DDP ignore list.
+    Changes: ``model._ddp_params_and_buffers_to_ignore`` (made if absent; names already there
+    kept). ``remove`` takes back the names it added."""
+
+    def __init__(self, model: nn.Module) -> None:
         self.model = model
         had = list(getattr(model, IGNORE_ATTR, None) or [])
-        self.added = [n for n, _ in model.named_buffers() if n.startswith(prefix) and n not in had]
+        self.added = [n for n in mask_buffer_names(model) if n not in had]
         setattr(model, IGNORE_ATTR, had + self.added)
 
     def remove(self) -> None:

@@ -21,6 +21,7 @@ from fisherprune.export import export_model
 from fisherprune.export.manifest import ExportSet
 from fisherprune.graph import apply_masks
 from fisherprune.masks import find_masks
+from fisherprune.masks.ddp_sync import BroadcastExclusion
 from fisherprune.modes import eval_mode
 from fisherprune.pruner import PruningOptimizer
 from fisherprune.train.checkpoint import CheckpointManager, DamagedCheckpointError, rng_state
@@ -348,6 +349,7 @@ class PruningTrainer:
         net = model
         if self.world > 1:
             ids = [self.device.index] if self.device.type == "cuda" else None
+            BroadcastExclusion(model)  # (masks placed by hand too: masks.ddp_sync)
             net = nn.parallel.DistributedDataParallel(model, device_ids=ids)
         cfg = self.config
         return compiled(net, cfg.compile_backend, cfg.compile_mode) if cfg.compile else net
