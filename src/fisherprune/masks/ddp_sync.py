@@ -56,10 +56,13 @@ class BroadcastExclusion:
         self.model = model
         had = list(getattr(model, IGNORE_ATTR, None) or [])
         self.added = [n for n in mask_buffer_names(model) if n not in had]
-        setattr(model, IGNORE_ATTR, had + self.added)
+        if self.added:  # (a model with no new mask gets no attribute)
+            setattr(model, IGNORE_ATTR, had + self.added)
 
     def remove(self) -> None:
         """Take the names this added out of the ignore list (the attribute goes when empty)."""
+        if not self.added:
+            return
         left = [n for n in getattr(self.model, IGNORE_ATTR, None) or [] if n not in self.added]
         if left:
             setattr(self.model, IGNORE_ATTR, left)

@@ -164,6 +164,12 @@ def _routing(out: Any) -> tuple[int, int] | None:
     return None
 
 
+def _logit_bias_of(mask: Tensor) -> Tensor:
+    """0 at each kept expert's logit, ``-inf`` at each removed one's (by tensor operations:
+    nothing read back)."""
+    return torch.zeros_like(mask).masked_fill_(mask < 0.5, -torch.inf)
+
+
 class ExpertGatePoint:
     """The hooks of one gated MoE layer: a pre-hook on the layer (its batch size), a pre-hook
     and a hook (``always_call``) on the router (the ``-inf`` logits of removed experts, the
@@ -189,8 +195,7 @@ class ExpertGatePoint:
         if tracing.active() is not None:
             return
         if compiling():  # in a graph: from the mask's values at every call, nothing read back
-            mask = self.gate.mask
-            bias = torch.zeros_like(mask).masked_fill(mask < 0.5, -torch.inf)
+            bias = _logit_bias_of(self.gate.mask)
         elif self.gate.is_all_ones():
             return
         else:
@@ -203,8 +208,7 @@ class ExpertGatePoint:
         the mask changed)."""
         mask, cached = self.gate.mask, self._bias
         if cached is None or cached[0] is not mask or cached[1] != mask._version:
-            bias = torch.zeros_like(mask).masked_fill_(mask < 0.5, -torch.inf)
-            cached = self._bias = (mask, mask._version, bias)
+            cached = self._bias = (mask, mask._version, _logit_bias_of(mask))
         return cached[2]
 
     def router_post(self, _m: nn.Module, _args: tuple, out: Any) -> Any:
