@@ -36,6 +36,9 @@ _EMBEDDING_PROJECTIONS = ("embeddings_project", "embedding_hidden_mapping_in")
 _KV_HEADS = ("num_kv_heads", "num_key_value_heads")
 _HEAD_SIZE = ("head_dim", "attention_head_size", "key_value_proj_dim", "head_size")
 _MLP_IN = ("up_proj", "fc1", "c_fc", "wi", "wi_0", "lin1", "fc_in", "dense_h_to_4h", "w1", "ffn")
+#: an MLP's first projection named by its parent too (the name alone is too common):
+#: XLNet's ``ff.layer_1``, Funnel's ``ffn.linear_1``, BERT's ``intermediate.dense``
+_MLP_IN_PAIRS = (("ff", "layer_1"), ("ffn", "linear_1"), ("intermediate", "dense"))
 
 
 def _out_width(mod: nn.Module) -> int | None:
@@ -66,7 +69,8 @@ def _attention(model: nn.Module) -> list[tuple[int, int]]:
         elif fused is not None and _out_width(fused):
             rows = _out_width(fused) // size  # query, key and value heads, stacked
             kv = next(
-                (getattr(mod, a) for a in _KV_HEADS if isinstance(getattr(mod, a, None), int)), None
+                (getattr(mod, a) for a in _KV_HEADS if isinstance(getattr(mod, a, None), int)),
+                1 if getattr(mod, "multi_query", None) is True else None,  # (GPTBigCode's flag)
             )
             if kv is None:  # as many of each (GPT-2, GPT-NeoX)
                 found.append((rows // 3, rows // 3))
@@ -80,7 +84,7 @@ def _mlp(model: nn.Module) -> list[int]:
     widths = []
     for name, mod in model.named_modules():
         parts = name.split(".")
-        if parts[-1] in _MLP_IN or parts[-2:] == ["intermediate", "dense"]:
+        if parts[-1] in _MLP_IN or tuple(parts[-2:]) in _MLP_IN_PAIRS:
             w = _out_width(mod)
             if w:
                 widths.append(w)
@@ -166,6 +170,7 @@ CONFIG_FIELDS: dict[tuple[str, ...], Callable[[nn.Module], list[int]]] = {
         "decoder_ffn_dim",
         "ffn_hidden_size",
         "hidden_dim",  # DistilBERT's MLP width (its hidden width is ``dim``)
+        "d_inner",  # XLNet's and Funnel's
     ): _mlp_or_experts,
     ("moe_intermediate_size",): _experts,
     ("num_experts", "num_local_experts", "n_routed_experts"): _expert_counts,
