@@ -38,13 +38,16 @@ class SeqClassifier(nn.Module):
         return self.head(self.encoder(h).mean(1 if self.batch_first else 0))
 
 
+@pytest.mark.parametrize("traced", [2, 1], ids=["traced_2", "traced_1"])
 @pytest.mark.parametrize("batch_first", [True, False])
-def test_transformer_encoder_signal_equals_per_example_loop(batch_first: bool) -> None:
+def test_transformer_encoder_signal_equals_per_example_loop(batch_first: bool, traced: int) -> None:
     """Every mask of ``nn.TransformerEncoder`` (hidden width, heads, feed-forward units) has
-    the per-example loop's signal in both layouts, and no point's rows are left unknown."""
+    the per-example loop's signal in both layouts, and no point's rows are left unknown, also
+    when the masks were found with one example (where the batch dim of an (L, 1, E) tensor
+    cannot be told from the others: ``apply_masks`` traces the batch twice over then)."""
     torch.manual_seed(0)
     model = SeqClassifier(batch_first).double()
-    masks = fp.apply_masks(model, torch.randn(2, 7, 6, dtype=torch.float64))
+    masks = fp.apply_masks(model, torch.randn(traced, 7, 6, dtype=torch.float64))
     x = torch.randn(3, 5, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     y = torch.tensor([0, 2, 1])
 
@@ -112,4 +115,41 @@ def test_unbatched_first_input_does_not_set_the_batch() -> None:
     want = _reference(masks, [(i,) for i in range(3)], loss_of)
     got = _signals(masks, F.cross_entropy(model(pos, ids), y))
     assert {mp.rows.kind for mp in find_holder(model)[1].points} == {"tokens", "batch"}
+    _assert_signals(got, want, RTOL64, ATOL64)
+
+
+class SeqFirstEncoder(nn.Module):
+    """(N, L, 6) -> a sequence-first ``nn.TransformerEncoder`` whose (L, N, 16) output the
+    model returns: the hidden width is masked in the returned tensor too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(6, 16)
+        layer = nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, dropout=0.0)
+        self.encoder = nn.TransformerEncoder(layer, 1, enable_nested_tensor=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.encoder(self.embed(x.transpose(0, 1)))
+
+
+@pytest.mark.parametrize("traced", [2, 1], ids=["traced_2", "traced_1"])
+def test_sequence_first_model_output_signal_equals_per_example_loop(traced: int) -> None:
+    """A mask on a returned (L, N, E) tensor reads the batch on dim 1 (each of the L rows
+    taken for an example before) and gathers the per-example loop's signal, with the masks
+    found from a batch of one example as from two."""
+    torch.manual_seed(0)
+    model = SeqFirstEncoder().double()
+    masks = fp.apply_masks(model, torch.randn(traced, 7, 6, dtype=torch.float64))
+    holder = find_holder(model)[1]
+    outputs = [mp for ps in holder.outputs.values() for mp in ps]
+    assert outputs and {(mp.rows.kind, mp.rows.dim) for mp in outputs} == {("batch", 1)}
+    x = torch.randn(3, 5, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    w = torch.randn(16, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+
+    def loss_of(i: int) -> Tensor:
+        return (model(x[i : i + 1]) @ w).square().mean()
+
+    want = _reference(masks, [(i,) for i in range(3)], loss_of)
+    out = model(x) @ w  # (L, N): the per-example losses averaged over the batch
+    got = _signals(masks, out.square().mean(0).mean())
     _assert_signals(got, want, RTOL64, ATOL64)

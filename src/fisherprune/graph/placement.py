@@ -188,7 +188,8 @@ def apply_masks(
     trace = trace_model(model, example_inputs)
     graph = ChannelGraph(trace)
     groups, specs, skipped = find_groups(trace, graph)
-    keys = _install(model, groups, specs, trace)
+    rows_trace = _rows_trace(model, example_inputs, trace, specs)
+    keys = _install(model, groups, specs, rows_trace)
     # check by a second trace that each mask really removes its channels: a module may
     # read its input through a BatchNorm or a gate before the layer that contracts it
     masked_trace = trace_model(model, example_inputs) if keys else None
@@ -228,7 +229,7 @@ def apply_masks(
         ]
         specs = [sp for sp in specs if sp.parts]
         groups = [groups[gi] for gi in keep]
-        keys = _install(model, groups, specs, trace)
+        keys = _install(model, groups, specs, rows_trace)
     skipped = _gated_rows(skipped, {f"{m.router}.weight" for m in moe})
     problems = [s for s in skipped if not s.expected]
     if strict and problems:
@@ -393,9 +394,33 @@ def _warn_unknown_rows(model: nn.Module) -> None:
         )
 
 
+def _rows_trace(
+    model: nn.Module, example_inputs: Any, trace: Trace, specs: list[MaskPointSpec]
+) -> Trace:
+    """The trace that the points' row layouts are read from: ``trace``, or, where it ran a
+    batch of one and some point's rows came out unknown, a trace of that batch twice over.
+    With one example the batch dim cannot be told from another dim of size one (the
+    sequence-first (L, 1, E) tensors XLNet makes of its (1, L, E) input: each of the L rows
+    taken for an example, and a mask read both ways gets rows of two sizes in one pass);
+    with two it can. A model that refuses the doubled batch keeps the first trace's
+    layouts (the points stay approximate, and ``apply_masks`` says which)."""
+    if trace.batch_size != 1:
+        return trace
+    layouts = point_layouts(trace, specs) + output_layouts(trace, specs)
+    if all(r.kind != UNKNOWN for r in layouts):
+        return trace
+    try:
+        return trace_model(model, Inputs.of(example_inputs).repeated(2).value())
+    except Exception as e:  # (any error of the model's own code on a batch of two)
+        log.info("apply_masks: a batch of two could not be traced to follow rows (%s)", e)
+        return trace
+
+
 def _install(
     model: nn.Module, groups: list[ChannelGroup], specs: list[MaskPointSpec], trace: Trace
 ) -> list[str]:
+    """Add the masks of ``groups`` and their points (``specs``) to ``model``; the points' row
+    layouts are read off ``trace``. Returns the masks' keys."""
     taken: set[str] = set()
     keys = [_key(g.name, taken) for g in groups]
     device = _model_device(model)

@@ -17,6 +17,7 @@ from fisherprune.masks.rows import (
     TOKENS,
     UNKNOWN,
     RowLayout,
+    Rows,
     batch_dim,
     classify_rows,
 )
@@ -41,10 +42,21 @@ def point_layouts(trace: Trace, specs: list[MaskPointSpec]) -> list[RowLayout]:
 def output_layouts(trace: Trace, specs: list[MaskPointSpec]) -> list[RowLayout]:
     """The ``RowLayout`` of each output spec of ``specs``, in order."""
     return [
-        RowLayout(trace.output_rows.get(sp.output, BATCH))
+        _rows_layout(trace.output_rows[sp.output], trace.batch_size)
+        if sp.output in trace.output_rows
+        else RowLayout(BATCH)
         for sp in specs
         if sp.output is not None and not sp.norm
     ]
+
+
+def _rows_layout(rows: Rows | None, batch: int) -> RowLayout:
+    """The layout of a tensor whose leading dims carry ``rows`` (traced with ``batch``
+    examples), where data did not choose its rows."""
+    kind = classify_rows(rows, batch)
+    if kind == UNKNOWN and (k := batch_dim(rows, batch)) is not None:
+        return RowLayout(BATCH, dim=k)  # a sequence-first tensor: the batch on dim k
+    return RowLayout(kind)
 
 
 def _layout(trace: Trace, calls: list[int], arg: int) -> RowLayout:
@@ -57,11 +69,8 @@ def _layout(trace: Trace, calls: list[int], arg: int) -> RowLayout:
 def _call_layout(trace: Trace, call: int, arg: int) -> RowLayout:
     c = trace.calls[call]
     rows = c.rows[arg] if arg < len(c.rows) else None
-    kind = classify_rows(rows, trace.batch_size)
-    if kind == UNKNOWN and (k := batch_dim(rows, trace.batch_size)) is not None:
-        return RowLayout(BATCH, dim=k)  # a sequence-first input: the batch on dim k
-    if kind != SELECTED:
-        return RowLayout(kind)
+    if classify_rows(rows, trace.batch_size) != SELECTED:
+        return _rows_layout(rows, trace.batch_size)
     parent = c.parent
     while parent >= 0:
         p = trace.calls[parent]

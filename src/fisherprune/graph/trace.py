@@ -50,7 +50,7 @@ from fisherprune.graph.types import (
 from fisherprune.inputs import Inputs
 from fisherprune.masks import tracing
 from fisherprune.masks.layer import MaskLayer
-from fisherprune.masks.rows import Rows, classify_rows
+from fisherprune.masks.rows import Rows
 from fisherprune.masks.rows_nd import rows_after_nd
 from fisherprune.modes import eval_mode
 from fisherprune.norms import detect_norms, norm_spec
@@ -73,8 +73,9 @@ class Trace:
     batch_size: int = 1  # examples traced (fisherprune.inputs.Inputs.batch_size): the divisor
     head_splits: list[HeadSplit] = field(default_factory=list)
     norm_uses: list[NormUse] = field(default_factory=list)
-    #: the row layout kind of each output tensor, by its pytree key path (``keystr``)
-    output_rows: dict[str, str] = field(default_factory=dict)
+    #: the row map of each output tensor (None: not followed), by its pytree key path
+    #: (``keystr``)
+    output_rows: dict[str, Rows | None] = field(default_factory=dict)
 
     def entry_count(self) -> int:
         return self.mask_ends[-1] if self.mask_ends else 0
@@ -391,7 +392,7 @@ def _record_outputs(trace: Trace, tracer: _Tracer, out: Any) -> None:
             continue
         info = tracer.info(t)
         trace.output_infos.append(info)
-        trace.output_rows[keystr(path)] = classify_rows(tracer.rows_of(t), trace.batch_size)
+        trace.output_rows[keystr(path)] = tracer.rows_of(t)
         for lab, _cov, reason in info.on_use:
             trace.atoms.block(lab, reason)
         for d, (lab, cov) in enumerate(zip(info.labels, info.cover, strict=True)):

@@ -13,7 +13,8 @@ follows, and the rules here agree with those on 1-dim maps. Deciding that compar
 the host: only the tracer (``rows_after_nd``) follows these maps, never a step that trains.
 
 A traced batch of one cannot tell the batch dim from any other dim of size one: there, a map
-that is moved off dim 0 is not followed (the point's rows are ``"unknown"``, as before).
+that is moved off dim 0 is not followed, and ``apply_masks`` traces the batch twice over to
+read the layouts of the points left ``"unknown"`` (``graph.placement._rows_trace``).
 """
 
 from __future__ import annotations
