@@ -232,8 +232,11 @@ class _MaskRecord:
             return  # no gradient reached these inputs, or the mask's pass was dropped
         if new > 1:
             raise ValueError(
-                f"fisher_mean: mask {name!r} closed {new} gradient passes in one forward; "
-                "call the model once per loss"
+                f"fisher_mean: mask {name!r} closed {new} gradient passes in one forward: "
+                "either the model ran more than once for one loss (call it once per loss), "
+                "or the mask's places handed gradients of different row counts, as where "
+                "apply_masks could not tie a place's rows to examples (it warned which "
+                "places: the criterion 'fisher' takes such rows for examples instead)"
             )
         g = passes[-1].double()
         n, c = g.shape
