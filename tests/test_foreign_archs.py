@@ -199,10 +199,6 @@ def _consumers(masks: fp.AppliedMasks) -> set[str]:
     return {c for g in masks.groups.values() for c in g.consumers}
 
 
-def _skipped_params(masks: fp.AppliedMasks) -> set[tuple[str, int]]:
-    return {p for s in masks.skipped for p in s.params}
-
-
 def _not_masked_section(masks: fp.AppliedMasks) -> str:
     return masks.summary().partition("\nnot masked:\n")[2]
 
@@ -274,36 +270,32 @@ def test_efficientnet_residual_mbconvs_share_their_projections_mask(
     assert len({id(g) for g in groups}) == 3
 
 
-def test_convnext_masks_mlp_hidden_units_and_the_stage2_stream_not_the_stage1_stream(
+def test_convnext_masks_mlp_hidden_units_and_the_stream_of_each_stage(
     cases: Callable[[str, int], Case],
 ) -> None:
     """The MLP hidden units (Linear 4x expansion -> GELU -> Linear) are masked, one group per
-    block, read by that block's pwconv2 only. Stage 2's residual stream is normalised by
-    ``nn.LayerNorm`` (a registered norm) only, so it is one group: made by the downsampling
-    conv, the depthwise convs (which keep channels) and pwconv2, read by the depthwise convs,
-    pwconv1 and the head. Stage 1's stream passes through ``LayerNorm2d``, a channels-first
-    subclass that is not registered: it stays unmasked (not the stem, the depthwise convs or
-    the layer-scale gamma), for a reason that names it and how to register it."""
+    block, read by that block's pwconv2 only. Each stage's residual stream is one group: made
+    by the stem or downsampling conv, the depthwise convs (which keep channels) and pwconv2,
+    read by the depthwise convs, pwconv1 and what follows the stage. Stage 2's is normalised
+    by ``nn.LayerNorm``; stage 1's by the channels-first ``LayerNorm2d`` too (the stem's and
+    the downsampling's), recognised by what it computes: it was left unmasked before."""
     case = cases("convnext", 0)
     blocks = ["stage1.0", "stage1.1", "stage2.0", "stage2.1"]
     got = sorted((g.producers, g.consumers, g.num_channels) for g in case.masks.groups.values())
     dims = {b: case.masked.get_submodule(f"{b}.dwconv").in_channels for b in blocks}
     want = [([f"{b}.pwconv1"], [f"{b}.pwconv2"], 4 * dims[b]) for b in blocks]
-    s2 = ["stage2.0", "stage2.1"]
-    want.append(
-        (
-            ["down.1"] + [f"{b}.{m}" for b in s2 for m in ("dwconv", "pwconv2")],
-            [f"{b}.{m}" for b in s2 for m in ("dwconv", "pwconv1")] + ["head"],
-            dims["stage2.0"],
+    for first, stage, after in (("stem.0", "stage1", "down.1"), ("down.1", "stage2", "head")):
+        inside = [f"{stage}.{i}" for i in (0, 1)]
+        want.append(
+            (
+                [first] + [f"{b}.{m}" for b in inside for m in ("dwconv", "pwconv2")],
+                [f"{b}.{m}" for b in inside for m in ("dwconv", "pwconv1")] + [after],
+                dims[inside[0]],
+            )
         )
-    )
     assert got == sorted(want)
-    skipped = _skipped_params(case.masks)
-    for b in blocks[:2]:
-        assert {(f"{b}.dwconv.weight", 0), (f"{b}.gamma", 0)} <= skipped
-    [stream1] = [s for s in case.masks.skipped if ("stage1.0.gamma", 0) in s.params]
-    assert "LayerNorm2d" in stream1.reason and "register_norm" in stream1.reason
-    assert "stem.0.weight[dim 0]" in _not_masked_section(case.masks)
+    [stream1] = [g for g in case.masks.groups.values() if g.producers[0] == "stem.0"]
+    assert set(stream1.norms) == {"stem.1", "stage1.0.norm", "stage1.1.norm", "down.0"}
 
 
 @pytest.mark.parametrize("seed", SEEDS)

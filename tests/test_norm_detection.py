@@ -4,13 +4,16 @@ reference is the masked model's own output in float64: the shrunk model must equ
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
-from test_hidden_width import ATOL_F64, TinyLlama, _out, _prune_thirds
+import torch.nn.functional as F
+from test_hidden_width import ATOL_F64, TinyLlama, _flops, _out, _prune_thirds
 from torch import Tensor, nn
 
 import fisherprune as fp
-from fisherprune.norms import detect_norms, norm_spec
+from fisherprune.norms import detect_norms, norm_spec, normalise_kept, normalise_masked
 
 
 class GemmaStyleRMSNorm(nn.Module):
@@ -95,3 +98,103 @@ def test_a_module_named_norm_that_is_not_one_is_not_detected() -> None:
     mod = ScaleNorm()
     assert detect_norms(nn.Sequential(mod)) == {}
     assert norm_spec(mod) is None
+
+
+class LayerNorm2d(nn.LayerNorm):
+    """A layer norm over the channels of (N, C, H, W) maps as ConvNeXt's code writes one
+    (Hugging Face's ``ConvNextLayerNorm`` with ``data_format``, timm's ``LayerNorm2d``): the
+    channels moved last, normalised, moved back; channels last, a plain layer norm."""
+
+    def __init__(self, d: int, channels_first: bool = True) -> None:
+        super().__init__(d, eps=1e-6)
+        self.channels_first = channels_first
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not self.channels_first:
+            return super().forward(x)
+        return super().forward(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+
+
+class TinyConvNeXt(nn.Module):
+    """A patch stem with a channels-first norm, one ConvNeXt block (depthwise conv, a
+    channels-last norm, an MLP, a residual add) and a pooled head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 2, stride=2)
+        self.stem_norm = LayerNorm2d(8)
+        self.dwconv = nn.Conv2d(8, 8, 3, padding=1, groups=8)
+        self.norm = LayerNorm2d(8, channels_first=False)
+        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 8)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.stem_norm(self.stem(x))
+        y = self.norm(self.dwconv(h).permute(0, 2, 3, 1))
+        h = h + self.fc2(F.gelu(self.fc1(y))).permute(0, 3, 1, 2)
+        return self.head(h.mean((2, 3)))
+
+
+def test_a_channels_first_norm_keeps_the_width_it_normalises_prunable() -> None:
+    """Both layouts of one norm class are detected as a layer norm; the residual width they
+    normalise is masked with them, and with a third of every mask pruned the shrunk network
+    gives the masked one's outputs and the FLOPs the cost model gave (``FlopCounterMode``)."""
+    torch.manual_seed(0)
+    model = TinyConvNeXt().double().eval()
+    x = torch.randn(3, 3, 8, 8, dtype=torch.float64)
+    masks = fp.apply_masks(model, x[:1])
+    stream = [g for g in masks.groups.values() if g.producers[0] == "stem"]
+    assert stream and set(stream[0].norms) == {"stem_norm", "norm"}, masks.summary()
+    _prune_thirds(masks, 0)
+    cost = fp.computational_cost(model, x[:1]).total
+    small = fp.shrink(model, x[:1])
+    assert small.stem_norm.weight.shape[0] < 8
+    torch.testing.assert_close(_out(small, x), _out(model, x), rtol=0, atol=ATOL_F64)
+    assert _flops(small, x[:1]) == cost
+
+
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+def test_a_norm_over_a_leading_dim_normalises_the_kept_channels_there(kind: str) -> None:
+    """Over dim 1 of an (N, C, H, W) input, the compiled form (sums weighted by the kept
+    channels) and the gathered one agree, and the kept channels are what a norm of only
+    them computes."""
+    norm = LayerNorm2d(6)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+        norm.bias.uniform_(-0.5, 0.5)
+    spec = dataclasses.replace(norm_spec(norm), kind=kind)
+    x = torch.randn(2, 6, 3, 4, dtype=torch.float64)
+    norm.double()
+    keep = torch.tensor([1, 0, 1, 1, 0, 1], dtype=torch.float64)
+    idx = keep.nonzero().flatten()
+    got = normalise_kept(norm, spec, x, 1, idx)
+    torch.testing.assert_close(normalise_masked(norm, spec, x, 1, keep), got)
+    assert torch.equal(got[:, keep == 0], torch.zeros_like(got[:, keep == 0]))
+    w, b = norm.weight[idx], norm.bias[idx]
+    xs = x[:, idx].movedim(1, -1)
+    if kind == "layer":
+        want = F.layer_norm(xs, (idx.numel(),), w, b, norm.eps)
+    else:
+        want = xs * torch.rsqrt(xs.pow(2).mean(-1, keepdim=True) + norm.eps) * w + b
+    torch.testing.assert_close(got[:, idx], want.movedim(-1, 1))
+
+
+def test_hugging_face_convnext_prunes_its_stage_widths_exactly() -> None:
+    """Hugging Face's ConvNeXt from its config: each stage's width (normalised by
+    ``ConvNextLayerNorm`` channels first at the stem and the downsampling, channels last in
+    the blocks) is masked, and the shrunk model gives the masked model's logits."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.ConvNextConfig(
+        hidden_sizes=[8, 16], depths=[1, 1], num_stages=2, num_labels=3
+    )
+    model = transformers.ConvNextForImageClassification(config).double().eval()
+    for p in model.parameters():  # (its init gives logits near zero: nothing to compare)
+        nn.init.normal_(p, std=0.3)
+    x = {"pixel_values": torch.randn(2, 3, 16, 16, dtype=torch.float64)}
+    masks = fp.apply_masks(model, {"pixel_values": x["pixel_values"][:1]})
+    normed = [g for g in masks.groups.values() if g.norms]
+    assert len(normed) == 2, masks.summary()
+    _prune_thirds(masks, 1)
+    small = fp.shrink(model, {"pixel_values": x["pixel_values"][:1]})
+    torch.testing.assert_close(_out(small, x), _out(model, x), rtol=0, atol=ATOL_F64)

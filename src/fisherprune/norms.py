@@ -186,25 +186,31 @@ def _candidate(mod: nn.Module) -> bool:
 
 
 def _match(mod: nn.Module) -> NormSpec | None:
-    """The first of ``_FORMS`` that ``mod`` computes, or None (parameters restored)."""
+    """The first of ``_FORMS`` that ``mod`` computes, or None (parameters restored). It is
+    tried on channels last, (2, 3, C), then on channels first, (2, C, 3, 3): a ``LayerNorm2d``
+    (ConvNeXt's, as Hugging Face and timm write it) permutes its channels last and back, and
+    one class may serve both layouts (Hugging Face's ``data_format``)."""
     eps = next(e for e in _EPS_NAMES if isinstance(getattr(mod, e, None), float))
     params = [t for t in (mod.weight, getattr(mod, "bias", None)) if isinstance(t, Tensor)]
     saved = [t.detach().clone() for t in params]
     g = torch.Generator().manual_seed(0)
+    width = mod.weight.numel()
     try:
         with torch.no_grad():
             for t in params:
                 t.copy_(torch.randn(t.shape, generator=g).to(t.dtype))
-            x = torch.randn(2, 3, mod.weight.numel(), generator=g).to(mod.weight)
-            out = mod(x)
-            for form in _FORMS:
-                spec = replace(form, eps=eps)
-                idx = torch.arange(x.shape[-1], device=x.device)
-                want = normalise_kept(mod, spec, x, -1, idx)
-                if isinstance(out, Tensor) and torch.allclose(out, want, rtol=1e-5, atol=1e-5):
-                    return spec
-    except Exception:  # a module that does not take one tensor is not a norm of these forms
-        return None
+            for shape, dim in (((2, 3, width), -1), ((2, width, 3, 3), 1)):
+                x = torch.randn(shape, generator=g).to(mod.weight)
+                try:
+                    out = mod(x)
+                except Exception:  # a module that does not take one tensor of this layout
+                    continue
+                for form in _FORMS:
+                    spec = replace(form, eps=eps)
+                    idx = torch.arange(width, device=x.device)
+                    want = normalise_kept(mod, spec, x, dim, idx)
+                    if isinstance(out, Tensor) and torch.allclose(out, want, rtol=1e-5, atol=1e-5):
+                        return spec
     finally:
         with torch.no_grad():
             for t, v in zip(params, saved, strict=True):
@@ -216,8 +222,12 @@ def normalise_kept(module: nn.Module, spec: NormSpec, x: Tensor, dim: int, idx: 
     """The norm's output on ``x`` as the shrunk norm computes it, in one pass over the kept
     channels: normalised over ``x``'s kept positions along ``dim`` (one of the normalised dims;
     ``idx``: the kept positions, ascending), with the kept entries of the weight and bias. The
-    other positions are zeros (their channels are pruned: every reader of them is masked)."""
+    other positions are zeros (their channels are pruned: every reader of them is masked).
+    A norm over one dim normalises ``dim`` wherever it is (a channels-first ``LayerNorm2d``:
+    the channels of an (N, C, H, W) input)."""
     k = spec.trailing(module)
+    if k == 1 and (d := dim % x.dim()) != x.dim() - 1:
+        return normalise_kept(module, spec, x.movedim(d, -1), -1, idx).movedim(-1, d)
     xk = x.index_select(dim, idx)
     wdim = dim % x.dim() - (x.dim() - k)
     weight = getattr(module, spec.weight, None)
@@ -253,6 +263,8 @@ def normalise_masked(
     from the mask's values and no shape depends on them. The pruned positions are zeros, the
     kept ones what the shrunk norm gives (equal to ``normalise_kept`` up to rounding)."""
     k = spec.trailing(module)
+    if k == 1 and (d := dim % x.dim()) != x.dim() - 1:  # (as ``normalise_kept``)
+        return normalise_masked(module, spec, x.movedim(d, -1), -1, keep).movedim(-1, d)
     nd = x.dim()
     d = dim % nd
     dims = tuple(range(nd - k, nd))

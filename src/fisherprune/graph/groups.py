@@ -251,7 +251,12 @@ def _norm_spots(
         info = trace.calls[use.call].args[0] if trace.calls[use.call].args else None
         d = len(info.labels) - use.from_end if info is not None else -1
         lab = info.labels[d] if info is not None and d >= 0 else None
-        if lab is None or not (lab is use.labels or np.array_equal(lab, use.labels)):
+        if info is not None and not _same(lab, use.labels):
+            # a norm that moves the dim it normalises last first (a channels-first
+            # LayerNorm2d): the dim of its input that holds those labels
+            d = next((i for i, at in enumerate(info.labels) if _same(at, use.labels)), -1)
+            lab = info.labels[d] if d > 0 else None
+        if lab is None or not _same(lab, use.labels):
             for rr in np.unique(roots[use.labels]).tolist():
                 unhookable.setdefault(
                     rr, f"norm {use.module!r} normalises a tensor that is not its first input"
@@ -259,6 +264,10 @@ def _norm_spots(
             continue
         spots[(use.module, 0, d)].append(roots[use.labels])
     return spots
+
+
+def _same(a: np.ndarray | None, b: np.ndarray) -> bool:
+    return a is not None and (a is b or np.array_equal(a, b))
 
 
 def _hook_spot(trace: Trace, cp) -> tuple[str, int, int] | None:
