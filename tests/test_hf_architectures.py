@@ -163,6 +163,12 @@ CASES: dict[str, Case] = {
         ),
         _pixels,
     ),
+    "convnextv2": (  # its MLP units go through a global response norm
+        lambda: T.ConvNextV2ForImageClassification(
+            T.ConvNextV2Config(hidden_sizes=[16, 32], depths=[1, 1], num_stages=2, num_labels=5)
+        ),
+        _pixels,
+    ),
     "resnet": (
         lambda: T.ResNetForImageClassification(
             T.ResNetConfig(embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1], num_labels=5)

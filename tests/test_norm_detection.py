@@ -153,11 +153,17 @@ def test_a_channels_first_norm_keeps_the_width_it_normalises_prunable() -> None:
     assert _flops(small, x[:1]) == cost
 
 
-@pytest.mark.parametrize("kind", ["layer", "rms"])
+def _grn(x: Tensor, w: Tensor, b: Tensor, eps: float = 1e-6) -> Tensor:
+    """The global response norm of channels-last ``x`` (N, H, W, C), as ConvNeXt-V2 writes it."""
+    g = torch.norm(x, p=2, dim=(1, 2), keepdim=True)
+    return w * (x * (g / (g.mean(dim=-1, keepdim=True) + eps))) + b + x
+
+
+@pytest.mark.parametrize("kind", ["layer", "rms", "grn"])
 def test_a_norm_over_a_leading_dim_normalises_the_kept_channels_there(kind: str) -> None:
     """Over dim 1 of an (N, C, H, W) input, the compiled form (sums weighted by the kept
     channels) and the gathered one agree, and the kept channels are what a norm of only
-    them computes."""
+    them computes (a global response norm's statistics too are over the kept channels)."""
     norm = LayerNorm2d(6)
     with torch.no_grad():
         norm.weight.uniform_(0.5, 1.5)
@@ -174,6 +180,8 @@ def test_a_norm_over_a_leading_dim_normalises_the_kept_channels_there(kind: str)
     xs = x[:, idx].movedim(1, -1)
     if kind == "layer":
         want = F.layer_norm(xs, (idx.numel(),), w, b, norm.eps)
+    elif kind == "grn":
+        want = _grn(xs, w, b, norm.eps)
     else:
         want = xs * torch.rsqrt(xs.pow(2).mean(-1, keepdim=True) + norm.eps) * w + b
     torch.testing.assert_close(got[:, idx], want.movedim(-1, 1))
@@ -198,3 +206,28 @@ def test_hugging_face_convnext_prunes_its_stage_widths_exactly() -> None:
     _prune_thirds(masks, 1)
     small = fp.shrink(model, {"pixel_values": x["pixel_values"][:1]})
     torch.testing.assert_close(_out(small, x), _out(model, x), rtol=0, atol=ATOL_F64)
+
+
+def test_hugging_face_convnext_v2_prunes_the_widths_its_global_response_norms_normalise() -> None:
+    """Hugging Face's ConvNeXt-V2 from its config: besides each stage's width, each block's
+    MLP units are masked though its global response norm (``ConvNextV2GRN``) divides them by
+    their mean across the units; with a third of every mask pruned the shrunk model gives the
+    masked model's logits and the FLOPs the cost model gave (``FlopCounterMode``)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.ConvNextV2Config(
+        hidden_sizes=[8, 16], depths=[1, 1], num_stages=2, num_labels=3
+    )
+    model = transformers.ConvNextV2ForImageClassification(config).double().eval()
+    for p in model.parameters():  # (its init gives logits near zero, and GRN weights zero)
+        nn.init.normal_(p, std=0.3)
+    x = {"pixel_values": torch.randn(2, 3, 16, 16, dtype=torch.float64)}
+    one = {"pixel_values": x["pixel_values"][:1]}
+    masks = fp.apply_masks(model, one)
+    grn = {g.producers[0]: g.norms for g in masks.groups.values() if "pwconv1" in g.producers[0]}
+    assert len(grn) == 2 and all(n[0].endswith(".grn") for n in grn.values()), masks.summary()
+    _prune_thirds(masks, 2)
+    cost = fp.computational_cost(model, one).total
+    small = fp.shrink(model, one)
+    torch.testing.assert_close(_out(small, x), _out(model, x), rtol=0, atol=ATOL_F64)
+    assert _flops(small, one) == cost

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -41,7 +42,9 @@ class NormSpec:
 
     Attributes:
         kind: ``"layer"``: ``(x - mean) / sqrt(var + eps) * weight + bias``; ``"rms"``:
-            ``x / sqrt(mean(x**2) + eps) * weight``.
+            ``x / sqrt(mean(x**2) + eps) * weight``; ``"grn"``: ``weight * (x * n) + bias + x``
+            with ``n`` each channel's L2 norm over the positions over their mean across
+            channels (plus eps, 1e-6 where the module holds none).
         trailing: how many trailing dims it normalises, given the module.
         eps: the attribute holding epsilon (None there: ``torch.finfo(dtype).eps``).
         weight, bias: the attributes holding the affine parameters (absent or None: none).
@@ -85,7 +88,10 @@ def register_norm(
 
     Args:
         key: the class, or its qualified name (``"package.module.Class"``).
-        kind: ``"layer"`` (mean and variance) or ``"rms"`` (root mean square).
+        kind: ``"layer"`` (mean and variance), ``"rms"`` (root mean square) or ``"grn"``
+            (ConvNeXt-V2's global response norm of channels-last maps: each channel's L2 norm
+            over the positions over its mean across the channels, ``n``, gives
+            ``weight * (x * n) + bias + x``; weight and bias may be shaped (1, ..., 1, C)).
         eps, weight, bias: the module's attributes holding epsilon and the affine parameters.
         trailing: how many trailing dims it normalises, or a function of the module saying so.
         dtype: for ``"rms"``, the dtype it computes in (None: the input's); the result is cast
@@ -95,8 +101,8 @@ def register_norm(
         ValueError: an unknown ``kind``, a malformed name, or a key already registered.
         TypeError: a key that is neither a class nor a string.
     """
-    if kind not in ("layer", "rms"):
-        raise ValueError(f"register_norm: kind must be 'layer' or 'rms', got {kind!r}")
+    if kind not in _KINDS:
+        raise ValueError(f"register_norm: kind must be one of {sorted(_KINDS)}, got {kind!r}")
     _check_key(key)
     if key in _BY_CLASS or key in _BY_NAME:
         raise ValueError(f"{_key_name(key)} is already a registered norm")
@@ -230,25 +236,10 @@ def normalise_kept(module: nn.Module, spec: NormSpec, x: Tensor, dim: int, idx: 
         return normalise_kept(module, spec, x.movedim(d, -1), -1, idx).movedim(-1, d)
     xk = x.index_select(dim, idx)
     wdim = dim % x.dim() - (x.dim() - k)
-    weight = getattr(module, spec.weight, None)
-    bias = getattr(module, spec.bias, None)
-    weight = weight.index_select(wdim, idx) if isinstance(weight, Tensor) else None
-    weight = weight + spec.weight_offset if weight is not None and spec.weight_offset else weight
-    bias = bias.index_select(wdim, idx) if isinstance(bias, Tensor) else None
-    eps = getattr(module, spec.eps, None)
-    if spec.kind == "layer":
-        eps = 1e-5 if eps is None else float(eps)
-        y = F.layer_norm(xk, tuple(xk.shape[x.dim() - k :]), weight, bias, eps)
-    else:
-        xf = xk.to(spec.dtype) if spec.dtype is not None else xk
-        eps = torch.finfo(xf.dtype).eps if eps is None else float(eps)
-        dims = tuple(range(x.dim() - k, x.dim()))
-        y = xf * torch.rsqrt(xf.pow(2).mean(dims, keepdim=True) + eps)
-        if spec.scale_in_dtype and weight is not None:
-            y, weight = y * weight.to(y.dtype), None
-        y = y.to(x.dtype)
-        y = y * weight if weight is not None else y
-        y = y + bias if bias is not None else y
+    weight, bias = _affine(module, spec, k)
+    weight = weight.index_select(wdim, idx) if weight is not None else None
+    bias = bias.index_select(wdim, idx) if bias is not None else None
+    y = _KINDS[spec.kind].kept(xk, weight, bias, getattr(module, spec.eps, None), spec, k)
     if idx.numel() == x.shape[dim]:
         return y  # every position kept
     return y.new_zeros(x.shape).index_copy_(dim, idx, y)
@@ -270,35 +261,104 @@ def normalise_masked(
     dims = tuple(range(nd - k, nd))
     shape = [1] * nd
     shape[d] = x.shape[d]
-    weight = getattr(module, spec.weight, None)
-    bias = getattr(module, spec.bias, None)
-    weight = weight + spec.weight_offset if weight is not None and spec.weight_offset else weight
+    weight, bias = _affine(module, spec, k)
     width = keep.sum()
     for i in dims:
         width = width * (x.shape[i] if i != d else 1)
-    if spec.kind == "layer":
-        eps = getattr(module, spec.eps, None)
-        eps = 1e-5 if eps is None else float(eps)
-        xf = x.to(torch.promote_types(x.dtype, torch.float32))
-        kf = keep.to(xf.dtype).view(shape)
-        mean = (xf * kf).sum(dims, keepdim=True) / width
-        centred = (xf - mean) * kf
-        var = (centred * centred).sum(dims, keepdim=True) / width
-        y = centred * torch.rsqrt(var + eps)
-        y = y * weight if isinstance(weight, Tensor) else y
-        y = y + bias * kf if isinstance(bias, Tensor) else y
-        return y.to(x.dtype)
-    xf = x.to(spec.dtype) if spec.dtype is not None else x
-    kf = keep.to(xf.dtype).view(shape)
     eps = getattr(module, spec.eps, None)
+    return _KINDS[spec.kind].masked(x, keep.view(shape), width, weight, bias, eps, spec, dims)
+
+
+def _affine(module: nn.Module, spec: NormSpec, k: int) -> tuple[Tensor | None, Tensor | None]:
+    """The norm's weight (plus ``weight_offset``) and bias shaped as the ``k`` dims it
+    normalises (a GRN's (1, 1, 1, C) as (C,)), or None where it has none."""
+    weight = getattr(module, spec.weight, None)
+    bias = getattr(module, spec.bias, None)
+    weight = weight.reshape(weight.shape[-k:]) if isinstance(weight, Tensor) else None
+    bias = bias.reshape(bias.shape[-k:]) if isinstance(bias, Tensor) else None
+    weight = weight + spec.weight_offset if weight is not None and spec.weight_offset else weight
+    return weight, bias
+
+
+def _layer_kept(x: Tensor, w: Tensor | None, b: Tensor | None, eps: Any, spec: NormSpec, k: int):
+    eps = 1e-5 if eps is None else float(eps)
+    return F.layer_norm(x, tuple(x.shape[x.dim() - k :]), w, b, eps)
+
+
+def _rms_kept(x: Tensor, w: Tensor | None, b: Tensor | None, eps: Any, spec: NormSpec, k: int):
+    xf = x.to(spec.dtype) if spec.dtype is not None else x
     eps = torch.finfo(xf.dtype).eps if eps is None else float(eps)
-    y = xf * kf * torch.rsqrt((xf * xf * kf).sum(dims, keepdim=True) / width + eps)
-    w = weight if isinstance(weight, Tensor) else None
+    dims = tuple(range(x.dim() - k, x.dim()))
+    y = xf * torch.rsqrt(xf.pow(2).mean(dims, keepdim=True) + eps)
     if spec.scale_in_dtype and w is not None:
         y, w = y * w.to(y.dtype), None
     y = y.to(x.dtype)
     y = y * w if w is not None else y
-    return y + bias * keep.to(y.dtype).view(shape) if isinstance(bias, Tensor) else y
+    return y + b if b is not None else y
+
+
+def _grn_kept(x: Tensor, w: Tensor | None, b: Tensor | None, eps: Any, spec: NormSpec, k: int):
+    """ConvNeXt-V2's global response norm of channels-last ``x`` (N, ..., C): each channel's
+    L2 norm over the positions, divided by its mean over the channels, scales the channel;
+    ``w * (x * n) + b + x``."""
+    eps = 1e-6 if eps is None else float(eps)
+    g = torch.linalg.vector_norm(x, 2, dim=tuple(range(1, x.dim() - 1)), keepdim=True)
+    y = x * (g / (g.mean(-1, keepdim=True) + eps))
+    y = y * w if w is not None else y
+    return (y + b if b is not None else y) + x
+
+
+def _layer_masked(x, kf, width, w, b, eps, spec, dims):  # type: ignore[no-untyped-def]
+    eps = 1e-5 if eps is None else float(eps)
+    xf = x.to(torch.promote_types(x.dtype, torch.float32))
+    kf = kf.to(xf.dtype)
+    mean = (xf * kf).sum(dims, keepdim=True) / width
+    centred = (xf - mean) * kf
+    var = (centred * centred).sum(dims, keepdim=True) / width
+    y = centred * torch.rsqrt(var + eps)
+    y = y * w if w is not None else y
+    y = y + b * kf if b is not None else y
+    return y.to(x.dtype)
+
+
+def _rms_masked(x, kf, width, w, b, eps, spec, dims):  # type: ignore[no-untyped-def]
+    xf = x.to(spec.dtype) if spec.dtype is not None else x
+    kx = kf.to(xf.dtype)
+    eps = torch.finfo(xf.dtype).eps if eps is None else float(eps)
+    y = xf * kx * torch.rsqrt((xf * xf * kx).sum(dims, keepdim=True) / width + eps)
+    if spec.scale_in_dtype and w is not None:
+        y, w = y * w.to(y.dtype), None
+    y = y.to(x.dtype)
+    y = y * w if w is not None else y
+    return y + b * kf.to(y.dtype) if b is not None else y
+
+
+def _grn_masked(x, kf, width, w, b, eps, spec, dims):  # type: ignore[no-untyped-def]
+    eps = 1e-6 if eps is None else float(eps)
+    kx = kf.to(x.dtype)
+    g = torch.linalg.vector_norm(x, 2, dim=tuple(range(1, x.dim() - 1)), keepdim=True)
+    y = x * (g / ((g * kx).sum(-1, keepdim=True) / width + eps))
+    y = y * w if w is not None else y
+    return ((y + b if b is not None else y) + x) * kx
+
+
+@dataclass(frozen=True)
+class _Kind:
+    """How one kind of norm computes over the kept channels: gathered (``kept``: the kept
+    slice, its weight and bias, the module's epsilon or None) and weighted by the kept
+    positions (``masked``: the input, the 0/1 keep multiplier shaped to broadcast, the kept
+    width, the weight, bias and epsilon, the normalised dims)."""
+
+    kept: Callable[..., Tensor]
+    masked: Callable[..., Tensor]
+
+
+#: the norm kinds ``register_norm`` accepts, by name
+_KINDS: dict[str, _Kind] = {
+    "layer": _Kind(_layer_kept, _layer_masked),
+    "rms": _Kind(_rms_kept, _rms_masked),
+    "grn": _Kind(_grn_kept, _grn_masked),
+}
 
 
 def _check_key(key: object) -> None:
@@ -323,3 +383,5 @@ for _hf in (
     "transformers.models.t5.modeling_t5.T5LayerNorm",
 ):
     register_norm(_hf, kind="rms", eps="variance_epsilon", dtype=torch.float32)
+# its epsilon (1e-6) is written into its forward, as the kind's default
+register_norm("transformers.models.convnextv2.modeling_convnextv2.ConvNextV2GRN", kind="grn")
