@@ -4,8 +4,6 @@ reference is the masked model's own output in float64: the shrunk model must equ
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -13,7 +11,7 @@ from test_hidden_width import ATOL_F64, TinyLlama, _flops, _out, _prune_thirds
 from torch import Tensor, nn
 
 import fisherprune as fp
-from fisherprune.norms import detect_norms, norm_spec, normalise_kept, normalise_masked
+from fisherprune.norms import NormSpec, detect_norms, norm_spec, normalise_kept, normalise_masked
 
 
 class GemmaStyleRMSNorm(nn.Module):
@@ -135,6 +133,21 @@ class TinyConvNeXt(nn.Module):
         return self.head(h.mean((2, 3)))
 
 
+def test_channels_first_norms_of_maps_and_of_sequences_are_detected() -> None:
+    """A layer norm over dim 1 of (N, C, H, W) maps (ConvNeXt's) and of (N, C, L) sequences
+    (SqueezeBERT's: permuted to (N, L, C) and back) is found by what it computes."""
+
+    class MapLayerNorm(LayerNorm2d):  # (classes of its own: detection is kept per class)
+        pass
+
+    class SequenceLayerNorm(nn.LayerNorm):
+        def forward(self, x: Tensor) -> Tensor:
+            return super().forward(x.permute(0, 2, 1)).permute(0, 2, 1)
+
+    found = detect_norms(nn.Sequential(MapLayerNorm(6), SequenceLayerNorm(6)))
+    assert found == {"MapLayerNorm": "layer", "SequenceLayerNorm": "layer"}
+
+
 def test_a_channels_first_norm_keeps_the_width_it_normalises_prunable() -> None:
     """Both layouts of one norm class are detected as a layer norm; the residual width they
     normalise is masked with them, and with a third of every mask pruned the shrunk network
@@ -168,7 +181,7 @@ def test_a_norm_over_a_leading_dim_normalises_the_kept_channels_there(kind: str)
     with torch.no_grad():
         norm.weight.uniform_(0.5, 1.5)
         norm.bias.uniform_(-0.5, 0.5)
-    spec = dataclasses.replace(norm_spec(norm), kind=kind)
+    spec = NormSpec(kind, lambda _m: 1)
     x = torch.randn(2, 6, 3, 4, dtype=torch.float64)
     norm.double()
     keep = torch.tensor([1, 0, 1, 1, 0, 1], dtype=torch.float64)

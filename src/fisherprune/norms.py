@@ -193,9 +193,10 @@ def _candidate(mod: nn.Module) -> bool:
 
 def _match(mod: nn.Module) -> NormSpec | None:
     """The first of ``_FORMS`` that ``mod`` computes, or None (parameters restored). It is
-    tried on channels last, (2, 3, C), then on channels first, (2, C, 3, 3): a ``LayerNorm2d``
-    (ConvNeXt's, as Hugging Face and timm write it) permutes its channels last and back, and
-    one class may serve both layouts (Hugging Face's ``data_format``)."""
+    tried on channels last, (2, 3, C), then on channels first, (2, C, 3, 3) and (2, C, 3): a
+    ``LayerNorm2d`` (ConvNeXt's, as Hugging Face and timm write it) permutes its channels last
+    and back, one class may serve both layouts (Hugging Face's ``data_format``), and
+    SqueezeBERT's norm does so for its (N, C, L) sequences."""
     eps = next(e for e in _EPS_NAMES if isinstance(getattr(mod, e, None), float))
     params = [t for t in (mod.weight, getattr(mod, "bias", None)) if isinstance(t, Tensor)]
     saved = [t.detach().clone() for t in params]
@@ -205,7 +206,7 @@ def _match(mod: nn.Module) -> NormSpec | None:
         with torch.no_grad():
             for t in params:
                 t.copy_(torch.randn(t.shape, generator=g).to(t.dtype))
-            for shape, dim in (((2, 3, width), -1), ((2, width, 3, 3), 1)):
+            for shape, dim in (((2, 3, width), -1), ((2, width, 3, 3), 1), ((2, width, 3), 1)):
                 x = torch.randn(shape, generator=g).to(mod.weight)
                 try:
                     out = mod(x)
