@@ -33,7 +33,7 @@ if [ "${DRY:-0}" = 1 ]; then
   OUT=${OUT:-/tmp/gpu_check_dry} DEVICE=cpu LATENCY_DEVICE=cpu LATENCY_DTYPE=float32 QUICK=--quick
   LATENCY_FORMS=${LATENCY_FORMS-compile} LATENCY_MODELS=${LATENCY_MODELS-mobilenet_v3}
   LATENCY_BATCH=${LATENCY_BATCH:-8} LATENCY_TARGETS=${LATENCY_TARGETS:-90%}
-  GPU_SPECS=${GPU_SPECS-bert_base:200:--compiled-steps:bert resnet50:120:--compiled-steps:resnet50}
+  GPU_SPECS=${GPU_SPECS-bert_base:200:--compiled-steps:bert resnet50:180:--compiled-steps:resnet50}
 fi
 OUT=${OUT:-benchmarks/results/gpu_check}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD/src:$PWD/benchmarks:$PWD PYTHONUNBUFFERED=1 MPLBACKEND=Agg
