@@ -153,3 +153,24 @@ def test_sequence_first_model_output_signal_equals_per_example_loop(traced: int)
     out = model(x) @ w  # (L, N): the per-example losses averaged over the batch
     got = _signals(masks, out.square().mean(0).mean())
     _assert_signals(got, want, RTOL64, ATOL64)
+
+
+def test_a_model_that_refuses_a_batch_of_two_keeps_its_layouts_and_says_why(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Found with one example, a sequence-first model that raises on any other batch leaves
+    the points it could not tell unknown (as before the batch of two was tried), with a
+    warning that names the error."""
+
+    class OneAtATime(SeqClassifier):
+        def forward(self, x: Tensor) -> Tensor:
+            if x.shape[0] != 1:
+                raise RuntimeError("this model takes one example")
+            return super().forward(x)
+
+    torch.manual_seed(0)
+    model = OneAtATime(batch_first=False).double()
+    with caplog.at_level("WARNING", logger="fisherprune"):
+        fp.apply_masks(model, torch.randn(1, 7, 6, dtype=torch.float64))
+    assert "unknown" in {mp.rows.kind for mp in find_holder(model)[1].points}
+    assert "this model takes one example" in caplog.text

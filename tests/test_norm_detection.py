@@ -244,3 +244,86 @@ def test_hugging_face_convnext_v2_prunes_the_widths_its_global_response_norms_no
     small = fp.shrink(model, one)
     torch.testing.assert_close(_out(small, x), _out(model, x), rtol=0, atol=ATOL_F64)
     assert _flops(small, one) == cost
+
+
+def test_detection_leaves_a_batch_norm_subclass_in_training_as_it_was() -> None:
+    """A batch norm subclass is a candidate by its name; probing it, in training mode, must
+    not move its running statistics (the probe runs in eval mode, buffers restored)."""
+
+    class UserBatchNorm2d(nn.BatchNorm2d):
+        pass
+
+    class UserBatchNorm1d(nn.BatchNorm1d):
+        pass
+
+    model = nn.Sequential(UserBatchNorm2d(6), UserBatchNorm1d(6)).train()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    detect_norms(model)
+    assert all(m.training for m in model.modules())
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+def test_a_norm_named_module_whose_output_has_another_shape_is_not_detected() -> None:
+    """A candidate that pools its input is refused by its output's shape, without raising."""
+
+    class PoolingLayerNorm(nn.LayerNorm):
+        def forward(self, x: Tensor) -> Tensor:
+            return super().forward(x).mean(1)
+
+    mod = PoolingLayerNorm(6)
+    assert detect_norms(nn.Sequential(mod)) == {}
+    assert norm_spec(mod) is None
+
+
+def test_a_norm_over_two_dims_that_permutes_its_input_keeps_the_width_whole() -> None:
+    """A norm registered over two trailing dims that moves the channels last first normalises
+    (W, C) of its permuted input: the channels of its input are not what it normalises
+    trailing, so the width stays unmasked, for that reason (only a norm over one dim is
+    followed to the dim of its input that holds the channels)."""
+
+    class WidthChannelRMSNorm(nn.Module):
+        def __init__(self, c: int) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.rand(c) + 0.5)
+            self.eps = 1e-5
+
+        def forward(self, x: Tensor) -> Tensor:
+            y = x.permute(0, 2, 3, 1)
+            y = y * torch.rsqrt(y.pow(2).mean((-2, -1), keepdim=True) + self.eps) * self.weight
+            return y.permute(0, 3, 1, 2)
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.n, self.b = nn.Conv2d(3, 6, 1), WidthChannelRMSNorm(6), nn.Conv2d(6, 2, 1)
+
+        def forward(self, x: Tensor) -> Tensor:
+            return self.b(torch.relu(self.n(self.a(x))))
+
+    fp.register_norm(WidthChannelRMSNorm, kind="rms", trailing=2)
+    try:
+        masks = fp.apply_masks(Net().double().eval(), torch.randn(1, 3, 4, 5).double())
+    finally:
+        fp.unregister_norm(WidthChannelRMSNorm)
+    assert not any(g.norms for g in masks.groups.values())
+    assert any("not its first input" in s.reason for s in masks.skipped)
+
+
+def test_the_compiled_global_response_norm_stays_finite_in_float16() -> None:
+    """A ConvNeXt-V2-T stage-4 sized map (3072 units, 7x7) in float16: the sum of the units'
+    norms overflows float16, so the keep-weighted form takes its statistics in float32 and
+    gives what the gathered form gives in float32, to float16's precision."""
+    g = torch.Generator().manual_seed(0)
+    norm = LayerNorm2d(3072)
+    with torch.no_grad():
+        norm.weight.uniform_(-1, 1, generator=g)
+        norm.bias.uniform_(-1, 1, generator=g)
+    spec = NormSpec("grn", lambda _m: 1)
+    x = 4 * torch.randn(1, 7, 7, 3072, generator=g)
+    keep = torch.ones(3072)
+    keep[:5] = 0
+    want = normalise_kept(norm, spec, x, -1, keep.nonzero().flatten())
+    got = normalise_masked(norm.half(), spec, x.half(), -1, keep.half())
+    assert bool(torch.isfinite(got).all())
+    torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=5e-2)

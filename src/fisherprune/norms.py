@@ -9,6 +9,8 @@ own with::
 
     fisherprune.register_norm(MyRMSNorm, kind="rms", eps="eps")
 
+(kinds: ``"layer"``, ``"rms"`` and ``"grn"``, ConvNeXt-V2's global response norm.)
+
 A class of an optional package may be named instead of imported (``"package.module.Class"``,
 matched against a module's class by its module and name), so registering it imports nothing.
 """
@@ -46,7 +48,8 @@ class NormSpec:
             with ``n`` each channel's L2 norm over the positions over their mean across
             channels (plus eps, 1e-6 where the module holds none).
         trailing: how many trailing dims it normalises, given the module.
-        eps: the attribute holding epsilon (None there: ``torch.finfo(dtype).eps``).
+        eps: the attribute holding epsilon (None there: the kind's default, 1e-5 for
+            ``"layer"``, 1e-6 for ``"grn"``, ``torch.finfo(dtype).eps`` for ``"rms"``).
         weight, bias: the attributes holding the affine parameters (absent or None: none).
         dtype: for ``"rms"``, the dtype it normalises in before casting back to the input's
             and applying the weight (Hugging Face's: float32), or None: the input's.
@@ -159,9 +162,10 @@ def detect_norms(model: nn.Module) -> dict[str, str]:
     A candidate is a module of a class outside ``torch.nn`` whose name contains "Norm", with no
     children, a 1-d ``weight`` and an epsilon attribute (``variance_epsilon``, ``eps`` or
     ``epsilon``). It is run once per class on random data with a random weight (and bias),
-    restored afterwards, and compared with an RMS norm (``x / sqrt(mean(x^2) + eps) * w``,
-    computed in float32 as Hugging Face's are), Gemma's RMS norm (``* (1 + w)``) and a layer
-    norm over the last dim; the first that matches to 1e-5 becomes its entry.
+    restored afterwards, channels last and then channels first, and compared with an RMS norm
+    (``x / sqrt(mean(x^2) + eps) * w``, computed in float32 as Hugging Face's are), Gemma's RMS
+    norm (``* (1 + w)``) and a layer norm over the channels; the first that matches to 1e-5
+    becomes its entry.
 
     Changes: the detected classes' entries (``norm_spec`` finds them); the model is unchanged.
 
@@ -192,36 +196,52 @@ def _candidate(mod: nn.Module) -> bool:
 
 
 def _match(mod: nn.Module) -> NormSpec | None:
-    """The first of ``_FORMS`` that ``mod`` computes, or None (parameters restored). It is
-    tried on channels last, (2, 3, C), then on channels first, (2, C, 3, 3) and (2, C, 3): a
-    ``LayerNorm2d`` (ConvNeXt's, as Hugging Face and timm write it) permutes its channels last
-    and back, one class may serve both layouts (Hugging Face's ``data_format``), and
-    SqueezeBERT's norm does so for its (N, C, L) sequences."""
+    """The first of ``_FORMS`` that ``mod`` computes, or None. It is tried on channels last,
+    (2, 3, C), then on channels first, (2, C, 3, 3) and (2, C, 3): a ``LayerNorm2d``
+    (ConvNeXt's, as Hugging Face and timm write it) permutes its channels last and back, one
+    class may serve both layouts (Hugging Face's ``data_format``), and SqueezeBERT's norm does
+    so for its (N, C, L) sequences. It runs in eval mode, and its parameters and buffers are
+    restored afterwards (a batch norm subclass in training mode would update its running
+    statistics from the probe)."""
     eps = next(e for e in _EPS_NAMES if isinstance(getattr(mod, e, None), float))
     params = [t for t in (mod.weight, getattr(mod, "bias", None)) if isinstance(t, Tensor)]
-    saved = [t.detach().clone() for t in params]
+    state = [*params, *(b for b in mod.buffers(recurse=False) if isinstance(b, Tensor))]
+    saved = [t.detach().clone() for t in state]
+    training = mod.training
     g = torch.Generator().manual_seed(0)
     width = mod.weight.numel()
     try:
+        mod.eval()
         with torch.no_grad():
             for t in params:
                 t.copy_(torch.randn(t.shape, generator=g).to(t.dtype))
             for shape, dim in (((2, 3, width), -1), ((2, width, 3, 3), 1), ((2, width, 3), 1)):
                 x = torch.randn(shape, generator=g).to(mod.weight)
-                try:
-                    out = mod(x)
-                except Exception:  # a module that does not take one tensor of this layout
-                    continue
-                for form in _FORMS:
-                    spec = replace(form, eps=eps)
-                    idx = torch.arange(width, device=x.device)
-                    want = normalise_kept(mod, spec, x, dim, idx)
-                    if isinstance(out, Tensor) and torch.allclose(out, want, rtol=1e-5, atol=1e-5):
-                        return spec
+                spec = _form_of(mod, x, dim, eps)
+                if spec is not None:
+                    return spec
     finally:
+        mod.train(training)
         with torch.no_grad():
-            for t, v in zip(params, saved, strict=True):
+            for t, v in zip(state, saved, strict=True):
                 t.copy_(v)
+    return None
+
+
+def _form_of(mod: nn.Module, x: Tensor, dim: int, eps: str) -> NormSpec | None:
+    """The first of ``_FORMS`` whose output over ``dim`` of ``x`` is ``mod``'s, or None (a
+    module that does not take one tensor of this layout, or gives another shape)."""
+    try:
+        out = mod(x)
+        if not isinstance(out, Tensor) or out.shape != x.shape:
+            return None
+        idx = torch.arange(x.shape[dim], device=x.device)
+        for form in _FORMS:
+            spec = replace(form, eps=eps)
+            if torch.allclose(out, normalise_kept(mod, spec, x, dim, idx), rtol=1e-5, atol=1e-5):
+                return spec
+    except Exception:  # (its own code refused the probe: not a norm of these forms)
+        return None
     return None
 
 
@@ -263,7 +283,7 @@ def normalise_masked(
     shape = [1] * nd
     shape[d] = x.shape[d]
     weight, bias = _affine(module, spec, k)
-    width = keep.sum()
+    width = keep.sum(dtype=torch.float32)  # (a float16 count rounds above 2048)
     for i in dims:
         width = width * (x.shape[i] if i != d else 1)
     eps = getattr(module, spec.eps, None)
@@ -335,12 +355,15 @@ def _rms_masked(x, kf, width, w, b, eps, spec, dims):  # type: ignore[no-untyped
 
 
 def _grn_masked(x, kf, width, w, b, eps, spec, dims):  # type: ignore[no-untyped-def]
+    """(In float32 for half-precision inputs: a sum of thousands of channels' norms
+    overflows float16, where the kept form's ``mean`` accumulates in float32.)"""
     eps = 1e-6 if eps is None else float(eps)
-    kx = kf.to(x.dtype)
-    g = torch.linalg.vector_norm(x, 2, dim=tuple(range(1, x.dim() - 1)), keepdim=True)
-    y = x * (g / ((g * kx).sum(-1, keepdim=True) / width + eps))
+    xf = x.to(torch.promote_types(x.dtype, torch.float32))
+    kx = kf.to(xf.dtype)
+    g = torch.linalg.vector_norm(xf, 2, dim=tuple(range(1, x.dim() - 1)), keepdim=True)
+    y = xf * (g / ((g * kx).sum(-1, keepdim=True) / width + eps))
     y = y * w if w is not None else y
-    return ((y + b if b is not None else y) + x) * kx
+    return (((y + b if b is not None else y) + xf) * kx).to(x.dtype)
 
 
 @dataclass(frozen=True)

@@ -251,9 +251,10 @@ def _norm_spots(
         info = trace.calls[use.call].args[0] if trace.calls[use.call].args else None
         d = len(info.labels) - use.from_end if info is not None else -1
         lab = info.labels[d] if info is not None and d >= 0 else None
-        if info is not None and not _same(lab, use.labels):
-            # a norm that moves the dim it normalises last first (a channels-first
-            # LayerNorm2d): the dim of its input that holds those labels
+        if info is not None and use.norm_dims == 1 and not _same(lab, use.labels):
+            # a norm over one dim that moves it last first (a channels-first LayerNorm2d):
+            # the dim of its input that holds those labels (a norm over several dims
+            # normalises its input's trailing ones only)
             d = next((i for i, at in enumerate(info.labels) if _same(at, use.labels)), -1)
             lab = info.labels[d] if d > 0 else None
         if lab is None or not _same(lab, use.labels):

@@ -18,7 +18,7 @@ from fisherprune.allocator import trim_freed_memory
 from fisherprune.graph.channels import ChannelGraph
 from fisherprune.graph.groups import ChannelGroup, MaskPointSpec, Skipped, find_groups
 from fisherprune.graph.module_forwards import ModuleForward, module_forward, share_inputs_hooks
-from fisherprune.graph.row_layouts import output_layouts, point_layouts
+from fisherprune.graph.row_layouts import layouts
 from fisherprune.graph.trace import Trace, trace_model
 from fisherprune.inputs import Inputs
 from fisherprune.masks import MaskLayer, find_masks
@@ -188,8 +188,8 @@ def apply_masks(
     trace = trace_model(model, example_inputs)
     graph = ChannelGraph(trace)
     groups, specs, skipped = find_groups(trace, graph)
-    rows_trace = _rows_trace(model, example_inputs, trace, specs)
-    keys = _install(model, groups, specs, rows_trace)
+    doubled = _doubled_trace(model, example_inputs, trace, specs)
+    keys = _install(model, groups, specs, trace, doubled)
     # check by a second trace that each mask really removes its channels: a module may
     # read its input through a BatchNorm or a gate before the layer that contracts it
     masked_trace = trace_model(model, example_inputs) if keys else None
@@ -229,7 +229,7 @@ def apply_masks(
         ]
         specs = [sp for sp in specs if sp.parts]
         groups = [groups[gi] for gi in keep]
-        keys = _install(model, groups, specs, rows_trace)
+        keys = _install(model, groups, specs, trace, doubled)
     skipped = _gated_rows(skipped, {f"{m.router}.weight" for m in moe})
     problems = [s for s in skipped if not s.expected]
     if strict and problems:
@@ -394,33 +394,46 @@ def _warn_unknown_rows(model: nn.Module) -> None:
         )
 
 
-def _rows_trace(
+def _doubled_trace(
     model: nn.Module, example_inputs: Any, trace: Trace, specs: list[MaskPointSpec]
-) -> Trace:
-    """The trace that the points' row layouts are read from: ``trace``, or, where it ran a
-    batch of one and some point's rows came out unknown, a trace of that batch twice over.
+) -> Trace | None:
+    """Where ``trace`` ran a batch of one and left some point's rows unknown, a trace of that
+    batch twice over, to read those points' layouts off (``row_layouts.layouts``); else None.
     With one example the batch dim cannot be told from another dim of size one (the
     sequence-first (L, 1, E) tensors XLNet makes of its (1, L, E) input: each of the L rows
-    taken for an example, and a mask read both ways gets rows of two sizes in one pass);
-    with two it can. A model that refuses the doubled batch keeps the first trace's
-    layouts (the points stay approximate, and ``apply_masks`` says which)."""
+    taken for an example, and a mask read both ways got rows of two sizes in one pass); with
+    two it can. Inputs whose batch does not double (a list of examples) get none, and a model
+    that refuses the doubled batch keeps the unknown layouts, with a warning that says why."""
     if trace.batch_size != 1:
-        return trace
-    layouts = point_layouts(trace, specs) + output_layouts(trace, specs)
-    if all(r.kind != UNKNOWN for r in layouts):
-        return trace
+        return None
+    rows, outs = layouts(trace, specs)
+    if all(r.kind != UNKNOWN for r in [*rows, *outs]):
+        return None
+    doubled = Inputs.of(example_inputs).repeated(2)
+    if doubled.batch_size != 2:
+        return None
     try:
-        return trace_model(model, Inputs.of(example_inputs).repeated(2).value())
+        return trace_model(model, doubled.value())
     except Exception as e:  # (any error of the model's own code on a batch of two)
-        log.info("apply_masks: a batch of two could not be traced to follow rows (%s)", e)
-        return trace
+        log.warning(
+            "apply_masks: a batch of two examples could not be traced (%s: %s), so which "
+            "example each row belongs to is not known where one example could not tell",
+            type(e).__name__,
+            e,
+        )
+        return None
 
 
 def _install(
-    model: nn.Module, groups: list[ChannelGroup], specs: list[MaskPointSpec], trace: Trace
+    model: nn.Module,
+    groups: list[ChannelGroup],
+    specs: list[MaskPointSpec],
+    trace: Trace,
+    doubled: Trace | None = None,
 ) -> list[str]:
     """Add the masks of ``groups`` and their points (``specs``) to ``model``; the points' row
-    layouts are read off ``trace``. Returns the masks' keys."""
+    layouts are read off ``trace`` (and ``doubled``: ``row_layouts.layouts``). Returns the
+    masks' keys."""
     taken: set[str] = set()
     keys = [_key(g.name, taken) for g in groups]
     device = _model_device(model)
@@ -443,7 +456,7 @@ def _install(
         for sp in specs
         if sp.output is not None
     ]
-    rows, output_rows = point_layouts(trace, specs), output_layouts(trace, specs)
+    rows, output_rows = layouts(trace, specs, doubled)
     install_mask_points(model, masks, points, norms, outputs, rows, output_rows)
     _hook_module_forwards(model)
     return keys

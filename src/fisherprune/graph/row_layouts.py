@@ -9,6 +9,8 @@ time inside the innermost enclosing module whose own inputs are batch or token r
 
 from __future__ import annotations
 
+from typing import Any
+
 from fisherprune.graph.groups import MaskPointSpec
 from fisherprune.graph.trace import Trace
 from fisherprune.masks.rows import (
@@ -22,29 +24,57 @@ from fisherprune.masks.rows import (
     classify_rows,
 )
 
-__all__ = ["output_layouts", "point_layouts"]
+__all__ = ["layouts", "output_layouts", "point_layouts"]
+
+_BATCH = RowLayout(BATCH)  # (frozen: one shared default)
 
 
-def point_layouts(trace: Trace, specs: list[MaskPointSpec]) -> list[RowLayout]:
+def layouts(
+    trace: Trace, specs: list[MaskPointSpec], doubled: Trace | None = None
+) -> tuple[list[RowLayout], list[RowLayout]]:
+    """``point_layouts`` and ``output_layouts`` of ``specs`` read off ``trace``; with
+    ``doubled`` (a trace of the same batch twice over), each layout left unknown there is
+    taken from it, where it saw that module or output."""
+    rows, outs = point_layouts(trace, specs), output_layouts(trace, specs)
+    if doubled is None:
+        return rows, outs
+
+    def pick(first: RowLayout, second: RowLayout | None) -> RowLayout:
+        return second if first.kind == UNKNOWN and second is not None else first
+
+    rows2, outs2 = point_layouts(doubled, specs, None), output_layouts(doubled, specs, None)
+    return (
+        [pick(a, b) for a, b in zip(rows, rows2, strict=True)],
+        [pick(a, b) for a, b in zip(outs, outs2, strict=True)],
+    )
+
+
+def point_layouts(
+    trace: Trace, specs: list[MaskPointSpec], unseen: RowLayout | None = _BATCH
+) -> list[Any]:
     """The ``RowLayout`` of each module-input spec of ``specs`` (norms and outputs excluded),
-    in order. A module the trace never saw called (one run through a registered forward) is
-    taken to read batch rows, as every point was before rows were followed."""
+    in order. A module the trace never saw called (one run through a registered forward) gets
+    ``unseen``: by default batch rows, as every point was taken to read before rows were
+    followed."""
     calls_of: dict[str, list[int]] = {}
     for i, c in enumerate(trace.calls):
         calls_of.setdefault(c.name, []).append(i)
     return [
-        _layout(trace, calls_of.get(sp.module, []), sp.arg)
+        _layout(trace, calls_of[sp.module], sp.arg) if sp.module in calls_of else unseen
         for sp in specs
         if not sp.norm and sp.output is None
     ]
 
 
-def output_layouts(trace: Trace, specs: list[MaskPointSpec]) -> list[RowLayout]:
-    """The ``RowLayout`` of each output spec of ``specs``, in order."""
+def output_layouts(
+    trace: Trace, specs: list[MaskPointSpec], unseen: RowLayout | None = _BATCH
+) -> list[Any]:
+    """The ``RowLayout`` of each output spec of ``specs``, in order (``unseen`` for an output
+    the trace did not return)."""
     return [
         _rows_layout(trace.output_rows[sp.output], trace.batch_size)
         if sp.output in trace.output_rows
-        else RowLayout(BATCH)
+        else unseen
         for sp in specs
         if sp.output is not None and not sp.norm
     ]
@@ -60,8 +90,6 @@ def _rows_layout(rows: Rows | None, batch: int) -> RowLayout:
 
 
 def _layout(trace: Trace, calls: list[int], arg: int) -> RowLayout:
-    if not calls:
-        return RowLayout(BATCH)
     found = {_call_layout(trace, i, arg) for i in calls}
     return found.pop() if len(found) == 1 else RowLayout(UNKNOWN)
 

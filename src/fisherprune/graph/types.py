@@ -160,12 +160,14 @@ class HeadSplit:
 @dataclass
 class NormUse:
     """A registered norm (``fisherprune.norms``) normalising a width: the module, its call
-    (an index into ``Trace.calls``), the width's labels and which dim, counted from the end."""
+    (an index into ``Trace.calls``), the width's labels and which dim, counted from the end,
+    and how many trailing dims the norm normalises (its ``NormSpec.trailing``)."""
 
     module: str
     call: int
     labels: np.ndarray
     from_end: int
+    norm_dims: int = 1
 
 
 class RuleContext:
@@ -328,7 +330,7 @@ class RuleContext:
         if self.norm_dims <= 0 or d < nd - self.norm_dims:
             return False
         if labels is not None and self.calls:
-            self._norms.append(NormUse(self.module, self.calls[-1], labels, nd - d))
+            self._norms.append(NormUse(self.module, self.calls[-1], labels, nd - d, self.norm_dims))
         return True
 
     def norm_hint(self) -> str:
