@@ -275,3 +275,12 @@ def test_an_unpruned_model_is_described_by_its_own_config(build: Callable[[], An
     narrower than the hidden width (each was misread by one rule or another)."""
     torch.manual_seed(0)
     assert update_config(build()) is None
+
+
+def test_a_config_holding_stage_widths_is_refused_with_its_fields_named() -> None:
+    """Swin's config holds its first stage's width (``embed_dim``) and its last's
+    (``hidden_size``): no one width describes both, and ``update_config`` says so by name
+    (it wrote one width into both and reported that the model could not be built)."""
+    torch.manual_seed(0)
+    reason = update_config(CASES["swin"][0]())
+    assert reason is not None and "hidden_size=32" in reason and "embed_dim=16" in reason

@@ -217,6 +217,14 @@ def update_config(model: nn.Module) -> str | None:
         values = sorted(set(read(model)))
         if not present or not values:
             continue
+        held = {f: getattr(config, f) for f in present if _holds_width(config, f)}
+        if len(set(held.values())) > 1:
+            listed = ", ".join(f"{f}={v}" for f, v in held.items())
+            return (
+                f"its config holds different widths in {listed} "
+                "(stages of their own, as in a hierarchical vision model): fields that one "
+                "width would set cannot describe it; keep the PruningPlan to rebuild it"
+            )
         if len(values) > 1:
             return (
                 f"its blocks keep different widths for {present[0]} ({values}): a Hugging Face "
