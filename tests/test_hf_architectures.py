@@ -143,6 +143,21 @@ CASES: dict[str, Case] = {
         ),
         _ids,
     ),
+    "deberta_v2_shared": (  # its q/k projections also read the position table: no batch
+        lambda: T.DebertaV2ForSequenceClassification(
+            T.DebertaV2Config(
+                **_TEXT,
+                relative_attention=True,
+                pos_att_type=["c2p", "p2c"],
+                position_biased_input=False,
+                position_buckets=16,
+                share_att_key=True,
+                max_position_embeddings=64,
+                num_labels=3,
+            )
+        ),
+        _ids,
+    ),
     "deit": (
         lambda: T.DeiTForImageClassification(
             T.DeiTConfig(
@@ -284,3 +299,25 @@ def test_a_config_holding_stage_widths_is_refused_with_its_fields_named() -> Non
     torch.manual_seed(0)
     reason = update_config(CASES["swin"][0]())
     assert reason is not None and "hidden_size=32" in reason and "embed_dim=16" in reason
+
+
+def test_repair_leaves_out_layers_whose_rows_routing_changes() -> None:
+    """SwitchTransformers routes each token to one expert, up to a capacity: once channels go,
+    an expert's calls read other tokens than in the dense forward, so its dense outputs are
+    no targets row by row. The repair leaves such a layer out (it raised on the row counts)
+    and the prune reaches its target."""
+    torch.manual_seed(0)
+    config = T.SwitchTransformersConfig(
+        vocab_size=100, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2,
+        num_heads=4, decoder_start_token_id=0, pad_token_id=0, dropout_rate=0.0, num_experts=4,
+        expert_capacity=64, encoder_sparse_step=1, decoder_sparse_step=1,
+        num_sparse_encoder_layers=2, num_sparse_decoder_layers=2,
+    )  # fmt: skip
+    model = T.SwitchTransformersForConditionalGeneration(config).eval()
+    g = torch.Generator().manual_seed(1)
+    batches = [(_ids_dec(8, g), None) for _ in range(3)]
+    example = {k: v[:1] for k, v in batches[0][0].items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = fp.prune_to_target(model, example, batches, 0.5, seed=0)
+    assert result.cost_after <= result.target

@@ -172,6 +172,16 @@ class LayerFit:
             x = self.rows(self.mod, x, x[..., :1], self.kept, self.sample, self.tokens)[0]
             targets = list(y)
         else:
+            # x: the pruned call's input, y: the dense call's output; a linear layer's rows are
+            # all its dims but the features, a convolution's its examples
+            lead = -1 if self.rows is linear_rows else 1
+            if x.shape[:lead] != y.shape[:lead]:
+                self.invalid = (
+                    "its calls in the pruned forward read other rows than in the dense one "
+                    "(rows routed by data: an expert's tokens change when channels go), so "
+                    "no dense target matches them row by row"
+                )
+                return
             x, y = self.rows(self.mod, x, y, self.kept, self.sample, self.tokens)
             targets = [y if self.outputs is None else y[:, self.outputs]]
         x = self._with_ones(x)

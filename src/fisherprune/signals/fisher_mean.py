@@ -53,6 +53,7 @@ One process only: the sums of other ranks are not gathered.
 from __future__ import annotations
 
 import itertools
+import logging
 import weakref
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
@@ -74,6 +75,8 @@ from fisherprune.signals.criteria import GradientCriterion, register_criterion
 from fisherprune.signals.gather import fold_totals
 
 __all__ = ["FisherMean", "coupled_masks", "joint_increments", "normalised_masks"]
+
+log = logging.getLogger("fisherprune")
 
 
 def coupled_masks(model: nn.Module) -> set[int]:
@@ -221,6 +224,9 @@ class _MaskRecord:
         self.sums: dict[int, tuple[Tensor, Tensor]] = {}
         #: coupled only: pass index -> (the terms that saw a gradient, their s: (P', N, C))
         self.shifts: dict[int, tuple[Tensor, Tensor]] = {}
+        #: a forward handed this mask gradients of different row counts (told once): those
+        #: passes keep the plain signal
+        self.unpaired = False
 
     def pair(self, name: str) -> None:
         """Pair the pass that just ended with the mask's gradient of that pass: add to the
@@ -231,13 +237,21 @@ class _MaskRecord:
         if all(s is None for s in shifts) or new == 0:
             return  # no gradient reached these inputs, or the mask's pass was dropped
         if new > 1:
-            raise ValueError(
-                f"fisher_mean: mask {name!r} closed {new} gradient passes in one forward: "
-                "either the model ran more than once for one loss (call it once per loss), "
-                "or the mask's places handed gradients of different row counts, as where "
-                "apply_masks could not tie a place's rows to examples (it warned which "
-                "places: the criterion 'fisher' takes such rows for examples instead)"
-            )
+            if len({int(p.shape[0]) for p in passes[-new:]}) == 1:
+                raise ValueError(
+                    f"fisher_mean: mask {name!r} closed {new} gradient passes in one forward: "
+                    "the model ran more than once for one loss; call it once per loss"
+                )
+            if not self.unpaired:  # places whose rows apply_masks could not tie to examples
+                log.warning(
+                    "fisher_mean: mask %r gets gradients of different row counts in one "
+                    "forward (places whose rows are not the examples: apply_masks said "
+                    "which): its signal there is the plain Fisher signal, not corrected for "
+                    "the repair's means",
+                    name,
+                )
+            self.unpaired = True
+            return
         g = passes[-1].double()
         n, c = g.shape
         rows = [j for j, s in enumerate(shifts) if s is not None]
