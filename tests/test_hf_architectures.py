@@ -158,6 +158,12 @@ CASES: dict[str, Case] = {
         ),
         _ids,
     ),
+    "convbert": (  # its attention keeps num_attention_heads / head_ratio heads
+        lambda: T.ConvBertForSequenceClassification(
+            T.ConvBertConfig(**_TEXT, embedding_size=32, max_position_embeddings=64, num_labels=3)
+        ),
+        _ids,
+    ),
     "deit": (
         lambda: T.DeiTForImageClassification(
             T.DeiTConfig(
@@ -247,6 +253,7 @@ def test_pruned_and_repaired_model_shrinks_to_the_masked_logits(name: str) -> No
         "distilbert",
         "gpt_bigcode",
         "funnel",
+        "convbert",
     ],
 )
 def test_uniform_pruned_model_reloads_from_its_config_to_the_masked_logits(
@@ -257,8 +264,9 @@ def test_uniform_pruned_model_reloads_from_its_config_to_the_masked_logits(
     d_model ** -0.5 with d_model fixed at construction, so its hidden width stays whole.
     ELECTRA and ALBERT normalise embeddings narrower than the hidden width (``embedding_size``)
     and Falcon has one key/value head for four query heads in one fused projection;
-    DistilBERT calls its MLP width ``hidden_dim``, Funnel ``d_inner``, and GPTBigCode says
-    its one key/value head by ``multi_query``: they reached their targets (uniform=True
+    DistilBERT calls its MLP width ``hidden_dim``, Funnel ``d_inner``, GPTBigCode says
+    its one key/value head by ``multi_query``, and ConvBERT's attention keeps the config's
+    heads over ``head_ratio``: they reached their targets (uniform=True
     pruned nothing there when their widths were misread)."""
     # T5's floor with uniform=True is 66.9% (only its MLP and heads may go) and Funnel's
     # 69.6%: a lower target is refused up front, so they are asked for 70% and 75%, the

@@ -65,7 +65,10 @@ def _attention(model: nn.Module) -> list[tuple[int, int]]:
         k = next((children[n] for n in _KEY if n in children), None)
         fused = next((children[n] for n in _FUSED_QKV if n in children), None)
         if q is not None and k is not None and _out_width(q) and _out_width(k):
-            found.append((_out_width(q) // size, _out_width(k) // size))
+            # ConvBERT's attention keeps num_attention_heads / head_ratio of the config's heads
+            ratio = getattr(mod, "head_ratio", 1)
+            ratio = ratio if isinstance(ratio, int) and ratio > 0 else 1
+            found.append((_out_width(q) // size * ratio, _out_width(k) // size * ratio))
         elif fused is not None and _out_width(fused):
             rows = _out_width(fused) // size  # query, key and value heads, stacked
             kv = next(
