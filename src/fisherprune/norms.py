@@ -355,15 +355,16 @@ def _rms_masked(x, kf, width, w, b, eps, spec, dims):  # type: ignore[no-untyped
 
 
 def _grn_masked(x, kf, width, w, b, eps, spec, dims):  # type: ignore[no-untyped-def]
-    """(In float32 for half-precision inputs: a sum of thousands of channels' norms
-    overflows float16, where the kept form's ``mean`` accumulates in float32.)"""
+    """(The per-channel norms and their mean in float32, the activation in its own dtype: a
+    float16 sum of thousands of channels' norms overflows, where the kept form's ``mean``
+    accumulates in float32.)"""
     eps = 1e-6 if eps is None else float(eps)
-    xf = x.to(torch.promote_types(x.dtype, torch.float32))
-    kx = kf.to(xf.dtype)
-    g = torch.linalg.vector_norm(xf, 2, dim=tuple(range(1, x.dim() - 1)), keepdim=True)
-    y = xf * (g / ((g * kx).sum(-1, keepdim=True) / width + eps))
+    wide = torch.promote_types(x.dtype, torch.float32)
+    g = torch.linalg.vector_norm(x, 2, dim=tuple(range(1, x.dim() - 1)), keepdim=True, dtype=wide)
+    n = g / ((g * kf.to(wide)).sum(-1, keepdim=True) / width + eps)  # (N, 1, ..., 1, C)
+    y = x * n.to(x.dtype)
     y = y * w if w is not None else y
-    return (((y + b if b is not None else y) + xf) * kx).to(x.dtype)
+    return ((y + b if b is not None else y) + x) * kf.to(x.dtype)
 
 
 @dataclass(frozen=True)

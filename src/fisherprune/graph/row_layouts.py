@@ -9,8 +9,6 @@ time inside the innermost enclosing module whose own inputs are batch or token r
 
 from __future__ import annotations
 
-from typing import Any
-
 from fisherprune.graph.groups import MaskPointSpec
 from fisherprune.graph.trace import Trace
 from fisherprune.masks.rows import (
@@ -35,8 +33,9 @@ def layouts(
     """``point_layouts`` and ``output_layouts`` of ``specs`` read off ``trace``; with
     ``doubled`` (a trace of the same batch twice over), each layout left unknown there is
     taken from it, where it saw that module or output."""
-    rows, outs = point_layouts(trace, specs), output_layouts(trace, specs)
-    if doubled is None:
+    rows: list[RowLayout] = point_layouts(trace, specs)  # type: ignore[assignment]
+    outs: list[RowLayout] = output_layouts(trace, specs)  # type: ignore[assignment]
+    if doubled is None:  # (with the default ``unseen``, no entry is None)
         return rows, outs
 
     def pick(first: RowLayout, second: RowLayout | None) -> RowLayout:
@@ -51,7 +50,7 @@ def layouts(
 
 def point_layouts(
     trace: Trace, specs: list[MaskPointSpec], unseen: RowLayout | None = _BATCH
-) -> list[Any]:
+) -> list[RowLayout | None]:
     """The ``RowLayout`` of each module-input spec of ``specs`` (norms and outputs excluded),
     in order. A module the trace never saw called (one run through a registered forward) gets
     ``unseen``: by default batch rows, as every point was taken to read before rows were
@@ -68,7 +67,7 @@ def point_layouts(
 
 def output_layouts(
     trace: Trace, specs: list[MaskPointSpec], unseen: RowLayout | None = _BATCH
-) -> list[Any]:
+) -> list[RowLayout | None]:
     """The ``RowLayout`` of each output spec of ``specs``, in order (``unseen`` for an output
     the trace did not return)."""
     return [
