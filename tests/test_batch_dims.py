@@ -174,3 +174,46 @@ def test_a_model_that_refuses_a_batch_of_two_keeps_its_layouts_and_says_why(
         fp.apply_masks(model, torch.randn(1, 7, 6, dtype=torch.float64))
     assert "unknown" in {mp.rows.kind for mp in find_holder(model)[1].points}
     assert "this model takes one example" in caplog.text
+
+
+class _Probe(nn.Module):
+    """Attention pooling by a learned probe repeated over the batch (SigLIP's head): the
+    probe meets the key projection's weight, which reads the hidden width, with no
+    activation between them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Linear(6, 8)
+        self.probe = nn.Parameter(torch.randn(1, 1, 8))
+        self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.embed(x)
+        p = self.probe.repeat(x.shape[0], 1, 1)
+        return self.head(self.attn(p, h, h)[0][:, 0])
+
+
+def test_masks_found_at_a_batch_of_one_are_those_found_at_a_batch_of_three() -> None:
+    """A parameter repeated over the batch traces at a batch of three as at a batch of one:
+    the same masks, the heads' among them (its dim of one, tiled to the batch, counted as a
+    channel at three and was merged with the heads, which were then refused)."""
+    found = {n: sorted(fp.apply_masks(_Probe(), torch.randn(n, 4, 6))) for n in (1, 3)}
+    assert found[1] == found[3]
+    assert "fisherprune_masks.attn:out" in found[1]
+
+
+def test_a_parameter_met_by_a_weight_is_masked_where_it_enters() -> None:
+    """The probe and the key/value weight columns it meets share the hidden width, and no
+    activation lies between them: the hidden width is masked at the attention's query input
+    too, so the shrunk model gives the masked model's outputs (the width was kept whole: the
+    masked model kept the probe's channel the shrunk model removed)."""
+    model, x = _Probe(), torch.randn(5, 4, 6)
+    masks = fp.apply_masks(model, x[:1])
+    (hidden,) = [k for k in masks if "embed" in k]
+    with torch.no_grad():
+        masks[hidden].mask[[1, 4]] = 0.0
+        small = fp.shrink(model, x)
+        torch.testing.assert_close(small(x), model(x))
+    assert small.probe.shape[-1] == 6

@@ -162,6 +162,12 @@ class Atoms:
             return np.zeros(0, dtype=np.int64)
         return np.unique(roots[np.concatenate(self._producer)])
 
+    def batch_size(self) -> int | None:
+        """The batch size of the model inputs (their dim 0), or None when they differ or
+        none was marked."""
+        sizes = {end - start for start, end in self._batch}
+        return sizes.pop() if len(sizes) == 1 else None
+
     def is_batch(self, a: np.ndarray) -> bool:
         """Whether every atom of ``a`` indexes the batch dimension of a model input."""
         return bool(a.size) and bool(_within(a, self._batch).all())

@@ -399,7 +399,10 @@ def matmul_core(
     ka, kb = a.labels[-1], b.labels[-2]
     if ka is not None and kb is not None:
         ctx.atoms.union(ka, kb)
-    if not a.param:
+    # a parameter's side needs no mask where the other side's does; two parameters (or views
+    # of them: SigLIP's pooling probe, repeated over the batch) are summed over k with no
+    # mask between them, so the contraction reads their k channels where they meet
+    if not a.param or b.param:
         ctx.consume(ka, a.cover[-1], ctx.where())
     if not b.param:
         ctx.consume(kb, b.cover[-2], ctx.where())

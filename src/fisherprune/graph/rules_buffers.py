@@ -50,7 +50,11 @@ FILL_OPS = (
 @register_channel_rule(*FILL_OPS)
 def _fill(ctx: RuleContext) -> list[TensorInfo]:
     """A fresh buffer: every dimension of size above one gets fresh, unblocked atoms, so that
-    the buffer follows whatever width it is combined with or written with."""
+    the buffer follows whatever width it is combined with or written with. A leading dim the
+    size of the model inputs' batch indexes the batch (``torch.ones(batch, seq)``, CANINE's
+    ``torch.zeros(input_shape)``): its atoms count as the batch's, as a batch of one, whose
+    dim 0 gets none, traces it (else heads merged with that batch are refused at batch 2)."""
+    batch = ctx.atoms.batch_size()
     outs = []
     for t in ctx.out_tensors:
         shape = tuple(t.shape)
@@ -58,5 +62,7 @@ def _fill(ctx: RuleContext) -> list[TensorInfo]:
             ctx.atoms.new_block("fill", ctx.where(), d, s) if s > 1 else None
             for d, s in enumerate(shape)
         ]
+        if shape and labels[0] is not None and shape[0] == batch:
+            ctx.atoms.mark_batch(labels[0])
         outs.append(TensorInfo(shape, labels, [None] * len(shape)))
     return outs

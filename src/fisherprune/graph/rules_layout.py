@@ -124,13 +124,18 @@ def _repeat(ctx: RuleContext) -> list[TensorInfo]:
     carry none). A dim copied r times holds each of its channels r times, in the same order in
     every copy (DeBERTa's relative-position keys, one copy per example, beside queries whose
     heads are merged with the batch): it carries ``x``'s labels and covers tiled r times, so
-    removing a channel removes it from every copy, as the shrunk model's smaller ``x`` does."""
+    removing a channel removes it from every copy, as the shrunk model's smaller ``x`` does.
+    A dim of one copied carries none, as ``expand`` 's broadcast dims: its copies are one value
+    over the batch (SigLIP's pooling probe, ``probe.repeat(batch, 1, 1)``), and a batch of one
+    must trace as a larger one does."""
     x = ctx.info(ctx.args[0])
     shape = tuple(ctx.out_tensors[0].shape)
     off = len(shape) - len(x.shape)
     lab: list[Labels] = [None] * len(shape)
     cov: list[Labels] = [None] * len(shape)
     for d, (a, c) in enumerate(zip(x.labels, x.cover, strict=True)):
+        if x.shape[d] == 1:
+            continue
         times = shape[d + off] // max(x.shape[d], 1)
         lab[d + off] = None if a is None else np.tile(a, times)
         cov[d + off] = None if c is None else np.tile(c, times)
