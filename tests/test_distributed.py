@@ -270,3 +270,83 @@ def test_spawned_ddp_ranks_prune_identically_on_different_shards(tmp_path: Path)
     assert r0["first_batch"] != r1["first_batch"]
     assert r0["prunes"] == r1["prunes"] > 1
     assert r0["masks"] == r1["masks"]
+
+
+# A branch only rank 0's loss reads: its mask is reached on rank 0 alone, every step.
+SPAWN_BRANCH_DRIVER = """
+import json
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+
+import fisherprune
+from tests.ddp_step_driver import leave_group
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.out = nn.Linear(8, 16), nn.Linear(16, 3)
+        self.side, self.side_out = nn.Linear(8, 12), nn.Linear(12, 3)
+
+    def forward(self, x, side=True):
+        main = self.out(F.relu(self.fc1(x)))
+        return main + self.side_out(F.relu(self.side(x))) if side else main
+
+
+def worker(rank, world, port, out):
+    torch.set_num_threads(1)
+    warnings.simplefilter("ignore")
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    torch.manual_seed(0)
+    model = Net()
+    example = torch.zeros(1, 8)
+    fisherprune.apply_masks(model, example)
+    ddp = nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
+    popt = fisherprune.PruningOptimizer(
+        model, example, lr=0.05, prune_every=1, burn_in=0, decay=0.5, flops_target=0.1
+    )
+    shard = torch.Generator().manual_seed(1000 + rank)
+    w = torch.randn(8, 3, generator=torch.Generator().manual_seed(7))
+    masks = []
+    for _ in range(30):
+        x = torch.randn(32, 8, generator=shard)
+        popt.minimize(F.cross_entropy(ddp(x, side=rank == 0), (x @ w).argmax(1)))
+        masks.append({n: m.mask.tolist() for n, m in popt.masks.items()})
+    record = {"masks": masks, "unreached": sorted(popt._unreached)}
+    (Path(out) / f"rank{rank}.json").write_text(json.dumps(record))
+    leave_group(rank, Path(out))
+
+
+if __name__ == "__main__":
+    mp.spawn(worker, args=(2, int(sys.argv[1]), sys.argv[2]), nprocs=2, join=True)
+"""
+
+
+def test_spawned_ddp_ranks_agree_on_a_mask_only_one_rank_reaches(tmp_path: Path) -> None:
+    """A mask whose branch only rank 0's loss reads is reached on rank 0 alone: both ranks
+    count it reached (its signal is all-reduced), so they prune the same channels at every
+    step (each rank kept whole the masks it saw no gradient for, and the ranks diverged)."""
+    driver = tmp_path / "spawn_branch_driver.py"
+    driver.write_text(textwrap.dedent(SPAWN_BRANCH_DRIVER))
+    done = subprocess.run(
+        [sys.executable, str(driver), str(free_port()), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        env=subprocess_env(),
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert r0["unreached"] == r1["unreached"] == []
+    assert r0["masks"] == r1["masks"]
+    side = [n for n in r0["masks"][-1] if "side" in n]
+    assert side and any(0.0 in r0["masks"][-1][n] for n in side)

@@ -635,16 +635,59 @@ class AuxBranch(nn.Module):
         return self.l2(h)
 
 
-def test_mask_no_loss_reaches_raises_on_first_step_naming_it():
-    """A mask that gets no gradient makes the first step raise ValueError naming that mask."""
+def test_a_mask_no_loss_reaches_is_kept_whole_with_a_warning_naming_it():
+    """A mask that gets no gradient while others do (a branch whose output the loss does not
+    use) is named in a warning on the first step and never pruned: its signal is 0 for want
+    of a gradient, not because its channels do not matter (it raised and stopped the run)."""
     model = AuxBranch()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the cost model may also remark on the unused branch
-        opt = fp.PruningOptimizer(model, torch.zeros(2, IN), prune_every=1)
-    ((x, y),) = mlp_batches(1)
-    with pytest.raises(ValueError, match="m_aux") as info:
+        opt = fp.PruningOptimizer(model, torch.zeros(2, IN), prune_every=1, flops_target=0.01)
+    batches = mlp_batches(30)
+    x, y = batches[0]
+    with pytest.warns(RuntimeWarning, match=r"m_aux.* stay whole") as caught:
         opt.minimize(F.cross_entropy(model(x), y))
-    assert "m_main" not in str(info.value)
+    assert all("m_main" not in str(w.message) for w in caught)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", ".*received no gradient")  # told once
+        warnings.filterwarnings("ignore", "pruning stopped")  # (m_main reaches its floor)
+        train(opt, model, batches[1:])
+    assert bool((model.m_aux.mask == 1).all())
+    assert int(model.m_main.mask.sum()) < H1
+    assert {n for e in opt.history for n in e.removed} == {"m_main"}
+
+
+def test_the_masks_no_loss_reached_are_kept_whole_after_a_resume():
+    """The masks no gradient has reached are part of the optimizer's state: a resumed run keeps
+    them whole too."""
+    model = AuxBranch()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        opt = fp.PruningOptimizer(model, torch.zeros(2, IN), prune_every=1, burn_in=5)
+        train(opt, model, mlp_batches(2))
+        state = copy.deepcopy(opt.state_dict())
+        resumed = fp.PruningOptimizer(model, torch.zeros(2, IN), prune_every=1, burn_in=5)
+    resumed.load_state_dict(state)
+    assert state["unreached"] == ["m_aux"]
+    model.aux = None  # (a resumed loop whose aux branch now runs, but its output is unused)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        train(resumed, model, mlp_batches(10, seed=3))
+    assert bool((model.m_aux.mask == 1).all()) and resumed.history
+
+
+def test_a_first_step_that_reaches_no_mask_raises_naming_them():
+    """A loss that reaches no mask at all (computed from something other than the model's
+    outputs) makes the first step raise ValueError naming the masks: nothing could be pruned
+    on such signals."""
+    model = AuxBranch()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        opt = fp.PruningOptimizer(model, torch.zeros(2, IN), prune_every=1)
+    ((x, _),) = mlp_batches(1)
+    model(x)
+    with pytest.raises(ValueError, match=r"m_main.*m_aux|m_aux.*m_main"):
+        opt.minimize(model.l2.weight.pow(2).sum())
 
 
 class SkipNonFiniteSGD(torch.optim.SGD):

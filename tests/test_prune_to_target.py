@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import fisherprune as fp
+from fisherprune.calibrate.to_target import UNREACHED, estimate_signals
 from fisherprune.criteria import L1, Activation, Random, Taylor
 from tests import zoo
 
@@ -428,3 +429,105 @@ def test_a_chunk_that_went_past_the_goal_is_redone_one_removal_at_a_time(monkeyp
         )
         landed[priced] = result.cost_after / result.target
     assert landed["exact"] - 0.005 <= landed["a fifth"] <= 1, landed
+
+
+class _TwoHeads(nn.Module):
+    """A classifier that also returns a second head's output, which the loss leaves unused
+    (as a Hugging Face image classifier's pooler)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
+        self.aux = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 2))
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        return self.body(x), self.aux(x)
+
+
+def _two_heads_data() -> list[tuple[Tensor, Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(16, 6, generator=g), torch.randint(0, 3, (16,), generator=g))] * 3
+
+
+def _first_output_loss(out: tuple[Tensor, Tensor], y: Tensor) -> Tensor:
+    return F.cross_entropy(out[0], y)
+
+
+def test_a_mask_the_loss_does_not_reach_is_kept_whole_and_listed() -> None:
+    """A mask no calibration gradient reaches is left whole, named in a warning and in
+    ``kept_whole`` (it raised, so such a model could not be pruned at all), while the others
+    reach the target; the shrunk model gives both outputs of the masked one."""
+    net, data = _TwoHeads(), _two_heads_data()
+    x = data[0][0]
+    with pytest.warns(UserWarning, match="aux_0:out whole: no gradient reached"):
+        result = fp.prune_to_target(net, x[:1], data, 0.75, loss_fn=_first_output_loss)
+    masks = fp.find_masks(net)
+    (aux,) = [n for n in masks if "aux" in n]
+    assert result.kept_whole == {aux: UNREACHED}
+    assert masks[aux].kept == masks[aux].num_channels
+    assert result.cost_after <= result.target
+    small = fp.shrink(net, x)
+    with torch.no_grad():
+        for a, b in zip(small(x), net(x), strict=True):
+            torch.testing.assert_close(a, b)
+
+
+def test_a_target_beyond_what_the_reached_masks_allow_is_refused_naming_the_rest() -> None:
+    """When the masks the loss reaches cannot meet the target alone, the refusal says which
+    mask was kept whole for want of a gradient, and the model is given back unmasked."""
+    net, data = _TwoHeads(), _two_heads_data()
+    x = data[0][0]
+    with (
+        pytest.warns(UserWarning, match="no gradient"),
+        pytest.raises(
+            ValueError,
+            match=r"no gradient reached in the calibration passes kept whole, e\.g\. .*aux",
+        ),
+    ):
+        fp.prune_to_target(net, x[:1], data, 0.3, loss_fn=_first_output_loss)
+    assert not fp.find_masks(net)
+
+
+def test_estimate_signals_refuses_a_mask_the_loss_does_not_reach_unless_asked() -> None:
+    """``estimate_signals`` raises naming a mask no gradient reached; given an ``unreached``
+    set, it adds the mask there instead and estimates the others."""
+    net, data = _TwoHeads(), _two_heads_data()
+    masks = fp.apply_masks(net, data[0][0][:1])
+    with pytest.raises(ValueError, match=r"aux_0:out.*received no gradient"):
+        estimate_signals(net, masks, data, _first_output_loss, fp.criteria.Fisher())
+    unreached: set[str] = set()
+    estimate_signals(net, masks, data, _first_output_loss, fp.criteria.Fisher(), None, None,
+                     unreached)  # fmt: skip
+    (body,) = [n for n in masks if "body" in n]
+    assert unreached == set(masks) - {body}
+    assert bool((masks[body].signal > 0).any())
+
+
+class _TwinHeads(nn.Module):
+    """Two copies of one head (``uniform=True`` keeps them at one width); the loss reads the
+    first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.heads = nn.ModuleList(
+            nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3)) for _ in range(2)
+        )
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        return self.heads[0](x), self.heads[1](x)
+
+
+def test_uniform_keeps_the_copies_of_a_mask_the_loss_does_not_reach_whole_and_says_so() -> None:
+    """With ``uniform=True`` a mask no gradient reached keeps its copies whole too (they must
+    keep one width, and nothing tells which of its channels to drop): a target that needs
+    them is refused naming both, and what to do."""
+    net, data = _TwinHeads(), _two_heads_data()
+    x = data[0][0]
+    with pytest.warns(UserWarning, match="no gradient"), pytest.raises(ValueError) as caught:
+        fp.prune_to_target(net, x[:1], data, 0.75, loss_fn=_first_output_loss, uniform=True)
+    text = str(caught.value)
+    assert "heads_1_0:out: the loss does not use their output" in text
+    assert "1 of their copies, e.g. fisherprune_masks.heads_0_0:out" in text
+    assert "build the model without it" in text and "nothing was changed" in text

@@ -69,7 +69,7 @@ from fisherprune.pruner.prune import (
     rounding,
 )
 from fisherprune.pruner.scoring import FlopsWeight, score_all
-from fisherprune.pruner.uniform import plan_uniform
+from fisherprune.pruner.uniform import copies_of, plan_uniform
 from fisherprune.settings import check_flops_weight, check_int, check_min_channels
 from fisherprune.signals import Criterion, resolve_criterion
 
@@ -130,6 +130,40 @@ AUTO_CRITERION = {True: "fisher_mean", False: "fisher"}
 REPAIR_FLOPS = 2e13
 
 
+#: why ``prune_to_target`` leaves a mask whole that its calibration passes gave no gradient
+UNREACHED = (
+    "no gradient reached it in the calibration passes (the loss does not use its output: a "
+    "head or branch the task discards; or no example was routed through it), so its signal "
+    "says nothing"
+)
+#: why ``uniform=True`` leaves a copy of such a mask whole with it (a gradient reached the copy)
+UNREACHED_COPY = (
+    "a copy of a mask no gradient reached in the calibration passes, and uniform=True keeps "
+    "every copy at one width (the loss does not use that copy's output: build the model "
+    "without it, as SigLIP's classifier with vision_use_head=False, to prune the copies)"
+)
+
+
+def _split_whole(whole: dict[str, str]) -> tuple[dict[str, str], str]:
+    """The masks a setting keeps whole (``uniform=True``, ``blocks="only"``), and a clause
+    naming those kept whole as ``UNREACHED`` ("" when none)."""
+    unreached = [n for n, r in whole.items() if r == UNREACHED]
+    copies = [n for n, r in whole.items() if r == UNREACHED_COPY]
+    if not unreached:
+        return whole, ""
+    said = (
+        f" (with {len(unreached)} mask(s) that no gradient reached in the calibration passes "
+        f"kept whole, e.g. {unreached[0]}: the loss does not use their output"
+        + (
+            f"; and {len(copies)} of their copies, e.g. {copies[0]}: {UNREACHED_COPY}"
+            if copies
+            else ""
+        )
+        + ")"
+    )
+    return {n: r for n, r in whole.items() if r not in (UNREACHED, UNREACHED_COPY)}, said
+
+
 def _stuck_message(
     result: PruneResult, goal: float, min_channels: Any, round_to: int, floor_power: Any
 ) -> str:
@@ -142,10 +176,11 @@ def _stuck_message(
         else f", floor_power={floor_power}: raise it (a higher power lowers the floor) or unset it"
     )
     floor = f"(min_channels={min_channels}, round_to={round_to}{power})"
-    gap = f"the cost {result.cost_after:.6g} stays above the target {goal:.6g}"
-    if not result.kept_whole:
-        return f"every mask is at its floor {floor}; {gap}"
-    name, reason = next(iter(result.kept_whole.items()))
+    whole, unreached = _split_whole(result.kept_whole)
+    gap = f"the cost {result.cost_after:.6g} stays above the target {goal:.6g}{unreached}"
+    if not whole:
+        return f"every mask is at its floor {floor}; {gap}{unreached}"
+    name, reason = next(iter(whole.items()))
     if reason.startswith("blocks='only'"):
         return (
             f"every block gate is at its floor {floor}; {gap}. blocks='only' keeps every "
@@ -153,7 +188,7 @@ def _stuck_message(
         )
     return (
         f"every mask uniform=True may prune is at its floor {floor}; {gap}. uniform=True keeps "
-        f"{len(result.kept_whole)} mask(s) whole, e.g. {name}: {reason}. Prune with "
+        f"{len(whole)} mask(s) whole, e.g. {name}: {reason}. Prune with "
         "uniform=False to reach the target (the model then no longer saves as a standard "
         "configuration), or choose a higher target"
     )
@@ -282,7 +317,8 @@ def _refuse(goal: float, floor: float, reach: _Reach, latency: bool, how: str = 
             ``floor_power`` where it is set, and what to do instead.
     """
     min_channels, round_to = reach.floors
-    start, whole = reach.start, reach.whole
+    start = reach.start
+    whole, unreached = _split_whole(reach.whole)
     unit = "per forward pass" if latency else "per example"
     digits = 1 if f"{goal / start:.1%}" != f"{floor / start:.1%}" else 2  # never "0.5% < 0.5%"
     wanted = f"target {reach.target!r} ({goal / start:.{digits}%} of the cost, {goal:.6g} {unit})"
@@ -291,7 +327,7 @@ def _refuse(goal: float, floor: float, reach: _Reach, latency: bool, how: str = 
     power = "" if reach.floor_power is None else f", floor_power={reach.floor_power}"
     floor_text = f"(min_channels={min_channels}, round_to={round_to}{power})"
     found = f" {how}" if how else ""
-    reach_text = f"its floor is {floor / start:.{digits}%} ({floor:.6g}){found}"
+    reach_text = f"its floor is {floor / start:.{digits}%} ({floor:.6g}){found}{unreached}"
     if reach.uniform:
         kept = ""
         if whole:
@@ -426,8 +462,10 @@ class PruneResult:
         examples: calibration examples per pass.
         repair: what the repair changed (None with ``reconstruct=False``).
         convention: the cost convention.
-        kept_whole: with ``uniform=True``, the masks left whole and why (a Hugging Face
-            config has no field for their width).
+        kept_whole: the masks left whole and why: with ``uniform=True``, those a Hugging
+            Face config has no field for; with ``blocks="only"``, every channel mask; and
+            those no gradient reached in the calibration passes (``UNREACHED``: a head the
+            loss does not use, as SigLIP's pooling head under image classification).
         kept: per mask, the channels it keeps and the channels it had.
         at_floor: the masks pruned down to their floor (``min_channels``, ``round_to``):
             the selection stopped there, not the scores.
@@ -495,6 +533,7 @@ def estimate_signals(
     criterion: Criterion,
     progress: Callable[[Iterable[Any]], Iterable[Any]] | None = None,
     blocks: nn.ModuleList | None = None,
+    unreached: set[str] | None = None,
 ) -> int:
     """Set each mask's ``signal`` to the criterion's estimate over all of ``batches``.
 
@@ -504,7 +543,13 @@ def estimate_signals(
     pass (``calibrate.checkpoint``): its activations are recomputed in backward instead of
     held, one block's at a time; the signals are the same.
 
-    Changes: each mask's ``signal`` (replaced); the masks' ``collecting`` flag is left on.
+    A mask no gradient reached in any batch (a branch whose output the loss does not use, an
+    expert no example was routed to) has no estimate: with ``unreached``, its name is added
+    to that set (its signal is 0), as long as the gradient reached some mask; without, it is
+    an error.
+
+    Changes: each mask's ``signal`` (replaced); the masks' ``collecting`` flag is left on;
+    ``unreached`` (added to).
     Weights, their ``.grad``, batch-norm statistics, train/eval flags and the model's modules
     are unchanged.
 
@@ -512,8 +557,9 @@ def estimate_signals(
         The number of calibration examples.
 
     Raises:
-        ValueError: no batches, a mask the loss does not reach, or a signal that is not
-            finite (NaN or inf in a batch: the message names the first such batch).
+        ValueError: no batches, a mask the loss does not reach (with ``unreached``: no mask
+            it reaches), or a signal that is not finite (NaN or inf in a batch: the message
+            names the first such batch).
     """
     for m in masks.values():
         m.collecting = True
@@ -529,7 +575,9 @@ def estimate_signals(
     if examples == 0:
         raise ValueError("no calibration batches: give prune_to_target at least one batch")
     silent = [n for n, m in masks.items() if not m.received]
-    if silent:
+    if unreached is not None and len(silent) < len(masks):
+        unreached.update(silent)
+    elif silent:
         raise ValueError(
             f"mask(s) {silent} received no gradient: the loss does not reach them (check that "
             "loss_fn uses the model's outputs, or use a criterion that reads only weights)"
@@ -865,10 +913,13 @@ def prune_to_target(
                     norms.reestimate(data)
                 bar = _bar(progress, f"signals, round {r} (goal {g}/{goals})")
                 if crit.uses_gradients:  # (forward statistics too, if it reads them)
+                    unreached: set[str] = set()
                     with crit.observing(model, masks):
                         result.examples = estimate_signals(
-                            model, masks, data, loss, crit, bar, blocks=recompute
+                            model, masks, data, loss, crit, bar, recompute, unreached
                         )
+                    if _keep_unreached(unreached, whole, selection) and loop is None:
+                        _check_reach(cost_model, masks, goal, reach)
                 elif crit.uses_activations:
                     result.examples = observe_activations(model, masks, data, crit, bar)
             with clock("selection"):
@@ -948,6 +999,25 @@ class _PhaseClock:
         finally:
             self.wall[phase] += time.perf_counter() - wall
             self.cpu[phase] += time.process_time() - cpu
+
+
+def _keep_unreached(unreached: set[str], whole: dict[str, str], selection: _Selection) -> bool:
+    """Leave the masks in ``unreached`` whole (with their copies, under ``uniform=True``),
+    with a warning naming them the first time. Returns whether any was new.
+
+    Changes: ``whole`` and ``selection.whole`` (added to)."""
+    new = sorted(copies_of(unreached, selection.classes) - set(whole))
+    if not new:
+        return False
+    whole.update({n: UNREACHED if n in unreached else UNREACHED_COPY for n in new})
+    selection.whole.update(new)
+    more = f" (+{len(new) - 3} more)" if len(new) > 3 else ""
+    warnings.warn(
+        f"prune_to_target: keeps mask(s) {', '.join(new[:3])}{more} whole: {UNREACHED} "
+        "(listed in PruneResult.kept_whole)",
+        stacklevel=3,
+    )
+    return True
 
 
 @dataclass

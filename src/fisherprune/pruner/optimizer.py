@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from fisherprune.cost import CostModel, CostReport, LatencySpec
@@ -19,7 +20,7 @@ from fisherprune.cost.latency import round_to_for
 from fisherprune.masks import MaskLayer, find_masks
 from fisherprune.pruner.prune import PruneEvent, lowest_kept, mask_floor, prune, rounding
 from fisherprune.pruner.scoring import FlopsWeight, score_all
-from fisherprune.pruner.uniform import plan_uniform
+from fisherprune.pruner.uniform import copies_of, plan_uniform
 from fisherprune.settings import (
     check_decay,
     check_flops_weight,
@@ -299,6 +300,10 @@ class PruningOptimizer:
         for m in self.masks.values():  # known from here on: not read back in the first step
             m.is_all_ones()  # (after a .to() or DDP's broadcast, which rewrite the buffers)
         self._warned_silent: set[str] = set()
+        #: masks no gradient has reached since the run began (a branch whose output the loss
+        #: does not use, an expert no token was routed to): their signals say nothing, so they
+        #: are kept whole until one does
+        self._unreached: set[str] = set(self.masks) if self.criterion.uses_gradients else set()
         #: masks' batch estimates skipped as not finite since the last prune decision (0-d,
         #: on the device), and whether a prune skipped for it was warned about
         self._nonfinite: Tensor | None = None
@@ -333,8 +338,9 @@ class PruningOptimizer:
         """Update parameters, then signals, then maybe prune one channel or block (in that order).
 
         Raises:
-            ValueError: on the first step, if a collecting mask received no gradient
-                (no loss reaches it); later steps only warn.
+            ValueError: on the first step, if no collecting mask received a gradient (no
+                loss reaches them). A mask no gradient has reached yet is kept whole, with a
+                warning naming it.
         """
         out = self.optimizer.step() if closure is None else self.optimizer.step(closure)
         self.after_update()
@@ -351,7 +357,7 @@ class PruningOptimizer:
         signal is not finite: non-finite input never prunes.
 
         Raises:
-            ValueError: on the first step, if a collecting mask received no gradient.
+            ValueError: on the first step, if no collecting mask received a gradient.
         """
         if not self.finished and self.criterion.uses_gradients:
             self._check_received()
@@ -387,8 +393,12 @@ class PruningOptimizer:
             self._skip_prune(why)
             return
         weigh = report if self.score_model is self.cost_model else self.score_model.report()
-        inert = self.cost_model.inert_masks()  # inside blocks gated off: gone with them
-        live = {n: m for n, m in self.masks.items() if n not in inert}
+        self._agree_on_unreached()
+        # inside blocks gated off: gone with them; and no gradient has told of the unreached
+        # (nor, with uniform, of their copies' share)
+        unreached = copies_of(self._unreached, self.uniform_classes if self.uniform else [])
+        skip = self.cost_model.inert_masks() | unreached
+        live = {n: m for n, m in self.masks.items() if n not in skip}
         scores = score_all(
             {n: signals[n] for n in live}, {n: weigh.marginal[n] for n in live}, self.flops_weight
         )
@@ -406,8 +416,13 @@ class PruningOptimizer:
             # input and output share the mask): take the exact cost, without a re-trace
             event = dataclasses.replace(event, cost_after=self.cost_model.total())
         if event is None:
+            whole = (
+                f" ({len(unreached)} kept whole: no gradient has reached them)"
+                if unreached
+                else ""
+            )
             self._finish(
-                f"every mask is down to min_channels={self.min_channels}"
+                f"every mask is down to min_channels={self.min_channels}{whole}"
                 + (f" (round_to={self.round_to})" if self.round_to > 1 else "")
                 + f"; cost "
                 f"{report.total:.6g} {cost_unit(self.convention)}"
@@ -427,6 +442,19 @@ class PruningOptimizer:
         )
         if self.target > 0 and event.cost_after <= self.target:
             self._finish(f"cost {event.cost_after:.6g} reached the target {self.target:.6g}")
+
+    def _agree_on_unreached(self) -> None:
+        """Under ``torch.distributed``, a mask a gradient reached on any rank counts as reached
+        on every rank (their signals are all-reduced), so that every rank leaves out the same
+        masks: one all-reduce of a flag per mask, at each prune decision (every rank makes
+        one at the same step). Changes: ``_unreached``."""
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return
+        names = sorted(self.masks)
+        device = next(iter(self.masks.values())).signal.device
+        reached = torch.tensor([float(n not in self._unreached) for n in names], device=device)
+        dist.all_reduce(reached, op=dist.ReduceOp.MAX)
+        self._unreached = {n for n, r in zip(names, reached.tolist(), strict=True) if r == 0}
 
     def _not_finite(self, signals: dict[str, Tensor]) -> str | None:
         """Why ``signals`` are no ground to prune on: a mask's batch estimate was skipped as
@@ -502,7 +530,12 @@ class PruningOptimizer:
             )
 
     def _check_received(self) -> None:
-        silent = [n for n, m in self.masks.items() if m.collecting and not m.received]
+        """Note which collecting masks a gradient reached this step. A mask none has reached
+        yet is kept whole (``_maybe_prune`` leaves it out), with a warning naming it the first
+        time; a first step that reaches no mask at all raises."""
+        collecting = [n for n, m in self.masks.items() if m.collecting]
+        silent = [n for n in collecting if not self.masks[n].received]
+        self._unreached.difference_update(set(collecting) - set(silent))
         if not silent:
             return
         msg = (
@@ -510,12 +543,19 @@ class PruningOptimizer:
             "no loss reaches them (call loss.backward() before step(), and make sure the "
             "masked channels feed the loss)"
         )
-        if self.counter == 1:
+        if self.counter == 1 and len(silent) == len(collecting):
             raise ValueError(msg)
         new = [s for s in silent if s not in self._warned_silent]
         if new:
             self._warned_silent.update(new)
-            warnings.warn(msg, RuntimeWarning, stacklevel=3)
+            kept = [s for s in new if s in self._unreached]
+            whole = (
+                f"; {', '.join(repr(s) for s in kept)} stay whole until a gradient reaches "
+                "them (their signal says nothing yet)"
+                if kept
+                else ""
+            )
+            warnings.warn(msg + whole, RuntimeWarning, stacklevel=3)
 
     # ----------------------------------------------------------------- state
     @property
@@ -551,6 +591,7 @@ class PruningOptimizer:
             "settings": self._settings(),
             "latency": self.latency_calibration(),
             "history": [e.as_dict() for e in self.history],
+            "unreached": sorted(self._unreached),
             "criterion": self.criterion.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "masks": {
@@ -636,6 +677,9 @@ class PruningOptimizer:
         self.target = float(state["target"])
         self.start_cost = float(state["start_cost"])
         self.history = [PruneEvent(**e) for e in state["history"]]
+        # (a state saved before this was recorded comes from a run whose masks were all
+        # reached: its first step raised otherwise)
+        self._unreached = set(state.get("unreached", ())) & set(self.masks)
         self._finish_logged = bool(state.get("finish_logged", state.get("floor_reported")))
         self.finished = bool(state["finished"])
         self.criterion.load_state_dict(state.get("criterion", {}))

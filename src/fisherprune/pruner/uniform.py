@@ -18,7 +18,7 @@ from torch import nn
 
 from fisherprune.masks import MaskLayer
 
-__all__ = ["plan_uniform", "register_uniform_refiner", "uniform_classes"]
+__all__ = ["copies_of", "plan_uniform", "register_uniform_refiner", "uniform_classes"]
 
 #: a numeric path component: digits between separators (module paths use "." and apply_masks'
 #: names "_"; ":" starts the place of the mask)
@@ -32,6 +32,12 @@ def uniform_classes(masks: Mapping[str, MaskLayer]) -> list[list[str]]:
     for name, m in masks.items():
         classes.setdefault((_INDEX.sub("#", name), m.num_channels), []).append(name)
     return list(classes.values())
+
+
+def copies_of(names: set[str], classes: list[list[str]]) -> set[str]:
+    """``names`` with every mask that shares a class of ``classes`` with one of them: what
+    must stay whole with them for the copies to keep one width."""
+    return names.union(*(c for c in classes if names.intersection(c)))
 
 
 #: refines the classes of copies for a model: returns the classes to prune together (merged when
