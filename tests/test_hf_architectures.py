@@ -28,6 +28,9 @@ _SEQ2SEQ = dict(
 )  # fmt: skip
 
 
+_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+
+
 def _ids(n: int, g: torch.Generator) -> dict[str, torch.Tensor]:
     return {"input_ids": torch.randint(3, 100, (n, 12), generator=g)}
 
@@ -210,8 +213,49 @@ CASES: dict[str, Case] = {
         ),
         _pixels,
     ),
+    "modernbert": (  # its MLP's first projection holds the gate's and the values' rows
+        lambda: T.ModernBertForSequenceClassification(
+            T.ModernBertConfig(**_TEXT, num_labels=3, pad_token_id=0, global_attn_every_n_layers=1)
+        ),
+        _ids,
+    ),
+    "canine": (  # its attention mask and token types are made at the batch size
+        lambda: T.CanineForSequenceClassification(
+            T.CanineConfig(
+                **{k: v for k, v in _TEXT.items() if k != "vocab_size"},
+                num_labels=3,
+                downsampling_rate=4,
+                num_hash_functions=2,
+                num_hash_buckets=64,
+            )
+        ),
+        lambda n, g: {"input_ids": torch.randint(3, 1000, (n, 16), generator=g)},
+    ),
+    "siglip": (  # a composite config; the vision tower's pooling head is computed, unused
+        lambda: T.SiglipForImageClassification(
+            T.SiglipConfig(
+                vision_config=dict(**_VISION, image_size=32, patch_size=8),
+                text_config=dict(_TEXT),
+                num_labels=3,
+            )
+        ),
+        _pixels,
+    ),
 }
 
+
+#: builds for uniform=True where CASES' differs: SigLIP's classifier without the pooling head it
+#: does not use, whose MLP its config sizes with the tower's (no gradient reaches the head, so
+#: uniform=True would keep every MLP whole with it)
+UNIFORM_BUILDS = {
+    "siglip": lambda: T.SiglipForImageClassification(
+        T.SiglipConfig(
+            vision_config=dict(**_VISION, image_size=32, patch_size=8, vision_use_head=False),
+            text_config=dict(_TEXT),
+            num_labels=3,
+        )
+    ),
+}
 
 #: targets above 50% where a model's floor is: Funnel's attention views its heads by a count
 #: written into the code, so its heads stay whole (floor 69.2%)
@@ -222,6 +266,8 @@ def _pruned(name: str, target: float, **kw: Any) -> tuple[torch.nn.Module, Any, 
     """CASES[name] built (seed 0), pruned by ``prune_to_target`` to ``target`` on 3 batches of
     8 (``kw`` passed on): the masked model, the result, and 2 further inputs to check it on."""
     build, inputs = CASES[name]
+    if kw.get("uniform"):
+        build = UNIFORM_BUILDS.get(name, build)
     torch.manual_seed(0)
     model = build().eval()
     g = torch.Generator().manual_seed(1)
@@ -254,6 +300,9 @@ def test_pruned_and_repaired_model_shrinks_to_the_masked_logits(name: str) -> No
         "gpt_bigcode",
         "funnel",
         "convbert",
+        "modernbert",
+        "phi3",
+        "siglip",
     ],
 )
 def test_uniform_pruned_model_reloads_from_its_config_to_the_masked_logits(
@@ -265,13 +314,14 @@ def test_uniform_pruned_model_reloads_from_its_config_to_the_masked_logits(
     ELECTRA and ALBERT normalise embeddings narrower than the hidden width (``embedding_size``)
     and Falcon has one key/value head for four query heads in one fused projection;
     DistilBERT calls its MLP width ``hidden_dim``, Funnel ``d_inner``, GPTBigCode says
-    its one key/value head by ``multi_query``, and ConvBERT's attention keeps the config's
-    heads over ``head_ratio``: they reached their targets (uniform=True
-    pruned nothing there when their widths were misread)."""
-    # T5's floor with uniform=True is 66.9% (only its MLP and heads may go) and Funnel's
-    # 69.6%: a lower target is refused up front, so they are asked for 70% and 75%, the
-    # others for 60%
-    target = {"t5": 0.7, "funnel": 0.75}.get(name, 0.6)
+    its one key/value head by ``multi_query``, ConvBERT's attention keeps the config's
+    heads over ``head_ratio``, ModernBERT's and Phi-3's fused gated MLPs are twice their
+    width, and SigLIP's widths are its ``vision_config``'s: they reached their targets
+    (uniform=True pruned nothing there when their widths were misread)."""
+    # T5's floor with uniform=True is 66.9% (only its MLP and heads may go), Funnel's 69.6%
+    # and SigLIP's 69.3% (its MLPs alone: its config has no head size): a lower target is
+    # refused up front, so they are asked for 70% and 75%, the others for 60%
+    target = {"t5": 0.7, "funnel": 0.75, "siglip": 0.75}.get(name, 0.6)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model, result, x = _pruned(name, target, uniform=True)

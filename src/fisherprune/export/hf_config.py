@@ -39,6 +39,10 @@ _MLP_IN = ("up_proj", "fc1", "c_fc", "wi", "wi_0", "lin1", "fc_in", "dense_h_to_
 #: an MLP's first projection named by its parent too (the name alone is too common):
 #: XLNet's ``ff.layer_1``, Funnel's ``ffn.linear_1``, BERT's ``intermediate.dense``
 _MLP_IN_PAIRS = (("ff", "layer_1"), ("ffn", "linear_1"), ("intermediate", "dense"))
+#: a gated MLP's fused first projection, its gate's and its values' rows stacked (twice the
+#: MLP's width): Phi-3's ``gate_up_proj``, ModernBERT's ``mlp.Wi``
+_MLP_IN_GLU = ("gate_up_proj",)
+_MLP_IN_GLU_PAIRS = (("mlp", "Wi"),)
 
 
 def _out_width(mod: nn.Module) -> int | None:
@@ -83,14 +87,16 @@ def _attention(model: nn.Module) -> list[tuple[int, int]]:
 
 
 def _mlp(model: nn.Module) -> list[int]:
-    """Width of every MLP (its first projection's outputs), in model order."""
+    """Width of every MLP (its first projection's outputs, half of them for a fused gated
+    one), in model order."""
     widths = []
     for name, mod in model.named_modules():
         parts = name.split(".")
-        if parts[-1] in _MLP_IN or tuple(parts[-2:]) in _MLP_IN_PAIRS:
+        glu = parts[-1] in _MLP_IN_GLU or tuple(parts[-2:]) in _MLP_IN_GLU_PAIRS
+        if glu or parts[-1] in _MLP_IN or tuple(parts[-2:]) in _MLP_IN_PAIRS:
             w = _out_width(mod)
             if w:
-                widths.append(w)
+                widths.append(w // 2 if glu else w)
     return widths
 
 
@@ -185,10 +191,51 @@ CONFIG_FIELDS: dict[tuple[str, ...], Callable[[nn.Module], list[int]]] = {
 _ADDED = ("head_dim",)
 
 
+def _sub_model(model: nn.Module, prefix: str) -> nn.Module | None:
+    """The submodule a composite config's ``{prefix}_config`` describes (CLIP's and SigLIP's
+    ``vision_model`` and ``text_model``, LLaVA's ``vision_tower`` and ``language_model``,
+    BLIP-2's ``qformer``), the one nearest the root; None when the model has none (SigLIP's
+    image classifier keeps no text tower)."""
+    names = {f"{prefix}_model", f"{prefix}_tower", f"{prefix}_encoder", prefix}
+    if prefix == "text":
+        names.add("language_model")
+    found = [
+        (name.count("."), name, mod)
+        for name, mod in model.named_modules()
+        if name and name.rsplit(".", 1)[-1] in names
+    ]
+    return min(found, key=lambda t: t[:2])[2] if found else None
+
+
+def _parts(model: nn.Module, config: object) -> list[tuple[str, nn.Module]]:
+    """What each part of ``config`` describes: ``(key, module)`` for every sub-config
+    ``key`` (``vision_config``...) whose submodule the model has, or ``[("", model)]`` for a
+    config with none (its own fields describe the whole model)."""
+    subs = [
+        (key, mod)
+        for key, sub in vars(config).items()
+        if key.endswith("_config")
+        and callable(getattr(sub, "to_dict", None))
+        and (mod := _sub_model(model, key[: -len("_config")])) is not None
+    ]
+    return subs or [("", model)]
+
+
+def _part(config: object, key: str) -> object:
+    return getattr(config, key) if key else config
+
+
 def read_widths(model: nn.Module) -> dict[str, list[int]]:
     """The widths each group of config fields would take from ``model`` (one per block, in
-    model order), keyed by the group's first field name."""
-    return {fields[0]: read(model) for fields, read in CONFIG_FIELDS.items()}
+    model order), keyed by the group's first field name (after ``vision_config.``, or another
+    sub-config's key, for each part of a composite config)."""
+    config = getattr(model, "config", None)
+    parts = _parts(model, config) if is_hf_model(model) else [("", model)]
+    return {
+        f"{key}.{fields[0]}" if key else fields[0]: read(mod)
+        for key, mod in parts
+        for fields, read in CONFIG_FIELDS.items()
+    }
 
 
 def is_hf_model(model: nn.Module) -> bool:
@@ -202,8 +249,9 @@ def update_config(model: nn.Module) -> str | None:
 
     Changes: ``model.config``'s width fields (hidden size, head and key/value head counts,
     MLP width, in whichever spellings it has), only when every block has the same widths and
-    ``type(model)(new config)`` has exactly the model's parameter shapes. A model without a
-    Hugging Face config is left alone.
+    ``type(model)(new config)`` has exactly the model's parameter shapes. A composite config
+    (CLIP's, SigLIP's: ``vision_config``, ``text_config``) has each sub-config's fields read
+    off the submodule it describes. A model without a Hugging Face config is left alone.
 
     Returns:
         None when the config describes the model (or there is none); otherwise why it
@@ -213,16 +261,37 @@ def update_config(model: nn.Module) -> str | None:
         return None
     config = model.config
     new = copy.deepcopy(config)
+    parts = _parts(model, config)
+    for key, mod in parts:
+        problem = _write_widths(mod, _part(config, key), _part(new, key), key)
+        if problem:
+            return problem
+    problem = _shape_mismatch(model, new)
+    if problem:
+        return problem
+    for key, _ in parts:
+        old, fresh = _part(config, key), _part(new, key)
+        for fields in CONFIG_FIELDS:
+            for f in fields:
+                if getattr(fresh, f, None) != getattr(old, f, None):
+                    setattr(old, f, getattr(fresh, f))
+    return None
+
+
+def _write_widths(module: nn.Module, config: object, new: object, key: str) -> str | None:
+    """Set ``new``'s width fields (a copy of ``config``, the part ``key`` of the model's
+    config) to those read off ``module``; why they cannot be (None if they can)."""
+    where = f"{key}." if key else ""
     for fields, read in CONFIG_FIELDS.items():
         present = [f for f in fields if _holds_width(config, f)] or [
             f for f in fields if f in _ADDED and not _read_only(config, f)
         ]
-        values = sorted(set(read(model)))
+        values = sorted(set(read(module)))
         if not present or not values:
             continue
         held = {f: getattr(config, f) for f in present if _holds_width(config, f)}
         if len(set(held.values())) > 1:
-            listed = ", ".join(f"{f}={v}" for f, v in held.items())
+            listed = ", ".join(f"{where}{f}={v}" for f, v in held.items())
             return (
                 f"its config holds different widths in {listed} "
                 "(stages of their own, as in a hierarchical vision model): fields that one "
@@ -230,19 +299,12 @@ def update_config(model: nn.Module) -> str | None:
             )
         if len(values) > 1:
             return (
-                f"its blocks keep different widths for {present[0]} ({values}): a Hugging Face "
-                "config holds one per model; prune with uniform=True, or keep the "
-                "PruningPlan to rebuild it"
+                f"its blocks keep different widths for {where}{present[0]} ({values}): a "
+                "Hugging Face config holds one per model; prune with uniform=True, or keep "
+                "the PruningPlan to rebuild it"
             )
         for f in present:
             setattr(new, f, values[0])
-    problem = _shape_mismatch(model, new)
-    if problem:
-        return problem
-    for fields in CONFIG_FIELDS:
-        for f in fields:
-            if getattr(new, f, None) != getattr(config, f, None):
-                setattr(config, f, getattr(new, f))
     return None
 
 
