@@ -31,7 +31,9 @@ from fisherprune.export.modules import replacement, update_metadata
 from fisherprune.export.output_fill import FilledOutput, install_output_fill
 from fisherprune.export.safe_load import PickledObjectsError, looks_pickled
 from fisherprune.export.storage import atomic_write_bytes
+from fisherprune.graph.groups import find_groups
 from fisherprune.graph.heads import HEADS_WIDTH_ATTRIBUTES
+from fisherprune.graph.unrun import unrun_copy_reasons
 from fisherprune.masks import MaskLayer
 from fisherprune.masks.points import find_holder, remembered_inputs, remove_mask_points
 
@@ -112,6 +114,7 @@ class PruningPlan:
         entries = cm.entries()
         _check_removable(cm, entries, graph.removed(entries))
         removed = cm.removed(entries)  # with the components of removed experts
+        _check_reached(model, cm, removed)
         plan = cls(convention=convention)
         plan.cost = {"dense": cm.dense_total(), "pruned": cm.total(entries)}
         plan.blocks = removed_blocks(cm.masks)
@@ -377,6 +380,37 @@ class PruningPlan:
 
 
 # ------------------------------------------------------------------ helpers
+_REACH_EVERY_COPY = (
+    "pass shrink (or the plan) example inputs that reach every copy (a larger batch: each "
+    "expert needs a row its router sends it)"
+)
+
+
+def _check_reached(model: nn.Module, cm: CostModel, removed: np.ndarray) -> None:
+    """Refuse a plan its trace cannot make whole: a mask that removes channels where the
+    traced inputs never reach it (an expert its router sent none of them: the shrunk copy
+    would keep them), or removed channels of a width a copy of a module shares with it while
+    that copy did not run (its weights would keep that width: ``graph.unrun``).
+
+    Raises:
+        ValueError: naming the mask or the copies, and what inputs to trace with instead.
+    """
+    unseen = [n for n, m in cm.masks.items() if n not in cm.entry_start and not m.is_all_ones()]
+    if unseen:
+        raise ValueError(
+            f"mask {unseen[0]!r} removes channels, but the example inputs never reach it (a "
+            f"module a router sent no row to?), so the shrunk model would keep them: "
+            f"{_REACH_EVERY_COPY}"
+        )
+    groups = find_groups(cm.trace, cm.graph)[0]
+    for gi, why in unrun_copy_reasons(model, cm.trace, groups).items():
+        if removed[groups[gi].roots].any():
+            raise ValueError(
+                f"channels of {groups[gi].name} are removed, but {why.split(': ')[0]}, so "
+                f"their weights would keep them: {_REACH_EVERY_COPY}"
+            )
+
+
 def _check_removable(cm: CostModel, entries: np.ndarray, removed: np.ndarray) -> None:
     graph = cm.graph
     blocked = cm.trace.atoms.blocked_reasons(graph.roots)

@@ -20,6 +20,7 @@ from fisherprune.graph.groups import ChannelGroup, MaskPointSpec, Skipped, find_
 from fisherprune.graph.module_forwards import ModuleForward, module_forward, share_inputs_hooks
 from fisherprune.graph.row_layouts import layouts
 from fisherprune.graph.trace import Trace, trace_model
+from fisherprune.graph.unrun import unrun_copy_reasons
 from fisherprune.inputs import Inputs
 from fisherprune.masks import MaskLayer, find_masks
 from fisherprune.masks.blocks import GATE_KEY, find_block_list, install_block_gate
@@ -197,6 +198,8 @@ def apply_masks(
         gi: _UNSAFE.format(", ".join(groups[gi].consumers))
         for gi in sorted(_ineffective(model, masked_trace, keys))
     }
+    # experts the example inputs reach no row of: the widths they share are not followed
+    unsafe.update(unrun_copy_reasons(model, trace, groups))
     # never leave a model whose cost or shrink then raises: a width the trace cannot follow
     # (code that reads it off a shape, a per-head table viewed to a shape held in the code)
     # keeps its group whole
