@@ -136,7 +136,9 @@ def apply_masks(
     0 there (``shrink`` puts zeros back in its place). Channels that cannot be removed
     safely (only the output reads them, as a classifier's classes, or an op with no
     channel rule, or a reshape that mixes them with another dim) stay unmasked and are
-    listed in ``.skipped``.
+    listed in ``.skipped``; so does a width that an expert the example inputs do not reach
+    shares with the rest of the model (an ``nn.ModuleList`` of experts a router picks from:
+    ``fisherprune.graph.unrun``): give inputs that reach every expert to prune it.
 
     Changes: adds the submodule ``model.fisherprune_masks`` (MaskLayers, in
     ``state_dict``), forward pre-hooks on the consuming modules and, when a returned

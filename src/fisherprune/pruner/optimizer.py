@@ -417,9 +417,7 @@ class PruningOptimizer:
             event = dataclasses.replace(event, cost_after=self.cost_model.total())
         if event is None:
             whole = (
-                f" ({len(unreached)} kept whole: no gradient has reached them)"
-                if unreached
-                else ""
+                f" ({len(unreached)} kept whole: no gradient has reached them)" if unreached else ""
             )
             self._finish(
                 f"every mask is down to min_channels={self.min_channels}{whole}"
