@@ -33,7 +33,7 @@ from fisherprune.export.safe_load import PickledObjectsError, looks_pickled
 from fisherprune.export.storage import atomic_write_bytes
 from fisherprune.graph.groups import find_groups
 from fisherprune.graph.heads import HEADS_WIDTH_ATTRIBUTES
-from fisherprune.graph.unrun import unrun_copy_reasons
+from fisherprune.graph.unrun import unrun_copies, unrun_copy_reasons
 from fisherprune.masks import MaskLayer
 from fisherprune.masks.points import find_holder, remembered_inputs, remove_mask_points
 
@@ -402,8 +402,11 @@ def _check_reached(model: nn.Module, cm: CostModel, removed: np.ndarray) -> None
             f"module a router sent no row to?), so the shrunk model would keep them: "
             f"{_REACH_EVERY_COPY}"
         )
+    copies = unrun_copies(model, cm.trace)
+    if not copies:  # (the common case: no groups to find)
+        return
     groups = find_groups(cm.trace, cm.graph)[0]
-    for gi, why in unrun_copy_reasons(model, cm.trace, groups).items():
+    for gi, why in unrun_copy_reasons(model, cm.trace, groups, copies).items():
         if removed[groups[gi].roots].any():
             raise ValueError(
                 f"channels of {groups[gi].name} are removed, but {why.split(': ')[0]}, so "

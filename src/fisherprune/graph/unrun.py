@@ -20,7 +20,7 @@ from torch import nn
 from fisherprune.graph.groups import ChannelGroup
 from fisherprune.graph.trace import Trace
 
-__all__ = ["unrun_copy_reasons"]
+__all__ = ["unrun_copies", "unrun_copy_reasons"]
 
 
 def _ran(trace: Trace) -> set[str]:
@@ -33,7 +33,7 @@ def _ran(trace: Trace) -> set[str]:
     return out
 
 
-def _unrun_copies(model: nn.Module, trace: Trace) -> dict[str, list[str]]:
+def unrun_copies(model: nn.Module, trace: Trace) -> dict[str, list[str]]:
     """For each module of an ``nn.ModuleList`` or ``nn.ModuleDict`` that ran, the copies
     beside it (same class, same parameter shapes) that did not."""
     ran = _ran(trace)
@@ -58,12 +58,16 @@ def _module_of(param: str) -> str:
 
 
 def unrun_copy_reasons(
-    model: nn.Module, trace: Trace, groups: list[ChannelGroup]
+    model: nn.Module,
+    trace: Trace,
+    groups: list[ChannelGroup],
+    copies: dict[str, list[str]] | None = None,
 ) -> dict[int, str]:
     """Why each group (by index) must stay whole: it holds parameters of a module that ran and
     of modules outside it, while a copy of that module did not run, so the copy's weights of
-    that width are not followed. Groups that need no such reason are left out."""
-    copies = _unrun_copies(model, trace)
+    that width are not followed. Groups that need no such reason are left out. ``copies``:
+    ``unrun_copies(model, trace)``, when the caller has it."""
+    copies = unrun_copies(model, trace) if copies is None else copies
     if not copies:
         return {}
     reasons: dict[int, str] = {}
