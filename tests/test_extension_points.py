@@ -347,3 +347,34 @@ def test_no_rule_is_left_registered() -> None:
     assert CHANNEL_SCALE not in fp.graph.registered_ops()
     with pytest.raises(ValueError, match="has no shrink rule"):
         fp.unregister_shrink_rule(ChannelAffine)
+
+
+class _OwnLinear(nn.Module):
+    """A linear layer of its own, holding its widths as ``nn.Linear`` does (I-BERT's
+    ``QuantLinear``), with no shrink rule."""
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(torch.randn(out_features, in_features) / in_features**0.5)
+        self.bias = nn.Parameter(torch.zeros(out_features))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.nn.functional.linear(x, self.weight, self.bias)
+
+
+def test_a_linear_layer_without_a_rule_has_its_widths_follow_its_sliced_weight() -> None:
+    """A layer with no shrink rule whose 2-D weight is ``(out_features, in_features)`` gets
+    those two attributes from the sliced weight (they kept the dense widths, which a Hugging
+    Face config reads the model's widths from), and the shrunk model gives the masked one's
+    outputs."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_OwnLinear(6, 8), nn.ReLU(), _OwnLinear(8, 3))
+    x = torch.randn(5, 6)
+    (mask,) = fp.apply_masks(model, x[:1]).values()
+    with torch.no_grad():
+        mask.mask[[0, 5]] = 0.0
+        small = fp.shrink(model, x)
+        torch.testing.assert_close(small(x), model(x))
+    assert (small[0].out_features, small[0].in_features) == tuple(small[0].weight.shape) == (6, 6)
+    assert (small[2].out_features, small[2].in_features) == (3, 6)

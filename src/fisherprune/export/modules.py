@@ -107,11 +107,19 @@ def unregister_shrink_rule(*keys: ShrinkKey) -> None:
 
 
 def update_metadata(module: nn.Module, old_shapes: dict[str, tuple[int, ...]]) -> None:
-    """Apply the rule of ``module``'s class (or its nearest registered base class); a
-    module with none keeps its attributes."""
+    """Apply the rule of ``module``'s class (or its nearest registered base class). A module
+    with none keeps its attributes, but for one that holds its 2-D ``weight`` as
+    ``nn.Linear`` does, ``(out_features, in_features)`` before the slicing (I-BERT's
+    ``QuantLinear``): those two follow the sliced weight, as ``nn.Linear`` 's rule makes
+    them (a config written from the shrunk model reads them)."""
     rule = _rule_for(module)
     if rule is not None:
         rule(module, old_shapes)
+        return
+    weight, before = module._parameters.get("weight"), old_shapes.get("weight")
+    widths = (getattr(module, "out_features", None), getattr(module, "in_features", None))
+    if weight is not None and weight.dim() == 2 and before is not None and widths == before:
+        module.out_features, module.in_features = weight.shape
 
 
 def register_replacement(*types: type) -> Callable[[Replacement], Replacement]:
