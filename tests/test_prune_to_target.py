@@ -10,7 +10,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import fisherprune as fp
-from fisherprune.calibrate.to_target import UNREACHED, estimate_signals
+from fisherprune.calibrate.to_target import (
+    UNREACHED,
+    PruneResult,
+    _stuck_message,
+    estimate_signals,
+)
 from fisherprune.criteria import L1, Activation, Random, Taylor
 from tests import zoo
 
@@ -531,3 +536,12 @@ def test_uniform_keeps_the_copies_of_a_mask_the_loss_does_not_reach_whole_and_sa
     assert "heads_1_0:out: the loss does not use their output" in text
     assert "1 of their copies, e.g. fisherprune_masks.heads_0_0:out" in text
     assert "build the model without it" in text and "nothing was changed" in text
+
+
+def test_a_stuck_prune_names_the_unreached_masks_once() -> None:
+    """When every mask that may be pruned is at its floor and masks no gradient reached were
+    kept whole, the reason says so once (it was added twice)."""
+    result = PruneResult(100.0, 80.0, 50.0, kept_whole={"m_aux": UNREACHED})
+    text = _stuck_message(result, 50.0, 1, 1, None)
+    assert text.count("no gradient reached") == 1 and "e.g. m_aux" in text
+    assert text.startswith("every mask is at its floor (min_channels=1, round_to=1)")

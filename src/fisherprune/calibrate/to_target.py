@@ -179,7 +179,7 @@ def _stuck_message(
     whole, unreached = _split_whole(result.kept_whole)
     gap = f"the cost {result.cost_after:.6g} stays above the target {goal:.6g}{unreached}"
     if not whole:
-        return f"every mask is at its floor {floor}; {gap}{unreached}"
+        return f"every mask is at its floor {floor}; {gap}"
     name, reason = next(iter(whole.items()))
     if reason.startswith("blocks='only'"):
         return (
