@@ -3,9 +3,9 @@
 A mixture-of-experts layer written as an ``nn.ModuleList`` of experts calls only those its router
 picks, so a width they share with the rest of the model (the hidden width each expert reads and
 writes) cannot be followed into an expert the example inputs do not reach: ``apply_masks`` keeps
-such a width whole, and ``shrink`` refuses to trace with inputs that leave out an expert whose
-channels (or whose shared widths) its masks remove. Without this, the shrunk model was exported
-and failed on the first row routed to such an expert.
+such a width whole. ``shrink`` slices an expert its own inputs miss by the groups
+``apply_masks`` recorded, and refuses where none was (a mask placed by hand). Without this, the
+shrunk model was exported and failed on the first row routed to such an expert.
 """
 
 from __future__ import annotations
@@ -72,18 +72,46 @@ def _pruned(model: _RoutedExperts, x: Tensor) -> None:
                            loss_fn=lambda out, _: out.pow(2).mean())  # fmt: skip
 
 
-def test_shrink_refuses_inputs_that_miss_an_expert_whose_channels_go() -> None:
-    """Masks placed with rows for every expert, pruned: ``shrink`` with inputs that reach one
-    expert refuses, naming a mask it could not follow and what to pass (it exported a model
-    whose other experts kept the full hidden width)."""
+def test_shrink_with_inputs_that_miss_experts_slices_them_as_apply_masks_recorded() -> None:
+    """Masks placed with rows for every expert, pruned, then shrunk with inputs that reach one
+    expert only: the experts those inputs miss are sliced by the groups ``apply_masks``
+    recorded, so the shrunk model gives the masked outputs on rows routed to every expert
+    (their weights kept the dense widths, and the first such row failed)."""
     model, x, pick = _rows()
     _pruned(model, x)
     gone = [n for n, m in fp.find_masks(model).items() if m.kept < m.num_channels]
-    assert any("experts_0" in n or "experts_2" in n or "embed" in n for n in gone)
+    assert any("experts_0" in n for n in gone) and any("embed" in n for n in gone)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # (the cost model names the masks it does not see)
-        with pytest.raises(ValueError, match="reach every copy"):
+        small = fp.shrink(model, x[pick == 1][:8])
+    with torch.no_grad():
+        torch.testing.assert_close(small(x), model(x))
+
+
+class _HandMasked(_RoutedExperts):
+    """The experts' hidden units masked by hand: no group is recorded for them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        for expert in self.experts:
+            expert.insert(2, fp.MaskLayer(16))
+
+
+def test_shrink_refuses_inputs_that_miss_an_expert_whose_hand_placed_mask_prunes() -> None:
+    """A hand-placed mask in an expert the inputs miss, with channels removed: nothing tells
+    which weights they live in, so ``shrink`` refuses, naming the mask and what to pass."""
+    model = _HandMasked().eval()
+    x = torch.randn(64, 6, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        pick = model.pick(x)
+        model.experts[0][2].mask[[1, 2]] = 0.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(ValueError, match=r"experts\.0\.2.*reach every copy"):
             fp.shrink(model, x[pick == 1][:8])
+        small = fp.shrink(model, x)
+    with torch.no_grad():
+        torch.testing.assert_close(small(x), model(x))
 
 
 def test_shrink_with_inputs_for_every_expert_gives_the_masked_outputs_on_every_row() -> None:

@@ -31,6 +31,7 @@ from fisherprune.export.modules import replacement, update_metadata
 from fisherprune.export.output_fill import FilledOutput, install_output_fill
 from fisherprune.export.safe_load import PickledObjectsError, looks_pickled
 from fisherprune.export.storage import atomic_write_bytes
+from fisherprune.export.untraced import recorded_params, recorded_slices
 from fisherprune.graph.groups import find_groups
 from fisherprune.graph.heads import HEADS_WIDTH_ATTRIBUTES
 from fisherprune.graph.unrun import unrun_copies, unrun_copy_reasons
@@ -115,6 +116,7 @@ class PruningPlan:
         _check_removable(cm, entries, graph.removed(entries))
         removed = cm.removed(entries)  # with the components of removed experts
         _check_reached(model, cm, removed)
+        traced = {b.name for b in trace.atoms.blocks if b.kind == "param"}
         plan = cls(convention=convention)
         plan.cost = {"dense": cm.dense_total(), "pruned": cm.total(entries)}
         plan.blocks = removed_blocks(cm.masks)
@@ -136,6 +138,15 @@ class PruningPlan:
                     "layer with no channels cannot be built or exported; prune with "
                     "min_channels >= 1 (or restore one channel of that mask)"
                 )
+        tensors = dict(_all_tensors(model))
+        for name, dims in recorded_slices(model, traced, cm.masks).items():
+            module, _, tname = name.rpartition(".")
+            shape = list(tensors[name].shape)
+            entry = plan.modules.setdefault(module, {}).setdefault(
+                tname, {"shape": shape, "kept": {}}
+            )
+            for d, gone in dims.items():
+                entry["kept"][str(d)] = np.flatnonzero(~gone).tolist()
         for split in trace.head_splits:
             kept = int((~removed[graph.roots[split.labels]]).sum())
             if kept != split.count:
@@ -395,14 +406,25 @@ def _check_reached(model: nn.Module, cm: CostModel, removed: np.ndarray) -> None
     Raises:
         ValueError: naming the mask or the copies, and what inputs to trace with instead.
     """
-    unseen = [n for n, m in cm.masks.items() if n not in cm.entry_start and not m.is_all_ones()]
+    recorded = recorded_params(model)
+    unseen = [
+        n
+        for n, m in cm.masks.items()
+        if n not in cm.entry_start and not m.is_all_ones() and not _recorded(model, n)
+    ]
     if unseen:
         raise ValueError(
             f"mask {unseen[0]!r} removes channels, but the example inputs never reach it (a "
             f"module a router sent no row to?), so the shrunk model would keep them: "
             f"{_REACH_EVERY_COPY}"
         )
-    copies = unrun_copies(model, cm.trace)
+    # copies whose every parameter a recorded group follows are sliced from the groups
+    params = dict(model.named_parameters())
+    copies = {
+        ran: left
+        for ran, idle in unrun_copies(model, cm.trace).items()
+        if (left := [c for c in idle if not _within(params, c) <= recorded])
+    }
     if not copies:  # (the common case: no groups to find)
         return
     groups = find_groups(cm.trace, cm.graph)[0]
@@ -412,6 +434,18 @@ def _check_reached(model: nn.Module, cm: CostModel, removed: np.ndarray) -> None
                 f"channels of {groups[gi].name} are removed, but {why.split(': ')[0]}, so "
                 f"their weights would keep them: {_REACH_EVERY_COPY}"
             )
+
+
+def _within(params: dict[str, object], module: str) -> set[str]:
+    """The names of ``params`` inside ``module``."""
+    return {n for n in params if n.startswith(module + ".")}
+
+
+def _recorded(model: nn.Module, mask: str) -> bool:
+    """Whether ``apply_masks`` recorded the group of ``mask`` (so its parameters are sliced
+    from it where the trace does not see them: ``export.untraced``)."""
+    found = find_holder(model)
+    return found is not None and mask in getattr(found[1], "groups", {})
 
 
 def _check_removable(cm: CostModel, entries: np.ndarray, removed: np.ndarray) -> None:
