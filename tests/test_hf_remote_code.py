@@ -108,6 +108,45 @@ def test_a_tied_lm_head_stays_tied(tmp_path: Path) -> None:
     assert small.transformer.wte.weight.shape[1] < 32  # the hidden width did lose units
 
 
+def test_a_sliced_table_its_class_leaves_out_of_the_file_is_written_and_reloaded(
+    tmp_path: Path,
+) -> None:
+    """Marian leaves its sinusoidal position tables out of the file and regenerates them for
+    the width it is built with; a pruned hidden width keeps the dense table's columns, which
+    differ from a table made for the narrower width: the folder holds them and the reload
+    gives the shrunk model's logits bit for bit (it was refused, 1e-3 away, before)."""
+    config = transformers.MarianConfig(
+        vocab_size=100, d_model=32, encoder_ffn_dim=64, decoder_ffn_dim=64, encoder_layers=2,
+        decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
+        max_position_embeddings=64, pad_token_id=1, decoder_start_token_id=1,
+        share_encoder_decoder_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.MarianMTModel(config).eval()
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 100, (2, 12), generator=g)
+    x = {"input_ids": ids, "decoder_input_ids": ids.flip(1)}
+    masks = fp.apply_masks(model, x)
+    with torch.no_grad():
+        for m in masks.values():  # the hidden widths among them: the tables lose columns
+            m.mask[torch.randperm(m.num_channels, generator=g)[: m.num_channels // 3]] = 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        small = fp.shrink(model, x)
+    table = small.model.encoder.embed_positions
+    assert table.weight.shape[1] < 32
+    assert not torch.equal(table.weight, table.create_weight())  # not what a rebuild makes
+    left_out = small._keys_to_ignore_on_save
+    done = write_hf_folder(small, tmp_path / "hf", x, tmp_path, lambda path: None)
+    assert done.written and done.remote_code, done.missing
+    back = transformers.AutoModelForSeq2SeqLM.from_pretrained(
+        tmp_path / "hf", trust_remote_code=True
+    )
+    with torch.no_grad():
+        assert torch.equal(back.eval()(**x).logits, small(**x).logits)
+    assert small._keys_to_ignore_on_save == left_out  # the model's own setting, restored
+
+
 def test_automodel_loads_the_base_model_of_a_head_models_folder(tmp_path: Path) -> None:
     """AutoModel on the folder of a LlamaForCausalLM gives its base model, resized by the
     record's entries under ``model.``, with the shrunk base model's hidden states."""

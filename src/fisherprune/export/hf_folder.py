@@ -149,7 +149,7 @@ def write_hf_folder(
     if why is None:
         try:
             with atomic_directory(folder) as tmp:
-                small.save_pretrained(tmp)
+                _save_every_tensor(small, tmp)
                 if code is not None:
                     write_remote_code(tmp, code)
                 save_tokenizer(tmp)
@@ -174,6 +174,23 @@ def write_hf_folder(
     notes = [n for n in (_remote_note(code, folder.name), _filled_note(small, folder.name), st_note)
              if n]  # fmt: skip
     return HFFolder(True, notes=tuple(notes), remote_code=code is not None)
+
+
+def _save_every_tensor(small: nn.Module, folder: Path) -> None:
+    """``small.save_pretrained(folder)`` with the tensors its class leaves out of the file
+    (``_keys_to_ignore_on_save``: Marian's sinusoidal position tables, which a reload
+    regenerates for the width it is built with) written too: a shrunk model holds those
+    tables' kept columns, which differ from the table regenerated for the narrower width."""
+    had = "_keys_to_ignore_on_save" in vars(small)
+    old = vars(small).get("_keys_to_ignore_on_save")
+    small._keys_to_ignore_on_save = None
+    try:
+        small.save_pretrained(folder)
+    finally:
+        if had:
+            small._keys_to_ignore_on_save = old
+        else:
+            del small._keys_to_ignore_on_save
 
 
 def _from_pretrained(small: nn.Module, folder: Path, code: RemoteCode | None) -> nn.Module:
