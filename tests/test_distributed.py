@@ -350,3 +350,98 @@ def test_spawned_ddp_ranks_agree_on_a_mask_only_one_rank_reaches(tmp_path: Path)
     assert r0["masks"] == r1["masks"]
     side = [n for n in r0["masks"][-1] if "side" in n]
     assert side and any(0.0 in r0["masks"][-1][n] for n in side)
+
+
+# On the first step no mask is reached on the silent ranks (their loss reads an unmasked
+# path only): rank 1 alone ("one"), or both ("all").
+SPAWN_SILENT_DRIVER = """
+import json
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+
+import fisherprune
+from tests.ddp_step_driver import leave_group
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.out, self.direct = nn.Linear(8, 16), nn.Linear(16, 3), nn.Linear(8, 3)
+
+    def forward(self, x, masked=True):
+        direct = self.direct(x)
+        return direct + self.out(F.relu(self.fc1(x))) if masked else direct
+
+
+def worker(rank, world, port, out, mode):
+    torch.set_num_threads(1)
+    warnings.simplefilter("ignore")
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    torch.manual_seed(0)
+    model = Net()
+    example = torch.zeros(1, 8)
+    fisherprune.apply_masks(model, example)
+    ddp = nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
+    popt = fisherprune.PruningOptimizer(
+        model, example, lr=0.05, prune_every=1, burn_in=0, flops_target=0.5
+    )
+    shard = torch.Generator().manual_seed(1000 + rank)
+    record = {"raised": None, "steps": 0}
+    for step in range(6):
+        x = torch.randn(16, 8, generator=shard)
+        silent = step == 0 and (mode == "all" or rank == 1)
+        loss = F.cross_entropy(ddp(x, masked=not silent), torch.zeros(16, dtype=torch.long))
+        try:
+            popt.minimize(loss)
+        except ValueError as e:
+            record["raised"] = str(e)
+            break
+        record["steps"] += 1
+    record["masks"] = {n: m.mask.tolist() for n, m in popt.masks.items()}
+    (Path(out) / f"rank{rank}.json").write_text(json.dumps(record))
+    leave_group(rank, Path(out))
+
+
+if __name__ == "__main__":
+    mp.spawn(worker, args=(2, int(sys.argv[1]), sys.argv[2], sys.argv[3]), nprocs=2, join=True)
+"""
+
+
+@pytest.mark.parametrize("mode", ["one", "all"])
+def test_spawned_ddp_ranks_raise_together_or_not_at_all_on_a_first_step_unreached(
+    mode: str, tmp_path: Path
+) -> None:
+    """A loss that reaches no mask raises on every rank, at the first prune decision, when it
+    is so on every rank ("all"), and on none when another rank's loss reached one ("one": the
+    silent rank warns and goes on with the others, who prune): a rank never raises alone
+    (rank 1 raised at its first step and rank 0 waited for it at its next all-reduce until
+    killed), and no step reads anything back to decide it."""
+    driver = tmp_path / "spawn_silent_driver.py"
+    driver.write_text(textwrap.dedent(SPAWN_SILENT_DRIVER))
+    done = subprocess.run(
+        [sys.executable, str(driver), str(free_port()), str(tmp_path), mode],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        env=subprocess_env(),
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    if mode == "all":
+        assert r0["steps"] == r1["steps"] == 0
+        assert r0["raised"] == r1["raised"]
+        assert "no gradient reached any of the 1 masks on any rank" in r0["raised"]
+    else:
+        assert r0["raised"] is None and r1["raised"] is None
+        assert r0["steps"] == r1["steps"] == 6
+        assert r0["masks"] == r1["masks"]
+        assert any(0.0 in m for m in r0["masks"].values())

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from fisherprune._dist import in_group
 from fisherprune.cost import CostModel, CostReport, LatencySpec
 from fisherprune.cost.conventions import check_conventions, cost_unit
 from fisherprune.cost.latency import round_to_for
@@ -339,8 +340,9 @@ class PruningOptimizer:
 
         Raises:
             ValueError: on the first step, if no collecting mask received a gradient (no
-                loss reaches them). A mask no gradient has reached yet is kept whole, with a
-                warning naming it.
+                loss reaches them; under ``torch.distributed``, at the first prune decision if
+                none did on any rank). A mask no gradient has reached yet is kept whole, with
+                a warning naming it.
         """
         out = self.optimizer.step() if closure is None else self.optimizer.step(closure)
         self.after_update()
@@ -357,7 +359,8 @@ class PruningOptimizer:
         signal is not finite: non-finite input never prunes.
 
         Raises:
-            ValueError: on the first step, if no collecting mask received a gradient.
+            ValueError: on the first step, if no collecting mask received a gradient (under
+                ``torch.distributed``: at the first prune decision, if none did on any rank).
         """
         if not self.finished and self.criterion.uses_gradients:
             self._check_received()
@@ -394,6 +397,14 @@ class PruningOptimizer:
             return
         weigh = report if self.score_model is self.cost_model else self.score_model.report()
         self._agree_on_unreached()
+        if in_group() and self._unreached == set(self.masks):
+            # every rank decides this at the same step on the same all-reduced flags: the ranks
+            # raise together, never one alone while the others wait for it at an all-reduce
+            raise ValueError(
+                f"no gradient reached any of the {len(self.masks)} masks on any rank since the "
+                "first step: no loss reaches them (call loss.backward() before step(), and "
+                "make sure the masked channels feed the loss)"
+            )
         # inside blocks gated off: gone with them; and no gradient has told of the unreached
         # (nor, with uniform, of their copies' share)
         unreached = copies_of(self._unreached, self.uniform_classes if self.uniform else [])
@@ -446,7 +457,7 @@ class PruningOptimizer:
         on every rank (their signals are all-reduced), so that every rank leaves out the same
         masks: one all-reduce of a flag per mask, at each prune decision (every rank makes
         one at the same step). Changes: ``_unreached``."""
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        if not in_group():
             return
         names = sorted(self.masks)
         device = next(iter(self.masks.values())).signal.device
@@ -541,8 +552,8 @@ class PruningOptimizer:
             "no loss reaches them (call loss.backward() before step(), and make sure the "
             "masked channels feed the loss)"
         )
-        if self.counter == 1 and len(silent) == len(collecting):
-            raise ValueError(msg)
+        if self.counter == 1 and len(silent) == len(collecting) and not in_group():
+            raise ValueError(msg)  # under torch.distributed: at the first prune decision
         new = [s for s in silent if s not in self._warned_silent]
         if new:
             self._warned_silent.update(new)

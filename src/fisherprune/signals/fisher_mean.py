@@ -64,6 +64,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from fisherprune._dist import in_group
 from fisherprune.masks import MaskLayer, MaskSet, as_mask_dict
 from fisherprune.masks.norm_points import NormPoint
 from fisherprune.masks.points import MaskPoint, find_holder
@@ -398,7 +399,7 @@ class FisherMean(GradientCriterion):
         Raises:
             ValueError: ``torch.distributed`` runs more than one process.
         """
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        if in_group():
             raise ValueError(
                 "fisher_mean reads this process's activations and gradients only: run "
                 "prune_to_target on one process, or give criterion='fisher'"

@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from fisherprune._dist import in_group
+
 __all__ = [
     "ACCELERATOR_READ_EVERY",
     "DivergedError",
@@ -100,7 +102,7 @@ def leave_process_group(timeout_s: float) -> None:
 def monitored_barrier(timeout_s: float, where: str) -> None:
     """Wait until every rank gets here; after ``timeout_s`` seconds raise PeerTimeoutError
     naming the ranks that did not (does nothing outside a process group)."""
-    if not _in_group():
+    if not in_group():
         return
     try:
         dist.monitored_barrier(timeout=timedelta(seconds=timeout_s), wait_all_ranks=True)
@@ -191,7 +193,7 @@ class StopGuard:
 
     def _agree(self, values: list[float]) -> list[float]:
         """The largest of each value over all ranks (the values themselves outside torchrun)."""
-        if not _in_group():
+        if not in_group():
             return values
         device = "cuda" if dist.get_backend() == "nccl" else "cpu"  # NCCL reduces on the GPU
         t = torch.tensor(values, dtype=torch.float64, device=device)
@@ -219,7 +221,7 @@ class StopGuard:
         if not self._pending:
             self._first = step
         self._pending.append(loss.detach().float().reshape(()))
-        if read or len(self._pending) >= self.read_every or (self.signum and not _in_group()):
+        if read or len(self._pending) >= self.read_every or (self.signum and not in_group()):
             return self.flush()
         return 0
 
@@ -254,8 +256,3 @@ class StopGuard:
             "anything was pruned, checkpointed or exported from that step on (nothing "
             "exported). Lower --learning_rate, or check the data for NaN or huge values"
         )
-
-
-def _in_group() -> bool:
-    """Whether this process is one of several ranks under torchrun."""
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
