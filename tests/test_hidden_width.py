@@ -21,6 +21,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import fisherprune as fp
 from fisherprune.cost.formulas import SAME_AS_TORCH
+from tests.counted import assert_exact
 
 ATOL_F64 = 1e-10
 VOCAB, D = 11, 24
@@ -357,3 +358,46 @@ def test_a_width_that_cannot_be_checked_is_not_offered_and_nothing_is_left() -> 
     fp.remove_masks(model)
     with torch.no_grad():
         assert torch.equal(model(x), before)
+
+
+class HeadsBackToInputWidth(nn.Module):
+    """Next-ViT's efficient attention: a grouped convolution (groups of ``hd`` channels, so
+    its width goes ``hd`` channels at a time, as the heads do) feeds the tokens to q/k/v, and
+    the heads' output is reshaped back to the width read off the input's shape, ``(B, N, C)``:
+    the heads' width and the input width must shrink together. An MLP follows."""
+
+    def __init__(self, c: int = 32, hd: int = 8) -> None:
+        super().__init__()
+        self.hd = hd
+        self.stem = nn.Conv2d(3, c, 1)
+        self.gconv = nn.Conv2d(c, c, 3, padding=1, groups=c // hd)
+        self.q, self.k, self.v = nn.Linear(c, c), nn.Linear(c, c), nn.Linear(c, c)
+        self.proj, self.head = nn.Linear(c, c), nn.Linear(c, 3)
+        self.fc1, self.fc2 = nn.Linear(c, 2 * c), nn.Linear(2 * c, c)
+
+    def forward(self, x: Tensor) -> Tensor:
+        t = self.gconv(F.relu(self.stem(x))).flatten(2).transpose(1, 2)
+        b, n, c = t.shape
+        q, k, v = (
+            f(t).reshape(b, n, -1, self.hd).transpose(1, 2) for f in (self.q, self.k, self.v)
+        )
+        o = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, n, c)
+        t = t + self.proj(o)
+        return self.head((t + self.fc2(F.gelu(self.fc1(t)))).mean(1))
+
+
+def test_two_widths_the_code_ties_are_not_offered_though_one_unit_each_matches() -> None:
+    """The input width and the heads lose ``hd`` channels per unit: the trial that removes
+    one unit of every group at once saw them still equal and passed, and a prune of a
+    different number of heads failed to shrink. Each group now loses a different number of
+    rows in that trial, so both are kept whole (neither can go alone), and any prune of
+    what is left shrinks to the masked model's outputs."""
+    torch.manual_seed(0)
+    model = HeadsBackToInputWidth().double().eval()
+    x = torch.randn(1, 3, 6, 6, dtype=torch.float64)
+    masks = fp.apply_masks(model, x)
+    offered = {p for g in masks.groups.values() for p in g.producers}
+    assert offered == {"fc1"}, offered
+    tied = [s for s in masks.skipped if "reads this width from a tensor's shape" in s.reason]
+    assert {p for s in tied for p, _ in s.params} >= {"gconv.weight", "q.weight"}
+    assert_exact(model, masks, torch.randn(2, 3, 6, 6, dtype=torch.float64))

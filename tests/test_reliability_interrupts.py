@@ -54,7 +54,7 @@ def test_a_stop_agreed_at_a_checkpoint_read_stops_there_under_torchrun_rules(
     import fisherprune.train.trainer as trainer_module
 
     monkeypatch.setattr(trainer_module, "loss_read_every", lambda device: 100)
-    monkeypatch.setattr(interrupts, "_in_group", lambda: True)
+    monkeypatch.setattr(interrupts, "in_group", lambda: True)
     monkeypatch.setattr(StopGuard, "_agree", lambda self, values: values)
     original = phases.train_step
 

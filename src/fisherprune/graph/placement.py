@@ -318,11 +318,12 @@ def _failing_groups(
         prepared = [t(model, example_inputs, trace) for t in _TRIALS]
 
         def trial(picked: list[int]) -> TrialProblem | None:
+            removed = _distinct_removals([masks[i] for i in picked])
             with torch.no_grad():
-                for i, m in enumerate(masks):
+                for m in masks:
                     m.mask.fill_(1.0)
-                    if i in picked:  # the fewest channels prune may remove at once
-                        m.mask[: m.num_channels % m.keep_multiple or m.keep_multiple] = 0.0
+                for i, n in zip(picked, removed, strict=True):
+                    masks[i].mask[:n] = 0.0
             return next((p for t in prepared if (p := t()) is not None), None)
 
         def bisect(picked: list[int], problem: TrialProblem | None) -> dict[int, str]:
@@ -361,6 +362,25 @@ def _failing_groups(
                 m.mask.copy_(values)
                 m.record_values(ones)
         trim_freed_memory()  # what the trials' forwards freed (``allocator``)
+
+
+def _distinct_removals(masks: list[MaskLayer]) -> list[int]:
+    """How many channels of each of ``masks`` a trial removes at once: as few as ``prune``
+    may remove (a multiple of ``keep_multiple``, one at least), more where needed so that no
+    two masks lose the same number of weight rows (channels times ``channel_width``) while a
+    count is left that leaves one channel at least. Two widths the code ties together (heads
+    reshaped back to the hidden width read off the input's shape) would otherwise lose 32
+    rows each, still match, and the trial pass where an uneven prune fails."""
+    taken: set[int] = set()
+    counts = []
+    for m in masks:
+        step = m.keep_multiple
+        first = m.num_channels % step or step
+        options = range(first, m.num_channels, step)
+        n = next((k for k in options if k * m.channel_width not in taken), first)
+        taken.add(n * m.channel_width)
+        counts.append(n)
+    return counts
 
 
 def _modules(group: ChannelGroup) -> set[str]:
