@@ -327,3 +327,71 @@ def test_the_compiled_global_response_norm_stays_finite_in_float16() -> None:
     got = normalise_masked(norm.half(), spec, x.half(), -1, keep.half())
     assert bool(torch.isfinite(got).all())
     torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=5e-2)
+
+
+class ResponseNorm(nn.Module):
+    """A global response norm as timm writes it: over channels-first (N, C, H, W) maps or
+    channels-last (N, H, W, C) ones, the dim it normalises across in ``channel_dim``."""
+
+    def __init__(self, dim: int, channels_last: bool) -> None:
+        super().__init__()
+        self.eps = 1e-6
+        self.spatial_dim, self.channel_dim = ((1, 2), -1) if channels_last else ((2, 3), 1)
+        self.wb_shape = (1, 1, 1, -1) if channels_last else (1, -1, 1, 1)
+        self.weight, self.bias = nn.Parameter(torch.randn(dim)), nn.Parameter(torch.randn(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        g = x.norm(p=2, dim=self.spatial_dim, keepdim=True)
+        n = g / (g.mean(dim=self.channel_dim, keepdim=True) + self.eps)
+        return x + torch.addcmul(
+            self.bias.view(self.wb_shape), self.weight.view(self.wb_shape), x * n
+        )
+
+
+class ResponseNormBlock(nn.Module):
+    """A ConvNeXt-V2 MLP: 1x1 convolutions on channels-first maps around the GRN, or linear
+    layers on channels-last ones (timm's ``conv_mlp`` and not)."""
+
+    def __init__(self, channels_last: bool) -> None:
+        super().__init__()
+        self.channels_last = channels_last
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        layer = (
+            (lambda i, o: nn.Linear(i, o)) if channels_last else (lambda i, o: nn.Conv2d(i, o, 1))
+        )
+        self.fc1, self.grn, self.fc2 = layer(8, 24), ResponseNorm(24, channels_last), layer(24, 8)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.stem(x)
+        y = h.permute(0, 2, 3, 1) if self.channels_last else h
+        y = self.fc2(self.grn(F.gelu(self.fc1(y))))
+        y = y.permute(0, 3, 1, 2) if self.channels_last else y
+        return self.head((h + y).mean((2, 3)))
+
+
+@pytest.mark.parametrize("channels_last", [False, True], ids=["channels_first", "channels_last"])
+def test_a_response_norm_over_the_dim_its_module_names_prunes_its_units_exactly(
+    channels_last: bool,
+) -> None:
+    """A GRN registered with ``channel_dim`` (as timm's is) leaves the units it normalises
+    prunable on channels-first maps too (the mean across dim 1 of (N, C, H, W) was taken for
+    a reduction across channels and blocked them: timm's ConvNeXt-V2 kept 4 of its 16 groups):
+    with a third pruned the shrunk model gives the masked one's outputs and the cost model's
+    FLOPs (``FlopCounterMode``)."""
+    fp.register_norm(ResponseNorm, kind="grn", channel_dim="channel_dim")
+    try:
+        torch.manual_seed(0)
+        model = ResponseNormBlock(channels_last).double().eval()
+        x = torch.randn(2, 3, 6, 6, dtype=torch.float64)
+        masks = fp.apply_masks(model, x[:1])
+        [units] = [g for g in masks.groups.values() if g.producers == ["fc1"]]
+        assert units.norms == ["grn"]
+        _prune_thirds(masks, 0)
+        cost = fp.computational_cost(model, x[:1]).total
+        small = fp.shrink(model, x[:1])
+        assert small.fc1.weight.shape[0] < 24
+        torch.testing.assert_close(_out(small, x), _out(model, x), rtol=0, atol=ATOL_F64)
+        assert _flops(small, x[:1]) == cost
+    finally:
+        fp.unregister_norm(ResponseNorm)

@@ -9,7 +9,8 @@ own with::
 
     fisherprune.register_norm(MyRMSNorm, kind="rms", eps="eps")
 
-(kinds: ``"layer"``, ``"rms"`` and ``"grn"``, ConvNeXt-V2's global response norm.)
+(kinds: ``"layer"``, ``"rms"`` and ``"grn"``, ConvNeXt-V2's global response norm; Hugging
+Face's and timm's GRN are registered.)
 
 A class of an optional package may be named instead of imported (``"package.module.Class"``,
 matched against a module's class by its module and name), so registering it imports nothing.
@@ -56,6 +57,9 @@ class NormSpec:
         weight_offset: added to the weight before it scales (Gemma's ``1 + weight``).
         scale_in_dtype: for ``"rms"``, the weight scales in ``dtype`` before the cast back
             (Gemma's order) rather than after it (LLaMA's).
+        channel_dim: the module's attribute holding the one dim of its input it normalises
+            across (timm's GRN: ``channel_dim``, 1 on channels-first maps, -1 on channels-last
+            ones), or None: the ``trailing`` dims.
     """
 
     kind: str
@@ -66,6 +70,14 @@ class NormSpec:
     dtype: torch.dtype | None = None
     weight_offset: float = 0.0
     scale_in_dtype: bool = False
+    channel_dim: str | None = None
+
+    def normalised_dim(self, module: nn.Module) -> int | None:
+        """The one dim of its input ``module`` normalises across, where ``channel_dim``
+        names the attribute saying it (negative counts from the end), else None."""
+        if self.channel_dim is None:
+            return None
+        return int(getattr(module, self.channel_dim))
 
 
 _BY_CLASS: dict[type, NormSpec] = {}
@@ -81,6 +93,7 @@ def register_norm(
     bias: str = "bias",
     trailing: int | Callable[[nn.Module], int] = 1,
     dtype: torch.dtype | None = None,
+    channel_dim: str | None = None,
 ) -> None:
     """Declare modules of class ``key`` (or named ``"package.module.Class"``) mask-aware norms.
 
@@ -99,6 +112,8 @@ def register_norm(
         trailing: how many trailing dims it normalises, or a function of the module saying so.
         dtype: for ``"rms"``, the dtype it computes in (None: the input's); the result is cast
             back to the input's dtype before the weight multiplies it.
+        channel_dim: for a norm over one dim that need not be the last (a GRN that works on
+            channels-first maps as well), the module's attribute holding that dim.
 
     Raises:
         ValueError: an unknown ``kind``, a malformed name, or a key already registered.
@@ -110,7 +125,7 @@ def register_norm(
     if key in _BY_CLASS or key in _BY_NAME:
         raise ValueError(f"{_key_name(key)} is already a registered norm")
     dims = trailing if callable(trailing) else (lambda _m, k=int(trailing): k)
-    spec = NormSpec(kind, dims, eps, weight, bias, dtype)
+    spec = NormSpec(kind, dims, eps, weight, bias, dtype, channel_dim=channel_dim)
     if isinstance(key, str):
         _BY_NAME[key] = spec
     else:
@@ -410,3 +425,6 @@ for _hf in (
     register_norm(_hf, kind="rms", eps="variance_epsilon", dtype=torch.float32)
 # its epsilon (1e-6) is written into its forward, as the kind's default
 register_norm("transformers.models.convnextv2.modeling_convnextv2.ConvNextV2GRN", kind="grn")
+# timm's, on channels-last maps (ConvNeXt-V2's MLP of linear layers) or channels-first ones
+# (its MLP of 1x1 convolutions, ``conv_mlp``), as its ``channel_dim`` says
+register_norm("timm.layers.grn.GlobalResponseNorm", kind="grn", channel_dim="channel_dim")

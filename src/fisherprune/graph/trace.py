@@ -108,7 +108,7 @@ class _Tracer(TorchDispatchMode):
         self._suspended = 0
         self.module_stack: list[str] = []
         self.call_stack: list[int] = []
-        self._norm_cache: dict[str, tuple[str, int]] = {}
+        self._norm_cache: dict[str, tuple[str, int, int | None]] = {}
         self.rows: dict[int, Rows] = {}  # the row map of traced tensors (kept alive), by id
 
     # ------------------------------------------------------------ bookkeeping
@@ -134,9 +134,15 @@ class _Tracer(TorchDispatchMode):
             known = (
                 type(mod).__name__ if mod is not None else "",
                 spec.trailing(mod) if spec is not None and mod is not None else 0,
+                spec.normalised_dim(mod) if spec is not None and mod is not None else None,
             )
             self._norm_cache[name] = known
-        return {"module_type": known[0], "norm_dims": known[1], "norms": self.trace.norm_uses}
+        return {
+            "module_type": known[0],
+            "norm_dims": known[1],
+            "norm_channel_dim": known[2],
+            "norms": self.trace.norm_uses,
+        }
 
     @contextlib.contextmanager
     def suspended(self) -> Iterator[None]:

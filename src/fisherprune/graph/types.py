@@ -211,6 +211,7 @@ class RuleContext:
         head_attributes: Callable[[int, int, bool], tuple[str, ...] | str] | None = None,
         module_type: str = "",
         norm_dims: int = 0,
+        norm_channel_dim: int | None = None,
         norms: list[NormUse] | None = None,
         width_attributes: Callable[[int], tuple[str, ...]] | None = None,
         group_attributes: Callable[[int], tuple[str, ...]] | None = None,
@@ -230,6 +231,7 @@ class RuleContext:
         self._head_attributes = head_attributes
         self.module_type = module_type
         self.norm_dims = norm_dims
+        self.norm_channel_dim = norm_channel_dim
         self._norms = norms if norms is not None else []
         self._width_attributes = width_attributes
         self._group_attributes = group_attributes
@@ -327,7 +329,10 @@ class RuleContext:
         """If the innermost module is a registered norm and dim ``d`` of an ``nd``-dim tensor is
         among the dims it normalises, record that it normalises ``labels`` there and return
         True (the width stays prunable: the norm's hook follows its mask); else False."""
-        if self.norm_dims <= 0 or d < nd - self.norm_dims:
+        if self.norm_dims <= 0:
+            return False
+        along = self.norm_channel_dim  # (a norm over one dim its module names: only that one)
+        if (d != along % nd) if along is not None else (d < nd - self.norm_dims):
             return False
         if labels is not None and self.calls:
             self._norms.append(NormUse(self.module, self.calls[-1], labels, nd - d, self.norm_dims))
