@@ -20,17 +20,23 @@ from fisherprune.cost.formulas import SAME_AS_TORCH
 from fisherprune.export.latency import retain_freed_memory
 
 
-@torch.no_grad()
-def counted_flops(model: nn.Module, x: Tensor | Mapping[str, Tensor]) -> float:
+def counted_flops(
+    model: nn.Module, x: Tensor | Mapping[str, Tensor], autograd: bool = False
+) -> float:
     """FLOPs per example by ``FlopCounterMode`` (2 per multiply-accumulate) of ``model(x)``,
     or ``model(**x)`` for keyword inputs (the batch size read off the first), in eval mode;
     the model's training flag is restored afterwards. CPU's fused attention kernel is counted
     as PyTorch counts its flash kernel (``SAME_AS_TORCH``): left to itself the counter counts
-    0 for it, and a pruned transformer's FLOPs reduction would leave its attention out."""
+    0 for it, and a pruned transformer's FLOPs reduction would leave its attention out.
+    Without gradients unless ``autograd`` (the counter's module tracker asserts on some
+    models' outputs, timm's PiT and CaiT, when no gradient function is set)."""
     was = model.training
     model.eval()
     try:
-        with FlopCounterMode(display=False, custom_mapping=dict(SAME_AS_TORCH)) as counter:
+        with (
+            torch.set_grad_enabled(autograd),
+            FlopCounterMode(display=False, custom_mapping=dict(SAME_AS_TORCH)) as counter,
+        ):
             model(**x) if isinstance(x, Mapping) else model(x)
     finally:
         model.train(was)

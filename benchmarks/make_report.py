@@ -11,6 +11,9 @@ Reads (each optional; a missing file is said so in the page):
   eager, as frozen TorchScript and as AOTInductor packages, side by side;
 * ``benchmarks/results/transformers.json`` (``benchmarks/hf_transformers.py``): Hugging Face
   models, what fisherprune prunes in them against Torch-Pruning, with ``docs/transformers.png``;
+* ``benchmarks/results/timm_models.json`` (``benchmarks/timm_models.py``): timm's image models
+  as a user builds them, exact groups, shrink and cost, with the prose beside it
+  (``timm_models.md``, whose ``<!-- table -->`` line takes the table);
 * ``benchmarks/results/post_training.json`` and ``post_training_<name>.json``
   (``benchmarks/post_training.py``): pruning trained models with no training, criteria with and
   without the least-squares repair, with ``docs/post_training.png``;
@@ -1033,6 +1036,9 @@ def build(out: Path, results: Path = RESULTS) -> str:
     arch = _load(results / "transformers_2026.json")
     if arch is not None:
         lines += architectures_2026_section(arch, results / "transformers_2026.md")
+    timm_rows = _load(results / "timm_models.json")
+    if timm_rows is not None:
+        lines += timm_models_section(timm_rows, results / "timm_models.md")
     lines += standard_size_sections(results, out)
     lines += streaming_section(results)
     lines += tables_section(results)
@@ -1483,6 +1489,20 @@ def architectures_2026_section(data: dict[str, Any], prose: Path) -> list[str]:
         )
     text = prose.read_text().replace("<!-- table -->", "\n".join(table))
     return [*text.rstrip("\n").split("\n"), ""]
+
+
+def timm_models_section(data: dict[str, Any], prose: Path) -> list[str]:
+    """timm's models built as a user builds them (``timm_models.py``): the written text
+    (``prose``; its ``<!-- table -->`` line takes the JSON's rows as ``timm_models.table``
+    prints them) and the run line."""
+    from timm_models import table  # (imports no timm: only the rows' layout)
+
+    text = prose.read_text().replace("<!-- table -->", table(data["rows"]))
+    run = (
+        f"- run {data['date']}: {data['passed']} of {len(data['rows'])} pass; torch "
+        f"{data['torch']}, timm {data['timm']}, fisherprune {data['fisherprune']}"
+    )
+    return [*text.rstrip("\n").split("\n"), "", run, ""]
 
 
 def lm_quality_section(data: dict[str, Any], prose: Path) -> list[str]:

@@ -208,7 +208,7 @@ def measure(name: str, res: int) -> dict[str, Any]:
         one = torch.randn(1, 3, res, res, generator=gen, dtype=torch.float64)
         check = torch.randn(2, 3, res, res, generator=gen, dtype=torch.float64)
         stage = "dense cost"
-        dense = counted_flops(model, check)
+        dense = counted_flops(model, check, autograd=True)
         row["dense_cost_exact"] = fp.computational_cost(model, check).total == dense
         stage = "apply_masks"
         start = time.perf_counter()
@@ -227,7 +227,7 @@ def measure(name: str, res: int) -> dict[str, Any]:
         scale = max(1.0, float(expected.abs().max()))
         row["max_diff"] = float((got - expected).abs().max()) / scale
         stage = "cost"
-        counted = counted_flops(small, check)
+        counted = counted_flops(small, check, autograd=True)
         row["cost_exact"] = fp.computational_cost(model, check).total == counted
         row["saved_share"] = 1.0 - counted / dense
         row["status"] = (

@@ -206,3 +206,22 @@ def test_kl_from_dense_is_the_mean_over_rows_of_the_class_divergence(bench: Modu
     want = sum(float((p[i] * (p[i] / q[i]).log()).sum()) for i in range(7)) / 7
     assert got == pytest.approx(want, rel=1e-5)
     assert "test_kl" not in bench.test_errors(model, split)
+
+
+def test_timm_sweep_row_of_a_model_it_builds_passes_on_exact_counts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """benchmarks/timm_models.py's row for a model (here the test zoo's ConvNeXt, built in
+    place of a timm one, in float64): both costs equal FlopCounterMode, the shrunk model
+    equals the masked one, so it passes, with its groups and shares filled in."""
+    import zoo_foreign
+
+    timm_models = benchmark_module("timm_models")
+    monkeypatch.setattr(
+        timm_models, "build", lambda name, res: zoo_foreign.build_convnext(0).double().eval()
+    )
+    row = timm_models.measure("convnext", 32)
+    assert row["status"] == "pass", row
+    assert row["dense_cost_exact"] and row["cost_exact"] and row["max_diff"] <= 1e-9
+    assert row["groups"] > 0 and 0 < row["saved_share"] < row["prunable_share"] <= 1
+    assert "| convnext | 32 | pass |" in timm_models.table([row])
