@@ -71,9 +71,13 @@ sys.exit(code)
 
 # Library-level: DDP over a masked model, PruningOptimizer(prune_every=2), a different data
 # shard per rank; after every step every mask and signal is all-gathered and compared.
-SPAWN_DRIVER = """
+# What every spawned driver below starts with: the imports, ``start`` (join the gloo group,
+# mask ``net`` and wrap it in DDP under a PruningOptimizer) and ``spawn`` (two ranks, each
+# called as ``worker(rank, 2, port, out, *extra command-line arguments)``).
+_SPAWN_COMMON = """
 import json
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -86,6 +90,42 @@ import fisherprune
 from tests.ddp_step_driver import leave_group
 
 
+def start(rank, world, port, net, find_unused=False, **pruning):
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    torch.manual_seed(0)
+    model = net()
+    example = torch.zeros(1, 8)
+    fisherprune.apply_masks(model, example)
+    ddp = nn.parallel.DistributedDataParallel(model, find_unused_parameters=find_unused)
+    return ddp, fisherprune.PruningOptimizer(model, example, lr=0.05, **pruning)
+
+
+def spawn(worker):
+    mp.spawn(worker, args=(2, int(sys.argv[1]), sys.argv[2], *sys.argv[3:]), nprocs=2, join=True)
+"""
+
+
+def _run_spawned(tmp_path: Path, driver_text: str, *args: str) -> tuple[dict, dict]:
+    """Run a driver (``_SPAWN_COMMON`` and ``driver_text``) on two spawned ranks with
+    ``args``; the records rank 0 and rank 1 wrote."""
+    driver = tmp_path / "spawn_driver.py"
+    driver.write_text(textwrap.dedent(_SPAWN_COMMON) + textwrap.dedent(driver_text))
+    done = subprocess.run(
+        [sys.executable, str(driver), str(free_port()), str(tmp_path), *args],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        env=subprocess_env(),
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    return r0, r1
+
+
+SPAWN_DRIVER = """
 class Net(nn.Module):
     def __init__(self):
         super().__init__()
@@ -98,17 +138,8 @@ class Net(nn.Module):
 
 
 def worker(rank, world, port, out):
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
-    )
-    torch.manual_seed(0)
-    model = Net()
-    example = torch.zeros(1, 8)
-    fisherprune.apply_masks(model, example)
-    ddp = nn.parallel.DistributedDataParallel(model)
-    popt = fisherprune.PruningOptimizer(
-        model, example, lr=0.05, prune_every=2, burn_in=2, decay=0.5, flops_target=0.3
+    ddp, popt = start(
+        rank, world, port, Net, prune_every=2, burn_in=2, decay=0.5, flops_target=0.3
     )
     shard = torch.Generator().manual_seed(1000 + rank)  # this rank's own data
     w = torch.randn(8, 3, generator=torch.Generator().manual_seed(7))
@@ -134,7 +165,7 @@ def worker(rank, world, port, out):
 
 
 if __name__ == "__main__":
-    mp.spawn(worker, args=(2, int(sys.argv[1]), sys.argv[2]), nprocs=2, join=True)
+    spawn(worker)
 """
 
 
@@ -256,17 +287,7 @@ def test_torchrun_compiled_steps_prune_as_the_eager_run(
 def test_spawned_ddp_ranks_prune_identically_on_different_shards(tmp_path: Path) -> None:
     """Two spawned processes (gloo, DDP, PruningOptimizer with prune_every=2) fed different data
     hold the same masks and signals after every step, and do prune."""
-    driver = tmp_path / "spawn_driver.py"
-    driver.write_text(textwrap.dedent(SPAWN_DRIVER))
-    done = subprocess.run(
-        [sys.executable, str(driver), str(free_port()), str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT,
-        env=subprocess_env(),
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    r0, r1 = _run_spawned(tmp_path, SPAWN_DRIVER)
     assert r0["first_batch"] != r1["first_batch"]
     assert r0["prunes"] == r1["prunes"] > 1
     assert r0["masks"] == r1["masks"]
@@ -274,21 +295,6 @@ def test_spawned_ddp_ranks_prune_identically_on_different_shards(tmp_path: Path)
 
 # A branch only rank 0's loss reads: its mask is reached on rank 0 alone, every step.
 SPAWN_BRANCH_DRIVER = """
-import json
-import sys
-import warnings
-from pathlib import Path
-
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-import torch.nn.functional as F
-from torch import nn
-
-import fisherprune
-from tests.ddp_step_driver import leave_group
-
-
 class Net(nn.Module):
     def __init__(self):
         super().__init__()
@@ -301,18 +307,9 @@ class Net(nn.Module):
 
 
 def worker(rank, world, port, out):
-    torch.set_num_threads(1)
     warnings.simplefilter("ignore")
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
-    )
-    torch.manual_seed(0)
-    model = Net()
-    example = torch.zeros(1, 8)
-    fisherprune.apply_masks(model, example)
-    ddp = nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
-    popt = fisherprune.PruningOptimizer(
-        model, example, lr=0.05, prune_every=1, burn_in=0, decay=0.5, flops_target=0.1
+    ddp, popt = start(
+        rank, world, port, Net, True, prune_every=1, burn_in=0, decay=0.5, flops_target=0.1
     )
     shard = torch.Generator().manual_seed(1000 + rank)
     w = torch.randn(8, 3, generator=torch.Generator().manual_seed(7))
@@ -327,7 +324,7 @@ def worker(rank, world, port, out):
 
 
 if __name__ == "__main__":
-    mp.spawn(worker, args=(2, int(sys.argv[1]), sys.argv[2]), nprocs=2, join=True)
+    spawn(worker)
 """
 
 
@@ -335,17 +332,7 @@ def test_spawned_ddp_ranks_agree_on_a_mask_only_one_rank_reaches(tmp_path: Path)
     """A mask whose branch only rank 0's loss reads is reached on rank 0 alone: both ranks
     count it reached (its signal is all-reduced), so they prune the same channels at every
     step (each rank kept whole the masks it saw no gradient for, and the ranks diverged)."""
-    driver = tmp_path / "spawn_branch_driver.py"
-    driver.write_text(textwrap.dedent(SPAWN_BRANCH_DRIVER))
-    done = subprocess.run(
-        [sys.executable, str(driver), str(free_port()), str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT,
-        env=subprocess_env(),
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    r0, r1 = _run_spawned(tmp_path, SPAWN_BRANCH_DRIVER)
     assert r0["unreached"] == r1["unreached"] == []
     assert r0["masks"] == r1["masks"]
     side = [n for n in r0["masks"][-1] if "side" in n]
@@ -355,21 +342,6 @@ def test_spawned_ddp_ranks_agree_on_a_mask_only_one_rank_reaches(tmp_path: Path)
 # On the first step no mask is reached on the silent ranks (their loss reads an unmasked
 # path only): rank 1 alone ("one"), or both ("all").
 SPAWN_SILENT_DRIVER = """
-import json
-import sys
-import warnings
-from pathlib import Path
-
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-import torch.nn.functional as F
-from torch import nn
-
-import fisherprune
-from tests.ddp_step_driver import leave_group
-
-
 class Net(nn.Module):
     def __init__(self):
         super().__init__()
@@ -381,19 +353,8 @@ class Net(nn.Module):
 
 
 def worker(rank, world, port, out, mode):
-    torch.set_num_threads(1)
     warnings.simplefilter("ignore")
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
-    )
-    torch.manual_seed(0)
-    model = Net()
-    example = torch.zeros(1, 8)
-    fisherprune.apply_masks(model, example)
-    ddp = nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
-    popt = fisherprune.PruningOptimizer(
-        model, example, lr=0.05, prune_every=1, burn_in=0, flops_target=0.5
-    )
+    ddp, popt = start(rank, world, port, Net, True, prune_every=1, burn_in=0, flops_target=0.5)
     shard = torch.Generator().manual_seed(1000 + rank)
     record = {"raised": None, "steps": 0}
     for step in range(6):
@@ -412,7 +373,7 @@ def worker(rank, world, port, out, mode):
 
 
 if __name__ == "__main__":
-    mp.spawn(worker, args=(2, int(sys.argv[1]), sys.argv[2], sys.argv[3]), nprocs=2, join=True)
+    spawn(worker)
 """
 
 
@@ -425,17 +386,7 @@ def test_spawned_ddp_ranks_raise_together_or_not_at_all_on_a_first_step_unreache
     silent rank warns and goes on with the others, who prune): a rank never raises alone
     (rank 1 raised at its first step and rank 0 waited for it at its next all-reduce until
     killed), and no step reads anything back to decide it."""
-    driver = tmp_path / "spawn_silent_driver.py"
-    driver.write_text(textwrap.dedent(SPAWN_SILENT_DRIVER))
-    done = subprocess.run(
-        [sys.executable, str(driver), str(free_port()), str(tmp_path), mode],
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT,
-        env=subprocess_env(),
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    r0, r1 = _run_spawned(tmp_path, SPAWN_SILENT_DRIVER, mode)
     if mode == "all":
         assert r0["steps"] == r1["steps"] == 0
         assert r0["raised"] == r1["raised"]
