@@ -4,6 +4,8 @@ reference is the masked model's own output in float64: the shrunk model must equ
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -98,6 +100,20 @@ def test_a_module_named_norm_that_is_not_one_is_not_detected() -> None:
     assert norm_spec(mod) is None
 
 
+def _shrinks_exactly(
+    model: nn.Module, masks: fp.AppliedMasks, x: Any, one: Any, seed: int
+) -> nn.Module:
+    """Prune a third of every mask (``seed``): the shrunk model gives the masked model's
+    outputs on ``x`` (float64) and, on ``one``, the FLOPs the cost model gave
+    (``FlopCounterMode``). Returns the shrunk model."""
+    _prune_thirds(masks, seed)
+    cost = fp.computational_cost(model, one).total
+    small = fp.shrink(model, one)
+    torch.testing.assert_close(_out(small, x), _out(model, x), rtol=0, atol=ATOL_F64)
+    assert _flops(small, one) == cost
+    return small
+
+
 class LayerNorm2d(nn.LayerNorm):
     """A layer norm over the channels of (N, C, H, W) maps as ConvNeXt's code writes one
     (Hugging Face's ``ConvNextLayerNorm`` with ``data_format``, timm's ``LayerNorm2d``): the
@@ -158,12 +174,8 @@ def test_a_channels_first_norm_keeps_the_width_it_normalises_prunable() -> None:
     masks = fp.apply_masks(model, x[:1])
     stream = [g for g in masks.groups.values() if g.producers[0] == "stem"]
     assert stream and set(stream[0].norms) == {"stem_norm", "norm"}, masks.summary()
-    _prune_thirds(masks, 0)
-    cost = fp.computational_cost(model, x[:1]).total
-    small = fp.shrink(model, x[:1])
+    small = _shrinks_exactly(model, masks, x, x[:1], 0)
     assert small.stem_norm.weight.shape[0] < 8
-    torch.testing.assert_close(_out(small, x), _out(model, x), rtol=0, atol=ATOL_F64)
-    assert _flops(small, x[:1]) == cost
 
 
 def _grn(x: Tensor, w: Tensor, b: Tensor, eps: float = 1e-6) -> Tensor:
@@ -239,11 +251,7 @@ def test_hugging_face_convnext_v2_prunes_the_widths_its_global_response_norms_no
     masks = fp.apply_masks(model, one)
     grn = {g.producers[0]: g.norms for g in masks.groups.values() if "pwconv1" in g.producers[0]}
     assert len(grn) == 2 and all(n[0].endswith(".grn") for n in grn.values()), masks.summary()
-    _prune_thirds(masks, 2)
-    cost = fp.computational_cost(model, one).total
-    small = fp.shrink(model, one)
-    torch.testing.assert_close(_out(small, x), _out(model, x), rtol=0, atol=ATOL_F64)
-    assert _flops(small, one) == cost
+    _shrinks_exactly(model, masks, x, one, 2)
 
 
 def test_detection_leaves_a_batch_norm_subclass_in_training_as_it_was() -> None:
@@ -387,11 +395,7 @@ def test_a_response_norm_over_the_dim_its_module_names_prunes_its_units_exactly(
         masks = fp.apply_masks(model, x[:1])
         [units] = [g for g in masks.groups.values() if g.producers == ["fc1"]]
         assert units.norms == ["grn"]
-        _prune_thirds(masks, 0)
-        cost = fp.computational_cost(model, x[:1]).total
-        small = fp.shrink(model, x[:1])
+        small = _shrinks_exactly(model, masks, x, x[:1], 0)
         assert small.fc1.weight.shape[0] < 24
-        torch.testing.assert_close(_out(small, x), _out(model, x), rtol=0, atol=ATOL_F64)
-        assert _flops(small, x[:1]) == cost
     finally:
         fp.unregister_norm(ResponseNorm)
