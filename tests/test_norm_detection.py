@@ -399,3 +399,16 @@ def test_a_response_norm_over_the_dim_its_module_names_prunes_its_units_exactly(
         assert small.fc1.weight.shape[0] < 24
     finally:
         fp.unregister_norm(ResponseNorm)
+
+
+def test_a_norm_registered_with_a_channel_dim_it_lacks_is_refused_naming_the_attribute() -> None:
+    """A registration naming an attribute the norm does not hold is refused with a message
+    that names it (not an AttributeError from inside the trace); the model keeps no masks."""
+    fp.register_norm(ResponseNorm, kind="grn", channel_dim="axis")
+    try:
+        model = ResponseNormBlock(channels_last=False).eval()
+        with pytest.raises(ValueError, match=r"attribute 'axis'.*channel_dim"):
+            fp.apply_masks(model, torch.randn(1, 3, 6, 6))
+        assert not hasattr(model, "fisherprune_masks")
+    finally:
+        fp.unregister_norm(ResponseNorm)

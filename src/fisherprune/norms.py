@@ -74,10 +74,22 @@ class NormSpec:
 
     def normalised_dim(self, module: nn.Module) -> int | None:
         """The one dim of its input ``module`` normalises across, where ``channel_dim``
-        names the attribute saying it (negative counts from the end), else None."""
+        names the attribute saying it (negative counts from the end), else None.
+
+        Raises:
+            ValueError: ``module`` holds no int under that name (the registration names
+                another attribute than the one its class keeps the dim in)."""
         if self.channel_dim is None:
             return None
-        return int(getattr(module, self.channel_dim))
+        value = getattr(module, self.channel_dim, None)
+        if type(value) is not int:
+            raise ValueError(
+                f"{type(module).__name__} is registered as a norm across the dim held in its "
+                f"attribute {self.channel_dim!r}, but it holds {value!r} there, not a dim: "
+                "register it with channel_dim naming the int attribute that holds the dim it "
+                "normalises"
+            )
+        return value
 
 
 _BY_CLASS: dict[type, NormSpec] = {}
