@@ -34,12 +34,16 @@ separate environment (``python -m venv /tmp/timm-venv`` then ``pip install torch
 torchvision==0.29.1 timm`` and ``pip install -e .``; see docs/benchmarks.md). Nothing is
 downloaded: every model is built from its definition.
 
-    python benchmarks/timm_models.py [--models a,b] [--res 64] [--out FILE]
+    python benchmarks/timm_models.py [--models a,b] [--res 64] [--out FILE] [--update]
+
+``--update`` replaces only the named models' rows of an existing ``--out`` (each new row
+carries its own ``date``; the file's ``date`` stays that of the full sweep).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import signal
 import sys
 import time
@@ -329,6 +333,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=int, default=900, help="seconds per model")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path, default=OUT)
+    parser.add_argument(
+        "--update",
+        action="store_true",
+        help="replace only these models' rows in an existing --out, keep the others",
+    )
     args = parser.parse_args(argv)
     try:
         import timm
@@ -348,24 +357,27 @@ def main(argv: list[str] | None = None) -> int:
             row = measure(name, RESOLUTION.get(name, args.res))
         finally:
             signal.alarm(0)
+        row["date"] = time.strftime("%Y-%m-%d %H:%M:%S")
         rows.append(row)
         print(f"{name}: {row['status']} {row.get('stage', '')} {row.get('error', '')}"[:300])
     print(table(rows))
-    passed = sum(r["status"] == "pass" for r in rows)
-    print(f"{passed} of {len(rows)} pass")
-    write_json(
-        args.out,
-        {
-            "rows": rows,
-            "passed": passed,
-            "torch": torch.__version__,
-            "timm": timm.__version__,
-            "fisherprune": fp.__version__,
-            "machine": machine_info(),
-            "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        },
-    )
-    return 0 if passed == len(rows) else 1
+    ok = all(r["status"] == "pass" for r in rows)
+    print(f"{sum(r['status'] == 'pass' for r in rows)} of {len(rows)} pass")
+    record = {
+        "torch": torch.__version__,
+        "timm": timm.__version__,
+        "fisherprune": fp.__version__,
+        "machine": machine_info(),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+    if args.update:
+        record = json.loads(args.out.read_text())
+        new = {r["model"]: r for r in rows}
+        kept = [new.pop(r["model"], r) for r in record["rows"]]
+        rows = kept + list(new.values())
+    record.update(rows=rows, passed=sum(r["status"] == "pass" for r in rows))
+    write_json(args.out, record)
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -218,6 +218,14 @@ def _linear(m: nn.Module, old: dict[str, tuple[int, ...]]) -> None:
     m.out_features, m.in_features = m.weight.shape
 
 
+@register_shrink_rule(nn.RNNBase)
+def _recurrent(m: nn.Module, old: dict[str, tuple[int, ...]]) -> None:
+    """Only the input width of a recurrent layer is pruned (its first layer's input weights'
+    columns); the module's list of its weights is read again (the parameters are new)."""
+    m.input_size = m.weight_ih_l0.shape[1]
+    m._init_flat_weights()
+
+
 @register_shrink_rule(nn.Bilinear)
 def _bilinear(m: nn.Module, old: dict[str, tuple[int, ...]]) -> None:
     m.out_features, m.in1_features, m.in2_features = m.weight.shape

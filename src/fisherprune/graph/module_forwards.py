@@ -37,6 +37,7 @@ from fisherprune.attention import multihead_attention
 from fisherprune.masks import tracing
 from fisherprune.masks.layer import all_ones
 from fisherprune.masks.points import MaskPoint
+from fisherprune.recurrent import recurrent_forward
 
 __all__ = [
     "MULTIHEAD_ATTENTION",
@@ -75,8 +76,13 @@ def register_module_forward(cls: type, forward: ModuleForward) -> None:
 
 
 def module_forward(module: nn.Module) -> ModuleForward | None:
-    """The entry of ``module``'s class or its nearest registered base, or None."""
-    return next((_FORWARDS[t] for t in type(module).__mro__ if t in _FORWARDS), None)
+    """The entry of ``module``'s class or its nearest registered base, or None; None also for
+    a subclass that overrides ``forward`` (the registered function computes the base's)."""
+    cls = type(module)
+    base = next((t for t in cls.__mro__ if t in _FORWARDS), None)
+    if base is None or getattr(cls, "forward", None) is not getattr(base, "forward", None):
+        return None
+    return _FORWARDS[base]
 
 
 def share_inputs_hooks(module: nn.Module) -> list[RemovableHandle]:
@@ -151,3 +157,56 @@ def _masked_mha(
 #: how ``nn.MultiheadAttention`` (and ``fisherprune.export.mha.PrunedMultiheadAttention``) run
 MULTIHEAD_ATTENTION = ModuleForward(_traced_mha, _masked_mha, inner=("out_proj",))
 register_module_forward(nn.MultiheadAttention, MULTIHEAD_ATTENTION)
+
+
+# ------------------------------------------------------------- nn.LSTM / nn.GRU / nn.RNN
+def _traced_recurrent(
+    module: nn.Module,
+    args: tuple,
+    kwargs: dict,
+    suspended: Callable[[], contextlib.AbstractContextManager],
+) -> Any:
+    """The layer step by step (``fisherprune.recurrent``): its input width is read by the
+    input projection of the first layer (a prunable consumer) and every product is counted.
+    The hidden units stay whole: no mask acts inside a recurrence. A ``PackedSequence`` input
+    keeps the module's own output and its width whole (its operators are not followed)."""
+    tracer = tracing.active()
+    bound = _RNN_SIGNATURE.bind(*args, **kwargs)
+    x, hx = bound.arguments["input"], bound.arguments.get("hx")
+    name = type(module).__name__
+    if not isinstance(x, Tensor):  # a PackedSequence
+        data = getattr(x, "data", None)
+        labels = tracer.info(data).labels if tracer and isinstance(data, Tensor) else []
+        if labels and labels[-1] is not None:
+            tracer.trace.atoms.block(  # type: ignore[union-attr]
+                labels[-1],
+                f"{name} called with a PackedSequence: its input width is kept whole "
+                "(pass a padded tensor to prune it)",
+            )
+        return None
+    out = recurrent_forward(module, x, hx)  # type: ignore[arg-type]
+    if tracer is not None:
+        why = f"the hidden units of {name} (a recurrent state) are kept whole"
+        for pname, p in module.named_parameters(recurse=False):
+            labels = tracer.info(p).labels
+            for d, lab in enumerate(labels):
+                if not (d == 1 and pname in _RNN_INPUT_WEIGHTS):
+                    tracer.trace.atoms.block(lab, why)
+    return out
+
+
+def _masked_recurrent(
+    module: nn.Module, args: tuple, kwargs: dict, points: list[MaskPoint], cache: dict[str, Any]
+) -> Any:
+    """Never called (no mask acts on a submodule of a recurrent layer): its own output."""
+    return None
+
+
+_RNN_SIGNATURE = inspect.signature(lambda input, hx=None: None)
+#: the weights whose columns read the layer's input (the first layer's, both directions)
+_RNN_INPUT_WEIGHTS = ("weight_ih_l0", "weight_ih_l0_reverse")
+
+#: how ``nn.LSTM``, ``nn.GRU`` and ``nn.RNN`` are traced
+RECURRENT = ModuleForward(_traced_recurrent, _masked_recurrent, inner=())
+for _cls in (nn.RNNBase, nn.RNN, nn.LSTM, nn.GRU):
+    register_module_forward(_cls, RECURRENT)

@@ -277,3 +277,44 @@ def _as_strided(ctx: RuleContext) -> list[TensorInfo]:
         return [TensorInfo(x.shape, list(x.labels), list(x.cover), param=x.param)]
     _stop_all(ctx, [x], f"{ctx.where()} reads memory in a new order (as_strided)")
     return _blank_outputs(ctx)
+
+
+# ------------------------------------------------------------------ packed sequences
+@register_channel_rule(aten._pack_padded_sequence)
+def _pack_padded(ctx: RuleContext) -> list[TensorInfo]:
+    """``pack_padded_sequence(x, lengths, batch_first)``: the packed data's rows are the valid
+    (step, example) positions of ``x``'s first two dims, its columns ``x``'s last dim (its
+    channels pass through: packing moves whole feature vectors). The two mixed dims are
+    stopped; the batch sizes carry no channel."""
+    x = ctx.info(ctx.args[0])
+    out = _blank_outputs(ctx)
+    if x is None or len(x.shape) != 3:
+        _stop_all(ctx, [x], f"{ctx.where()} packs a tensor that is not (N, L, C) / (L, N, C)")
+        return out
+    reason = f"{ctx.where()} packs positions by the sequence lengths"
+    for d in (0, 1):
+        ctx.stop(x.labels[d], x.cover[d], reason)
+    data = out[0]
+    out[0] = TensorInfo(data.shape, [None, x.labels[2]], [None, x.cover[2]])
+    return out
+
+
+@register_channel_rule(aten._pad_packed_sequence)
+def _pad_packed(ctx: RuleContext) -> list[TensorInfo]:
+    """``pad_packed_sequence``: the padded output's last dim is the packed data's columns
+    (channels pass through when the padding value is 0: a zero channel stays zero; another
+    value would fill a removed channel's padding, so they are stopped); its first two dims are
+    steps and examples."""
+    data = ctx.info(ctx.args[0])
+    out = _blank_outputs(ctx)
+    if data is None or len(data.shape) != 2:
+        _stop_all(ctx, [data], f"{ctx.where()} unpacks data that is not (rows, C)")
+        return out
+    if float(ctx.arg("padding_value", 0.0)) != 0.0:
+        ctx.stop(data.labels[1], data.cover[1], f"{ctx.where()} pads with a nonzero value")
+        return out
+    padded = out[0]
+    labels = [None] * (len(padded.shape) - 1) + [data.labels[1]]
+    cover = [None] * (len(padded.shape) - 1) + [data.cover[1]]
+    out[0] = TensorInfo(padded.shape, labels, cover)
+    return out

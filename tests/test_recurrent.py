@@ -1,0 +1,359 @@
+"""Recurrent layers (``nn.LSTM``, ``nn.GRU``, ``nn.RNN``): their input width is prunable, their
+cost is counted, their hidden units stay whole.
+
+References outside the code under test: PyTorch's own modules (the step-by-step function's
+outputs), a loop over PyTorch's own cells (``nn.LSTMCell`` / ``nn.GRUCell`` / ``nn.RNNCell``,
+which ``FlopCounterMode`` counts: an ``nn.LSTM`` counts 0 there, its fused kernel having no
+formula), the masked model's outputs (the shrunk one's), and per-example gradients by a plain
+loop in float64 (the signal).
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+from torch.utils.flop_counter import FlopCounterMode
+
+import fisherprune as fp
+from fisherprune.recurrent import recurrent_forward
+from tests.test_device_independence import structure
+
+ATOL_F64 = 1e-12
+CELLS = {nn.LSTM: nn.LSTMCell, nn.GRU: nn.GRUCell, nn.RNN: nn.RNNCell}
+
+
+def _flatten(out: tuple) -> list[Tensor]:
+    """``(output, h_n)`` or ``(output, (h_n, c_n))`` as a list of tensors."""
+    return [out[0], *(out[1] if isinstance(out[1], tuple) else (out[1],))]
+
+
+def _cases() -> list[tuple]:
+    out = []
+    for cls, layers, bidir, batch_first, proj, given, batched in itertools.product(
+        (nn.LSTM, nn.GRU, nn.RNN), (1, 2), (False, True), (False, True), (0, 3), (False, True),
+        (False, True),
+    ):  # fmt: skip
+        if proj and cls is not nn.LSTM:
+            continue
+        out.append((cls, layers, bidir, batch_first, proj, given, batched))
+    return out
+
+
+@pytest.mark.parametrize("cls,layers,bidir,batch_first,proj,given,batched", _cases())
+def test_stepwise_function_equals_torch(
+    cls: type, layers: int, bidir: bool, batch_first: bool, proj: int, given: bool, batched: bool
+) -> None:
+    """``recurrent_forward`` gives the module's output and final states (float64), for every
+    mode, depth, direction, layout, projection, given or zero initial state, with and
+    without a batch."""
+    torch.manual_seed(0)
+    kw = {"proj_size": proj} if proj else {}
+    m = cls(5, 4, num_layers=layers, bidirectional=bidir, batch_first=batch_first, **kw).double()
+    n = 3
+    shape = ((n, 6, 5) if batch_first else (6, n, 5)) if batched else (6, 5)
+    x = torch.randn(shape, dtype=torch.float64)
+    hx = None
+    if given:
+        states = layers * (2 if bidir else 1)
+        lead = (states, n) if batched else (states,)
+        h0 = torch.randn(*lead, proj or 4, dtype=torch.float64)
+        hx = (h0, torch.randn(*lead, 4, dtype=torch.float64)) if cls is nn.LSTM else h0
+    for got, want in zip(_flatten(recurrent_forward(m, x, hx)), _flatten(m(x, hx)), strict=True):
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, atol=ATOL_F64, rtol=0)
+
+
+def test_relu_rnn_equals_torch() -> None:
+    m = nn.RNN(5, 4, nonlinearity="relu", num_layers=2).double()
+    x = torch.randn(6, 3, 5, dtype=torch.float64)
+    torch.testing.assert_close(recurrent_forward(m, x)[0], m(x)[0], atol=ATOL_F64, rtol=0)
+
+
+# ----------------------------------------------------------------- a tagger around an RNN
+class Tagger(nn.Module):
+    """Embedding, a linear layer with ReLU, a recurrent layer, a classifier on the last step."""
+
+    def __init__(self, cls: type, batch_first: bool, bidir: bool, layers: int = 2) -> None:
+        super().__init__()
+        self.batch_first = batch_first
+        self.emb = nn.Embedding(50, 12)
+        self.fc = nn.Linear(12, 10)
+        self.rnn = cls(10, 6, num_layers=layers, bidirectional=bidir, batch_first=batch_first)
+        self.head = nn.Linear(12 if bidir else 6, 4)
+
+    def forward(self, x: Tensor) -> Tensor:  # (N, L) token ids
+        h = torch.relu(self.fc(self.emb(x)))
+        if not self.batch_first:
+            h = h.transpose(0, 1)
+        o, _ = self.rnn(h)
+        return self.head(o[:, -1] if self.batch_first else o[-1])
+
+
+def _tagger(cls: type, batch_first: bool = True, bidir: bool = True) -> tuple[Tagger, Tensor]:
+    torch.manual_seed(0)
+    model = Tagger(cls, batch_first, bidir).double().eval()
+    return model, torch.randint(0, 50, (3, 7))
+
+
+def _cell_loop_flops(rnn: nn.RNNBase, x: Tensor) -> float:
+    """FlopCounterMode's count of ``rnn`` on ``x`` (batch first) run as a loop over PyTorch's
+    own cells with the layer's weights (its outputs checked equal to the module's)."""
+    dirs = 2 if rnn.bidirectional else 1
+    counter = FlopCounterMode(display=False)
+    with counter, torch.no_grad():
+        inp = x
+        for layer in range(rnn.num_layers):
+            outs = []
+            for d in range(dirs):
+                sfx = f"_l{layer}" + ("_reverse" if d else "")
+                cell = CELLS[type(rnn)](inp.shape[-1], rnn.hidden_size).double()
+                for role in ("weight_ih", "weight_hh", "bias_ih", "bias_hh"):
+                    getattr(cell, role).copy_(getattr(rnn, role + sfx))
+                h = None
+                ys = [None] * inp.shape[1]
+                for t in reversed(range(inp.shape[1])) if d else range(inp.shape[1]):
+                    h = cell(inp[:, t], h)
+                    ys[t] = h[0] if isinstance(h, tuple) else h
+                outs.append(torch.stack(ys, dim=1))
+            inp = torch.cat(outs, dim=-1)
+    torch.testing.assert_close(inp, rnn(x)[0] if rnn.batch_first else None, atol=ATOL_F64, rtol=0)
+    return counter.get_total_flops()
+
+
+def _rnn_input(model: Tagger, x: Tensor) -> Tensor:
+    """What ``model.rnn`` reads, batch first."""
+    with torch.no_grad():
+        return torch.relu(model.fc(model.emb(x)))
+
+
+@pytest.mark.parametrize("cls", [nn.LSTM, nn.GRU, nn.RNN])
+def test_input_width_is_masked_and_hidden_units_kept_whole(cls: type) -> None:
+    """The linear layer feeding the recurrent one is a group (its consumer the recurrent
+    layer); the hidden units are reported kept whole, with the reason."""
+    model, x = _tagger(cls)
+    masks = fp.apply_masks(model, x[:1])
+    fc = next(g for g in masks.groups.values() if ("fc.weight", 0) in g.params)
+    assert fc.num_channels == 10 and "rnn" in fc.consumers
+    hidden = [s for s in masks.skipped if ("rnn.weight_hh_l0", 1) in s.params]
+    assert len(hidden) == 1 and "hidden units of" in hidden[0].reason
+
+
+@pytest.mark.parametrize("cls", [nn.LSTM, nn.GRU, nn.RNN])
+@pytest.mark.parametrize("batch_first", [True, False])
+@pytest.mark.parametrize("bidir", [True, False])
+def test_shrunk_equals_masked_and_cost_equals_a_loop_of_torch_cells(
+    cls: type, batch_first: bool, bidir: bool
+) -> None:
+    """A third of the recurrent layer's input channels removed: the shrunk model gives the
+    masked outputs (float64), its recurrent layer reads the kept width, and the masked model's
+    cost equals FlopCounterMode's count of the shrunk model (in float64 PyTorch's CPU kernels
+    run the recurrence as products it counts), which counts the recurrent layer as a loop of
+    PyTorch's cells."""
+    model, x = _tagger(cls, batch_first, bidir)
+    masks = fp.apply_masks(model, x[:1])
+    fc = next(k for k, g in masks.groups.items() if ("fc.weight", 0) in g.params)
+    masks[fc].mask[torch.tensor([1, 4, 8])] = 0.0
+    with torch.no_grad():
+        want = model(x)
+    small = fp.shrink(model, x[:1])
+    with torch.no_grad():
+        torch.testing.assert_close(small(x), want, atol=ATOL_F64, rtol=0)
+    assert small.rnn.input_size == 7 and small.rnn.weight_ih_l0.shape[1] == 7
+    counter = FlopCounterMode(display=False)
+    with counter, torch.no_grad():
+        small(x)
+    assert fp.computational_cost(model, x).total * x.shape[0] == counter.get_total_flops()
+    rnn_in = _rnn_input(small, x)
+    small.rnn.batch_first = True  # (the cell loop reads batch first; the same weights)
+    with FlopCounterMode(display=False) as c, torch.no_grad():
+        small.rnn(rnn_in)
+    assert c.get_total_flops() == _cell_loop_flops(small.rnn, rnn_in)
+
+
+def test_cost_does_not_depend_on_the_dtype() -> None:
+    """In float32 the CPU runs an LSTM as one fused operator per layer, which FlopCounterMode
+    counts as nothing; the cost is the same as in float64 (where it counts the products)."""
+    model, x = _tagger(nn.LSTM)
+    dense = fp.computational_cost(model, x).total
+    model.float()
+    h = _rnn_input(model, x)
+    counter = FlopCounterMode(display=False)
+    with counter, torch.no_grad():
+        model.rnn(h)
+    assert counter.get_total_flops() == 0  # the premise: the fused kernel goes uncounted
+    assert fp.computational_cost(model, x).total == dense
+
+
+def test_dense_cost_counts_the_recurrence() -> None:
+    """An LSTM's dense cost is its products: per step and direction 2 * 4H * (input + H)
+    multiply-adds per example, in each layer (the layer above reads both directions)."""
+    model, x = _tagger(nn.LSTM)
+    by_module = fp.computational_cost(model, x).by_module
+    steps, h = 7, 6
+    want = 2 * steps * 2 * 4 * h * (10 + h) + 2 * steps * 2 * 4 * h * (2 * h + h)
+    assert by_module["rnn"] == want
+
+
+@pytest.mark.parametrize("cls", [nn.LSTM, nn.GRU])
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_signal_at_the_recurrent_input_equals_a_per_example_loop(
+    cls: type, batch_first: bool
+) -> None:
+    """The signal of the mask read by the recurrent layer is 1/2 mean_n g_n^2, g_n the
+    derivative of example n's loss w.r.t. a multiplier on each of the recurrent layer's input
+    channels of PyTorch's own module, float64."""
+    model, x = _tagger(cls, batch_first)
+    y = torch.tensor([0, 3, 1])
+    masks = fp.apply_masks(model, x[:1])
+    fc = next(k for k, g in masks.groups.items() if ("fc.weight", 0) in g.params)
+    model.double().train()
+    F.cross_entropy(model(x), y).backward()
+    fp.update_pruning_signals(masks, decay=0)
+    ref, _ = _tagger(cls, batch_first)
+    want = torch.zeros(10, dtype=torch.float64)
+    for i in range(3):
+        m = torch.ones(10, dtype=torch.float64, requires_grad=True)
+        h = _rnn_input(ref, x[i : i + 1]) * m
+        o, _ = ref.rnn(h if batch_first else h.transpose(0, 1))
+        logits = ref.head(o[:, -1] if batch_first else o[-1])
+        (g,) = torch.autograd.grad(F.cross_entropy(logits, y[i : i + 1]), [m])
+        want += 0.5 * g * g / 3
+    assert float(want.abs().max()) > 0
+    torch.testing.assert_close(masks[fc].signal, want, rtol=1e-9, atol=1e-15)
+
+
+class PackedTagger(Tagger):
+    """The same tagger fed packed sequences of different lengths."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.relu(self.fc(self.emb(x)))
+        lengths = torch.arange(x.shape[1], x.shape[1] - x.shape[0], -1).clamp(min=1)
+        o, _ = self.rnn(pack_padded_sequence(h, lengths, batch_first=True, enforce_sorted=False))
+        o, _ = pad_packed_sequence(o, batch_first=True)
+        return self.head(o[:, 0])
+
+
+def test_packed_sequence_input_keeps_its_width_whole() -> None:
+    """A recurrent layer given a PackedSequence: the width it reads is reported kept whole,
+    with the reason and what to do; the rest is masked, and the model still shrinks to the
+    masked outputs."""
+    torch.manual_seed(0)
+    model = PackedTagger(nn.LSTM, batch_first=True, bidir=True).double().eval()
+    x = torch.randint(0, 50, (3, 7))
+    masks = fp.apply_masks(model, x)
+    assert not any(("fc.weight", 0) in g.params for g in masks.groups.values())
+    (why,) = {s.reason for s in masks.skipped if ("fc.weight", 0) in s.params}
+    assert "PackedSequence" in why and "padded tensor" in why
+    for m in masks.values():
+        m.mask[0] = 0.0
+    with torch.no_grad():
+        want = model(x)
+        torch.testing.assert_close(fp.shrink(model, x)(x), want, atol=ATOL_F64, rtol=0)
+
+
+class ProjectedLSTM(nn.LSTM):
+    """A subclass whose forward is its own: a linear layer of its own before the recurrence."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.pre = nn.Linear(self.input_size, self.input_size)
+
+    def forward(self, x: Tensor, hx: object = None) -> tuple:  # type: ignore[override]
+        return super().forward(self.pre(x), hx)
+
+
+def test_a_subclass_with_its_own_forward_is_traced_as_it_runs() -> None:
+    """A recurrent subclass that overrides ``forward`` is not replaced by the step-by-step
+    function (which computes the base's): its own layer is traced, counted and masked, and
+    the masked model gives its own outputs."""
+    torch.manual_seed(0)
+    model = Tagger(nn.LSTM, batch_first=True, bidir=False).double().eval()
+    model.rnn = ProjectedLSTM(10, 6, batch_first=True).double()
+    x = torch.randint(0, 50, (3, 7))
+    with torch.no_grad():
+        want = model(x)
+    masks = fp.apply_masks(model, x[:1])
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), want, atol=0, rtol=0)
+    assert fp.computational_cost(model, x).by_module["rnn.pre"] == 2 * 7 * 10 * 10
+    assert any("rnn.pre" in g.consumers for g in masks.groups.values())
+
+
+def test_training_prunes_the_width_an_lstm_reads_and_shrinks_to_the_masked_outputs() -> None:
+    """``PruningOptimizer`` in float32 (PyTorch's fused LSTM kernel, forward and backward)
+    gathers a finite signal at the LSTM's input, prunes channels there and the model shrinks
+    to its masked outputs."""
+    torch.manual_seed(0)
+    model = Tagger(nn.LSTM, batch_first=True, bidir=True).train()
+    x, y = torch.randint(0, 50, (8, 7)), torch.randint(0, 4, (8,))
+    masks = fp.apply_masks(model, x[:1])
+    fc = next(k for k, g in masks.groups.items() if ("fc.weight", 0) in g.params)
+    only = {fc: masks[fc]}  # the width the LSTM reads
+    opt = fp.PruningOptimizer(model, x[:1], prune_every=2, burn_in=0, lr=0.05, masks=only)
+    for _ in range(6):
+        opt.minimize(F.cross_entropy(model(x), y))
+    assert torch.isfinite(masks[fc].signal).all()
+    pruned = int((masks[fc].mask == 0).sum())
+    assert pruned > 0
+    model.eval()
+    with torch.no_grad():
+        want = model(x)
+        small = fp.shrink(model, x[:1])
+        torch.testing.assert_close(small(x), want, atol=1e-5, rtol=1e-5)
+    assert small.rnn.input_size == 10 - pruned
+
+
+CUDA = pytest.param(
+    "cuda",
+    marks=[
+        pytest.mark.cuda,
+        pytest.mark.skipif(not torch.cuda.is_available(), reason="torch sees no CUDA device"),
+    ],
+)
+
+
+@pytest.mark.parametrize("device", ["meta", CUDA])
+def test_structure_equals_the_cpus(device: str) -> None:
+    """Groups, mask points, skips and cost of an LSTM tagger living on ``device`` (cuDNN's
+    fused LSTM on a GPU) equal those on the CPU."""
+    model, x = _tagger(nn.LSTM)
+    model.float()
+    there = copy.deepcopy(model).to(device)
+    assert structure(there, x.to(device)) == structure(model, x)
+    cost = fp.computational_cost(model, x).total
+    assert fp.computational_cost(there, x.to(device)).total == cost
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_float32_signal_and_shrink_on_device(device: str) -> None:
+    """On ``device`` in float32 the signal at the LSTM's input equals the float64 CPU one
+    (checked against a per-example loop above), and the shrunk model gives the masked
+    outputs."""
+    model, x = _tagger(nn.LSTM)
+    y = torch.tensor([0, 3, 1])
+    masks = fp.apply_masks(model, x[:1])
+    fc = next(k for k, g in masks.groups.items() if ("fc.weight", 0) in g.params)
+    model.double().train()  # (the masks' signals in float64 too)
+    F.cross_entropy(model(x), y).backward()
+    fp.update_pruning_signals(masks, decay=0)
+    want = masks[fc].signal.clone()
+    there = copy.deepcopy(model).float().to(device)
+    there.zero_grad(set_to_none=True)
+    F.cross_entropy(there(x.to(device)), y.to(device)).backward()
+    got = fp.find_masks(there)
+    fp.update_pruning_signals(got, decay=0)
+    signal = next(m for k, m in got.items() if k.endswith(fc)).signal
+    torch.testing.assert_close(signal.double().cpu(), want, rtol=1e-3, atol=1e-9)
+    with torch.no_grad():
+        next(m for k, m in got.items() if k.endswith(fc)).mask[:3] = 0.0
+    there.eval()
+    with torch.no_grad():
+        masked = there(x.to(device))
+        small = fp.shrink(there, x[:1].to(device))
+        torch.testing.assert_close(small(x.to(device)), masked, rtol=1e-4, atol=1e-5)
