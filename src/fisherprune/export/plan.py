@@ -59,7 +59,9 @@ class PruningPlan:
         mask_modules: hand-placed MaskLayer modules, replaced by ``nn.Identity``.
         attributes: ``{module name: {attribute: value}}``: integer attributes set after
             slicing, such as the head count of an attention module that lost heads, or the
-            expert count of a router that lost experts (``fisherprune.export.experts``).
+            expert count of a router that lost experts (``fisherprune.export.experts``); or
+            lists of integers: the sizes a module splits a width at (timm's
+            ``MixedConv2d.splits``), set to the channels each piece keeps.
         outputs: ``[{"path", "dim", "size", "kept"}]``: the model's output tensors (by pytree
             key path) whose width lost channels; the shrunk model zero-fills them back to
             ``size`` (``fisherprune.export.output_fill``).
@@ -73,7 +75,7 @@ class PruningPlan:
     modules: dict[str, dict[str, dict[str, Any]]] = field(default_factory=dict)
     shapes: dict[str, list[int]] = field(default_factory=dict)
     mask_modules: list[str] = field(default_factory=list)
-    attributes: dict[str, dict[str, int]] = field(default_factory=dict)
+    attributes: dict[str, dict[str, int | list[int]]] = field(default_factory=dict)
     outputs: list[dict[str, Any]] = field(default_factory=list)
     blocks: dict[str, dict[str, Any]] = field(default_factory=dict)
     convention: str = "flops"
@@ -155,6 +157,12 @@ class PruningPlan:
                     width = attr in HEADS_WIDTH_ATTRIBUTES
                     value = kept * split.head_size if width else kept
                     plan.attributes.setdefault(module, {})[attr] = value
+        for sizes in trace.size_splits:
+            kept = [int((~removed[graph.roots[p]]).sum()) for p in sizes.pieces]
+            if kept != [p.size for p in sizes.pieces]:
+                module = "" if sizes.module == "<model>" else sizes.module
+                for attr in sizes.attributes:
+                    plan.attributes.setdefault(module, {})[attr] = kept
         for cp in trace.consumers:
             gone = removed[graph.roots[cp.labels]] if cp.output is not None else None
             if gone is not None and gone.any():
@@ -207,11 +215,12 @@ class PruningPlan:
                     f"the model has no mask module {mname!r} that the plan names"
                 )
         for mname, values in self.attributes.items():
-            for attr in values:
-                if not isinstance(getattr(modules.get(mname), attr, None), int):
+            for attr, value in values.items():
+                if not _settable(getattr(modules.get(mname), attr, None), value):
+                    kind = "integer" if isinstance(value, int) else f"{len(value)} sizes"
                     raise PlanMismatchError(
-                        f"the model has no integer attribute {attr!r} on module {mname!r} "
-                        "that the plan sets"
+                        f"the model has no attribute {attr!r} holding {kind} on module "
+                        f"{mname!r} that the plan sets"
                     )
         todo: list[tuple[nn.Module, str, str, dict[str, Any]]] = []
         owners: dict[int, list[tuple[nn.Module, str]]] = {}  # tied tensors: every holder
@@ -276,7 +285,10 @@ class PruningPlan:
             update_metadata(mod, old)
         for mname, values in self.attributes.items():
             for attr, value in values.items():
-                setattr(modules[mname], attr, value)
+                held = getattr(modules[mname], attr)
+                setattr(
+                    modules[mname], attr, type(held)(value) if isinstance(value, list) else value
+                )
         install_output_fill(
             model,
             [FilledOutput(o["path"], o["dim"], o["size"], tuple(o["kept"])) for o in self.outputs],
@@ -326,12 +338,12 @@ class PruningPlan:
             raise ValueError("pruning plan: 'mask_modules' must be a list of module names")
         attributes = data.get("attributes", {})
         if not isinstance(attributes, dict) or not all(
-            isinstance(v, dict)
-            and all(isinstance(a, str) and type(n) is int and n >= 0 for a, n in v.items())
+            isinstance(v, dict) and all(isinstance(a, str) and _count(n) for a, n in v.items())
             for v in attributes.values()
         ):
             raise ValueError(
-                "pruning plan: 'attributes' must map module names to {attribute: integer}"
+                "pruning plan: 'attributes' must map module names to {attribute: integer or "
+                "list of integers}"
             )
         outputs = data.get("outputs", [])
         if not isinstance(outputs, list) or not all(_filled_output(o) for o in outputs):
@@ -596,3 +608,18 @@ def _remove_masks(model: nn.Module, mask_modules: list[str]) -> None:
         parent = model.get_submodule(parent_name) if parent_name else model
         if isinstance(getattr(parent, child, None), MaskLayer):
             setattr(parent, child, nn.Identity())
+
+
+def _count(n: Any) -> bool:
+    """A plan's attribute value: an integer >= 0, or a list of them."""
+    if isinstance(n, list):
+        return all(type(e) is int and e >= 0 for e in n)
+    return type(n) is int and n >= 0
+
+
+def _settable(held: Any, value: int | list[int]) -> bool:
+    """Whether a model's attribute ``held`` takes the plan's ``value``: an integer for an
+    integer, as many sizes for a list or tuple of integers."""
+    if isinstance(value, list):
+        return isinstance(held, (list, tuple)) and len(held) == len(value)
+    return isinstance(held, int)

@@ -109,6 +109,22 @@ def width_attributes(module: nn.Module | None, width: int) -> tuple[str, ...]:
     return _int_attributes(module, WIDTH_ATTRIBUTES, width)
 
 
+def sizes_attributes(module: nn.Module | None, sizes: tuple[int, ...]) -> tuple[str, ...]:
+    """The public attributes of ``module`` that hold ``sizes`` as a list or tuple of integers
+    (timm's ``MixedConv2d.splits``): where a split's sizes are read from them, ``shrink`` sets
+    them to the channels each piece keeps."""
+    if module is None:
+        return ()
+    return tuple(
+        a
+        for a, v in vars(module).items()
+        if not a.startswith("_")
+        and isinstance(v, (list, tuple))
+        and all(type(e) is int for e in v)
+        and tuple(v) == sizes
+    )
+
+
 def _int_attributes(
     module: nn.Module | None, names: tuple[str, ...], value: int
 ) -> tuple[str, ...]:

@@ -999,7 +999,9 @@ def _split(ctx: RuleContext) -> list[TensorInfo]:
             pieces = lab_d.reshape(len(sizes), sizes[0])
             for p in pieces[1:]:
                 ctx.atoms.union(pieces[0], p)
-        elif len(sizes) > 1:
+        elif len(sizes) > 1 and not (
+            packet is aten.split_with_sizes and ctx.record_split_sizes(lab_d, sizes)
+        ):
             reason = f"{ctx.where()} splits channels at fixed sizes"
             ctx.block(lab_d, reason)
             ctx.consume(lab_d, cov_d, reason)

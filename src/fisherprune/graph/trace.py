@@ -33,7 +33,12 @@ from fisherprune.allocator import trim_freed_memory
 from fisherprune.graph.atoms import Atoms
 from fisherprune.graph.cpu_standin import on_cpu
 from fisherprune.graph.gqa import units_while_tracing
-from fisherprune.graph.heads import group_size_attributes, head_attributes, width_attributes
+from fisherprune.graph.heads import (
+    group_size_attributes,
+    head_attributes,
+    sizes_attributes,
+    width_attributes,
+)
 from fisherprune.graph.module_forwards import module_forward, share_inputs_hooks
 from fisherprune.graph.rules import apply_rule
 from fisherprune.graph.types import (
@@ -44,6 +49,7 @@ from fisherprune.graph.types import (
     NormUse,
     OpRecord,
     RuleContext,
+    SizeSplit,
     Slot,
     TensorInfo,
 )
@@ -72,6 +78,7 @@ class Trace:
     output_infos: list[TensorInfo] = field(default_factory=list)
     batch_size: int = 1  # examples traced (fisherprune.inputs.Inputs.batch_size): the divisor
     head_splits: list[HeadSplit] = field(default_factory=list)
+    size_splits: list[SizeSplit] = field(default_factory=list)
     norm_uses: list[NormUse] = field(default_factory=list)
     #: the row map of each output tensor (None: not followed), by its pytree key path
     #: (``keystr``)
@@ -123,6 +130,10 @@ class _Tracer(TorchDispatchMode):
     def _width_attributes(self, width: int) -> tuple[str, ...]:
         name = self.module_stack[-1] if self.module_stack else "<model>"
         return width_attributes(self.modules.get(name), width)
+
+    def _sizes_attributes(self, sizes: tuple[int, ...]) -> tuple[str, ...]:
+        name = self.module_stack[-1] if self.module_stack else "<model>"
+        return sizes_attributes(self.modules.get(name), sizes)
 
     def _norm_context(self) -> dict[str, Any]:
         """What the rules need to know of the innermost module as a norm."""
@@ -226,6 +237,8 @@ class _Tracer(TorchDispatchMode):
             head_attributes=self._head_attributes,
             width_attributes=self._width_attributes,
             group_attributes=self._group_attributes,
+            size_splits=self.trace.size_splits,
+            sizes_attributes=self._sizes_attributes,
             **self._norm_context(),
         )
         for info in in_infos:  # their values are read now

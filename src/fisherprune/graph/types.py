@@ -27,6 +27,7 @@ __all__ = [
     "NormUse",
     "OpRecord",
     "RuleContext",
+    "SizeSplit",
     "Slot",
     "TensorInfo",
 ]
@@ -158,6 +159,18 @@ class HeadSplit:
 
 
 @dataclass
+class SizeSplit:
+    """A width split at unequal sizes that a module holds in an attribute (timm's
+    ``MixedConv2d`` splits its input at ``self.splits``): ``pieces`` holds the atoms of each
+    piece; ``shrink`` sets ``attributes`` to the channels each piece keeps."""
+
+    module: str
+    pieces: tuple[np.ndarray, ...]
+    attributes: tuple[str, ...]
+    where: str = ""
+
+
+@dataclass
 class NormUse:
     """A registered norm (``fisherprune.norms``) normalising a width: the module, its call
     (an index into ``Trace.calls``), the width's labels and which dim, counted from the end,
@@ -191,6 +204,10 @@ class RuleContext:
         head_attributes: for a head count, a head size and whether the code asked for -1
             heads, the current module's attributes holding that count (or the heads' total
             width), or why it cannot lose heads.
+        size_splits: the trace's list of splits at sizes held in attributes
+            (``record_split_sizes`` appends to it).
+        sizes_attributes: for a list of split sizes, the current module's attributes holding
+            it.
     """
 
     def __init__(
@@ -215,6 +232,8 @@ class RuleContext:
         norms: list[NormUse] | None = None,
         width_attributes: Callable[[int], tuple[str, ...]] | None = None,
         group_attributes: Callable[[int], tuple[str, ...]] | None = None,
+        size_splits: list[SizeSplit] | None = None,
+        sizes_attributes: Callable[[tuple[int, ...]], tuple[str, ...]] | None = None,
     ) -> None:
         self.func = func
         self.args = args
@@ -235,6 +254,8 @@ class RuleContext:
         self._norms = norms if norms is not None else []
         self._width_attributes = width_attributes
         self._group_attributes = group_attributes
+        self._size_splits = size_splits if size_splits is not None else []
+        self._sizes_attributes = sizes_attributes
 
     @property
     def name(self) -> str:
@@ -324,6 +345,18 @@ class RuleContext:
         if names:
             blocks = labels.reshape(-1, 1).copy()
             self._heads.append(HeadSplit(self.module, blocks, False, self.where(), names))
+
+    def record_split_sizes(self, labels: np.ndarray, sizes: list[int]) -> bool:
+        """This call splits the width of ``labels`` at ``sizes``: if the innermost module holds
+        those sizes in an attribute (``heads.sizes_attributes``), record the split, so that
+        ``shrink`` sets the attribute to the channels each piece keeps, and return True (the
+        pieces stay prunable, each on its own); else False."""
+        names = self._sizes_attributes(tuple(sizes)) if self._sizes_attributes else ()
+        if not names:
+            return False
+        pieces = tuple(p.copy() for p in np.split(labels, np.cumsum(sizes)[:-1]))
+        self._size_splits.append(SizeSplit(self.module, pieces, names, self.where()))
+        return True
 
     def record_norm(self, labels: Labels, nd: int, d: int) -> bool:
         """If the innermost module is a registered norm and dim ``d`` of an ``nd``-dim tensor is
