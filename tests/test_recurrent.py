@@ -79,12 +79,14 @@ def test_relu_rnn_equals_torch() -> None:
 class Tagger(nn.Module):
     """Embedding, a linear layer with ReLU, a recurrent layer, a classifier on the last step."""
 
-    def __init__(self, cls: type, batch_first: bool, bidir: bool, layers: int = 2) -> None:
+    def __init__(
+        self, cls: type, batch_first: bool, bidir: bool, layers: int = 2, width: int = 10
+    ) -> None:
         super().__init__()
         self.batch_first = batch_first
         self.emb = nn.Embedding(50, 12)
-        self.fc = nn.Linear(12, 10)
-        self.rnn = cls(10, 6, num_layers=layers, bidirectional=bidir, batch_first=batch_first)
+        self.fc = nn.Linear(12, width)
+        self.rnn = cls(width, 6, num_layers=layers, bidirectional=bidir, batch_first=batch_first)
         self.head = nn.Linear(12 if bidir else 6, 4)
 
     def forward(self, x: Tensor) -> Tensor:  # (N, L) token ids
@@ -188,6 +190,24 @@ def test_cost_does_not_depend_on_the_dtype() -> None:
         model.rnn(h)
     assert counter.get_total_flops() == 0  # the premise: the fused kernel goes uncounted
     assert fp.computational_cost(model, x).total == dense
+
+
+@pytest.mark.parametrize("cls", [nn.LSTM, nn.GRU])
+def test_an_input_width_equal_to_the_hidden_size_shrinks_alone(cls: type) -> None:
+    """The input width is 6, as the hidden size: pruning it leaves ``hidden_size`` as it is
+    (no view inside the traced layer writes the width as a number that the attribute could be
+    taken to hold) and the shrunk model gives the masked outputs."""
+    torch.manual_seed(0)
+    model = Tagger(cls, batch_first=True, bidir=True, width=6).double().eval()
+    x = torch.randint(0, 50, (3, 7))
+    masks = fp.apply_masks(model, x[:2])
+    (fc,) = [k for k, g in masks.groups.items() if ("fc.weight", 0) in g.params]
+    masks[fc].mask[torch.tensor([0, 4])] = 0.0
+    with torch.no_grad():
+        want = model(x)
+        small = fp.shrink(model, x[:2])
+        torch.testing.assert_close(small(x), want, atol=ATOL_F64, rtol=0)
+    assert (small.rnn.input_size, small.rnn.hidden_size) == (4, 6)
 
 
 def test_dense_cost_counts_the_recurrence() -> None:

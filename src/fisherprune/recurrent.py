@@ -4,8 +4,8 @@ On a CPU, PyTorch runs an LSTM as one fused operator per layer (``aten.mkldnn_rn
 on a GPU as one cuDNN call: neither has a channel rule nor a FLOP formula, so a network's
 recurrent layers would pin the width that feeds them and count for nothing in its cost (PyTorch's
 own ``FlopCounterMode`` counts an ``nn.LSTM`` as 0 FLOPs). ``recurrent_forward`` computes the
-same function from plain operators (an input projection of every step at once, then one matrix
-product per step for the recurrence, the gates elementwise), whatever device or backend: the
+same function from plain operators (per step, one matrix product for the input and one for the
+recurrence, the gates elementwise), whatever device or backend: the
 tracer runs it in place of the module's forward, so the input width is followed into the
 layer's input projection (a prunable consumer, like a linear layer's input) and every matrix
 product is counted. GRU and vanilla RNN layers are decomposed into the same products by
@@ -94,12 +94,15 @@ def recurrent_forward(
         outs = []
         for d in range(dirs):
             p = recurrent_params(module, layer, d)
-            gi = F.linear(x, p["ih"], p["b_ih"])  # every step's input projection at once
             h = h0[layer * dirs + d]
             c = c0[layer * dirs + d] if c0 is not None else None
             ys: list[Tensor] = [h] * steps
             for t in reversed(range(steps)) if d else range(steps):
-                h, c = _cell(mode, gi[:, t], F.linear(h, p["hh"], p["b_hh"]), h, c)
+                # the input projection step by step too: on (batch, width) rows, so no view
+                # writes a width as a number (the tracer would take a module attribute equal
+                # to it, such as ``hidden_size``, for one that holds it)
+                gi = F.linear(x[:, t], p["ih"], p["b_ih"])
+                h, c = _cell(mode, gi, F.linear(h, p["hh"], p["b_hh"]), h, c)
                 if p["hr"] is not None:
                     h = F.linear(h, p["hr"])
                 ys[t] = h
