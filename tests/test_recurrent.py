@@ -45,6 +45,16 @@ def _cases() -> list[tuple]:
     return out
 
 
+def _cases_packed() -> list[tuple]:
+    return [
+        c
+        for c in itertools.product(
+            (nn.LSTM, nn.GRU, nn.RNN), (1, 2), (False, True), (0, 3), (False, True), (False, True)
+        )
+        if not (c[3] and c[0] is not nn.LSTM)
+    ]
+
+
 @pytest.mark.parametrize("cls,layers,bidir,batch_first,proj,given,batched", _cases())
 def test_stepwise_function_equals_torch(
     cls: type, layers: int, bidir: bool, batch_first: bool, proj: int, given: bool, batched: bool
@@ -249,32 +259,100 @@ def test_signal_at_the_recurrent_input_equals_a_per_example_loop(
 
 
 class PackedTagger(Tagger):
-    """The same tagger fed packed sequences of different lengths."""
+    """The same tagger fed its token ids with their lengths, packed (not sorted by length),
+    classifying the first step's output."""
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, lengths: Tensor) -> Tensor:  # type: ignore[override]
         h = torch.relu(self.fc(self.emb(x)))
-        lengths = torch.arange(x.shape[1], x.shape[1] - x.shape[0], -1).clamp(min=1)
         o, _ = self.rnn(pack_padded_sequence(h, lengths, batch_first=True, enforce_sorted=False))
         o, _ = pad_packed_sequence(o, batch_first=True)
         return self.head(o[:, 0])
 
 
-def test_packed_sequence_input_keeps_its_width_whole() -> None:
-    """A recurrent layer given a PackedSequence: the width it reads is reported kept whole,
-    with the reason and what to do; the rest is masked, and the model still shrinks to the
-    masked outputs."""
+def _packed(cls: type = nn.LSTM) -> tuple[PackedTagger, tuple[Tensor, Tensor]]:
     torch.manual_seed(0)
-    model = PackedTagger(nn.LSTM, batch_first=True, bidir=True).double().eval()
-    x = torch.randint(0, 50, (3, 7))
-    masks = fp.apply_masks(model, x)
-    assert not any(("fc.weight", 0) in g.params for g in masks.groups.values())
-    (why,) = {s.reason for s in masks.skipped if ("fc.weight", 0) in s.params}
-    assert "PackedSequence" in why and "padded tensor" in why
-    for m in masks.values():
-        m.mask[0] = 0.0
+    model = PackedTagger(cls, batch_first=True, bidir=True).double().eval()
+    return model, (torch.randint(0, 50, (3, 7)), torch.tensor([5, 7, 3]))
+
+
+@pytest.mark.parametrize("cls", [nn.LSTM, nn.GRU])
+def test_packed_sequence_input_width_is_masked_and_shrinks(
+    cls: type, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A recurrent layer given a PackedSequence: the width it reads is one group (its rows
+    known to be the packed steps: no approximate-signal warning), and the shrunk model gives
+    the masked outputs."""
+    model, (x, lengths) = _packed(cls)
+    masks = fp.apply_masks(model, (x, lengths))
+    fc = next(k for k, g in masks.groups.items() if ("fc.weight", 0) in g.params)
+    assert masks.groups[fc].consumers == ["rnn"]
+    assert "approximate" not in caplog.text
+    masks[fc].mask[torch.tensor([0, 3, 9])] = 0.0
     with torch.no_grad():
-        want = model(x)
-        torch.testing.assert_close(fp.shrink(model, x)(x), want, atol=ATOL_F64, rtol=0)
+        want = model(x, lengths)
+        small = fp.shrink(model, (x, lengths))
+        torch.testing.assert_close(small(x, lengths), want, atol=ATOL_F64, rtol=0)
+    assert small.rnn.input_size == 7
+
+
+@pytest.mark.parametrize("cls", [nn.LSTM, nn.GRU, nn.RNN])
+def test_cost_of_a_packed_input_counts_the_steps_each_sequence_runs(cls: type) -> None:
+    """With packed sequences of lengths 5, 7 and 3, the cost equals FlopCounterMode's count of
+    the model in float64 (PyTorch's CPU kernels run the packed steps as products it counts)."""
+    model, (x, lengths) = _packed(cls)
+    counter = FlopCounterMode(display=False)
+    with counter, torch.no_grad():
+        model(x, lengths)
+    assert fp.computational_cost(model, (x, lengths)).total * 3 == counter.get_total_flops()
+
+
+def test_signal_of_a_packed_input_equals_a_per_example_loop() -> None:
+    """With packed sequences of lengths 5, 7 and 3 the signal at the LSTM's input is
+    1/2 mean_n g_n^2, g_n the derivative of example n's loss (run alone at its own length)
+    w.r.t. a multiplier on each input channel of PyTorch's own LSTM, float64."""
+    model, (x, lengths) = _packed()
+    y = torch.tensor([0, 3, 1])
+    masks = fp.apply_masks(model, (x, lengths))
+    fc = next(k for k, g in masks.groups.items() if ("fc.weight", 0) in g.params)
+    model.double().train()
+    F.cross_entropy(model(x, lengths), y).backward()
+    fp.update_pruning_signals(masks, decay=0)
+    ref, _ = _packed()
+    want = torch.zeros(10, dtype=torch.float64)
+    for i in range(3):
+        m = torch.ones(10, dtype=torch.float64, requires_grad=True)
+        h = _rnn_input(ref, x[i : i + 1]) * m
+        o, _ = ref.rnn(pack_padded_sequence(h, lengths[i : i + 1], batch_first=True))
+        o, _ = pad_packed_sequence(o, batch_first=True)
+        (g,) = torch.autograd.grad(F.cross_entropy(ref.head(o[:, 0]), y[i : i + 1]), [m])
+        want += 0.5 * g * g / 3
+    assert float(want.abs().max()) > 0
+    torch.testing.assert_close(masks[fc].signal, want, rtol=1e-9, atol=1e-15)
+
+
+@pytest.mark.parametrize("cls,layers,bidir,proj,given,sort", _cases_packed())
+def test_stepwise_function_equals_torch_on_packed_sequences(
+    cls: type, layers: int, bidir: bool, proj: int, given: bool, sort: bool
+) -> None:
+    """``recurrent_forward`` of a PackedSequence (lengths 6, 5, 3, 1, sorted or not) gives
+    the module's packed output and final states in the caller's order (float64)."""
+    torch.manual_seed(0)
+    kw = {"proj_size": proj} if proj else {}
+    m = cls(5, 4, num_layers=layers, bidirectional=bidir, batch_first=True, **kw).double()
+    x = torch.randn(4, 6, 5, dtype=torch.float64)
+    lengths = torch.tensor([6, 5, 3, 1] if sort else [3, 6, 1, 5])
+    packed = pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=sort)
+    hx = None
+    if given:
+        states = layers * (2 if bidir else 1)
+        h0 = torch.randn(states, 4, proj or 4, dtype=torch.float64)
+        hx = (h0, torch.randn(states, 4, 4, dtype=torch.float64)) if cls is nn.LSTM else h0
+    got, want = recurrent_forward(m, packed, hx), m(packed, hx)
+    assert torch.equal(got[0].batch_sizes, want[0].batch_sizes)
+    for a, b in zip(
+        _flatten((got[0].data, got[1])), _flatten((want[0].data, want[1])), strict=True
+    ):
+        torch.testing.assert_close(a, b, atol=ATOL_F64, rtol=0)
 
 
 class ProjectedLSTM(nn.LSTM):

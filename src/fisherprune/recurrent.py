@@ -13,16 +13,19 @@ PyTorch's own CPU kernels, so their count equals ``FlopCounterMode``'s on the mo
 
 Supported: every ``mode`` (``LSTM``, ``GRU``, ``RNN_TANH``, ``RNN_RELU``), ``num_layers``,
 ``bidirectional``, ``batch_first``, ``bias``, an LSTM's ``proj_size``, a given initial state,
-batched (3-d) and unbatched (2-d) inputs. Dropout between layers runs as the module runs it
-(only in training mode). A ``PackedSequence`` input is not supported here (its caller keeps the
-module's own forward).
+batched (3-d) and unbatched (2-d) inputs, and ``PackedSequence`` inputs (each step runs the
+sequences still going: the steps' batch sizes). Dropout between layers runs as the module runs
+it (only in training mode).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.utils.rnn import PackedSequence
 
 __all__ = ["recurrent_forward", "recurrent_params"]
 
@@ -62,19 +65,69 @@ def _cell(
     return (torch.tanh(pre) if mode == "RNN_TANH" else torch.relu(pre)), None
 
 
+#: one layer's parameters by role (``recurrent_params``)
+Params = dict[str, Tensor | None]
+#: one direction of one layer run: its outputs, its final hidden and cell states
+Run = tuple[Tensor, Tensor, Tensor | None]
+
+
+def _step(
+    mode: str, p: Params, x: Tensor, h: Tensor, c: Tensor | None
+) -> tuple[Tensor, Tensor | None]:
+    """One step on (rows, width) inputs: the input projection step by step too, so that no
+    view writes a width as a number (the tracer would take a module attribute equal to it,
+    such as ``hidden_size``, for one that holds it); then the cell, then an LSTM's projection."""
+    gi = F.linear(x, p["ih"], p["b_ih"])  # type: ignore[arg-type]
+    h, c = _cell(mode, gi, F.linear(h, p["hh"], p["b_hh"]), h, c)  # type: ignore[arg-type]
+    return (F.linear(h, p["hr"]) if p["hr"] is not None else h), c
+
+
+def _layers(
+    module: nn.RNNBase,
+    x: Tensor,
+    h0: Tensor,
+    c0: Tensor | None,
+    direction: Callable[[Params, Tensor, Tensor, Tensor | None, bool], Run],
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Every layer and direction of ``module`` over ``x`` (``direction`` runs one), each
+    layer reading the one below's outputs (both directions side by side, dropout between in
+    training mode). Returns the last layer's outputs and the stacked final states."""
+    dirs = 2 if module.bidirectional else 1
+    last_h: list[Tensor] = []
+    last_c: list[Tensor] = []
+    for layer in range(module.num_layers):
+        outs = []
+        for d in range(dirs):
+            i = layer * dirs + d
+            c_init = c0[i] if c0 is not None else None
+            y, h, c = direction(recurrent_params(module, layer, d), x, h0[i], c_init, bool(d))
+            outs.append(y)
+            last_h.append(h)
+            if c is not None:
+                last_c.append(c)
+        x = torch.cat(outs, dim=-1) if dirs == 2 else outs[0]
+        if module.dropout and module.training and layer < module.num_layers - 1:
+            x = F.dropout(x, module.dropout, training=True)
+    return x, torch.stack(last_h), torch.stack(last_c) if last_c else None
+
+
 def recurrent_forward(
-    module: nn.RNNBase, input: Tensor, hx: Tensor | tuple[Tensor, Tensor] | None = None
-) -> tuple[Tensor, Tensor | tuple[Tensor, Tensor]]:
+    module: nn.RNNBase,
+    input: Tensor | PackedSequence,
+    hx: Tensor | tuple[Tensor, Tensor] | None = None,
+) -> tuple[Tensor | PackedSequence, Tensor | tuple[Tensor, Tensor]]:
     """``module(input, hx)`` as the module computes it (the same ``(output, h_n)``, or
     ``(output, (h_n, c_n))`` for an LSTM, within rounding), one step at a time.
 
     Raises:
         ValueError: a mode this function does not know, or an input that is neither 2-d nor
-            3-d.
+            3-d (nor packed).
     """
     mode = module.mode
     if mode not in GATES:
         raise ValueError(f"recurrent_forward: unknown recurrent mode {mode!r}")
+    if isinstance(input, PackedSequence):
+        return _packed_forward(module, input, hx)
     if input.dim() not in (2, 3):
         raise ValueError(
             f"recurrent_forward: {type(module).__name__} takes a 2-d (unbatched) or 3-d input, "
@@ -84,37 +137,18 @@ def recurrent_forward(
     x = input if batched else input.unsqueeze(0)
     if batched and not module.batch_first:
         x = x.transpose(0, 1)  # (batch, steps, features) from here on: rows stay examples
-    lstm = mode == "LSTM"
     dirs = 2 if module.bidirectional else 1
     h0, c0 = _initial_state(module, x, hx, batched, dirs)
     steps = x.shape[1]
-    last_h: list[Tensor] = []
-    last_c: list[Tensor] = []
-    for layer in range(module.num_layers):
-        outs = []
-        for d in range(dirs):
-            p = recurrent_params(module, layer, d)
-            h = h0[layer * dirs + d]
-            c = c0[layer * dirs + d] if c0 is not None else None
-            ys: list[Tensor] = [h] * steps
-            for t in reversed(range(steps)) if d else range(steps):
-                # the input projection step by step too: on (batch, width) rows, so no view
-                # writes a width as a number (the tracer would take a module attribute equal
-                # to it, such as ``hidden_size``, for one that holds it)
-                gi = F.linear(x[:, t], p["ih"], p["b_ih"])
-                h, c = _cell(mode, gi, F.linear(h, p["hh"], p["b_hh"]), h, c)
-                if p["hr"] is not None:
-                    h = F.linear(h, p["hr"])
-                ys[t] = h
-            outs.append(torch.stack(ys, dim=1))
-            last_h.append(h)
-            if c is not None:
-                last_c.append(c)
-        x = torch.cat(outs, dim=-1) if dirs == 2 else outs[0]
-        if module.dropout and module.training and layer < module.num_layers - 1:
-            x = F.dropout(x, module.dropout, training=True)
-    h_n = torch.stack(last_h)
-    c_n = torch.stack(last_c) if lstm else None
+
+    def direction(p: Params, x: Tensor, h: Tensor, c: Tensor | None, reverse: bool) -> Run:
+        ys: list[Tensor] = [h] * steps
+        for t in reversed(range(steps)) if reverse else range(steps):
+            h, c = _step(mode, p, x[:, t], h, c)
+            ys[t] = h
+        return torch.stack(ys, dim=1), h, c
+
+    x, h_n, c_n = _layers(module, x, h0, c0, direction)
     if batched and not module.batch_first:
         x = x.transpose(0, 1)
     if not batched:
@@ -144,3 +178,52 @@ def _initial_state(
         h0 = h0.unsqueeze(1)
         c0 = c0.unsqueeze(1) if c0 is not None else None
     return h0, c0
+
+
+def _packed_forward(
+    module: nn.RNNBase, packed: PackedSequence, hx: Tensor | tuple[Tensor, Tensor] | None
+) -> tuple[PackedSequence, Tensor | tuple[Tensor, Tensor]]:
+    """``recurrent_forward`` of a ``PackedSequence``: its data holds step after step the rows
+    of the sequences still going (sorted longest first, ``batch_sizes`` of them at each step);
+    the initial and final states are in the caller's order (``sorted_indices``)."""
+    sizes = [int(b) for b in packed.batch_sizes]  # (a host tensor: no device read)
+    starts = [sum(sizes[:t]) for t in range(len(sizes))]
+    dirs = 2 if module.bidirectional else 1
+    x = packed.data
+    h0, c0 = _initial_state(module, x[: sizes[0]].unsqueeze(1), hx, True, dirs)  # (batch first)
+    order = packed.sorted_indices
+    if hx is not None and order is not None:
+        h0 = h0.index_select(1, order)
+        c0 = c0.index_select(1, order) if c0 is not None else None
+
+    def direction(p: Params, x: Tensor, h0: Tensor, c0: Tensor | None, reverse: bool) -> Run:
+        ys: list[Tensor] = []
+        if not reverse:
+            h, c = h0, c0
+            ends_h: list[Tensor] = []  # the final states of sequences as they end
+            ends_c: list[Tensor] = []
+            for t, (start, n) in enumerate(zip(starts, sizes, strict=True)):
+                h, c = _step(
+                    module.mode, p, x[start : start + n], h[:n], c[:n] if c is not None else None
+                )
+                ys.append(h)
+                ending = sizes[t + 1] if t + 1 < len(sizes) else 0
+                ends_h.insert(0, h[ending:n])
+                if c is not None:
+                    ends_c.insert(0, c[ending:n])
+            return torch.cat(ys), torch.cat(ends_h), torch.cat(ends_c) if c0 is not None else None
+        h, c = h0[:0], c0[:0] if c0 is not None else None
+        for start, n in reversed(list(zip(starts, sizes, strict=True))):
+            h = torch.cat([h, h0[h.shape[0] : n]])  # the sequences that start here join
+            c = torch.cat([c, c0[c.shape[0] : n]]) if c is not None and c0 is not None else None
+            h, c = _step(module.mode, p, x[start : start + n], h, c)
+            ys.insert(0, h)
+        return torch.cat(ys), h, c
+
+    x, h_n, c_n = _layers(module, x, h0, c0, direction)
+    back = packed.unsorted_indices
+    if back is not None:
+        h_n = h_n.index_select(1, back)
+        c_n = c_n.index_select(1, back) if c_n is not None else None
+    out = PackedSequence(x, packed.batch_sizes, packed.sorted_indices, packed.unsorted_indices)
+    return (out, (h_n, c_n)) if c_n is not None else (out, h_n)

@@ -166,27 +166,15 @@ def _traced_recurrent(
     kwargs: dict,
     suspended: Callable[[], contextlib.AbstractContextManager],
 ) -> Any:
-    """The layer step by step (``fisherprune.recurrent``): its input width is read by the
-    input projection of the first layer (a prunable consumer) and every product is counted.
-    The hidden units stay whole: no mask acts inside a recurrence. A ``PackedSequence`` input
-    keeps the module's own output and its width whole (its operators are not followed)."""
+    """The layer step by step (``fisherprune.recurrent``), a ``PackedSequence`` input too:
+    its input width is read by the input projection of the first layer (a prunable consumer)
+    and every product is counted. The hidden units stay whole: no mask acts inside a
+    recurrence."""
     tracer = tracing.active()
     bound = _RNN_SIGNATURE.bind(*args, **kwargs)
-    x, hx = bound.arguments["input"], bound.arguments.get("hx")
-    name = type(module).__name__
-    if not isinstance(x, Tensor):  # a PackedSequence
-        data = getattr(x, "data", None)
-        labels = tracer.info(data).labels if tracer and isinstance(data, Tensor) else []
-        if labels and labels[-1] is not None:
-            tracer.trace.atoms.block(  # type: ignore[union-attr]
-                labels[-1],
-                f"{name} called with a PackedSequence: its input width is kept whole "
-                "(pass a padded tensor to prune it)",
-            )
-        return None
-    out = recurrent_forward(module, x, hx)  # type: ignore[arg-type]
+    out = recurrent_forward(module, bound.arguments["input"], bound.arguments.get("hx"))  # type: ignore[arg-type]
     if tracer is not None:
-        why = f"the hidden units of {name} (a recurrent state) are kept whole"
+        why = f"the hidden units of {type(module).__name__} (a recurrent state) are kept whole"
         for pname, p in module.named_parameters(recurse=False):
             labels = tracer.info(p).labels
             for d, lab in enumerate(labels):

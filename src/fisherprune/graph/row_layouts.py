@@ -13,6 +13,7 @@ from fisherprune.graph.groups import MaskPointSpec
 from fisherprune.graph.trace import Trace
 from fisherprune.masks.rows import (
     BATCH,
+    PACKED,
     SELECTED,
     TOKENS,
     UNKNOWN,
@@ -95,6 +96,8 @@ def _layout(trace: Trace, calls: list[int], arg: int) -> RowLayout:
 
 def _call_layout(trace: Trace, call: int, arg: int) -> RowLayout:
     c = trace.calls[call]
+    if arg in c.packed:
+        return RowLayout(PACKED)
     rows = c.rows[arg] if arg < len(c.rows) else None
     if classify_rows(rows, trace.batch_size) != SELECTED:
         return _rows_layout(rows, trace.batch_size)

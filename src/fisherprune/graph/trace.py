@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch import Tensor, nn
+from torch.nn.utils.rnn import PackedSequence
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 
@@ -468,11 +469,14 @@ def _module_stack_hooks(model: nn.Module, tracer: _Tracer) -> list:
 
         def pre(_m, args, label=label):
             tracer.module_stack.append(label)
-            infos = [tracer.info(a) if isinstance(a, Tensor) else None for a in args]
-            rows = [tracer.rows_of(a) for a in args]
+            packed = tuple(i for i, a in enumerate(args) if isinstance(a, PackedSequence))
+            tensors = [a.data if i in packed else a for i, a in enumerate(args)]  # (its rows)
+            infos = [tracer.info(a) if isinstance(a, Tensor) else None for a in tensors]
+            rows = [tracer.rows_of(a) for a in tensors]
             parent = tracer.call_stack[-1] if tracer.call_stack else -1
             tracer.call_stack.append(len(tracer.trace.calls))
-            tracer.trace.calls.append(ModuleCall(label, infos, len(tracer.trace.ops), rows, parent))
+            call = ModuleCall(label, infos, len(tracer.trace.ops), rows, parent, packed)
+            tracer.trace.calls.append(call)
 
         def post(_m, _a, _o, label=label):
             if tracer.module_stack and tracer.module_stack[-1] == label:

@@ -100,6 +100,8 @@ class ModuleCall:
     #: or its rows were not followed)
     rows: list[Rows | None] = field(default_factory=list)
     parent: int = -1  # the call it ran inside (an index into ``Trace.calls``), or -1
+    #: the positional inputs that were ``PackedSequence`` s (``args`` holds their data's info)
+    packed: tuple[int, ...] = ()
 
 
 @dataclass

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch import Tensor, nn
+from torch.nn.utils.rnn import PackedSequence
 
 from fisherprune.masks import recompute, tracing
 from fisherprune.masks.compile_guard import ForwardMark
@@ -41,8 +42,8 @@ from fisherprune.masks.layer import (
 )
 from fisherprune.masks.norm_points import NormPoint
 from fisherprune.masks.output_points import OutputMasks
-from fisherprune.masks.row_tracker import BatchProbe, RowScope, to_examples
-from fisherprune.masks.rows import BATCH, UNKNOWN, RowLayout
+from fisherprune.masks.row_tracker import BatchProbe, RowScope, packed_rows, to_examples
+from fisherprune.masks.rows import BATCH, PACKED, UNKNOWN, RowLayout
 
 __all__ = [
     "MASKS_ATTR",
@@ -228,6 +229,11 @@ class MaskPoint(SignalOwner):
         compiled = compiling()
         if not compiled and self.flags.idle:
             return None  # every mask idle in this call of the model: a no-op, input unread
+        packed = args[self.arg] if len(args) > self.arg else None
+        if not isinstance(packed, PackedSequence):
+            packed = None
+        elif self.rows.kind == PACKED:
+            args = (*args[: self.arg], packed.data, *args[self.arg + 1 :])  # its data, masked
         if len(args) <= self.arg or not isinstance(args[self.arg], Tensor):
             raise RuntimeError(
                 f"fisherprune mask on {self.module_name!r} expects a tensor as positional input "
@@ -239,7 +245,7 @@ class MaskPoint(SignalOwner):
                 f"fisherprune mask on {self.module_name!r}: input of shape {tuple(x.shape)} has "
                 f"no dim {self.dim} of size {self.size}, as traced; call apply_masks again"
             )
-        if compiled:  # (x in the layer's autocast dtype first, as ``apply`` takes it)
+        if compiled and packed is None:  # (x in the layer's autocast dtype first, as ``apply``)
             low = _cast_by_autocast(module, x)
             out = compiled_product(self, x if low is None else x.to(low))
             if out is not None:
@@ -251,6 +257,9 @@ class MaskPoint(SignalOwner):
             and self._fold(module, bufs)
         ):
             return None  # the pruned channels are zeroed in the layer's weight instead
+        if packed is not None:  # rows: steps of the sequences still going, longest first
+            out = self.apply(x, bufs, _cast_by_autocast(module, x), packed_rows(packed))
+            return (*args[: self.arg], packed._replace(data=out), *args[self.arg + 1 :])
         out = self.apply(x, bufs, _cast_by_autocast(module, x))
         return (*args[: self.arg], out, *args[self.arg + 1 :])
 
@@ -303,7 +312,11 @@ class MaskPoint(SignalOwner):
             self._grad_hook = None
 
     def apply(
-        self, x: Tensor, bufs: list[Tensor] | None = None, low: torch.dtype | None = None
+        self,
+        x: Tensor,
+        bufs: list[Tensor] | None = None,
+        low: torch.dtype | None = None,
+        to_examples: Any = None,
     ) -> Tensor:
         """Return ``x`` times the masks; gathers per-example gradients while collecting.
         ``bufs``: the masks' buffers, where the caller has them already; ``low``: the dtype
@@ -311,7 +324,9 @@ class MaskPoint(SignalOwner):
         cast to it before the product, then (the layer's own cast is a no-op on it): a float32
         ``x`` that the product or its backward kept would otherwise stay alive beside the
         half-precision copy the layer saves (on a GPU a LayerNorm's float32 output before
-        each q, k, v and MLP input: +11% peak memory on BERT-base)."""
+        each q, k, v and MLP input: +11% peak memory on BERT-base). ``to_examples``: the
+        reduction of per-row gradients to per-example ones where the caller knows it (a
+        ``PackedSequence`` 's rows), else read off the point's row layout."""
         if bufs is None:
             bufs = self._buffers()
         tracer = tracing.active()
@@ -340,7 +355,7 @@ class MaskPoint(SignalOwner):
         ident = ones and self._alias_ok and not recompute.checkpointing()
         # an aliasing product needs no multiplier (unless it must carry the gradient)
         mult = None if ident and x.requires_grad else self.multiplier(x, bufs)
-        reduce = self._to_examples(x)
+        reduce = self._to_examples(x) if to_examples is None else to_examples
         out = gather_through(x, mult, self, None, self.dim, ident, reduce, self.rows.dim)
         return self.shared.put(given, key, out)
 
@@ -581,7 +596,7 @@ def install_mask_points(
         layouts = list(rows) or [RowLayout()] * len(points)
         out_layouts = list(output_rows) or [RowLayout()] * len(outputs)
         probe = BatchProbe()
-        if any(r.kind != BATCH for r in (*layouts, *out_layouts)):
+        if any(r.kind not in (BATCH, PACKED) for r in (*layouts, *out_layouts)):
             holder.handles.extend(probe.install(model))
         scopes = _row_scopes(holder, modules, layouts, probe)
         for (name, arg, dim, size, parts), layout in zip(points, layouts, strict=True):

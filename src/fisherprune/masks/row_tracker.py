@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.nn.utils.rnn import PackedSequence
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -27,7 +28,7 @@ from fisherprune.inputs import Inputs
 from fisherprune.masks import tracing
 from fisherprune.masks.rows import BATCH, SELECTED, TOKENS, Rows, rows_after
 
-__all__ = ["BatchProbe", "RowScope", "RowTracker", "to_examples"]
+__all__ = ["BatchProbe", "RowScope", "RowTracker", "packed_rows", "to_examples"]
 
 log = logging.getLogger("fisherprune")
 
@@ -162,6 +163,27 @@ def _sum_runs(n: int, dot: Tensor) -> Tensor:
 def _add_rows(example: Tensor, n: int, dot: Tensor) -> Tensor:
     """(rows, C) -> (n, C): each row added to its example's."""
     return dot.new_zeros(n, dot.shape[-1]).index_add_(0, example, dot)
+
+
+def packed_rows(packed: PackedSequence) -> ToExamples:
+    """The reduction of per-row gradients of ``packed.data`` to per-example ones: its rows are
+    step after step the sequences still going, longest first (``batch_sizes`` of them), which
+    ``sorted_indices`` maps back to the caller's examples. Nothing is computed until it is
+    called (in the backward of a step that collects)."""
+    return functools.partial(_add_packed_rows, packed.batch_sizes, packed.sorted_indices)
+
+
+def _add_packed_rows(sizes: Tensor, order: Tensor | None, dot: Tensor) -> Tensor:
+    """(rows, C) -> (examples, C) for a ``PackedSequence`` with step sizes ``sizes`` (a host
+    tensor) and ``order`` (sorted position -> example, or None: already in order)."""
+    starts = torch.cumsum(sizes, 0) - sizes
+    position = torch.arange(int(sizes.sum())) - torch.repeat_interleave(starts, sizes)
+    if dot.device.type == "cuda":  # (from pinned memory: no wait for the device)
+        position = position.pin_memory().to(dot.device, non_blocking=True)
+    else:
+        position = position.to(dot.device)
+    example = position if order is None else order.to(dot.device)[position]
+    return _add_rows(example, int(sizes[0]), dot)
 
 
 def to_examples(

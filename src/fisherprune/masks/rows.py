@@ -59,7 +59,8 @@ BATCH = "batch"  # row n is example n
 TOKENS = "tokens"  # example n owns the n-th of N equal runs of consecutive rows
 SELECTED = "selected"  # rows chosen or reordered by data: the map is followed at run time
 UNKNOWN = "unknown"  # not known: each row is taken for one example (an approximate signal)
-KINDS = (BATCH, TOKENS, SELECTED, UNKNOWN)
+PACKED = "packed"  # the data of a PackedSequence: the map is read off it at run time
+KINDS = (BATCH, TOKENS, SELECTED, UNKNOWN, PACKED)
 
 
 @dataclass(frozen=True)
