@@ -344,6 +344,8 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         print("timm is not installed: see this script's docstring", file=sys.stderr)
         return 2
+    if args.update and not args.out.is_file():
+        parser.error(f"--update replaces rows of {args.out}, which does not exist")
     torch.set_num_threads(args.threads)
     warnings.simplefilter("ignore")
     import logging
@@ -357,7 +359,10 @@ def main(argv: list[str] | None = None) -> int:
             row = measure(name, RESOLUTION.get(name, args.res))
         finally:
             signal.alarm(0)
-        row["date"] = time.strftime("%Y-%m-%d %H:%M:%S")
+        row.update(  # (each row its own: --update mixes runs in one file)
+            date=time.strftime("%Y-%m-%d %H:%M:%S"), torch=torch.__version__,
+            timm=timm.__version__, fisherprune=fp.__version__,
+        )  # fmt: skip
         rows.append(row)
         print(f"{name}: {row['status']} {row.get('stage', '')} {row.get('error', '')}"[:300])
     print(table(rows))

@@ -366,21 +366,27 @@ class ProjectedLSTM(nn.LSTM):
         return super().forward(self.pre(x), hx)
 
 
-def test_a_subclass_with_its_own_forward_is_traced_as_it_runs() -> None:
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_a_subclass_with_its_own_forward_is_traced_as_it_runs(dtype: torch.dtype) -> None:
     """A recurrent subclass that overrides ``forward`` is not replaced by the step-by-step
     function (which computes the base's): its own layer is traced, counted and masked, and
-    the masked model gives its own outputs."""
+    the masked model gives its own outputs; in float32 too, where a CPU would run the LSTM as
+    one fused operator (the trace turns that off around it)."""
     torch.manual_seed(0)
-    model = Tagger(nn.LSTM, batch_first=True, bidir=False).double().eval()
-    model.rnn = ProjectedLSTM(10, 6, batch_first=True).double()
+    model = Tagger(nn.LSTM, batch_first=True, bidir=False).to(dtype).eval()
+    model.rnn = ProjectedLSTM(10, 6, batch_first=True).to(dtype)
     x = torch.randint(0, 50, (3, 7))
     with torch.no_grad():
         want = model(x)
     masks = fp.apply_masks(model, x[:1])
     with torch.no_grad():
         torch.testing.assert_close(model(x), want, atol=0, rtol=0)
-    assert fp.computational_cost(model, x).by_module["rnn.pre"] == 2 * 7 * 10 * 10
+    cost = fp.computational_cost(model, x).by_module
+    assert cost["rnn.pre"] == 2 * 7 * 10 * 10
+    assert cost["rnn"] == 2 * 7 * 4 * 6 * (10 + 6)  # the recurrence, counted
     assert any("rnn.pre" in g.consumers for g in masks.groups.values())
+    assert any(("fc.weight", 0) in g.params for g in masks.groups.values())
+    assert torch.backends.mkldnn.enabled  # (restored after the trace)
 
 
 def test_training_prunes_the_width_an_lstm_reads_and_shrinks_to_the_masked_outputs() -> None:

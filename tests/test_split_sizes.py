@@ -117,10 +117,11 @@ def test_plan_sets_the_split_sizes_on_a_fresh_model(tmp_path: Path) -> None:
     fresh.load_state_dict(small.state_dict())
     with torch.no_grad():
         torch.testing.assert_close(fresh(x), small(x), atol=0, rtol=0)
-    other = _model()[0]
-    other.mixed.splits = [8, 8]
-    with pytest.raises(fp.PlanMismatchError, match="'splits'"):
-        plan.apply(other)
+    for wrong in ([8, 8], [4, 6, 6]):  # other pieces; a piece smaller than the plan's
+        other = _model()[0]
+        other.mixed.splits = wrong
+        with pytest.raises(fp.PlanMismatchError, match="'splits'"):
+            plan.apply(other)
 
 
 def test_sizes_written_into_the_code_keep_the_width_whole() -> None:
@@ -135,6 +136,16 @@ def test_sizes_written_into_the_code_keep_the_width_whole() -> None:
     model, x = _model()
     model.mixed = Fixed().double()
     del model.mixed.splits
+    masks = fp.apply_masks(model, x[:1])
+    assert not any(("expand.weight", 0) in g.params for g in masks.groups.values())
+    assert any("splits channels at fixed sizes" in s.reason for s in masks.skipped)
+
+
+def test_sizes_two_attributes_hold_keep_the_width_whole() -> None:
+    """Two attributes holding the split's sizes (which one the code read cannot be told):
+    the width is kept whole, with the reason, not shrunk by a guess."""
+    model, x = _model()
+    model.mixed.out_splits = list(model.mixed.splits)
     masks = fp.apply_masks(model, x[:1])
     assert not any(("expand.weight", 0) in g.params for g in masks.groups.values())
     assert any("splits channels at fixed sizes" in s.reason for s in masks.skipped)

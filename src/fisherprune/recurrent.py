@@ -117,7 +117,8 @@ def recurrent_forward(
     hx: Tensor | tuple[Tensor, Tensor] | None = None,
 ) -> tuple[Tensor | PackedSequence, Tensor | tuple[Tensor, Tensor]]:
     """``module(input, hx)`` as the module computes it (the same ``(output, h_n)``, or
-    ``(output, (h_n, c_n))`` for an LSTM, within rounding), one step at a time.
+    ``(output, (h_n, c_n))`` for an LSTM, within rounding; in training mode with dropout
+    between layers, other random draws), one step at a time.
 
     Raises:
         ValueError: a mode this function does not know, or an input that is neither 2-d nor

@@ -217,7 +217,11 @@ class PruningPlan:
         for mname, values in self.attributes.items():
             for attr, value in values.items():
                 if not _settable(getattr(modules.get(mname), attr, None), value):
-                    kind = "integer" if isinstance(value, int) else f"{len(value)} sizes"
+                    kind = (
+                        "an integer"
+                        if isinstance(value, int)
+                        else f"{len(value)} sizes at least {value}"
+                    )
                     raise PlanMismatchError(
                         f"the model has no attribute {attr!r} holding {kind} on module "
                         f"{mname!r} that the plan sets"
@@ -611,15 +615,20 @@ def _remove_masks(model: nn.Module, mask_modules: list[str]) -> None:
 
 
 def _count(n: Any) -> bool:
-    """A plan's attribute value: an integer >= 0, or a list of them."""
+    """A plan's attribute value: an integer >= 0, or a non-empty list of them."""
     if isinstance(n, list):
-        return all(type(e) is int and e >= 0 for e in n)
+        return bool(n) and all(type(e) is int and e >= 0 for e in n)
     return type(n) is int and n >= 0
 
 
 def _settable(held: Any, value: int | list[int]) -> bool:
     """Whether a model's attribute ``held`` takes the plan's ``value``: an integer for an
-    integer, as many sizes for a list or tuple of integers."""
+    integer; for a list, a list or tuple of as many integers, none smaller than the size the
+    plan gives it (a piece only loses channels; a shrunk model's sizes equal the plan's)."""
     if isinstance(value, list):
-        return isinstance(held, (list, tuple)) and len(held) == len(value)
+        return (
+            type(held) in (list, tuple)
+            and len(held) == len(value)
+            and all(type(h) is int and h >= v for h, v in zip(held, value, strict=True))
+        )
     return isinstance(held, int)

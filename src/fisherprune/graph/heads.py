@@ -110,19 +110,21 @@ def width_attributes(module: nn.Module | None, width: int) -> tuple[str, ...]:
 
 
 def sizes_attributes(module: nn.Module | None, sizes: tuple[int, ...]) -> tuple[str, ...]:
-    """The public attributes of ``module`` that hold ``sizes`` as a list or tuple of integers
-    (timm's ``MixedConv2d.splits``): where a split's sizes are read from them, ``shrink`` sets
-    them to the channels each piece keeps."""
+    """The public attribute of ``module`` that holds ``sizes`` as a plain list or tuple of
+    integers (timm's ``MixedConv2d.splits``), as a 1-tuple: where a split's sizes are read
+    from it, ``shrink`` sets it to the channels each piece keeps. None (``()``) when no
+    attribute or several hold them (which one the code read cannot be told)."""
     if module is None:
         return ()
-    return tuple(
+    found = tuple(
         a
         for a, v in vars(module).items()
         if not a.startswith("_")
-        and isinstance(v, (list, tuple))
+        and type(v) in (list, tuple)
         and all(type(e) is int for e in v)
         and tuple(v) == sizes
     )
+    return found if len(found) == 1 else ()
 
 
 def _int_attributes(

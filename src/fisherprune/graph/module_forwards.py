@@ -64,8 +64,9 @@ _FORWARDS: dict[type, ModuleForward] = {}
 
 
 def register_module_forward(cls: type, forward: ModuleForward) -> None:
-    """Run modules of ``cls`` (and its subclasses) through ``forward`` when tracing and when
-    masked. Changes: the registry, for every model traced or masked afterwards.
+    """Run modules of ``cls`` (and its subclasses that keep its ``forward``) through
+    ``forward`` when tracing and when masked; a subclass overriding ``forward`` runs its own.
+    Changes: the registry, for every model traced or masked afterwards.
 
     Raises:
         ValueError: ``cls`` is already registered.

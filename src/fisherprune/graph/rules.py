@@ -1002,7 +1002,10 @@ def _split(ctx: RuleContext) -> list[TensorInfo]:
         elif len(sizes) > 1 and not (
             packet is aten.split_with_sizes and ctx.record_split_sizes(lab_d, sizes)
         ):
-            reason = f"{ctx.where()} splits channels at fixed sizes"
+            reason = (
+                f"{ctx.where()} splits channels at fixed sizes (written into the code, or held "
+                "by no single list attribute of the module that shrink could update)"
+            )
             ctx.block(lab_d, reason)
             ctx.consume(lab_d, cov_d, reason)
     start = 0

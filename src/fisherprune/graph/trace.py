@@ -374,7 +374,11 @@ def _trace(model: nn.Module, inputs: Inputs, loss_fn: Callable[[Any], Tensor] | 
             if batch:
                 tracer.trace.atoms.mark_batch(lab)
             tracer.trace.atoms.block(lab, "batch dimension" if batch else "model input")
-    handles = _module_stack_hooks(model, tracer) + _module_forward_hooks(model, tracer)
+    handles = (
+        _module_stack_hooks(model, tracer)
+        + _module_forward_hooks(model, tracer)
+        + _unfused_recurrent_hooks(model)
+    )
     tracing.set_active(tracer)
     try:
         with (
@@ -459,6 +463,31 @@ def _module_forward_hooks(model: nn.Module, tracer: _Tracer) -> list:
         handles.append(mod.register_forward_pre_hook(pre))
         handles.append(mod.register_forward_hook(post, prepend=True, with_kwargs=True))
         handles += share_inputs_hooks(mod)
+    return handles
+
+
+def _unfused_recurrent_hooks(model: nn.Module) -> list:
+    """A recurrent layer that runs its own forward under the tracer (a subclass of
+    ``nn.LSTM`` overriding ``forward``, so not ``recurrent_forward``) runs with oneDNN off:
+    in float32 a CPU would run an LSTM as one fused oneDNN operator, which has no channel rule
+    and no FLOP formula; without it PyTorch runs the same steps as products the tracer follows
+    (as it does in float64)."""
+    handles = []
+    for mod in model.modules():
+        if not isinstance(mod, nn.RNNBase) or module_forward(mod) is not None:
+            continue
+        was: list[bool] = []
+
+        def pre(_m, _args, was=was):
+            was.append(torch.backends.mkldnn.enabled)
+            torch.backends.mkldnn.enabled = False
+
+        def post(_m, _args, _out, was=was):
+            if was:
+                torch.backends.mkldnn.enabled = was.pop()
+
+        handles.append(mod.register_forward_pre_hook(pre))
+        handles.append(mod.register_forward_hook(post, always_call=True))
     return handles
 
 
