@@ -26,6 +26,7 @@ from tests.test_device_independence import structure
 
 ATOL_F64 = 1e-12
 CELLS = {nn.LSTM: nn.LSTMCell, nn.GRU: nn.GRUCell, nn.RNN: nn.RNNCell}
+GATES = {nn.LSTM: 4, nn.GRU: 3, nn.RNN: 1}
 
 
 def _flatten(out: tuple) -> list[Tensor]:
@@ -124,7 +125,7 @@ def _cell_loop_flops(rnn: nn.RNNBase, x: Tensor) -> float:
             outs = []
             for d in range(dirs):
                 sfx = f"_l{layer}" + ("_reverse" if d else "")
-                cell = CELLS[type(rnn)](inp.shape[-1], rnn.hidden_size).double()
+                cell = CELLS[type(rnn)](inp.shape[-1], rnn.hidden_size).double()  # (shrunk)
                 for role in ("weight_ih", "weight_hh", "bias_ih", "bias_hh"):
                     getattr(cell, role).copy_(getattr(rnn, role + sfx))
                 h = None
@@ -144,16 +145,26 @@ def _rnn_input(model: Tagger, x: Tensor) -> Tensor:
         return torch.relu(model.fc(model.emb(x)))
 
 
+def _hidden(masks: fp.AppliedMasks) -> str:
+    """The key of the recurrent layer's hidden-unit mask."""
+    return next(k for k, g in masks.groups.items() if ("rnn.weight_hh_l0", 1) in g.params)
+
+
 @pytest.mark.parametrize("cls", [nn.LSTM, nn.GRU, nn.RNN])
-def test_input_width_is_masked_and_hidden_units_kept_whole(cls: type) -> None:
+def test_input_width_and_hidden_units_are_groups(cls: type) -> None:
     """The linear layer feeding the recurrent one is a group (its consumer the recurrent
-    layer); the hidden units are reported kept whole, with the reason."""
+    layer), and so are the hidden units: unit j of both layers and both directions is one
+    channel (6 of them), read by the recurrence, the layer above and the classifier."""
     model, x = _tagger(cls)
     masks = fp.apply_masks(model, x[:1])
     fc = next(g for g in masks.groups.values() if ("fc.weight", 0) in g.params)
     assert fc.num_channels == 10 and "rnn" in fc.consumers
-    hidden = [s for s in masks.skipped if ("rnn.weight_hh_l0", 1) in s.params]
-    assert len(hidden) == 1 and "hidden units of" in hidden[0].reason
+    hidden = masks.groups[_hidden(masks)]
+    assert hidden.num_channels == 6
+    for name in ("weight_hh_l0", "weight_hh_l1_reverse", "weight_ih_l1"):
+        assert (f"rnn.{name}", 0) in hidden.params and (f"rnn.{name}", 1) in hidden.params
+    assert ("head.weight", 1) in hidden.params
+    assert not [s for s in masks.skipped if "rnn" in str(s.params)]
 
 
 @pytest.mark.parametrize("cls", [nn.LSTM, nn.GRU, nn.RNN])
@@ -162,21 +173,23 @@ def test_input_width_is_masked_and_hidden_units_kept_whole(cls: type) -> None:
 def test_shrunk_equals_masked_and_cost_equals_a_loop_of_torch_cells(
     cls: type, batch_first: bool, bidir: bool
 ) -> None:
-    """A third of the recurrent layer's input channels removed: the shrunk model gives the
-    masked outputs (float64), its recurrent layer reads the kept width, and the masked model's
-    cost equals FlopCounterMode's count of the shrunk model (in float64 PyTorch's CPU kernels
-    run the recurrence as products it counts), which counts the recurrent layer as a loop of
-    PyTorch's cells."""
+    """A third of the recurrent layer's input channels and 2 of its 6 hidden units removed:
+    the shrunk model gives the masked outputs (float64), its recurrent layer reads the kept
+    width with the kept units, and the masked model's cost equals FlopCounterMode's count of
+    the shrunk model (in float64 PyTorch's CPU kernels run the recurrence as products it
+    counts), which counts the recurrent layer as a loop of PyTorch's cells."""
     model, x = _tagger(cls, batch_first, bidir)
     masks = fp.apply_masks(model, x[:1])
     fc = next(k for k, g in masks.groups.items() if ("fc.weight", 0) in g.params)
     masks[fc].mask[torch.tensor([1, 4, 8])] = 0.0
+    masks[_hidden(masks)].mask[torch.tensor([0, 4])] = 0.0
     with torch.no_grad():
         want = model(x)
     small = fp.shrink(model, x[:1])
     with torch.no_grad():
         torch.testing.assert_close(small(x), want, atol=ATOL_F64, rtol=0)
     assert small.rnn.input_size == 7 and small.rnn.weight_ih_l0.shape[1] == 7
+    assert small.rnn.hidden_size == 4 and small.rnn.weight_hh_l1.shape == (GATES[cls] * 4, 4)
     counter = FlopCounterMode(display=False)
     with counter, torch.no_grad():
         small(x)
@@ -230,6 +243,87 @@ def test_dense_cost_counts_the_recurrence() -> None:
     assert by_module["rnn"] == want
 
 
+def _cells_masked(rnn: nn.RNNBase, x: Tensor, m: Tensor) -> Tensor:
+    """``rnn`` on ``x`` (batch first) as a loop over PyTorch's own cells with its weights,
+    every step's hidden state multiplied by ``m`` (one multiplier per unit), in every layer
+    and direction; returns the last layer's outputs."""
+    dirs = 2 if rnn.bidirectional else 1
+    inp = x
+    for layer in range(rnn.num_layers):
+        outs = []
+        for d in range(dirs):
+            sfx = f"_l{layer}" + ("_reverse" if d else "")
+            cell = CELLS[type(rnn)](inp.shape[-1], rnn.hidden_size).double()
+            with torch.no_grad():
+                for role in ("weight_ih", "weight_hh", "bias_ih", "bias_hh"):
+                    getattr(cell, role).copy_(getattr(rnn, role + sfx))
+            state = None
+            ys = [None] * inp.shape[1]
+            for t in reversed(range(inp.shape[1])) if d else range(inp.shape[1]):
+                state = cell(inp[:, t], state)
+                if isinstance(state, tuple):  # an LSTM's (h, c): only h is masked
+                    state = (state[0] * m, state[1])
+                    ys[t] = state[0]
+                else:
+                    state = ys[t] = state * m
+            outs.append(torch.stack(ys, dim=1))
+        inp = torch.cat(outs, dim=-1)
+    return inp
+
+
+@pytest.mark.parametrize("cls", [nn.LSTM, nn.GRU, nn.RNN])
+def test_hidden_unit_signal_equals_a_per_example_loop(cls: type) -> None:
+    """The hidden units' signal is 1/2 mean_n g_n^2, g_n the derivative of example n's loss
+    w.r.t. one multiplier per unit acting on every step's state of both layers and both
+    directions and on the classifier's input (where the masked model's mask acts too), in a
+    loop over PyTorch's own cells, float64."""
+    model, x = _tagger(cls)
+    y = torch.tensor([0, 3, 1])
+    masks = fp.apply_masks(model, x[:1])
+    key = _hidden(masks)
+    units = masks.groups[key].members[("rnn.weight_hh_l0", 1)]
+    model.double().train()
+    F.cross_entropy(model(x), y).backward()
+    fp.update_pruning_signals(masks, decay=0)
+    ref, _ = _tagger(cls)
+    want = torch.zeros(6, dtype=torch.float64)
+    for i in range(3):
+        m = torch.ones(6, dtype=torch.float64, requires_grad=True)
+        out = _cells_masked(ref.rnn, _rnn_input(ref, x[i : i + 1]), m)
+        logits = ref.head(out[:, -1] * torch.cat([m, m]))
+        (g,) = torch.autograd.grad(F.cross_entropy(logits, y[i : i + 1]), [m])
+        want += 0.5 * g * g / 3
+    assert float(want.abs().max()) > 0
+    got = masks[key].signal[torch.as_tensor(units)]
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-15)
+
+
+@pytest.mark.parametrize("cls", [nn.LSTM, nn.GRU])
+def test_hidden_unit_signal_of_packed_sequences_equals_a_per_example_loop(cls: type) -> None:
+    """With packed sequences of lengths 5, 7 and 3 (not sorted) the hidden units' signal is
+    1/2 mean_n g_n^2, g_n from example n run alone over its own steps through PyTorch's
+    cells, every state multiplied by the units' multipliers (and the classifier's input)."""
+    model, (x, lengths) = _packed(cls)
+    y = torch.tensor([0, 3, 1])
+    masks = fp.apply_masks(model, (x, lengths))
+    key = _hidden(masks)
+    units = masks.groups[key].members[("rnn.weight_hh_l0", 1)]
+    model.double().train()
+    F.cross_entropy(model(x, lengths), y).backward()
+    fp.update_pruning_signals(masks, decay=0)
+    ref, _ = _packed(cls)
+    want = torch.zeros(6, dtype=torch.float64)
+    for i in range(3):
+        m = torch.ones(6, dtype=torch.float64, requires_grad=True)
+        steps = _rnn_input(ref, x[i : i + 1])[:, : int(lengths[i])]
+        out = _cells_masked(ref.rnn, steps, m)
+        logits = ref.head(out[:, 0] * torch.cat([m, m]))
+        (g,) = torch.autograd.grad(F.cross_entropy(logits, y[i : i + 1]), [m])
+        want += 0.5 * g * g / 3
+    got = masks[key].signal[torch.as_tensor(units)]
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-15)
+
+
 @pytest.mark.parametrize("cls", [nn.LSTM, nn.GRU])
 @pytest.mark.parametrize("batch_first", [True, False])
 def test_signal_at_the_recurrent_input_equals_a_per_example_loop(
@@ -280,19 +374,24 @@ def test_packed_sequence_input_width_is_masked_and_shrinks(
     cls: type, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A recurrent layer given a PackedSequence: the width it reads is one group (its rows
-    known to be the packed steps: no approximate-signal warning), and the shrunk model gives
-    the masked outputs."""
+    known to be the packed steps: no approximate-signal warning names it), and with some of
+    that width and of its hidden units removed the shrunk model gives the masked outputs."""
     model, (x, lengths) = _packed(cls)
     masks = fp.apply_masks(model, (x, lengths))
     fc = next(k for k, g in masks.groups.items() if ("fc.weight", 0) in g.params)
     assert masks.groups[fc].consumers == ["rnn"]
-    assert "approximate" not in caplog.text
+    approximate = [r.getMessage() for r in caplog.records if "approximate" in r.getMessage()]
+    named = {
+        m for msg in approximate for m in msg.split(" masks at ")[1].split(" is ")[0].split(", ")
+    }
+    assert "rnn" not in named
     masks[fc].mask[torch.tensor([0, 3, 9])] = 0.0
+    masks[_hidden(masks)].mask[torch.tensor([1, 5])] = 0.0
     with torch.no_grad():
         want = model(x, lengths)
         small = fp.shrink(model, (x, lengths))
         torch.testing.assert_close(small(x, lengths), want, atol=ATOL_F64, rtol=0)
-    assert small.rnn.input_size == 7
+    assert (small.rnn.input_size, small.rnn.hidden_size) == (7, 4)
 
 
 @pytest.mark.parametrize("cls", [nn.LSTM, nn.GRU, nn.RNN])
@@ -389,28 +488,31 @@ def test_a_subclass_with_its_own_forward_is_traced_as_it_runs(dtype: torch.dtype
     assert torch.backends.mkldnn.enabled  # (restored after the trace)
 
 
-def test_training_prunes_the_width_an_lstm_reads_and_shrinks_to_the_masked_outputs() -> None:
-    """``PruningOptimizer`` in float32 (PyTorch's fused LSTM kernel, forward and backward)
-    gathers a finite signal at the LSTM's input, prunes channels there and the model shrinks
-    to its masked outputs."""
+@pytest.mark.parametrize("which", ["input", "hidden"])
+def test_training_prunes_an_lstm_and_shrinks_to_the_masked_outputs(which: str) -> None:
+    """``PruningOptimizer`` in float32 over the width the LSTM reads, or over its hidden units,
+    gathers a finite signal there, prunes and the model shrinks to its masked outputs."""
     torch.manual_seed(0)
     model = Tagger(nn.LSTM, batch_first=True, bidir=True).train()
     x, y = torch.randint(0, 50, (8, 7)), torch.randint(0, 4, (8,))
     masks = fp.apply_masks(model, x[:1])
     fc = next(k for k, g in masks.groups.items() if ("fc.weight", 0) in g.params)
-    only = {fc: masks[fc]}  # the width the LSTM reads
-    opt = fp.PruningOptimizer(model, x[:1], prune_every=2, burn_in=0, lr=0.05, masks=only)
+    key = fc if which == "input" else _hidden(masks)
+    opt = fp.PruningOptimizer(
+        model, x[:1], prune_every=2, burn_in=0, lr=0.05, masks={key: masks[key]}
+    )
     for _ in range(6):
         opt.minimize(F.cross_entropy(model(x), y))
-    assert torch.isfinite(masks[fc].signal).all()
-    pruned = int((masks[fc].mask == 0).sum())
-    assert pruned > 0
+    assert torch.isfinite(masks[key].signal).all()
+    pruned = int((masks[key].mask == 0).sum())
+    assert pruned == 3
     model.eval()
     with torch.no_grad():
         want = model(x)
         small = fp.shrink(model, x[:1])
         torch.testing.assert_close(small(x), want, atol=1e-5, rtol=1e-5)
-    assert small.rnn.input_size == 10 - pruned
+    kept = (small.rnn.input_size, small.rnn.hidden_size)
+    assert kept == ((7, 6) if which == "input" else (10, 3))
 
 
 CUDA = pytest.param(
@@ -436,28 +538,49 @@ def test_structure_equals_the_cpus(device: str) -> None:
 
 @pytest.mark.parametrize("device", ["cpu", CUDA])
 def test_float32_signal_and_shrink_on_device(device: str) -> None:
-    """On ``device`` in float32 the signal at the LSTM's input equals the float64 CPU one
-    (checked against a per-example loop above), and the shrunk model gives the masked
-    outputs."""
+    """On ``device`` in float32 the signals at the LSTM's input and on its hidden units equal
+    the float64 CPU ones (checked against per-example loops above), and the shrunk model
+    gives the masked outputs."""
     model, x = _tagger(nn.LSTM)
     y = torch.tensor([0, 3, 1])
     masks = fp.apply_masks(model, x[:1])
-    fc = next(k for k, g in masks.groups.items() if ("fc.weight", 0) in g.params)
+    keys = [next(k for k, g in masks.groups.items() if ("fc.weight", 0) in g.params)]
+    keys.append(_hidden(masks))
     model.double().train()  # (the masks' signals in float64 too)
     F.cross_entropy(model(x), y).backward()
     fp.update_pruning_signals(masks, decay=0)
-    want = masks[fc].signal.clone()
+    want = torch.cat([masks[k].signal for k in keys])
     there = copy.deepcopy(model).float().to(device)
     there.zero_grad(set_to_none=True)
     F.cross_entropy(there(x.to(device)), y.to(device)).backward()
     got = fp.find_masks(there)
     fp.update_pruning_signals(got, decay=0)
-    signal = next(m for k, m in got.items() if k.endswith(fc)).signal
-    torch.testing.assert_close(signal.double().cpu(), want, rtol=1e-3, atol=1e-9)
+    mine = [next(m for name, m in got.items() if name.endswith(k)) for k in keys]
+    signal = torch.cat([m.signal.double().cpu() for m in mine])
+    torch.testing.assert_close(signal, want, rtol=1e-3, atol=1e-9)
     with torch.no_grad():
-        next(m for k, m in got.items() if k.endswith(fc)).mask[:3] = 0.0
+        for m in mine:
+            m.mask[:2] = 0.0
     there.eval()
     with torch.no_grad():
         masked = there(x.to(device))
         small = fp.shrink(there, x[:1].to(device))
         torch.testing.assert_close(small(x.to(device)), masked, rtol=1e-4, atol=1e-5)
+
+
+def test_an_lstm_with_a_projection_keeps_its_hidden_units_whole() -> None:
+    """An LSTM with ``proj_size``: its hidden units are kept whole, with the reason; the width
+    it reads is still a group and shrinks to the masked outputs."""
+    torch.manual_seed(0)
+    model = Tagger(nn.LSTM, batch_first=True, bidir=False).double().eval()
+    model.rnn = nn.LSTM(10, 6, proj_size=3, batch_first=True).double()
+    model.head = nn.Linear(3, 4).double()
+    x = torch.randint(0, 50, (3, 7))
+    masks = fp.apply_masks(model, x[:1])
+    assert not any(("rnn.weight_hh_l0", 1) in g.params for g in masks.groups.values())
+    assert any("with proj_size are kept whole" in s.reason for s in masks.skipped)
+    fc = next(k for k, g in masks.groups.items() if ("fc.weight", 0) in g.params)
+    masks[fc].mask[:4] = 0.0
+    with torch.no_grad():
+        want = model(x)
+        torch.testing.assert_close(fp.shrink(model, x[:1])(x), want, atol=ATOL_F64, rtol=0)

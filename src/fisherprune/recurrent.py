@@ -20,12 +20,15 @@ it (only in training mode).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
+
+from fisherprune.masks.row_tracker import add_rows
 
 __all__ = ["recurrent_forward", "recurrent_params"]
 
@@ -65,6 +68,10 @@ def _cell(
     return (torch.tanh(pre) if mode == "RNN_TANH" else torch.relu(pre)), None
 
 
+#: called on each step's new hidden state (rows, hidden) with the reduction of its rows to
+#: the call's examples (None: the rows are the examples), returning the state to go on with
+#: (the layer's masked hidden units: ``fisherprune.masks.recurrent_units``)
+StepHook = Callable[[Tensor, Callable[[Tensor], Tensor] | None], Tensor]
 #: one layer's parameters by role (``recurrent_params``)
 Params = dict[str, Tensor | None]
 #: one direction of one layer run: its outputs, its final hidden and cell states
@@ -115,10 +122,12 @@ def recurrent_forward(
     module: nn.RNNBase,
     input: Tensor | PackedSequence,
     hx: Tensor | tuple[Tensor, Tensor] | None = None,
+    step_hook: StepHook | None = None,
 ) -> tuple[Tensor | PackedSequence, Tensor | tuple[Tensor, Tensor]]:
     """``module(input, hx)`` as the module computes it (the same ``(output, h_n)``, or
     ``(output, (h_n, c_n))`` for an LSTM, within rounding; in training mode with dropout
-    between layers, other random draws), one step at a time.
+    between layers, other random draws), one step at a time. ``step_hook``, if given, replaces
+    each step's new hidden state (of every layer and direction) by what it returns.
 
     Raises:
         ValueError: a mode this function does not know, or an input that is neither 2-d nor
@@ -127,8 +136,9 @@ def recurrent_forward(
     mode = module.mode
     if mode not in GATES:
         raise ValueError(f"recurrent_forward: unknown recurrent mode {mode!r}")
+    hook = step_hook or _unchanged
     if isinstance(input, PackedSequence):
-        return _packed_forward(module, input, hx)
+        return _packed_forward(module, input, hx, hook)
     if input.dim() not in (2, 3):
         raise ValueError(
             f"recurrent_forward: {type(module).__name__} takes a 2-d (unbatched) or 3-d input, "
@@ -146,7 +156,7 @@ def recurrent_forward(
         ys: list[Tensor] = [h] * steps
         for t in reversed(range(steps)) if reverse else range(steps):
             h, c = _step(mode, p, x[:, t], h, c)
-            ys[t] = h
+            h = ys[t] = hook(h, None)
         return torch.stack(ys, dim=1), h, c
 
     x, h_n, c_n = _layers(module, x, h0, c0, direction)
@@ -181,8 +191,15 @@ def _initial_state(
     return h0, c0
 
 
+def _unchanged(h: Tensor, _examples: Callable[[Tensor], Tensor] | None) -> Tensor:
+    return h
+
+
 def _packed_forward(
-    module: nn.RNNBase, packed: PackedSequence, hx: Tensor | tuple[Tensor, Tensor] | None
+    module: nn.RNNBase,
+    packed: PackedSequence,
+    hx: Tensor | tuple[Tensor, Tensor] | None,
+    hook: StepHook,
 ) -> tuple[PackedSequence, Tensor | tuple[Tensor, Tensor]]:
     """``recurrent_forward`` of a ``PackedSequence``: its data holds step after step the rows
     of the sequences still going (sorted longest first, ``batch_sizes`` of them at each step);
@@ -193,6 +210,8 @@ def _packed_forward(
     x = packed.data
     h0, c0 = _initial_state(module, x[: sizes[0]].unsqueeze(1), hx, True, dirs)  # (batch first)
     order = packed.sorted_indices
+    rows = order if order is not None else torch.arange(sizes[0], device=x.device)
+    examples = [functools.partial(add_rows, rows[:n], sizes[0]) for n in sizes]
     if hx is not None and order is not None:
         h0 = h0.index_select(1, order)
         c0 = c0.index_select(1, order) if c0 is not None else None
@@ -204,9 +223,9 @@ def _packed_forward(
             ends_h: list[Tensor] = []  # the final states of sequences as they end
             ends_c: list[Tensor] = []
             for t, (start, n) in enumerate(zip(starts, sizes, strict=True)):
-                h, c = _step(
-                    module.mode, p, x[start : start + n], h[:n], c[:n] if c is not None else None
-                )
+                c = c[:n] if c is not None else None
+                h, c = _step(module.mode, p, x[start : start + n], h[:n], c)
+                h = hook(h, examples[t])
                 ys.append(h)
                 ending = sizes[t + 1] if t + 1 < len(sizes) else 0
                 ends_h.insert(0, h[ending:n])
@@ -218,6 +237,7 @@ def _packed_forward(
             h = torch.cat([h, h0[h.shape[0] : n]])  # the sequences that start here join
             c = torch.cat([c, c0[c.shape[0] : n]]) if c is not None and c0 is not None else None
             h, c = _step(module.mode, p, x[start : start + n], h, c)
+            h = hook(h, examples[starts.index(start)])
             ys.insert(0, h)
         return torch.cat(ys), h, c
 

@@ -220,9 +220,12 @@ def _linear(m: nn.Module, old: dict[str, tuple[int, ...]]) -> None:
 
 @register_shrink_rule(nn.RNNBase)
 def _recurrent(m: nn.Module, old: dict[str, tuple[int, ...]]) -> None:
-    """Only the input width of a recurrent layer is pruned (its first layer's input weights'
-    columns); the module's list of its weights is read again (the parameters are new)."""
+    """A recurrent layer's input width (its first layer's input weights' columns) and hidden
+    units (one count for every layer and direction: the recurrent weights' columns); the
+    module's list of its weights is read again (the parameters are new)."""
     m.input_size = m.weight_ih_l0.shape[1]
+    if not m.proj_size:
+        m.hidden_size = m.weight_hh_l0.shape[1]
     m._init_flat_weights()
 
 

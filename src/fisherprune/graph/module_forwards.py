@@ -169,18 +169,32 @@ def _traced_recurrent(
 ) -> Any:
     """The layer step by step (``fisherprune.recurrent``), a ``PackedSequence`` input too:
     its input width is read by the input projection of the first layer (a prunable consumer)
-    and every product is counted. The hidden units stay whole: no mask acts inside a
-    recurrence."""
+    and every product is counted. Hidden unit j of every layer and direction is one channel
+    (``nn.LSTM`` has one hidden size for all): its reads inside the layer pass it on (the
+    layer's hook masks it there, ``fisherprune.masks.recurrent``), its readers outside are
+    masked as any layer's input. An LSTM with ``proj_size`` keeps its hidden units whole."""
     tracer = tracing.active()
     bound = _RNN_SIGNATURE.bind(*args, **kwargs)
+    first = len(tracer.trace.consumers) if tracer is not None else 0
     out = recurrent_forward(module, bound.arguments["input"], bound.arguments.get("hx"))  # type: ignore[arg-type]
-    if tracer is not None:
-        why = f"the hidden units of {type(module).__name__} (a recurrent state) are kept whole"
-        for pname, p in module.named_parameters(recurse=False):
-            labels = tracer.info(p).labels
-            for d, lab in enumerate(labels):
+    if tracer is None:
+        return out
+    atoms = tracer.trace.atoms
+    params = dict(module.named_parameters(recurse=False))
+    if module.proj_size:  # type: ignore[union-attr]
+        why = f"the hidden units of {type(module).__name__} with proj_size are kept whole"
+        for pname, p in params.items():
+            for d, lab in enumerate(tracer.info(p).labels):
                 if not (d == 1 and pname in _RNN_INPUT_WEIGHTS):
-                    tracer.trace.atoms.block(lab, why)
+                    atoms.block(lab, why)
+        return out
+    units = [tracer.info(p).labels[1] for n, p in params.items() if n.startswith("weight_hh")]
+    for lab in units[1:]:
+        atoms.union(units[0], lab)  # unit j of every layer and direction: one channel
+    hidden = set(atoms.find(units[0]).tolist())
+    for cp in tracer.trace.consumers[first:]:  # the reads inside: masked by the layer's hook
+        if cp.output is None and set(atoms.find(cp.labels).tolist()) <= hidden:
+            cp.passed_on = True
     return out
 
 

@@ -33,6 +33,7 @@ from fisherprune.masks.points import (
     install_mask_points,
     remove_mask_points,
 )
+from fisherprune.masks.recurrent_units import RecurrentUnits
 from fisherprune.masks.rows import UNKNOWN
 
 __all__ = ["AppliedMasks", "TrialProblem", "apply_masks", "register_group_trial", "remove_masks"]
@@ -484,6 +485,7 @@ def _install(
     rows, output_rows = layouts(trace, specs, doubled)
     install_mask_points(model, masks, points, norms, outputs, rows, output_rows)
     _hook_module_forwards(model)
+    _hook_recurrent_units(model, groups, [masks[k] for k in keys])
     return keys
 
 
@@ -511,6 +513,22 @@ def _hook_module_forwards(model: nn.Module) -> None:
             continue
         hook = functools.partial(_masked_forward, entry, points, {})
         holder.handles.append(mod.register_forward_hook(hook, with_kwargs=True))
+
+
+def _hook_recurrent_units(
+    model: nn.Module, groups: list[ChannelGroup], masks: list[MaskLayer]
+) -> None:
+    """Hook each recurrent layer whose hidden units are a group: its mask acts on every
+    step's state (``fisherprune.masks.recurrent_units``); the handles join the holder's."""
+    holder = find_holder(model)[1]  # type: ignore[index]
+    for name, mod in model.named_modules():
+        if not isinstance(mod, nn.RNNBase) or module_forward(mod) is None:
+            continue
+        key = (f"{name}.weight_hh_l0" if name else "weight_hh_l0", 1)
+        for group, mask in zip(groups, masks, strict=True):
+            if key in group.members:
+                hook = RecurrentUnits(name, mod, mask, group.members[key])
+                holder.handles.append(mod.register_forward_hook(hook, with_kwargs=True))
 
 
 def _masked_forward(

@@ -28,7 +28,7 @@ from fisherprune.inputs import Inputs
 from fisherprune.masks import tracing
 from fisherprune.masks.rows import BATCH, SELECTED, TOKENS, Rows, rows_after
 
-__all__ = ["BatchProbe", "RowScope", "RowTracker", "packed_rows", "to_examples"]
+__all__ = ["BatchProbe", "RowScope", "RowTracker", "add_rows", "packed_rows", "to_examples"]
 
 log = logging.getLogger("fisherprune")
 
@@ -160,9 +160,9 @@ def _sum_runs(n: int, dot: Tensor) -> Tensor:
     return dot.view(n, -1, dot.shape[-1]).sum(1)
 
 
-def _add_rows(example: Tensor, n: int, dot: Tensor) -> Tensor:
-    """(rows, C) -> (n, C): each row added to its example's."""
-    return dot.new_zeros(n, dot.shape[-1]).index_add_(0, example, dot)
+def add_rows(example: Tensor, n: int, dot: Tensor) -> Tensor:
+    """(rows, C) -> (n, C): each row added to its example's (``example``: of each row)."""
+    return dot.new_zeros(n, dot.shape[-1]).index_add_(0, example.to(dot.device), dot)
 
 
 def packed_rows(packed: PackedSequence) -> ToExamples:
@@ -183,7 +183,7 @@ def _add_packed_rows(sizes: Tensor, order: Tensor | None, dot: Tensor) -> Tensor
     else:
         position = position.to(dot.device)
     example = position if order is None else order.to(dot.device)[position]
-    return _add_rows(example, int(sizes[0]), dot)
+    return add_rows(example, int(sizes[0]), dot)
 
 
 def to_examples(
@@ -201,5 +201,5 @@ def to_examples(
     if kind == SELECTED and scope is not None and scope.active is not None:
         rows = scope.active.rows_of(x)
         if rows is not None and scope.batch is not None:
-            return functools.partial(_add_rows, rows.example, scope.batch)
+            return functools.partial(add_rows, rows.example, scope.batch)
     return False
