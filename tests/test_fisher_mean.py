@@ -383,3 +383,37 @@ def test_a_reader_absent_from_a_pass_adds_nothing_to_it() -> None:
     g[:6] += (za - za.mean(0)) * dza
     torch.testing.assert_close(masks[name].signal.double(), 0.5 * (g**2).mean(0),
                                rtol=1e-5, atol=1e-12)  # fmt: skip
+
+
+class _LSTMReader(nn.Module):
+    """A linear layer with ReLU (positive means) read by an LSTM, which the repair cannot
+    refit, then a classifier."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(5, 6)
+        self.rnn = nn.LSTM(6, 4, batch_first=True)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x: Tensor) -> Tensor:  # (N, steps, 5)
+        return self.head(self.rnn(torch.relu(self.inp(x)))[0][:, -1])
+
+
+def test_a_width_read_by_a_layer_the_repair_cannot_refit_keeps_its_own_signal() -> None:
+    """No refit replaces the channels an LSTM reads by their means (it has no least-squares
+    repair), so their mean-replaced signal would price a removal that does not happen: they are
+    scored by the plain Fisher signal."""
+    torch.manual_seed(5)
+    x, y = torch.randn(8, 3, 5, dtype=torch.float64), torch.randint(0, 3, (8,))
+    net = _LSTMReader().double()
+    masks = dict(fp.apply_masks(net, x[:1]))
+    (name,) = [n for n, m in masks.items() if m.num_channels == 6]
+    plain = fp.criteria.Fisher()
+    estimate_signals(net, masks, [(x, y)], F.cross_entropy, plain)
+    want = plain.importance(masks, net)[name].clone()  # (the signal buffer, rewritten next)
+    crit = FisherMean()
+    with crit.observing(net, masks):
+        estimate_signals(net, masks, [(x, y)], F.cross_entropy, crit)
+    got = crit.importance(masks, net)[name]
+    assert float(got.abs().max()) > 0
+    torch.testing.assert_close(got, want.double(), rtol=1e-6, atol=0)
