@@ -584,3 +584,18 @@ def test_an_lstm_with_a_projection_keeps_its_hidden_units_whole() -> None:
     with torch.no_grad():
         want = model(x)
         torch.testing.assert_close(fp.shrink(model, x[:1])(x), want, atol=ATOL_F64, rtol=0)
+
+
+def test_l1_scores_hidden_units_by_their_gate_rows() -> None:
+    """The L1 criterion scores hidden unit j by the absolute sum of its gate rows in every
+    layer's and direction's input and recurrent weights (``weight_ih_l*``, ``weight_hh_l*``)."""
+    model, x = _tagger(nn.LSTM)
+    masks = fp.apply_masks(model, x[:1])
+    key = _hidden(masks)
+    units = masks.groups[key].members[("rnn.weight_hh_l0", 1)]
+    got = fp.criteria.L1(normalize="none").importance(masks, model)[key]
+    want = torch.zeros(6, dtype=torch.float64)
+    for name, p in model.rnn.named_parameters():
+        if name.startswith("weight_"):
+            want += p.detach().abs().double().sum(1).view(4, 6).sum(0)
+    torch.testing.assert_close(got[torch.as_tensor(units)], want, rtol=1e-12, atol=0)

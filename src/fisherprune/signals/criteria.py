@@ -403,11 +403,14 @@ def groups_of(masks: Mapping[str, MaskLayer], model: nn.Module) -> Mapping[str, 
 
 
 def _producing_weights(group: Any) -> list[tuple[str, int]]:
-    """The ``(parameter name, dim)`` pairs of the group that are producers' ``weight``s."""
+    """The ``(parameter name, dim)`` pairs of the group that are producers' weights: their
+    ``weight``, or the rows of weights named ``weight_*`` (a recurrent layer's ``weight_ih_l0``,
+    ``weight_hh_l0``...: each hidden unit's gate rows)."""
     out: list[tuple[str, int]] = []
     for name, dim in group.members:
         module, _, leaf = name.rpartition(".")
-        if leaf == "weight" and (module or "<model>") in group.producers:
+        weight = leaf == "weight" or (leaf.startswith("weight_") and dim == 0)
+        if weight and (module or "<model>") in group.producers:
             out.append((name, dim))
     return out
 
