@@ -15,8 +15,7 @@ Suite (trained here, seeded, a few seconds to a minute each on 2 cores):
   scikit-learn's tables: digits read as 64 pixel columns, and the breast-cancer table
   (30 columns, standardised);
 * ``lstm_rows``: a bidirectional ``nn.LSTM`` reading each digit's 8 rows as a sequence
-  (``LSTMRows``; only the width it reads is prunable, about half its FLOPs, so it runs at
-  higher targets).
+  (``LSTMRows``; the width it reads and its hidden units are prunable).
 
 * ``minilm`` and ``decoder_lm`` (``one_shot_text.py``): the pretrained MiniLM sentence encoder
   (quality: cosine similarity of its embeddings to the dense model's on held-out sentences) and
@@ -205,8 +204,8 @@ class ConvNeXtV2(nn.Module):
 
 class LSTMRows(nn.Module):
     """A bidirectional LSTM reading a digit's 8 rows as 8 steps: each row embedded by a linear
-    layer with ReLU (64 units: the width the LSTM reads, its prunable part), the LSTM's
-    outputs averaged over the steps, a linear head."""
+    layer with ReLU (64 units: the width the LSTM reads), 64 hidden units, the LSTM's outputs
+    averaged over the steps, a linear head."""
 
     def __init__(self, width: int = 64, hidden: int = 64) -> None:
         super().__init__()
@@ -284,8 +283,6 @@ NETS: dict[str, Net] = {
     "mlp_digits": Net(lambda: mlp(64, 10), digits_table, 300, 0.05),
     "mlp_cancer": Net(lambda: mlp(30, 2, 128), cancer_table, 200, 0.02),
     "convnextv2": Net(ConvNeXtV2, digits_images, 1000, 0.01),  # (SGD at 0.05 diverged)
-    #: half its FLOPs are the recurrence, whose hidden units are not pruned: run it at
-    #: ``--targets 0.85 0.75 0.65``
     "lstm_rows": Net(LSTMRows, digits_rows, 1500, 0.2),
 }
 
