@@ -10,7 +10,9 @@ rather than counted:
 * ``prune_time``: calls made while ``PruningOptimizer`` chooses what to prune (a prune step
   reads the signals, as it must);
 * the read of the finiteness flags that ``PendingFlags.read`` makes once ``ready()`` says their
-  copy landed in host memory: a read of host memory, which waits for nothing. It is not recorded.
+  copy landed in host memory: a read of host memory, which waits for nothing. It is not recorded;
+* the read of a ``PackedSequence`` 's step sizes in ``row_tracker.host_sizes``, which PyTorch
+  keeps in host memory whatever the data's device (the function checks it): not recorded.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ PACKAGE = Path(fisherprune.__file__).resolve().parent
 READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__")
 #: the function whose calls are the prune decision (and its frames below)
 PRUNE_DECISION = "_maybe_prune"
+#: the function that reads a PackedSequence's step sizes, which live in host memory
+HOST_SIZES = "host_sizes"
 
 
 class HostReads:
@@ -59,6 +63,8 @@ class HostReads:
             return
         path = Path(caller.f_code.co_filename).resolve()
         if not path.is_relative_to(PACKAGE) or _landed_flags(t, caller):
+            return
+        if caller.f_code.co_name == HOST_SIZES and t.device.type == "cpu":
             return
         where = f"{attr} at {path.relative_to(PACKAGE)}:{caller.f_lineno} ({caller.f_code.co_name})"
         frames = [caller]

@@ -320,3 +320,26 @@ def test_ddp_built_around_a_masked_model_broadcasts_its_buffers_but_not_the_mask
             assert not hasattr(model, "_ddp_params_and_buffers_to_ignore")
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_lstm_steps_read_nothing_back(packed: bool) -> None:
+    """A bidirectional two-layer LSTM tagger (``test_recurrent``), its input width and hidden
+    units masked, padded or packed: the steps (collecting inside the recurrence, pruning, after
+    a prune) make no host read outside the prune decision. (A packed sequence's step sizes
+    live on the host: reading them waits for nothing.)"""
+    from tests.test_recurrent import PackedTagger, Tagger
+
+    torch.manual_seed(0)
+    model = (PackedTagger if packed else Tagger)(torch.nn.LSTM, batch_first=True, bidir=True)
+    x, y = torch.randint(0, 50, (4, 7)), torch.arange(4) % 4
+    lengths = torch.tensor([5, 7, 3, 6])
+    inputs = (x, lengths) if packed else x
+    fp.apply_masks(model, (x[:2], lengths[:2]) if packed else x[:1])
+    popt = fp.PruningOptimizer(model, inputs, lr=0.01, momentum=0.9, prune_every=2, decay=0.5)
+    model.train()
+    with spied_tensor_reads() as reads:
+        outside, pruning = _steps(
+            popt, reads, lambda i: F.cross_entropy(model(*inputs) if packed else model(x), y), 4
+        )
+    _assert_clean(popt, outside, pruning)

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 
-from fisherprune.masks.row_tracker import add_rows
+from fisherprune.masks.row_tracker import add_rows, host_sizes
 
 __all__ = ["recurrent_forward", "recurrent_params"]
 
@@ -204,7 +204,7 @@ def _packed_forward(
     """``recurrent_forward`` of a ``PackedSequence``: its data holds step after step the rows
     of the sequences still going (sorted longest first, ``batch_sizes`` of them at each step);
     the initial and final states are in the caller's order (``sorted_indices``)."""
-    sizes = [int(b) for b in packed.batch_sizes]  # (a host tensor: no device read)
+    sizes = host_sizes(packed.batch_sizes)
     starts = [sum(sizes[:t]) for t in range(len(sizes))]
     dirs = 2 if module.bidirectional else 1
     x = packed.data

@@ -28,7 +28,15 @@ from fisherprune.inputs import Inputs
 from fisherprune.masks import tracing
 from fisherprune.masks.rows import BATCH, SELECTED, TOKENS, Rows, rows_after
 
-__all__ = ["BatchProbe", "RowScope", "RowTracker", "add_rows", "packed_rows", "to_examples"]
+__all__ = [
+    "BatchProbe",
+    "RowScope",
+    "RowTracker",
+    "add_rows",
+    "host_sizes",
+    "packed_rows",
+    "to_examples",
+]
 
 log = logging.getLogger("fisherprune")
 
@@ -165,6 +173,21 @@ def add_rows(example: Tensor, n: int, dot: Tensor) -> Tensor:
     return dot.new_zeros(n, dot.shape[-1]).index_add_(0, example.to(dot.device), dot)
 
 
+def host_sizes(batch_sizes: Tensor) -> list[int]:
+    """A ``PackedSequence`` 's step sizes as integers. PyTorch keeps ``batch_sizes`` in host
+    memory whatever device the data is on, so reading it waits for no device (this is the one
+    place such a read is made: ``tests/host_reads.py`` knows it).
+
+    Raises:
+        ValueError: ``batch_sizes`` is not on the CPU (not a PackedSequence's).
+    """
+    if batch_sizes.device.type != "cpu":
+        raise ValueError(
+            f"a PackedSequence's batch_sizes live on the CPU; got them on {batch_sizes.device}"
+        )
+    return batch_sizes.tolist()
+
+
 def packed_rows(packed: PackedSequence) -> ToExamples:
     """The reduction of per-row gradients of ``packed.data`` to per-example ones: its rows are
     step after step the sequences still going, longest first (``batch_sizes`` of them), which
@@ -173,17 +196,17 @@ def packed_rows(packed: PackedSequence) -> ToExamples:
     return functools.partial(_add_packed_rows, packed.batch_sizes, packed.sorted_indices)
 
 
-def _add_packed_rows(sizes: Tensor, order: Tensor | None, dot: Tensor) -> Tensor:
-    """(rows, C) -> (examples, C) for a ``PackedSequence`` with step sizes ``sizes`` (a host
-    tensor) and ``order`` (sorted position -> example, or None: already in order)."""
-    starts = torch.cumsum(sizes, 0) - sizes
-    position = torch.arange(int(sizes.sum())) - torch.repeat_interleave(starts, sizes)
+def _add_packed_rows(batch_sizes: Tensor, order: Tensor | None, dot: Tensor) -> Tensor:
+    """(rows, C) -> (examples, C) for a ``PackedSequence`` with step sizes ``batch_sizes`` and
+    ``order`` (sorted position -> example, or None: already in order)."""
+    sizes = host_sizes(batch_sizes)
+    position = torch.cat([torch.arange(n) for n in sizes])  # (within its step)
     if dot.device.type == "cuda":  # (from pinned memory: no wait for the device)
         position = position.pin_memory().to(dot.device, non_blocking=True)
     else:
         position = position.to(dot.device)
     example = position if order is None else order.to(dot.device)[position]
-    return add_rows(example, int(sizes[0]), dot)
+    return add_rows(example, sizes[0], dot)
 
 
 def to_examples(
