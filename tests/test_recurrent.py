@@ -599,3 +599,63 @@ def test_l1_scores_hidden_units_by_their_gate_rows() -> None:
         if name.startswith("weight_"):
             want += p.detach().abs().double().sum(1).view(4, 6).sum(0)
     torch.testing.assert_close(got[torch.as_tensor(units)], want, rtol=1e-12, atol=0)
+
+
+def test_removed_units_fold_into_the_weights_once_nothing_is_collected(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Units removed and no signal collected: the layer's own (fused) forward runs, not the
+    step-by-step one; the removed units' columns of every weight that reads them are zero, so
+    the masked model gives the shrunk model's outputs, and stay zero through an optimizer step
+    (their gradients are zeroed too)."""
+    import fisherprune.masks.recurrent_units as units_module
+
+    model, x = _tagger(nn.LSTM)
+    y = torch.tensor([0, 3, 1])
+    masks = fp.apply_masks(model, x[:1])
+    key = _hidden(masks)
+    units = masks.groups[key].members[("rnn.weight_hh_l0", 1)]
+    masks[key].mask[torch.tensor([1, 4])] = 0.0
+    for m in masks.values():
+        m.collecting = False
+    removed = [j for j in range(6) if units[j] in (1, 4)]
+    want = fp.shrink(copy.deepcopy(model), x[:1])
+    calls: list[int] = []
+    real = units_module.recurrent_forward
+    monkeypatch.setattr(
+        units_module, "recurrent_forward", lambda *a, **k: calls.append(1) or real(*a, **k)
+    )
+    model.train()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for _ in range(2):
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        grad = model.rnn.weight_hh_l0.grad
+        assert float(grad[:, removed].abs().max()) == 0.0
+        opt.step()
+    assert calls == []  # (the fused forward only)
+    for name in ("weight_hh_l0", "weight_hh_l0_reverse", "weight_hh_l1", "weight_hh_l1_reverse"):
+        assert float(getattr(model.rnn, name)[:, removed].abs().max()) == 0.0
+    both = removed + [6 + j for j in removed]
+    assert float(model.rnn.weight_ih_l1[:, both].abs().max()) == 0.0
+    model.eval()
+    small = fp.shrink(copy.deepcopy(model), x[:1])
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), small(x), atol=ATOL_F64, rtol=0)
+    assert want.rnn.hidden_size == small.rnn.hidden_size == 4
+
+
+def test_no_fold_leaves_the_recurrent_weights_as_they_are() -> None:
+    """Within ``no_fold`` (reading a masked model without touching it), removed units are
+    masked step by step and no weight is written."""
+    from fisherprune.masks.points import no_fold
+
+    model, x = _tagger(nn.LSTM)
+    masks = fp.apply_masks(model, x[:1])
+    masks[_hidden(masks)].mask[torch.tensor([2])] = 0.0
+    before = {n: p.detach().clone() for n, p in model.rnn.named_parameters()}
+    with no_fold(model), torch.no_grad():
+        inside = model(x)
+    assert all(torch.equal(p, before[n]) for n, p in model.rnn.named_parameters())
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), inside, atol=ATOL_F64, rtol=0)  # (folded now)

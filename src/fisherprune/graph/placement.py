@@ -524,11 +524,22 @@ def _hook_recurrent_units(
     for name, mod in model.named_modules():
         if not isinstance(mod, nn.RNNBase) or module_forward(mod) is None:
             continue
-        key = (f"{name}.weight_hh_l0" if name else "weight_hh_l0", 1)
+        prefix = f"{name}." if name else ""
         for group, mask in zip(groups, masks, strict=True):
-            if key in group.members:
-                hook = RecurrentUnits(name, mod, mask, group.members[key])
-                holder.handles.append(mod.register_forward_hook(hook, with_kwargs=True))
+            if (f"{prefix}weight_hh_l0", 1) not in group.members:
+                continue
+            columns = {  # the module's weights whose columns read the units
+                p[len(prefix) :]: ch
+                for (p, dim), ch in group.members.items()
+                if dim == 1 and p.startswith(prefix) and "." not in p[len(prefix) :]
+            }
+            units = RecurrentUnits(
+                name, mod, mask, group.members[(f"{prefix}weight_hh_l0", 1)], columns,
+                holder.handles,
+            )  # fmt: skip
+            holder.recurrent.append(units)
+            holder.handles.append(mod.register_forward_pre_hook(units.before))
+            holder.handles.append(mod.register_forward_hook(units, with_kwargs=True))
 
 
 def _masked_forward(

@@ -457,6 +457,8 @@ class MaskHolder(nn.ModuleDict):
             (``shrink`` and ``export_model`` trace with it when given none), or None.
         groups: the channel group of each mask, by the mask's qualified name (what
             ``apply_masks`` returns as ``.groups``; criteria that read weights use it).
+        recurrent: the hidden-unit hooks of recurrent layers
+            (``fisherprune.masks.recurrent_units``).
     """
 
     def __init__(self, masks: dict[str, MaskLayer]) -> None:
@@ -466,6 +468,8 @@ class MaskHolder(nn.ModuleDict):
         self.handles: list[torch.utils.hooks.RemovableHandle | NormPoint | ForwardMark] = []
         self.example_inputs: Any = None
         self.groups: dict[str, Any] = {}
+        #: the hidden-unit hooks of recurrent layers (``fisherprune.masks.recurrent_units``)
+        self.recurrent: list[Any] = []
 
 
 _FOLD_TYPES = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear)
@@ -498,7 +502,7 @@ def no_fold(model: nn.Module) -> Iterator[None]:
     """Within the block, finished masks multiply activations instead of folding into (and so
     changing) the layers' weights: for reading a masked model without touching it."""
     found = find_holder(model)
-    points = list(found[1].points) if found else []
+    points = [*found[1].points, *found[1].recurrent] if found else []
     flags = [mp.foldable for mp in points]
     for mp in points:
         mp.foldable = False

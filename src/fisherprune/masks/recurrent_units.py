@@ -5,15 +5,22 @@ Hidden unit j of every layer and direction is one channel (``nn.LSTM`` has one h
 for all of them; ``fisherprune.graph.module_forwards`` ties them). A removed unit must be absent
 from every step: its state is multiplied by the mask after each step, so that no later step,
 no layer above and no reader of the outputs sees it, as in the shrunk layer, which has no such
-unit. A forward hook on the layer does that: while the unit mask is all ones and no signal is
-collected, the layer's own forward (its fused kernel) is kept; otherwise its output is computed
-again step by step (``fisherprune.recurrent.recurrent_forward``) with the mask acting on each
-step's state, which also gathers the Fisher signal there (each step's per-example gradient,
-summed over the steps before squaring, as for any mask applied at several places).
+unit. Hooks on the layer do that. While the unit mask is all ones and no signal is collected,
+the layer's own forward (its fused kernel) runs untouched. While a signal is collected (or the
+mask requires grad, as under ``torch.func``), the output is computed again step by step
+(``fisherprune.recurrent.recurrent_forward``) with the mask acting on each step's state, which
+also gathers the Fisher signal there (each step's per-example gradient, summed over the steps
+before squaring, as for any mask applied at several places). Once units are removed and no
+signal is collected, their columns in the weights that read them (the recurrent weights of
+every layer and direction, the input weights of the layers above) are zeroed instead, with
+their gradients, as ``MaskPoint`` folds a linear layer's input: no other unit, step or layer
+then sees a removed unit, and the fused kernel keeps running (its outputs at a removed unit
+are read by no one: the layers reading them outside mask them).
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any
 
@@ -22,7 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from fisherprune.masks import tracing
-from fisherprune.masks.layer import MaskLayer, all_ones
+from fisherprune.masks.layer import MaskLayer, all_ones, buffers_key
 from fisherprune.masks.points import MaskPoint
 from fisherprune.recurrent import recurrent_forward
 
@@ -32,21 +39,56 @@ _SIGNATURE = inspect.signature(lambda input, hx=None: None)
 
 
 class RecurrentUnits:
-    """A forward hook (with kwargs) masking ``module``'s hidden units by ``mask``;
-    ``channels``: the mask entry of each unit."""
+    """The hooks masking ``module``'s hidden units by ``mask``: ``before`` (a forward pre-hook)
+    folds removed units into the weights, ``__call__`` (a forward hook with kwargs) recomputes
+    the output step by step while collecting. ``channels``: the mask entry of each unit;
+    ``columns``: for each of the module's weights whose columns read the units (by local
+    name), the mask entry of each column. ``handles``: where the gradient hooks the fold adds
+    are kept (the holder's, so that ``remove_masks`` removes them). ``foldable``: False within
+    ``no_fold`` (the weights are left as they are; the step-by-step path is used instead)."""
 
-    def __init__(self, name: str, module: nn.RNNBase, mask: MaskLayer, channels: np.ndarray):
+    def __init__(
+        self,
+        name: str,
+        module: nn.RNNBase,
+        mask: MaskLayer,
+        channels: np.ndarray,
+        columns: dict[str, np.ndarray],
+        handles: list[Any],
+    ) -> None:
         size = module.hidden_size
         self.point = MaskPoint(name, 0, 1, size, [(mask, np.arange(size), channels)])
-        self.masks = [mask]
+        self.mask = mask
+        self.columns = {p: torch.as_tensor(c, dtype=torch.long) for p, c in columns.items()}
+        self.handles = handles
+        self.foldable = True
         self.cache: dict[str, Any] = {}
+        self._keep: dict[str, Tensor] = {}  # 1 for a kept column, by weight
+        self._fold_key: tuple[int, ...] | None = None
+        self._zeroed: dict[str, tuple[int, int]] = {}  # (id, version) of each weight zeroed
+        self._hooked: set[str] = set()
+
+    def _idle(self) -> bool:
+        return all_ones([self.mask], self.cache) and not self.mask.mask.requires_grad
+
+    def _collecting(self) -> bool:
+        return (torch.is_grad_enabled() and self.mask.collecting) or self.mask.mask.requires_grad
+
+    def before(self, module: nn.Module, _args: tuple) -> None:
+        """Zero the removed units' columns, when they are removed and nothing is collected."""
+        if (
+            tracing.active() is None
+            and self.foldable
+            and not self._collecting()
+            and not self._idle()
+        ):
+            self._fold(module)
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict, _out: Any) -> Any:
         if tracing.active() is not None:
             return None  # the tracer runs its own forward
-        idle = all_ones(self.masks, self.cache) and not self.masks[0].mask.requires_grad
-        if idle and not (torch.is_grad_enabled() and self.masks[0].collecting):
-            return None
+        if not self._collecting() and (self.foldable or self._idle()):
+            return None  # nothing removed, or removed units folded into the weights
         bound = _SIGNATURE.bind(*args, **kwargs)
         return recurrent_forward(
             module,  # type: ignore[arg-type]
@@ -57,3 +99,24 @@ class RecurrentUnits:
 
     def _step(self, h: Tensor, to_examples: Any) -> Tensor:
         return self.point.apply(h, to_examples=to_examples)
+
+    def _fold(self, module: nn.Module) -> None:
+        key = buffers_key([self.mask._buffers["mask"]])
+        if key != self._fold_key:
+            kept = torch.cat([self.mask.mask.detach() > 0.5, torch.ones(1, dtype=torch.bool)])
+            self._keep = {p: kept[c.to(kept.device)].view(1, -1) for p, c in self.columns.items()}
+            self._fold_key, self._zeroed = key, {}
+        for pname, keep in self._keep.items():
+            w = getattr(module, pname)
+            if (id(w), w._version) != self._zeroed.get(pname):
+                with torch.no_grad():
+                    w.mul_(keep.to(device=w.device, dtype=w.dtype))
+                self._zeroed[pname] = (id(w), w._version)
+            if pname not in self._hooked:
+                self.handles.append(w.register_hook(functools.partial(self._filter, pname)))
+                self._hooked.add(pname)
+
+    def _filter(self, pname: str, g: Tensor) -> Tensor:
+        """The gradient of weight ``pname`` with the removed units' columns zeroed."""
+        keep = self._keep[pname].to(device=g.device, dtype=g.dtype)
+        return g * keep if g.requires_grad else g.mul_(keep)
