@@ -103,7 +103,8 @@ class RecurrentUnits:
     def _fold(self, module: nn.Module) -> None:
         key = buffers_key([self.mask._buffers["mask"]])
         if key != self._fold_key:
-            kept = torch.cat([self.mask.mask.detach() > 0.5, torch.ones(1, dtype=torch.bool)])
+            mask = self.mask.mask.detach()
+            kept = torch.cat([mask > 0.5, torch.ones(1, dtype=torch.bool, device=mask.device)])
             self._keep = {p: kept[c.to(kept.device)].view(1, -1) for p, c in self.columns.items()}
             self._fold_key, self._zeroed = key, {}
         for pname, keep in self._keep.items():
