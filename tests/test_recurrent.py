@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import itertools
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -659,3 +660,42 @@ def test_no_fold_leaves_the_recurrent_weights_as_they_are() -> None:
     assert all(torch.equal(p, before[n]) for n, p in model.rnn.named_parameters())
     with torch.no_grad():
         torch.testing.assert_close(model(x), inside, atol=ATOL_F64, rtol=0)  # (folded now)
+
+
+def test_no_fold_while_the_units_still_collect() -> None:
+    """A forward without gradients while the masks still collect (pruning not over: a norm
+    re-estimate between signal passes runs one) writes no weight: the removed units are
+    masked step by step instead, and the output is the shrunk model's."""
+    model, x = _tagger(nn.LSTM)
+    masks = fp.apply_masks(model, x[:1])
+    masks[_hidden(masks)].mask[torch.tensor([0, 3])] = 0.0
+    assert all(m.collecting for m in masks.values())
+    before = {n: p.detach().clone() for n, p in model.rnn.named_parameters()}
+    with torch.no_grad():
+        out = model(x)
+    assert all(torch.equal(p, before[n]) for n, p in model.rnn.named_parameters())
+    small = fp.shrink(copy.deepcopy(model), x[:1])
+    with torch.no_grad():
+        torch.testing.assert_close(out, small(x), atol=ATOL_F64, rtol=0)
+
+
+def test_a_unit_restored_after_a_fold_gets_its_gradient_back() -> None:
+    """Units folded (pruning over), then one restored (a checkpoint loaded, say) and collecting
+    again: the gradient of the weight columns that read it is no longer filtered."""
+    model, x = _tagger(nn.LSTM)
+    y = torch.tensor([0, 3, 1])
+    masks = fp.apply_masks(model, x[:1])
+    key = _hidden(masks)
+    unit = int(np.flatnonzero(masks.groups[key].members[("rnn.weight_hh_l0", 1)] == 2)[0])
+    masks[key].mask[2] = 0.0
+    for m in masks.values():
+        m.collecting = False
+    model.train()
+    F.cross_entropy(model(x), y).backward()  # folds; the gradient filter is in place
+    assert float(model.rnn.weight_hh_l0.grad[:, unit].abs().max()) == 0.0
+    masks[key].mask[2] = 1.0
+    for m in masks.values():
+        m.collecting = True
+    model.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    assert float(model.rnn.weight_hh_l0.grad[:, unit].abs().max()) > 0.0

@@ -71,23 +71,26 @@ class RecurrentUnits:
     def _idle(self) -> bool:
         return all_ones([self.mask], self.cache) and not self.mask.mask.requires_grad
 
-    def _collecting(self) -> bool:
+    def _gathering(self) -> bool:
+        """Whether this call gathers the units' signal (or the mask is differentiated, as
+        under ``torch.func``): the mask must then act on every step."""
         return (torch.is_grad_enabled() and self.mask.collecting) or self.mask.mask.requires_grad
 
+    def _may_fold(self) -> bool:
+        """Whether removed units may be zeroed in the weights: not while the mask still collects
+        (pruning is not over: a forward without gradients between signal passes, as a norm
+        re-estimate runs, must not change the weights), nor within ``no_fold``."""
+        return self.foldable and not self.mask.collecting and not self.mask.mask.requires_grad
+
     def before(self, module: nn.Module, _args: tuple) -> None:
-        """Zero the removed units' columns, when they are removed and nothing is collected."""
-        if (
-            tracing.active() is None
-            and self.foldable
-            and not self._collecting()
-            and not self._idle()
-        ):
+        """Zero the removed units' columns, when they are removed and pruning is over."""
+        if tracing.active() is None and self._may_fold() and not self._idle():
             self._fold(module)
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict, _out: Any) -> Any:
         if tracing.active() is not None:
             return None  # the tracer runs its own forward
-        if not self._collecting() and (self.foldable or self._idle()):
+        if not self._gathering() and (self._idle() or self._may_fold()):
             return None  # nothing removed, or removed units folded into the weights
         bound = _SIGNATURE.bind(*args, **kwargs)
         return recurrent_forward(
@@ -100,13 +103,18 @@ class RecurrentUnits:
     def _step(self, h: Tensor, to_examples: Any) -> Tensor:
         return self.point.apply(h, to_examples=to_examples)
 
-    def _fold(self, module: nn.Module) -> None:
+    def _refresh(self) -> None:
+        """``_keep`` for the mask as it is now (made again only when the mask changed)."""
         key = buffers_key([self.mask._buffers["mask"]])
-        if key != self._fold_key:
-            mask = self.mask.mask.detach()
-            kept = torch.cat([mask > 0.5, torch.ones(1, dtype=torch.bool, device=mask.device)])
-            self._keep = {p: kept[c.to(kept.device)].view(1, -1) for p, c in self.columns.items()}
-            self._fold_key, self._zeroed = key, {}
+        if key == self._fold_key:
+            return
+        mask = self.mask.mask.detach()
+        kept = torch.cat([mask > 0.5, torch.ones(1, dtype=torch.bool, device=mask.device)])
+        self._keep = {p: kept[_on(c, kept.device)].view(1, -1) for p, c in self.columns.items()}
+        self._fold_key, self._zeroed = key, {}
+
+    def _fold(self, module: nn.Module) -> None:
+        self._refresh()
         for pname, keep in self._keep.items():
             w = getattr(module, pname)
             if (id(w), w._version) != self._zeroed.get(pname):
@@ -118,6 +126,15 @@ class RecurrentUnits:
                 self._hooked.add(pname)
 
     def _filter(self, pname: str, g: Tensor) -> Tensor:
-        """The gradient of weight ``pname`` with the removed units' columns zeroed."""
+        """The gradient of weight ``pname`` with the removed units' columns zeroed (for the mask
+        as it is now: a unit restored since the fold gets its gradient back)."""
+        self._refresh()
         keep = self._keep[pname].to(device=g.device, dtype=g.dtype)
         return g * keep if g.requires_grad else g.mul_(keep)
+
+
+def _on(t: Tensor, device: torch.device) -> Tensor:
+    """Host tensor ``t`` on ``device``; to a GPU from pinned memory without waiting."""
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)

@@ -8,8 +8,8 @@ mean activation ``abar_k`` (as that consumer reads it), not by 0. A consumer wit
 absorbs the mean only through its other inputs' means (the positive means of ReLU outputs);
 the correction is made there too, which measured better on the digits CNNs, whose
 convolutions have none (ResNet-18 at 30% of its FLOPs 0.947 against 0.933 with the correction
-left out where the reader has no bias, 8 seeds). A reader the repair has no least-squares fit
-for at all (a recurrent layer's input) replaces nothing by its mean: its place adds no
+left out where the reader has no bias, 8 seeds). A recurrent layer's input, for which the
+repair has no least-squares fit at all, replaces nothing by its mean: its place adds no
 correction (a digits-rows LSTM at 50% / 30% of its FLOPs went from behind Taylor, 0.963 /
 0.937, to within noise of it or first, 0.968 / 0.947, 8 seeds). To first order, example
 ``n``'s loss then
@@ -69,7 +69,6 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from fisherprune._dist import in_group
-from fisherprune.calibrate.repair_rows import rows_reader
 from fisherprune.masks import MaskLayer, MaskSet, as_mask_dict
 from fisherprune.masks.norm_points import NormPoint
 from fisherprune.masks.points import MaskPoint, find_holder
@@ -146,7 +145,7 @@ class _Place:
     def __call__(self, module: nn.Module, args: tuple) -> None:
         x = args[self.point.arg]
         if (
-            rows_reader(module) is None  # no refit there (an LSTM's input): abar stays 0
+            isinstance(module, nn.RNNBase)  # no refit there: abar stays 0
             or recomputing()
             or not torch.is_grad_enabled()
             or not isinstance(x, Tensor)
