@@ -699,3 +699,38 @@ def test_a_unit_restored_after_a_fold_gets_its_gradient_back() -> None:
     model.zero_grad()
     F.cross_entropy(model(x), y).backward()
     assert float(model.rnn.weight_hh_l0.grad[:, unit].abs().max()) > 0.0
+
+
+class StateFromInput(nn.Module):
+    """An LSTM whose initial state ``(h0, c0)`` a linear layer makes from the first step (a
+    tuple: no mask point can sit on it), then a classifier on the last step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.init = nn.Linear(5, 8), nn.Linear(5, 6)
+        self.rnn, self.head = nn.LSTM(8, 6, batch_first=True), nn.Linear(6, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h0 = torch.tanh(self.init(x[:, 0])).unsqueeze(0)
+        o, _ = self.rnn(torch.relu(self.fc(x)), (h0, torch.zeros_like(h0)))
+        return self.head(o[:, -1])
+
+
+@pytest.mark.parametrize("path", ["collecting", "folded"])
+def test_a_given_initial_state_is_masked_with_the_units(path: str) -> None:
+    """The units of an LSTM whose initial state a layer makes are one group with that layer's
+    outputs; with two removed, the masked model (masking the state step by step, or with the
+    units folded into the weights) gives the shrunk model's outputs."""
+    torch.manual_seed(0)
+    model = StateFromInput().double().eval()
+    x = torch.randn(3, 7, 5, dtype=torch.float64)
+    masks = fp.apply_masks(model, x[:1])
+    key = _hidden(masks)
+    assert ("init.weight", 0) in masks.groups[key].params
+    masks[key].mask[torch.tensor([1, 4])] = 0.0
+    for m in masks.values():
+        m.collecting = path == "collecting"
+    small = fp.shrink(copy.deepcopy(model), x[:1])
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), small(x), atol=ATOL_F64, rtol=0)
+    assert small.rnn.hidden_size == 4

@@ -123,11 +123,13 @@ def recurrent_forward(
     input: Tensor | PackedSequence,
     hx: Tensor | tuple[Tensor, Tensor] | None = None,
     step_hook: StepHook | None = None,
+    hook_initial: bool = False,
 ) -> tuple[Tensor | PackedSequence, Tensor | tuple[Tensor, Tensor]]:
     """``module(input, hx)`` as the module computes it (the same ``(output, h_n)``, or
     ``(output, (h_n, c_n))`` for an LSTM, within rounding; in training mode with dropout
     between layers, other random draws), one step at a time. ``step_hook``, if given, replaces
-    each step's new hidden state (of every layer and direction) by what it returns.
+    each step's new hidden state (of every layer and direction) by what it returns; with
+    ``hook_initial``, each layer's and direction's initial hidden state too.
 
     Raises:
         ValueError: a mode this function does not know, or an input that is neither 2-d nor
@@ -138,7 +140,7 @@ def recurrent_forward(
         raise ValueError(f"recurrent_forward: unknown recurrent mode {mode!r}")
     hook = step_hook or _unchanged
     if isinstance(input, PackedSequence):
-        return _packed_forward(module, input, hx, hook)
+        return _packed_forward(module, input, hx, hook, hook_initial)
     if input.dim() not in (2, 3):
         raise ValueError(
             f"recurrent_forward: {type(module).__name__} takes a 2-d (unbatched) or 3-d input, "
@@ -153,6 +155,7 @@ def recurrent_forward(
     steps = x.shape[1]
 
     def direction(p: Params, x: Tensor, h: Tensor, c: Tensor | None, reverse: bool) -> Run:
+        h = hook(h, None) if hook_initial else h
         ys: list[Tensor] = [h] * steps
         for t in reversed(range(steps)) if reverse else range(steps):
             h, c = _step(mode, p, x[:, t], h, c)
@@ -200,6 +203,7 @@ def _packed_forward(
     packed: PackedSequence,
     hx: Tensor | tuple[Tensor, Tensor] | None,
     hook: StepHook,
+    hook_initial: bool,
 ) -> tuple[PackedSequence, Tensor | tuple[Tensor, Tensor]]:
     """``recurrent_forward`` of a ``PackedSequence``: its data holds step after step the rows
     of the sequences still going (sorted longest first, ``batch_sizes`` of them at each step);
@@ -217,6 +221,7 @@ def _packed_forward(
         c0 = c0.index_select(1, order) if c0 is not None else None
 
     def direction(p: Params, x: Tensor, h0: Tensor, c0: Tensor | None, reverse: bool) -> Run:
+        h0 = hook(h0, examples[0]) if hook_initial else h0  # (every sequence's, sorted)
         ys: list[Tensor] = []
         if not reverse:
             h, c = h0, c0

@@ -537,6 +537,9 @@ def _hook_recurrent_units(
                 name, mod, mask, group.members[(f"{prefix}weight_hh_l0", 1)], columns,
                 holder.handles,
             )  # fmt: skip
+            units.mask_initial = not any(  # (a state passed positionally has its own point)
+                mp.module_name == name and mp.arg == 1 for mp in holder.points
+            )
             holder.recurrent.append(units)
             holder.handles.append(mod.register_forward_pre_hook(units.before))
             holder.handles.append(mod.register_forward_hook(units, with_kwargs=True))

@@ -45,7 +45,9 @@ class RecurrentUnits:
     ``columns``: for each of the module's weights whose columns read the units (by local
     name), the mask entry of each column. ``handles``: where the gradient hooks the fold adds
     are kept (the holder's, so that ``remove_masks`` removes them). ``foldable``: False within
-    ``no_fold`` (the weights are left as they are; the step-by-step path is used instead)."""
+    ``no_fold`` (the weights are left as they are; the step-by-step path is used instead).
+    ``mask_initial``: whether a given initial hidden state is masked here too (False where a
+    mask point on the layer's second input already masks it)."""
 
     def __init__(
         self,
@@ -62,6 +64,9 @@ class RecurrentUnits:
         self.columns = {p: torch.as_tensor(c, dtype=torch.long) for p, c in columns.items()}
         self.handles = handles
         self.foldable = True
+        #: whether the hook masks a given initial state too (no mask point on the layer's
+        #: second positional input does: a state passed as a tuple, or by keyword)
+        self.mask_initial = True
         self.cache: dict[str, Any] = {}
         self._keep: dict[str, Tensor] = {}  # 1 for a kept column, by weight
         self._fold_key: tuple[int, ...] | None = None
@@ -93,11 +98,13 @@ class RecurrentUnits:
         if not self._gathering() and (self._idle() or self._may_fold()):
             return None  # nothing removed, or removed units folded into the weights
         bound = _SIGNATURE.bind(*args, **kwargs)
+        hx = bound.arguments.get("hx")
         return recurrent_forward(
             module,  # type: ignore[arg-type]
             bound.arguments["input"],
-            bound.arguments.get("hx"),
+            hx,
             step_hook=self._step,
+            hook_initial=self.mask_initial and hx is not None,
         )
 
     def _step(self, h: Tensor, to_examples: Any) -> Tensor:
