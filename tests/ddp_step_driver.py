@@ -7,6 +7,7 @@ reads in every step. Run as ``python -m tests.ddp_step_driver PORT OUT_DIR``; ea
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -79,17 +80,29 @@ def leave_group(rank: int, out: Path) -> None:
     """Tear the process group down with rank 0, which hosts the TCP store, last: every rank
     meets at a barrier, the others destroy the group and say so in a file under ``out``, then
     rank 0 destroys it (a rank still talking to the store while rank 0 tore it down aborted
-    in gloo under load: "terminate called without an active exception")."""
+    in gloo under load: "terminate called without an active exception"). Then the process
+    ends at once, its output flushed, without running the interpreter's teardown: a rank
+    whose work and files were all done still aborted there now and then (the same message,
+    from a background thread's destructor at exit; seen in CI in test_fsdp_recover), which
+    failed the run. Call it last."""
     dist.barrier()
     if rank != 0:
         dist.destroy_process_group()
         (out / f"left{rank}").touch()
-        return
+        _exit_now()
     others = [out / f"left{r}" for r in range(1, dist.get_world_size())]
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and not all(p.exists() for p in others):
         time.sleep(0.02)
     dist.destroy_process_group()
+    _exit_now()
+
+
+def _exit_now() -> None:
+    """End the process with status 0 after flushing its output, skipping interpreter teardown."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
