@@ -118,25 +118,10 @@ def _tagger(cls: type, batch_first: bool = True, bidir: bool = True) -> tuple[Ta
 def _cell_loop_flops(rnn: nn.RNNBase, x: Tensor) -> float:
     """FlopCounterMode's count of ``rnn`` on ``x`` (batch first) run as a loop over PyTorch's
     own cells with the layer's weights (its outputs checked equal to the module's)."""
-    dirs = 2 if rnn.bidirectional else 1
     counter = FlopCounterMode(display=False)
     with counter, torch.no_grad():
-        inp = x
-        for layer in range(rnn.num_layers):
-            outs = []
-            for d in range(dirs):
-                sfx = f"_l{layer}" + ("_reverse" if d else "")
-                cell = CELLS[type(rnn)](inp.shape[-1], rnn.hidden_size).double()  # (shrunk)
-                for role in ("weight_ih", "weight_hh", "bias_ih", "bias_hh"):
-                    getattr(cell, role).copy_(getattr(rnn, role + sfx))
-                h = None
-                ys = [None] * inp.shape[1]
-                for t in reversed(range(inp.shape[1])) if d else range(inp.shape[1]):
-                    h = cell(inp[:, t], h)
-                    ys[t] = h[0] if isinstance(h, tuple) else h
-                outs.append(torch.stack(ys, dim=1))
-            inp = torch.cat(outs, dim=-1)
-    torch.testing.assert_close(inp, rnn(x)[0] if rnn.batch_first else None, atol=ATOL_F64, rtol=0)
+        out = _cells_masked(rnn, x, torch.ones(rnn.hidden_size, dtype=x.dtype))  # (x 1: free)
+    torch.testing.assert_close(out, rnn(x)[0], atol=ATOL_F64, rtol=0)
     return counter.get_total_flops()
 
 
