@@ -86,26 +86,35 @@ def module_forward(module: nn.Module) -> ModuleForward | None:
     return _FORWARDS[base]
 
 
-def share_inputs_hooks(module: nn.Module) -> list[RemovableHandle]:
-    """Add two forward pre-hooks to ``module``: the first to run notes which positional inputs
-    are the same tensor as an earlier one, the last to run passes the earlier one (as masked by
-    the pre-hooks between them) in their place. Returns their handles."""
-    same: list[int | None] = []
+class _SharedInputs:
+    """Which positional inputs of a call are the same tensor as an earlier one: ``before``
+    notes them, ``after`` passes the earlier one (as masked by the pre-hooks between them) in
+    their place. A class, not closures, so that a model saved whole pickles its hooks."""
 
-    def before(_m: nn.Module, args: tuple) -> None:
-        same[:] = [
+    def __init__(self) -> None:
+        self.same: list[int | None] = []
+
+    def before(self, _m: nn.Module, args: tuple) -> None:
+        self.same = [
             next((j for j in range(i) if args[j] is a), None) if isinstance(a, Tensor) else None
             for i, a in enumerate(args)
         ]
 
-    def after(_m: nn.Module, args: tuple) -> tuple | None:
+    def after(self, _m: nn.Module, args: tuple) -> tuple | None:
+        same = self.same
         if len(same) != len(args) or all(j is None for j in same):
             return None
         return tuple(a if j is None else args[j] for a, j in zip(args, same, strict=True))
 
+
+def share_inputs_hooks(module: nn.Module) -> list[RemovableHandle]:
+    """Add two forward pre-hooks to ``module``: the first to run notes which positional inputs
+    are the same tensor as an earlier one, the last to run passes the earlier one (as masked by
+    the pre-hooks between them) in their place. Returns their handles."""
+    shared = _SharedInputs()
     return [
-        module.register_forward_pre_hook(before, prepend=True),
-        module.register_forward_pre_hook(after),
+        module.register_forward_pre_hook(shared.before, prepend=True),
+        module.register_forward_pre_hook(shared.after),
     ]
 
 

@@ -534,9 +534,8 @@ def _hook_recurrent_units(
                 if dim == 1 and p.startswith(prefix) and "." not in p[len(prefix) :]
             }
             units = RecurrentUnits(
-                name, mod, mask, group.members[(f"{prefix}weight_hh_l0", 1)], columns,
-                holder.handles,
-            )  # fmt: skip
+                name, mod, mask, group.members[(f"{prefix}weight_hh_l0", 1)], columns
+            )
             units.mask_initial = not any(  # (a state passed positionally has its own point)
                 mp.module_name == name and mp.arg == 1 for mp in holder.points
             )

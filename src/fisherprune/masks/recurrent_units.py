@@ -29,6 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from fisherprune.masks import tracing
+from fisherprune.masks.folded_weight import FoldedWeight
 from fisherprune.masks.layer import MaskLayer, all_ones, buffers_key
 from fisherprune.masks.points import MaskPoint
 from fisherprune.recurrent import recurrent_forward
@@ -43,8 +44,8 @@ class RecurrentUnits:
     folds removed units into the weights, ``__call__`` (a forward hook with kwargs) recomputes
     the output step by step while collecting. ``channels``: the mask entry of each unit;
     ``columns``: for each of the module's weights whose columns read the units (by local
-    name), the mask entry of each column. ``handles``: where the gradient hooks the fold adds
-    are kept (the holder's, so that ``remove_masks`` removes them). ``foldable``: False within
+    name), the mask entry of each column; the fold's gradient hooks go with ``release``
+    (``remove_masks`` calls it). ``foldable``: False within
     ``no_fold`` (the weights are left as they are; the step-by-step path is used instead).
     ``mask_initial``: whether a given initial hidden state is masked here too (False where a
     mask point on the layer's second input already masks it)."""
@@ -56,13 +57,11 @@ class RecurrentUnits:
         mask: MaskLayer,
         channels: np.ndarray,
         columns: dict[str, np.ndarray],
-        handles: list[Any],
     ) -> None:
         size = module.hidden_size
         self.point = MaskPoint(name, 0, 1, size, [(mask, np.arange(size), channels)])
         self.mask = mask
         self.columns = {p: torch.as_tensor(c, dtype=torch.long) for p, c in columns.items()}
-        self.handles = handles
         self.foldable = True
         #: whether the hook masks a given initial state too (no mask point on the layer's
         #: second positional input does: a state passed as a tuple, or by keyword)
@@ -70,8 +69,7 @@ class RecurrentUnits:
         self.cache: dict[str, Any] = {}
         self._keep: dict[str, Tensor] = {}  # 1 for a kept column, by weight
         self._fold_key: tuple[int, ...] | None = None
-        self._zeroed: dict[str, tuple[int, int]] = {}  # (id, version) of each weight zeroed
-        self._hooked: set[str] = set()
+        self._weights = {p: FoldedWeight(functools.partial(self._filter, p)) for p in columns}
 
     def _idle(self) -> bool:
         return all_ones([self.mask], self.cache) and not self.mask.mask.requires_grad
@@ -118,19 +116,14 @@ class RecurrentUnits:
         mask = self.mask.mask.detach()
         kept = torch.cat([mask > 0.5, torch.ones(1, dtype=torch.bool, device=mask.device)])
         self._keep = {p: kept[_on(c, kept.device)].view(1, -1) for p, c in self.columns.items()}
-        self._fold_key, self._zeroed = key, {}
+        self._fold_key = key
+        for folded in self._weights.values():
+            folded.stale()
 
     def _fold(self, module: nn.Module) -> None:
         self._refresh()
         for pname, keep in self._keep.items():
-            w = getattr(module, pname)
-            if (id(w), w._version) != self._zeroed.get(pname):
-                with torch.no_grad():
-                    w.mul_(keep.to(device=w.device, dtype=w.dtype))
-                self._zeroed[pname] = (id(w), w._version)
-            if pname not in self._hooked:
-                self.handles.append(w.register_hook(functools.partial(self._filter, pname)))
-                self._hooked.add(pname)
+            self._weights[pname].zero(getattr(module, pname), keep)
 
     def _filter(self, pname: str, g: Tensor) -> Tensor:
         """The gradient of weight ``pname`` with the removed units' columns zeroed (for the mask
@@ -138,6 +131,11 @@ class RecurrentUnits:
         self._refresh()
         keep = self._keep[pname].to(device=g.device, dtype=g.dtype)
         return g * keep if g.requires_grad else g.mul_(keep)
+
+    def release(self) -> None:
+        """Remove the gradient hooks the fold added, if any (``remove_masks``)."""
+        for folded in self._weights.values():
+            folded.remove()
 
 
 def _on(t: Tensor, device: torch.device) -> Tensor:
