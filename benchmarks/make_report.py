@@ -1747,6 +1747,19 @@ def one_shot_section(r: dict[str, Any], out: Path) -> list[str]:
     return [*lines, ""]
 
 
+def _before(o: dict[str, Any] | None) -> list[str]:
+    """One line giving an earlier run's ratios to ``a`` (the same benchmark before a change,
+    its ``note`` saying which), or nothing."""
+    if o is None:
+        return []
+    ratios = ", ".join(
+        f"`{v}` {_fmt(vr.get('ratio_to_a'))}"
+        for mres in o.get("models", {}).values()
+        for v, vr in mres.get("variants", {}).items()
+    )
+    return [f"Before ({o.get('note', 'an earlier run')}): ratios to `a` {ratios}.", ""]
+
+
 def standard_size_sections(results: Path, out: Path) -> list[str]:
     """Overhead, memory and pruned-transformer latency at standard sizes (issue 20), each
     from its JSON file when present."""
@@ -1761,6 +1774,12 @@ def standard_size_sections(results: Path, out: Path) -> list[str]:
     o = _load(results / "overhead_standard_retain.json")
     if o is not None:
         lines += overhead_section(o, title + ", `--allocator retain`)")
+    o = _load(results / "overhead_lstm.json")
+    if o is not None:
+        lines += overhead_section(
+            o, "## Training-step overhead of a recurrent layer (`overhead.py --models lstm`)"
+        )
+        lines += _before(_load(results / "overhead_lstm_before.json"))
     m = _load(results / "overhead_memory.json")
     if m is not None:
         lines += ["## Peak memory of a collecting step (`benchmarks/overhead_memory.py`)", ""]

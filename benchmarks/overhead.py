@@ -20,6 +20,12 @@ small models fed synthetic data of the right shape:
   digits (1x8x8, default width), every mask ``apply_masks`` finds: ``c`` and ``f`` are its
   fine-tuning step masked (``--fine_tune_masked``) and shrunk (the default),
 
+* ``lstm`` (no target, not run by default): ``LSTMTagger``, a 2-layer bidirectional
+  ``nn.LSTM`` of 128 units over 100 steps at batch 32, every mask ``apply_masks`` finds (the
+  width it reads, its hidden units). Its ``b`` runs the layer step by step, the mask on each
+  step's state (``fisherprune.masks.recurrent_units``), in place of the fused kernel; ``c``
+  folds the removed units into the weights and runs the fused kernel again,
+
 each in the four variants of the issue, plus one to read them by:
 
 * ``a`` plain: the same network without any MaskLayer (the reference);
@@ -177,6 +183,21 @@ def build_cnn_prepool(masked: bool) -> nn.Sequential:
     return _cnn(masked, mask_before_pool=True)
 
 
+class LSTMTagger(nn.Module):
+    """Sequences of 100 steps of 64 features: a linear layer with ReLU (128 units, the width
+    the LSTM reads), a 2-layer bidirectional ``nn.LSTM`` of 128 hidden units, a classifier on
+    the outputs' mean over the steps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(64, 128)
+        self.rnn = nn.LSTM(128, 128, num_layers=2, batch_first=True, bidirectional=True)
+        self.head = nn.Linear(256, NUM_CLASSES)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.rnn(torch.relu(self.inp(x)))[0].mean(1))
+
+
 def _images(batch: int, gen: torch.Generator) -> Tensor:
     return torch.randn(batch, 3, 224, 224, generator=gen)
 
@@ -231,6 +252,14 @@ MODELS: dict[str, ModelSpec] = {
         "apply_masks finds: c / f are its fine-tuning step masked (--fine_tune_masked) / shrunk",
         found_masks(lambda: build_model("cnn", (1, 8, 8), NUM_CLASSES), _vectors((1, 8, 8))),
         _vectors((1, 8, 8)),
+    ),
+    "lstm": ModelSpec(
+        "lstm",
+        "LSTMTagger: 100 steps of 64 features, linear 128-ReLU, 2-layer bidirectional LSTM of "
+        "128 units, classifier; every mask apply_masks finds (the width it reads, its units)",
+        found_masks(LSTMTagger, _vectors((100, 64))),
+        _vectors((100, 64)),
+        batch=32,
     ),
     "resnet50": ModelSpec(
         "resnet50",

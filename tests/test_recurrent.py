@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import FlopCounterMode
 
 import fisherprune as fp
@@ -63,7 +65,7 @@ def test_stepwise_function_equals_torch(
 ) -> None:
     """``recurrent_forward`` gives the module's output and final states (float64), for every
     mode, depth, direction, layout, projection, given or zero initial state, with and
-    without a batch."""
+    without a batch, with the input projected step by step (as traced) or at once."""
     torch.manual_seed(0)
     kw = {"proj_size": proj} if proj else {}
     m = cls(5, 4, num_layers=layers, bidirectional=bidir, batch_first=batch_first, **kw).double()
@@ -76,9 +78,12 @@ def test_stepwise_function_equals_torch(
         lead = (states, n) if batched else (states,)
         h0 = torch.randn(*lead, proj or 4, dtype=torch.float64)
         hx = (h0, torch.randn(*lead, 4, dtype=torch.float64)) if cls is nn.LSTM else h0
-    for got, want in zip(_flatten(recurrent_forward(m, x, hx)), _flatten(m(x, hx)), strict=True):
-        assert got.shape == want.shape
-        torch.testing.assert_close(got, want, atol=ATOL_F64, rtol=0)
+    want = _flatten(m(x, hx))
+    for at_once in (False, True):
+        got = _flatten(recurrent_forward(m, x, hx, project_at_once=at_once))
+        for a, b in zip(got, want, strict=True):
+            assert a.shape == b.shape
+            torch.testing.assert_close(a, b, atol=ATOL_F64, rtol=0)
 
 
 def test_relu_rnn_equals_torch() -> None:
@@ -420,7 +425,8 @@ def test_stepwise_function_equals_torch_on_packed_sequences(
     cls: type, layers: int, bidir: bool, proj: int, given: bool, sort: bool
 ) -> None:
     """``recurrent_forward`` of a PackedSequence (lengths 6, 5, 3, 1, sorted or not) gives
-    the module's packed output and final states in the caller's order (float64)."""
+    the module's packed output and final states in the caller's order (float64), with the
+    input projected step by step or at once."""
     torch.manual_seed(0)
     kw = {"proj_size": proj} if proj else {}
     m = cls(5, 4, num_layers=layers, bidirectional=bidir, batch_first=True, **kw).double()
@@ -432,12 +438,14 @@ def test_stepwise_function_equals_torch_on_packed_sequences(
         states = layers * (2 if bidir else 1)
         h0 = torch.randn(states, 4, proj or 4, dtype=torch.float64)
         hx = (h0, torch.randn(states, 4, 4, dtype=torch.float64)) if cls is nn.LSTM else h0
-    got, want = recurrent_forward(m, packed, hx), m(packed, hx)
-    assert torch.equal(got[0].batch_sizes, want[0].batch_sizes)
-    for a, b in zip(
-        _flatten((got[0].data, got[1])), _flatten((want[0].data, want[1])), strict=True
-    ):
-        torch.testing.assert_close(a, b, atol=ATOL_F64, rtol=0)
+    want = m(packed, hx)
+    for at_once in (False, True):
+        got = recurrent_forward(m, packed, hx, project_at_once=at_once)
+        assert torch.equal(got[0].batch_sizes, want[0].batch_sizes)
+        for a, b in zip(
+            _flatten((got[0].data, got[1])), _flatten((want[0].data, want[1])), strict=True
+        ):
+            torch.testing.assert_close(a, b, atol=ATOL_F64, rtol=0)
 
 
 class ProjectedLSTM(nn.LSTM):
@@ -719,3 +727,78 @@ def test_a_given_initial_state_is_masked_with_the_units(path: str) -> None:
     with torch.no_grad():
         torch.testing.assert_close(model(x), small(x), atol=ATOL_F64, rtol=0)
     assert small.rnn.hidden_size == 4
+
+
+def test_while_gathering_the_layers_own_forward_does_not_run(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The step-by-step run that gathers the units' signal takes the place of the layer's own
+    forward (its fused kernel), rather than following it: the own forward runs only where
+    nothing is gathered."""
+    model, x = _tagger(nn.LSTM)
+    fp.apply_masks(model, x[:1])
+    calls: list[int] = []
+    own = nn.LSTM.forward
+
+    def counted(self: nn.LSTM, *args: object, **kwargs: object) -> object:
+        calls.append(1)
+        return own(self, *args, **kwargs)
+
+    monkeypatch.setattr(nn.LSTM, "forward", counted)
+    model(x).sum().backward()  # gathering
+    assert calls == []
+    with torch.no_grad():
+        model(x)  # nothing gathered
+    assert calls == [1]
+
+
+class _Reads(nn.Module):
+    """A linear layer, a bidirectional LSTM (padded or packed input), a linear reader."""
+
+    def __init__(self, packed: bool) -> None:
+        super().__init__()
+        self.packed = packed
+        self.fc, self.rnn = nn.Linear(4, 5), nn.LSTM(5, 6, batch_first=True, bidirectional=True)
+        self.head = nn.Linear(12, 2)
+
+    def forward(self, x: Tensor, lengths: Tensor) -> Tensor:
+        h = self.fc(x)
+        if not self.packed:
+            return self.head(self.rnn(h)[0])
+        o, _ = self.rnn(pack_padded_sequence(h, lengths, batch_first=True, enforce_sorted=False))
+        return self.head(pad_packed_sequence(o, batch_first=True)[0])
+
+
+class _Written(TorchDispatchMode):
+    """Counts the elements of every tensor the operators run under it return."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        flat = tree_flatten(out)[0]
+        self.count += sum(t.numel() for t in flat if isinstance(t, Tensor))
+        return out
+
+
+def _backward_written(packed: bool, steps: int) -> int:
+    torch.manual_seed(0)
+    model = _Reads(packed).double()
+    x = torch.randn(3, steps, 4, dtype=torch.float64)
+    lengths = torch.tensor([steps, steps - 1, steps // 2])
+    fp.apply_masks(model, (x[:1], lengths[:1]))
+    loss = model(x, lengths).pow(2).sum()
+    with _Written() as written:
+        loss.backward()
+    return written.count
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_the_gathering_backward_grows_linearly_with_the_steps(packed: bool) -> None:
+    """The backward of the step-by-step run writes about as much per step at 64 steps as at
+    16: no step's backward writes a tensor the size of the whole sequence (a select or slice
+    of it per step did: 6.2x the elements for 4x the steps)."""
+    ratio = _backward_written(packed, 64) / _backward_written(packed, 16)
+    assert ratio < 4.4

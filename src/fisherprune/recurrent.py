@@ -79,12 +79,14 @@ Run = tuple[Tensor, Tensor, Tensor | None]
 
 
 def _step(
-    mode: str, p: Params, x: Tensor, h: Tensor, c: Tensor | None
+    mode: str, p: Params, x: Tensor, h: Tensor, c: Tensor | None, gi: Tensor | None = None
 ) -> tuple[Tensor, Tensor | None]:
-    """One step on (rows, width) inputs: the input projection step by step too, so that no
-    view writes a width as a number (the tracer would take a module attribute equal to it,
-    such as ``hidden_size``, for one that holds it); then the cell, then an LSTM's projection."""
-    gi = F.linear(x, p["ih"], p["b_ih"])  # type: ignore[arg-type]
+    """One step on (rows, width) inputs: the input projection (unless given as ``gi``), step
+    by step too when traced, so that no view writes a width as a number (the tracer would take
+    a module attribute equal to it, such as ``hidden_size``, for one that holds it); then the
+    cell, then an LSTM's projection."""
+    if gi is None:
+        gi = F.linear(x, p["ih"], p["b_ih"])  # type: ignore[arg-type]
     h, c = _cell(mode, gi, F.linear(h, p["hh"], p["b_hh"]), h, c)  # type: ignore[arg-type]
     return (F.linear(h, p["hr"]) if p["hr"] is not None else h), c
 
@@ -124,12 +126,15 @@ def recurrent_forward(
     hx: Tensor | tuple[Tensor, Tensor] | None = None,
     step_hook: StepHook | None = None,
     hook_initial: bool = False,
+    project_at_once: bool = False,
 ) -> tuple[Tensor | PackedSequence, Tensor | tuple[Tensor, Tensor]]:
     """``module(input, hx)`` as the module computes it (the same ``(output, h_n)``, or
     ``(output, (h_n, c_n))`` for an LSTM, within rounding; in training mode with dropout
     between layers, other random draws), one step at a time. ``step_hook``, if given, replaces
     each step's new hidden state (of every layer and direction) by what it returns; with
-    ``hook_initial``, each layer's and direction's initial hidden state too.
+    ``hook_initial``, each layer's and direction's initial hidden state too. With
+    ``project_at_once``, each layer's input projection is one matrix product over every step
+    (faster: one kernel instead of one per step) rather than one per step (as traced).
 
     Raises:
         ValueError: a mode this function does not know, or an input that is neither 2-d nor
@@ -140,7 +145,7 @@ def recurrent_forward(
         raise ValueError(f"recurrent_forward: unknown recurrent mode {mode!r}")
     hook = step_hook or _unchanged
     if isinstance(input, PackedSequence):
-        return _packed_forward(module, input, hx, hook, hook_initial)
+        return _packed_forward(module, input, hx, hook, hook_initial, project_at_once)
     if input.dim() not in (2, 3):
         raise ValueError(
             f"recurrent_forward: {type(module).__name__} takes a 2-d (unbatched) or 3-d input, "
@@ -157,8 +162,10 @@ def recurrent_forward(
     def direction(p: Params, x: Tensor, h: Tensor, c: Tensor | None, reverse: bool) -> Run:
         h = hook(h, None) if hook_initial else h
         ys: list[Tensor] = [h] * steps
+        xs = x.unbind(1)  # (not x[:, t]: each select's backward writes a whole zero tensor)
+        gis = _projected(p, x).unbind(1) if project_at_once else None
         for t in reversed(range(steps)) if reverse else range(steps):
-            h, c = _step(mode, p, x[:, t], h, c)
+            h, c = _step(mode, p, xs[t], h, c, None if gis is None else gis[t])
             h = ys[t] = hook(h, None)
         return torch.stack(ys, dim=1), h, c
 
@@ -194,6 +201,11 @@ def _initial_state(
     return h0, c0
 
 
+def _projected(p: Params, x: Tensor) -> Tensor:
+    """The input projection of every step (and row) of ``x`` at once."""
+    return F.linear(x, p["ih"], p["b_ih"])  # type: ignore[arg-type]
+
+
 def _unchanged(h: Tensor, _examples: Callable[[Tensor], Tensor] | None) -> Tensor:
     return h
 
@@ -204,12 +216,12 @@ def _packed_forward(
     hx: Tensor | tuple[Tensor, Tensor] | None,
     hook: StepHook,
     hook_initial: bool,
+    project_at_once: bool,
 ) -> tuple[PackedSequence, Tensor | tuple[Tensor, Tensor]]:
     """``recurrent_forward`` of a ``PackedSequence``: its data holds step after step the rows
     of the sequences still going (sorted longest first, ``batch_sizes`` of them at each step);
     the initial and final states are in the caller's order (``sorted_indices``)."""
     sizes = host_sizes(packed.batch_sizes)
-    starts = [sum(sizes[:t]) for t in range(len(sizes))]
     dirs = 2 if module.bidirectional else 1
     x = packed.data
     h0, c0 = _initial_state(module, x[: sizes[0]].unsqueeze(1), hx, True, dirs)  # (batch first)
@@ -223,13 +235,19 @@ def _packed_forward(
     def direction(p: Params, x: Tensor, h0: Tensor, c0: Tensor | None, reverse: bool) -> Run:
         h0 = hook(h0, examples[0]) if hook_initial else h0  # (every sequence's, sorted)
         ys: list[Tensor] = []
+        xs = x.split(sizes)  # (one split: a slice per step would write zeros in its backward)
+        gis = _projected(p, x).split(sizes) if project_at_once else None
+
+        def step(t: int, h: Tensor, c: Tensor | None) -> tuple[Tensor, Tensor | None]:
+            return _step(module.mode, p, xs[t], h, c, None if gis is None else gis[t])
+
         if not reverse:
             h, c = h0, c0
             ends_h: list[Tensor] = []  # the final states of sequences as they end
             ends_c: list[Tensor] = []
-            for t, (start, n) in enumerate(zip(starts, sizes, strict=True)):
+            for t, n in enumerate(sizes):
                 c = c[:n] if c is not None else None
-                h, c = _step(module.mode, p, x[start : start + n], h[:n], c)
+                h, c = step(t, h[:n], c)
                 h = hook(h, examples[t])
                 ys.append(h)
                 ending = sizes[t + 1] if t + 1 < len(sizes) else 0
@@ -238,11 +256,12 @@ def _packed_forward(
                     ends_c.insert(0, c[ending:n])
             return torch.cat(ys), torch.cat(ends_h), torch.cat(ends_c) if c0 is not None else None
         h, c = h0[:0], c0[:0] if c0 is not None else None
-        for start, n in reversed(list(zip(starts, sizes, strict=True))):
+        for t in reversed(range(len(sizes))):
+            n = sizes[t]
             h = torch.cat([h, h0[h.shape[0] : n]])  # the sequences that start here join
             c = torch.cat([c, c0[c.shape[0] : n]]) if c is not None and c0 is not None else None
-            h, c = _step(module.mode, p, x[start : start + n], h, c)
-            h = hook(h, examples[starts.index(start)])
+            h, c = step(t, h, c)
+            h = hook(h, examples[t])
             ys.insert(0, h)
         return torch.cat(ys), h, c
 

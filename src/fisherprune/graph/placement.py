@@ -518,8 +518,9 @@ def _hook_module_forwards(model: nn.Module) -> None:
 def _hook_recurrent_units(
     model: nn.Module, groups: list[ChannelGroup], masks: list[MaskLayer]
 ) -> None:
-    """Hook each recurrent layer whose hidden units are a group: its mask acts on every
-    step's state (``fisherprune.masks.recurrent_units``); the handles join the holder's."""
+    """Stand in for the forward of each recurrent layer whose hidden units are a group: its
+    mask acts on every step's state (``fisherprune.masks.recurrent_units``); each joins the
+    holder's handles, so that ``remove_masks`` gives the layer its forward back."""
     holder = find_holder(model)[1]  # type: ignore[index]
     for name, mod in model.named_modules():
         if not isinstance(mod, nn.RNNBase) or module_forward(mod) is None:
@@ -540,8 +541,7 @@ def _hook_recurrent_units(
                 mp.module_name == name and mp.arg == 1 for mp in holder.points
             )
             holder.recurrent.append(units)
-            holder.handles.append(mod.register_forward_pre_hook(units.before))
-            holder.handles.append(mod.register_forward_hook(units, with_kwargs=True))
+            holder.handles.append(units)
 
 
 def _masked_forward(

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 
 from fisherprune.masks import recompute, tracing
-from fisherprune.masks.compile_guard import ForwardMark
+from fisherprune.masks.compile_guard import InstanceForward
 from fisherprune.masks.compiled import (
     SignalOwner,
     compiled_product,
@@ -457,7 +457,7 @@ class MaskHolder(nn.ModuleDict):
         super().__init__(masks)
         self.points: list[MaskPoint] = []
         self.outputs: dict[str, list[MaskPoint]] = {}
-        self.handles: list[torch.utils.hooks.RemovableHandle | NormPoint | ForwardMark] = []
+        self.handles: list[torch.utils.hooks.RemovableHandle | InstanceForward] = []
         self.example_inputs: Any = None
         self.groups: dict[str, Any] = {}
         #: the hidden-unit hooks of recurrent layers (``fisherprune.masks.recurrent_units``)

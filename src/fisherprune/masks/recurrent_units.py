@@ -29,6 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from fisherprune.masks import tracing
+from fisherprune.masks.compile_guard import InstanceForward
 from fisherprune.masks.folded_weight import FoldedWeight
 from fisherprune.masks.layer import MaskLayer, all_ones, buffers_key
 from fisherprune.masks.points import MaskPoint
@@ -39,16 +40,19 @@ __all__ = ["RecurrentUnits"]
 _SIGNATURE = inspect.signature(lambda input, hx=None: None)
 
 
-class RecurrentUnits:
-    """The hooks masking ``module``'s hidden units by ``mask``: ``before`` (a forward pre-hook)
-    folds removed units into the weights, ``__call__`` (a forward hook with kwargs) recomputes
-    the output step by step while collecting. ``channels``: the mask entry of each unit;
-    ``columns``: for each of the module's weights whose columns read the units (by local
-    name), the mask entry of each column; the fold's gradient hooks go with ``release``
-    (``remove_masks`` calls it). ``foldable``: False within
-    ``no_fold`` (the weights are left as they are; the step-by-step path is used instead).
-    ``mask_initial``: whether a given initial hidden state is masked here too (False where a
-    mask point on the layer's second input already masks it)."""
+class RecurrentUnits(InstanceForward):
+    """Stands in for the ``forward`` of ``module``, masking its hidden units by ``mask``: it
+    folds removed units into the weights once pruning is over and runs the layer's own forward,
+    or runs the layer step by step while the units' signal is gathered. ``channels``: the mask
+    entry of each unit; ``columns``: for each of the module's weights whose columns read the
+    units (by local name), the mask entry of each column; the fold's gradient hooks go with
+    ``release`` (``remove_masks`` calls it). ``foldable``: False within ``no_fold`` (the
+    weights are left as they are; the step-by-step path is used instead). ``mask_initial``:
+    whether a given initial hidden state is masked here too (False where a mask point on the
+    layer's second input already masks it).
+
+    Changes: sets ``module.forward`` (an instance attribute) to this object; ``remove`` puts
+    back what was there before."""
 
     def __init__(
         self,
@@ -70,6 +74,9 @@ class RecurrentUnits:
         self._keep: dict[str, Tensor] = {}  # 1 for a kept column, by weight
         self._fold_key: tuple[int, ...] | None = None
         self._weights = {p: FoldedWeight(functools.partial(self._filter, p)) for p in columns}
+        #: set by ``remove``: the masks are gone, whoever still calls this forward
+        self.removed = False
+        super().__init__(module, self)
 
     def _idle(self) -> bool:
         return all_ones([self.mask], self.cache) and not self.mask.mask.requires_grad
@@ -85,25 +92,40 @@ class RecurrentUnits:
         re-estimate runs, must not change the weights), nor within ``no_fold``."""
         return self.foldable and not self.mask.collecting and not self.mask.mask.requires_grad
 
-    def before(self, module: nn.Module, _args: tuple) -> None:
-        """Zero the removed units' columns, when they are removed and pruning is over."""
-        if tracing.active() is None and self._may_fold() and not self._idle():
-            self._fold(module)
+    @property
+    def __signature__(self) -> inspect.Signature:
+        """The layer's own (``inspect.signature(lstm.forward)`` reads what it read unmasked)."""
+        return inspect.signature(self.forward_before())
 
-    def __call__(self, module: nn.Module, args: tuple, kwargs: dict, _out: Any) -> Any:
-        if tracing.active() is not None:
-            return None  # the tracer runs its own forward
-        if not self._gathering() and (self._idle() or self._may_fold()):
-            return None  # nothing removed, or removed units folded into the weights
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """The layer's forward: its own (the fused kernel), after zeroing removed units'
+        columns once pruning is over; or, while the units' signal is gathered (or units are
+        removed and may not be folded), the layer step by step with the mask on each step's
+        state, in place of its own forward rather than after it."""
+        if self.removed or tracing.active() is not None:
+            return self.call_before(*args, **kwargs)  # (the tracer follows its own forward)
+        if not self._gathering():
+            if self._idle():
+                return self.call_before(*args, **kwargs)
+            if self._may_fold():
+                self._fold(self.module)
+                return self.call_before(*args, **kwargs)
         bound = _SIGNATURE.bind(*args, **kwargs)
         hx = bound.arguments.get("hx")
         return recurrent_forward(
-            module,  # type: ignore[arg-type]
+            self.module,  # type: ignore[arg-type]
             bound.arguments["input"],
             hx,
             step_hook=self._step,
             hook_initial=self.mask_initial and hx is not None,
+            project_at_once=True,
         )
+
+    def remove(self) -> None:
+        """As ``InstanceForward.remove``; a caller still holding this forward (a tool that
+        wrapped the layer's forward after the masks came) gets the layer's own from now on."""
+        self.removed = True
+        super().remove()
 
     def _step(self, h: Tensor, to_examples: Any) -> Tensor:
         return self.point.apply(h, to_examples=to_examples)
