@@ -802,3 +802,23 @@ def test_the_gathering_backward_grows_linearly_with_the_steps(packed: bool) -> N
     of it per step did: 6.2x the elements for 4x the steps)."""
     ratio = _backward_written(packed, 64) / _backward_written(packed, 16)
     assert ratio < 4.4
+
+
+@pytest.mark.parametrize("cls", [nn.LSTM, nn.GRU])
+def test_a_recurrent_layer_that_is_the_whole_model_has_its_units_masked(cls: type) -> None:
+    """A bare recurrent layer given as the model: its hidden units (its outputs, its final
+    states) are a masked group, and after a prune the shrunk model gives the masked model's
+    outputs (float64). Its units' hook once ran after the model's own output hooks there, so
+    the trial shrink failed and the units were kept whole."""
+    torch.manual_seed(0)
+    model = cls(4, 6, batch_first=True, bidirectional=True).double()
+    x = torch.randn(3, 9, 4, dtype=torch.float64)
+    masks = fp.apply_masks(model, x[:1])
+    assert not masks.skipped and len(masks) == 1
+    (mask,) = masks.values()
+    with torch.no_grad():
+        mask.mask[[1, 4]] = 0.0
+        want = _flatten(model(x))
+        got = _flatten(fp.shrink(model, x[:1])(x))
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, atol=ATOL_F64, rtol=0)
