@@ -94,8 +94,8 @@ Fn = Callable[[], Any]
 
 # ------------------------------------------------------------------ models
 def quick_specs() -> dict[str, ov.ModelSpec]:
-    """Two-block encoders, 32x32 images, 32 tokens: the standard nets' code at a check size,
-    the masked models with every mask ``apply_masks`` finds."""
+    """Two-block encoders, 32x32 images, 32 tokens, 20 LSTM steps: the nets' code at a check
+    size, the masked models with every mask ``apply_masks`` finds."""
 
     def images(n: int, gen: torch.Generator) -> Tensor:
         return torch.randn(n, 3, 32, 32, generator=gen)
@@ -107,6 +107,7 @@ def quick_specs() -> dict[str, ov.ModelSpec]:
         "resnet50": (sn.build_resnet50, images),
         "bert_base": (lambda: sn.build_bert_base(length=32, layers=2), tokens),
         "vit_b16": (lambda: sn.Encoder(vocab=None, length=5, layers=2), images),
+        "lstm": (ov.LSTMTagger, lambda n, gen: torch.randn(n, 20, 64, generator=gen)),
     }
     return {
         name: dataclasses.replace(
@@ -574,7 +575,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="also time (a) and (b), and the trainer's loop, with the forward under "
         "torch.compile (masks.compiled)",
     )
-    p.add_argument("--models", nargs="+", choices=list(ov.STANDARD), default=list(ov.STANDARD))
+    p.add_argument(
+        "--models",
+        nargs="+",
+        choices=[*ov.STANDARD, "lstm"],
+        default=list(ov.STANDARD),
+        help="the standard networks (default) and lstm: overhead.py's LSTMTagger (its units "
+        "gathered step by step, against cuDNN's fused kernel)",
+    )
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON output path")
     args = p.parse_args(argv)
     args.device, args.dtype = torch.device(args.device), DTYPES[args.dtype]

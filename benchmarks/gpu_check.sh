@@ -11,7 +11,8 @@
 #      BERT-base at batch 32 is launch-bound: every target was refused there, 2026-11-30);
 #   5. benchmarks/gpu_profile.py: where a masked step's time goes (off unless PROFILE_MODELS);
 #   6. benchmarks/gpu.py per standard network: overhead, memory, host syncs, throughput,
-#      latency, and (a) and (b) with the forward under torch.compile (masks.compiled).
+#      latency, and (a) and (b) with the forward under torch.compile (masks.compiled); last,
+#      if time is left, an LSTM's (its units gathered step by step, against cuDNN's kernel).
 # GPU_SPECS="model:seconds:flag,flag:tag ..." chooses the gpu.py runs; LATENCY_MODELS the
 # latency_prediction ones (empty: skipped), LATENCY_FORMS / LATENCY_TARGETS / LATENCY_BATCH its
 # forms, targets and batch; PROFILE_MODELS the profiled ones (empty: skipped); T_* the limits.
@@ -33,7 +34,7 @@ if [ "${DRY:-0}" = 1 ]; then
   OUT=${OUT:-/tmp/gpu_check_dry} DEVICE=cpu LATENCY_DEVICE=cpu LATENCY_DTYPE=float32 QUICK=--quick
   LATENCY_FORMS=${LATENCY_FORMS-compile} LATENCY_MODELS=${LATENCY_MODELS-mobilenet_v3}
   LATENCY_BATCH=${LATENCY_BATCH:-8} LATENCY_TARGETS=${LATENCY_TARGETS:-90%}
-  GPU_SPECS=${GPU_SPECS-bert_base:200:--compiled-steps:bert resnet50:180:--compiled-steps:resnet50}
+  GPU_SPECS=${GPU_SPECS-bert_base:200:--compiled-steps:bert resnet50:180:--compiled-steps:resnet50 lstm:60::lstm}
 fi
 OUT=${OUT:-benchmarks/results/gpu_check}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD/src:$PWD/benchmarks:$PWD PYTHONUNBUFFERED=1 MPLBACKEND=Agg
@@ -96,7 +97,7 @@ if [ -n "${PROFILE_MODELS-}" ] && t=$(limit "${T_PROFILE:-150}") && enough "$t" 
   timeout "$t" "$PY" benchmarks/gpu_profile.py --device "${DEVICE:-cuda}" ${QUICK:-} --models ${PROFILE_MODELS-} --out "$OUT/gpu_profile.json" >"$logs/gpu_profile.log" 2>&1
   say "== profile rc=$? $((SECONDS - t0))s"; tee -a "$log" <"$logs/gpu_profile.log"; pack
 fi
-for spec in ${GPU_SPECS-bert_base:260:--no-compile,--compiled-steps:bert resnet50:120:--no-compile,--compiled-steps:resnet50}; do
+for spec in ${GPU_SPECS-bert_base:260:--no-compile,--compiled-steps:bert resnet50:120:--no-compile,--compiled-steps:resnet50 lstm:90:--no-compile:lstm}; do
   IFS=: read -r m t c tag <<<"$spec"; t0=$SECONDS; c=${c//,/ }
   t=$(limit "$t"); enough "$t" "gpu.py $tag" || continue
   # shellcheck disable=SC2086  # $c: the flags, split
