@@ -822,3 +822,48 @@ def test_a_recurrent_layer_that_is_the_whole_model_has_its_units_masked(cls: typ
         got = _flatten(fp.shrink(model, x[:1])(x))
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, atol=ATOL_F64, rtol=0)
+
+
+class TimeFirstPacked(Tagger):
+    """Packed and padded back in PyTorch's default time-first layout, lengths not sorted: the
+    classifier reads every padded step (L, N, 12), averaged over the steps."""
+
+    def forward(self, x: Tensor, lengths: Tensor) -> Tensor:  # type: ignore[override]
+        h = torch.relu(self.fc(self.emb(x))).transpose(0, 1)
+        o, _ = self.rnn(pack_padded_sequence(h, lengths, enforce_sorted=False))
+        return self.head(pad_packed_sequence(o)[0]).mean(0)
+
+
+@pytest.mark.parametrize("cls", [nn.LSTM, nn.GRU])
+def test_a_reader_of_time_first_padded_outputs_gets_the_exact_signal(
+    cls: type, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The classifier reads the outputs padded back time-first (the batch on dim 1, put back in
+    the caller's order by the lengths): its rows are followed (no "approximate" warning) and
+    the hidden units' signal is 1/2 mean_n g_n^2, example n run alone over its own steps
+    through PyTorch's cells, zero-padded to the longest, every state and the classifier's
+    input multiplied by the units' multipliers, float64. Each step was taken for one example
+    there before."""
+    torch.manual_seed(0)
+    model = TimeFirstPacked(cls, batch_first=False, bidir=True).double()
+    x, lengths = torch.randint(0, 50, (3, 7)), torch.tensor([5, 7, 3])
+    y = torch.tensor([0, 3, 1])
+    with caplog.at_level("WARNING", logger="fisherprune"):
+        masks = fp.apply_masks(model, (x, lengths))
+    assert "approximate" not in caplog.text
+    key = _hidden(masks)
+    units = masks.groups[key].members[("rnn.weight_hh_l0", 1)]
+    model.double()  # (the masks too)
+    F.cross_entropy(model(x, lengths), y).backward()
+    fp.update_pruning_signals(masks, decay=0)
+    want = torch.zeros(6, dtype=torch.float64)
+    for i in range(3):
+        m = torch.ones(6, dtype=torch.float64, requires_grad=True)
+        steps = _rnn_input(model, x[i : i + 1])[:, : int(lengths[i])]
+        out = F.pad(_cells_masked(model.rnn, steps, m), (0, 0, 0, 7 - int(lengths[i])))
+        logits = model.head(out * torch.cat([m, m])).mean(1)
+        (g,) = torch.autograd.grad(F.cross_entropy(logits, y[i : i + 1]), [m])
+        want += 0.5 * g * g / 3
+    assert float(want.abs().max()) > 0
+    got = masks[key].signal[torch.as_tensor(units)]
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-15)

@@ -41,6 +41,7 @@ from fisherprune.graph.heads import (
     width_attributes,
 )
 from fisherprune.graph.module_forwards import module_forward, share_inputs_hooks
+from fisherprune.graph.packed_order import PackedOrder
 from fisherprune.graph.rules import apply_rule
 from fisherprune.graph.types import (
     ConsumerPoint,
@@ -118,6 +119,8 @@ class _Tracer(TorchDispatchMode):
         self.call_stack: list[int] = []
         self._norm_cache: dict[str, tuple[str, int, int | None]] = {}
         self.rows: dict[int, Rows] = {}  # the row map of traced tensors (kept alive), by id
+        #: the PackedSequences modules were called with or returned (their padded rows)
+        self.packed_order = PackedOrder()
 
     # ------------------------------------------------------------ bookkeeping
     def _head_attributes(self, count: int, head_dim: int, inferred: bool) -> tuple[str, ...] | str:
@@ -195,7 +198,9 @@ class _Tracer(TorchDispatchMode):
         self, func: Any, args: tuple, kwargs: dict, outs: list[Tensor], flat_in: list[Any]
     ) -> None:
         try:
-            found = rows_after_nd(func, args, kwargs, outs, self.rows_of, flat_in)
+            found = self.packed_order.rows(func, args, outs)
+            if found is None:
+                found = rows_after_nd(func, args, kwargs, outs, self.rows_of, flat_in)
         except Exception:  # a rule that does not fit this call: its rows are not followed
             return
         for t, rows in zip(outs, found, strict=True):
@@ -498,6 +503,7 @@ def _module_stack_hooks(model: nn.Module, tracer: _Tracer) -> list:
 
         def pre(_m, args, label=label):
             tracer.module_stack.append(label)
+            tracer.packed_order.note(args)
             packed = tuple(i for i, a in enumerate(args) if isinstance(a, PackedSequence))
             tensors = [a.data if i in packed else a for i, a in enumerate(args)]  # (its rows)
             infos = [tracer.info(a) if isinstance(a, Tensor) else None for a in tensors]
@@ -507,7 +513,8 @@ def _module_stack_hooks(model: nn.Module, tracer: _Tracer) -> list:
             call = ModuleCall(label, infos, len(tracer.trace.ops), rows, parent, packed)
             tracer.trace.calls.append(call)
 
-        def post(_m, _a, _o, label=label):
+        def post(_m, _a, out, label=label):
+            tracer.packed_order.note(out if isinstance(out, (tuple, list)) else (out,))
             if tracer.module_stack and tracer.module_stack[-1] == label:
                 tracer.module_stack.pop()
                 tracer.call_stack.pop()
