@@ -63,7 +63,7 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
   (cd "$run" && timeout "$tm" "$PY" -m fisherprune train --precision bf16 --save_dir main >"$logs/main_job.log" 2>&1; echo "main job rc=$? $((SECONDS - t0))s" >>"$logs/main_job.log") &
   tc=$(limit "${T_MAIN_COMPILED:-180}")
   (cd "$run" && timeout "$tc" "$PY" -m fisherprune train --precision bf16 --compile --save_dir main_compiled >"$logs/main_job_compiled.log" 2>&1; echo "main job --compile rc=$? $((SECONDS - t0))s" >>"$logs/main_job_compiled.log") &
-  timeout "$(limit "${T_TESTS:-130}")" "$PY" -m pytest -q -m cuda -p no:cacheprovider tests/test_cuda.py >"$logs/cuda_tests.log" 2>&1
+  timeout "$(limit "${T_TESTS:-130}")" "$PY" -m pytest -q -m cuda -p no:cacheprovider tests/test_cuda.py tests/test_recurrent.py >"$logs/cuda_tests.log" 2>&1
   say "pytest -m cuda rc=$? $((SECONDS - t0))s"; tail -n 25 "$logs/cuda_tests.log" | tee -a "$log"; pack
   if [ "${SKIP_SMOKE:-0}" != 1 ] && t=$(limit "${T_SMOKE:-100}") && enough "$t" "the CPU smoke subset"; then
     t0=$SECONDS

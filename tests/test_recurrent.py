@@ -867,3 +867,52 @@ def test_a_reader_of_time_first_padded_outputs_gets_the_exact_signal(
     assert float(want.abs().max()) > 0
     got = masks[key].signal[torch.as_tensor(units)]
     torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-15)
+
+
+class _Normed(nn.Module):
+    """A linear layer (bfloat16 under CPU autocast), its output cast to float32 or not, the
+    recurrent layer, a classifier on its outputs' mean."""
+
+    def __init__(self, cls: type, to_float32: bool) -> None:
+        super().__init__()
+        self.to_float32 = to_float32
+        self.fc = nn.Linear(5, 8)
+        self.rnn = cls(8, 6, batch_first=True, bidirectional=True)
+        self.head = nn.Linear(12, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.fc(x)
+        return self.head(self.rnn(h.float() if self.to_float32 else h)[0].mean(1))
+
+
+def _rnn_outputs(model: _Normed, x: Tensor) -> list[Tensor]:
+    """The recurrent layer's outputs (and final states) in a bfloat16 autocast training step
+    on ``x``'s device."""
+    seen: list[Tensor] = []
+    handle = model.rnn.register_forward_hook(lambda _m, _a, out: seen.extend(_flatten(out)))
+    with torch.autocast(x.device.type, torch.bfloat16):
+        loss = model(x).float().pow(2).sum()
+    loss.backward()
+    handle.remove()
+    return seen
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+@pytest.mark.parametrize("cls", [nn.LSTM, nn.GRU, nn.RNN])
+@pytest.mark.parametrize("to_float32", [True, False], ids=["float32_input", "bfloat16_input"])
+def test_gathering_under_autocast_keeps_the_layers_dtypes(
+    cls: type, to_float32: bool, device: str
+) -> None:
+    """Under bfloat16 autocast, the step-by-step run that gathers the units' signal gives the
+    outputs and final states in the dtypes the layer's own forward gives (on a CPU autocast
+    casts an LSTM and an RNN to bfloat16, not a GRU: a float32 input keeps it float32; on a
+    GPU cuDNN's every mode), within bfloat16 rounding of its values. It gave float32 where
+    the layer gives bfloat16."""
+    torch.manual_seed(0)
+    model, x = _Normed(cls, to_float32).to(device), torch.randn(4, 7, 5, device=device)
+    want = _rnn_outputs(model, x)
+    fp.apply_masks(model, x[:1])
+    got = _rnn_outputs(model, x)
+    assert [t.dtype for t in got] == [t.dtype for t in want]
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a.float(), b.float(), atol=3e-2, rtol=0)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -97,10 +98,12 @@ def _layers(
     h0: Tensor,
     c0: Tensor | None,
     direction: Callable[[Params, Tensor, Tensor, Tensor | None, bool], Run],
+    dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """Every layer and direction of ``module`` over ``x`` (``direction`` runs one), each
     layer reading the one below's outputs (both directions side by side, dropout between in
-    training mode). Returns the last layer's outputs and the stacked final states."""
+    training mode; ``dtype``: the weights cast to it). Returns the last layer's outputs and
+    the stacked final states."""
     dirs = 2 if module.bidirectional else 1
     last_h: list[Tensor] = []
     last_c: list[Tensor] = []
@@ -109,7 +112,10 @@ def _layers(
         for d in range(dirs):
             i = layer * dirs + d
             c_init = c0[i] if c0 is not None else None
-            y, h, c = direction(recurrent_params(module, layer, d), x, h0[i], c_init, bool(d))
+            p = recurrent_params(module, layer, d)
+            if dtype is not None:  # (differentiable casts: the gradients reach the weights)
+                p = {k: v if v is None or v.dtype == dtype else v.to(dtype) for k, v in p.items()}
+            y, h, c = direction(p, x, h0[i], c_init, bool(d))
             outs.append(y)
             last_h.append(h)
             if c is not None:
@@ -127,6 +133,7 @@ def recurrent_forward(
     step_hook: StepHook | None = None,
     hook_initial: bool = False,
     project_at_once: bool = False,
+    dtype: torch.dtype | None = None,
 ) -> tuple[Tensor | PackedSequence, Tensor | tuple[Tensor, Tensor]]:
     """``module(input, hx)`` as the module computes it (the same ``(output, h_n)``, or
     ``(output, (h_n, c_n))`` for an LSTM, within rounding; in training mode with dropout
@@ -135,17 +142,48 @@ def recurrent_forward(
     ``hook_initial``, each layer's and direction's initial hidden state too. With
     ``project_at_once``, each layer's input projection is one matrix product over every step
     (faster: one kernel instead of one per step) rather than one per step (as traced).
+    With ``dtype``, the input, the given state and the weights are cast to it and every step
+    runs in it with autocast off: as the module's own forward runs under autocast, which
+    casts them all to the dtype it gives the layer (per device and mode: on a CPU an LSTM's
+    and an RNN's but not a GRU's), whereas autocast would cast each product of the steps
+    alone, and the elementwise gate arithmetic would mix dtypes.
 
     Raises:
         ValueError: a mode this function does not know, or an input that is neither 2-d nor
             3-d (nor packed).
     """
-    mode = module.mode
-    if mode not in GATES:
-        raise ValueError(f"recurrent_forward: unknown recurrent mode {mode!r}")
+    if module.mode not in GATES:
+        raise ValueError(f"recurrent_forward: unknown recurrent mode {module.mode!r}")
     hook = step_hook or _unchanged
+    if dtype is None:
+        return _forward(module, input, hx, hook, hook_initial, project_at_once, None)
+    data = input.data if isinstance(input, PackedSequence) else input
+    with torch.autocast(data.device.type, enabled=False):
+        input, hx = _cast(input, dtype), _cast(hx, dtype)
+        return _forward(module, input, hx, hook, hook_initial, project_at_once, dtype)
+
+
+def _cast(value: Any, dtype: torch.dtype) -> Any:
+    """``value`` (a tensor, a ``PackedSequence``, a tuple of states or None) in ``dtype``."""
+    if isinstance(value, PackedSequence):
+        return value._replace(data=value.data.to(dtype))
+    if isinstance(value, tuple):
+        return tuple(_cast(v, dtype) for v in value)
+    return value.to(dtype) if isinstance(value, Tensor) else value
+
+
+def _forward(
+    module: nn.RNNBase,
+    input: Tensor | PackedSequence,
+    hx: Tensor | tuple[Tensor, Tensor] | None,
+    hook: StepHook,
+    hook_initial: bool,
+    project_at_once: bool,
+    dtype: torch.dtype | None,
+) -> tuple[Tensor | PackedSequence, Tensor | tuple[Tensor, Tensor]]:
+    mode = module.mode
     if isinstance(input, PackedSequence):
-        return _packed_forward(module, input, hx, hook, hook_initial, project_at_once)
+        return _packed_forward(module, input, hx, hook, hook_initial, project_at_once, dtype)
     if input.dim() not in (2, 3):
         raise ValueError(
             f"recurrent_forward: {type(module).__name__} takes a 2-d (unbatched) or 3-d input, "
@@ -169,7 +207,7 @@ def recurrent_forward(
             h = ys[t] = hook(h, None)
         return torch.stack(ys, dim=1), h, c
 
-    x, h_n, c_n = _layers(module, x, h0, c0, direction)
+    x, h_n, c_n = _layers(module, x, h0, c0, direction, dtype)
     if batched and not module.batch_first:
         x = x.transpose(0, 1)
     if not batched:
@@ -217,6 +255,7 @@ def _packed_forward(
     hook: StepHook,
     hook_initial: bool,
     project_at_once: bool,
+    dtype: torch.dtype | None,
 ) -> tuple[PackedSequence, Tensor | tuple[Tensor, Tensor]]:
     """``recurrent_forward`` of a ``PackedSequence``: its data holds step after step the rows
     of the sequences still going (sorted longest first, ``batch_sizes`` of them at each step);
@@ -265,7 +304,7 @@ def _packed_forward(
             ys.insert(0, h)
         return torch.cat(ys), h, c
 
-    x, h_n, c_n = _layers(module, x, h0, c0, direction)
+    x, h_n, c_n = _layers(module, x, h0, c0, direction, dtype)
     back = packed.unsorted_indices
     if back is not None:
         h_n = h_n.index_select(1, back)

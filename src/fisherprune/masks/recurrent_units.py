@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch import Tensor, nn
+from torch.nn.utils.rnn import PackedSequence
 
 from fisherprune.masks import tracing
 from fisherprune.masks.compile_guard import InstanceForward
@@ -74,6 +75,8 @@ class RecurrentUnits(InstanceForward):
         self._keep: dict[str, Tensor] = {}  # 1 for a kept column, by weight
         self._fold_key: tuple[int, ...] | None = None
         self._weights = {p: FoldedWeight(functools.partial(self._filter, p)) for p in columns}
+        #: the dtype the layer's own forward runs in, by autocast setting (``_autocast_dtype``)
+        self._dtypes: dict[tuple[Any, ...], torch.dtype] = {}
         #: set by ``remove``: the masks are gone, whoever still calls this forward
         self.removed = False
         super().__init__(module, self)
@@ -111,15 +114,33 @@ class RecurrentUnits(InstanceForward):
                 self._fold(self.module)
                 return self.call_before(*args, **kwargs)
         bound = _SIGNATURE.bind(*args, **kwargs)
-        hx = bound.arguments.get("hx")
+        x, hx = bound.arguments["input"], bound.arguments.get("hx")
         return recurrent_forward(
             self.module,  # type: ignore[arg-type]
-            bound.arguments["input"],
+            x,
             hx,
             step_hook=self._step,
             hook_initial=self.mask_initial and hx is not None,
             project_at_once=True,
+            dtype=self._autocast_dtype(x.data if isinstance(x, PackedSequence) else x),
         )
+
+    def _autocast_dtype(self, x: Tensor) -> torch.dtype | None:
+        """The dtype the layer's own forward runs in under autocast (None where autocast is off
+        on ``x``'s device): read off the layer's own forward on one step of one row, once per
+        autocast setting, input and weight dtype (autocast casts an LSTM's, not a GRU's, on a
+        CPU; every mode's on a GPU)."""
+        kind = x.device.type
+        if not x.is_floating_point() or not torch.is_autocast_enabled(kind):
+            return None
+        weight = self.module.weight_ih_l0
+        key = (kind, torch.get_autocast_dtype(kind), x.dtype, weight.dtype)
+        got = self._dtypes.get(key)
+        if got is None:
+            with torch.no_grad():
+                got = self.call_before(x.detach().reshape(-1, x.shape[-1])[:1])[0].dtype
+            self._dtypes[key] = got
+        return got
 
     def remove(self) -> None:
         """As ``InstanceForward.remove``; a caller still holding this forward (a tool that
