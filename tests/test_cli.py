@@ -123,6 +123,18 @@ def _write_images(path: Path, n: int, seed: int) -> tuple[np.ndarray, np.ndarray
     return x, y
 
 
+def _write_sequences(path: Path, n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """An .npz of ``n`` sequences of 6 steps of 4 features (stored as (n, 6, 4)) whose class
+    is the pair of steps that stands out."""
+    rng = np.random.default_rng(seed)
+    y = rng.integers(0, 3, size=n)
+    x = rng.normal(scale=0.5, size=(n, 6, 4)).astype(np.float32)
+    for i, c in enumerate(y):
+        x[i, 2 * int(c) : 2 * int(c) + 2] += 1.5
+    np.savez(path, x=x, y=y)
+    return x, y
+
+
 def _files(root: Path) -> list[Path]:
     return sorted(p for p in root.rglob("*") if p.is_file())
 
@@ -175,6 +187,10 @@ def _train_format(name: str, tmp: Path) -> Trained:
         args = ["--data", tmp / "images.npz", "--image_shape", "1,8,8", "--model", "cnn"]
         args += ["--width", "4"]
         fresh = lambda: build_model("cnn", (1, 8, 8), 3, 4, None)  # noqa: E731
+    elif name == "npz_lstm":  # sequences read by the built-in recurrent model
+        x, y = _write_sequences(tmp / "sequences.npz", 200, seed=2)
+        args = ["--data", tmp / "sequences.npz", "--model", "lstm", "--width", "8"]
+        fresh = lambda: build_model("lstm", (6, 4), 3, 8, None)  # noqa: E731
     elif name == "data_spec":
         # the label column is "target": only the spec says so (the default is "label")
         _write_csv(tmp / "table.csv", x, y, label="target")
@@ -190,7 +206,7 @@ def _train_format(name: str, tmp: Path) -> Trained:
         raise AssertionError(name)
     cli = run_cli("train", *args, "--train.steps", "40", *FAST, "--save_dir", save)
     assert cli.code == 0, cli.err
-    if name != "npz_cnn":  # a table's model carries the standardisation fitted on its rows
+    if name not in ("npz_cnn", "npz_lstm"):  # a table's model carries its standardisation
         meta = CheckpointManager.load(_latest_checkpoint(save))["model_meta"]
         fresh = lambda: model_from_meta(meta)  # noqa: E731
     return Trained(save, cli, fresh, torch.from_numpy(x), torch.from_numpy(np.asarray(y)))
@@ -209,7 +225,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Trained
     return get
 
 
-FORMATS = ["csv", "parquet", "npz_cnn", "data_spec", "eval_file"]
+FORMATS = ["csv", "parquet", "npz_cnn", "npz_lstm", "data_spec", "eval_file"]
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

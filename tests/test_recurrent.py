@@ -916,3 +916,26 @@ def test_gathering_under_autocast_keeps_the_layers_dtypes(
     assert [t.dtype for t in got] == [t.dtype for t in want]
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a.float(), b.float(), atol=3e-2, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["lstm", "gru"])
+@pytest.mark.parametrize("shape", [(6, 4), (1, 5, 3), (7,)], ids=["steps", "image", "vector"])
+def test_built_in_recurrent_models_prune_both_widths_and_shrink_exactly(
+    name: str, shape: tuple[int, ...]
+) -> None:
+    """``--model lstm`` / ``gru`` read sequences (T, F), images (C, H, W) row by row and flat
+    vectors value by value: the width the recurrence reads and its hidden units are the two
+    groups, and after a prune the shrunk model gives the masked one's outputs (float64)."""
+    from fisherprune.train.models import build_model
+
+    torch.manual_seed(0)
+    model = build_model(name, shape, 3, 8, 1).double()
+    x = torch.randn(4, *shape, dtype=torch.float64)
+    masks = fp.apply_masks(model, x[:1])
+    assert sorted(m.num_channels for m in masks.values()) == [8, 8]
+    assert not [s for s in masks.skipped if "output" not in s.reason]
+    with torch.no_grad():
+        for m in masks.values():
+            m.mask[[0, 5]] = 0.0
+        want = model(x)
+        torch.testing.assert_close(fp.shrink(model, x[:1])(x), want, atol=ATOL_F64, rtol=0)

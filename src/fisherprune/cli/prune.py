@@ -83,7 +83,7 @@ def prune_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPar
     )
     p.add_argument(
         "model",
-        help="built-in name (mlp, cnn, resnet, densenet), "
+        help="built-in name (mlp, cnn, resnet, densenet, lstm, gru), "
         "package.module:function, or a Hugging Face model folder",
     )
     p.add_argument("--weights", help="state_dict file of the trained model (not for a folder)")

@@ -124,7 +124,7 @@ HELP: dict[str, str] = {
     "no_standardize": "do not standardise table features and regression targets",
     "stream": "read a table in batches: auto (files over 512 MiB), always or never",
     "shuffle_buffer": "rows shuffled together when streaming a table",
-    "model": "mlp, cnn, resnet, densenet, or package.module:function",
+    "model": "mlp, cnn, resnet, densenet, lstm, gru, or package.module:function",
     "width": "width of a built-in model",
     "depth": "depth of a built-in model",
     "optimizer": "sgd (momentum, the seed's), adam or adamw",
@@ -211,7 +211,7 @@ class TrainConfig:
         image_size, image_mode, image_column, categorical, remap_labels, stream,
             shuffle_buffer: see DataSpec; no_standardize: DataSpec's ``standardize=False``.
     Model:
-        model: mlp, cnn, resnet, densenet, or ``package.module:function``.
+        model: mlp, cnn, resnet, densenet, lstm, gru, or ``package.module:function``.
         width, depth: size of a built-in model.
     Optimisation:
         optimizer: sgd (momentum SGD, the seed's) or adam / adamw.

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -175,6 +176,57 @@ class DenseNet(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         x = self.block2(self.transition(self.block1(self.stem(x))))
         return self.fc(F.adaptive_avg_pool2d(F.relu(self.norm(x)), 1).flatten(1))
+
+
+class RecurrentNet(nn.Module):
+    """Each example read as a sequence: features of shape (T, F) as T steps of F values, an
+    image (C, H, W) as its H rows (C * W values each), a flat vector (F,) as F steps of one
+    value. A linear layer with ReLU (``width`` units: the width the recurrence reads), a
+    ``depth``-layer bidirectional ``cell`` (``nn.LSTM`` or ``nn.GRU``) of ``width`` hidden
+    units, a classifier on its outputs' mean over the steps. Both widths are prunable."""
+
+    def __init__(
+        self,
+        input_shape: tuple[int, ...],
+        num_outputs: int,
+        width: int = 64,
+        depth: int = 1,
+        cell: type[nn.RNNBase] = nn.LSTM,
+    ) -> None:
+        super().__init__()
+        if len(input_shape) not in (1, 2, 3):
+            raise ValueError(
+                f"a recurrent model reads features of shape (T, F), (C, H, W) or (F,), got "
+                f"{input_shape}"
+            )
+        self.image = len(input_shape) == 3
+        features = input_shape[0] * input_shape[2] if self.image else math.prod(input_shape[1:])
+        self.embed = nn.Linear(features, width)
+        self.rnn = cell(width, width, num_layers=depth, batch_first=True, bidirectional=True)
+        self.classifier = nn.Linear(2 * width, num_outputs)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.image:  # (N, C, H, W) -> (N, H, C * W): the rows are the steps
+            x = x.permute(0, 2, 1, 3).flatten(2)
+        elif x.dim() == 2:  # (N, F) -> (N, F, 1)
+            x = x.unsqueeze(-1)
+        return self.classifier(self.rnn(F.relu(self.embed(x)))[0].mean(1))
+
+
+@register_model("lstm")
+def _lstm(
+    input_shape: tuple[int, ...], num_outputs: int, width: int = 64, depth: int = 1
+) -> nn.Module:
+    """``RecurrentNet`` with a bidirectional ``nn.LSTM``."""
+    return RecurrentNet(input_shape, num_outputs, width, depth, nn.LSTM)
+
+
+@register_model("gru")
+def _gru(
+    input_shape: tuple[int, ...], num_outputs: int, width: int = 64, depth: int = 1
+) -> nn.Module:
+    """``RecurrentNet`` with a bidirectional ``nn.GRU``."""
+    return RecurrentNet(input_shape, num_outputs, width, depth, nn.GRU)
 
 
 def _image_shape(input_shape: tuple[int, ...]) -> tuple[int, int, int]:
