@@ -152,3 +152,62 @@ def test_a_masked_moe_decoder_saved_whole_loads_and_gathers_the_same_signals(
         torch.testing.assert_close(got[n], want[n], rtol=1e-12, atol=0, msg=n)
     with torch.no_grad():
         torch.testing.assert_close(back(**inputs).logits, model(**inputs).logits, rtol=0, atol=0)
+
+
+def test_a_frozen_copy_of_a_folded_model_runs_as_a_teacher() -> None:
+    """``copy.deepcopy(model).requires_grad_(False)`` (a teacher, an EMA) runs without
+    gradients and gives the original's outputs: its weights, which require no gradient,
+    get no gradient hook (registering one raised)."""
+    model, x, _ = _folded()
+    teacher = copy.deepcopy(model).requires_grad_(False)
+    with torch.no_grad():
+        torch.testing.assert_close(teacher(x), model(x), rtol=1e-12, atol=1e-12)
+
+
+def test_a_functional_call_on_other_weights_leaves_the_models_filters_in_place() -> None:
+    """A forward of the model, then one through ``torch.func.functional_call`` on other
+    tensors (an EMA's), then the first forward's backward: the model's own weights still get
+    no gradient at removed columns (the other call took their hooks away)."""
+    model, x, y = _folded()
+    loss = nn.functional.cross_entropy(model(x), y)
+    ema = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with torch.no_grad():
+        torch.func.functional_call(model, ema, (x,))
+    model.zero_grad(set_to_none=True)
+    loss.backward()
+    got = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    with no_fold(model):
+        want = _gradients(model, x, y)
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=1e-12, atol=1e-15, msg=n)
+
+
+class _MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(6, 16), nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.relu(self.up(x)))
+
+
+def test_a_model_converted_by_swapping_tensors_keeps_its_gradient_filters() -> None:
+    """``model.double()`` with ``torch.__future__.set_swap_module_params_on_conversion``
+    (``torch.utils.swap_tensors``, as FSDP2 converts): the folded layer's removed columns
+    still get no gradient (the swap had moved the hook away with the former contents)."""
+    torch.manual_seed(0)
+    model, x, y = _MLP(), torch.randn(8, 6), torch.randint(0, 3, (8,))
+    masks = fp.apply_masks(model, x[:1])
+    with torch.no_grad():
+        for m in masks.values():
+            m.mask[[1, 4]] = 0.0
+    for m in masks.values():
+        m.collecting = False
+    nn.functional.cross_entropy(model(x), y).backward()  # folded, filters on
+    swap = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        model.double()
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swap)
+    _assert_as_activation_masks(model, x.double(), y)
