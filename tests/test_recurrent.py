@@ -825,28 +825,32 @@ def test_a_recurrent_layer_that_is_the_whole_model_has_its_units_masked(cls: typ
 
 
 class TimeFirstPacked(Tagger):
-    """Packed and padded back in PyTorch's default time-first layout, lengths not sorted: the
-    classifier reads every padded step (L, N, 12), averaged over the steps."""
+    """Packed and padded back in PyTorch's default time-first layout (lengths sorted, as
+    ``enforce_sorted=True`` needs, or not): the classifier reads every padded step (L, N, 12),
+    averaged over the steps."""
+
+    sort = False
 
     def forward(self, x: Tensor, lengths: Tensor) -> Tensor:  # type: ignore[override]
         h = torch.relu(self.fc(self.emb(x))).transpose(0, 1)
-        o, _ = self.rnn(pack_padded_sequence(h, lengths, enforce_sorted=False))
+        o, _ = self.rnn(pack_padded_sequence(h, lengths, enforce_sorted=self.sort))
         return self.head(pad_packed_sequence(o)[0]).mean(0)
 
 
 @pytest.mark.parametrize("cls", [nn.LSTM, nn.GRU])
+@pytest.mark.parametrize("sort", [False, True], ids=["unsorted", "enforce_sorted"])
 def test_a_reader_of_time_first_padded_outputs_gets_the_exact_signal(
-    cls: type, caplog: pytest.LogCaptureFixture
+    cls: type, sort: bool, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """The classifier reads the outputs padded back time-first (the batch on dim 1, put back in
-    the caller's order by the lengths): its rows are followed (no "approximate" warning) and
-    the hidden units' signal is 1/2 mean_n g_n^2, example n run alone over its own steps
-    through PyTorch's cells, zero-padded to the longest, every state and the classifier's
-    input multiplied by the units' multipliers, float64. Each step was taken for one example
-    there before."""
+    """The classifier reads the outputs padded back time-first (the batch on dim 1, in the
+    caller's order): its rows are followed (no "approximate" warning) and the hidden units'
+    signal is 1/2 mean_n g_n^2, example n run alone over its own steps through PyTorch's
+    cells, zero-padded to the longest, every state and the classifier's input multiplied by
+    the units' multipliers, float64. Each step was taken for one example there before."""
     torch.manual_seed(0)
     model = TimeFirstPacked(cls, batch_first=False, bidir=True).double()
-    x, lengths = torch.randint(0, 50, (3, 7)), torch.tensor([5, 7, 3])
+    model.sort = sort
+    x, lengths = torch.randint(0, 50, (3, 7)), torch.tensor([7, 5, 3] if sort else [5, 7, 3])
     y = torch.tensor([0, 3, 1])
     with caplog.at_level("WARNING", logger="fisherprune"):
         masks = fp.apply_masks(model, (x, lengths))

@@ -41,7 +41,7 @@ from fisherprune.graph.heads import (
     width_attributes,
 )
 from fisherprune.graph.module_forwards import module_forward, share_inputs_hooks
-from fisherprune.graph.packed_order import PackedOrder
+from fisherprune.graph.packed_order import PackedOrder, PaddedRows
 from fisherprune.graph.rules import apply_rule
 from fisherprune.graph.types import (
     ConsumerPoint,
@@ -189,6 +189,11 @@ class _Tracer(TorchDispatchMode):
     def set_info(self, t: Tensor, info: TensorInfo) -> None:
         self.infos[id(t)] = info
         self.keep.append(t)
+
+    def set_rows(self, t: Tensor, rows: Rows) -> None:
+        """Give traced tensor ``t`` the row map ``rows`` (a rule outside dispatch found it)."""
+        if id(t) in self.infos:
+            self.rows[id(t)] = rows
 
     def rows_of(self, t: Any) -> Rows | None:
         """The row map of a traced tensor (which example each index of its first dims is of)."""
@@ -390,6 +395,7 @@ def _trace(model: nn.Module, inputs: Inputs, loss_fn: Callable[[Any], Tensor] | 
             eval_mode(model),
             torch.no_grad(),
             _unfused_attention(),
+            PaddedRows(tracer.packed_order, tracer.set_rows),
             tracer,
             units_while_tracing(model),
         ):

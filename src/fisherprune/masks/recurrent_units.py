@@ -34,6 +34,8 @@ from fisherprune.masks.compile_guard import InstanceForward
 from fisherprune.masks.folded_weight import FoldedWeight
 from fisherprune.masks.layer import MaskLayer, all_ones, buffers_key
 from fisherprune.masks.points import MaskPoint
+from fisherprune.masks.row_tracker import host_sizes
+from fisherprune.modes import eval_mode
 from fisherprune.recurrent import recurrent_forward
 
 __all__ = ["RecurrentUnits"]
@@ -122,23 +124,40 @@ class RecurrentUnits(InstanceForward):
             step_hook=self._step,
             hook_initial=self.mask_initial and hx is not None,
             project_at_once=True,
-            dtype=self._autocast_dtype(x.data if isinstance(x, PackedSequence) else x),
+            dtype=self._autocast_dtype(x, hx),
         )
 
-    def _autocast_dtype(self, x: Tensor) -> torch.dtype | None:
-        """The dtype the layer's own forward runs in under autocast (None where autocast is off
-        on ``x``'s device): read off the layer's own forward on one step of one row, once per
-        autocast setting, input and weight dtype (autocast casts an LSTM's, not a GRU's, on a
-        CPU; every mode's on a GPU)."""
-        kind = x.device.type
-        if not x.is_floating_point() or not torch.is_autocast_enabled(kind):
+    def _autocast_dtype(self, x: Tensor | PackedSequence, hx: Any) -> torch.dtype | None:
+        """The dtype the layer's own forward gives under autocast (None where autocast is off
+        on the input's device): read off the layer's own forward (in eval mode: no dropout
+        draw) on one step of one sequence given as the call gives its input and state, once
+        per autocast setting, kind of input and dtypes. Autocast casts an LSTM's padded input
+        on a CPU, not its packed one, nor a GRU's; a GPU's cuDNN every mode's."""
+        data = x.data if isinstance(x, PackedSequence) else x
+        kind = data.device.type
+        if not data.is_floating_point() or not torch.is_autocast_enabled(kind):
             return None
-        weight = self.module.weight_ih_l0
-        key = (kind, torch.get_autocast_dtype(kind), x.dtype, weight.dtype)
+        states = hx if isinstance(hx, tuple) else (hx,) if hx is not None else ()
+        packed = isinstance(x, PackedSequence)
+        # (PyTorch runs sequences of unequal lengths in a kernel autocast does not cast)
+        sizes = host_sizes(x.batch_sizes) if packed else []
+        uneven = packed and sizes[0] != sizes[-1]
+        key = (
+            kind, torch.get_autocast_dtype(kind), packed, uneven, data.dtype,
+            self.module.weight_ih_l0.dtype, *(h.dtype for h in states),
+        )  # fmt: skip
         got = self._dtypes.get(key)
         if got is None:
-            with torch.no_grad():
-                got = self.call_before(x.detach().reshape(-1, x.shape[-1])[:1])[0].dtype
+            n = 2 if uneven else 1  # sequences in the probe: lengths 2 and 1, or one of 1
+            one: Any = data.detach()[:1, :1] if data.dim() == 3 else data.detach()[: 2 * n - 1]
+            if packed:
+                one = PackedSequence(one, torch.tensor([2, 1] if uneven else [1]))
+            if data.dim() == 3 or packed:
+                states = tuple(h.detach()[:, :n] for h in states)  # (its batch)
+            state = None if not states else states if isinstance(hx, tuple) else states[0]
+            with torch.no_grad(), eval_mode(self.module):
+                out = self.call_before(one, state)[0]
+            got = (out.data if isinstance(out, PackedSequence) else out).dtype
             self._dtypes[key] = got
         return got
 
