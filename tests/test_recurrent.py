@@ -943,3 +943,45 @@ def test_built_in_recurrent_models_prune_both_widths_and_shrink_exactly(
             m.mask[[0, 5]] = 0.0
         want = model(x)
         torch.testing.assert_close(fp.shrink(model, x[:1])(x), want, atol=ATOL_F64, rtol=0)
+
+
+class _PackedReads(nn.Module):
+    """A linear layer, its output packed (lengths as given), an LSTM, padded back, read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(5, 8)
+        self.rnn = nn.LSTM(8, 6, batch_first=True, num_layers=2)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x: Tensor, lengths: Tensor) -> Tensor:
+        h = self.fc(x).float()
+        o, _ = self.rnn(pack_padded_sequence(h, lengths, batch_first=True, enforce_sorted=False))
+        return self.head(pad_packed_sequence(o, batch_first=True)[0]).mean(1)
+
+
+@pytest.mark.parametrize("lengths", [[7, 7, 7, 7], [7, 3, 5, 6]], ids=["even", "uneven"])
+def test_gathering_a_packed_input_under_autocast_keeps_the_layers_dtypes(
+    lengths: list[int],
+) -> None:
+    """Packed sequences under CPU bfloat16 autocast: the step-by-step run gives the packed
+    output and final states in the dtypes the LSTM's own forward gives, which PyTorch makes
+    bfloat16 for sequences of equal lengths and float32 for unequal ones (a kernel autocast
+    does not cast); a probe on one plain row had given bfloat16 for both."""
+    torch.manual_seed(0)
+    model, x, n = _PackedReads(), torch.randn(4, 7, 5), torch.tensor(lengths)
+    seen: list[Tensor] = []
+
+    def outputs() -> list[torch.dtype]:
+        seen.clear()
+        handle = model.rnn.register_forward_hook(
+            lambda _m, _a, out: seen.extend([out[0].data, *out[1]])
+        )
+        with torch.autocast("cpu", torch.bfloat16):
+            model(x, n).float().sum().backward()
+        handle.remove()
+        return [t.dtype for t in seen]
+
+    want = outputs()
+    fp.apply_masks(model, (x[:1], n[:1]))
+    assert outputs() == want
