@@ -985,3 +985,39 @@ def test_gathering_a_packed_input_under_autocast_keeps_the_layers_dtypes(
     want = outputs()
     fp.apply_masks(model, (x[:1], n[:1]))
     assert outputs() == want
+
+
+class _Attends(nn.Module):
+    """A linear layer, a bidirectional 2-layer recurrent layer, attention over its outputs."""
+
+    def __init__(self, cls: type) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 12)
+        self.rnn = cls(12, 12, batch_first=True, num_layers=2, bidirectional=True)
+        self.attn = nn.MultiheadAttention(24, 3, batch_first=True)
+        self.head = nn.Linear(24, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.rnn(torch.relu(self.fc(x)))[0]
+        return self.head(self.attn(h, h, h)[0].mean(1))
+
+
+@pytest.mark.parametrize("cls", [nn.LSTM, nn.GRU])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_attention_after_a_recurrent_layer_keeps_its_heads_at_any_example_batch(
+    cls: type, batch: int
+) -> None:
+    """Traced with an example batch of 1 or 3, the attention reading the recurrent layer's
+    outputs keeps its 3 heads prunable, and after a prune the shrunk model gives the masked
+    outputs. At batch 3 the heads were kept whole ("merges channels of two dimensions"):
+    the zero initial state, batch on dim 1, got fresh atoms rather than the batch's."""
+    torch.manual_seed(0)
+    model = _Attends(cls).double()
+    x = torch.randn(batch, 5, 8, dtype=torch.float64)
+    masks = fp.apply_masks(model, x)
+    assert sorted(m.num_channels for m in masks.values()) == [3, 12, 12, 24]
+    with torch.no_grad():
+        for m in masks.values():
+            m.mask[1] = 0.0
+        want = model(x)
+        torch.testing.assert_close(fp.shrink(model, x[:1])(x), want, atol=ATOL_F64, rtol=0)

@@ -226,11 +226,12 @@ def _initial_state(
     """``(h0, c0)`` as (layers * directions, batch, width) tensors; zeros where not given
     (``c0`` None for a GRU or RNN)."""
     lstm = module.mode == "LSTM"
-    n = x.shape[0]
-    if hx is None:
+    n, states = x.shape[0], module.num_layers * dirs
+    if hx is None:  # (made batch first: the tracer reads a leading dim the batch's size as
+        # the batch, so that a reader merging heads with the batch keeps its heads at batch 2)
         h_out = module.proj_size or module.hidden_size
-        h0 = x.new_zeros(module.num_layers * dirs, n, h_out)
-        c0 = x.new_zeros(module.num_layers * dirs, n, module.hidden_size) if lstm else None
+        h0 = x.new_zeros(n, states, h_out).transpose(0, 1)
+        c0 = x.new_zeros(n, states, module.hidden_size).transpose(0, 1) if lstm else None
         return h0, c0
     h0, c0 = hx if lstm else (hx, None)  # type: ignore[misc]
     if not batched:
