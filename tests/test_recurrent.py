@@ -562,22 +562,94 @@ def test_float32_signal_and_shrink_on_device(device: str) -> None:
         torch.testing.assert_close(small(x.to(device)), masked, rtol=1e-4, atol=1e-5)
 
 
-def test_an_lstm_with_a_projection_keeps_its_hidden_units_whole() -> None:
-    """An LSTM with ``proj_size``: its hidden units are kept whole, with the reason; the width
-    it reads is still a group and shrinks to the masked outputs."""
+class _Projected(nn.Module):
+    """A linear layer with ReLU, an LSTM with ``proj_size`` (2 layers, both directions), a
+    classifier on its outputs' mean over the steps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(5, 10)
+        self.rnn = nn.LSTM(10, 6, proj_size=4, num_layers=2, batch_first=True, bidirectional=True)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.rnn(torch.relu(self.fc(x)))[0].mean(1))
+
+
+def _projected_loop(rnn: nn.LSTM, x: Tensor, m: Tensor) -> Tensor:
+    """``rnn`` (an LSTM with ``proj_size``) on ``x`` (batch first) written out as a plain loop
+    from its weights, every step's projected state multiplied by ``m``; the last layer's
+    outputs."""
+    inp = x
+    for layer in range(rnn.num_layers):
+        outs = []
+        for d in range(2 if rnn.bidirectional else 1):
+            sfx = f"_l{layer}" + ("_reverse" if d else "")
+            w_ih, w_hh, w_hr = (getattr(rnn, f"weight_{k}{sfx}") for k in ("ih", "hh", "hr"))
+            b = getattr(rnn, f"bias_ih{sfx}") + getattr(rnn, f"bias_hh{sfx}")
+            h = inp.new_zeros(inp.shape[0], rnn.proj_size)
+            c = inp.new_zeros(inp.shape[0], rnn.hidden_size)
+            ys = [h] * inp.shape[1]
+            for t in reversed(range(inp.shape[1])) if d else range(inp.shape[1]):
+                i, f, g, o = (inp[:, t] @ w_ih.T + h @ w_hh.T + b).chunk(4, dim=-1)
+                c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+                h = ys[t] = (torch.sigmoid(o) * torch.tanh(c)) @ w_hr.T * m
+            outs.append(torch.stack(ys, dim=1))
+        inp = torch.cat(outs, dim=-1)
+    return inp
+
+
+def test_an_lstm_with_a_projection_prunes_its_projected_units() -> None:
+    """An LSTM with ``proj_size``: its projected units (the state its steps pass on and it
+    returns: the recurrent weights' columns, the projection's rows, the next layer's and the
+    classifier's columns) are one group and its cells are kept whole, with the reason. After
+    a prune the shrunk LSTM (``proj_size`` 3) gives the masked outputs, and the cost equals
+    ``FlopCounterMode`` on it (float64: PyTorch runs the products)."""
     torch.manual_seed(0)
-    model = Tagger(nn.LSTM, batch_first=True, bidir=False).double().eval()
-    model.rnn = nn.LSTM(10, 6, proj_size=3, batch_first=True).double()
-    model.head = nn.Linear(3, 4).double()
-    x = torch.randint(0, 50, (3, 7))
+    model, x = _Projected().double(), torch.randn(3, 6, 5, dtype=torch.float64)
     masks = fp.apply_masks(model, x[:1])
-    assert not any(("rnn.weight_hh_l0", 1) in g.params for g in masks.groups.values())
-    assert any("with proj_size are kept whole" in s.reason for s in masks.skipped)
-    fc = next(k for k, g in masks.groups.items() if ("fc.weight", 0) in g.params)
-    masks[fc].mask[:4] = 0.0
+    key = _hidden(masks)
+    assert masks[key].num_channels == 4
+    assert ("rnn.weight_hr_l1_reverse", 0) in masks.groups[key].params
+    assert any("cells of LSTM with proj_size are kept whole" in s.reason for s in masks.skipped)
     with torch.no_grad():
+        masks[key].mask[1] = 0.0
         want = model(x)
-        torch.testing.assert_close(fp.shrink(model, x[:1])(x), want, atol=ATOL_F64, rtol=0)
+        cost = fp.computational_cost(model, x[:1]).total
+        small = fp.shrink(model, x[:1])
+        torch.testing.assert_close(small(x), want, atol=ATOL_F64, rtol=0)
+        with FlopCounterMode(display=False) as counter:
+            small(x[:1])
+    assert small.rnn.proj_size == 3 and small.rnn.hidden_size == 6
+    assert cost == counter.get_total_flops()
+
+
+def test_projected_unit_signal_equals_a_per_example_loop() -> None:
+    """The projected units' signal is 1/2 mean_n g_n^2, g_n the derivative of example n's loss
+    w.r.t. one multiplier per unit acting on every step's projected state (both layers, both
+    directions) and on the classifier's input, in a plain loop over the LSTM's weights,
+    float64."""
+    torch.manual_seed(0)
+    model, x = _Projected().double(), torch.randn(3, 6, 5, dtype=torch.float64)
+    y = torch.tensor([0, 2, 1])
+    masks = fp.apply_masks(model, x[:1])
+    key = _hidden(masks)
+    units = masks.groups[key].members[("rnn.weight_hh_l0", 1)]
+    model.double()
+    F.cross_entropy(model(x), y).backward()
+    fp.update_pruning_signals(masks, decay=0)
+    want = torch.zeros(4, dtype=torch.float64)
+    for i in range(3):
+        m = torch.ones(4, dtype=torch.float64, requires_grad=True)
+        with torch.no_grad():
+            inp = torch.relu(model.fc(x[i : i + 1]))
+        out = _projected_loop(model.rnn, inp, m)
+        logits = model.head((out * torch.cat([m, m])).mean(1))
+        (g,) = torch.autograd.grad(F.cross_entropy(logits, y[i : i + 1]), [m])
+        want += 0.5 * g * g / 3
+    assert float(want.abs().max()) > 0
+    got = masks[key].signal[torch.as_tensor(units)]
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-15)
 
 
 def test_l1_scores_hidden_units_by_their_gate_rows() -> None:

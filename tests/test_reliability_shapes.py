@@ -1,5 +1,5 @@
 """Channels that cannot be kept or reported: an emptied layer, an empty plan entry, and the
-hidden units of a projected LSTM (issue 19, item 8)."""
+cells of a projected LSTM (issue 19, item 8)."""
 
 from __future__ import annotations
 
@@ -25,9 +25,10 @@ def test_a_plan_with_an_empty_kept_list_is_refused():
         fp.PruningPlan.from_dict(plan)
 
 
-def test_projected_lstm_hidden_units_are_reported_as_not_masked_and_refused_when_strict():
-    """An LSTM with ``proj_size`` keeps its hidden units whole (an LSTM without one has them
-    masked, ``test_recurrent.py``): reported in ``skipped``, refused under ``strict=True``."""
+def test_projected_lstm_cells_are_reported_as_not_masked_and_refused_when_strict():
+    """An LSTM with ``proj_size`` keeps its cells whole (its projected units are masked, as an
+    LSTM without one has its hidden units, ``test_recurrent.py``): reported in ``skipped``,
+    refused under ``strict=True``."""
 
     class Recurrent(torch.nn.Module):
         def __init__(self) -> None:

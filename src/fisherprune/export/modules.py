@@ -221,10 +221,13 @@ def _linear(m: nn.Module, old: dict[str, tuple[int, ...]]) -> None:
 @register_shrink_rule(nn.RNNBase)
 def _recurrent(m: nn.Module, old: dict[str, tuple[int, ...]]) -> None:
     """A recurrent layer's input width (its first layer's input weights' columns) and hidden
-    units (one count for every layer and direction: the recurrent weights' columns); the
-    module's list of its weights is read again (the parameters are new)."""
+    units (one count for every layer and direction: the recurrent weights' columns, an LSTM's
+    projected units where it has ``proj_size``); the module's list of its weights is read
+    again (the parameters are new)."""
     m.input_size = m.weight_ih_l0.shape[1]
-    if not m.proj_size:
+    if m.proj_size:
+        m.proj_size = m.weight_hh_l0.shape[1]
+    else:
         m.hidden_size = m.weight_hh_l0.shape[1]
     m._init_flat_weights()
 

@@ -181,7 +181,9 @@ def _traced_recurrent(
     and every product is counted. Hidden unit j of every layer and direction is one channel
     (``nn.LSTM`` has one hidden size for all): its reads inside the layer pass it on (the
     layer's hook masks it there, ``fisherprune.masks.recurrent``), its readers outside are
-    masked as any layer's input. An LSTM with ``proj_size`` keeps its hidden units whole."""
+    masked as any layer's input. An LSTM with ``proj_size``: its projected units (the state
+    the steps pass on and the layer returns) are those channels; its cells (the gates' rows,
+    the projection's columns) are kept whole."""
     tracer = tracing.active()
     bound = _RNN_SIGNATURE.bind(*args, **kwargs)
     first = len(tracer.trace.consumers) if tracer is not None else 0
@@ -191,12 +193,10 @@ def _traced_recurrent(
     atoms = tracer.trace.atoms
     params = dict(module.named_parameters(recurse=False))
     if module.proj_size:  # type: ignore[union-attr]
-        why = f"the hidden units of {type(module).__name__} with proj_size are kept whole"
-        for pname, p in params.items():
-            for d, lab in enumerate(tracer.info(p).labels):
-                if not (d == 1 and pname in _RNN_INPUT_WEIGHTS):
-                    atoms.block(lab, why)
-        return out
+        why = f"the cells of {type(module).__name__} with proj_size are kept whole"
+        for pname, p in params.items():  # (the gates' rows; the projection's columns)
+            cells = 1 if pname.startswith("weight_hr") else 0
+            atoms.block(tracer.info(p).labels[cells], why)
     units = [tracer.info(p).labels[1] for n, p in params.items() if n.startswith("weight_hh")]
     for lab in units[1:]:
         atoms.union(units[0], lab)  # unit j of every layer and direction: one channel
@@ -215,8 +215,6 @@ def _masked_recurrent(
 
 
 _RNN_SIGNATURE = inspect.signature(lambda input, hx=None: None)
-#: the weights whose columns read the layer's input (the first layer's, both directions)
-_RNN_INPUT_WEIGHTS = ("weight_ih_l0", "weight_ih_l0_reverse")
 
 #: how ``nn.LSTM``, ``nn.GRU`` and ``nn.RNN`` are traced
 RECURRENT = ModuleForward(_traced_recurrent, _masked_recurrent, inner=())

@@ -65,7 +65,7 @@ class RecurrentUnits(InstanceForward):
         channels: np.ndarray,
         columns: dict[str, np.ndarray],
     ) -> None:
-        size = module.hidden_size
+        size = module.proj_size or module.hidden_size  # (an LSTM's projected units)
         self.point = MaskPoint(name, 0, 1, size, [(mask, np.arange(size), channels)])
         self.mask = mask
         self.columns = {p: torch.as_tensor(c, dtype=torch.long) for p, c in columns.items()}
