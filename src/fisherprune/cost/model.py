@@ -335,7 +335,8 @@ class CostModel:
             if spec.form != "eager":
                 eager_spec = dataclasses.replace(spec, form="eager")
                 eager = whole_model_seconds(model, example_inputs, eager_spec) / UNIT
-        table.save_if_plausible(summed, eager)
+        fused = any(isinstance(m, nn.RNNBase) for m in model.modules())  # (steps traced)
+        table.save_if_plausible(summed, eager, fused)
         # what the operators alone miss (the Python between them, caches a lone operator
         # keeps warm) is spread over them in proportion
         self.latency_scale = whole / summed if summed > 0 else 1.0
