@@ -995,7 +995,9 @@ def test_gathering_under_autocast_keeps_the_layers_dtypes(
 
 
 @pytest.mark.parametrize("name", ["lstm", "gru"])
-@pytest.mark.parametrize("shape", [(6, 4), (1, 5, 3), (7,)], ids=["steps", "image", "vector"])
+@pytest.mark.parametrize(
+    "shape", [(6, 4), (1, 4), (1, 5, 3), (7,)], ids=["steps", "one_step", "image", "vector"]
+)
 def test_built_in_recurrent_models_prune_both_widths_and_shrink_exactly(
     name: str, shape: tuple[int, ...]
 ) -> None:
@@ -1093,3 +1095,40 @@ def test_attention_after_a_recurrent_layer_keeps_its_heads_at_any_example_batch(
             m.mask[1] = 0.0
         want = model(x)
         torch.testing.assert_close(fp.shrink(model, x[:1])(x), want, atol=ATOL_F64, rtol=0)
+
+
+class _OneStep(nn.Module):
+    """A linear layer, a bidirectional LSTM (with ``proj_size`` or not), a classifier on the
+    outputs' mean over the steps."""
+
+    def __init__(self, proj: int, layers: int) -> None:
+        super().__init__()
+        kw = {"proj_size": proj} if proj else {}
+        self.fc = nn.Linear(4, 5)
+        self.rnn = nn.LSTM(5, 6, num_layers=layers, batch_first=True, bidirectional=True, **kw)
+        self.head = nn.Linear(2 * (proj or 6), 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.rnn(self.fc(x))[0].mean(1))
+
+
+@pytest.mark.parametrize("proj", [0, 3])
+@pytest.mark.parametrize("layers", [1, 2])
+def test_traced_on_one_step_the_units_are_whole_groups_and_shrink_for_longer_inputs(
+    proj: int, layers: int
+) -> None:
+    """Traced on an example of one step (a table row read as a sequence), an LSTM's units
+    (projected units where it has ``proj_size``) are still one group with the recurrent
+    weights' columns, which only a second step reads: after a prune the shrunk model gives
+    the masked outputs on 5 steps. A projected LSTM's shrunk ``weight_hh`` had kept its
+    columns (it failed on 5 steps), and a plain one's units were kept whole."""
+    torch.manual_seed(0)
+    model = _OneStep(proj, layers).double()
+    masks = fp.apply_masks(model, torch.randn(1, 1, 4, dtype=torch.float64))
+    key = _hidden(masks)  # (a group holding the recurrent weights' columns)
+    x = torch.randn(3, 5, 4, dtype=torch.float64)
+    with torch.no_grad():
+        masks[key].mask[1] = 0.0
+        want = model(x)
+        small = fp.shrink(model, x[:1, :1])
+        torch.testing.assert_close(small(x), want, atol=ATOL_F64, rtol=0)

@@ -226,6 +226,12 @@ def _recurrent(m: nn.Module, old: dict[str, tuple[int, ...]]) -> None:
     again (the parameters are new)."""
     m.input_size = m.weight_ih_l0.shape[1]
     if m.proj_size:
+        if m.weight_hr_l0.shape[0] != m.weight_hh_l0.shape[1]:
+            raise ValueError(
+                f"{type(m).__name__}: the projection makes {m.weight_hr_l0.shape[0]} units and "
+                f"the recurrent weights read {m.weight_hh_l0.shape[1]}: a plan that keeps "
+                "different projected units in them cannot shrink the layer"
+            )
         m.proj_size = m.weight_hh_l0.shape[1]
     else:
         m.hidden_size = m.weight_hh_l0.shape[1]

@@ -200,6 +200,11 @@ def _traced_recurrent(
     units = [tracer.info(p).labels[1] for n, p in params.items() if n.startswith("weight_hh")]
     for lab in units[1:]:
         atoms.union(units[0], lab)  # unit j of every layer and direction: one channel
+    for name, p in params.items():  # ... and the state each step makes: the next step reads
+        if name.startswith("weight_hh"):  # it (traced at one step, nothing would say so)
+            made = params.get(name.replace("weight_hh", "weight_hr"))
+            rows = tracer.info(made if made is not None else p).labels[0]
+            atoms.union(tracer.info(p).labels[1], rows[: p.shape[1]])
     hidden = set(atoms.find(units[0]).tolist())
     for cp in tracer.trace.consumers[first:]:  # the reads inside: masked by the layer's hook
         if cp.output is None and set(atoms.find(cp.labels).tolist()) <= hidden:
