@@ -45,6 +45,35 @@ def test_activation_importance_is_column_norm_times_rms() -> None:
     assert got[4] == 0 and bool((got[:4] > 0).any())
 
 
+class _ReadByLSTM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 6)
+        self.rnn = nn.LSTM(6, 4, batch_first=True, bidirectional=True)
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.rnn(torch.relu(self.fc(x)))[0].mean(1))
+
+
+def test_a_width_a_recurrent_layer_reads_scores_by_its_input_weights() -> None:
+    """The width an LSTM reads scores ``(||W_ih[:, k]|| + ||W_ih_reverse[:, k]||) *
+    sqrt(mean over examples and steps of h[.., k]^2)``: its first layer's input weights, each
+    direction's, read that width (it was refused: the LSTM has no ``weight``)."""
+    torch.manual_seed(0)
+    model = _ReadByLSTM().double()
+    x = torch.randn(5, 7, 3, dtype=torch.float64)
+    masks = fp.apply_masks(model, x[:1])
+    name = next(k for k, g in masks.groups.items() if ("fc.weight", 0) in g.params)
+    crit = Activation(normalize="none")
+    with torch.no_grad(), crit.observing(model, masks):
+        model(x)
+    h = torch.relu(model.fc(x)).detach()
+    w = model.rnn.weight_ih_l0.norm(dim=0) + model.rnn.weight_ih_l0_reverse.norm(dim=0)
+    ref = w.detach() * h.square().mean((0, 1)).sqrt()
+    torch.testing.assert_close(crit.scores(masks, model)[name], ref, rtol=1e-12, atol=1e-15)
+
+
 def test_prune_to_target_with_activation_removes_lowest_scores() -> None:
     """``prune_to_target(criterion="activation")`` observes the calibration batches with no
     gradient and removes the hidden units of lowest hand-computed score (every unit costs

@@ -11,7 +11,8 @@ weight column that reads it. Here a channel ``k`` of a group scores
                     ||W_c[:, j]||_2 * RMS_c(x_j)
 
 with ``RMS_c(x_j) = sqrt(mean over every calibration row and position of x_j^2)``, measured
-on the input of consumer ``c`` as the model is masked now (pruned channels read 0). Each term
+on the input of consumer ``c`` as the model is masked now (pruned channels read 0); a recurrent
+layer's ``W_c`` is its first layer's input weights, each direction's. Each term
 is the root-mean-square size of what column ``j`` adds to ``c``'s output, ``||W_c[:, j] x_j||``,
 so a channel is worth what it writes into the layers that read it. Rows of ``W_c`` that make an
 already pruned channel of another group are left out of the norm, as in ``L1``.
@@ -206,11 +207,15 @@ class Activation(Criterion):
         out = {n: torch.zeros(m.num_channels, dtype=torch.float64) for n, m in masks.items()}
         scored: set[str] = set()
         for s in self._squares:
-            wname = f"{s.point.module_name}.weight"
-            w = params.get(wname)
-            if not s.rows or w is None or w.dim() < 2 or w.shape[1] != s.point.size:
+            wnames = [
+                n
+                for n in _input_weights(s.point.module_name, params)
+                if params[n].dim() >= 2 and params[n].shape[1] == s.point.size
+            ]
+            if not s.rows or not wnames:
                 continue
-            contrib = _column_norms(w, wname, kept_rows) * s.rms()  # (size,)
+            norms = sum(_column_norms(params[n], n, kept_rows) for n in wnames)
+            contrib = norms * s.rms()  # (size,)
             for mask, pos, idx in s.point.parts:
                 name = name_of.get(id(mask))
                 if name is not None:
@@ -229,6 +234,18 @@ class Activation(Criterion):
                 "or random there"
             )
         return out
+
+
+#: the weights of a recurrent layer that read its input (its first layer's, both directions)
+_RECURRENT_INPUT_WEIGHTS = ("weight_ih_l0", "weight_ih_l0_reverse")
+
+
+def _input_weights(module: str, params: Mapping[str, Tensor]) -> list[str]:
+    """The weights of ``module`` that read its input along dim 1: its ``weight``, or a
+    recurrent layer's first input weights (each direction's)."""
+    if f"{module}.weight" in params:
+        return [f"{module}.weight"]
+    return [n for w in _RECURRENT_INPUT_WEIGHTS if (n := f"{module}.{w}") in params]
 
 
 def _column_norms(w: Tensor, wname: str, kept_rows: Mapping[tuple[str, int], Any]) -> Tensor:
