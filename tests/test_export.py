@@ -391,6 +391,26 @@ def test_freeze_with_another_format_than_torchscript_raises_and_writes_nothing(
     assert list(tmp_path.iterdir()) == []
 
 
+def test_onnx_export_of_a_projected_lstm_is_refused_and_writes_nothing(tmp_path: Path) -> None:
+    """An ``nn.LSTM`` with ``proj_size``, which PyTorch's ONNX exporter writes without its
+    projection: a ValueError naming the layer and the formats that work, no file."""
+
+    class Tagger(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.rnn = torch.nn.LSTM(4, 6, proj_size=3, batch_first=True)
+            self.head = torch.nn.Linear(3, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.rnn(x)[0].mean(1))
+
+    model, x = Tagger(), torch.randn(2, 5, 4)
+    fp.apply_masks(model, x[:1])
+    with pytest.raises(ValueError, match=r"proj_size \(rnn\).*'torchscript' or 'state_dict'"):
+        fp.export_model(model, tmp_path / "m.onnx", x[:1], format="onnx")
+    assert list(tmp_path.iterdir()) == []
+
+
 ONNX_ARCH = "vgg"  # flatten into Linear, BN, max-pool; exports fast
 
 

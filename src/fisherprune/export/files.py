@@ -227,7 +227,19 @@ def traced(model: nn.Module, example_inputs: Any, freeze: bool) -> torch.jit.Scr
 
 def _onnx(model: nn.Module, inputs: Inputs, tmp: Path) -> None:
     """ONNX with a dynamic batch dimension (traced at batch 2: size 1 would be specialised).
-    Keyword inputs become graph inputs of the same names."""
+    Keyword inputs become graph inputs of the same names.
+
+    Raises:
+        ValueError: the model has an ``nn.LSTM`` with ``proj_size``, which PyTorch's ONNX
+            exporter writes without its projection (a file that computes something else).
+    """
+    projected = [n for n, m in model.named_modules() if isinstance(m, nn.LSTM) and m.proj_size]
+    if projected:
+        raise ValueError(
+            f"ONNX export of an nn.LSTM with proj_size ({', '.join(projected)}): PyTorch's "
+            "exporter writes it without its projection, so the file would compute something "
+            "else; export 'torchscript' or 'state_dict' instead"
+        )
     inputs2 = inputs.repeated(2)
     with torch.no_grad():
         if importlib.util.find_spec("onnxscript") is not None:
