@@ -160,6 +160,29 @@ def test_init_from_accepts_a_fisherprune_checkpoint(tmp_path: Path) -> None:
             assert torch.equal(again["model"][k], v), k
 
 
+def test_init_from_accepts_the_dense_model_a_run_exported_and_refuses_its_pruned_one(
+    tmp_path: Path,
+) -> None:
+    """``EXPORT_DIR/dense.pt`` (what the refusals below advise) starts a second run from the
+    first run's dense weights (it was refused: "holds no state_dict"); the pruned model's
+    export ``model.pt`` is refused naming dense.pt."""
+    data = _table(tmp_path / "t.npz", learnable=True)
+    code, _, err = _cli("train", "--data", data, *QUICK, "--pruning.burn_in", "5",
+                        "--train.steps", "12", "--save_dir", tmp_path / "first")  # fmt: skip
+    assert code == 0, err
+    export = tmp_path / "first" / "export"
+    dense = torch.load(export / "dense.pt", weights_only=True)["state_dict"]
+    code, _, err = _cli("train", "--data", data, *QUICK, "--init_from", export / "dense.pt",
+                        "--train.steps", "3", "--save_dir", tmp_path / "second")  # fmt: skip
+    assert code == 0, err
+    again = _latest(tmp_path / "second")["model"]
+    for k, v in dense.items():
+        assert torch.equal(again[k], v), k
+    code, _, err = _cli("train", "--data", data, *QUICK, "--init_from", export / "model.pt",
+                        "--save_dir", tmp_path / "third")  # fmt: skip
+    assert code == 2 and "export of a pruned model" in err and "dense.pt" in err
+
+
 def test_init_from_a_checkpoint_of_the_shrunk_model_says_what_to_give(tmp_path: Path) -> None:
     """A checkpoint written after its run shrank the model holds narrower weights than
     --model builds: refused, naming the checkpoint before the fine-tuning and dense.pt, and

@@ -1,9 +1,11 @@
 """``--init_from``: start ``fisherprune train`` from weights the user trained already.
 
 The file is a state_dict (``torch.save(model.state_dict(), path)``) of the model that
-``--model`` builds, or a checkpoint written by ``fisherprune train`` (its ``model`` entry; its
-masks and pruning signals then come along). It is read as tensors and plain data only
-(``weights_only``): a file of pickled objects is refused before anything from it runs.
+``--model`` builds, a checkpoint written by ``fisherprune train`` (its ``model`` entry; its
+masks and pruning signals then come along), or the dense model such a run exported
+(``EXPORT_DIR/dense.pt``: a state_dict export, its ``state_dict`` entry). It is read as
+tensors and plain data only (``weights_only``): a file of pickled objects is refused before
+anything from it runs.
 """
 
 from __future__ import annotations
@@ -42,6 +44,14 @@ def _state_dict_of(path: Path) -> dict[str, Tensor]:
                 "dense model that run exported (EXPORT_DIR/dense.pt)"
             )
         loaded = loaded["model"]  # a fisherprune checkpoint
+    elif isinstance(loaded, dict) and set(loaded) == {"state_dict", "plan"}:
+        if (loaded["plan"] or {}).get("modules"):  # (a plan that removes channels)
+            raise ValueError(
+                f"--init_from {path} is the export of a pruned model: its weights have lost "
+                "the pruned channels, and --model builds the dense one; give the dense model "
+                "that run exported (EXPORT_DIR/dense.pt)"
+            )
+        loaded = loaded["state_dict"]  # a state_dict export of the dense model
     if not isinstance(loaded, dict) or not all(isinstance(v, Tensor) for v in loaded.values()):
         raise ValueError(
             f"--init_from {path} holds no state_dict (a dict of parameter name -> tensor); "
