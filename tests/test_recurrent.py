@@ -576,10 +576,11 @@ class _Projected(nn.Module):
         return self.head(self.rnn(torch.relu(self.fc(x)))[0].mean(1))
 
 
-def _projected_loop(rnn: nn.LSTM, x: Tensor, m: Tensor) -> Tensor:
+def _projected_loop(rnn: nn.LSTM, x: Tensor, m: Tensor, mc: Tensor | None = None) -> Tensor:
     """``rnn`` (an LSTM with ``proj_size``) on ``x`` (batch first) written out as a plain loop
-    from its weights, every step's projected state multiplied by ``m``; the last layer's
-    outputs."""
+    from its weights, every step's projected state multiplied by ``m`` (and its cells'
+    outputs, before the projection, by ``mc``); the last layer's outputs."""
+    mc = torch.ones(rnn.hidden_size, dtype=x.dtype) if mc is None else mc
     inp = x
     for layer in range(rnn.num_layers):
         outs = []
@@ -593,62 +594,129 @@ def _projected_loop(rnn: nn.LSTM, x: Tensor, m: Tensor) -> Tensor:
             for t in reversed(range(inp.shape[1])) if d else range(inp.shape[1]):
                 i, f, g, o = (inp[:, t] @ w_ih.T + h @ w_hh.T + b).chunk(4, dim=-1)
                 c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
-                h = ys[t] = (torch.sigmoid(o) * torch.tanh(c)) @ w_hr.T * m
+                h = ys[t] = (torch.sigmoid(o) * torch.tanh(c) * mc) @ w_hr.T * m
             outs.append(torch.stack(ys, dim=1))
         inp = torch.cat(outs, dim=-1)
     return inp
 
 
-def test_an_lstm_with_a_projection_prunes_its_projected_units() -> None:
+def _cells(masks: fp.AppliedMasks) -> str:
+    """The key of a projected LSTM's cells' mask."""
+    return next(k for k, g in masks.groups.items() if ("rnn.weight_hr_l0", 1) in g.params)
+
+
+def test_an_lstm_with_a_projection_prunes_its_projected_units_and_its_cells() -> None:
     """An LSTM with ``proj_size``: its projected units (the state its steps pass on and it
     returns: the recurrent weights' columns, the projection's rows, the next layer's and the
-    classifier's columns) are one group and its cells are kept whole, with the reason. After
-    a prune the shrunk LSTM (``proj_size`` 3) gives the masked outputs, and the cost equals
+    classifier's columns) are one group, its cells (the gates' rows, the projection's
+    columns) another, each tied over layers and directions. After a prune of each the shrunk
+    LSTM (``proj_size`` 3, ``hidden_size`` 5) gives the masked outputs, and the cost equals
     ``FlopCounterMode`` on it (float64: PyTorch runs the products)."""
     torch.manual_seed(0)
     model, x = _Projected().double(), torch.randn(3, 6, 5, dtype=torch.float64)
     masks = fp.apply_masks(model, x[:1])
-    key = _hidden(masks)
-    assert masks[key].num_channels == 4
+    key, cells = _hidden(masks), _cells(masks)
+    assert masks[key].num_channels == 4 and masks[cells].num_channels == 6
     assert ("rnn.weight_hr_l1_reverse", 0) in masks.groups[key].params
-    assert any("cells of LSTM with proj_size are kept whole" in s.reason for s in masks.skipped)
+    assert ("rnn.weight_ih_l1_reverse", 0) in masks.groups[cells].params
+    assert not [s for s in masks.skipped if "output" not in s.reason]
     with torch.no_grad():
         masks[key].mask[1] = 0.0
+        masks[cells].mask[4] = 0.0
         want = model(x)
         cost = fp.computational_cost(model, x[:1]).total
         small = fp.shrink(model, x[:1])
         torch.testing.assert_close(small(x), want, atol=ATOL_F64, rtol=0)
         with FlopCounterMode(display=False) as counter:
             small(x[:1])
-    assert small.rnn.proj_size == 3 and small.rnn.hidden_size == 6
+    assert small.rnn.proj_size == 3 and small.rnn.hidden_size == 5
     assert cost == counter.get_total_flops()
 
 
-def test_projected_unit_signal_equals_a_per_example_loop() -> None:
-    """The projected units' signal is 1/2 mean_n g_n^2, g_n the derivative of example n's loss
-    w.r.t. one multiplier per unit acting on every step's projected state (both layers, both
-    directions) and on the classifier's input, in a plain loop over the LSTM's weights,
-    float64."""
+class _Narrow(nn.Module):
+    def __init__(self, cells: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(5, 10)
+        self.rnn = nn.LSTM(10, cells, proj_size=4, batch_first=True)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.rnn(torch.relu(self.fc(x)))[0].mean(1))
+
+
+def test_a_projected_lstm_keeps_more_cells_than_projected_units() -> None:
+    """PyTorch runs an LSTM only with fewer projected units than cells: the cells keep
+    ``proj_size + 1`` at least (their mask's floor, which ``prune`` honours, and within which
+    ``apply_masks`` tries them), and an LSTM with no cell to spare keeps them whole, saying
+    why. (A trial removing more cells than that had made the shrunk LSTM fail to run, and
+    every group of the model was kept whole.)"""
+    from fisherprune.pruner.prune import mask_floor
+
+    x = torch.randn(1, 6, 5, dtype=torch.float64)
+    masks = fp.apply_masks(_Narrow(7).double(), x)
+    (cells,) = (m for k, m in masks.items() if ("rnn.weight_hr_l0", 1) in masks.groups[k].params)
+    assert cells.num_channels == 7 and mask_floor(1, cells) == 5
+    masks = fp.apply_masks(_Narrow(5).double(), x)
+    assert not any(("rnn.weight_hr_l0", 1) in g.params for g in masks.groups.values())
+    assert any("more cells than projected units" in s.reason for s in masks.skipped)
+
+
+def test_removed_cells_and_projected_units_fold_once_nothing_is_collected() -> None:
+    """Cells and projected units removed, nothing collected: the layer's own forward runs on
+    weights whose columns reading them are zero (the projection's, the recurrent weights'),
+    giving the outputs of the shrunk model, and those columns get no gradient."""
+    torch.manual_seed(0)
+    model, x = _Projected().double(), torch.randn(3, 6, 5, dtype=torch.float64)
+    masks = fp.apply_masks(model, x[:1])
+    key, cells = _hidden(masks), _cells(masks)
+    with torch.no_grad():
+        masks[key].mask[2] = 0.0
+        masks[cells].mask[[0, 3]] = 0.0
+    for m in masks.values():
+        m.collecting = False
+    want = fp.shrink(copy.deepcopy(model), x[:1])(x)
+    out = model(x)
+    out.pow(2).sum().backward()
+    torch.testing.assert_close(out, want, atol=ATOL_F64, rtol=0)
+    cols = [j for j, e in enumerate(masks.groups[cells].members[("rnn.weight_hr_l0", 1)])
+            if e in (0, 3)]  # fmt: skip
+    assert float(model.rnn.weight_hr_l0[:, cols].abs().max()) == 0.0
+    assert float(model.rnn.weight_hr_l0.grad[:, cols].abs().max()) == 0.0
+
+
+@pytest.mark.parametrize("which", ["projected_units", "cells"])
+def test_signal_of_a_projected_lstm_equals_a_per_example_loop(which: str) -> None:
+    """The projected units' (cells') signal of an LSTM with ``proj_size`` is 1/2 mean_n g_n^2,
+    g_n the derivative of example n's loss w.r.t. one multiplier per unit (cell) acting on
+    every step's projected state and the classifier's input (on every step's cells' outputs,
+    before the projection), both layers and directions, in a plain float64 loop."""
     torch.manual_seed(0)
     model, x = _Projected().double(), torch.randn(3, 6, 5, dtype=torch.float64)
     y = torch.tensor([0, 2, 1])
     masks = fp.apply_masks(model, x[:1])
-    key = _hidden(masks)
-    units = masks.groups[key].members[("rnn.weight_hh_l0", 1)]
+    cells = which == "cells"
+    key, reader = (_cells(masks), "weight_hr_l0") if cells else (_hidden(masks), "weight_hh_l0")
+    entries = masks.groups[key].members[(f"rnn.{reader}", 1)]
     model.double()
     F.cross_entropy(model(x), y).backward()
     fp.update_pruning_signals(masks, decay=0)
-    want = torch.zeros(4, dtype=torch.float64)
+    n = 6 if cells else 4
+    want = torch.zeros(n, dtype=torch.float64)
     for i in range(3):
-        m = torch.ones(4, dtype=torch.float64, requires_grad=True)
+        m = torch.ones(n, dtype=torch.float64, requires_grad=True)
+        ones = torch.ones(4, dtype=torch.float64)
         with torch.no_grad():
             inp = torch.relu(model.fc(x[i : i + 1]))
-        out = _projected_loop(model.rnn, inp, m)
-        logits = model.head((out * torch.cat([m, m])).mean(1))
-        (g,) = torch.autograd.grad(F.cross_entropy(logits, y[i : i + 1]), [m])
+        out = (
+            _projected_loop(model.rnn, inp, ones, m)
+            if cells
+            else _projected_loop(model.rnn, inp, m)
+        )
+        read = out if cells else out * torch.cat([m, m])
+        (g,) = torch.autograd.grad(F.cross_entropy(model.head(read.mean(1)), y[i : i + 1]), [m])
         want += 0.5 * g * g / 3
     assert float(want.abs().max()) > 0
-    got = masks[key].signal[torch.as_tensor(units)]
+    got = masks[key].signal[torch.as_tensor(entries)]
     torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-15)
 
 

@@ -1,5 +1,5 @@
-"""Channels that cannot be kept or reported: an emptied layer, an empty plan entry, and the
-cells of a projected LSTM (issue 19, item 8)."""
+"""Channels that cannot be kept or reported: an emptied layer, an empty plan entry, and an
+LSTM's units read at a width written in the code (issue 19, item 8)."""
 
 from __future__ import annotations
 
@@ -25,19 +25,20 @@ def test_a_plan_with_an_empty_kept_list_is_refused():
         fp.PruningPlan.from_dict(plan)
 
 
-def test_projected_lstm_cells_are_reported_as_not_masked_and_refused_when_strict():
-    """An LSTM with ``proj_size`` keeps its cells whole (its projected units are masked, as an
-    LSTM without one has its hidden units, ``test_recurrent.py``): reported in ``skipped``,
-    refused under ``strict=True``."""
+def test_lstm_units_read_at_a_width_written_in_the_code_are_reported_and_refused_when_strict():
+    """An LSTM whose outputs the model reshapes at its hidden size written as a number keeps
+    its units whole (the shrunk model could not run): reported in ``skipped``, refused under
+    ``strict=True``. (Its projected units and cells, where it has ``proj_size``, are masked:
+    ``test_recurrent.py``.)"""
 
     class Recurrent(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.rnn = torch.nn.LSTM(4, 5, proj_size=3, batch_first=True)
-            self.out = torch.nn.Linear(3, 2)
+            self.rnn = torch.nn.LSTM(4, 5, batch_first=True)
+            self.out = torch.nn.Linear(5, 2)
 
         def forward(self, x):
-            return self.out(self.rnn(x)[0][:, -1])
+            return self.out(self.rnn(x)[0].reshape(-1, 5)).view(x.shape[0], -1, 2).mean(1)
 
     x = torch.randn(2, 3, 4)
     masks = fp.apply_masks(Recurrent(), x)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -80,16 +80,24 @@ Run = tuple[Tensor, Tensor, Tensor | None]
 
 
 def _step(
-    mode: str, p: Params, x: Tensor, h: Tensor, c: Tensor | None, gi: Tensor | None = None
+    mode: str,
+    p: Params,
+    x: Tensor,
+    h: Tensor,
+    c: Tensor | None,
+    gi: Tensor | None = None,
+    cells: Callable[[Tensor], Tensor] | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """One step on (rows, width) inputs: the input projection (unless given as ``gi``), step
     by step too when traced, so that no view writes a width as a number (the tracer would take
     a module attribute equal to it, such as ``hidden_size``, for one that holds it); then the
-    cell, then an LSTM's projection."""
+    cell, then an LSTM's projection (of its cells' outputs as ``cells`` leaves them)."""
     if gi is None:
         gi = F.linear(x, p["ih"], p["b_ih"])  # type: ignore[arg-type]
     h, c = _cell(mode, gi, F.linear(h, p["hh"], p["b_hh"]), h, c)  # type: ignore[arg-type]
-    return (F.linear(h, p["hr"]) if p["hr"] is not None else h), c
+    if p["hr"] is None:
+        return h, c
+    return F.linear(h if cells is None else cells(h), p["hr"]), c
 
 
 def _layers(
@@ -134,6 +142,7 @@ def recurrent_forward(
     hook_initial: bool = False,
     project_at_once: bool = False,
     dtype: torch.dtype | None = None,
+    cell_hook: StepHook | None = None,
 ) -> tuple[Tensor | PackedSequence, Tensor | tuple[Tensor, Tensor]]:
     """``module(input, hx)`` as the module computes it (the same ``(output, h_n)``, or
     ``(output, (h_n, c_n))`` for an LSTM, within rounding; in training mode with dropout
@@ -146,7 +155,8 @@ def recurrent_forward(
     runs in it with autocast off: as the module's own forward runs under autocast, which
     casts them all to the dtype it gives the layer (per device and mode: on a CPU an LSTM's
     and an RNN's but not a GRU's), whereas autocast would cast each product of the steps
-    alone, and the elementwise gate arithmetic would mix dtypes.
+    alone, and the elementwise gate arithmetic would mix dtypes. ``cell_hook``, for an LSTM
+    with ``proj_size``: as ``step_hook``, on each step's cells' outputs before the projection.
 
     Raises:
         ValueError: a mode this function does not know, or an input that is neither 2-d nor
@@ -154,13 +164,27 @@ def recurrent_forward(
     """
     if module.mode not in GATES:
         raise ValueError(f"recurrent_forward: unknown recurrent mode {module.mode!r}")
-    hook = step_hook or _unchanged
+    hooks = _Hooks(step_hook or _unchanged, cell_hook, hook_initial)
     if dtype is None:
-        return _forward(module, input, hx, hook, hook_initial, project_at_once, None)
+        return _forward(module, input, hx, hooks, project_at_once, None)
     data = input.data if isinstance(input, PackedSequence) else input
     with torch.autocast(data.device.type, enabled=False):
         input, hx = _cast(input, dtype), _cast(hx, dtype)
-        return _forward(module, input, hx, hook, hook_initial, project_at_once, dtype)
+        return _forward(module, input, hx, hooks, project_at_once, dtype)
+
+
+class _Hooks(NamedTuple):
+    """``recurrent_forward`` 's hooks: on each step's state, on an LSTM's cells' outputs
+    before its projection (or None), and whether the initial state is hooked too."""
+
+    state: StepHook
+    cell: StepHook | None
+    initial: bool
+
+    def cells(self, examples: Callable[[Tensor], Tensor] | None) -> Any:
+        """The cells' hook of one step, for ``_step`` (None: no hook)."""
+        cell = self.cell
+        return None if cell is None else lambda h: cell(h, examples)
 
 
 def _cast(value: Any, dtype: torch.dtype) -> Any:
@@ -176,14 +200,13 @@ def _forward(
     module: nn.RNNBase,
     input: Tensor | PackedSequence,
     hx: Tensor | tuple[Tensor, Tensor] | None,
-    hook: StepHook,
-    hook_initial: bool,
+    hooks: _Hooks,
     project_at_once: bool,
     dtype: torch.dtype | None,
 ) -> tuple[Tensor | PackedSequence, Tensor | tuple[Tensor, Tensor]]:
-    mode = module.mode
+    mode, hook = module.mode, hooks.state
     if isinstance(input, PackedSequence):
-        return _packed_forward(module, input, hx, hook, hook_initial, project_at_once, dtype)
+        return _packed_forward(module, input, hx, hooks, project_at_once, dtype)
     if input.dim() not in (2, 3):
         raise ValueError(
             f"recurrent_forward: {type(module).__name__} takes a 2-d (unbatched) or 3-d input, "
@@ -198,12 +221,13 @@ def _forward(
     steps = x.shape[1]
 
     def direction(p: Params, x: Tensor, h: Tensor, c: Tensor | None, reverse: bool) -> Run:
-        h = hook(h, None) if hook_initial else h
+        h = hook(h, None) if hooks.initial else h
         ys: list[Tensor] = [h] * steps
         xs = x.unbind(1)  # (not x[:, t]: each select's backward writes a whole zero tensor)
         gis = _projected(p, x).unbind(1) if project_at_once else None
+        cells = hooks.cells(None)
         for t in reversed(range(steps)) if reverse else range(steps):
-            h, c = _step(mode, p, xs[t], h, c, None if gis is None else gis[t])
+            h, c = _step(mode, p, xs[t], h, c, None if gis is None else gis[t], cells)
             h = ys[t] = hook(h, None)
         return torch.stack(ys, dim=1), h, c
 
@@ -253,8 +277,7 @@ def _packed_forward(
     module: nn.RNNBase,
     packed: PackedSequence,
     hx: Tensor | tuple[Tensor, Tensor] | None,
-    hook: StepHook,
-    hook_initial: bool,
+    hooks: _Hooks,
     project_at_once: bool,
     dtype: torch.dtype | None,
 ) -> tuple[PackedSequence, Tensor | tuple[Tensor, Tensor]]:
@@ -262,7 +285,7 @@ def _packed_forward(
     of the sequences still going (sorted longest first, ``batch_sizes`` of them at each step);
     the initial and final states are in the caller's order (``sorted_indices``)."""
     sizes = host_sizes(packed.batch_sizes)
-    dirs = 2 if module.bidirectional else 1
+    hook, dirs = hooks.state, 2 if module.bidirectional else 1
     x = packed.data
     h0, c0 = _initial_state(module, x[: sizes[0]].unsqueeze(1), hx, True, dirs)  # (batch first)
     order = packed.sorted_indices
@@ -273,13 +296,14 @@ def _packed_forward(
         c0 = c0.index_select(1, order) if c0 is not None else None
 
     def direction(p: Params, x: Tensor, h0: Tensor, c0: Tensor | None, reverse: bool) -> Run:
-        h0 = hook(h0, examples[0]) if hook_initial else h0  # (every sequence's, sorted)
+        h0 = hook(h0, examples[0]) if hooks.initial else h0  # (every sequence's, sorted)
         ys: list[Tensor] = []
         xs = x.split(sizes)  # (one split: a slice per step would write zeros in its backward)
         gis = _projected(p, x).split(sizes) if project_at_once else None
 
         def step(t: int, h: Tensor, c: Tensor | None) -> tuple[Tensor, Tensor | None]:
-            return _step(module.mode, p, xs[t], h, c, None if gis is None else gis[t])
+            gi = None if gis is None else gis[t]
+            return _step(module.mode, p, xs[t], h, c, gi, hooks.cells(examples[t]))
 
         if not reverse:
             h, c = h0, c0

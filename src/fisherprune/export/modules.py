@@ -222,8 +222,8 @@ def _linear(m: nn.Module, old: dict[str, tuple[int, ...]]) -> None:
 def _recurrent(m: nn.Module, old: dict[str, tuple[int, ...]]) -> None:
     """A recurrent layer's input width (its first layer's input weights' columns) and hidden
     units (one count for every layer and direction: the recurrent weights' columns, an LSTM's
-    projected units where it has ``proj_size``); the module's list of its weights is read
-    again (the parameters are new)."""
+    projected units where it has ``proj_size``, and then its cells, the projection's columns);
+    the module's list of its weights is read again (the parameters are new)."""
     m.input_size = m.weight_ih_l0.shape[1]
     if m.proj_size:
         if m.weight_hr_l0.shape[0] != m.weight_hh_l0.shape[1]:
@@ -233,6 +233,13 @@ def _recurrent(m: nn.Module, old: dict[str, tuple[int, ...]]) -> None:
                 "different projected units in them cannot shrink the layer"
             )
         m.proj_size = m.weight_hh_l0.shape[1]
+        m.hidden_size = m.weight_hr_l0.shape[1]  # (its cells)
+        if m.proj_size >= m.hidden_size:
+            raise ValueError(
+                f"{type(m).__name__}: {m.proj_size} projected units would be kept for "
+                f"{m.hidden_size} cells; PyTorch runs an LSTM only with fewer projected units "
+                "than cells: keep more cells"
+            )
     else:
         m.hidden_size = m.weight_hh_l0.shape[1]
     m._init_flat_weights()

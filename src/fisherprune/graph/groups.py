@@ -144,6 +144,8 @@ def find_groups(
         if cp.output is not None:
             outputs.setdefault(cp.output, r)
             continue
+        if cp.hooked:
+            continue  # masked by its module's own forward
         spot = _hook_spot(trace, cp)
         if spot is None and cp.passed_on:
             continue  # its channels' own uses are masked: removing them there removes them

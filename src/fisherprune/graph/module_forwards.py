@@ -29,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
@@ -182,33 +183,50 @@ def _traced_recurrent(
     (``nn.LSTM`` has one hidden size for all): its reads inside the layer pass it on (the
     layer's hook masks it there, ``fisherprune.masks.recurrent``), its readers outside are
     masked as any layer's input. An LSTM with ``proj_size``: its projected units (the state
-    the steps pass on and the layer returns) are those channels; its cells (the gates' rows,
-    the projection's columns) are kept whole."""
+    the steps pass on and the layer returns) are those channels, and its cells (the gates'
+    rows, the projection's columns; one count for every layer and direction) a second group,
+    read inside only by the projection (the layer's hook masks them there too)."""
     tracer = tracing.active()
     bound = _RNN_SIGNATURE.bind(*args, **kwargs)
     first = len(tracer.trace.consumers) if tracer is not None else 0
-    out = recurrent_forward(module, bound.arguments["input"], bound.arguments.get("hx"))  # type: ignore[arg-type]
+    hooked = getattr(module.__dict__.get("forward"), "traced_cell_hook", None)  # (masked)
+    out = recurrent_forward(
+        module,  # type: ignore[arg-type]
+        bound.arguments["input"],
+        bound.arguments.get("hx"),
+        cell_hook=hooked() if hooked is not None else None,
+    )
     if tracer is None:
         return out
     atoms = tracer.trace.atoms
     params = dict(module.named_parameters(recurse=False))
-    if module.proj_size:  # type: ignore[union-attr]
-        why = f"the cells of {type(module).__name__} with proj_size are kept whole"
-        for pname, p in params.items():  # (the gates' rows; the projection's columns)
-            cells = 1 if pname.startswith("weight_hr") else 0
-            atoms.block(tracer.info(p).labels[cells], why)
-    units = [tracer.info(p).labels[1] for n, p in params.items() if n.startswith("weight_hh")]
-    for lab in units[1:]:
-        atoms.union(units[0], lab)  # unit j of every layer and direction: one channel
-    for name, p in params.items():  # ... and the state each step makes: the next step reads
-        if name.startswith("weight_hh"):  # it (traced at one step, nothing would say so)
+
+    def tie(role: str, dim: int) -> set[int]:
+        """Index j of ``role`` 's weights along ``dim`` in every layer and direction: one
+        channel (``nn.LSTM`` has one hidden size, one projection size); its atoms' roots."""
+        labels = [tracer.info(p).labels[dim] for n, p in params.items() if n.startswith(role)]
+        for lab in labels[1:]:
+            atoms.union(labels[0], lab)
+        return set(atoms.find(labels[0]).tolist())
+
+    for name, p in params.items():  # the state each step makes, which the next step reads
+        if name.startswith("weight_hh"):  # (traced at one step, nothing would say so)
             made = params.get(name.replace("weight_hh", "weight_hr"))
             rows = tracer.info(made if made is not None else p).labels[0]
             atoms.union(tracer.info(p).labels[1], rows[: p.shape[1]])
-    hidden = set(atoms.find(units[0]).tolist())
+            if made is not None:  # an LSTM's cells: the gates' rows, the projection's columns
+                atoms.union(tracer.info(made).labels[1], tracer.info(p).labels[0][: made.shape[1]])
+    units = tie("weight_hh", 1)
+    cells = tie("weight_hr", 1) if module.proj_size else set()  # type: ignore[union-attr]
+    if module.proj_size and module.hidden_size <= module.proj_size + 1:  # type: ignore[union-attr]
+        why = "PyTorch runs an LSTM only with more cells than projected units: none can go"
+        atoms.block(np.asarray(sorted(cells), dtype=np.int64), why)
     for cp in tracer.trace.consumers[first:]:  # the reads inside: masked by the layer's hook
-        if cp.output is None and set(atoms.find(cp.labels).tolist()) <= hidden:
-            cp.passed_on = True
+        read = set(atoms.find(cp.labels).tolist()) if cp.output is None else {-1}
+        if read <= units:
+            cp.passed_on = True  # (their readers outside decide)
+        elif read <= cells:
+            cp.hooked = True  # (the projection alone reads them)
     return out
 
 

@@ -33,7 +33,7 @@ from fisherprune.masks.points import (
     install_mask_points,
     remove_mask_points,
 )
-from fisherprune.masks.recurrent_units import RecurrentUnits
+from fisherprune.masks.recurrent_units import RecurrentUnits, Units
 from fisherprune.masks.rows import UNKNOWN
 
 __all__ = ["AppliedMasks", "TrialProblem", "apply_masks", "register_group_trial", "remove_masks"]
@@ -366,18 +366,19 @@ def _failing_groups(
 
 
 def _distinct_removals(masks: list[MaskLayer]) -> list[int]:
-    """How many channels of each of ``masks`` a trial removes at once: as few as ``prune``
-    may remove (a multiple of ``keep_multiple``, one at least), more where needed so that no
-    two masks lose the same number of weight rows (channels times ``channel_width``) while a
-    count is left that leaves one channel at least. Two widths the code ties together (heads
-    reshaped back to the hidden width read off the input's shape) would otherwise lose 32
-    rows each, still match, and the trial pass where an uneven prune fails."""
+    """How many channels of each of ``masks`` a trial removes at once: as few as ``prune`` may
+    remove (a multiple of ``keep_multiple``, one at least), more where needed so that no two
+    masks lose the same number of weight rows (channels times ``channel_width``) while a
+    count is left that leaves one channel at least (the mask's ``min_kept`` where it has
+    one). Two widths the code ties together (heads reshaped back to the hidden width read
+    off the input's shape) would otherwise lose 32 rows each, still match, and the trial
+    pass where an uneven prune fails."""
     taken: set[int] = set()
     counts = []
     for m in masks:
         step = m.keep_multiple
         first = m.num_channels % step or step
-        options = range(first, m.num_channels, step)
+        options = range(first, m.num_channels - max(getattr(m, "min_kept", 0), 1) + 1, step)
         n = next((k for k in options if k * m.channel_width not in taken), first)
         taken.add(n * m.channel_width)
         counts.append(n)
@@ -518,30 +519,47 @@ def _hook_module_forwards(model: nn.Module) -> None:
 def _hook_recurrent_units(
     model: nn.Module, groups: list[ChannelGroup], masks: list[MaskLayer]
 ) -> None:
-    """Stand in for the forward of each recurrent layer whose hidden units are a group: its
-    mask acts on every step's state (``fisherprune.masks.recurrent_units``); each joins the
-    holder's handles, so that ``remove_masks`` gives the layer its forward back."""
+    """Stand in for the forward of each recurrent layer whose hidden units are a group (an
+    LSTM's projected units, and its cells, where it has ``proj_size``): the masks act on every
+    step (``fisherprune.masks.recurrent_units``); each joins the holder's handles, so that
+    ``remove_masks`` gives the layer its forward back."""
     holder = find_holder(model)[1]  # type: ignore[index]
     for name, mod in model.named_modules():
         if not isinstance(mod, nn.RNNBase) or module_forward(mod) is None:
             continue
         prefix = f"{name}." if name else ""
-        for group, mask in zip(groups, masks, strict=True):
-            if (f"{prefix}weight_hh_l0", 1) not in group.members:
-                continue
-            columns = {  # the module's weights whose columns read the units
-                p[len(prefix) :]: ch
-                for (p, dim), ch in group.members.items()
-                if dim == 1 and p.startswith(prefix) and "." not in p[len(prefix) :]
-            }
-            units = RecurrentUnits(
-                name, mod, mask, group.members[(f"{prefix}weight_hh_l0", 1)], columns
-            )
-            units.mask_initial = not any(  # (a state passed positionally has its own point)
-                mp.module_name == name and mp.arg == 1 for mp in holder.points
-            )
-            holder.recurrent.append(units)
-            holder.handles.append(units)
+        units, cells = (
+            _recurrent_part(prefix, f"{prefix}{w}", groups, masks)
+            for w in ("weight_hh_l0", "weight_hr_l0")
+        )
+        if units is None and cells is None:
+            continue
+        if cells is not None:  # (PyTorch runs an LSTM only with fewer projected units than
+            cells[0].min_kept = mod.proj_size + 1  # cells; projected units only ever go)
+        rnn = RecurrentUnits(name, mod, units, cells)  # type: ignore[arg-type]
+        rnn.mask_initial = not any(  # (a state passed positionally has its own point)
+            mp.module_name == name and mp.arg == 1 for mp in holder.points
+        )
+        holder.recurrent.append(rnn)
+        holder.handles.append(rnn)
+
+
+def _recurrent_part(
+    prefix: str, reader: str, groups: list[ChannelGroup], masks: list[MaskLayer]
+) -> Units | None:
+    """The mask of the group whose channels ``reader`` 's columns read (a recurrent layer's
+    units), the mask entry of each, and of each column of the layer's weights that read them;
+    None where no group holds them."""
+    for group, mask in zip(groups, masks, strict=True):
+        if (reader, 1) not in group.members:
+            continue
+        columns = {  # the module's weights whose columns read the units
+            p[len(prefix) :]: ch
+            for (p, dim), ch in group.members.items()
+            if dim == 1 and p.startswith(prefix) and "." not in p[len(prefix) :]
+        }
+        return mask, group.members[(reader, 1)], columns
+    return None
 
 
 def _masked_forward(

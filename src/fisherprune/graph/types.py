@@ -124,6 +124,9 @@ class ConsumerPoint:
     #: grouped convolution's input, each group read by that group's outputs alone): masked
     #: where a module's input holds it, and needing no mask where none does
     passed_on: bool = False
+    #: a use inside a module whose own forward masks it (an LSTM's projection reading its
+    #: cells, masked at every step by ``masks.recurrent_units``): a use, with no mask point
+    hooked: bool = False
 
 
 @dataclass

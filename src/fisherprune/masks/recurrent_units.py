@@ -42,17 +42,22 @@ __all__ = ["RecurrentUnits"]
 
 _SIGNATURE = inspect.signature(lambda input, hx=None: None)
 
+#: a masked set of a recurrent layer's units: the mask, the mask entry of each unit, and for
+#: each of the layer's weights whose columns read the units (by local name) the mask entry of
+#: each column
+Units = tuple[MaskLayer, np.ndarray, dict[str, np.ndarray]]
+
 
 class RecurrentUnits(InstanceForward):
-    """Stands in for the ``forward`` of ``module``, masking its hidden units by ``mask``: it
-    folds removed units into the weights once pruning is over and runs the layer's own forward,
-    or runs the layer step by step while the units' signal is gathered. ``channels``: the mask
-    entry of each unit; ``columns``: for each of the module's weights whose columns read the
-    units (by local name), the mask entry of each column; the fold's gradient hooks go with
-    ``release`` (``remove_masks`` calls it). ``foldable``: False within ``no_fold`` (the
-    weights are left as they are; the step-by-step path is used instead). ``mask_initial``:
-    whether a given initial hidden state is masked here too (False where a mask point on the
-    layer's second input already masks it).
+    """Stands in for the ``forward`` of ``module``, masking its hidden units (``units``: the state
+    each step makes, an LSTM's projected units where it has ``proj_size``) and, for such an
+    LSTM, its cells (``cells``: their outputs, before the projection), either may be None:
+    it folds removed ones into the weights once pruning is over and runs the layer's own
+    forward, or runs the layer step by step while a signal is gathered. The fold's gradient
+    hooks go with ``release`` (``remove_masks`` calls it). ``foldable``: False within
+    ``no_fold`` (the weights are left as they are; the step-by-step path is used instead).
+    ``mask_initial``: whether a given initial hidden state is masked here too (False where a
+    mask point on the layer's second input already masks it).
 
     Changes: sets ``module.forward`` (an instance attribute) to this object; ``remove`` puts
     back what was there before."""
@@ -61,14 +66,26 @@ class RecurrentUnits(InstanceForward):
         self,
         name: str,
         module: nn.RNNBase,
-        mask: MaskLayer,
-        channels: np.ndarray,
-        columns: dict[str, np.ndarray],
+        units: Units | None,
+        cells: Units | None = None,
     ) -> None:
-        size = module.proj_size or module.hidden_size  # (an LSTM's projected units)
-        self.point = MaskPoint(name, 0, 1, size, [(mask, np.arange(size), channels)])
-        self.mask = mask
-        self.columns = {p: torch.as_tensor(c, dtype=torch.long) for p, c in columns.items()}
+        #: (mask, its point, the columns reading it by weight) of the state each step makes
+        #: (an LSTM's projected units where it has ``proj_size``), then of such an LSTM's cells
+        self.parts: list[tuple[MaskLayer, MaskPoint, dict[str, Tensor]]] = []
+        self.points: list[MaskPoint | None] = []
+        for part, size in (
+            (units, module.proj_size or module.hidden_size),
+            (cells, module.hidden_size),
+        ):
+            if part is None:
+                self.points.append(None)
+                continue
+            mask, channels, columns = part
+            point = MaskPoint(name, 0, 1, size, [(mask, np.arange(size), channels)])
+            cols = {p: torch.as_tensor(c, dtype=torch.long) for p, c in columns.items()}
+            self.parts.append((mask, point, cols))
+            self.points.append(point)
+        self.masks = [m for m, _, _ in self.parts]
         self.foldable = True
         #: whether the hook masks a given initial state too (no mask point on the layer's
         #: second positional input does: a state passed as a tuple, or by keyword)
@@ -76,7 +93,11 @@ class RecurrentUnits(InstanceForward):
         self.cache: dict[str, Any] = {}
         self._keep: dict[str, Tensor] = {}  # 1 for a kept column, by weight
         self._fold_key: tuple[int, ...] | None = None
-        self._weights = {p: FoldedWeight(functools.partial(self._filter, p)) for p in columns}
+        self._weights = {
+            p: FoldedWeight(functools.partial(self._filter, p))
+            for _, _, cols in self.parts
+            for p in cols
+        }
         #: the dtype the layer's own forward runs in, by autocast setting (``_autocast_dtype``)
         self._dtypes: dict[tuple[Any, ...], torch.dtype] = {}
         #: set by ``remove``: the masks are gone, whoever still calls this forward
@@ -84,18 +105,21 @@ class RecurrentUnits(InstanceForward):
         super().__init__(module, self)
 
     def _idle(self) -> bool:
-        return all_ones([self.mask], self.cache) and not self.mask.mask.requires_grad
+        return all_ones(self.masks, self.cache) and not any(
+            m.mask.requires_grad for m in self.masks
+        )
 
     def _gathering(self) -> bool:
-        """Whether this call gathers the units' signal (or the mask is differentiated, as
-        under ``torch.func``): the mask must then act on every step."""
-        return (torch.is_grad_enabled() and self.mask.collecting) or self.mask.mask.requires_grad
+        """Whether this call gathers a signal of the layer (or a mask is differentiated, as
+        under ``torch.func``): the masks must then act on every step."""
+        grad = torch.is_grad_enabled()
+        return any((grad and m.collecting) or m.mask.requires_grad for m in self.masks)
 
     def _may_fold(self) -> bool:
-        """Whether removed units may be zeroed in the weights: not while the mask still collects
+        """Whether removed units may be zeroed in the weights: not while a mask still collects
         (pruning is not over: a forward without gradients between signal passes, as a norm
         re-estimate runs, must not change the weights), nor within ``no_fold``."""
-        return self.foldable and not self.mask.collecting and not self.mask.mask.requires_grad
+        return self.foldable and not any(m.collecting or m.mask.requires_grad for m in self.masks)
 
     @property
     def __signature__(self) -> inspect.Signature:
@@ -121,10 +145,11 @@ class RecurrentUnits(InstanceForward):
             self.module,  # type: ignore[arg-type]
             x,
             hx,
-            step_hook=self._step,
-            hook_initial=self.mask_initial and hx is not None,
+            step_hook=self._hook(0),
+            hook_initial=self.mask_initial and hx is not None and self.points[0] is not None,
             project_at_once=True,
             dtype=self._autocast_dtype(x, hx),
+            cell_hook=self._hook(1) if self.points[1] is not None else None,
         )
 
     def _autocast_dtype(self, x: Tensor | PackedSequence, hx: Any) -> torch.dtype | None:
@@ -167,17 +192,30 @@ class RecurrentUnits(InstanceForward):
         self.removed = True
         super().remove()
 
-    def _step(self, h: Tensor, to_examples: Any) -> Tensor:
-        return self.point.apply(h, to_examples=to_examples)
+    def traced_cell_hook(self) -> Any:
+        """For the tracer (a masked model traced again): the cells' mask, recorded at every
+        step, so that the trace sees what removes them (their only read is the projection
+        inside the layer); None where the layer has no such mask."""
+        return self._hook(1)
+
+    def _hook(self, i: int) -> Any:
+        """The step hook of part ``i`` (0: the state, 1: an LSTM's cells): its point's product
+        (which gathers the signal), or nothing where the part has no mask."""
+        point = self.points[i]
+        if point is None:
+            return None
+        return lambda h, to_examples: point.apply(h, to_examples=to_examples)
 
     def _refresh(self) -> None:
         """``_keep`` for the mask as it is now (made again only when the mask changed)."""
-        key = buffers_key([self.mask._buffers["mask"]])
+        key = buffers_key([m._buffers["mask"] for m in self.masks])
         if key == self._fold_key:
             return
-        mask = self.mask.mask.detach()
-        kept = torch.cat([mask > 0.5, torch.ones(1, dtype=torch.bool, device=mask.device)])
-        self._keep = {p: kept[_on(c, kept.device)].view(1, -1) for p, c in self.columns.items()}
+        self._keep = {}
+        for mask, _, cols in self.parts:
+            m = mask.mask.detach()
+            kept = torch.cat([m > 0.5, torch.ones(1, dtype=torch.bool, device=m.device)])
+            self._keep |= {p: kept[_on(c, kept.device)].view(1, -1) for p, c in cols.items()}
         self._fold_key = key
         for folded in self._weights.values():
             folded.stale()
