@@ -413,6 +413,54 @@ def test_mask_buffer_stays_differentiable_under_torch_func() -> None:
     _assert_close({k.removesuffix(".mask"): v for k, v in got.items()}, want)
 
 
+@pytest.mark.parametrize("name", ["mlp", "cnn_bn_eval", "shared_mask"])
+def test_per_example_gradients_by_vmap_through_collecting_masks(name: str) -> None:
+    """``torch.func.vmap(grad(...))`` through a model whose masks collect (per-example
+    gradients for DP-SGD, or a reference): it runs (the masks' gathering had made a tensor
+    require grad inside the transform, which it refuses) and gives each example's mask
+    gradient, equal to the per-example reference."""
+    model, x, y = _make(name)
+    masks = fp.find_masks(model)
+    assert all(m.collecting for m in masks.values())
+    want = _reference_per_example(model, x, y)
+    rest = {k: v for k, v in model.state_dict().items() if not k.endswith(".mask")}
+
+    def loss(mask_values: dict[str, Tensor], xi: Tensor, yi: Tensor) -> Tensor:
+        out = torch.func.functional_call(model, {**rest, **mask_values}, xi.unsqueeze(0))
+        return F.cross_entropy(out, yi.unsqueeze(0), reduction="sum")
+
+    values = {f"{k}.mask": m.mask.clone() for k, m in masks.items()}
+    got = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0, 0))(values, x, y)
+    _assert_close({k.removesuffix(".mask"): v for k, v in got.items()}, want)
+
+
+def test_vmap_through_collecting_mask_points_gives_what_their_signal_squares() -> None:
+    """The same through the mask points ``apply_masks`` places (a conv net with BatchNorm in
+    eval mode and a residual MLP head): ``1/2 mean_n g_n^2`` of the per-example gradients
+    ``torch.func`` computes equals the signal the masks gather in one ordinary backward."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(2, 6, 3, padding=1), nn.BatchNorm2d(6), nn.ReLU(), nn.Flatten(),
+        nn.Linear(6 * 16, 8), nn.ReLU(), nn.Linear(8, 3),
+    ).double().eval()  # fmt: skip
+    x, y = torch.randn(5, 2, 4, 4, dtype=torch.float64), torch.randint(0, 3, (5,))
+    masks = fp.apply_masks(model, x[:1])
+    model.double()
+    F.cross_entropy(model(x), y, reduction="sum").backward()
+    fp.update_pruning_signals(masks, decay=0.0, loss_reduction="sum")
+    rest = {k: v for k, v in model.state_dict().items() if not k.endswith(".mask")}
+
+    def loss(mask_values: dict[str, Tensor], xi: Tensor, yi: Tensor) -> Tensor:
+        out = torch.func.functional_call(model, {**rest, **mask_values}, xi.unsqueeze(0))
+        return F.cross_entropy(out, yi.unsqueeze(0), reduction="sum")
+
+    values = {f"{k}.mask": m.mask.clone() for k, m in masks.items()}
+    g = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0, 0))(values, x, y)
+    for k, m in masks.items():
+        want = 0.5 * g[f"{k}.mask"].pow(2).mean(0)
+        torch.testing.assert_close(m.signal.double(), want, rtol=1e-6, atol=1e-12, msg=k)
+
+
 def _dot_reference(grad: Tensor, x: Tensor, dim: int) -> Tensor:
     """Per-(example, channel) sums of ``grad * x`` by a float64 loop."""
     grad, x = grad.double().movedim(dim, 1), x.double().movedim(dim, 1)

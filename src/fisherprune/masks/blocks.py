@@ -27,7 +27,7 @@ from torch.utils.hooks import RemovableHandle
 from fisherprune.inputs import Inputs
 from fisherprune.masks import tracing
 from fisherprune.masks.compiled import SignalOwner, compiling, masked_product
-from fisherprune.masks.layer import MaskLayer, gather_through
+from fisherprune.masks.layer import MaskLayer, gather_through, gathering_enabled
 from fisherprune.modes import eval_mode
 
 __all__ = [
@@ -147,7 +147,7 @@ class BlockGatePoint(SignalOwner):
                 "output hidden states differ in shape or are not tensors"
             )
         gate = self.gate
-        collect = gate.collecting and torch.is_grad_enabled()
+        collect = gate.collecting and gathering_enabled()
         if not collect and compiling():
             # in a graph, chosen by the gate's value itself: the host's copy of which blocks
             # are kept (``kept_blocks``) would be read once, when traced, and kept in the graph

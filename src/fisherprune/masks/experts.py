@@ -40,7 +40,7 @@ from torch.utils.hooks import RemovableHandle
 from fisherprune.inputs import Inputs
 from fisherprune.masks import tracing
 from fisherprune.masks.compiled import compiling
-from fisherprune.masks.layer import MaskLayer
+from fisherprune.masks.layer import MaskLayer, gathering_enabled
 from fisherprune.modes import eval_mode
 
 __all__ = ["ExpertGate", "ExpertGatePoint", "MoELayer", "find_moe_layers", "install_expert_gates"]
@@ -222,7 +222,7 @@ class ExpertGatePoint:
                     "logits cannot be masked"
                 )
         gate = self.gate
-        if tracing.active() is not None or not (gate.collecting and torch.is_grad_enabled()):
+        if tracing.active() is not None or not (gate.collecting and gathering_enabled()):
             return None
         at = _routing(out)
         if at is None or self.batch < 1 or out[at[1]].shape[0] % self.batch:

@@ -188,6 +188,21 @@ class _MaskMultiply(torch.autograd.Function):
         return grad_x, None, None
 
 
+#: whether a ``torch.func`` transform (``vmap``, ``grad``) is running (False on a torch
+#: without the query)
+_functorch_active: Callable[[], bool] = getattr(
+    torch._C, "_are_functorch_transforms_active", lambda: False
+)
+
+
+def gathering_enabled() -> bool:
+    """Whether the backward of a forward run now can gather per-example mask gradients: grad
+    mode is on and no ``torch.func`` transform runs (``vmap(grad(...))`` computes per-example
+    gradients itself, and refuses a tensor made to require grad inside it: masks then act as
+    plain products, differentiable through the transform)."""
+    return torch.is_grad_enabled() and not _functorch_active()
+
+
 def gather_through(
     x: Tensor,
     mult: Tensor | None,
@@ -427,7 +442,7 @@ class MaskLayer(SignalOwner, nn.Module):
             idx = None if index is None else index.cpu().numpy()
             tracer.record_mask(x, out, dim, [(self, None, idx)])
             return out
-        collect = self.collecting and torch.is_grad_enabled() and x.dim() >= 2
+        collect = self.collecting and gathering_enabled() and x.dim() >= 2
         ones = all_ones([self], self._ones_cache)
         if ones and not collect and not self._buffers["mask"].requires_grad:
             return x  # (a mask that requires grad, as under torch.func, must stay in the graph)

@@ -40,6 +40,7 @@ from fisherprune.masks.layer import (
     all_ones,
     buffers_key,
     gather_through,
+    gathering_enabled,
     log_input_changed,
 )
 from fisherprune.masks.norm_points import NormPoint
@@ -327,7 +328,7 @@ class MaskPoint(SignalOwner):
                 out = x * self.multiplier(x, bufs)
             tracer.record_mask(x, out, self.dim, self._np_parts)
             return out
-        grad = torch.is_grad_enabled()
+        grad = gathering_enabled()
         collect = grad and any(m.collecting for m in self._masks)
         state = buffers_key(bufs)
         ones = all_ones(self._masks, self._ones_cache, state)
