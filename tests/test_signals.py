@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 import math
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import pytest
 import torch
@@ -413,6 +413,22 @@ def test_mask_buffer_stays_differentiable_under_torch_func() -> None:
     _assert_close({k.removesuffix(".mask"): v for k, v in got.items()}, want)
 
 
+def _vmapped_mask_grads(
+    model: nn.Module, masks: Mapping[str, MaskLayer], x: Tensor, y: Tensor
+) -> dict[str, Tensor]:
+    """Each example's loss gradient w.r.t. each mask, by ``torch.func.vmap(grad(...))`` over
+    ``functional_call`` with the masks' values as its inputs: (N, C) by mask name."""
+    rest = {k: v for k, v in model.state_dict().items() if not k.endswith(".mask")}
+
+    def loss(mask_values: dict[str, Tensor], xi: Tensor, yi: Tensor) -> Tensor:
+        out = torch.func.functional_call(model, {**rest, **mask_values}, xi.unsqueeze(0))
+        return F.cross_entropy(out, yi.unsqueeze(0), reduction="sum")
+
+    values = {f"{k}.mask": m.mask.clone() for k, m in masks.items()}
+    got = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0, 0))(values, x, y)
+    return {k.removesuffix(".mask"): v for k, v in got.items()}
+
+
 @pytest.mark.parametrize("name", ["mlp", "cnn_bn_eval", "shared_mask"])
 def test_per_example_gradients_by_vmap_through_collecting_masks(name: str) -> None:
     """``torch.func.vmap(grad(...))`` through a model whose masks collect (per-example
@@ -423,15 +439,7 @@ def test_per_example_gradients_by_vmap_through_collecting_masks(name: str) -> No
     masks = fp.find_masks(model)
     assert all(m.collecting for m in masks.values())
     want = _reference_per_example(model, x, y)
-    rest = {k: v for k, v in model.state_dict().items() if not k.endswith(".mask")}
-
-    def loss(mask_values: dict[str, Tensor], xi: Tensor, yi: Tensor) -> Tensor:
-        out = torch.func.functional_call(model, {**rest, **mask_values}, xi.unsqueeze(0))
-        return F.cross_entropy(out, yi.unsqueeze(0), reduction="sum")
-
-    values = {f"{k}.mask": m.mask.clone() for k, m in masks.items()}
-    got = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0, 0))(values, x, y)
-    _assert_close({k.removesuffix(".mask"): v for k, v in got.items()}, want)
+    _assert_close(_vmapped_mask_grads(model, masks, x, y), want)
 
 
 def test_vmap_through_collecting_mask_points_gives_what_their_signal_squares() -> None:
@@ -448,16 +456,9 @@ def test_vmap_through_collecting_mask_points_gives_what_their_signal_squares() -
     model.double()
     F.cross_entropy(model(x), y, reduction="sum").backward()
     fp.update_pruning_signals(masks, decay=0.0, loss_reduction="sum")
-    rest = {k: v for k, v in model.state_dict().items() if not k.endswith(".mask")}
-
-    def loss(mask_values: dict[str, Tensor], xi: Tensor, yi: Tensor) -> Tensor:
-        out = torch.func.functional_call(model, {**rest, **mask_values}, xi.unsqueeze(0))
-        return F.cross_entropy(out, yi.unsqueeze(0), reduction="sum")
-
-    values = {f"{k}.mask": m.mask.clone() for k, m in masks.items()}
-    g = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0, 0))(values, x, y)
+    g = _vmapped_mask_grads(model, masks, x, y)
     for k, m in masks.items():
-        want = 0.5 * g[f"{k}.mask"].pow(2).mean(0)
+        want = 0.5 * g[k].pow(2).mean(0)
         torch.testing.assert_close(m.signal.double(), want, rtol=1e-6, atol=1e-12, msg=k)
 
 
