@@ -181,11 +181,12 @@ def _traced_recurrent(
     its input width is read by the input projection of the first layer (a prunable consumer)
     and every product is counted. Hidden unit j of every layer and direction is one channel
     (``nn.LSTM`` has one hidden size for all): its reads inside the layer pass it on (the
-    layer's hook masks it there, ``fisherprune.masks.recurrent``), its readers outside are
-    masked as any layer's input. An LSTM with ``proj_size``: its projected units (the state
-    the steps pass on and the layer returns) are those channels, and its cells (the gates'
-    rows, the projection's columns; one count for every layer and direction) a second group,
-    read inside only by the projection (the layer's hook masks them there too)."""
+    layer's forward masks it there, ``fisherprune.masks.recurrent_units``), its readers
+    outside are masked as any layer's input. An LSTM with ``proj_size``: its projected units
+    (the state the steps pass on and the layer returns) are those channels, and its cells
+    (the gates' rows, the projection's columns; one count for every layer and direction) a
+    second group, read inside only by the projection (a ``hooked`` use: the layer's forward
+    masks them there too, and, in a masked model traced again, records that mask)."""
     tracer = tracing.active()
     bound = _RNN_SIGNATURE.bind(*args, **kwargs)
     first = len(tracer.trace.consumers) if tracer is not None else 0

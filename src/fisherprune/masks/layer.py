@@ -442,7 +442,7 @@ class MaskLayer(SignalOwner, nn.Module):
             idx = None if index is None else index.cpu().numpy()
             tracer.record_mask(x, out, dim, [(self, None, idx)])
             return out
-        collect = self.collecting and gathering_enabled() and x.dim() >= 2
+        collect = self.collecting and x.dim() >= 2 and gathering_enabled()
         ones = all_ones([self], self._ones_cache)
         if ones and not collect and not self._buffers["mask"].requires_grad:
             return x  # (a mask that requires grad, as under torch.func, must stay in the graph)

@@ -118,7 +118,7 @@ class SharedProduct:
         SharedProduct._latest.out = None
 
 
-def _to_device(t: Tensor, device: torch.device) -> Tensor:
+def to_device(t: Tensor, device: torch.device) -> Tensor:
     """``t`` (on the host) copied to ``device``; to a GPU from pinned memory without waiting,
     so that even the first step after a move makes no synchronising copy."""
     if device.type == "cuda":
@@ -191,7 +191,7 @@ class MaskPoint(SignalOwner):
         copy from host memory in every step would make each step wait for a GPU."""
         got = self._parts_on.get(device)
         if got is None:
-            got = [(m, _to_device(p, device), _to_device(i, device)) for m, p, i in self.parts]
+            got = [(m, to_device(p, device), to_device(i, device)) for m, p, i in self.parts]
             self._parts_on[device] = got
         return got
 
@@ -328,8 +328,8 @@ class MaskPoint(SignalOwner):
                 out = x * self.multiplier(x, bufs)
             tracer.record_mask(x, out, self.dim, self._np_parts)
             return out
-        grad = gathering_enabled()
-        collect = grad and any(m.collecting for m in self._masks)
+        grad = torch.is_grad_enabled()
+        collect = grad and any(m.collecting for m in self._masks) and gathering_enabled()
         state = buffers_key(bufs)
         ones = all_ones(self._masks, self._ones_cache, state)
         if not collect and ones and not any(b.requires_grad for b in bufs):

@@ -1,21 +1,24 @@
-"""The hidden units of a recurrent layer (``nn.LSTM``, ``nn.GRU``, ``nn.RNN``), masked inside
-its recurrence.
+"""The hidden units of a recurrent layer (``nn.LSTM``, ``nn.GRU``, ``nn.RNN``), masked inside its
+recurrence.
 
-Hidden unit j of every layer and direction is one channel (``nn.LSTM`` has one hidden size
-for all of them; ``fisherprune.graph.module_forwards`` ties them). A removed unit must be absent
-from every step: its state is multiplied by the mask after each step, so that no later step,
-no layer above and no reader of the outputs sees it, as in the shrunk layer, which has no such
-unit. Hooks on the layer do that. While the unit mask is all ones and no signal is collected,
-the layer's own forward (its fused kernel) runs untouched. While a signal is collected (or the
-mask requires grad, as under ``torch.func``), the output is computed again step by step
-(``fisherprune.recurrent.recurrent_forward``) with the mask acting on each step's state, which
-also gathers the Fisher signal there (each step's per-example gradient, summed over the steps
-before squaring, as for any mask applied at several places). Once units are removed and no
-signal is collected, their columns in the weights that read them (the recurrent weights of
-every layer and direction, the input weights of the layers above) are zeroed instead, with
-their gradients, as ``MaskPoint`` folds a linear layer's input: no other unit, step or layer
-then sees a removed unit, and the fused kernel keeps running (its outputs at a removed unit
-are read by no one: the layers reading them outside mask them).
+Hidden unit j of every layer and direction is one channel (``nn.LSTM`` has one hidden size for
+all of them; ``fisherprune.graph.module_forwards`` ties them). A removed unit must be absent
+from every step: its state is multiplied by the mask after each step, so that no later step, no
+layer above and no reader of the outputs sees it, as in the shrunk layer, which has no such
+unit. ``RecurrentUnits``, which ``apply_masks`` sets as the layer's instance ``forward``, does
+that. While the unit mask is all ones and no signal is collected, the layer's own forward (its
+fused kernel) runs untouched. While a signal is collected (or the mask requires grad, as under
+``torch.func``), the output is computed again step by step
+(``fisherprune.recurrent.recurrent_forward``), in place of the layer's own forward, with the
+mask acting on each step's state (and, in an LSTM with ``proj_size``, the cells' mask on each
+step's cells' outputs before the projection), which also gathers the Fisher signal there (each
+step's per-example gradient, summed over the steps before squaring, as for any mask applied at
+several places). Once units are removed and no signal is collected, their columns in the
+weights that read them (the recurrent weights of every layer and direction, the input weights
+of the layers above) are zeroed instead, with their gradients, as ``MaskPoint`` folds a linear
+layer's input: no other unit, step or layer then sees a removed unit, and the fused kernel
+keeps running (its outputs at a removed unit are read by no one: the layers reading them
+outside mask them).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from fisherprune.masks import tracing
 from fisherprune.masks.compile_guard import InstanceForward
 from fisherprune.masks.folded_weight import FoldedWeight
 from fisherprune.masks.layer import MaskLayer, all_ones, buffers_key
-from fisherprune.masks.points import MaskPoint
+from fisherprune.masks.points import MaskPoint, to_device
 from fisherprune.masks.row_tracker import host_sizes
 from fisherprune.modes import eval_mode
 from fisherprune.recurrent import recurrent_forward
@@ -215,7 +218,7 @@ class RecurrentUnits(InstanceForward):
         for mask, _, cols in self.parts:
             m = mask.mask.detach()
             kept = torch.cat([m > 0.5, torch.ones(1, dtype=torch.bool, device=m.device)])
-            self._keep |= {p: kept[_on(c, kept.device)].view(1, -1) for p, c in cols.items()}
+            self._keep |= {p: kept[to_device(c, kept.device)].view(1, -1) for p, c in cols.items()}
         self._fold_key = key
         for folded in self._weights.values():
             folded.stale()
@@ -236,10 +239,3 @@ class RecurrentUnits(InstanceForward):
         """Remove the gradient hooks the fold added, if any (``remove_masks``)."""
         for folded in self._weights.values():
             folded.remove()
-
-
-def _on(t: Tensor, device: torch.device) -> Tensor:
-    """Host tensor ``t`` on ``device``; to a GPU from pinned memory without waiting."""
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
